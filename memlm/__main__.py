@@ -1,0 +1,5 @@
+import sys
+
+from memlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,253 @@
+from memlm.v1 import retrieval_pb2 as _retrieval_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemoryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_MODE_UNSPECIFIED: _ClassVar[MemoryMode]
+    MEMORY_MODE_NONE: _ClassVar[MemoryMode]
+    MEMORY_MODE_XL: _ClassVar[MemoryMode]
+    MEMORY_MODE_COMPRESSIVE: _ClassVar[MemoryMode]
+    MEMORY_MODE_MEMORIZING: _ClassVar[MemoryMode]
+    MEMORY_MODE_SPALM: _ClassVar[MemoryMode]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+    FINISH_REASON_END_OF_TEXT: _ClassVar[FinishReason]
+MEMORY_MODE_UNSPECIFIED: MemoryMode
+MEMORY_MODE_NONE: MemoryMode
+MEMORY_MODE_XL: MemoryMode
+MEMORY_MODE_COMPRESSIVE: MemoryMode
+MEMORY_MODE_MEMORIZING: MemoryMode
+MEMORY_MODE_SPALM: MemoryMode
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP_SEQUENCE: FinishReason
+FINISH_REASON_END_OF_TEXT: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KnnOptions(_message.Message):
+    __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    LAMBDA_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    NPROBE_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    lambda_weight: float
+    temperature: float
+    k: int
+    nprobe: int
+    def __init__(self, enabled: _Optional[bool] = ..., lambda_weight: _Optional[float] = ..., temperature: _Optional[float] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ...) -> None: ...
+
+class ScoreInput(_message.Message):
+    __slots__ = ("context_text", "context_token_ids", "text", "token_ids")
+    CONTEXT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    context_text: str
+    context_token_ids: TokenIds
+    text: str
+    token_ids: TokenIds
+    def __init__(self, context_text: _Optional[str] = ..., context_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("inputs", "knn", "memory_mode", "top_n", "window_tokens")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    KNN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[ScoreInput]
+    knn: KnnOptions
+    memory_mode: MemoryMode
+    top_n: int
+    window_tokens: int
+    def __init__(self, inputs: _Optional[_Iterable[_Union[ScoreInput, _Mapping]]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., top_n: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenAlternative(_message.Message):
+    __slots__ = ("token_id", "text", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenScore(_message.Message):
+    __slots__ = ("token_id", "text", "logprob", "base_logprob", "is_greedy", "alternatives")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BASE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    IS_GREEDY_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    logprob: float
+    base_logprob: float
+    is_greedy: bool
+    alternatives: _containers.RepeatedCompositeFieldContainer[TokenAlternative]
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ...) -> None: ...
+
+class SequenceScore(_message.Message):
+    __slots__ = ("tokens", "total_logprob", "base_total_logprob", "perplexity", "is_greedy", "context_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BASE_TOTAL_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
+    IS_GREEDY_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenScore]
+    total_logprob: float
+    base_total_logprob: float
+    perplexity: float
+    is_greedy: bool
+    context_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ..., total_logprob: _Optional[float] = ..., base_total_logprob: _Optional[float] = ..., perplexity: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SequenceScore]
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ...) -> None: ...
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode")
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KNN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
+    prompt_text: str
+    prompt_token_ids: TokenIds
+    max_new_tokens: int
+    sampling: SamplingOptions
+    stop_sequences: _containers.RepeatedScalarFieldContainer[str]
+    knn: KnnOptions
+    memory_mode: MemoryMode
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ...) -> None: ...
+
+class GeneratedToken(_message.Message):
+    __slots__ = ("token_id", "text", "logprob", "base_logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BASE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    logprob: float
+    base_logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ...) -> None: ...
+
+class GenerateDelta(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...
+
+class GenerateFinish(_message.Message):
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("delta", "finish")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    delta: GenerateDelta
+    finish: GenerateFinish
+    def __init__(self, delta: _Optional[_Union[GenerateDelta, _Mapping]] = ..., finish: _Optional[_Union[GenerateFinish, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("texts", "add_bos")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    add_bos: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+
+class TokenizedText(_message.Message):
+    __slots__ = ("ids", "pieces")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    pieces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TokenizedText]
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenizedText, _Mapping]]] = ...) -> None: ...
+
+class LanguageModelServiceGetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LanguageModelServiceGetInfoResponse(_message.Message):
+    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATASTORE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MODES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    context_length: int
+    datastore: _retrieval_pb2.DatastoreInfo
+    memory_modes: _containers.RepeatedScalarFieldContainer[MemoryMode]
+    default_memory_mode: MemoryMode
+    max_score_tokens: int
+    max_score_batch: int
+    max_new_tokens: int
+    max_message_bytes: int
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
