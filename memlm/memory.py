@@ -345,7 +345,8 @@ class XLMemory:
 
     def reset_rows(self, mask: torch.Tensor) -> "XLMemory":
         """A new document starts in rows where mask (B,) is True: clear only those rows, positions restart at 0."""
-        return XLMemory(self.mem_len, self.sink_tokens, *self._reset_common(mask))
+        next_pos, seen, sink, mem, _ = self._reset_common(mask)
+        return XLMemory(self.mem_len, self.sink_tokens, next_pos, seen, sink, mem)
 
     def _reset_common(self, mask: torch.Tensor):
         mask = mask.to(self.next_pos.device).bool()  # (B,)

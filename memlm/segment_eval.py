@@ -109,7 +109,7 @@ class SegmentStream:
             lo = self.row_offset[r]
             hi = min(lo + T, n_inputs)
             # sequence = [boundary, *tokens]; inputs sequence[lo:hi], targets sequence[lo+1:hi+1]
-            seq_in = ([self.boundary_token] + list(tokens[max(lo - 1, 0) : hi - 1])) if lo == 0 else list(tokens[lo - 1 : hi - 1])
+            seq_in = [self.boundary_token, *tokens[: hi - 1]] if lo == 0 else list(tokens[lo - 1 : hi - 1])
             inputs[r, : hi - lo] = torch.tensor(seq_in, dtype=torch.long)
             targets[r, : hi - lo] = torch.tensor(tokens[lo:hi], dtype=torch.long)
             mask[r, : hi - lo] = True

@@ -309,7 +309,8 @@ def read_gguf(path: Path, name: str = "custom") -> tuple[ModelConfig, dict[str, 
                 w = reverse_permute(w, config.n_head)  # (nh*hs, C)
             elif t.name.endswith("attn_k.weight"):
                 w = reverse_permute(w, config.n_kv_head)  # (nkv*hs, C)
-            state[ours] = torch.from_numpy(np.ascontiguousarray(w))
+            # F32 tensors come back as read-only views of the memory map: copy them so torch owns them.
+            state[ours] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))
     except MemlmError:
         raise
     except Exception as e:  # a truncated tensor region surfaces here at the latest

@@ -81,11 +81,14 @@ def score_documents(
     config: WindowConfig,
     boundary_token: int,
     with_logprobs: bool = True,
+    skip_batches: int = 0,
 ) -> Iterator[ScoredTokens]:
     """Run the decoder over sliding windows of each document and yield what each window scores.
 
     documents: token ids per document (the boundary token is prepended here).
     with_logprobs: False skips the output head entirely (datastore building needs only keys).
+    skip_batches: plan but do not run the first batches (a resumed datastore build): the batches
+        after them are composed exactly as in a full run, so their floats are identical too.
     Full-vocabulary log-probabilities exist for one batch at a time only: (B, T, V) floats.
     """
     if config.context > model.config.max_seq_len:
@@ -94,6 +97,7 @@ def score_documents(
             f"pass --context {model.config.max_seq_len} or less"
         )
     pending: list[tuple[Window, torch.Tensor]] = []
+    batch_index = 0
     for doc_index, tokens in enumerate(documents):
         if len(tokens) == 0:
             continue
@@ -101,9 +105,11 @@ def score_documents(
         for window in plan_windows(len(sequence) - 1, config.context, config.stride, doc_index):
             pending.append((window, sequence))
             if len(pending) == config.batch_size:
-                yield from _score_batch(model, pending, with_logprobs)
+                if batch_index >= skip_batches:
+                    yield from _score_batch(model, pending, with_logprobs)
+                batch_index += 1
                 pending = []
-    if pending:
+    if pending and batch_index >= skip_batches:
         yield from _score_batch(model, pending, with_logprobs)
 
 

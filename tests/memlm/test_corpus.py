@@ -255,6 +255,8 @@ def test_unknown_suffix(tmp_path):
         ("empty.jsonl", "", "has no documents"),
         ("empty.txt", "", "has no documents"),
         ("blank.jsonl", '{"text": ""}\n{"text": "  "}\n', r"only empty documents \(2\)"),
+        ("blank-lines.jsonl", "\n\n", "has no documents"),
+        ("empty-array.json", "[]", "has no documents"),
     ],
 )
 def test_empty_corpus(tmp_path, name, content, message, streaming):
@@ -269,6 +271,24 @@ def test_rows_without_text_name_file_and_columns(tmp_path, streaming):
     path = write(tmp_path / "body.jsonl", [{"body": "a", "year": 1}])
     with pytest.raises(MemlmError, match=rf"{path} has .*no 'text' field.*columns found: body, year"):
         list(load_documents(str(path), streaming=streaming))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_bad_json_line_is_named(tmp_path, streaming):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(MemlmError, match=rf"{path}:2: not valid JSON"):
+        list(load_documents(str(path), streaming=streaming))
+
+
+def test_edited_file_is_read_again(tmp_path):
+    # datasets caches the arrow table of a non-streaming load; an edit must not serve the old rows.
+    path = write(tmp_path / "a.jsonl", ROWS[:2])
+    assert list(load_documents(str(path))) == DOCS[:2]
+    write(path, ROWS[3:6])
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # coarse-mtime filesystems
+    assert list(load_documents(str(path))) == DOCS[3:6]
 
 
 # ---------------------------------------------------------------------------------------------------- tokens

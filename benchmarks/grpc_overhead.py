@@ -1,0 +1,113 @@
+"""What does gRPC cost on top of an in-process search? (issue 4: goal remote <= 1.15x local time)
+
+One Flat index of random vectors (default 50k x 576, k = 1024) is searched in-process and through a
+retrieval server running in a child process (the same index, rebuilt from the same seed), at 256
+and 1024 queries per call, alternating local and remote calls so that both see the same machine
+load. Prints the median times and their ratio, and checks that both give identical neighbours.
+No assertions: this prints measurements.
+
+    python benchmarks/grpc_overhead.py [--n 50000] [--d 576] [--k 1024] [--repeats 3]
+
+Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from memlm.search import Neighbors  # noqa: E402
+
+
+class FlatSearcher:
+    """faiss.IndexFlatL2 over random keys with random next-token values."""
+
+    def __init__(self, n: int, d: int, seed: int = 0) -> None:
+        import faiss
+
+        rng = np.random.default_rng(seed)
+        keys = rng.standard_normal((n, d), dtype=np.float32)  # (N, d)
+        self.values = rng.integers(0, 49152, size=n).astype(np.int32)  # (N,)
+        self.index = faiss.IndexFlatL2(d)
+        self.index.add(keys)
+        self.dim = d
+
+    def info(self) -> dict:
+        return dict(n=self.index.ntotal, dim=self.dim, index="Flat", metric="L2", model_fingerprint="bench", tokenizer_fingerprint="bench")
+
+    def search(self, xq: np.ndarray, k: int) -> Neighbors:
+        distances, ids = self.index.search(xq, k)  # (Q, k) each
+        return Neighbors(distances, ids, self.values[ids])
+
+
+def serve(args) -> None:
+    from services.retrieval_server import serve_retrieval
+
+    searcher = FlatSearcher(args.n, args.d)
+    asyncio.run(serve_retrieval(searcher, searcher.info(), "127.0.0.1", 0, micro_batching=not args.no_micro_batching))
+
+
+def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, __file__, "--serve", "--n", str(args.n), "--d", str(args.d), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()  # the server prints one line once it is healthy
+    if not line.startswith("listening on "):
+        proc.kill()
+        raise SystemExit(f"server did not start: {line!r}")
+    return proc, line.removeprefix("listening on ")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=50_000)
+    p.add_argument("--d", type=int, default=576)
+    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-micro-batching", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        return serve(args)
+
+    from services.retrieval_client import RetrievalClient
+
+    local = FlatSearcher(args.n, args.d)
+    proc, address = start_server(args)
+    try:
+        client = RetrievalClient(address, timeout=600)
+        rng = np.random.default_rng(1)
+        print(f"Flat index N={args.n} d={args.d}, k={args.k}, median of {args.repeats}; server in a child process at {address}")
+        print(f"{'Q':>6} {'local s':>9} {'remote s':>9} {'ratio':>7}  identical")
+        for q in args.batches:
+            xq = rng.standard_normal((q, args.d), dtype=np.float32)  # (Q, d)
+            client.search(xq[:8], args.k)  # warm up the channel
+            t_local, t_remote = [], []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                a = local.search(xq, args.k)
+                t_local.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                b = client.search(xq, args.k)
+                t_remote.append(time.perf_counter() - t0)
+            same = all(np.array_equal(x, y) for x, y in zip(a, b))
+            lm, rm = statistics.median(t_local), statistics.median(t_remote)
+            print(f"{q:>6} {lm:>9.3f} {rm:>9.3f} {rm / lm:>6.3f}x  {same}", flush=True)
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()

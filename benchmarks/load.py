@@ -1,0 +1,122 @@
+"""Load on one retrieval server: 16 concurrent clients, with and without micro-batching.
+
+issue 4 goals: 0 errors, micro-batching >= 1.5x the throughput of searching every call on its
+own. Each mode gets a fresh server in a child process (the same Flat index, rebuilt from one
+seed); 16 client threads, each with its own channel, make a fixed number of Search calls. Prints
+throughput (queries/s and calls/s), p50/p99 call latency, errors, and the server's resident
+memory (VmRSS) before and after the load, then the throughput ratio. No assertions.
+
+    python benchmarks/load.py [--clients 16] [--calls 20] [--queries 1] [--k 32] [--n 50000] [--d 576]
+
+Shape legend: N datastore entries, d key dimension, Q queries per call, k neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from grpc_overhead import start_server  # noqa: E402  (same child-process server)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_load(address: str, args) -> dict:
+    from services.retrieval_client import RetrievalClient
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(args.clients)
+
+    def client_thread(c: int) -> None:
+        rng = np.random.default_rng(100 + c)
+        with RetrievalClient(address, timeout=120) as client:
+            client.info  # noqa: B018 -- connect before the clock starts
+            barrier.wait()
+            for _ in range(args.calls):
+                xq = rng.standard_normal((args.queries, args.d), dtype=np.float32)  # (Q, d)
+                t0 = time.perf_counter()
+                try:
+                    client.search(xq, args.k)
+                    with lock:
+                        latencies.append(time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 -- counted and reported
+                    with lock:
+                        errors.append(repr(e))
+
+    threads = [threading.Thread(target=client_thread, args=(c,)) for c in range(args.clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat = np.array(latencies) * 1000  # ms
+    calls = args.clients * args.calls
+    return dict(
+        wall=wall,
+        calls_s=len(latencies) / wall,
+        queries_s=len(latencies) * args.queries / wall,
+        p50=float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+        p99=float(np.percentile(lat, 99)) if len(lat) else float("nan"),
+        errors=len(errors),
+        calls=calls,
+        first_error=errors[0] if errors else "",
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--calls", type=int, default=20, help="Search calls per client")
+    p.add_argument("--queries", type=int, default=1, help="queries per call (one token step of one sequence)")
+    p.add_argument("--k", type=int, default=32)
+    p.add_argument("--n", type=int, default=50_000)
+    p.add_argument("--d", type=int, default=576)
+    args = p.parse_args()
+
+    print(
+        f"{args.clients} clients x {args.calls} calls x {args.queries} queries, k={args.k}, "
+        f"Flat N={args.n} d={args.d}; server in a child process"
+    )
+    print(f"{'mode':<16} {'wall s':>7} {'calls/s':>8} {'queries/s':>9} {'p50 ms':>7} {'p99 ms':>8} {'errors':>6} {'RSS before':>10} {'RSS after':>9}")
+    results = {}
+    for mode, extra in (("micro-batching", []), ("one call each", ["--no-micro-batching"])):
+        proc, address = start_server(args, extra)
+        try:
+            before = rss_mib(proc.pid)
+            r = run_load(address, args)
+            after = rss_mib(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        results[mode] = r
+        print(
+            f"{mode:<16} {r['wall']:>7.2f} {r['calls_s']:>8.1f} {r['queries_s']:>9.1f} {r['p50']:>7.1f} {r['p99']:>8.1f} "
+            f"{r['errors']:>3}/{r['calls']:<3} {before:>7.0f} MiB {after:>6.0f} MiB",
+            flush=True,
+        )
+        if r["first_error"]:
+            print(f"  first error: {r['first_error']}")
+    ratio = results["micro-batching"]["calls_s"] / results["one call each"]["calls_s"]
+    print(f"micro-batching throughput / one call each: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Build a datastore in named, resumable stages with files in between.
+
+    tokenize  documents -> .build/tokens.i32 + .build/doc_offsets.i64
+    encode    the decoder over the windows of memlm.windows -> .build/shards/keys-*.f16, values-*.i32
+    merge     shards -> keys.f16 (N, d) float16 + values.i32 (N,) int32
+    train     a seeded sample of the keys -> .build/trained.faiss (empty, trained index)
+    add       the keys in chunks, in order -> index.faiss
+    manifest  checksums of every file + settings -> manifest.json (its presence marks a finished build)
+
+Each stage skips itself when its output file exists, and every file is written under a temporary
+name and renamed when complete (datastore.shards), so a build killed at any moment (SIGKILL) continues
+with the same command. Encoding resumes from the last complete shard; a shard is a fixed number of
+whole forward batches of the deterministic window plan, and a resumed run skips whole batches, so every
+batch has the same composition (and padding) as in an uninterrupted run and the keys are
+byte-identical (batch composition changes float results). `.build/build.json` records the settings of a
+build in progress; resuming with different settings is refused.
+
+Keys come from `memlm.windows.score_documents`, the loop that perplexity evaluation uses, so each key
+sees exactly the left context that evaluation gives its token.
+
+Shape legend: n scored tokens of a window, N keys in all, d key dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Union
+
+import faiss
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import memlm
+from datastore import index as index_lib
+from datastore.manifest import INDEX_NAME, KEYS_NAME, MANIFEST_NAME, VALUES_NAME, FileEntry, Manifest
+from datastore.shards import (
+    KEY_DTYPE,
+    PARTIAL_SUFFIX,
+    VALUE_DTYPE,
+    complete_shards,
+    merge_shards,
+    read_array,
+    sha256_file,
+    shard_paths,
+    write_array,
+    write_shard,
+    write_text,
+)
+from memlm.errors import MemlmError
+from memlm.model import Decoder
+from memlm.windows import WindowConfig, plan_windows, score_documents
+
+WORK_DIR = ".build"
+"""Scratch directory of a build in progress, removed when the manifest is written."""
+DATA_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME)
+
+Documents = Union[Iterable[list[int]], Callable[[], Iterable[list[int]]]]
+"""Token ids per document, or a function returning them (called only when the tokenize stage runs,
+so a resumed build does not read the corpus again)."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a datastore is built from; stored in its manifest and checked when it is opened."""
+
+    model_name: str
+    """Model as the user named it (preset, path or hub id)."""
+    model_fingerprint: str
+    """Fingerprint of the model weights (memlm.weights)."""
+    tokenizer_fingerprint: str
+    """Fingerprint of the tokenizer (memlm.tokenizer.Tokenizer.fingerprint)."""
+    corpus: str
+    """Corpus spec and split as the user gave them."""
+    corpus_fingerprint: str
+    """Fingerprint of the corpus (memlm.corpus.corpus_fingerprint)."""
+    boundary_token: int
+    """Token prepended to every document (the tokenizer's BOS, else EOS); evaluation uses the same."""
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """How to build; every field is recorded in the manifest."""
+
+    window: WindowConfig = field(default_factory=WindowConfig)
+    """Context, stride and batch size of the encoding windows (as in perplexity evaluation)."""
+    index_factory: str | None = None
+    """FAISS factory string; None: chosen from N and d by datastore.index.default_factory."""
+    nprobe: int | None = None
+    """Default inverted lists per query stored in the manifest; None: datastore.index.default_nprobe."""
+    max_tokens: int | None = None
+    """Stop after this many corpus tokens (the last document is cut); None: all."""
+    shard_batches: int = 64
+    """Forward batches per key/value shard: the unit of work a killed build loses."""
+    add_chunk: int = 65536
+    """Keys per FAISS add call."""
+    seed: int = 0
+    """Seed of the index training sample."""
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_from_tokens(
+    model: Decoder,
+    documents: Documents,
+    out: Path,
+    provenance: Provenance,
+    settings: BuildSettings = BuildSettings(),
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = _log,
+) -> Path:
+    """Build (or continue building) the datastore in `out` and return `out`.
+
+    model: the decoder whose kNN keys (model.config.knn_key) fill the datastore; any device and dtype.
+    documents: token ids per document (see `Documents`); empty documents are skipped.
+    Raises MemlmError when `out` already holds a finished datastore (unless overwrite), holds files
+    that are not a datastore's, or holds a build in progress with different settings.
+    """
+    out = Path(out)
+    started = time.perf_counter()
+    _prepare_out_dir(out, overwrite, log)
+    work = out / WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    identity = _identity(model, provenance, settings)
+    _check_identity(work, identity, out)
+
+    offsets_path = work / "doc_offsets.i64"
+    tokens_path = work / "tokens.i32"
+    if not offsets_path.exists():
+        _stage_tokenize(documents, settings.max_tokens, tokens_path, offsets_path, progress)
+    tokens = read_array(tokens_path, VALUE_DTYPE)  # (N,)
+    offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (docs + 1,)
+    n_total = int(tokens.shape[0])
+    if n_total == 0:
+        raise MemlmError(f"the corpus {provenance.corpus} gave no tokens; nothing to build")
+    dim = model.config.n_embd
+
+    encode_seconds = None
+    if not (out / KEYS_NAME).exists() or not (out / VALUES_NAME).exists():
+        shards_dir = work / "shards"
+        shards_dir.mkdir(exist_ok=True)
+        encode_seconds = _stage_encode(model, tokens, offsets, settings, provenance.boundary_token,
+                                       shards_dir, progress, log)
+        n_shards = complete_shards(shards_dir)
+        n_merged = merge_shards(shards_dir, n_shards, dim, out / KEYS_NAME, out / VALUES_NAME)
+        if n_merged != n_total:
+            raise RuntimeError(f"encoded {n_merged} keys for {n_total} tokens")
+        shutil.rmtree(shards_dir)
+    keys = read_array(out / KEYS_NAME, KEY_DTYPE, width=dim)  # (N, d)
+
+    factory = settings.index_factory
+    if factory is None:
+        factory, reason = index_lib.default_factory(n_total, dim)
+        log(f"index: {factory} ({reason}; choose another with --index)")
+    else:
+        log(f"index: {factory}")
+    trained_path = work / "trained.faiss"
+    if not (out / INDEX_NAME).exists():
+        t0 = time.perf_counter()
+        if not trained_path.exists():
+            trained = index_lib.train_index(factory, keys, settings.seed, log, progress)
+            index_lib.write_index(trained, trained_path)
+        index = index_lib.read_index(trained_path)
+        index = index_lib.add_keys(index, keys, settings.add_chunk, log, progress)
+        index_lib.write_index(index, out / INDEX_NAME)
+        log(f"index trained and filled in {time.perf_counter() - t0:.1f} s")
+    index = index_lib.read_index(out / INDEX_NAME, mmap=True)
+    nprobe = settings.nprobe if settings.nprobe is not None else index_lib.default_nprobe(index)
+
+    files = {name: FileEntry(bytes=(out / name).stat().st_size, sha256=sha256_file(out / name))
+             for name in DATA_FILES}
+    build = {
+        "batch_size": settings.window.batch_size,
+        "shard_batches": settings.shard_batches,
+        "add_chunk": settings.add_chunk,
+        "seed": settings.seed,
+        "max_tokens": settings.max_tokens,
+        "model_dtype": str(model.dtype).removeprefix("torch."),
+        "device": model.device.type,
+        "memlm_version": memlm.__version__,
+        "torch_version": torch.__version__,
+        "faiss_version": faiss.__version__,
+        "python": platform.python_version(),
+        "finished_unix": int(time.time()),
+        "last_run_seconds": round(time.perf_counter() - started, 3),
+        "last_run_encode_seconds": None if encode_seconds is None else round(encode_seconds, 3),
+    }
+    manifest = Manifest(
+        n=n_total, dim=dim, key_layer=model.config.key_description,
+        model_name=provenance.model_name, model_fingerprint=provenance.model_fingerprint,
+        tokenizer_fingerprint=provenance.tokenizer_fingerprint, corpus=provenance.corpus,
+        corpus_fingerprint=provenance.corpus_fingerprint, index_factory=factory, metric="l2",
+        nprobe=int(nprobe), context=settings.window.context, stride=settings.window.stride,
+        boundary_token=provenance.boundary_token, files=files, build=build,
+    )
+    write_text(out / MANIFEST_NAME, manifest.to_json())
+    shutil.rmtree(work)
+    log(f"datastore: {out} ({n_total} keys of dimension {dim}, index {factory})")
+    return out
+
+
+def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> None:
+    """Refuse to clobber a finished datastore or foreign files; clear our own files on overwrite."""
+    if out.exists() and not out.is_dir():
+        raise MemlmError(f"--out {out} is a file; pass a directory")
+    if (out / MANIFEST_NAME).exists():
+        if not overwrite:
+            raise MemlmError(
+                f"{out} already holds a finished datastore; pass --overwrite to rebuild it, or another --out"
+            )
+        log(f"overwriting the datastore in {out}")
+        (out / MANIFEST_NAME).unlink()  # first: a half-deleted datastore must not look finished
+        for name in DATA_FILES:
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / WORK_DIR, ignore_errors=True)
+    if out.is_dir():
+        ours = {MANIFEST_NAME, WORK_DIR, *DATA_FILES}
+        ours |= {name + PARTIAL_SUFFIX for name in ours}
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        if foreign:
+            raise MemlmError(
+                f"--out {out} holds files that are not a memlm datastore's ({', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); pass an empty or new directory"
+            )
+        if overwrite and (out / WORK_DIR).exists():
+            shutil.rmtree(out / WORK_DIR)  # --overwrite also discards a build in progress
+            for name in DATA_FILES:
+                (out / name).unlink(missing_ok=True)
+
+
+def _identity(model: Decoder, provenance: Provenance, settings: BuildSettings) -> dict:
+    """Everything that changes the bytes of keys, values or index: a resumed build must match it."""
+    return {
+        "provenance": dataclasses.asdict(provenance),
+        "settings": dataclasses.asdict(settings),
+        "key_layer": model.config.key_description,
+        "dim": model.config.n_embd,
+        "model_dtype": str(model.dtype),
+        "device": model.device.type,
+    }
+
+
+def _check_identity(work: Path, identity: dict, out: Path) -> None:
+    path = work / "build.json"
+    if not path.exists():
+        write_text(path, json.dumps(identity, indent=2, sort_keys=True))
+        return
+    before = json.loads(path.read_text())
+    if before == identity:
+        return
+    diffs = _differences(before, identity)
+    raise MemlmError(
+        f"{out} holds an unfinished build with other settings ({'; '.join(diffs[:3])}); run the same "
+        "command as before to finish it, or pass --overwrite to start over"
+    )
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            diffs += _differences(va, vb, f"{prefix}{key}.")
+        elif va != vb:
+            diffs.append(f"{prefix}{key} was {va!r}, now {vb!r}")
+    return diffs
+
+
+def _stage_tokenize(
+    documents: Documents, max_tokens: int | None, tokens_path: Path, offsets_path: Path, progress: bool
+) -> None:
+    """Concatenate the documents' token ids (int32) and their start offsets into two files."""
+    docs = documents() if callable(documents) else documents
+    chunks: list[np.ndarray] = []
+    offsets = [0]
+    total = 0
+    with tqdm(desc="tokenize", unit="tok", file=sys.stderr, disable=not progress) as bar:
+        for doc in docs:
+            if max_tokens is not None and total >= max_tokens:
+                break
+            ids = np.asarray(doc, dtype=np.int64)
+            if max_tokens is not None:
+                ids = ids[: max_tokens - total]
+            if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+                raise MemlmError(f"document {len(offsets) - 1} holds token ids outside int32")
+            chunks.append(ids.astype(VALUE_DTYPE))
+            total += ids.size
+            offsets.append(total)
+            bar.update(ids.size)
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=VALUE_DTYPE)
+    write_array(tokens_path, tokens, VALUE_DTYPE)
+    write_array(offsets_path, np.asarray(offsets, dtype=np.int64), np.dtype("<i8"))  # renamed last: stage done
+
+
+def _stage_encode(
+    model: Decoder,
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    settings: BuildSettings,
+    boundary_token: int,
+    shards_dir: Path,
+    progress: bool,
+    log: Callable[[str], None],
+) -> float:
+    """Write the key/value shards that are missing; returns the seconds spent."""
+    window = settings.window
+    lengths = np.diff(offsets)
+    n_windows = sum(len(plan_windows(int(n), window.context, window.stride)) for n in lengths if n > 0)
+    n_batches = math.ceil(n_windows / window.batch_size)
+    n_shards = math.ceil(n_batches / settings.shard_batches)
+    done = complete_shards(shards_dir)
+    if done >= n_shards:
+        return 0.0
+    done_rows = sum(shard_paths(shards_dir, s)[1].stat().st_size // VALUE_DTYPE.itemsize for s in range(done))
+    if done:
+        log(f"resuming the encoding at shard {done} of {n_shards} ({done_rows} of {tokens.shape[0]} keys done)")
+
+    def docs() -> Iterable[list[int]]:
+        for i in range(len(lengths)):
+            yield tokens[offsets[i] : offsets[i + 1]].tolist()
+
+    windows_per_shard = settings.shard_batches * window.batch_size
+    stream = score_documents(model, docs(), window, boundary_token, with_logprobs=False,
+                             skip_batches=done * settings.shard_batches)
+    keys: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    shard, in_shard = done, 0
+    t0 = time.perf_counter()
+    with tqdm(total=int(tokens.shape[0]), initial=done_rows, desc="encode", unit="tok", file=sys.stderr,
+              disable=not progress, smoothing=0.1) as bar:
+        for scored in stream:
+            k16 = scored.keys.to(torch.float16)  # (n, d)
+            if not torch.isfinite(k16).all():
+                raise MemlmError(
+                    f"keys of document {scored.doc} overflow float16; the model's key activations are too large"
+                )
+            keys.append(k16.cpu().numpy())
+            values.append(scored.targets.numpy().astype(VALUE_DTYPE))
+            in_shard += 1
+            bar.update(scored.targets.shape[0])
+            if in_shard == windows_per_shard:
+                write_shard(shards_dir, shard, np.concatenate(keys), np.concatenate(values))
+                keys, values, shard, in_shard = [], [], shard + 1, 0
+        if keys:
+            write_shard(shards_dir, shard, np.concatenate(keys), np.concatenate(values))
+            shard += 1
+    if shard != n_shards:
+        raise RuntimeError(f"wrote {shard} shards, planned {n_shards}")
+    return time.perf_counter() - t0

@@ -1,0 +1,193 @@
+"""The FAISS index over the keys: choose a factory string, train on a sample, add in chunks, search.
+
+One factory string describes the index (STYLE.md 11). The default follows the datastore size N and
+the key dimension d (`default_factory`) and is printed with its reason. Training and adding run on all
+GPUs (cloned, or sharded when the index does not fit one) when faiss has GPU support and torch sees
+CUDA; otherwise on the CPU. The index on disk is always a CPU index; `read_index(mmap=True)` maps it
+instead of loading it.
+
+Shape legend: N keys, n rows of a chunk, d key dimension, Q queries, k neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Callable
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from memlm.errors import MemlmError
+
+FLAT_MAX = 200_000
+"""Up to this many keys a brute-force "Flat" index is exact and still fast (N * d multiply-adds per
+query: 0.1 GFLOP at N 200k, d 576) and needs no training."""
+SQ8_MAX = 4_000_000
+"""Up to this many keys "IVF{nlist},SQ8" (one byte per dimension, near-exact distances) fits in a few
+GB; beyond it product quantisation ("IVF{nlist},PQ{m}", m bytes per key) keeps the index in memory."""
+
+
+def default_nlist(n: int) -> int:
+    """Inverted lists for N keys: the power of two nearest 4 * sqrt(N) (faiss's guideline of 4-16
+    sqrt(N)), with at least 64 keys per list so that every centroid gets trained."""
+    nlist = 2 ** round(math.log2(max(4 * math.sqrt(max(n, 1)), 1)))
+    return int(max(1, min(nlist, n // 64)))
+
+
+def default_pq_m(d: int) -> int:
+    """PQ sub-quantisers: the largest divisor of d that is at most min(64, d // 4), so every
+    sub-vector has at least 4 dimensions (the kNN-LM paper used PQ64 on d 1024)."""
+    cap = max(1, min(64, d // 4))
+    return max(m for m in range(1, cap + 1) if d % m == 0)
+
+
+def default_factory(n: int, d: int) -> tuple[str, str]:
+    """(factory string, one-line reason) for N keys of dimension d."""
+    if n <= FLAT_MAX:
+        return "Flat", f"N {n} <= {FLAT_MAX}: exact brute-force search is affordable"
+    nlist = default_nlist(n)
+    if n <= SQ8_MAX:
+        return f"IVF{nlist},SQ8", f"N {n} <= {SQ8_MAX}: {nlist} lists (~4 sqrt N), 8-bit scalar codes, {d} bytes/key"
+    m = default_pq_m(d)
+    return f"IVF{nlist},PQ{m}", f"N {n} > {SQ8_MAX}: {nlist} lists (~4 sqrt N), product codes of {m} bytes/key"
+
+
+def default_nprobe(index: faiss.Index) -> int:
+    """Lists visited per query: nlist / 128 (32 of 4096 in the kNN-LM paper), at least 16."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is None:
+        return 1
+    return int(min(ivf.nlist, max(16, ivf.nlist // 128)))
+
+
+def train_sample_size(index: faiss.Index, n: int) -> int:
+    """Keys to train on: 64 per inverted list, and at least 65536 (256 per PQ/SQ centroid); all when fewer."""
+    if index.is_trained:
+        return 0
+    ivf = faiss.try_extract_index_ivf(index)
+    nlist = ivf.nlist if ivf is not None else 1
+    return int(min(n, max(64 * nlist, 65536)))
+
+
+def make_index(factory: str, d: int) -> faiss.Index:
+    try:
+        return faiss.index_factory(d, factory, faiss.METRIC_L2)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else "unknown error"
+        raise MemlmError(f"FAISS cannot build index {factory!r} for dimension {d} ({first}); "
+                         "pass another --index, e.g. Flat or IVF1024,PQ64") from e
+
+
+def gpu_count() -> int:
+    """GPUs FAISS can use: needs faiss built with GPU support and torch seeing CUDA."""
+    if not hasattr(faiss, "StandardGpuResources"):
+        return 0
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0
+    except ImportError:
+        return 0
+    return int(faiss.get_num_gpus())
+
+
+def to_gpus(index: faiss.Index, n: int, log: Callable[[str], None]) -> faiss.Index | None:
+    """Clone `index` to all GPUs (sharded when N keys would not fit one GPU), or None when it cannot be."""
+    if gpu_count() == 0 or faiss.try_extract_index_ivf(index) is None:
+        return None  # a Flat index gains nothing on the GPU while building
+    import torch
+
+    co = faiss.GpuMultipleClonerOptions()
+    co.useFloat16 = True  # float16 look-up tables: GPU IVF-PQ needs them for many sub-quantisers
+    need = (index.sa_code_size() + 8) * n  # codes plus int64 ids
+    free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+    co.shard = need > 0.8 * free
+    try:
+        gpu = faiss.index_cpu_to_all_gpus(index, co=co)
+    except RuntimeError as e:  # e.g. PQ sub-vector sizes the GPU kernels lack
+        log(f"GPU FAISS cannot hold this index ({str(e).strip().splitlines()[-1]}); using the CPU")
+        return None
+    log(f"FAISS on {faiss.get_num_gpus()} GPU(s), {'sharded' if co.shard else 'replicated'}")
+    return gpu
+
+
+def train_index(
+    factory: str, keys: np.ndarray, seed: int, log: Callable[[str], None], progress: bool = True
+) -> faiss.Index:
+    """keys: (N, d) float16 memmap -> an empty, trained CPU index; trained on a seeded random sample."""
+    n, d = keys.shape
+    index = make_index(factory, d)
+    size = train_sample_size(index, n)
+    if size == 0:
+        return index
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(n, size=size, replace=False))  # (S,) sorted: sequential-ish memmap reads
+    sample = np.empty((size, d), dtype=np.float32)  # (S, d)
+    chunk = 65536
+    with tqdm(total=size + 1, desc="train index", unit="key", file=sys.stderr, disable=not progress) as bar:
+        for lo in range(0, size, chunk):
+            sample[lo : lo + chunk] = keys[ids[lo : lo + chunk]]
+            bar.update(min(chunk, size - lo))
+        gpu = to_gpus(index, size, log)
+        if gpu is not None:
+            gpu.train(sample)
+            index = faiss.index_gpu_to_cpu(gpu)
+        else:
+            index.train(sample)
+        bar.update(1)
+    return index
+
+
+def add_keys(
+    index: faiss.Index, keys: np.ndarray, chunk: int, log: Callable[[str], None], progress: bool = True
+) -> faiss.Index:
+    """Add keys (N, d) float16 in chunks of `chunk` rows, in order (index row i = key row i)."""
+    n = keys.shape[0]
+    gpu = to_gpus(index, n, log)
+    target = gpu if gpu is not None else index
+    with tqdm(total=n, desc="add to index", unit="key", file=sys.stderr, disable=not progress) as bar:
+        for lo in range(0, n, chunk):
+            x = np.ascontiguousarray(keys[lo : lo + chunk], dtype=np.float32)  # (n, d)
+            target.add(x)
+            bar.update(x.shape[0])
+    if gpu is not None:
+        index = faiss.index_gpu_to_cpu(gpu)
+    if index.ntotal != n:
+        raise RuntimeError(f"index holds {index.ntotal} keys after adding {n}")
+    return index
+
+
+def write_index(index: faiss.Index, path: Path) -> None:
+    """Write to `path` via a temporary name (faiss writes the file itself, so fsync it afterwards)."""
+    from datastore.shards import PARTIAL_SUFFIX, fsync_dir
+    import os
+
+    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    faiss.write_index(index, str(tmp))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_index(path: Path, mmap: bool = False) -> faiss.Index:
+    """Load an index; with mmap the codes stay on disk and pages come in as searches touch them."""
+    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
+    return faiss.read_index(str(path), flags)
+
+
+def search_params(index: faiss.Index, nprobe: int | None) -> faiss.SearchParameters | None:
+    """Per-call search parameters (thread-safe: the index itself is never changed)."""
+    if nprobe is None or faiss.try_extract_index_ivf(index) is None:
+        return None
+    params = faiss.SearchParametersIVF(nprobe=int(nprobe))
+    if isinstance(index, faiss.IndexPreTransform):  # e.g. "OPQ64,IVF4096,PQ64": parameters nest
+        outer = faiss.SearchParametersPreTransform()
+        outer.index_params = params
+        outer.referenced_objects = [params]  # keep the inner object alive as long as the outer one
+        return outer
+    return params

@@ -1,0 +1,109 @@
+"""manifest.json: everything a datastore directory says about itself.
+
+A datastore carries its settings beside it (STYLE.md 9): size, dimension, dtypes, key layer, the
+fingerprints of the model, tokenizer and corpus it was built from, the FAISS factory string, and a
+checksum of every file. Nothing has to be typed in by hand to open it (the old kNN-LM code needed
+`dstore_size`); its presence marks a finished build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import MemlmError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+KEYS_NAME = "keys.f16"
+"""(N, d) float16, row-major, little-endian, no header: np.memmap(path, "<f2", "r", shape=(N, d))."""
+VALUES_NAME = "values.i32"
+"""(N,) int32 little-endian next-token ids (int32: SmolLM2's 49152 ids overflow int16)."""
+INDEX_NAME = "index.faiss"
+"""The FAISS index over the keys (faiss.write_index format); row i of the index is row i of the keys."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    bytes: int
+    """File size in bytes."""
+    sha256: str
+    """Hex SHA-256 of the whole file."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    n: int
+    """Number of (key, next token) pairs N."""
+    dim: int
+    """Key dimension d."""
+    key_layer: str
+    """Which activation the keys are (ModelConfig.key_description, e.g. "ffn_input.29")."""
+    model_name: str
+    """Model the keys came from, as the user named it (preset, path or hub id)."""
+    model_fingerprint: str
+    """Fingerprint of the model weights; queries must come from the same model."""
+    tokenizer_fingerprint: str
+    """Fingerprint of the tokenizer; values are its token ids."""
+    corpus: str
+    """Corpus spec as the user gave it (path or name), with the split."""
+    corpus_fingerprint: str
+    """Fingerprint of the corpus content the datastore was built from."""
+    index_factory: str
+    """FAISS factory string of the index, e.g. "IVF1024,PQ64" or "Flat"."""
+    metric: str
+    """"l2": distances are squared Euclidean distances, smaller is nearer."""
+    nprobe: int
+    """Default inverted lists visited per query (1 and unused for Flat)."""
+    context: int
+    """Window length the keys were computed with (tokens of input per window)."""
+    stride: int
+    """Window stride; each key saw at least context - stride tokens of left context."""
+    boundary_token: int
+    """Token prepended to each document (BOS/EOS); evaluation must use the same."""
+    files: dict[str, FileEntry]
+    """Checksums of every data file in the directory, by file name."""
+    build: dict[str, Any] = field(default_factory=dict)
+    """Build settings and facts (batch size, dtype, device, shard size, timings, versions)."""
+    format_version: int = FORMAT_VERSION
+    """Version of this directory layout."""
+    key_dtype: str = "float16"
+    """Dtype of keys.f16."""
+    value_dtype: str = "int32"
+    """Dtype of values.i32."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "manifest.json") -> "Manifest":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MemlmError(f"{source} is not valid JSON ({e}); the datastore is damaged, rebuild it") from e
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise MemlmError(
+                f"{source} has datastore format version {version}, this memlm reads version {FORMAT_VERSION}; "
+                "rebuild the datastore with this memlm"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(known - set(raw) - {"build"})
+        if missing:
+            raise MemlmError(f"{source} lacks {', '.join(missing)}; the datastore is damaged, rebuild it")
+        raw = {k: v for k, v in raw.items() if k in known}
+        raw["files"] = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
+        return cls(**raw)
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_NAME
+        if not path.is_file():
+            raise MemlmError(
+                f"{directory} holds no {MANIFEST_NAME}: not a finished memlm datastore "
+                "(build one with `memlm datastore build`, or finish an interrupted build by running it again)"
+            )
+        return cls.from_json(path.read_text(), str(path))

@@ -1,0 +1,389 @@
+"""RetrievalService over gRPC: a Searcher (e.g. the on-disk Datastore) behind grpc.aio.
+
+Concurrent Search calls are micro-batched: the requests that arrive while the index is busy (or
+within `max_wait_s` of each other) are concatenated into ONE `searcher.search` call on ONE worker
+thread per index, because FAISS answers a batch of queries much faster than the same queries one by
+one, and GPU indexes are not thread-safe (issue 4). Requests are grouped by (k, nprobe,
+exact_rerank) since those are per-call arguments of the searcher; results are split back by row.
+
+Shape legend: Q queries in one request, B queries in one batch (sum of Q), d key dimension, k
+neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from memlm.search import Neighbors
+from memlm.v1 import retrieval_pb2, tensor_pb2
+from services.security import ServerTls
+from services.server_common import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    InvalidRequest,
+    RunningServer,
+    ServerOptions,
+    join_host_port,
+    message_classes_of,
+    run_until_signal,
+    start_server,
+)
+from services.tensors import from_tensor, to_tensor
+
+SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"]
+MESSAGE_CLASSES = message_classes_of(retrieval_pb2, tensor_pb2)
+INFO_KEYS = ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint")
+QUERY_DTYPES = (tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_FLOAT16)
+# Bytes per (query, neighbour) in a SearchResponse: float32 distance + int64 id + int32 value.
+RESPONSE_BYTES_PER_NEIGHBOUR = 4 + 8 + 4
+
+
+@dataclass(frozen=True)
+class SearchLimits:
+    """What one Search request may ask for."""
+
+    max_k: int = 4096
+    """Largest k accepted (OUT_OF_RANGE above)."""
+    max_queries: int = 65536
+    """Largest Q in one request (OUT_OF_RANGE above); the client splits bigger batches."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """The response (Q * k * 16 bytes) must fit one message: OUT_OF_RANGE when it would not."""
+
+
+@dataclass(frozen=True)
+class ParsedSearch:
+    """A validated SearchRequest."""
+
+    xq: np.ndarray
+    """(Q, d) float32 queries, all finite."""
+    k: int
+    """Neighbours per query, 1 <= k <= max_k."""
+    nprobe: int | None
+    """IVF lists to probe, or None = the searcher's default (not passed on)."""
+    exact_rerank: bool | None
+    """Exact re-rank flag, or None = the searcher's default (not passed on)."""
+
+
+def parse_search_request(request: retrieval_pb2.SearchRequest, dim: int, limits: SearchLimits) -> ParsedSearch:
+    """Validate a SearchRequest against the datastore's dim and the limits; raise InvalidRequest
+    (or TensorError) naming the bad field. Shared by the retrieval server and the router."""
+    if not request.HasField("queries"):
+        raise InvalidRequest("queries", "missing; send a (Q, d) float32 or float16 tensor")
+    xq = from_tensor(request.queries, "queries", dtypes=QUERY_DTYPES, ndim=2)  # (Q, d)
+    q, d = xq.shape
+    if q == 0:
+        raise InvalidRequest("queries.shape[0]", "empty batch: send at least one query")
+    if q > limits.max_queries:
+        raise InvalidRequest(
+            "queries.shape[0]", f"{q} queries, at most {limits.max_queries} per call", grpc.StatusCode.OUT_OF_RANGE
+        )
+    if d != dim:
+        raise InvalidRequest("queries.shape[1]", f"dimension {d}, the datastore's keys have dimension {dim}")
+    if request.k < 1:
+        raise InvalidRequest("k", f"{request.k}, must be >= 1")
+    if request.k > limits.max_k:
+        raise InvalidRequest("k", f"{request.k}, at most {limits.max_k}", grpc.StatusCode.OUT_OF_RANGE)
+    if response_bytes(q, request.k) > limits.max_message_bytes:
+        raise InvalidRequest(
+            "queries.shape[0]",
+            f"{q} queries x k={request.k} do not fit one {limits.max_message_bytes}-byte response; split the batch",
+            grpc.StatusCode.OUT_OF_RANGE,
+        )
+    nprobe = request.nprobe if request.HasField("nprobe") else None
+    if nprobe is not None and nprobe < 1:
+        raise InvalidRequest("nprobe", f"{nprobe}, must be >= 1")
+    exact_rerank = request.exact_rerank if request.HasField("exact_rerank") else None
+    if not np.isfinite(xq).all():
+        bad = int(np.argwhere(~np.isfinite(xq))[0, 0])
+        raise InvalidRequest("queries.data", f"query {bad} contains NaN or infinity")
+    # float16 -> float32 is exact; one dtype lets requests of both kinds share a batch.
+    return ParsedSearch(xq.astype(np.float32, copy=False), int(request.k), nprobe, exact_rerank)
+
+
+def response_bytes(q: int, k: int) -> int:
+    """Upper bound on the serialized size of a SearchResponse for Q queries and k neighbours."""
+    return q * k * RESPONSE_BYTES_PER_NEIGHBOUR + 1024  # + tensor headers (dtype, shape, tags)
+
+
+def search_kwargs(nprobe: int | None, exact_rerank: bool | None) -> dict:
+    """Keyword arguments for searcher.search: only those the request set, so plain Searchers
+    (which take just (xq, k)) keep working."""
+    kwargs = {}
+    if nprobe is not None:
+        kwargs["nprobe"] = nprobe
+    if exact_rerank is not None:
+        kwargs["exact_rerank"] = exact_rerank
+    return kwargs
+
+
+def neighbors_to_response(nb: Neighbors) -> retrieval_pb2.SearchResponse:
+    return retrieval_pb2.SearchResponse(
+        distances=to_tensor(np.asarray(nb.distances, dtype=np.float32)),
+        ids=to_tensor(np.asarray(nb.ids, dtype=np.int64)),
+        values=to_tensor(np.asarray(nb.values, dtype=np.int32)),
+    )
+
+
+def info_to_datastore(info: Mapping) -> retrieval_pb2.DatastoreInfo:
+    missing = [key for key in INFO_KEYS if key not in info]
+    if missing:
+        raise ValueError(f"info lacks {missing}; expected keys {list(INFO_KEYS)}")
+    return retrieval_pb2.DatastoreInfo(
+        n=int(info["n"]),
+        dim=int(info["dim"]),
+        index=str(info["index"]),
+        metric=str(info["metric"]),
+        model_fingerprint=str(info["model_fingerprint"]),
+        tokenizer_fingerprint=str(info["tokenizer_fingerprint"]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batching
+
+
+class DeadlineExceeded(Exception):
+    """The call's deadline passed before its queries reached the searcher."""
+
+
+@dataclass
+class _Pending:
+    parsed: ParsedSearch
+    future: asyncio.Future
+    deadline: float | None  # loop.time() by which the call must be answered, None = no deadline
+
+
+class SearchBatcher:
+    """Runs searcher.search on one worker thread, merging concurrent requests into one call.
+
+    Queries of calls that were cancelled or whose deadline passed before their batch started are
+    dropped (a FAISS search cannot be interrupted once it runs). With micro_batching=False every
+    request is searched on its own, on the same single thread (the baseline of benchmarks/load.py).
+    """
+
+    def __init__(self, searcher, *, micro_batching: bool = True, max_batch_queries: int = 4096, max_wait_s: float = 0.002):
+        self._searcher = searcher
+        self._micro_batching = micro_batching
+        self._max_batch_queries = max_batch_queries
+        self._max_wait_s = max_wait_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlm-search")
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._runner: asyncio.Task | None = None
+        self.arriving = 0
+        """Search calls that have started but not yet enqueued (being validated). While any are,
+        waiting up to max_wait_s lets them join the batch; when none are, waiting only adds latency."""
+        self.batch_sizes: list[int] = []
+        """Queries per searcher call, most recent last (bounded; for tests and benchmarks)."""
+
+    @property
+    def pending_queries(self) -> int:
+        """Queries waiting for the worker thread (not counting the batch being searched)."""
+        return sum(len(p.parsed.xq) for p in self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is queued or being searched."""
+        return not self._pending and (self._runner is None or self._runner.done())
+
+    def close(self) -> None:
+        """Release the worker thread (after the server stopped)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def search(self, parsed: ParsedSearch, time_remaining: float | None) -> Neighbors:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        deadline = None if time_remaining is None else loop.time() + time_remaining
+        self._pending.append(_Pending(parsed, future, deadline))
+        self._arrived.set()
+        if self._runner is None or self._runner.done():
+            # The runner lives only while there is work, so no task outlives the server's loop.
+            self._runner = loop.create_task(self._run())
+        # A cancelled RPC cancels this await, which cancels `future`; the runner then skips it.
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            if self._micro_batching:
+                await self._gather_more(loop)
+            batch = self._take_batch()
+            live = []
+            for item in batch:
+                if item.future.done():  # cancelled by the client
+                    continue
+                if item.deadline is not None and loop.time() >= item.deadline:
+                    item.future.set_exception(DeadlineExceeded())
+                    continue
+                live.append(item)
+            groups: dict[tuple, list[_Pending]] = {}
+            for item in live:
+                p = item.parsed
+                groups.setdefault((p.k, p.nprobe, p.exact_rerank), []).append(item)
+            for (k, nprobe, exact_rerank), items in groups.items():
+                await self._search_group(loop, items, k, search_kwargs(nprobe, exact_rerank))
+
+    async def _gather_more(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait up to max_wait_s for calls still being validated, unless the batch is full."""
+        until = loop.time() + self._max_wait_s
+        while self.arriving > 0 and self.pending_queries < self._max_batch_queries:
+            remaining = until - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _take_batch(self) -> list[_Pending]:
+        batch = [self._pending.popleft()]
+        if not self._micro_batching:
+            return batch
+        total = len(batch[0].parsed.xq)
+        while self._pending and total + len(self._pending[0].parsed.xq) <= self._max_batch_queries:
+            item = self._pending.popleft()
+            batch.append(item)
+            total += len(item.parsed.xq)
+        return batch
+
+    async def _search_group(self, loop, items: list[_Pending], k: int, kwargs: dict) -> None:
+        sizes = [len(item.parsed.xq) for item in items]
+        xq = items[0].parsed.xq if len(items) == 1 else np.concatenate([i.parsed.xq for i in items])  # (B, d)
+        self.batch_sizes.append(len(xq))
+        del self.batch_sizes[:-1000]
+        try:
+            nb = await loop.run_in_executor(self._executor, lambda: self._searcher.search(xq, k, **kwargs))
+            distances, ids, values = (np.asarray(a) for a in nb)  # (B, k) each
+            for name, a in (("distances", distances), ("ids", ids), ("values", values)):
+                if a.shape != (len(xq), k):
+                    raise RuntimeError(f"searcher returned {name} of shape {a.shape}, expected {(len(xq), k)}")
+        except Exception as e:  # noqa: BLE001 -- delivered to every caller of the batch
+            for item in items:
+                if not item.future.done():
+                    item.future.set_exception(e)
+            return
+        start = 0
+        for item, q in zip(items, sizes):
+            rows = slice(start, start + q)
+            start += q
+            if not item.future.done():
+                item.future.set_result(Neighbors(distances[rows], ids[rows], values[rows]))  # (Q, k) each
+
+
+# ---------------------------------------------------------------------------------------------
+# Servicer and server
+
+
+class RetrievalServicer:
+    """Thin servicer: validate, hand to the batcher, encode."""
+
+    def __init__(self, batcher: SearchBatcher, info: retrieval_pb2.RetrievalServiceGetInfoResponse, limits: SearchLimits):
+        self._batcher = batcher
+        self._info = info
+        self._limits = limits
+
+    async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
+        self._batcher.arriving += 1
+        try:
+            parsed = parse_search_request(request, self._info.datastore.dim, self._limits)
+        finally:
+            self._batcher.arriving -= 1
+        try:
+            nb = await self._batcher.search(parsed, context.time_remaining())
+        except DeadlineExceeded:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the search started")
+        return neighbors_to_response(nb)
+
+    async def GetInfo(self, request, context: grpc.aio.ServicerContext):
+        return self._info
+
+
+@dataclass(frozen=True)
+class RetrievalServer:
+    """A started retrieval server and its batcher (tests and benchmarks look at the batcher)."""
+
+    running: RunningServer
+    """Server, bound port and health."""
+    batcher: SearchBatcher
+    """The micro-batcher in front of the searcher."""
+
+
+async def start_retrieval_server(
+    address: str,
+    searcher,
+    info: Mapping,
+    *,
+    max_k: int = SearchLimits.max_k,
+    max_queries: int = SearchLimits.max_queries,
+    max_batch_queries: int = 4096,
+    max_wait_s: float = 0.002,
+    micro_batching: bool = True,
+    max_concurrent_rpcs: int = ServerOptions.max_concurrent_rpcs,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    grace_s: float = ServerOptions.grace_s,
+    tls: ServerTls | None = None,
+    token: str | None = None,
+) -> RetrievalServer:
+    """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port).
+
+    searcher: answers `search(xq (B, d) float32, k, [nprobe=], [exact_rerank=]) -> Neighbors`; the
+        keyword arguments are passed only when a request sets them.
+    info: the datastore's description, keys n, dim, index, metric, model_fingerprint,
+        tokenizer_fingerprint (what `Datastore.info()` returns).
+    max_batch_queries / max_wait_s / micro_batching: micro-batching (see SearchBatcher).
+    Health reports SERVING once this returns (the searcher is already loaded). The batcher's
+    worker thread is released when the server stops (`server.stop` / SIGTERM).
+    """
+    datastore = info_to_datastore(info)
+    if hasattr(searcher, "dim") and int(searcher.dim) != datastore.dim:
+        raise ValueError(f"searcher.dim {searcher.dim} != info['dim'] {datastore.dim}")
+    options = ServerOptions(max_message_bytes, max_concurrent_rpcs, grace_s, tls, token)
+    limits = SearchLimits(max_k=max_k, max_queries=max_queries, max_message_bytes=max_message_bytes)
+    info_response = retrieval_pb2.RetrievalServiceGetInfoResponse(
+        datastore=datastore, max_k=max_k, max_queries=max_queries, max_message_bytes=max_message_bytes
+    )
+    batcher = SearchBatcher(
+        searcher, micro_batching=micro_batching, max_batch_queries=max_batch_queries, max_wait_s=max_wait_s
+    )
+    servicer = RetrievalServicer(batcher, info_response, limits)
+    running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
+    # Release the worker thread once the server has stopped, however it was stopped.
+    asyncio.get_running_loop().create_task(_close_when_stopped(running.server, batcher))
+    await running.mark_serving()
+    return RetrievalServer(running, batcher)
+
+
+async def create_retrieval_server(address: str, searcher, info: Mapping, **kwargs) -> tuple[grpc.aio.Server, int]:
+    """start_retrieval_server, returning (server, bound port); same arguments."""
+    started = await start_retrieval_server(address, searcher, info, **kwargs)
+    return started.running.server, started.running.port
+
+
+async def _close_when_stopped(server: grpc.aio.Server, batcher: SearchBatcher) -> None:
+    try:
+        await server.wait_for_termination()
+    finally:
+        batcher.close()
+
+
+async def serve_retrieval(
+    searcher,
+    info: Mapping,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    **server_kwargs,
+) -> None:
+    """Serve `searcher` until SIGTERM/SIGINT: prints `listening on HOST:PORT` once healthy, then
+    drains in-flight calls on the signal (for up to grace_s) and returns. `server_kwargs` as for
+    start_retrieval_server (tls, token, max_concurrent_rpcs, micro_batching, grace_s, ...)."""
+    started = await start_retrieval_server(join_host_port(host, port), searcher, info, **server_kwargs)
+    await run_until_signal(started.running, host, grace_s=server_kwargs.get("grace_s", ServerOptions.grace_s))

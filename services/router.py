@@ -1,0 +1,261 @@
+"""Shard router: one RetrievalService in front of N retrieval servers holding shards of one corpus.
+
+A Search is validated, sent to every shard concurrently with the caller's remaining deadline, and
+the per-shard top-k lists are merged into a global top-k by distance (smaller is nearer for both
+metrics: the wire carries negative inner products for "IP"). Because each shard returns its own
+exact top-k, the merged list equals the top-k over the union for exact (Flat) shards.
+
+Global ids: shard s's local id i becomes offset_s + i, where offset_s is the sum of N (from
+GetInfo) of the shards listed BEFORE it. So the --shard order must be the order in which the
+datastore builder wrote the shards; then a global id is the row number in the concatenated corpus.
+Missing neighbours (id -1) stay -1.
+
+Shape legend: Q queries, k neighbours, S shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from memlm.errors import MemlmError
+from memlm.search import Neighbors
+from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
+from services.retrieval_server import (
+    MESSAGE_CLASSES,
+    SERVICE,
+    SearchLimits,
+    neighbors_to_response,
+    parse_search_request,
+)
+from services.security import ClientTls, ServerTls, auth_metadata, channel_credentials, channel_tls_options
+from services.server_common import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RunningServer,
+    ServerOptions,
+    channel_options,
+    join_host_port,
+    run_until_signal,
+    start_server,
+)
+from services.tensors import TensorError, from_tensor
+
+# Fields every shard must agree on: a query vector means the same thing on all of them.
+AGREEING_FIELDS = ("dim", "metric", "model_fingerprint", "tokenizer_fingerprint")
+
+
+def merge_shard_infos(
+    addresses: Sequence[str], infos: Sequence[retrieval_pb2.RetrievalServiceGetInfoResponse], max_message_bytes: int
+) -> tuple[retrieval_pb2.RetrievalServiceGetInfoResponse, list[int]]:
+    """Check the shards agree and describe their union; returns (info, id offset of each shard)."""
+    first = infos[0].datastore
+    for address, info in zip(addresses[1:], infos[1:]):
+        for field in AGREEING_FIELDS:
+            if getattr(info.datastore, field) != getattr(first, field):
+                raise MemlmError(
+                    f"shard {address} has {field}={getattr(info.datastore, field)!r} but shard {addresses[0]} has "
+                    f"{getattr(first, field)!r}; all shards must come from one model, tokenizer and key layout"
+                )
+    offsets = np.cumsum([0] + [info.datastore.n for info in infos[:-1]]).tolist()  # offset_s = sum of earlier N
+    indexes = sorted({info.datastore.index for info in infos})
+    union = retrieval_pb2.DatastoreInfo(
+        n=sum(info.datastore.n for info in infos),
+        dim=first.dim,
+        index=indexes[0] if len(indexes) == 1 else " | ".join(indexes),
+        metric=first.metric,
+        model_fingerprint=first.model_fingerprint,
+        tokenizer_fingerprint=first.tokenizer_fingerprint,
+    )
+    merged = retrieval_pb2.RetrievalServiceGetInfoResponse(
+        datastore=union,
+        max_k=min(info.max_k for info in infos),
+        max_queries=min(info.max_queries for info in infos),
+        max_message_bytes=min([max_message_bytes] + [info.max_message_bytes for info in infos]),
+    )
+    return merged, offsets
+
+
+def merge_top_k(results: Sequence[Neighbors], offsets: Sequence[int], k: int) -> Neighbors:
+    """Merge per-shard (Q, k) results into the global (Q, k) top-k, ids made global by offsets."""
+    distances = np.concatenate([r.distances for r in results], axis=1)  # (Q, S*k)
+    ids = np.concatenate(
+        [np.where(r.ids >= 0, r.ids + offset, -1) for r, offset in zip(results, offsets)], axis=1
+    )  # (Q, S*k)
+    values = np.concatenate([r.values for r in results], axis=1)  # (Q, S*k)
+    # Stable sort: equal distances keep shard order, then each shard's own order -- deterministic.
+    order = np.argsort(distances, axis=1, kind="stable")[:, :k]  # (Q, k)
+    return Neighbors(
+        np.take_along_axis(distances, order, axis=1),  # (Q, k)
+        np.take_along_axis(ids, order, axis=1),  # (Q, k)
+        np.take_along_axis(values, order, axis=1),  # (Q, k)
+    )
+
+
+def _decode(response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors:
+    out = Neighbors(
+        from_tensor(response.distances, "distances", dtypes=(tensor_pb2.DTYPE_FLOAT32,), ndim=2),
+        from_tensor(response.ids, "ids", dtypes=(tensor_pb2.DTYPE_INT64,), ndim=2),
+        from_tensor(response.values, "values", dtypes=(tensor_pb2.DTYPE_INT32,), ndim=2),
+    )
+    for name, a in zip(Neighbors._fields, out):
+        if a.shape != (q, k):
+            raise TensorError(name, f"shape {a.shape}, expected {(q, k)}")
+    return out
+
+
+class RouterServicer:
+    """RetrievalService that fans out to shard stubs and merges."""
+
+    def __init__(self, addresses, stubs, metadata, info, offsets, limits: SearchLimits):
+        self._addresses = addresses
+        self._stubs = stubs
+        self._metadata = metadata
+        self._info = info
+        self._offsets = offsets
+        self._limits = limits
+
+    async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
+        # Validate here too: bad input is refused once, not S times, and the message names the field.
+        parsed = parse_search_request(request, self._info.datastore.dim, self._limits)
+        timeout = context.time_remaining()  # the caller's deadline bounds every shard call
+        calls = [asyncio.ensure_future(self._shard_search(i, request, timeout)) for i in range(len(self._stubs))]
+        try:
+            responses = await asyncio.gather(*calls)
+        except _ShardFailed as f:
+            # Pass the shard's code on (DEADLINE_EXCEEDED stays that), naming the shard.
+            await context.abort(f.error.code(), f"shard {f.address}: {f.error.details()}")
+        finally:
+            for c in calls:  # one shard failed (or our caller went away): stop waiting for the others
+                c.cancel()
+        q = len(parsed.xq)
+        try:
+            results = [_decode(r, q, parsed.k) for r in responses]
+        except TensorError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"bad shard response: {e}")
+        return neighbors_to_response(merge_top_k(results, self._offsets, parsed.k))
+
+    async def GetInfo(self, request, context: grpc.aio.ServicerContext):
+        return self._info
+
+    async def _shard_search(self, i: int, request, timeout: float | None) -> retrieval_pb2.SearchResponse:
+        try:
+            return await self._stubs[i].Search(request, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise _ShardFailed(self._addresses[i], e) from None
+
+
+class _ShardFailed(Exception):
+    def __init__(self, address: str, error: grpc.aio.AioRpcError):
+        super().__init__(address)
+        self.address = address
+        self.error = error
+
+
+async def start_router_server(
+    address: str,
+    shard_addresses: Sequence[str],
+    *,
+    shard_tls: ClientTls | None = None,
+    shard_token: str | None = None,
+    connect_timeout_s: float = 30.0,
+    max_concurrent_rpcs: int = ServerOptions.max_concurrent_rpcs,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    grace_s: float = ServerOptions.grace_s,
+    tls: ServerTls | None = None,
+    token: str | None = None,
+) -> RunningServer:
+    """Start a router on `address` over `shard_addresses` (in the builder's shard order).
+
+    shard_tls / shard_token: how the router reaches the shards; tls / token: what the router's own
+    callers must use. The server starts NOT_SERVING, asks every shard for GetInfo (waiting up to
+    connect_timeout_s for shards still starting), checks they agree, then reports SERVING.
+    Raises MemlmError (after stopping) when a shard is unreachable or the shards disagree.
+    """
+    if not shard_addresses:
+        raise MemlmError("the router needs at least one --shard HOST:PORT")
+    options = channel_options(max_message_bytes) + channel_tls_options(shard_tls)
+    if shard_tls is not None:
+        channels = [grpc.aio.secure_channel(a, channel_credentials(shard_tls), options=options) for a in shard_addresses]
+    else:
+        channels = [grpc.aio.insecure_channel(a, options=options) for a in shard_addresses]
+    stubs = [retrieval_pb2_grpc.RetrievalServiceStub(c) for c in channels]
+    metadata = auth_metadata(shard_token)
+
+    servicer = _LateServicer()
+    running = await start_server(
+        address,
+        [(SERVICE, servicer)],
+        MESSAGE_CLASSES,
+        ServerOptions(max_message_bytes, max_concurrent_rpcs, grace_s, tls, token),
+    )
+    try:
+        infos = await asyncio.gather(
+            *(
+                stub.GetInfo(
+                    retrieval_pb2.RetrievalServiceGetInfoRequest(),
+                    timeout=connect_timeout_s,
+                    metadata=metadata,
+                    wait_for_ready=True,
+                )
+                for stub in stubs
+            )
+        )
+        info, offsets = merge_shard_infos(shard_addresses, infos, max_message_bytes)
+    except grpc.aio.AioRpcError as e:
+        await _stop(running, channels)
+        raise MemlmError(f"router: a shard did not answer GetInfo: {e.code().name}: {e.details()}") from None
+    except MemlmError:
+        await _stop(running, channels)
+        raise
+    limits = SearchLimits(max_k=info.max_k, max_queries=info.max_queries, max_message_bytes=info.max_message_bytes)
+    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets, limits)
+    asyncio.get_running_loop().create_task(_close_channels_when_stopped(running.server, channels))
+    await running.mark_serving()
+    return running
+
+
+class _LateServicer:
+    """Answers UNAVAILABLE until the shards are known, then delegates (health says NOT_SERVING meanwhile)."""
+
+    target: RouterServicer | None = None
+
+    async def Search(self, request, context):
+        if self.target is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is still contacting its shards")
+        return await self.target.Search(request, context)
+
+    async def GetInfo(self, request, context):
+        if self.target is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is still contacting its shards")
+        return await self.target.GetInfo(request, context)
+
+
+async def _stop(running: RunningServer, channels) -> None:
+    await running.server.stop(None)
+    for c in channels:
+        await c.close()
+
+
+async def _close_channels_when_stopped(server: grpc.aio.Server, channels) -> None:
+    try:
+        await server.wait_for_termination()
+    finally:
+        for c in channels:
+            await c.close()
+
+
+async def create_router_server(address: str, shard_addresses: Sequence[str], **kwargs) -> tuple[grpc.aio.Server, int]:
+    """start_router_server, returning (server, bound port); same arguments."""
+    running = await start_router_server(address, shard_addresses, **kwargs)
+    return running.server, running.port
+
+
+async def serve_router(shard_addresses: Sequence[str], host: str = DEFAULT_HOST, port: int = 0, **kwargs) -> None:
+    """Run a router until SIGTERM/SIGINT; prints `listening on HOST:PORT` once it is SERVING.
+    `kwargs` as for start_router_server."""
+    running = await start_router_server(join_host_port(host, port), shard_addresses, **kwargs)
+    await run_until_signal(running, host, grace_s=kwargs.get("grace_s", ServerOptions.grace_s))

@@ -1,0 +1,289 @@
+"""What every memlm gRPC server shares: construction, limits, health, reflection, errors, shutdown.
+
+A server is built in two steps so that tests and the command line use the same code:
+`start_server(address, services, options)` binds (port 0 picks a free port), registers the
+servicers with health (NOT_SERVING until the caller marks it ready) and reflection, and starts
+serving; `run_until_signal(...)` prints `listening on HOST:PORT` and, on SIGTERM or SIGINT, turns
+health to NOT_SERVING, refuses new calls and lets in-flight ones finish within a grace period.
+
+Servicers raise `InvalidRequest` (or `tensors.TensorError`) for bad input; `add_service` turns these
+into INVALID_ARGUMENT / OUT_OF_RANGE statuses whose message names the field, and answers a request
+whose bytes do not even parse with INVALID_ARGUMENT instead of grpc's INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import message as pb_message
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from memlm.errors import MemlmError
+from services.security import BearerTokenInterceptor, ServerTls, server_credentials
+from services.tensors import TensorError
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+"""64 MiB: a (1024, 1024) Search response (16 MiB) fits with room; grpc's own default is 4 MiB."""
+
+DEFAULT_HOST = "127.0.0.1"
+"""Bind the loopback interface unless the user names another host (issue 4: secure by default)."""
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits and security shared by every memlm server."""
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message the server receives or sends, in bytes."""
+    max_concurrent_rpcs: int = 64
+    """Calls in progress at once (health checks included); grpc answers RESOURCE_EXHAUSTED past it."""
+    grace_s: float = 30.0
+    """On shutdown, seconds in-flight calls get to finish before they are cancelled."""
+    tls: ServerTls | None = None
+    """Serve TLS with these credentials; None = plaintext."""
+    token: str | None = None
+    """Require `authorization: Bearer <token>` on every call except health checks; None = open."""
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message-size limits for a server or a channel; both ends must raise grpc's 4 MiB default."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class InvalidRequest(Exception):
+    """Bad input from a caller; becomes a gRPC status whose message starts with the field name."""
+
+    def __init__(self, field: str, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.code = code
+
+
+class ServiceError(MemlmError):
+    """A call to a memlm server failed; client classes raise this instead of grpc.RpcError.
+
+    It is a MemlmError, so the command line prints it as one line (e.g. a server that is down).
+    """
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"{address}: {code.name}: {details}")
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+# ---------------------------------------------------------------------------------------------
+# Servicer registration with safe deserialization and field-naming errors
+
+
+class _Malformed:
+    """Stands in for a request whose bytes are not a valid message of the expected type."""
+
+    def __init__(self, type_name: str, error: str):
+        self.message = f"request: not a valid {type_name}: {error}"
+
+
+def _safe_parser(message_class: type[pb_message.Message]) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return message_class.FromString(data)
+        except pb_message.DecodeError as e:
+            return _Malformed(message_class.DESCRIPTOR.full_name, str(e))
+
+    return parse
+
+
+def _wrap_unary(method: Callable) -> Callable:
+    @functools.wraps(method)
+    async def call(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            return await method(request, context)
+        except InvalidRequest as e:
+            await context.abort(e.code, str(e))
+        except TensorError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    return call
+
+
+def _wrap_server_streaming(method: Callable) -> Callable:
+    @functools.wraps(method)
+    async def call(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            async for response in method(request, context):
+                yield response
+        except InvalidRequest as e:
+            await context.abort(e.code, str(e))
+        except TensorError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    return call
+
+
+def add_service(
+    server: grpc.aio.Server,
+    service: ServiceDescriptor,
+    servicer: object,
+    message_classes: dict[str, type[pb_message.Message]],
+) -> None:
+    """Register `servicer` (async methods named like the rpcs) for `service`.
+
+    Unary and server-streaming rpcs only (all memlm rpcs are). `message_classes` maps a message's
+    full name to its generated class (see `message_classes_of`). Unlike the generated
+    `add_*Servicer_to_server`, undecodable request bytes get INVALID_ARGUMENT, and InvalidRequest /
+    TensorError become statuses naming the field.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for m in service.methods:
+        behaviour = getattr(servicer, m.name)
+        parse = _safe_parser(message_classes[m.input_type.full_name])
+        serialize = message_classes[m.output_type.full_name].SerializeToString
+        if m.client_streaming:
+            raise NotImplementedError(f"{m.full_name}: client streaming is not used by memlm")
+        if m.server_streaming:
+            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                _wrap_server_streaming(behaviour), request_deserializer=parse, response_serializer=serialize
+            )
+        else:
+            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(behaviour), request_deserializer=parse, response_serializer=serialize
+            )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def message_classes_of(*modules) -> dict[str, type[pb_message.Message]]:
+    """{full message name: class} for the generated `*_pb2` modules given."""
+    out: dict[str, type[pb_message.Message]] = {}
+    for module in modules:
+        for name in module.DESCRIPTOR.message_types_by_name:
+            cls = getattr(module, name)
+            out[cls.DESCRIPTOR.full_name] = cls
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction and lifecycle
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    """A started server, its bound port, and the health servicer that says whether it is ready."""
+
+    server: grpc.aio.Server
+    """The grpc.aio server (already started)."""
+    port: int
+    """The bound TCP port (the real one when the address asked for port 0)."""
+    health: health.aio.HealthServicer
+    """Health servicer; `mark_serving` flips the services and the overall status ("")."""
+    service_names: tuple[str, ...]
+    """Full names of the memlm services registered, e.g. ("memlm.v1.RetrievalService",)."""
+
+    async def mark_serving(self, serving: bool = True) -> None:
+        """Report SERVING (or NOT_SERVING) for every service and for the server as a whole."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+
+async def start_server(
+    address: str,
+    services: Sequence[tuple[ServiceDescriptor, object]],
+    message_classes: dict[str, type[pb_message.Message]],
+    options: ServerOptions,
+) -> RunningServer:
+    """Build, bind and start a grpc.aio server for `services`; health stays NOT_SERVING.
+
+    address: "HOST:PORT"; port 0 picks a free port (tests). Raises MemlmError when the address
+    cannot be bound.
+    """
+    interceptors = [BearerTokenInterceptor(options.token)] if options.token else []
+    server = grpc.aio.server(
+        options=channel_options(options.max_message_bytes),
+        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+        interceptors=interceptors,
+    )
+    names = []
+    for descriptor, servicer in services:
+        add_service(server, descriptor, servicer, message_classes)
+        names.append(descriptor.full_name)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", *names):
+        await health_servicer.set(name, NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    try:
+        if options.tls is not None:
+            port = server.add_secure_port(address, server_credentials(options.tls))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
+        raise MemlmError(f"cannot listen on {address}: {e}") from None
+    if port == 0:
+        raise MemlmError(f"cannot listen on {address}: address in use or not local")
+    await server.start()
+    return RunningServer(server, port, health_servicer, tuple(names))
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """"127.0.0.1:50051" -> ("127.0.0.1", 50051); "[::1]:0" -> ("::1", 0)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise MemlmError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """Inverse of split_host_port (brackets IPv6 literals)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def run_until_signal(
+    running: RunningServer,
+    host: str,
+    *,
+    grace_s: float,
+    on_stopped: Callable[[], None] | None = None,
+    signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+) -> None:
+    """Mark `running` SERVING, print `listening on HOST:PORT` (one flushed line), wait for a signal,
+    then shut down gracefully: health NOT_SERVING, new calls refused, in-flight calls drained for
+    up to grace_s seconds. `on_stopped` runs after the server has stopped (release resources)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+        installed.append(sig)
+    try:
+        await running.mark_serving()
+        print(f"listening on {join_host_port(host, running.port)}", flush=True)
+        await stop.wait()
+        # Tell probes first, so load balancers stop routing here while the drain runs.
+        await running.health.enter_graceful_shutdown()
+        await running.server.stop(grace_s)  # refuses new calls, waits for in-flight ones
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        if on_stopped is not None:
+            on_stopped()
+    print("stopped", file=sys.stderr, flush=True)

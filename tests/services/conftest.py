@@ -1,0 +1,120 @@
+"""Fixtures for the service tests: a real FAISS Flat searcher and servers on an event loop thread.
+
+Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import faiss
+import numpy as np
+import pytest
+
+from memlm.search import Neighbors
+
+
+class FlatSearcher:
+    """Exact L2 search over (keys, values) with faiss.IndexFlatL2: the local oracle."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray) -> None:
+        self.keys = np.ascontiguousarray(keys, dtype=np.float32)  # (N, d)
+        self.values = np.asarray(values, dtype=np.int32)  # (N,)
+        self.index = faiss.IndexFlatL2(self.keys.shape[1])
+        self.index.add(self.keys)
+        self.calls: list[tuple[int, int, dict]] = []  # (Q, k, kwargs) of every search
+
+    @property
+    def dim(self) -> int:
+        return self.keys.shape[1]
+
+    def info(self, **overrides) -> dict:
+        return {
+            "n": len(self.keys),
+            "dim": self.dim,
+            "index": "Flat",
+            "metric": "L2",
+            "model_fingerprint": "model-test",
+            "tokenizer_fingerprint": "tok-test",
+            **overrides,
+        }
+
+    def search(self, xq: np.ndarray, k: int, **kwargs) -> Neighbors:
+        self.calls.append((len(xq), k, kwargs))
+        distances, ids = self.index.search(np.ascontiguousarray(xq, dtype=np.float32), k)  # (Q, k) each
+        missing = ids < 0  # FAISS pads with id -1 and FLT_MAX when N < k; Neighbors says +inf
+        distances[missing] = np.inf
+        values = np.where(missing, -1, self.values[np.maximum(ids, 0)]).astype(np.int32)  # (Q, k)
+        return Neighbors(distances, ids, values)
+
+
+def make_searcher(n: int, d: int, seed: int) -> FlatSearcher:
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((n, d)).astype(np.float32)  # (N, d)
+    values = rng.integers(0, 50_000, size=n).astype(np.int32)  # (N,)
+    return FlatSearcher(keys, values)
+
+
+class GatedSearcher(FlatSearcher):
+    """A FlatSearcher whose searches block until `release` is set; `entered` says one started."""
+
+    def __init__(self, base: FlatSearcher):
+        super().__init__(base.keys, base.values)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def search(self, xq, k, **kwargs):
+        self.entered.set()
+        assert self.release.wait(20), "test never released the searcher"
+        return super().search(xq, k, **kwargs)
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread, so synchronous clients can call servers in-process."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.servers = []
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self, factory, *args, **kwargs):
+        """Run an async `create_*_server(...) -> (server, port)` here; returns the port."""
+        server, port = self.run(factory(*args, **kwargs))
+        self.servers.append(server)
+        return port
+
+    def close(self) -> None:
+        for server in self.servers:
+            self.run(server.stop(None))
+        self.run(asyncio.sleep(0.05))  # let the close-on-stop tasks run
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="module")
+def searcher() -> FlatSearcher:
+    return make_searcher(3000, 32, seed=0)
+
+
+@pytest.fixture(name="make_searcher")
+def make_searcher_fixture():
+    """make_searcher(n, d, seed) -> FlatSearcher over random keys (fixtures, not imports: tests
+    work under every pytest import mode)."""
+    return make_searcher
+
+
+@pytest.fixture
+def gated_searcher(searcher) -> GatedSearcher:
+    return GatedSearcher(searcher)

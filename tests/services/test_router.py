@@ -1,0 +1,74 @@
+"""Shard router: over exact (Flat) shards it equals one Flat index over their union.
+
+Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from memlm.errors import MemlmError
+from memlm.search import Neighbors
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+from services.router import create_router_server, merge_top_k
+from services.server_common import ServiceError
+
+
+def start_shards(loop_thread, searcher, sizes, flat_searcher_type):
+    """Split `searcher`'s rows into consecutive shards of `sizes`; one server each, in order."""
+    ports, start = [], 0
+    for size in sizes:
+        shard = flat_searcher_type(searcher.keys[start : start + size], searcher.values[start : start + size])
+        ports.append(loop_thread.start(create_retrieval_server, "127.0.0.1:0", shard, shard.info()))
+        start += size
+    return [f"127.0.0.1:{p}" for p in ports]
+
+
+@pytest.mark.parametrize("k", [1, 80, 3100])  # 80 > the 50-row shard; 3100 > all 3000 rows
+def test_router_over_flat_shards_equals_flat_union(loop_thread, searcher, k):
+    shards = start_shards(loop_thread, searcher, [1000, 50, 1950], type(searcher))
+    port = loop_thread.start(create_router_server, "127.0.0.1:0", shards)
+    xq = np.random.default_rng(k).standard_normal((20, searcher.dim)).astype(np.float32)  # (Q, d)
+    with RetrievalClient(f"127.0.0.1:{port}") as client:
+        assert client.info.datastore.n == 3000 and client.dim == searcher.dim
+        remote = client.search(xq, k)
+    expected = searcher.search(xq, k)
+    for name, a, b in zip(("distances", "ids", "values"), remote, expected):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    # Every shard contributed (ids are global: 1000..1049 come from the middle shard).
+    if k == 3100:
+        assert set(range(3000)) == set(remote.ids[0, :3000].tolist()) and (remote.ids[:, 3000:] == -1).all()
+
+
+def test_merge_top_k_offsets_ids_and_keeps_missing():
+    a = Neighbors(np.array([[0.5, np.inf]], np.float32), np.array([[1, -1]]), np.array([[7, -1]], np.int32))
+    b = Neighbors(np.array([[0.1, 0.7]], np.float32), np.array([[0, 3]]), np.array([[8, 9]], np.int32))
+    merged = merge_top_k([a, b], offsets=[0, 10], k=4)
+    np.testing.assert_array_equal(merged.ids, [[10, 1, 13, -1]])
+    np.testing.assert_array_equal(merged.values, [[8, 7, 9, -1]])
+    np.testing.assert_array_equal(merged.distances, np.array([[0.1, 0.5, 0.7, np.inf]], np.float32))
+
+
+def test_router_refuses_shards_that_disagree(loop_thread, make_searcher):
+    a, b = make_searcher(100, 8, seed=1), make_searcher(100, 8, seed=2)
+    pa = loop_thread.start(create_retrieval_server, "127.0.0.1:0", a, a.info())
+    pb = loop_thread.start(create_retrieval_server, "127.0.0.1:0", b, b.info(model_fingerprint="other-model"))
+    with pytest.raises(MemlmError, match="model_fingerprint"):
+        loop_thread.run(create_router_server("127.0.0.1:0", [f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"]))
+
+
+def test_router_validates_input_and_passes_deadlines(loop_thread, searcher, gated_searcher):
+    fast = start_shards(loop_thread, searcher, [1500], type(searcher))
+    slow = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated_searcher, gated_searcher.info(n=1500))
+    port = loop_thread.start(create_router_server, "127.0.0.1:0", [*fast, f"127.0.0.1:{slow}"])
+    with RetrievalClient(f"127.0.0.1:{port}", timeout=0.5) as client:
+        with pytest.raises(ServiceError) as info:
+            client.search(np.zeros((2, 5), np.float32), 3)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "queries.shape[1]" in info.value.details
+        with pytest.raises(ServiceError) as info:  # the gated shard never answers in time
+            client.search(np.zeros((2, searcher.dim), np.float32), 3)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    gated_searcher.release.set()

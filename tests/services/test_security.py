@@ -1,0 +1,148 @@
+"""TLS, mutual TLS and the bearer-token check accept and refuse as they should.
+
+Certificates are made here with `cryptography` (EC P-256, valid for an hour), never read from disk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+from services.router import create_router_server
+from services.security import ClientTls, ServerTls
+from services.server_common import ServiceError
+
+
+def _pem(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def _cert(subject: str, key, issuer_name, issuer_key, *, ca: bool, server: bool = False) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if server:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_ca(name: str):
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert(name, key, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key, ca=True)
+    return key, cert
+
+
+def issue(ca, subject: str, server: bool) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) signed by `ca`."""
+    ca_key, ca_cert = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert(subject, key, ca_cert.subject, ca_key, ca=False, server=server)
+    return cert.public_bytes(serialization.Encoding.PEM), _pem(key)
+
+
+@pytest.fixture(scope="module")
+def pki():
+    ca = make_ca("memlm test CA")
+    other_ca = make_ca("some other CA")
+    server_cert, server_key = issue(ca, "localhost", server=True)
+    client_cert, client_key = issue(ca, "memlm client", server=False)
+    stranger_cert, stranger_key = issue(other_ca, "stranger", server=False)
+    pem = lambda c: c[1].public_bytes(serialization.Encoding.PEM)  # noqa: E731
+    return dict(
+        ca=pem(ca), other_ca=pem(other_ca), server=(server_cert, server_key),
+        client=(client_cert, client_key), stranger=(stranger_cert, stranger_key),
+    )
+
+
+def search_ok(client: RetrievalClient, searcher) -> None:
+    xq = np.random.default_rng(0).standard_normal((3, searcher.dim)).astype(np.float32)  # (Q, d)
+    np.testing.assert_array_equal(client.search(xq, 4).ids, searcher.search(xq, 4).ids)
+
+
+def refused(client: RetrievalClient) -> grpc.StatusCode:
+    """The status of a GetInfo call that must fail (GetInfo needs the token and the handshake)."""
+    with pytest.raises(ServiceError) as info:
+        client.info  # noqa: B018
+    return info.value.code
+
+
+def test_tls_accepts_trusting_clients_and_refuses_others(loop_thread, searcher, pki):
+    tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), tls=tls)
+    address = f"localhost:{port}"
+    with RetrievalClient(address, tls=ClientTls(root_ca=pki["ca"])) as ok:
+        search_ok(ok, searcher)
+    with RetrievalClient(f"127.0.0.1:{port}", tls=ClientTls(root_ca=pki["ca"])) as by_ip:  # IP SAN
+        search_ok(by_ip, searcher)
+    with RetrievalClient(address, tls=ClientTls(root_ca=pki["other_ca"]), timeout=3) as wrong_ca:
+        assert refused(wrong_ca) == grpc.StatusCode.UNAVAILABLE
+    with RetrievalClient(address, timeout=3) as plaintext:
+        assert refused(plaintext) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(loop_thread, searcher, pki):
+    tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1], client_ca=pki["ca"])
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), tls=tls)
+    address = f"localhost:{port}"
+    client_tls = ClientTls(root_ca=pki["ca"], certificate_chain=pki["client"][0], private_key=pki["client"][1])
+    with RetrievalClient(address, tls=client_tls) as ok:
+        search_ok(ok, searcher)
+    for bad in (
+        ClientTls(root_ca=pki["ca"]),  # no client certificate
+        ClientTls(root_ca=pki["ca"], certificate_chain=pki["stranger"][0], private_key=pki["stranger"][1]),
+    ):
+        with RetrievalClient(address, tls=bad, timeout=3) as client:
+            assert refused(client) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bearer_token_is_required_except_for_health_checks(loop_thread, searcher):
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), token="s3cret")
+    address = f"127.0.0.1:{port}"
+    with RetrievalClient(address, token="s3cret") as ok:
+        search_ok(ok, searcher)
+    for token in (None, "wrong", "s3cret-but-longer", "s3cre"):
+        with RetrievalClient(address, token=token) as client:
+            assert refused(client) == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        # The wrong scheme is refused too.
+        stub_call = channel.unary_unary("/memlm.v1.RetrievalService/GetInfo")
+        with pytest.raises(grpc.RpcError) as info:
+            stub_call(b"", timeout=10, metadata=(("authorization", "Basic s3cret"),))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_router_with_tls_and_tokens_on_both_sides(loop_thread, searcher, pki):
+    tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
+    shard = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), tls=tls, token="shard-token")
+    router = loop_thread.start(
+        create_router_server, "127.0.0.1:0", [f"localhost:{shard}"],
+        shard_tls=ClientTls(root_ca=pki["ca"]), shard_token="shard-token", tls=tls, token="router-token",
+    )
+    with RetrievalClient(f"localhost:{router}", tls=ClientTls(root_ca=pki["ca"]), token="router-token") as ok:
+        search_ok(ok, searcher)
+    with RetrievalClient(f"localhost:{router}", tls=ClientTls(root_ca=pki["ca"]), token="shard-token") as wrong:
+        assert refused(wrong) == grpc.StatusCode.UNAUTHENTICATED
