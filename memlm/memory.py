@@ -177,10 +177,10 @@ class Compressor(nn.Module):
 
     def forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (B, E, nkv, hs) with E a multiple of c -> (B, E/c, nkv, hs) each, in their dtype."""
-        return self._apply(self.k_convs[layer], k), self._apply(self.v_convs[layer], v)
+        return self._conv_time(self.k_convs[layer], k), self._conv_time(self.v_convs[layer], v)
 
     @staticmethod
-    def _apply(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    def _conv_time(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         B, E, nkv, hs = x.shape
         w = conv.weight
         y = conv(x.reshape(B, E, nkv * hs).transpose(1, 2).to(w.dtype))  # (B, D, E/c)

@@ -346,8 +346,8 @@ def train(
         n_tok = int(batch.mask.sum())
         tokens += n_tok
         tok_log += n_tok
-        losses.append(float(lm_loss))
-        rec_losses.append(float(rec))
+        losses.append(float(lm_loss.detach()))
+        rec_losses.append(float(rec.detach()))
         if config.log_every and (step % config.log_every == 0 or step == config.steps):
             now = time.perf_counter()
             log(f"step {step}/{config.steps} loss {losses[-1]:.4f} rec {rec_losses[-1]:.3g} "

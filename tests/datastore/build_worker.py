@@ -33,7 +33,7 @@ def main() -> None:
 
     model.forward = slow_forward  # instance attribute: nn.Module.__call__ finds it
     print("ready", flush=True)
-    settings = BuildSettings(window=WINDOW, index_factory="IVF16,PQ8", nprobe=4, shard_batches=1)
+    settings = BuildSettings(window=WINDOW, index_factory="IVF16,PQ8x4", nprobe=4, shard_batches=1)
     build_from_tokens(model, make_docs(), out, PROVENANCE, settings, progress=False, log=lambda m: None)
     print("finished", flush=True)
 
