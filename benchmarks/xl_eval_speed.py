@@ -3,7 +3,7 @@
 The comparison of Dai et al. 2019 (section 4.4, "up to 1,800x faster"): a vanilla model that gives every
 token a context of L tokens must re-encode an L-token window per scored token (stride 1); a
 segment-recurrent model with memory L runs each token once and attends to the cached memory instead.
-Here, per span L in --spans: XL evaluation with segment --segment and mem_len L (every query sees at
+Here, per span L in --spans: XL evaluation with segment --segment, mem_len L and 4 sink tokens (every query sees at
 least L earlier tokens), against windows of L tokens with stride 1 (each query sees exactly L - 1).
 
 The stride-1 side is measured on a sample of --window-samples positions (one window each, output head
@@ -88,7 +88,7 @@ def main() -> None:
     print("span  | XL segment eval tok/s | stride-1 window tok/s (extrapolated) | ratio  | XL ppl")
     print("------|-----------------------|--------------------------------------|--------|-------")
     for span in args.spans:
-        xl = evaluate_segments(model, [ids], args.segment, "xl", mem_len=span, sink_tokens=0, boundary_token=boundary)
+        xl = evaluate_segments(model, [ids], args.segment, "xl", mem_len=span, sink_tokens=4, boundary_token=boundary)
         per_token = time_stride1(model, ids, span, args.window_samples)
         ratio = xl["tokens_per_s"] * per_token
         print(f"{span:5d} | {xl['tokens_per_s']:21.1f} | {1 / per_token:36.2f} | {ratio:5.0f}x | {xl['perplexity']:.2f}")

@@ -12,6 +12,7 @@ Shape legend: N keys, n rows of a chunk, d key dimension, Q queries, k neighbour
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
+from datastore.shards import PARTIAL_SUFFIX, fsync_dir
 from memlm.errors import MemlmError
 
 FLAT_MAX = 200_000
@@ -163,9 +165,6 @@ def add_keys(
 
 def write_index(index: faiss.Index, path: Path) -> None:
     """Write to `path` via a temporary name (faiss writes the file itself, so fsync it afterwards)."""
-    from datastore.shards import PARTIAL_SUFFIX, fsync_dir
-    import os
-
     tmp = path.with_name(path.name + PARTIAL_SUFFIX)
     faiss.write_index(index, str(tmp))
     with open(tmp, "rb+") as f:

@@ -473,7 +473,6 @@ class CompressiveMemory(XLMemory):
 
 
 def _empty_like(m: LayerMemory) -> LayerMemory:
-    B = m.k.shape[0]
     return LayerMemory(m.k[:, :0], m.v[:, :0], m.pos[:, :0], m.valid[:, :0])
 
 

@@ -81,10 +81,9 @@ class Tokenizer:
     def fingerprint(self) -> str:
         """sha256 hex of the canonical tokenizer JSON plus bos/eos ids: equal iff text maps to ids equally."""
         if self._fingerprint is None:
-            payload = json.dumps({"tokenizer": json.loads(_canonical(self.to_json())),
-                                  "bos_id": self.bos_id, "eos_id": self.eos_id}, sort_keys=True,
-                                 separators=(",", ":"), ensure_ascii=False)
-            self._fingerprint = hashlib.sha256(payload.encode("utf-8")).hexdigest()
+            h = hashlib.sha256(_canonical(self.to_json()).encode("utf-8"))
+            h.update(f"\nbos_id={self.bos_id}\neos_id={self.eos_id}".encode())
+            self._fingerprint = h.hexdigest()
         return self._fingerprint
 
     def to_json(self) -> str:
@@ -170,9 +169,8 @@ class Tokenizer:
         """Ids 0..255 are the raw UTF-8 bytes, 256..258 are BYTE_SPECIALS (bos, eos, pad)."""
         # ByteLevel spells each byte as one printable character (GPT-2's bytes_to_unicode);
         # listing them in byte order makes id == byte value. No merges: every byte is one token.
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-        by_byte = sorted(alphabet, key=_byte_of)
-        vocab = {ch: _byte_of(ch) for ch in by_byte}
+        assert set(pre_tokenizers.ByteLevel.alphabet()) == set(_UNICODE_TO_BYTE)
+        vocab = dict(sorted(_UNICODE_TO_BYTE.items(), key=lambda kv: kv[1]))
         backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
@@ -180,15 +178,17 @@ class Tokenizer:
         return cls(backend, bos_id=256, eos_id=257)
 
 
-def _byte_of(ch: str) -> int:
-    """Inverse of GPT-2's bytes_to_unicode for one character."""
-    cp = ord(ch)
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    if cp in printable:
-        return cp
-    # The 68 unprintable bytes are mapped, in byte order, to 256, 257, ...
-    unprintable = [b for b in range(256) if b not in printable]
-    return unprintable[cp - 256]
+def _unicode_to_byte() -> dict[str, int]:
+    # GPT-2's bytes_to_unicode (openai/gpt-2 encoder.py): printable Latin-1 bytes stand for
+    # themselves, the other 68 bytes are mapped, in byte order, to chr(256), chr(257), ...
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in printable):
+        table[chr(256 + n)] = b
+    return table
+
+
+_UNICODE_TO_BYTE = _unicode_to_byte()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

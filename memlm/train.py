@@ -143,6 +143,10 @@ class TrainResult:
     """Training tokens scored in this call."""
     checkpoint: str | None
     """Where the last checkpoint was written."""
+    model: Decoder
+    """The trained model (train mode)."""
+    compressor: Compressor | None
+    """The trained conv compressor, when the memory has one."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -361,4 +365,4 @@ def train(
     if config.out_dir:
         checkpoint = save()
         log(f"checkpoint written to {checkpoint}")
-    return TrainResult(step, losses, rec_losses, evals, tokens, checkpoint)
+    return TrainResult(step, losses, rec_losses, evals, tokens, checkpoint, model, compressor)

@@ -16,7 +16,12 @@ SMOLLM2_SKIP = "SmolLM2 weights not fetched; run: memlm fetch smollm2-135m"
 
 
 def smollm2_path() -> Path:
-    """The cached SmolLM2 GGUF, or skip the calling test when it has not been fetched."""
+    """The cached SmolLM2 GGUF, or skip the calling test when it has not been fetched.
+
+    Test modules should use the `smollm2_gguf` fixture: `from conftest import ...` is ambiguous
+    because tests/datastore and tests/services have their own conftest.py (whichever is imported
+    first owns the name "conftest" in a full run).
+    """
     from memlm.weights import model_path
 
     path = model_path("smollm2-135m")
@@ -26,12 +31,18 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> Path:
+def smollm2_gguf() -> Path:
     """Fixture form of `smollm2_path()`."""
     return smollm2_path()
 
 
-def hf_llama(config, state_dict):
+@pytest.fixture(scope="session")
+def hf_llama():
+    """The `build_hf_llama(config, state_dict)` function below."""
+    return build_hf_llama
+
+
+def build_hf_llama(config, state_dict):
     """transformers' LlamaForCausalLM (eager attention) holding our `state_dict`: the reference model.
 
     config: a memlm ModelConfig; state_dict: our parameter names (no "model." prefix).
@@ -45,12 +56,15 @@ def hf_llama(config, state_dict):
         rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
         max_position_embeddings=config.max_seq_len, attn_implementation="eager",
     )
-    model = LlamaForCausalLM(hf_config)  # not on meta: the rotary inv_freq buffer must be computed
+    with torch.device("meta"):  # skip transformers' random init of weights that are replaced anyway
+        model = LlamaForCausalLM(hf_config)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config)  # its buffer, on the CPU
     hf_state = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in state_dict.items()}
     if config.tie_embeddings:
         hf_state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(hf_state, strict=False)
+    missing, unexpected = model.load_state_dict(hf_state, strict=False, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if config.tie_embeddings:
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        model.lm_head.weight = model.model.embed_tokens.weight
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     return model.float().eval()

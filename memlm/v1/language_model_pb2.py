@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from memlm.v1 import retrieval_pb2 as memlm_dot_v1_dot_retrieval__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmemlm/v1/language_model.proto\x12\x08memlm.v1\x1a\x18memlm/v1/retrieval.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xab\x01\n\nKnnOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1a\n\rlambda_weight\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x0e\n\x01k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x13\n\x06nprobe\x18\x05 \x01(\x05H\x03\x88\x01\x01\x42\x10\n\x0e_lambda_weightB\x0e\n\x0c_temperatureB\x04\n\x02_kB\t\n\x07_nprobe\"\xa9\x01\n\nScoreInput\x12\x16\n\x0c\x63ontext_text\x18\x01 \x01(\tH\x00\x12/\n\x11\x63ontext_token_ids\x18\x02 \x01(\x0b\x32\x12.memlm.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x01\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.memlm.v1.TokenIdsH\x01\x42\t\n\x07\x63ontextB\x0e\n\x0c\x63ontinuation\"\xbf\x01\n\x0cScoreRequest\x12$\n\x06inputs\x18\x01 \x03(\x0b\x32\x14.memlm.v1.ScoreInput\x12!\n\x03knn\x18\x02 \x01(\x0b\x32\x14.memlm.v1.KnnOptions\x12)\n\x0bmemory_mode\x18\x03 \x01(\x0e\x32\x14.memlm.v1.MemoryMode\x12\r\n\x05top_n\x18\x04 \x01(\x05\x12\x1a\n\rwindow_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_window_tokens\"C\n\x10TokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x98\x01\n\nTokenScore\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0c\x62\x61se_logprob\x18\x04 \x01(\x02\x12\x11\n\tis_greedy\x18\x05 \x01(\x08\x12\x30\n\x0c\x61lternatives\x18\x06 \x03(\x0b\x32\x1a.memlm.v1.TokenAlternative\"\xa7\x01\n\rSequenceScore\x12$\n\x06tokens\x18\x01 \x03(\x0b\x32\x14.memlm.v1.TokenScore\x12\x15\n\rtotal_logprob\x18\x02 \x01(\x01\x12\x1a\n\x12\x62\x61se_total_logprob\x18\x03 \x01(\x01\x12\x12\n\nperplexity\x18\x04 \x01(\x01\x12\x11\n\tis_greedy\x18\x05 \x01(\x08\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\x05\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.memlm.v1.SequenceScore\"\x93\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x02\n\x0fGenerateRequest\x12\x15\n\x0bprompt_text\x18\x01 \x01(\tH\x00\x12.\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x12.memlm.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.memlm.v1.SamplingOptions\x12\x16\n\x0estop_sequences\x18\x05 \x03(\t\x12!\n\x03knn\x18\x06 \x01(\x0b\x32\x14.memlm.v1.KnnOptions\x12)\n\x0bmemory_mode\x18\x07 \x01(\x0e\x32\x14.memlm.v1.MemoryModeB\x08\n\x06prompt\"W\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0c\x62\x61se_logprob\x18\x04 \x01(\x02\"G\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\x06tokens\x18\x02 \x03(\x0b\x32\x18.memlm.v1.GeneratedToken\"\x81\x01\n\x0eGenerateFinish\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.memlm.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rstop_sequence\x18\x04 \x01(\t\"q\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.memlm.v1.GenerateDeltaH\x00\x12*\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x18.memlm.v1.GenerateFinishH\x00\x42\x07\n\x05\x65vent\"1\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\",\n\rTokenizedText\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"<\n\x10TokenizeResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.memlm.v1.TokenizedText\"$\n\"LanguageModelServiceGetInfoRequest\"\x8b\x03\n#LanguageModelServiceGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\x05\x12*\n\tdatastore\x18\x06 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12*\n\x0cmemory_modes\x18\x07 \x03(\x0e\x32\x14.memlm.v1.MemoryMode\x12\x31\n\x13\x64\x65\x66\x61ult_memory_mode\x18\x08 \x01(\x0e\x32\x14.memlm.v1.MemoryMode\x12\x18\n\x10max_score_tokens\x18\t \x01(\x05\x12\x17\n\x0fmax_score_batch\x18\n \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x0b \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x0c \x01(\x03*\xa3\x01\n\nMemoryMode\x12\x1b\n\x17MEMORY_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_MODE_NONE\x10\x01\x12\x12\n\x0eMEMORY_MODE_XL\x10\x02\x12\x1b\n\x17MEMORY_MODE_COMPRESSIVE\x10\x03\x12\x1a\n\x16MEMORY_MODE_MEMORIZING\x10\x04\x12\x15\n\x11MEMORY_MODE_SPALM\x10\x05*\x87\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x12\x1d\n\x19\x46INISH_REASON_END_OF_TEXT\x10\x03\x32\xc0\x02\n\x14LanguageModelService\x12\x38\n\x05Score\x12\x16.memlm.v1.ScoreRequest\x1a\x17.memlm.v1.ScoreResponse\x12\x43\n\x08Generate\x12\x19.memlm.v1.GenerateRequest\x1a\x1a.memlm.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.memlm.v1.TokenizeRequest\x1a\x1a.memlm.v1.TokenizeResponse\x12\x66\n\x07GetInfo\x12,.memlm.v1.LanguageModelServiceGetInfoRequest\x1a-.memlm.v1.LanguageModelServiceGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmemlm/v1/language_model.proto\x12\x08memlm.v1\x1a\x18memlm/v1/retrieval.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xab\x01\n\nKnnOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1a\n\rlambda_weight\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x0e\n\x01k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x13\n\x06nprobe\x18\x05 \x01(\x05H\x03\x88\x01\x01\x42\x10\n\x0e_lambda_weightB\x0e\n\x0c_temperatureB\x04\n\x02_kB\t\n\x07_nprobe\"\xa9\x01\n\nScoreInput\x12\x16\n\x0c\x63ontext_text\x18\x01 \x01(\tH\x00\x12/\n\x11\x63ontext_token_ids\x18\x02 \x01(\x0b\x32\x12.memlm.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x01\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.memlm.v1.TokenIdsH\x01\x42\t\n\x07\x63ontextB\x0e\n\x0c\x63ontinuation\"\xed\x01\n\x0cScoreRequest\x12$\n\x06inputs\x18\x01 \x03(\x0b\x32\x14.memlm.v1.ScoreInput\x12!\n\x03knn\x18\x02 \x01(\x0b\x32\x14.memlm.v1.KnnOptions\x12)\n\x0bmemory_mode\x18\x03 \x01(\x0e\x32\x14.memlm.v1.MemoryMode\x12\r\n\x05top_n\x18\x04 \x01(\x05\x12\x1a\n\rwindow_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rstride_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x10\n\x0e_window_tokensB\x10\n\x0e_stride_tokens\"C\n\x10TokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x98\x01\n\nTokenScore\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0c\x62\x61se_logprob\x18\x04 \x01(\x02\x12\x11\n\tis_greedy\x18\x05 \x01(\x08\x12\x30\n\x0c\x61lternatives\x18\x06 \x03(\x0b\x32\x1a.memlm.v1.TokenAlternative\"\xa7\x01\n\rSequenceScore\x12$\n\x06tokens\x18\x01 \x03(\x0b\x32\x14.memlm.v1.TokenScore\x12\x15\n\rtotal_logprob\x18\x02 \x01(\x01\x12\x1a\n\x12\x62\x61se_total_logprob\x18\x03 \x01(\x01\x12\x12\n\nperplexity\x18\x04 \x01(\x01\x12\x11\n\tis_greedy\x18\x05 \x01(\x08\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\x05\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.memlm.v1.SequenceScore\"\x93\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8d\x02\n\x0fGenerateRequest\x12\x15\n\x0bprompt_text\x18\x01 \x01(\tH\x00\x12.\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x12.memlm.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.memlm.v1.SamplingOptions\x12\x16\n\x0estop_sequences\x18\x05 \x03(\t\x12!\n\x03knn\x18\x06 \x01(\x0b\x32\x14.memlm.v1.KnnOptions\x12)\n\x0bmemory_mode\x18\x07 \x01(\x0e\x32\x14.memlm.v1.MemoryModeB\x08\n\x06prompt\"W\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0c\x62\x61se_logprob\x18\x04 \x01(\x02\"G\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\x06tokens\x18\x02 \x03(\x0b\x32\x18.memlm.v1.GeneratedToken\"\x81\x01\n\x0eGenerateFinish\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.memlm.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rstop_sequence\x18\x04 \x01(\t\"q\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.memlm.v1.GenerateDeltaH\x00\x12*\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x18.memlm.v1.GenerateFinishH\x00\x42\x07\n\x05\x65vent\"1\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\",\n\rTokenizedText\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"<\n\x10TokenizeResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.memlm.v1.TokenizedText\"$\n\"LanguageModelServiceGetInfoRequest\"\x8b\x03\n#LanguageModelServiceGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\x05\x12*\n\tdatastore\x18\x06 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12*\n\x0cmemory_modes\x18\x07 \x03(\x0e\x32\x14.memlm.v1.MemoryMode\x12\x31\n\x13\x64\x65\x66\x61ult_memory_mode\x18\x08 \x01(\x0e\x32\x14.memlm.v1.MemoryMode\x12\x18\n\x10max_score_tokens\x18\t \x01(\x05\x12\x17\n\x0fmax_score_batch\x18\n \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x0b \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x0c \x01(\x03*\xa3\x01\n\nMemoryMode\x12\x1b\n\x17MEMORY_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_MODE_NONE\x10\x01\x12\x12\n\x0eMEMORY_MODE_XL\x10\x02\x12\x1b\n\x17MEMORY_MODE_COMPRESSIVE\x10\x03\x12\x1a\n\x16MEMORY_MODE_MEMORIZING\x10\x04\x12\x15\n\x11MEMORY_MODE_SPALM\x10\x05*\x87\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x12\x1d\n\x19\x46INISH_REASON_END_OF_TEXT\x10\x03\x32\xc0\x02\n\x14LanguageModelService\x12\x38\n\x05Score\x12\x16.memlm.v1.ScoreRequest\x1a\x17.memlm.v1.ScoreResponse\x12\x43\n\x08Generate\x12\x19.memlm.v1.GenerateRequest\x1a\x1a.memlm.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.memlm.v1.TokenizeRequest\x1a\x1a.memlm.v1.TokenizeResponse\x12\x66\n\x07GetInfo\x12,.memlm.v1.LanguageModelServiceGetInfoRequest\x1a-.memlm.v1.LanguageModelServiceGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'memlm.v1.language_model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYMODE']._serialized_start=2514
-  _globals['_MEMORYMODE']._serialized_end=2677
-  _globals['_FINISHREASON']._serialized_start=2680
-  _globals['_FINISHREASON']._serialized_end=2815
+  _globals['_MEMORYMODE']._serialized_start=2560
+  _globals['_MEMORYMODE']._serialized_end=2723
+  _globals['_FINISHREASON']._serialized_start=2726
+  _globals['_FINISHREASON']._serialized_end=2861
   _globals['_TOKENIDS']._serialized_start=69
   _globals['_TOKENIDS']._serialized_end=92
   _globals['_KNNOPTIONS']._serialized_start=95
@@ -43,37 +43,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREINPUT']._serialized_start=269
   _globals['_SCOREINPUT']._serialized_end=438
   _globals['_SCOREREQUEST']._serialized_start=441
-  _globals['_SCOREREQUEST']._serialized_end=632
-  _globals['_TOKENALTERNATIVE']._serialized_start=634
-  _globals['_TOKENALTERNATIVE']._serialized_end=701
-  _globals['_TOKENSCORE']._serialized_start=704
-  _globals['_TOKENSCORE']._serialized_end=856
-  _globals['_SEQUENCESCORE']._serialized_start=859
-  _globals['_SEQUENCESCORE']._serialized_end=1026
-  _globals['_SCORERESPONSE']._serialized_start=1028
-  _globals['_SCORERESPONSE']._serialized_end=1085
-  _globals['_SAMPLINGOPTIONS']._serialized_start=1088
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1235
-  _globals['_GENERATEREQUEST']._serialized_start=1238
-  _globals['_GENERATEREQUEST']._serialized_end=1507
-  _globals['_GENERATEDTOKEN']._serialized_start=1509
-  _globals['_GENERATEDTOKEN']._serialized_end=1596
-  _globals['_GENERATEDELTA']._serialized_start=1598
-  _globals['_GENERATEDELTA']._serialized_end=1669
-  _globals['_GENERATEFINISH']._serialized_start=1672
-  _globals['_GENERATEFINISH']._serialized_end=1801
-  _globals['_GENERATERESPONSE']._serialized_start=1803
-  _globals['_GENERATERESPONSE']._serialized_end=1916
-  _globals['_TOKENIZEREQUEST']._serialized_start=1918
-  _globals['_TOKENIZEREQUEST']._serialized_end=1967
-  _globals['_TOKENIZEDTEXT']._serialized_start=1969
-  _globals['_TOKENIZEDTEXT']._serialized_end=2013
-  _globals['_TOKENIZERESPONSE']._serialized_start=2015
-  _globals['_TOKENIZERESPONSE']._serialized_end=2075
-  _globals['_LANGUAGEMODELSERVICEGETINFOREQUEST']._serialized_start=2077
-  _globals['_LANGUAGEMODELSERVICEGETINFOREQUEST']._serialized_end=2113
-  _globals['_LANGUAGEMODELSERVICEGETINFORESPONSE']._serialized_start=2116
-  _globals['_LANGUAGEMODELSERVICEGETINFORESPONSE']._serialized_end=2511
-  _globals['_LANGUAGEMODELSERVICE']._serialized_start=2818
-  _globals['_LANGUAGEMODELSERVICE']._serialized_end=3138
+  _globals['_SCOREREQUEST']._serialized_end=678
+  _globals['_TOKENALTERNATIVE']._serialized_start=680
+  _globals['_TOKENALTERNATIVE']._serialized_end=747
+  _globals['_TOKENSCORE']._serialized_start=750
+  _globals['_TOKENSCORE']._serialized_end=902
+  _globals['_SEQUENCESCORE']._serialized_start=905
+  _globals['_SEQUENCESCORE']._serialized_end=1072
+  _globals['_SCORERESPONSE']._serialized_start=1074
+  _globals['_SCORERESPONSE']._serialized_end=1131
+  _globals['_SAMPLINGOPTIONS']._serialized_start=1134
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1281
+  _globals['_GENERATEREQUEST']._serialized_start=1284
+  _globals['_GENERATEREQUEST']._serialized_end=1553
+  _globals['_GENERATEDTOKEN']._serialized_start=1555
+  _globals['_GENERATEDTOKEN']._serialized_end=1642
+  _globals['_GENERATEDELTA']._serialized_start=1644
+  _globals['_GENERATEDELTA']._serialized_end=1715
+  _globals['_GENERATEFINISH']._serialized_start=1718
+  _globals['_GENERATEFINISH']._serialized_end=1847
+  _globals['_GENERATERESPONSE']._serialized_start=1849
+  _globals['_GENERATERESPONSE']._serialized_end=1962
+  _globals['_TOKENIZEREQUEST']._serialized_start=1964
+  _globals['_TOKENIZEREQUEST']._serialized_end=2013
+  _globals['_TOKENIZEDTEXT']._serialized_start=2015
+  _globals['_TOKENIZEDTEXT']._serialized_end=2059
+  _globals['_TOKENIZERESPONSE']._serialized_start=2061
+  _globals['_TOKENIZERESPONSE']._serialized_end=2121
+  _globals['_LANGUAGEMODELSERVICEGETINFOREQUEST']._serialized_start=2123
+  _globals['_LANGUAGEMODELSERVICEGETINFOREQUEST']._serialized_end=2159
+  _globals['_LANGUAGEMODELSERVICEGETINFORESPONSE']._serialized_start=2162
+  _globals['_LANGUAGEMODELSERVICEGETINFORESPONSE']._serialized_end=2557
+  _globals['_LANGUAGEMODELSERVICE']._serialized_start=2864
+  _globals['_LANGUAGEMODELSERVICE']._serialized_end=3184
 # @@protoc_insertion_point(module_scope)

@@ -67,18 +67,20 @@ class ScoreInput(_message.Message):
     def __init__(self, context_text: _Optional[str] = ..., context_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("inputs", "knn", "memory_mode", "top_n", "window_tokens")
+    __slots__ = ("inputs", "knn", "memory_mode", "top_n", "window_tokens", "stride_tokens")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     KNN_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[ScoreInput]
     knn: KnnOptions
     memory_mode: MemoryMode
     top_n: int
     window_tokens: int
-    def __init__(self, inputs: _Optional[_Iterable[_Union[ScoreInput, _Mapping]]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., top_n: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+    stride_tokens: int
+    def __init__(self, inputs: _Optional[_Iterable[_Union[ScoreInput, _Mapping]]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., top_n: _Optional[int] = ..., window_tokens: _Optional[int] = ..., stride_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenAlternative(_message.Message):
     __slots__ = ("token_id", "text", "logprob")

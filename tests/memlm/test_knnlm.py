@@ -211,3 +211,15 @@ def test_config_validates():
     with pytest.raises(MemlmError):
         KNNLMConfig(temperature=0.0)
     assert KNNLMConfig(exact_rerank=True, nprobe=4).search_kwargs() == {"exact_rerank": True, "nprobe": 4}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_exact_searcher_on_gpu_matches_cpu():
+    rng = np.random.default_rng(6)
+    keys = torch.from_numpy(rng.normal(size=(3000, 32)).astype(np.float16))
+    values = rng.integers(0, 100, size=3000).astype(np.int32)
+    xq = rng.normal(size=(17, 32)).astype(np.float32)
+    cpu = TorchExactSearcher(keys, values, chunk_size=1000).search(xq, 50)
+    gpu = TorchExactSearcher(keys.cuda(), values, chunk_size=1000).search(xq, 50)
+    np.testing.assert_array_equal(cpu.ids, gpu.ids)
+    np.testing.assert_allclose(cpu.distances, gpu.distances, rtol=1e-4, atol=1e-3)

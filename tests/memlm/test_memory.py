@@ -194,7 +194,7 @@ def test_xl_fifo_keeps_the_most_recent_states_in_order_and_never_resets():
         n_seen = 6 * (step + 1)
         expected = list(range(max(2, n_seen - 10), n_seen))
         m = mem.mem[0]
-        assert m.pos[m.valid[:, :] ].view(2, -1)[0].tolist() == expected
+        assert m.pos[0, m.valid[0]].tolist() == m.pos[1, m.valid[1]].tolist() == expected
         assert m.k[0, m.valid[0], 0, 0].tolist() == expected  # contents travel with positions
         assert mem.sink[0].pos[0].tolist() == [0, 1] and bool(mem.sink[0].valid.all())
         lm = mem.layer_memory(0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_llama
 
 from memlm.config import ModelConfig
 from memlm.model import Decoder, KVCache
@@ -38,7 +37,7 @@ def tokens(config: ModelConfig, B: int = 2, T: int = 20, seed: int = 1) -> torch
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_logits_match_transformers(tie: bool) -> None:
+def test_logits_match_transformers(tie: bool, hf_llama) -> None:
     config = make_config(tie)
     model = make_model(config)
     ref = hf_llama(config, model.state_dict())
@@ -53,7 +52,7 @@ def test_logits_match_transformers(tie: bool) -> None:
         assert model.lm_head.weight is model.embed_tokens.weight
 
 
-def test_no_gqa_and_multi_query_match_transformers() -> None:
+def test_no_gqa_and_multi_query_match_transformers(hf_llama) -> None:
     for n_kv_head in (6, 1):  # plain multi-head attention, and one shared key/value head
         config = make_config(False, n_kv_head=n_kv_head)
         model = make_model(config)
@@ -94,7 +93,7 @@ def test_kv_cache_refuses_to_overflow() -> None:
 
 
 @pytest.mark.parametrize("layer", [-1, 0])
-def test_ffn_input_key_is_the_mlp_input_in_transformers(layer: int) -> None:
+def test_ffn_input_key_is_the_mlp_input_in_transformers(layer: int, hf_llama) -> None:
     config = make_config(False, knn_key_layer=layer)
     model = make_model(config)
     ref = hf_llama(config, model.state_dict())
@@ -110,7 +109,7 @@ def test_ffn_input_key_is_the_mlp_input_in_transformers(layer: int) -> None:
     assert config.key_description == f"ffn_input.{layer % config.n_layer}"
 
 
-def test_final_hidden_key_is_the_final_norm_output_in_transformers() -> None:
+def test_final_hidden_key_is_the_final_norm_output_in_transformers(hf_llama) -> None:
     config = make_config(True, knn_key="final_hidden")
     model = make_model(config)
     ref = hf_llama(config, model.state_dict())

@@ -1,0 +1,396 @@
+"""A synchronous LanguageModelService client, and the `memlm client score|generate` commands.
+
+`LanguageModelClient` turns the protobuf messages into frozen dataclasses (scores) and an iterator of
+deltas (generation); every grpc error becomes a ServiceError (a MemlmError: the command line prints it
+as one line). Leaving a `generate` iterator early (break, close, garbage collection) cancels the call,
+so the server stops generating.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+import grpc
+
+from memlm.errors import MemlmError
+from memlm.v1 import language_model_pb2 as lm_pb2
+from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
+from services.security import ClientTls, auth_metadata, channel_credentials, channel_tls_options
+from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, channel_options
+
+MEMORY_MODES = {
+    "none": lm_pb2.MEMORY_MODE_NONE,
+    "xl": lm_pb2.MEMORY_MODE_XL,
+    "compressive": lm_pb2.MEMORY_MODE_COMPRESSIVE,
+    "memorizing": lm_pb2.MEMORY_MODE_MEMORIZING,
+    "spalm": lm_pb2.MEMORY_MODE_SPALM,
+}
+FINISH_NAMES = {
+    lm_pb2.FINISH_REASON_LENGTH: "length",
+    lm_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
+    lm_pb2.FINISH_REASON_END_OF_TEXT: "eos",
+}
+
+
+@dataclass(frozen=True)
+class KnnRequest:
+    """kNN-LM options of one request; None fields take the server's defaults."""
+
+    lmbda: float | None = None
+    """Interpolation weight of p_kNN in [0, 1]."""
+    temperature: float | None = None
+    """Softmax temperature over negative squared distances (> 0)."""
+    k: int | None = None
+    """Neighbours per token."""
+    nprobe: int | None = None
+    """IVF lists probed per search."""
+
+    def to_proto(self) -> lm_pb2.KnnOptions:
+        o = lm_pb2.KnnOptions(enabled=True)
+        if self.lmbda is not None:
+            o.lambda_weight = self.lmbda
+        if self.temperature is not None:
+            o.temperature = self.temperature
+        if self.k is not None:
+            o.k = self.k
+        if self.nprobe is not None:
+            o.nprobe = self.nprobe
+        return o
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A likely token at a scored position."""
+
+    token_id: int
+    """Token id."""
+    text: str
+    """Its text."""
+    logprob: float
+    """Final log-probability, nats."""
+
+
+@dataclass(frozen=True)
+class ScoredToken:
+    """One scored token."""
+
+    token_id: int
+    """Token id."""
+    text: str
+    """Its text."""
+    logprob: float
+    """Final log-probability (kNN-LM mixture when on), nats."""
+    base_logprob: float
+    """Base LM log-probability, nats."""
+    is_greedy: bool
+    """The most likely token under the final distribution."""
+    alternatives: tuple[Alternative, ...]
+    """top_n most likely tokens, most likely first."""
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Scores of one input."""
+
+    tokens: tuple[ScoredToken, ...]
+    """The scored (continuation) tokens."""
+    total_logprob: float
+    """Sum of final log-probabilities, nats."""
+    base_total_logprob: float
+    """Sum of base log-probabilities, nats."""
+    perplexity: float
+    """exp(-total_logprob / tokens); inf when nothing was scored."""
+    is_greedy: bool
+    """Every token greedy."""
+    context_tokens: int
+    """Tokens the continuation was conditioned on (boundary token + context)."""
+
+    @property
+    def base_perplexity(self) -> float:
+        """exp(-base_total_logprob / tokens)."""
+        return math.exp(-self.base_total_logprob / len(self.tokens)) if self.tokens else math.inf
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New generated text and its tokens."""
+
+    text: str
+    """New text (concatenating all deltas gives the continuation)."""
+    token_ids: tuple[int, ...]
+    """The new tokens."""
+    logprobs: tuple[float, ...]
+    """Their final log-probabilities, nats."""
+    base_logprobs: tuple[float, ...]
+    """Their base LM log-probabilities, nats."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The end of a generation."""
+
+    reason: str
+    """"length", "stop" or "eos"."""
+    prompt_tokens: int
+    """Prompt tokens."""
+    completion_tokens: int
+    """Generated tokens."""
+    stop_sequence: str
+    """The stop sequence that matched, else ""."""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """One tokenized text."""
+
+    ids: tuple[int, ...]
+    """Token ids."""
+    pieces: tuple[str, ...]
+    """Text of each token."""
+
+
+def _memory_mode(name: str | None) -> int:
+    if name is None:
+        return lm_pb2.MEMORY_MODE_UNSPECIFIED
+    if name not in MEMORY_MODES:
+        raise MemlmError(f"memory mode must be one of {', '.join(MEMORY_MODES)}, got {name!r}")
+    return MEMORY_MODES[name]
+
+
+class LanguageModelClient:
+    """Client of a LanguageModelService.
+
+    address: "HOST:PORT". tls: None = plaintext. token: bearer token, if the server wants one.
+    timeout: seconds allowed per call (a whole Generate stream included); None = no deadline.
+    wait_for_ready: True = calls wait (within timeout) for a server that is still starting.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: ClientTls | None = None,
+        token: str | None = None,
+        timeout: float | None = 300.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        wait_for_ready: bool = False,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._wait_for_ready = wait_for_ready
+        self._metadata = auth_metadata(token)
+        options = channel_options(max_message_bytes) + channel_tls_options(tls)
+        if tls is not None:
+            self._channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = lm_pb2_grpc.LanguageModelServiceStub(self._channel)
+
+    def _kwargs(self) -> dict:
+        return dict(timeout=self.timeout, metadata=self._metadata, wait_for_ready=self._wait_for_ready)
+
+    def _call(self, method, request):
+        try:
+            return method(request, **self._kwargs())
+        except grpc.RpcError as e:
+            raise ServiceError(self.address, e.code(), e.details() or "") from None
+
+    def info(self) -> lm_pb2.LanguageModelServiceGetInfoResponse:
+        """The server's model, datastore and limits."""
+        return self._call(self._stub.GetInfo, lm_pb2.LanguageModelServiceGetInfoRequest())
+
+    def tokenize(self, texts: Sequence[str], *, add_bos: bool = False) -> list[Tokenized]:
+        """Token ids and pieces of each text."""
+        response = self._call(self._stub.Tokenize, lm_pb2.TokenizeRequest(texts=list(texts), add_bos=add_bos))
+        return [Tokenized(tuple(r.ids), tuple(r.pieces)) for r in response.results]
+
+    def score(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        *,
+        contexts: Sequence[str | Sequence[int] | None] | None = None,
+        knn: KnnRequest | None = None,
+        top_n: int = 0,
+        window_tokens: int | None = None,
+        stride_tokens: int | None = None,
+        memory_mode: str | None = None,
+    ) -> list[ScoreResult]:
+        """Score texts or token-id sequences (continuations), optionally each after a context.
+
+        knn: None = base LM only; KnnRequest() = kNN-LM with the server's defaults.
+        """
+        request = lm_pb2.ScoreRequest(top_n=top_n, memory_mode=_memory_mode(memory_mode))
+        if contexts is not None and len(contexts) != len(inputs):
+            raise MemlmError(f"{len(contexts)} contexts for {len(inputs)} inputs")
+        for i, item in enumerate(inputs):
+            entry = request.inputs.add()
+            if isinstance(item, str):
+                entry.text = item
+            else:
+                entry.token_ids.ids.extend(int(t) for t in item)
+            ctx = contexts[i] if contexts is not None else None
+            if isinstance(ctx, str):
+                entry.context_text = ctx
+            elif ctx is not None:
+                entry.context_token_ids.ids.extend(int(t) for t in ctx)
+        if knn is not None:
+            request.knn.CopyFrom(knn.to_proto())
+        if window_tokens is not None:
+            request.window_tokens = window_tokens
+        if stride_tokens is not None:
+            request.stride_tokens = stride_tokens
+        response = self._call(self._stub.Score, request)
+        return [_score_result(r) for r in response.results]
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        knn: KnnRequest | None = None,
+        memory_mode: str | None = None,
+    ) -> Iterator[TextDelta | Finish]:
+        """Stream a continuation: TextDelta events, then one Finish. Closing the iterator early cancels
+        the call (the server stops generating). temperature None = the server's default (1.0)."""
+        request = lm_pb2.GenerateRequest(
+            max_new_tokens=max_new_tokens, stop_sequences=list(stop), memory_mode=_memory_mode(memory_mode)
+        )
+        if isinstance(prompt, str):
+            request.prompt_text = prompt
+        else:
+            request.prompt_token_ids.ids.extend(int(t) for t in prompt)
+        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+            if value is not None:
+                setattr(request.sampling, name, value)
+        if knn is not None:
+            request.knn.CopyFrom(knn.to_proto())
+        return self._stream(request)
+
+    def _stream(self, request: lm_pb2.GenerateRequest) -> Iterator[TextDelta | Finish]:
+        call = self._stub.Generate(request, **self._kwargs())
+        try:
+            for response in call:
+                if response.HasField("delta"):
+                    d = response.delta
+                    yield TextDelta(
+                        d.text, tuple(t.token_id for t in d.tokens), tuple(t.logprob for t in d.tokens),
+                        tuple(t.base_logprob for t in d.tokens),
+                    )
+                else:
+                    f = response.finish
+                    yield Finish(FINISH_NAMES.get(f.reason, "unspecified"), f.prompt_tokens, f.completion_tokens,
+                                 f.stop_sequence)
+        except grpc.RpcError as e:
+            raise ServiceError(self.address, e.code(), e.details() or "") from None
+        finally:
+            call.cancel()  # no-op when the stream ended; stops the server's work when we left early
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> LanguageModelClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _score_result(r: lm_pb2.SequenceScore) -> ScoreResult:
+    tokens = tuple(
+        ScoredToken(
+            t.token_id, t.text, t.logprob, t.base_logprob, t.is_greedy,
+            tuple(Alternative(a.token_id, a.text, a.logprob) for a in t.alternatives),
+        )
+        for t in r.tokens
+    )
+    return ScoreResult(tokens, r.total_logprob, r.base_total_logprob, r.perplexity, r.is_greedy, r.context_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# `memlm client score|generate`: typed entry points that print for people at a shell
+
+
+def main_score(
+    address: str,
+    texts: Sequence[str],
+    *,
+    contexts: Sequence[str] | None = None,
+    knn: KnnRequest | None = None,
+    top_n: int = 0,
+    window_tokens: int | None = None,
+    stride_tokens: int | None = None,
+    per_token: bool = False,
+    tls: ClientTls | None = None,
+    token: str | None = None,
+    timeout: float | None = 300.0,
+    out: TextIO | None = None,
+) -> list[ScoreResult]:
+    """`memlm client score`: one line per text (tokens, log-likelihood, perplexity, greedy), with the
+    base LM's perplexity beside it under kNN-LM; per_token adds a line per token (and its alternatives).
+    out: where to print (None = sys.stdout at call time)."""
+    out = out if out is not None else sys.stdout
+    with LanguageModelClient(address, tls=tls, token=token, timeout=timeout) as client:
+        results = client.score(texts, contexts=contexts, knn=knn, top_n=top_n, window_tokens=window_tokens,
+                               stride_tokens=stride_tokens)
+    header = f"{'#':>3} {'tokens':>7} {'logprob':>12} {'ppl':>10}"
+    header += f" {'base ppl':>10}" if knn is not None else ""
+    print(header + "  greedy  text", file=out)
+    for i, (text, r) in enumerate(zip(texts, results)):
+        line = f"{i:>3} {len(r.tokens):>7} {r.total_logprob:>12.3f} {r.perplexity:>10.3f}"
+        line += f" {r.base_perplexity:>10.3f}" if knn is not None else ""
+        preview = text if len(text) <= 40 else text[:37] + "..."
+        print(f"{line}  {'yes' if r.is_greedy else 'no':<6}  {preview!r}", file=out)
+        if per_token:
+            for t in r.tokens:
+                alts = "  ".join(f"{a.text!r}:{a.logprob:.2f}" for a in t.alternatives)
+                print(f"      {t.token_id:>6} {t.text!r:<14} {t.logprob:>9.3f} {t.base_logprob:>9.3f} "
+                      f"{'*' if t.is_greedy else ' '} {alts}", file=out)
+    return results
+
+
+def main_generate(
+    address: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    knn: KnnRequest | None = None,
+    tls: ClientTls | None = None,
+    token: str | None = None,
+    timeout: float | None = 300.0,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> Finish:
+    """`memlm client generate`: print the prompt, then the continuation as it streams, then one line on
+    stderr with the finish reason and token counts. out/err: None = sys.stdout/sys.stderr at call time."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    finish = None
+    with LanguageModelClient(address, tls=tls, token=token, timeout=timeout) as client:
+        print(prompt, end="", file=out, flush=True)
+        for event in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, seed=seed, stop=stop, knn=knn):
+            if isinstance(event, TextDelta):
+                print(event.text, end="", file=out, flush=True)
+            else:
+                finish = event
+    print(file=out, flush=True)
+    if finish is None:
+        raise MemlmError(f"{address}: the stream ended without a finish message")
+    stop_note = f" ({finish.stop_sequence!r})" if finish.stop_sequence else ""
+    print(f"[finish: {finish.reason}{stop_note}; prompt {finish.prompt_tokens} tokens, "
+          f"generated {finish.completion_tokens}]", file=err, flush=True)
+    return finish

@@ -1,0 +1,580 @@
+"""LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
+
+The servicer is thin (STYLE.md 14): it validates a request into library arguments, runs
+`memlm.scoring.score_tokens` / `memlm.generate.generate` and encodes the result. All model work runs on
+ONE worker thread: torch is not async, and one thread keeps the model's memory and the CPU cores to one
+computation at a time. Generate advances its token iterator one step per job on that thread, so
+concurrent generations and Score calls interleave token by token, and a generation whose client went
+away (cancelled, deadline passed, connection lost) stops after the token in progress: the handler
+stops asking for the next one.
+
+kNN-LM uses whatever Searcher the server was given: an in-process datastore (`--datastore DIR`) or a
+RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). Health stays
+NOT_SERVING until the model and the searcher are loaded.
+
+Memory modes: only MEMORY_MODE_NONE (sliding windows) is served; the others answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+import torch
+
+from memlm.errors import MemlmError
+from memlm.generate import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationEnd, SamplingConfig, TokenEvent, generate
+from memlm.knnlm import KNNLMConfig
+from memlm.scoring import SequenceScore, score_tokens
+from memlm.v1 import language_model_pb2 as lm_pb2
+from memlm.v1 import retrieval_pb2, tensor_pb2
+from services.security import ClientTls
+from services.server_common import (
+    DEFAULT_HOST,
+    InvalidRequest,
+    RunningServer,
+    ServerOptions,
+    ServiceError,
+    join_host_port,
+    message_classes_of,
+    run_until_signal,
+    start_server,
+)
+
+SERVICE = lm_pb2.DESCRIPTOR.services_by_name["LanguageModelService"]
+MESSAGE_CLASSES = message_classes_of(lm_pb2, retrieval_pb2, tensor_pb2)
+SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE,)
+FINISH_REASONS = {
+    FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
+    FINISH_STOP: lm_pb2.FINISH_REASON_STOP_SEQUENCE,
+    FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
+}
+OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
+
+
+@dataclass(frozen=True)
+class LMLimits:
+    """What one request may ask for (the answers of GetInfo)."""
+
+    max_score_tokens: int = 65536
+    """Longest sequence Score (boundary + context + continuation) or a Generate prompt may have, in tokens."""
+    max_score_batch: int = 64
+    """Most inputs in one ScoreRequest or texts in one TokenizeRequest."""
+    max_new_tokens: int = 4096
+    """Largest max_new_tokens of a GenerateRequest."""
+    max_top_n: int = 20
+    """Largest ScoreRequest.top_n."""
+    max_k: int = 4096
+    """Largest kNN-LM k."""
+    max_stop_sequences: int = 16
+    """Most stop sequences in one GenerateRequest."""
+    score_batch_size: int = 4
+    """Windows per forward pass while scoring (as `memlm eval --batch-size`)."""
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """How one Generate call ended on the server (for tests and logs)."""
+
+    completion_tokens: int
+    """Tokens generated before the call ended."""
+    outcome: str
+    """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
+
+
+def boundary_token(tokenizer) -> int:
+    """The token that precedes every sequence (BOS, else EOS), as memlm.cli.boundary_token."""
+    token = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    if token is None:
+        raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark sequence starts")
+    return token
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+class LanguageModelServicer:
+    """Validate, run on the model thread, encode. Before `load` every call answers UNAVAILABLE."""
+
+    def __init__(self, *, model_name: str, knn_defaults: KNNLMConfig, limits: LMLimits, max_message_bytes: int):
+        self._model_name = model_name
+        self._knn_defaults = knn_defaults
+        self._limits = limits
+        self._max_message_bytes = max_message_bytes
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlm-lm")
+        self._loaded = False
+        self.records: list[GenerationRecord] = []
+        """Finished Generate calls, oldest first (bounded)."""
+        self.records_changed = threading.Condition()
+        """Notified whenever a record is added."""
+
+    # -- setup --------------------------------------------------------------------------------------
+
+    def load(self, pretrained, searcher=None, datastore_info: Mapping | retrieval_pb2.DatastoreInfo | None = None) -> None:
+        """Attach the model (memlm.weights.Pretrained) and optionally a Searcher with its datastore info.
+
+        Refuses a datastore whose model or tokenizer fingerprint differs from the model's: its keys
+        would be meaningless for this model.
+        """
+        if (searcher is None) != (datastore_info is None):
+            raise ValueError("pass a searcher together with its datastore_info, or neither")
+        model, tokenizer = pretrained.model, pretrained.tokenizer
+        ds = None
+        if datastore_info is not None:
+            if isinstance(datastore_info, retrieval_pb2.DatastoreInfo):
+                ds = datastore_info
+            else:
+                from services.retrieval_server import info_to_datastore
+
+                ds = info_to_datastore(datastore_info)
+            for what, theirs, ours in (
+                ("model", ds.model_fingerprint, pretrained.fingerprint),
+                ("tokenizer", ds.tokenizer_fingerprint, tokenizer.fingerprint),
+            ):
+                if theirs != ours:
+                    raise MemlmError(
+                        f"the datastore was built with a different {what} (fingerprint {theirs[:16]}) than the "
+                        f"one served ({ours[:16]}); serve the model it was built with"
+                    )
+            if ds.dim != model.config.n_embd:
+                raise MemlmError(f"the datastore's keys have dimension {ds.dim}, the model's {model.config.n_embd}")
+        self._model = model
+        self._tokenizer = tokenizer
+        self._searcher = searcher
+        self._boundary = boundary_token(tokenizer)
+        # Valid ids: those both the model and the tokenizer know (a random preset may pad its vocab).
+        self._vocab = min(model.config.vocab_size, tokenizer.vocab_size)
+        # Token texts once, so responses never decode token by token.
+        self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
+        info = lm_pb2.LanguageModelServiceGetInfoResponse(
+            model=self._model_name,
+            model_fingerprint=pretrained.fingerprint,
+            tokenizer_fingerprint=tokenizer.fingerprint,
+            vocab_size=self._vocab,
+            context_length=model.config.max_seq_len,
+            memory_modes=SUPPORTED_MEMORY_MODES,
+            default_memory_mode=lm_pb2.MEMORY_MODE_NONE,
+            max_score_tokens=self._limits.max_score_tokens,
+            max_score_batch=self._limits.max_score_batch,
+            max_new_tokens=self._limits.max_new_tokens,
+            max_message_bytes=self._max_message_bytes,
+        )
+        if ds is not None:
+            info.datastore.CopyFrom(ds)
+        self._info = info
+        self._loaded = True
+
+    def close(self) -> None:
+        """Release the model thread (after the server stopped)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _run(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _require_loaded(self, context) -> None:
+        if not self._loaded:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
+
+    async def _call_library(self, context, fn: Callable, *args) -> Any:
+        """Run fn on the model thread; searcher and library errors become statuses (the server keeps serving)."""
+        try:
+            return await self._run(fn, *args)
+        except ServiceError as e:  # the remote retrieval service failed: pass its code on
+            await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
+        except MemlmError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def _ids(self, ids, field: str) -> list[int]:
+        out = list(ids)
+        for j, i in enumerate(out):
+            if not 0 <= i < self._vocab:
+                raise InvalidRequest(f"{field}[{j}]", f"token id {i} outside [0, {self._vocab})")
+        return out
+
+    def _text(self, text: str, field: str) -> list[int]:
+        # Bound the work before tokenizing: a text of more than 64 characters per allowed token cannot
+        # fit (BPE tokens average a few characters), and tokenizing megabytes would stall the model thread.
+        if len(text) > 64 * self._limits.max_score_tokens:
+            raise InvalidRequest(field, f"{len(text)} characters, far over {self._limits.max_score_tokens} tokens",
+                                 OUT_OF_RANGE)
+        return self._tokenizer.encode(text)
+
+    def _memory_mode(self, mode: int) -> None:
+        if mode == lm_pb2.MEMORY_MODE_UNSPECIFIED or mode in SUPPORTED_MEMORY_MODES:
+            return
+        if mode not in lm_pb2.MemoryMode.values():
+            raise InvalidRequest("memory_mode", f"unknown value {mode}")
+        supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in SUPPORTED_MEMORY_MODES)
+        raise InvalidRequest(
+            "memory_mode",
+            f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported})",
+            grpc.StatusCode.UNIMPLEMENTED,
+        )
+
+    def _knn(self, request) -> KNNLMConfig | None:
+        if not request.HasField("knn") or not request.knn.enabled:
+            return None
+        o = request.knn
+        if self._searcher is None:
+            raise InvalidRequest(
+                "knn.enabled", "this server has no datastore; start it with --datastore or --retrieval",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        d = self._knn_defaults
+        lmbda = o.lambda_weight if o.HasField("lambda_weight") else d.lmbda
+        temperature = o.temperature if o.HasField("temperature") else d.temperature
+        k = o.k if o.HasField("k") else d.k
+        nprobe = o.nprobe if o.HasField("nprobe") else d.nprobe
+        if lmbda is None or not (_finite(lmbda) and 0.0 <= lmbda <= 1.0):
+            raise InvalidRequest("knn.lambda_weight", f"{lmbda}, must be in [0, 1]")
+        if temperature is None or not (_finite(temperature) and temperature > 0):
+            raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
+        if k < 1:
+            raise InvalidRequest("knn.k", f"{k}, must be >= 1")
+        if k > self._limits.max_k:
+            raise InvalidRequest("knn.k", f"{k}, at most {self._limits.max_k}", OUT_OF_RANGE)
+        if nprobe is not None and nprobe < 1:
+            raise InvalidRequest("knn.nprobe", f"{nprobe}, must be >= 1")
+        return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
+
+    def _batch_size(self, n: int, field: str) -> None:
+        if n == 0:
+            raise InvalidRequest(field, "empty batch: send at least one")
+        if n > self._limits.max_score_batch:
+            raise InvalidRequest(field, f"{n} entries, at most {self._limits.max_score_batch}", OUT_OF_RANGE)
+
+    def _parse_score(self, request: lm_pb2.ScoreRequest) -> dict:
+        self._batch_size(len(request.inputs), "inputs")
+        self._memory_mode(request.memory_mode)
+        if not 0 <= request.top_n <= self._limits.max_top_n:
+            raise InvalidRequest("top_n", f"{request.top_n}, must be in [0, {self._limits.max_top_n}]")
+        max_len = self._model.config.max_seq_len
+        window = request.window_tokens if request.HasField("window_tokens") else min(1024, max_len)
+        if not 1 <= window <= max_len:
+            raise InvalidRequest("window_tokens", f"{window}, must be in [1, {max_len}] (the model's context)")
+        stride = request.stride_tokens if request.HasField("stride_tokens") else max(1, window // 2)
+        if not 1 <= stride <= window:
+            raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
+        knn = self._knn(request)
+        contexts, continuations = [], []
+        for i, item in enumerate(request.inputs):
+            field = f"inputs[{i}]"
+            which = item.WhichOneof("context")
+            if which == "context_text":
+                ctx = self._text(item.context_text, f"{field}.context_text")
+            elif which == "context_token_ids":
+                ctx = self._ids(item.context_token_ids.ids, f"{field}.context_token_ids.ids")
+            else:
+                ctx = []
+            which = item.WhichOneof("continuation")
+            if which == "text":
+                cont = self._text(item.text, f"{field}.text")
+            elif which == "token_ids":
+                cont = self._ids(item.token_ids.ids, f"{field}.token_ids.ids")
+            else:
+                raise InvalidRequest(f"{field}.continuation", "missing: set text or token_ids")
+            total = 1 + len(ctx) + len(cont)
+            if total > self._limits.max_score_tokens:
+                raise InvalidRequest(
+                    field, f"{total} tokens (boundary + context + continuation), at most {self._limits.max_score_tokens}",
+                    OUT_OF_RANGE,
+                )
+            contexts.append(ctx)
+            continuations.append(cont)
+        return dict(token_seqs=continuations, contexts=contexts, context=window, stride=stride, knn=knn,
+                    top_n=request.top_n)
+
+    def _parse_generate(self, request: lm_pb2.GenerateRequest) -> dict:
+        which = request.WhichOneof("prompt")
+        if which == "prompt_text":
+            prompt = self._text(request.prompt_text, "prompt_text")
+        elif which == "prompt_token_ids":
+            prompt = self._ids(request.prompt_token_ids.ids, "prompt_token_ids.ids")
+        else:
+            raise InvalidRequest("prompt", "missing: set prompt_text or prompt_token_ids")
+        if 1 + len(prompt) > self._limits.max_score_tokens:
+            raise InvalidRequest("prompt", f"{len(prompt)} tokens, at most {self._limits.max_score_tokens - 1}", OUT_OF_RANGE)
+        if request.max_new_tokens < 1:
+            raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, must be >= 1")
+        if request.max_new_tokens > self._limits.max_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, at most {self._limits.max_new_tokens}", OUT_OF_RANGE)
+        s = request.sampling
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        if not (_finite(temperature) and temperature >= 0):
+            raise InvalidRequest("sampling.temperature", f"{temperature}, must be a finite number >= 0")
+        top_k = s.top_k if s.HasField("top_k") else None
+        if top_k is not None and top_k < 1:
+            raise InvalidRequest("sampling.top_k", f"{top_k}, must be >= 1")
+        top_p = s.top_p if s.HasField("top_p") else None
+        if top_p is not None and not (_finite(top_p) and 0 < top_p <= 1):
+            raise InvalidRequest("sampling.top_p", f"{top_p}, must be in (0, 1]")
+        if len(request.stop_sequences) > self._limits.max_stop_sequences:
+            raise InvalidRequest("stop_sequences", f"{len(request.stop_sequences)}, at most {self._limits.max_stop_sequences}", OUT_OF_RANGE)
+        for j, stop in enumerate(request.stop_sequences):
+            if not stop:
+                raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
+        self._memory_mode(request.memory_mode)
+        knn = self._knn(request)
+        sampling = SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
+        return dict(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=sampling,
+                    stop_sequences=list(request.stop_sequences), knn=knn)
+
+    # -- rpcs ---------------------------------------------------------------------------------------
+
+    async def Score(self, request: lm_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+
+        def work():
+            args = self._parse_score(request)  # tokenizing long texts is work too: off the event loop
+            scores = score_tokens(
+                self._model, args["token_seqs"], contexts=args["contexts"], context=args["context"],
+                stride=args["stride"], boundary_token=self._boundary,
+                searcher=self._searcher if args["knn"] is not None else None, knn=args["knn"],
+                top_n=args["top_n"], batch_size=self._limits.score_batch_size,
+            )
+            return lm_pb2.ScoreResponse(results=[self._encode_score(s) for s in scores])
+
+        return await self._call_library(context, work)
+
+    def _encode_score(self, s: SequenceScore) -> lm_pb2.SequenceScore:
+        pieces = self._pieces
+        tokens = []
+        for j, t in enumerate(s.tokens.tolist()):
+            alternatives = [
+                lm_pb2.TokenAlternative(token_id=a, text=pieces[a], logprob=lp)
+                for a, lp in zip(s.top_ids[j].tolist(), s.top_logprobs[j].tolist())
+            ]
+            tokens.append(lm_pb2.TokenScore(
+                token_id=t, text=pieces[t], logprob=float(s.logprob[j]), base_logprob=float(s.base_logprob[j]),
+                is_greedy=bool(s.greedy[j]), alternatives=alternatives,
+            ))
+        return lm_pb2.SequenceScore(
+            tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,
+            perplexity=s.perplexity, is_greedy=s.is_greedy, context_tokens=s.context_tokens,
+        )
+
+    async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+
+        def start():
+            args = self._parse_generate(request)
+            return generate(
+                self._model, self._tokenizer, args["prompt"], max_new_tokens=args["max_new_tokens"],
+                sampling=args["sampling"], stop_sequences=args["stop_sequences"], boundary_token=self._boundary,
+                eos_id=self._tokenizer.eos_id, searcher=self._searcher if args["knn"] is not None else None,
+                knn=args["knn"],
+            )
+
+        events = await self._call_library(context, start)
+        produced = 0
+        outcome = "cancelled"
+        try:
+            while True:
+                # Between tokens: a cancelled call never gets here (its await is cancelled); a call
+                # whose deadline passed is ended here even if grpc has not cancelled it yet.
+                remaining = context.time_remaining()
+                if context.cancelled() or (remaining is not None and remaining <= 0):
+                    return
+                event = await self._call_library(context, next, events)
+                if isinstance(event, TokenEvent):
+                    produced += 1
+                    token = lm_pb2.GeneratedToken(
+                        token_id=event.token_id, text=event.text, logprob=event.logprob, base_logprob=event.base_logprob
+                    )
+                    yield lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta, tokens=[token]))
+                    continue
+                assert isinstance(event, GenerationEnd)
+                if event.text_delta:
+                    yield lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta))
+                outcome = event.reason
+                yield lm_pb2.GenerateResponse(finish=lm_pb2.GenerateFinish(
+                    reason=FINISH_REASONS[event.reason], prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence,
+                ))
+                return
+        except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
+            outcome = "error"
+            raise
+        finally:
+            self._record(GenerationRecord(produced, outcome))
+
+    def _record(self, record: GenerationRecord) -> None:
+        with self.records_changed:
+            self.records.append(record)
+            del self.records[:-1000]
+            self.records_changed.notify_all()
+
+    async def Tokenize(self, request: lm_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+        self._batch_size(len(request.texts), "texts")
+
+        def work():
+            results = []
+            for text in request.texts:
+                ids = self._tokenizer.encode(text)
+                if request.add_bos and self._tokenizer.bos_id is not None:
+                    ids = [self._tokenizer.bos_id, *ids]
+                results.append(lm_pb2.TokenizedText(ids=ids, pieces=[self._pieces[i] for i in ids]))
+            return lm_pb2.TokenizeResponse(results=results)
+
+        return await self._call_library(context, work)
+
+    async def GetInfo(self, request, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+        return self._info
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction and lifecycle
+
+
+@dataclass(frozen=True)
+class LMServer:
+    """A started language-model server and its servicer (tests look at `servicer.records`)."""
+
+    running: RunningServer
+    """Server, bound port and health."""
+    servicer: LanguageModelServicer
+    """The servicer (model thread, limits, generation records)."""
+
+
+async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMConfig, options: ServerOptions,
+                 limits: LMLimits) -> LMServer:
+    """Bind and start a server whose servicer has no model yet: health NOT_SERVING, calls UNAVAILABLE
+    until `servicer.load(...)` and `running.mark_serving()` (serve_lm loads the model meanwhile)."""
+    servicer = LanguageModelServicer(
+        model_name=model_name, knn_defaults=knn_defaults, limits=limits, max_message_bytes=options.max_message_bytes
+    )
+    running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
+    asyncio.get_running_loop().create_task(_close_when_stopped(running.server, servicer))
+    return LMServer(running, servicer)
+
+
+async def start_lm_server(
+    address: str,
+    pretrained,
+    searcher=None,
+    *,
+    datastore_info: Mapping | retrieval_pb2.DatastoreInfo | None = None,
+    model_name: str = "custom",
+    knn_defaults: KNNLMConfig = KNNLMConfig(),
+    options: ServerOptions = ServerOptions(),
+    limits: LMLimits = LMLimits(),
+) -> LMServer:
+    """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
+
+    pretrained: memlm.weights.Pretrained (model, tokenizer, fingerprint).
+    searcher: a Searcher for kNN-LM (Datastore or RetrievalClient), or None (kNN-LM requests then get
+        FAILED_PRECONDITION). datastore_info: its description (Datastore.info() dict, or a RetrievalClient's
+        `info.datastore`); when None and searcher has `info`, it is taken from there.
+    knn_defaults: k, lambda, temperature, nprobe, exact re-rank used where a request leaves them unset.
+    Health reports SERVING once this returns. The model thread is released when the server stops.
+    """
+    if searcher is not None and datastore_info is None:
+        # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
+        datastore_info = await asyncio.to_thread(_searcher_info, searcher)
+    started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
+    try:
+        started.servicer.load(pretrained, searcher, datastore_info)
+    except BaseException:
+        await started.running.server.stop(None)
+        raise
+    await started.running.mark_serving()
+    return started
+
+
+async def create_lm_server(address: str, pretrained, searcher=None, **kwargs) -> tuple[grpc.aio.Server, int]:
+    """start_lm_server, returning (server, bound port); same arguments."""
+    started = await start_lm_server(address, pretrained, searcher, **kwargs)
+    return started.running.server, started.running.port
+
+
+def _searcher_info(searcher) -> Mapping | retrieval_pb2.DatastoreInfo:
+    info = getattr(searcher, "info", None)
+    if isinstance(info, retrieval_pb2.RetrievalServiceGetInfoResponse):  # RetrievalClient.info (a property)
+        return info.datastore
+    if callable(info):  # Datastore.info()
+        return info()
+    raise ValueError("pass datastore_info: the searcher does not describe itself")
+
+
+async def _close_when_stopped(server: grpc.aio.Server, servicer: LanguageModelServicer) -> None:
+    try:
+        await server.wait_for_termination()
+    finally:
+        servicer.close()
+
+
+def open_model_and_searcher(
+    model: str,
+    *,
+    datastore: str | None = None,
+    retrieval: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    retrieval_tls: ClientTls | None = None,
+    retrieval_token: str | None = None,
+):
+    """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher, info)."""
+    from memlm.weights import load_pretrained
+
+    if datastore is not None and retrieval is not None:
+        raise MemlmError("pass --datastore or --retrieval, not both")
+    pretrained = load_pretrained(model, device, dtype)
+    if datastore is not None:
+        from datastore.datastore import Datastore
+
+        ds = Datastore.open(
+            datastore, expect_model_fingerprint=pretrained.fingerprint,
+            expect_tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
+        )
+        return pretrained, ds, ds.info()
+    if retrieval is not None:
+        from services.retrieval_client import RetrievalClient
+
+        client = RetrievalClient(retrieval, tls=retrieval_tls, token=retrieval_token, wait_for_ready=True)
+        return pretrained, client, client.info.datastore
+    return pretrained, None, None
+
+
+async def serve_lm(
+    model: str,
+    *,
+    datastore: str | None = None,
+    retrieval: str | None = None,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    knn_defaults: KNNLMConfig = KNNLMConfig(),
+    options: ServerOptions = ServerOptions(),
+    limits: LMLimits = LMLimits(),
+    retrieval_tls: ClientTls | None = None,
+    retrieval_token: str | None = None,
+) -> None:
+    """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
+    then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls."""
+    started = await bind_lm_server(join_host_port(host, port), model_name=model, knn_defaults=knn_defaults,
+                           options=options, limits=limits)
+    try:
+        pretrained, searcher, info = await asyncio.to_thread(
+            open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
+            retrieval_tls=retrieval_tls, retrieval_token=retrieval_token,
+        )
+        started.servicer.load(pretrained, searcher, info)
+    except BaseException:
+        await started.running.server.stop(None)
+        raise
+    await run_until_signal(
+        started.running, host, grace_s=options.grace_s,
+        on_stopped=(searcher.close if hasattr(searcher, "close") else None),
+    )

@@ -1,0 +1,33 @@
+"""The default FAISS factory follows N and d, and every default is a factory FAISS accepts."""
+
+from __future__ import annotations
+
+import faiss
+import pytest
+
+from datastore.index import FLAT_MAX, SQ8_MAX, default_factory, default_nlist, default_nprobe, default_pq_m, make_index
+
+
+@pytest.mark.parametrize("d", [64, 576, 768, 1024, 100])
+def test_pq_sub_quantisers_divide_the_dimension(d):
+    m = default_pq_m(d)
+    assert d % m == 0 and 1 <= m <= 64 and d // m >= 4
+
+
+@pytest.mark.parametrize("n", [10, 150_000, FLAT_MAX + 1, 1_000_000, SQ8_MAX + 1, 100_000_000])
+def test_default_factory_is_valid_and_grows_with_n(n):
+    factory, reason = default_factory(n, 576)
+    assert reason
+    index = make_index(factory, 576)
+    if n <= FLAT_MAX:
+        assert factory == "Flat"
+    else:
+        ivf = faiss.try_extract_index_ivf(index)
+        assert ivf.nlist == default_nlist(n) and n // ivf.nlist >= 64
+        assert ("SQ8" in factory) == (n <= SQ8_MAX) and ("PQ" in factory) == (n > SQ8_MAX)
+        assert 16 <= default_nprobe(index) <= ivf.nlist
+
+
+def test_nlist_is_about_four_sqrt_n():
+    assert default_nlist(1_000_000) == 4096
+    assert default_nlist(100_000_000) == 32768

@@ -1,0 +1,155 @@
+"""memlm.scoring against its oracles: `memlm eval`'s windows and perplexity, full forward passes, and
+kNN-LM evaluation (evaluate_knnlm) on the tiny random model.
+
+Shape legend: n scored tokens, V vocab, N keys, C key width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memlm.evaluate import evaluate_perplexity
+from memlm.exact_search import TorchExactSearcher
+from memlm.knnlm import KNNLMConfig, evaluate_knnlm
+from memlm.scoring import plan_scored_windows, score_tokens
+from memlm.weights import load_pretrained
+from memlm.windows import WindowConfig, plan_windows, score_documents
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Peter Piper picked a peck of pickled peppers.",
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. " * 2,
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_pretrained("tiny")
+
+
+@pytest.fixture(scope="module")
+def docs(tiny):
+    return [tiny.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def searcher(tiny):
+    """Exact search over (key, next token) pairs of the tiny model over TEXTS (as a datastore holds)."""
+    tok = tiny.tokenizer
+    train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 4]]
+    keys, values = [], []
+    for s in score_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id, with_logprobs=False):
+        keys.append(s.keys.float())
+        values.append(s.targets)
+    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())  # (N, C), (N,)
+
+
+def test_plan_without_context_is_memlm_eval_plan():
+    for n in range(0, 60, 7):
+        for context, stride in ((8, 8), (8, 3), (16, 8), (5, 1)):
+            assert plan_scored_windows(n, 0, context, stride) == plan_windows(n, context, stride)
+
+
+def test_plan_with_context_scores_each_target_once_with_left_context():
+    for n in range(1, 50, 3):
+        for first in range(0, n, 4):
+            for context, stride in ((8, 4), (8, 8), (6, 1), (64, 32)):
+                windows = plan_scored_windows(n, first, context, stride)
+                scored = [p for w in windows for p in range(w.score_from, w.end)]
+                assert scored == list(range(first, n))
+                for w in windows:
+                    assert w.end - w.start <= context and w.start <= w.score_from < w.end
+                    # every scored position keeps at least context - stride tokens of left context
+                    assert w.score_from - w.start >= min(w.score_from, context - stride)
+
+
+def test_score_without_context_equals_memlm_eval(tiny, docs):
+    window = WindowConfig(context=32, stride=16, batch_size=4)
+    scores = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id)
+    # Per-token base log-probs are bit-identical to the windows memlm eval runs.
+    expected: list[list[torch.Tensor]] = [[] for _ in docs]
+    for s in score_documents(tiny.model, docs, window, tiny.tokenizer.bos_id):
+        expected[s.doc].append(s.lm_logprob)
+    for s, e, d in zip(scores, expected, docs):
+        np.testing.assert_array_equal(s.base_logprob, torch.cat(e).numpy())
+        np.testing.assert_array_equal(s.logprob, s.base_logprob)  # no kNN: final is base
+        assert s.tokens.tolist() == d and s.context_tokens == 1
+    result = evaluate_perplexity(tiny.model, docs, window, tiny.tokenizer.bos_id, progress=False)
+    nll = -sum(s.total_logprob for s in scores)
+    assert math.isclose(math.exp(nll / result["tokens"]), result["perplexity"], rel_tol=1e-9)
+    greedy = sum(int(s.greedy.sum()) for s in scores)
+    assert greedy / result["tokens"] == pytest.approx(result["greedy_accuracy"])
+
+
+def test_one_window_equals_full_forward(tiny, docs):
+    seq = docs[1]
+    (s,) = score_tokens(tiny.model, [seq], context=128, stride=64, boundary_token=tiny.tokenizer.bos_id, top_n=5)
+    idx = torch.tensor([[tiny.tokenizer.bos_id, *seq]])
+    with torch.no_grad():
+        lp = F.log_softmax(tiny.model(idx).logits[0, :-1].float(), -1)  # (n, V)
+    target = torch.tensor(seq)
+    torch.testing.assert_close(torch.from_numpy(s.base_logprob), lp.gather(1, target[:, None])[:, 0])
+    top = lp.topk(5, -1)
+    assert s.top_ids.tolist() == top.indices.tolist()
+    torch.testing.assert_close(torch.from_numpy(s.top_logprobs), top.values)
+    assert s.greedy.tolist() == (lp.argmax(-1) == target).tolist()
+    assert s.perplexity == pytest.approx(math.exp(-float(lp.gather(1, target[:, None]).double().sum()) / len(seq)))
+
+
+def test_context_conditions_but_is_not_scored(tiny, docs):
+    ctx, cont = docs[0][:40], docs[0][40:70]
+    (with_ctx,) = score_tokens(tiny.model, [cont], contexts=[ctx], context=128, stride=64,
+                               boundary_token=tiny.tokenizer.bos_id)
+    (whole,) = score_tokens(tiny.model, [ctx + cont], context=128, stride=64, boundary_token=tiny.tokenizer.bos_id)
+    assert with_ctx.tokens.tolist() == cont and with_ctx.context_tokens == 1 + len(ctx)
+    torch.testing.assert_close(torch.from_numpy(with_ctx.base_logprob), torch.from_numpy(whole.base_logprob[40:]))
+    # Short windows: each continuation token is scored in a window that starts where the plan says.
+    (windowed,) = score_tokens(tiny.model, [cont], contexts=[ctx], context=16, stride=8,
+                               boundary_token=tiny.tokenizer.bos_id)
+    seq = [tiny.tokenizer.bos_id, *ctx, *cont]
+    for w in plan_scored_windows(len(seq) - 1, len(ctx), 16, 8):
+        with torch.no_grad():
+            lp = F.log_softmax(tiny.model(torch.tensor([seq[w.start : w.end]])).logits[0].float(), -1)
+        rows = torch.arange(w.score_from - w.start, w.end - w.start)
+        want = lp[rows, torch.tensor(seq[w.score_from + 1 : w.end + 1])]
+        got = windowed.base_logprob[w.score_from - len(ctx) : w.end - len(ctx)]
+        torch.testing.assert_close(torch.from_numpy(got), want)
+
+
+def test_empty_sequence_has_infinite_perplexity(tiny):
+    (s,) = score_tokens(tiny.model, [[]], context=16, stride=8, boundary_token=tiny.tokenizer.bos_id, top_n=2)
+    assert len(s.tokens) == 0 and s.top_ids.shape == (0, 2) and s.perplexity == math.inf
+
+
+def test_knn_lambda_zero_is_base(tiny, docs, searcher):
+    knn = KNNLMConfig(k=8, lmbda=0.0, temperature=1.0)
+    (s,) = score_tokens(tiny.model, docs[:1], context=32, stride=16, boundary_token=tiny.tokenizer.bos_id,
+                        searcher=searcher, knn=knn)
+    np.testing.assert_array_equal(s.logprob, s.base_logprob)
+
+
+def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
+    knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+    window = WindowConfig(context=32, stride=16, batch_size=4)
+    scores = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id,
+                          searcher=searcher, knn=knn, top_n=3)
+    result = evaluate_knnlm(tiny.model, docs, searcher, window, knn, tiny.tokenizer.bos_id,
+                            recall_queries=0, progress=False)
+    nll = -sum(s.total_logprob for s in scores)
+    base_nll = -sum(s.base_total_logprob for s in scores)
+    assert math.isclose(nll, result["knnlm_nll"], rel_tol=1e-9)
+    assert math.isclose(base_nll, result["base_nll"], rel_tol=1e-9)
+    assert abs(nll - base_nll) > 1.0  # the datastore holds these texts: kNN-LM must change the scores
+    for s in scores:
+        # Greedy and top-n come from the dense mixture; they must agree with the sparse target score.
+        assert (s.top_logprobs[:, :-1] >= s.top_logprobs[:, 1:]).all()
+        assert s.greedy.tolist() == (s.top_ids[:, 0] == s.tokens).tolist()
+        in_top = s.top_ids == s.tokens[:, None]  # (n, N)
+        np.testing.assert_allclose(s.top_logprobs[in_top], s.logprob[in_top.any(1)], rtol=1e-5, atol=1e-5)
+        assert (s.top_logprobs[:, 0] >= s.logprob - 1e-5).all()

@@ -1,0 +1,365 @@
+"""LanguageModelService with real servers on port 0 and the tiny model.
+
+Oracles: memlm.scoring / memlm.generate in process, evaluate_perplexity, and kNN-LM over the same
+index in process versus through a real retrieval server (RetrievalClient). Malformed requests get the
+right status codes and the server stays healthy.
+
+Shape legend: N datastore entries, C key width.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memlm.errors import MemlmError
+from memlm.evaluate import evaluate_perplexity
+from memlm.exact_search import TorchExactSearcher
+from memlm.generate import SamplingConfig, TokenEvent, generate
+from memlm.knnlm import KNNLMConfig
+from memlm.scoring import score_tokens
+from memlm.v1 import language_model_pb2 as lm_pb2
+from memlm.weights import load_pretrained
+from memlm.windows import WindowConfig, score_documents
+from services.lm_client import Finish, KnnRequest, LanguageModelClient, TextDelta, main_generate, main_score
+from services.lm_server import LMLimits, bind_lm_server, create_lm_server, start_lm_server
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+from services.server_common import ServerOptions, ServiceError
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Peter Piper picked a peck of pickled peppers.",
+]
+KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+LIMITS = LMLimits(max_score_tokens=400, max_new_tokens=100_000)
+
+
+class Loop:
+    """An asyncio loop on a daemon thread for the servers (the clients here are synchronous)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers = []
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        for server in self.servers:
+            self.run(server.stop(None))
+        self.run(asyncio.sleep(0.05))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_pretrained("tiny")
+
+
+@pytest.fixture(scope="module")
+def docs(tiny):
+    return [tiny.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def index(tiny):
+    """A Flat (exact) index over the tiny model's (key, next token) pairs, as a datastore holds them."""
+    tok = tiny.tokenizer
+    train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 3]]
+    keys, values = [], []
+    for s in score_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id, with_logprobs=False):
+        keys.append(s.keys.float())
+        values.append(s.targets)
+    searcher = TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())  # (N, C), (N,)
+    info = {"n": len(searcher), "dim": searcher.dim, "index": "Flat", "metric": "L2",
+            "model_fingerprint": tiny.fingerprint, "tokenizer_fingerprint": tok.fingerprint}
+    return searcher, info
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, index):
+    """Addresses of: an LM server without datastore, one with the index in process, one over gRPC."""
+    searcher, info = index
+    loop = Loop()
+
+    def start(factory, *args, **kwargs):
+        server, port = loop.run(factory(*args, **kwargs))
+        loop.servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    started = loop.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny", knn_defaults=KNN, limits=LIMITS))
+    loop.servers.append(started.running.server)
+    plain = f"127.0.0.1:{started.running.port}"
+    local = start(create_lm_server, "127.0.0.1:0", tiny, searcher, datastore_info=info, knn_defaults=KNN)
+    retrieval = start(create_retrieval_server, "127.0.0.1:0", searcher, info)
+    remote_searcher = RetrievalClient(retrieval)
+    remote = start(create_lm_server, "127.0.0.1:0", tiny, remote_searcher, knn_defaults=KNN)
+    yield {"plain": plain, "local": local, "remote": remote, "servicer": started.servicer, "loop": loop}
+    remote_searcher.close()
+    loop.close()
+
+
+def client(address: str) -> LanguageModelClient:
+    return LanguageModelClient(address, timeout=60)
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+def test_score_equals_library_and_memlm_eval(tiny, docs, servers):
+    with client(servers["plain"]) as c:
+        remote = c.score(docs, window_tokens=32, stride_tokens=16, top_n=3)
+    local = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id, top_n=3)
+    for r, s in zip(remote, local):
+        assert [t.token_id for t in r.tokens] == s.tokens.tolist()
+        assert [t.base_logprob for t in r.tokens] == s.base_logprob.tolist()  # float32 on both sides
+        assert [t.logprob for t in r.tokens] == s.logprob.tolist()
+        assert [t.is_greedy for t in r.tokens] == s.greedy.tolist()
+        assert [[a.token_id for a in t.alternatives] for t in r.tokens] == s.top_ids.tolist()
+        assert r.total_logprob == s.total_logprob and r.perplexity == s.perplexity
+        assert r.context_tokens == 1
+    result = evaluate_perplexity(tiny.model, docs, WindowConfig(32, 16, 4), tiny.tokenizer.bos_id, progress=False)
+    nll = -sum(r.total_logprob for r in remote)
+    assert math.isclose(math.exp(nll / result["tokens"]), result["perplexity"], rel_tol=1e-9)
+
+
+def test_text_input_and_context(tiny, servers):
+    tok = tiny.tokenizer
+    with client(servers["plain"]) as c:
+        by_text = c.score(["Peter Piper"], contexts=["Said "])
+        by_ids = c.score([tok.encode("Peter Piper")], contexts=[tok.encode("Said ")])
+        (tokenized,) = c.tokenize(["Peter Piper"], add_bos=True)
+    assert by_text == by_ids
+    assert by_text[0].context_tokens == 1 + len(tok.encode("Said "))
+    assert "".join(t.text for t in by_text[0].tokens) == "Peter Piper"
+    assert tokenized.ids == (tok.bos_id, *tok.encode("Peter Piper")) and tokenized.pieces[1] == "P"
+
+
+def test_knn_remote_equals_local_and_lambda_zero_is_base(tiny, docs, servers, index):
+    knn = KnnRequest()
+    with client(servers["local"]) as a, client(servers["remote"]) as b:
+        local = a.score(docs, knn=knn, window_tokens=32, top_n=2)
+        remote = b.score(docs, knn=knn, window_tokens=32, top_n=2)
+        base = a.score(docs, window_tokens=32)
+        zero = b.score(docs, knn=KnnRequest(lmbda=0.0), window_tokens=32)
+    assert remote == local  # identical tokens, log-probs, greedy flags, alternatives
+    in_process = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id,
+                              searcher=index[0], knn=KNN)
+    for r, s in zip(local, in_process):
+        assert [t.logprob for t in r.tokens] == s.logprob.tolist()
+    for z, b_ in zip(zero, base):
+        assert [t.logprob for t in z.tokens] == [t.logprob for t in b_.tokens]
+    assert abs(sum(r.total_logprob for r in local) - sum(r.total_logprob for r in base)) > 1.0
+
+
+def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
+    tok = tiny.tokenizer
+    prompt = tok.encode("The quick")
+    for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=7)):
+        events = list(generate(tiny.model, tok, prompt, max_new_tokens=10, sampling=sampling,
+                               boundary_token=tok.bos_id, eos_id=tok.eos_id))
+        want = [e.token_id for e in events if isinstance(e, TokenEvent)]
+        with client(servers["plain"]) as c:
+            got = list(c.generate("The quick", max_new_tokens=10, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, seed=sampling.seed))
+            again = list(c.generate(prompt, max_new_tokens=10, temperature=sampling.temperature,
+                                    top_k=sampling.top_k, seed=sampling.seed))
+        assert got == again
+        assert [i for d in got if isinstance(d, TextDelta) for i in d.token_ids] == want
+        assert isinstance(got[-1], Finish) and got[-1].completion_tokens == len(want)
+        text = "".join(d.text for d in got if isinstance(d, TextDelta))
+        assert text == tok.decode(want)
+    # kNN-LM generation over the remote index equals the in-process one.
+    events = list(generate(tiny.model, tok, prompt, max_new_tokens=6, sampling=SamplingConfig(temperature=0.0),
+                           boundary_token=tok.bos_id, eos_id=tok.eos_id, searcher=index[0], knn=KNN))
+    with client(servers["remote"]) as c:
+        got = list(c.generate(prompt, max_new_tokens=6, temperature=0.0, knn=KnnRequest()))
+    pairs = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
+    assert [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids] == pairs
+
+
+def test_stop_sequence_stops(tiny, servers):
+    with client(servers["plain"]) as c:
+        free = list(c.generate("abc", max_new_tokens=12, temperature=0.0))
+        ids = [i for d in free if isinstance(d, TextDelta) for i in d.token_ids]
+        stop = tiny.tokenizer.decode(ids[4:6])
+        got = list(c.generate("abc", max_new_tokens=12, temperature=0.0, stop=[stop]))
+    assert got[-1].reason == "stop" and got[-1].stop_sequence == stop
+    assert got[-1].completion_tokens <= 6
+    assert stop in "".join(d.text for d in got if isinstance(d, TextDelta))
+
+
+def wait_for_record(servicer, count: int):
+    with servicer.records_changed:
+        assert servicer.records_changed.wait_for(lambda: len(servicer.records) >= count, timeout=30)
+        return servicer.records[count - 1]
+
+
+def test_cancelled_generate_stops_work(servers):
+    servicer = servers["servicer"]
+    before = len(servicer.records)
+    with client(servers["plain"]) as c:
+        stream = c.generate("abc", max_new_tokens=100_000, temperature=0.0)
+        for _, event in zip(range(3), stream):
+            assert isinstance(event, TextDelta)
+        stream.close()  # cancels the call
+        record = wait_for_record(servicer, before + 1)
+        assert record.outcome == "cancelled" and record.completion_tokens < 100_000
+        # A deadline ends the work the same way.
+        with pytest.raises(ServiceError) as e:
+            for _ in LanguageModelClient(servers["plain"], timeout=1.0).generate("abc", max_new_tokens=100_000):
+                pass
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        record = wait_for_record(servicer, before + 2)
+        assert record.outcome == "cancelled" and record.completion_tokens < 100_000
+        assert c.score(["still serving"])[0].tokens
+
+
+def score_request(**kw) -> lm_pb2.ScoreRequest:
+    return lm_pb2.ScoreRequest(**kw)
+
+
+def one(text="hi") -> list[lm_pb2.ScoreInput]:
+    return [lm_pb2.ScoreInput(text=text)]
+
+
+BAD_SCORES = [
+    (score_request(), grpc.StatusCode.INVALID_ARGUMENT, "inputs"),
+    (score_request(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=[1, 400]))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "inputs[0].token_ids.ids[1]"),
+    (score_request(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=[-1]))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "inputs[0].token_ids.ids[0]"),
+    (score_request(inputs=[lm_pb2.ScoreInput(context_text="x")]), grpc.StatusCode.INVALID_ARGUMENT,
+     "inputs[0].continuation"),
+    (score_request(inputs=one("x" * 500)), grpc.StatusCode.OUT_OF_RANGE, "inputs[0]"),
+    (score_request(inputs=one() * 65), grpc.StatusCode.OUT_OF_RANGE, "inputs"),
+    (score_request(inputs=one(), top_n=21), grpc.StatusCode.INVALID_ARGUMENT, "top_n"),
+    (score_request(inputs=one(), window_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "window_tokens"),
+    (score_request(inputs=one(), window_tokens=8, stride_tokens=9), grpc.StatusCode.INVALID_ARGUMENT, "stride_tokens"),
+    (score_request(inputs=one(), knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION,
+     "knn.enabled"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
+    (score_request(inputs=one(), memory_mode=99), grpc.StatusCode.INVALID_ARGUMENT, "memory_mode"),
+]
+
+
+def generate_request(**kw) -> lm_pb2.GenerateRequest:
+    if "prompt_token_ids" not in kw:
+        kw.setdefault("prompt_text", "hi")
+    kw.setdefault("max_new_tokens", 2)
+    return lm_pb2.GenerateRequest(**kw)
+
+
+BAD_GENERATES = [
+    (lm_pb2.GenerateRequest(max_new_tokens=2), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (generate_request(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    (generate_request(max_new_tokens=100_001), grpc.StatusCode.OUT_OF_RANGE, "max_new_tokens"),
+    (generate_request(sampling=lm_pb2.SamplingOptions(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    (generate_request(sampling=lm_pb2.SamplingOptions(temperature=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    (generate_request(sampling=lm_pb2.SamplingOptions(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    (generate_request(sampling=lm_pb2.SamplingOptions(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    (generate_request(sampling=lm_pb2.SamplingOptions(top_k=0)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k"),
+    (generate_request(stop_sequences=["a", ""]), grpc.StatusCode.INVALID_ARGUMENT, "stop_sequences[1]"),
+    (generate_request(prompt_token_ids=lm_pb2.TokenIds(ids=[999])), grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt_token_ids.ids[0]"),
+    (generate_request(prompt_text="y" * 500), grpc.StatusCode.OUT_OF_RANGE, "prompt"),
+    (generate_request(knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION, "knn.enabled"),
+]
+
+
+def test_malformed_requests_get_field_named_statuses(servers):
+    address = servers["plain"]
+    with grpc.insecure_channel(address) as channel:
+        from memlm.v1 import language_model_pb2_grpc as lm_grpc
+
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        for request, code, field in BAD_SCORES:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(request, timeout=30)
+            assert (e.value.code(), e.value.details().split(":")[0]) == (code, field), request
+        for request, code, field in BAD_GENERATES:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, timeout=30))
+            assert (e.value.code(), e.value.details().split(":")[0]) == (code, field), request
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Tokenize(lm_pb2.TokenizeRequest(), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with client(servers["local"]) as c:  # kNN options out of their domain
+        for knn, field in ((KnnRequest(lmbda=1.5), "knn.lambda_weight"), (KnnRequest(temperature=0.0), "knn.temperature"),
+                           (KnnRequest(k=0), "knn.k"), (KnnRequest(nprobe=0), "knn.nprobe")):
+            with pytest.raises(ServiceError) as e:
+                c.score(["hi"], knn=knn)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith(field)
+    assert health(address) == health_pb2.HealthCheckResponse.SERVING
+    with client(address) as c:
+        assert len(c.score(["fine"])[0].tokens) == 4
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=64))
+def test_fuzzed_request_bytes_never_break_the_server(servers, data):
+    with grpc.insecure_channel(servers["plain"]) as channel:
+        for method in ("Score", "Tokenize"):
+            call = channel.unary_unary(f"/memlm.v1.LanguageModelService/{method}")
+            try:
+                call(data, timeout=30)
+            except grpc.RpcError as e:
+                assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                                    grpc.StatusCode.UNIMPLEMENTED), (e.code(), e.details())
+
+
+def test_info(tiny, servers, index):
+    with client(servers["plain"]) as c:
+        info = c.info()
+    assert info.model == "tiny" and info.model_fingerprint == tiny.fingerprint
+    assert info.vocab_size == tiny.tokenizer.vocab_size and info.context_length == tiny.model.config.max_seq_len
+    assert not info.HasField("datastore") and list(info.memory_modes) == [lm_pb2.MEMORY_MODE_NONE]
+    assert info.max_new_tokens == 100_000 and info.max_score_tokens == 400
+    with client(servers["remote"]) as c:
+        assert c.info().datastore.n == index[1]["n"]
+
+
+def test_not_serving_until_loaded_and_fingerprints_checked(tiny, servers, index):
+    loop = servers["loop"]
+    started = loop.run(bind_lm_server("127.0.0.1:0", model_name="tiny", knn_defaults=KNN, options=ServerOptions(),
+                                      limits=LMLimits()))
+    loop.servers.append(started.running.server)
+    address = f"127.0.0.1:{started.running.port}"
+    assert health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with client(address) as c, pytest.raises(ServiceError) as e:
+        c.score(["hi"])
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    searcher, info = index
+    with pytest.raises(MemlmError, match="different model"):
+        started.servicer.load(tiny, searcher, {**info, "model_fingerprint": "other"})
+    started.servicer.load(tiny, searcher, info)
+    loop.run(started.running.mark_serving())
+    assert health(address) == health_pb2.HealthCheckResponse.SERVING
+    with client(address) as c:
+        assert c.score(["hi"], knn=KnnRequest())[0].tokens
+
+
+def test_command_line_entry_points(servers, capsys):
+    results = main_score(servers["local"], ["hello there", "x"], knn=KnnRequest(), per_token=True, top_n=2)
+    out = capsys.readouterr().out
+    assert "base ppl" in out and f"{results[0].perplexity:.3f}" in out and "'hello there'" in out
+    finish = main_generate(servers["plain"], "Once", max_new_tokens=5, temperature=0.0, stop=["zzzz"])
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Once") and finish.reason == "length"
+    assert "[finish: length; prompt 4 tokens, generated 5]" in captured.err
