@@ -7,10 +7,11 @@ User errors (MemlmError) print one line and exit 1, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
+import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from memlm.errors import MemlmError
 
@@ -32,7 +33,7 @@ def cmd_fetch(name: str) -> None:
 
 
 MODEL_NAMES = ["smollm2-135m"]
-CORPUS_NAMES = ["sotu", "wiki-summaries"]
+CORPUS_NAMES = ["sotu", "wiki-summaries"]  # memlm.corpus.CORPORA
 
 # ---------------------------------------------------------------------------------------------------
 # eval
@@ -140,6 +141,126 @@ def print_result(result: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# datastore
+
+
+def cmd_datastore_build(args: argparse.Namespace) -> None:
+    from datastore import build_datastore
+
+    out = build_datastore(
+        model=args.model, data=args.data, out=Path(args.out), split=args.split, max_tokens=args.max_tokens,
+        index=args.index, context=args.context, stride=args.stride, batch_size=args.batch_size,
+        device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
+        progress=not args.quiet,
+    )
+    print(out)
+
+
+def cmd_datastore_info(directory: str) -> None:
+    from datastore import datastore_info
+
+    print(datastore_info(Path(directory)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# serve and client
+
+
+def token_from(args: argparse.Namespace) -> str | None:
+    """--token, else $MEMLM_TOKEN (an environment variable keeps the secret out of `ps`)."""
+    return args.token or os.environ.get("MEMLM_TOKEN") or None
+
+
+def server_tls(args: argparse.Namespace) -> Any:
+    from services.security import ServerTls
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise MemlmError("--tls-cert and --tls-key go together")
+    if not args.tls_cert:
+        if args.tls_client_ca:
+            raise MemlmError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    return ServerTls.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def client_tls(ca: str | None) -> Any:
+    from services.security import ClientTls
+
+    return ClientTls.from_files(root_ca=ca) if ca else None
+
+
+def cmd_serve_retrieval(args: argparse.Namespace) -> None:
+    from datastore import Datastore
+    from services.retrieval_server import serve_retrieval
+
+    store = Datastore.open(Path(args.datastore), mmap=args.mmap)
+    asyncio.run(serve_retrieval(
+        store, store.info(), args.host, args.port, tls=server_tls(args), token=token_from(args),
+        micro_batching=not args.no_micro_batching, max_concurrent_rpcs=args.max_concurrent_rpcs,
+    ))
+
+
+def cmd_serve_router(args: argparse.Namespace) -> None:
+    from services.router import serve_router
+
+    asyncio.run(serve_router(
+        args.shard, args.host, args.port, shard_tls=client_tls(args.shard_ca),
+        shard_token=args.shard_token or os.environ.get("MEMLM_SHARD_TOKEN") or None,
+        tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs,
+    ))
+
+
+def cmd_serve_lm(args: argparse.Namespace) -> None:
+    from memlm.evaluate import resolve_device, resolve_dtype
+    from memlm.knnlm import KNNLMConfig
+    from services.lm_server import LMLimits, serve_lm
+    from services.server_common import ServerOptions
+
+    if args.datastore and args.retrieval:
+        raise MemlmError("give --datastore DIR or --retrieval HOST:PORT, not both")
+    device = resolve_device(args.device)
+    knn = KNNLMConfig(k=args.k, lmbda=args.lmbda, temperature=args.knn_temperature,
+                      exact_rerank=args.exact_rerank, nprobe=args.nprobe)
+    asyncio.run(serve_lm(
+        args.model, datastore=args.datastore, retrieval=args.retrieval, host=args.host, port=args.port,
+        device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn,
+        options=ServerOptions(tls=server_tls(args), token=token_from(args),
+                              max_concurrent_rpcs=args.max_concurrent_rpcs),
+        limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens),
+        retrieval_tls=client_tls(args.retrieval_ca),
+        retrieval_token=args.retrieval_token or os.environ.get("MEMLM_RETRIEVAL_TOKEN") or None,
+    ))
+
+
+def knn_request(args: argparse.Namespace) -> Any:
+    from services.lm_client import KnnRequest
+
+    if not args.knn:
+        return None
+    return KnnRequest(lmbda=args.lmbda, temperature=args.knn_temperature, k=args.k)
+
+
+def cmd_client_score(args: argparse.Namespace) -> None:
+    from services.lm_client import main_score
+
+    main_score(
+        args.address, args.text, contexts=args.context or None, knn=knn_request(args), top_n=args.top_n,
+        window_tokens=args.window, stride_tokens=args.stride, per_token=args.per_token,
+        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout,
+    )
+
+
+def cmd_client_generate(args: argparse.Namespace) -> None:
+    from services.lm_client import main_generate
+
+    main_generate(
+        args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
+        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 # argument parsing
 
 
@@ -177,6 +298,109 @@ def add_eval_parser(sub: Any) -> None:
     p.set_defaults(func=lambda a: cmd_eval(a))
 
 
+
+def add_datastore_parser(sub: Any) -> None:
+    p = sub.add_parser("datastore", help="build and inspect kNN-LM datastores")
+    dsub = p.add_subparsers(dest="datastore_command", required=True, metavar="ACTION")
+    b = dsub.add_parser("build", help="corpus -> (key, next token) pairs -> FAISS index; resumable (run it again)")
+    b.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
+    b.add_argument("--data", required=True, help="fetched corpus name or a .txt/.jsonl/.json/.parquet file")
+    b.add_argument("--out", required=True, help="datastore directory to write")
+    b.add_argument("--split", default=None, help="documents to use (see memlm eval --help)")
+    b.add_argument("--max-tokens", type=int, default=None, help="cap on tokens stored")
+    b.add_argument("--index", default=None, help='FAISS factory string, e.g. "IVF4096,PQ64" (default: chosen from N and d)')
+    b.add_argument("--nprobe", type=int, default=None, help="default IVF lists probed at search time")
+    b.add_argument("--context", type=int, default=None, help="window length (default min(1024, model max))")
+    b.add_argument("--stride", type=int, default=None, help="tokens between window starts (default context/2)")
+    b.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    b.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    b.add_argument("--overwrite", action="store_true", help="replace a finished datastore in --out")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.set_defaults(func=cmd_datastore_build)
+    i = dsub.add_parser("info", help="print a datastore's manifest")
+    i.add_argument("directory")
+    i.set_defaults(func=lambda a: cmd_datastore_info(a.directory))
+
+
+def add_server_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--tls-cert", default=None, help="server certificate chain (PEM) to serve TLS")
+    p.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", default=None, help="CA (PEM) that client certificates must chain to (mTLS)")
+    p.add_argument("--token", default=None, help="bearer token callers must send (default $MEMLM_TOKEN)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="RESOURCE_EXHAUSTED past this many calls")
+
+
+def add_knn_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    p.add_argument("--k", type=int, default=1024 if defaults else None, help="neighbours per token")
+    p.add_argument("--lambda", dest="lmbda", type=float, default=0.25 if defaults else None, help="kNN-LM weight")
+    p.add_argument("--knn-temperature", type=float, default=1.0 if defaults else None, help="temperature over -distance")
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run a gRPC server (prints the address it listens on)")
+    ssub = p.add_subparsers(dest="serve_command", required=True, metavar="SERVER")
+    r = ssub.add_parser("retrieval", help="RetrievalService over a datastore")
+    r.add_argument("--datastore", required=True, help="datastore directory")
+    r.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
+    r.add_argument("--no-micro-batching", action="store_true", help="one FAISS search per call")
+    add_server_security(r)
+    r.set_defaults(func=cmd_serve_retrieval)
+    ro = ssub.add_parser("router", help="RetrievalService that fans out to shards and merges the top-k")
+    ro.add_argument("--shard", action="append", required=True, help="HOST:PORT of a shard, in build order (repeat)")
+    ro.add_argument("--shard-ca", default=None, help="CA (PEM) to reach TLS shards")
+    ro.add_argument("--shard-token", default=None, help="token for the shards (default $MEMLM_SHARD_TOKEN)")
+    add_server_security(ro)
+    ro.set_defaults(func=cmd_serve_router)
+    lm = ssub.add_parser("lm", help="LanguageModelService: Score, Generate, Tokenize")
+    lm.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
+    lm.add_argument("--datastore", default=None, help="local datastore for kNN-LM")
+    lm.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router for kNN-LM")
+    lm.add_argument("--retrieval-ca", default=None, help="CA (PEM) to reach a TLS retrieval service")
+    lm.add_argument("--retrieval-token", default=None, help="token for the retrieval service (default $MEMLM_RETRIEVAL_TOKEN)")
+    lm.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    lm.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_knn_options(lm, defaults=True)
+    lm.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the datastore's)")
+    lm.add_argument("--exact-rerank", action="store_true", help="re-rank neighbours with exact distances")
+    lm.add_argument("--max-new-tokens", type=int, default=4096, help="largest Generate request")
+    lm.add_argument("--max-score-tokens", type=int, default=65536, help="largest Score request, in tokens")
+    add_server_security(lm)
+    lm.set_defaults(func=cmd_serve_lm)
+
+
+def add_client_parser(sub: Any) -> None:
+    p = sub.add_parser("client", help="call a running LanguageModelService")
+    csub = p.add_subparsers(dest="client_command", required=True, metavar="CALL")
+    for name in ("score", "generate"):
+        c = csub.add_parser(name, help=f"{name} text")
+        c.add_argument("--address", required=True, help="HOST:PORT of `memlm serve lm`")
+        c.add_argument("--tls-ca", default=None, help="CA (PEM) of a TLS server")
+        c.add_argument("--token", default=None, help="bearer token (default $MEMLM_TOKEN)")
+        c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+        c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
+        add_knn_options(c, defaults=False)
+        if name == "score":
+            c.add_argument("text", nargs="+", help="texts to score")
+            c.add_argument("--context", action="append", help="context for each text (loglikelihood of text given it)")
+            c.add_argument("--top-n", type=int, default=0, help="alternatives per token")
+            c.add_argument("--window", type=int, default=None, help="window length in tokens")
+            c.add_argument("--stride", type=int, default=None, help="window stride in tokens")
+            c.add_argument("--per-token", action="store_true", help="print every token's log-probability")
+            c.set_defaults(func=cmd_client_score)
+        else:
+            c.add_argument("prompt", help="prompt text")
+            c.add_argument("--max-new-tokens", type=int, default=64)
+            c.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+            c.add_argument("--top-k", type=int, default=None)
+            c.add_argument("--top-p", type=float, default=None)
+            c.add_argument("--seed", type=int, default=None)
+            c.add_argument("--stop", action="append", help="stop sequence (repeat)")
+            c.set_defaults(func=cmd_client_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -186,13 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: cmd_fetch(a.name))
 
     add_eval_parser(sub)
-    for add in EXTRA_PARSERS:
-        add(sub)
+    add_datastore_parser(sub)
+    add_serve_parser(sub)
+    add_client_parser(sub)
     return parser
-
-
-# Later subsystems (datastore, serve, client, train) register their parsers here.
-EXTRA_PARSERS: list[Callable[[Any], None]] = []
 
 
 def main(argv: list[str] | None = None) -> int:

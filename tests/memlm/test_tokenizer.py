@@ -162,6 +162,7 @@ def test_smollm2_metadata_and_specials(smol: Tokenizer) -> None:
     assert (smol.bos_id, smol.eos_id) == (1, 2)  # <|im_start|>, <|im_end|> in this Instruct GGUF
     assert smol.encode("<|im_start|>user\nhi<|im_end|>") == [1] + smol.encode("user\nhi") + [2]
     assert smol.encode("<|endoftext|>") == [0]
+    assert smol.boundary_id == 0 and Tokenizer.byte_level().boundary_id == 256
 
 
 def test_json_round_trip_keeps_ids_and_fingerprint(smol: Tokenizer, tmp_path) -> None:
