@@ -20,7 +20,7 @@ def load_model(name: str | None) -> tuple[Any, str, str, int]:
         name = "smollm2-135m" if model_path("smollm2-135m").is_file() else "tiny"
     pre = load_pretrained(name)
     tok = pre.tokenizer
-    bos = tok.bos_id if tok.bos_id is not None else tok.eos_id
+    bos = tok.boundary_id
     return pre, name, pre.fingerprint, int(bos)
 
 

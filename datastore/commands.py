@@ -50,7 +50,7 @@ def build_datastore(
     tokenizer = pretrained.tokenizer
     context = context or min(1024, pretrained.model.config.max_seq_len)
     stride = stride or max(1, context // 2)
-    boundary = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    boundary = tokenizer.boundary_id
     if boundary is None:
         raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark document starts")
     provenance = Provenance(

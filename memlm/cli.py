@@ -50,8 +50,8 @@ def load_eval_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: i
 
 
 def boundary_token(tokenizer: Any) -> int:
-    """The token that precedes every document (BOS, else EOS)."""
-    token = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    """The token that precedes every document (<|endoftext|>, else BOS, else EOS: Tokenizer.boundary_id)."""
+    token = tokenizer.boundary_id
     if token is None:
         raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark document starts")
     return token

@@ -89,8 +89,8 @@ class GenerationRecord:
 
 
 def boundary_token(tokenizer) -> int:
-    """The token that precedes every sequence (BOS, else EOS), as memlm.cli.boundary_token."""
-    token = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    """The token that precedes every sequence (Tokenizer.boundary_id), as memlm.cli.boundary_token."""
+    token = tokenizer.boundary_id
     if token is None:
         raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark sequence starts")
     return token
