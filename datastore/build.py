@@ -216,6 +216,8 @@ def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> 
     if out.exists() and not out.is_dir():
         raise MemlmError(f"--out {out} is a file; pass a directory")
     if (out / MANIFEST_NAME).exists():
+        # Scratch left by a build killed between writing its manifest and removing .build.
+        shutil.rmtree(out / WORK_DIR, ignore_errors=True)
         if not overwrite:
             raise MemlmError(
                 f"{out} already holds a finished datastore; pass --overwrite to rebuild it, or another --out"

