@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -87,11 +88,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if args.memory != "none":
         from memlm.segment_eval import evaluate_segments
+        from memlm.train import load_compressor
 
+        compressor = None
+        if args.memory == "compressive" and args.compress_fn == "conv":
+            compressor = load_compressor(args.model, device) if Path(args.model).is_dir() else None
+            if compressor is None:
+                raise MemlmError("--compress-fn conv needs a checkpoint trained with it (memlm train --memory "
+                                 "compressive --compress-fn conv); use mean or max pooling with other models")
         result = evaluate_segments(
             model, token_docs, segment=args.segment, memory=args.memory, mem_len=args.mem_len,
             cmem_len=args.cmem_len, compress_rate=args.compress_rate, compress_fn=args.compress_fn,
-            sink_tokens=args.sink_tokens, batch_size=args.batch_size,
+            sink_tokens=args.sink_tokens, batch_size=args.batch_size, compressor=compressor,
+            boundary_token=bos,
         )
     elif args.datastore:
         result = run_knnlm_eval(args, pretrained, token_docs, window, bos)
@@ -132,7 +141,8 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, token_docs: list[l
 def print_result(result: dict[str, Any]) -> None:
     """A short human summary on stdout; the JSON file has everything."""
     for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "lambda", "temperature",
-                "k", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s", "recall_at_k",
+                "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
+                "knnlm_speed_ratio", "recall_at_k", "recall_at_10",
                 "attention_span", "seconds"):
         if key in result:
             value = result[key]
@@ -258,6 +268,39 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
         tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# train
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from memlm.memory import MemoryConfig
+    from memlm.train import TrainConfig, train
+
+    try:
+        memory = MemoryConfig(args.memory, args.mem_len, args.cmem_len, args.compress_rate, args.compress_fn,
+                              args.sink_tokens)
+    except ValueError as e:
+        raise MemlmError(str(e)) from None
+    config = TrainConfig(
+        model=args.model, init=args.init, memory=memory, segment=args.segment, batch_size=args.batch_size,
+        steps=args.steps, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, compressor_only=args.compressor_only,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, out_dir=args.out,
+        log_every=args.log_every, seed=args.seed, device=args.device, data=args.data,
+        train_split=args.split, eval_split=args.eval_split, max_train_tokens=args.max_train_tokens,
+        max_eval_tokens=args.max_eval_tokens,
+    )
+    result = train(config, resume_from=args.resume)
+    summary = {
+        "step": result.step,
+        "tokens": result.tokens,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "evals": result.evals,
+        "checkpoint": result.checkpoint,
+    }
+    print(json.dumps(summary, indent=2, default=str))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -401,6 +444,40 @@ def add_client_parser(sub: Any) -> None:
             c.set_defaults(func=cmd_client_generate)
 
 
+def add_train_parser(sub: Any) -> None:
+    p = sub.add_parser("train", help="train a model (from scratch or SmolLM2) with XL / compressive memory")
+    p.add_argument("--model", default="tiny", help="preset (scratch) or anything `eval --model` takes (pretrained)")
+    p.add_argument("--init", default="scratch", choices=["scratch", "pretrained"])
+    p.add_argument("--data", required=True, help="corpus (long documents are read in order)")
+    p.add_argument("--split", default=None, help="training documents")
+    p.add_argument("--eval-split", default=None, help="evaluation documents (periodic evaluation)")
+    p.add_argument("--max-train-tokens", type=int, default=None)
+    p.add_argument("--max-eval-tokens", type=int, default=None)
+    p.add_argument("--out", default=None, help="checkpoint directory (config, weights, tokenizer, optimizer)")
+    p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    p.add_argument("--memory", default="xl", choices=["none", "xl", "compressive"])
+    p.add_argument("--segment", type=int, default=64, help="tokens per segment (truncated BPTT unit)")
+    p.add_argument("--mem-len", type=int, default=128)
+    p.add_argument("--cmem-len", type=int, default=0)
+    p.add_argument("--compress-rate", type=int, default=4)
+    p.add_argument("--compress-fn", default="mean", choices=["mean", "max", "conv"])
+    p.add_argument("--sink-tokens", type=int, default=0)
+    p.add_argument("--compressor-only", action="store_true", help="freeze the model, train the conv compressor")
+    p.add_argument("--batch-size", type=int, default=4, help="independent document streams")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -413,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_datastore_parser(sub)
     add_serve_parser(sub)
     add_client_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

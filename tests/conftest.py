@@ -11,6 +11,13 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compute thread per process: tests start servers as subprocesses beside the test process, and on
+# a 2-core machine two OpenMP pools spinning against each other made tiny forwards 10-20x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after the environment above)
+
+torch.set_num_threads(1)
 
 SMOLLM2_SKIP = "SmolLM2 weights not fetched; run: memlm fetch smollm2-135m"
 
