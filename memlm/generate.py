@@ -8,6 +8,10 @@ model thread, and stops advancing it when the client goes away).
 - Decoding is incremental: the prompt is encoded once into a KVCache, then each new token is one
   forward step of length 1. When the cache reaches the model's context length, the last half of the
   context is re-encoded into a fresh cache (a sliding window), so generation never exceeds it.
+  With a `memory` (memlm.memory.MemoryConfig, e.g. Transformer-XL with sink tokens) the state is that
+  memory instead: the prompt is encoded in segments of `segment` tokens, then each new token is one
+  step that attends to the sinks and the last mem_len states, so generation runs past the model's
+  context without ever re-encoding (what the Score rpc's MEMORY_MODE_XL does, token by token).
 - kNN-LM (Khandelwal et al. 2020) mixes the full next-token distribution:
   log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) over the vocabulary, with
   p_kNN from the k neighbours of the last position's key (`knn_log_distribution`).
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.knnlm import KNNLMConfig, interpolate, knn_log_distribution
+from memlm.memory import MemoryConfig, new_memory
 from memlm.model import Decoder, KVCache
 from memlm.search import Searcher
 
@@ -135,6 +140,8 @@ def generate(
     eos_id: int | None = None,
     searcher: Searcher | None = None,
     knn: KNNLMConfig | None = None,
+    memory: MemoryConfig | None = None,
+    segment: int | None = None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     """Continue `prompt_ids`, yielding TokenEvents then exactly one GenerationEnd.
 
@@ -145,6 +152,8 @@ def generate(
     boundary_token: prepended to the prompt (BOS, else EOS); None = the prompt as is.
     eos_id: generation ends (reason "eos") when this token is drawn; None = never.
     searcher, knn: kNN-LM over the whole vocabulary (both or neither).
+    memory, segment: a segment memory as the decoder state instead of a KV cache (kind "none" = the KV
+        cache), the prompt encoded in segments of `segment` tokens (1 <= segment <= max_seq_len).
     """
     if max_new_tokens < 1:
         raise MemlmError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -152,6 +161,10 @@ def generate(
         raise MemlmError("kNN-LM generation needs both a searcher and a KNNLMConfig")
     if knn is not None and knn.needs_tuning:
         raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
+    if memory is not None and memory.kind == "none":
+        memory = None
+    if memory is not None and not (segment is not None and 1 <= segment <= model.config.max_seq_len):
+        raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {segment}")
     stops = [_as_stop(s) for s in stop_sequences]
     prefix = ([boundary_token] if boundary_token is not None else []) + [int(i) for i in prompt_ids]
     if not prefix:
@@ -159,10 +172,12 @@ def generate(
     V = model.config.vocab_size
     if any(not 0 <= i < V for i in prefix):
         raise MemlmError(f"prompt has token ids outside [0, {V})")
-    return _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher, knn)
+    return _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher, knn,
+                     memory, segment)
 
 
-def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling, stops, eos_id, searcher, knn):
+def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling, stops, eos_id, searcher, knn,
+              memory=None, segment=None):
     device = model.device
     max_len = model.config.max_seq_len
     V = model.config.vocab_size
@@ -184,8 +199,17 @@ def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling,
         out = model(idx, state=KVCache.empty(model.config), logits_from=idx.shape[1] - 1)
         return out.logits[0, -1], out.knn_key[0, -1], out.state  # (V,), (C,)
 
+    def encode_segments():
+        # The whole prompt, segment by segment, into the memory (never re-encoded afterwards).
+        state = new_memory(memory, 1, device)
+        for lo in range(0, len(tokens), segment):
+            idx = torch.tensor([tokens[lo : lo + segment]], dtype=torch.long, device=device)  # (1, T)
+            out = model(idx, state=state, logits_from=idx.shape[1] - 1)
+            state = out.state
+        return out.logits[0, -1], out.knn_key[0, -1], state  # (V,), (C,)
+
     with torch.inference_mode():
-        logits, key, cache = encode_window()
+        logits, key, cache = encode_window() if memory is None else encode_segments()
     for _ in range(max_new_tokens):
         with torch.inference_mode():
             lm_lp = F.log_softmax(logits.float(), dim=-1)  # (V,)
@@ -223,7 +247,7 @@ def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling,
         if len(generated) == max_new_tokens:
             break
         with torch.inference_mode():
-            if cache.length + 1 > max_len:
+            if memory is None and cache.length + 1 > max_len:
                 logits, key, cache = encode_window()
             else:
                 step = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)

@@ -15,8 +15,16 @@ log-probability is the sparse one `evaluate_knnlm` uses (`knn_target_logprob` + 
 kNN-LM perplexities agree too; the dense distribution (`knn_log_distribution`) is built only for the
 greedy flags and the top-n alternatives under the final distribution, a bounded block of rows at a time.
 
-Shape legend: B windows in a batch, T window length, n scored tokens of a window, Q scored tokens of a
-batch, k neighbours, V vocab, C key width, N top-n alternatives.
+`score_tokens_segments` is the segment-recurrent counterpart (memory modes of the Score rpc): each
+sequence is cut into consecutive segments that run once, attending to a Transformer-XL (or compressive)
+memory of the earlier segments (memlm.memory), with the conventions of `memlm eval --memory`
+(memlm.segment_eval.evaluate_segments): the same segment stream (memlm.segment_eval.SegmentStream, so the
+same rows, padding and memory resets), so a sequence without context gets bit-identical base
+log-probabilities and its perplexity equals evaluate_segments' on the same tokens. kNN-LM keys come from
+the same forward pass, i.e. they are computed with the memory in place.
+
+Shape legend: B windows (segment rows) in a batch, T window (segment) length, n scored tokens of a window,
+Q scored tokens of a batch, k neighbours, V vocab, C key width, N top-n alternatives.
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.knnlm import KNNLMConfig, interpolate, knn_log_distribution, knn_target_logprob
+from memlm.memory import Compressor, MemoryConfig, new_memory
 from memlm.model import Decoder
 from memlm.search import Neighbors, Searcher
+from memlm.segment_eval import SegmentStream
 from memlm.windows import Window, plan_windows
 
 DENSE_BLOCK_FLOATS = 1 << 22
@@ -134,18 +144,10 @@ def score_tokens(
     top_n: alternatives per scored token (0 = none).
     batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
     """
-    if (searcher is None) != (knn is None):
-        raise MemlmError("kNN-LM scoring needs both a searcher and a KNNLMConfig")
-    if knn is not None and knn.needs_tuning:
-        raise MemlmError("kNN-LM scoring needs a fixed lambda and temperature (tuning is `memlm eval`'s job)")
+    _check_common(model, token_seqs, contexts, searcher, knn, top_n)
     if context > model.config.max_seq_len:
         raise MemlmError(f"context {context} is longer than the model supports ({model.config.max_seq_len})")
-    if top_n < 0:
-        raise MemlmError(f"top_n must be >= 0, got {top_n}")
-    if contexts is not None and len(contexts) != len(token_seqs):
-        raise MemlmError(f"{len(contexts)} contexts for {len(token_seqs)} sequences")
-    V = model.config.vocab_size
-    top_n = min(top_n, V)
+    top_n = min(top_n, model.config.vocab_size)
 
     # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
@@ -164,6 +166,109 @@ def score_tokens(
         for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n)):
             parts[job.window.doc].append(scores)
 
+    return _assemble(token_seqs, parts, prefix_lens, top_n)
+
+
+def score_tokens_segments(
+    model: Decoder,
+    token_seqs: Sequence[Sequence[int]],
+    *,
+    segment: int,
+    memory: MemoryConfig,
+    boundary_token: int,
+    contexts: Sequence[Sequence[int] | None] | None = None,
+    searcher: Searcher | None = None,
+    knn: KNNLMConfig | None = None,
+    top_n: int = 0,
+    batch_size: int = 4,
+    compressor: Compressor | None = None,
+) -> list[SequenceScore]:
+    """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
+
+    Arguments as `score_tokens`, except:
+    segment: tokens per segment (1 <= segment <= the model's context), as `memlm eval --segment`.
+    memory: which memory and its sizes (memlm.memory.MemoryConfig; kind "none" runs each segment alone).
+    batch_size: sequences run side by side, one per row (equal to `memlm eval --batch-size` for
+        bit-identical floats); a row's memory is reset when it starts the next sequence.
+    compressor: the learned compressor for memory.compress_fn "conv".
+    Each sequence is boundary + context + continuation; every position is run exactly once and only the
+    continuation's targets are scored, so a context conditions the continuation through the memory
+    (and the segment it shares with it).
+    """
+    _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    if not 1 <= segment <= model.config.max_seq_len:
+        raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] (the model's context), got {segment}")
+    if batch_size < 1:
+        raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
+    if memory.kind == "compressive" and memory.compress_fn == "conv" and compressor is None:
+        raise MemlmError("compress_fn conv needs a trained compressor")
+    top_n = min(top_n, model.config.vocab_size)
+
+    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
+    ctxs = [list(c or ()) for c in contexts] if contexts is not None else [[] for _ in token_seqs]
+    prefix_lens = [1 + len(c) for c in ctxs]
+    # Sequences with nothing to score are not run at all; the stream deals the others in order.
+    runs = [i for i, tokens in enumerate(token_seqs) if len(tokens) > 0]
+    if runs:
+        docs = [[*ctxs[i], *token_seqs[i]] for i in runs]  # the stream prepends the boundary token
+        rows = min(batch_size, len(docs))
+        stream = SegmentStream(docs, rows, segment, boundary_token)
+        device = model.device
+        state = new_memory(memory, rows, device, compressor)
+        with torch.inference_mode():
+            while (batch := stream.next_batch()) is not None:
+                # Where each row's targets sit in its document: the stream has just advanced every
+                # real row by its number of scored targets.
+                where = stream.position()
+                if state is not None:
+                    state = state.reset_rows(batch.reset.to(device))
+                out = model(batch.inputs.to(device), state)
+                state = out.state
+                # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
+                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
+                slices = []  # (row, original sequence index, first column, last column)
+                for r in range(rows):
+                    n = int(batch.mask[r].sum())
+                    if n == 0:
+                        continue
+                    d = where["row_doc"][r]
+                    lo = where["row_offset"][r] - n  # document target index of column 0
+                    seq = runs[d]
+                    first = max(0, prefix_lens[seq] - 1 - lo)  # context targets are not scored
+                    if first < n:
+                        slices.append((r, seq, first, n))
+                if not slices:
+                    continue
+                neighbors = None
+                if searcher is not None:
+                    keys = torch.cat([out.knn_key[r, a:b] for r, _, a, b in slices])  # (Q, C)
+                    neighbors = _search(searcher, keys, knn)  # (Q, k), one search per forward batch
+                offset = 0
+                for r, seq, a, b in slices:
+                    targets = batch.targets[r, a:b].to(device)  # (n,)
+                    lm_lp = logp[r, a:b]  # (n, V)
+                    nb = None if neighbors is None else Neighbors(*(x[offset : offset + b - a] for x in neighbors))
+                    offset += b - a
+                    greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
+                    parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+    return _assemble(token_seqs, parts, prefix_lens, top_n)
+
+
+def _check_common(model, token_seqs, contexts, searcher, knn, top_n) -> None:
+    if (searcher is None) != (knn is None):
+        raise MemlmError("kNN-LM scoring needs both a searcher and a KNNLMConfig")
+    if knn is not None and knn.needs_tuning:
+        raise MemlmError("kNN-LM scoring needs a fixed lambda and temperature (tuning is `memlm eval`'s job)")
+    if top_n < 0:
+        raise MemlmError(f"top_n must be >= 0, got {top_n}")
+    if contexts is not None and len(contexts) != len(token_seqs):
+        raise MemlmError(f"{len(contexts)} contexts for {len(token_seqs)} sequences")
+
+
+def _assemble(
+    token_seqs: Sequence[Sequence[int]], parts: list[list[tuple[torch.Tensor, ...]]], prefix_lens: list[int], top_n: int
+) -> list[SequenceScore]:
+    """Concatenate each sequence's per-window scores, in order, into one SequenceScore."""
     results = []
     for i, tokens in enumerate(token_seqs):
         if parts[i]:
@@ -229,21 +334,34 @@ def _score_batch(
         targets = seq[w.score_from + 1 : w.end + 1].to(device)  # (n,)
         row_logits = out.logits[row, lo - first_scored : hi - first_scored].float()  # (n, V)
         lm_lp = F.log_softmax(row_logits, dim=-1)  # (n, V)
-        base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
-        if neighbors is None:
-            final = base
-            greedy = row_logits.argmax(dim=-1) == targets  # (n,), the test memlm.windows uses
-            top = lm_lp.topk(top_n, dim=-1) if top_n else None
-            top_ids = top.indices if top is not None else torch.empty(n, 0, dtype=torch.long)
-            top_lp = top.values if top is not None else torch.empty(n, 0)
-        else:
-            nb = Neighbors(*(a[offset : offset + n] for a in neighbors))  # (n, k) each
-            knn_lp = knn_target_logprob(nb, targets.cpu(), knn.temperature)  # (n,)
-            final = interpolate(base, knn_lp.to(device), knn.lmbda)  # (n,)
-            greedy, top_ids, top_lp = _dense_greedy_top(lm_lp, nb, targets, knn, top_n)
+        greedy = row_logits.argmax(dim=-1) == targets  # (n,), the test memlm.windows uses
+        nb = None if neighbors is None else Neighbors(*(a[offset : offset + n] for a in neighbors))  # (n, k)
         offset += n
-        results.append((base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu()))
+        results.append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
     return results
+
+
+def _final_scores(
+    lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | None,
+    knn: KNNLMConfig | None, top_n: int,
+) -> tuple[torch.Tensor, ...]:
+    """Per scored token: (base (n,), final (n,), greedy (n,), top ids (n, N), top logprobs (n, N)) on the CPU.
+
+    lm_lp: (n, V) base log-probabilities; targets: (n,); greedy: (n,) base-LM greedy flags (used
+    without kNN-LM); nb: (n, k) neighbours of these tokens' keys, or None without kNN-LM.
+    """
+    n = lm_lp.shape[0]
+    base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
+    if nb is None:
+        final = base
+        top = lm_lp.topk(top_n, dim=-1) if top_n else None
+        top_ids = top.indices if top is not None else torch.empty(n, 0, dtype=torch.long)
+        top_lp = top.values if top is not None else torch.empty(n, 0)
+    else:
+        knn_lp = knn_target_logprob(nb, targets.cpu(), knn.temperature)  # (n,)
+        final = interpolate(base, knn_lp.to(lm_lp.device), knn.lmbda)  # (n,)
+        greedy, top_ids, top_lp = _dense_greedy_top(lm_lp, nb, targets, knn, top_n)
+    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu()
 
 
 def _dense_greedy_top(

@@ -40,6 +40,16 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class MemoryOptions(_message.Message):
+    __slots__ = ("segment_tokens", "memory_tokens", "sink_tokens")
+    SEGMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    segment_tokens: int
+    memory_tokens: int
+    sink_tokens: int
+    def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
+
 class KnnOptions(_message.Message):
     __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
@@ -67,20 +77,22 @@ class ScoreInput(_message.Message):
     def __init__(self, context_text: _Optional[str] = ..., context_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("inputs", "knn", "memory_mode", "top_n", "window_tokens", "stride_tokens")
+    __slots__ = ("inputs", "knn", "memory_mode", "top_n", "window_tokens", "stride_tokens", "memory")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     KNN_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STRIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[ScoreInput]
     knn: KnnOptions
     memory_mode: MemoryMode
     top_n: int
     window_tokens: int
     stride_tokens: int
-    def __init__(self, inputs: _Optional[_Iterable[_Union[ScoreInput, _Mapping]]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., top_n: _Optional[int] = ..., window_tokens: _Optional[int] = ..., stride_tokens: _Optional[int] = ...) -> None: ...
+    memory: MemoryOptions
+    def __init__(self, inputs: _Optional[_Iterable[_Union[ScoreInput, _Mapping]]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., top_n: _Optional[int] = ..., window_tokens: _Optional[int] = ..., stride_tokens: _Optional[int] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ...) -> None: ...
 
 class TokenAlternative(_message.Message):
     __slots__ = ("token_id", "text", "logprob")
@@ -143,7 +155,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode")
+    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode", "memory")
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +163,7 @@ class GenerateRequest(_message.Message):
     STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KNN_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: TokenIds
     max_new_tokens: int
@@ -158,7 +171,8 @@ class GenerateRequest(_message.Message):
     stop_sequences: _containers.RepeatedScalarFieldContainer[str]
     knn: KnnOptions
     memory_mode: MemoryMode
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ...) -> None: ...
+    memory: MemoryOptions
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "text", "logprob", "base_logprob")
@@ -227,7 +241,7 @@ class LanguageModelServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LanguageModelServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes")
+    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +254,8 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     MAX_SCORE_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -252,4 +268,6 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     max_score_batch: int
     max_new_tokens: int
     max_message_bytes: int
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    default_memory: MemoryOptions
+    max_memory_tokens: int
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ...) -> None: ...

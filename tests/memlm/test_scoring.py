@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from memlm.evaluate import evaluate_perplexity
 from memlm.exact_search import TorchExactSearcher
 from memlm.knnlm import KNNLMConfig, evaluate_knnlm
-from memlm.scoring import plan_scored_windows, score_tokens
+from memlm.memory import MemoryConfig, new_memory
+from memlm.scoring import plan_scored_windows, score_tokens, score_tokens_segments
+from memlm.segment_eval import evaluate_segments
 from memlm.weights import load_pretrained
 from memlm.windows import WindowConfig, plan_windows, score_documents
 
@@ -153,3 +155,105 @@ def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
         in_top = s.top_ids == s.tokens[:, None]  # (n, N)
         np.testing.assert_allclose(s.top_logprobs[in_top], s.logprob[in_top.any(1)], rtol=1e-5, atol=1e-5)
         assert (s.top_logprobs[:, 0] >= s.logprob - 1e-5).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment-recurrent scoring (memory modes): oracle memlm.segment_eval.evaluate_segments
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_segments_xl_equal_evaluate_segments(tiny, docs, batch_size):
+    # Segments of 8 and a memory of 12 slots (+2 sinks): every document spans several segments and
+    # evicts from its memory, so the memory carried between segments is what is being compared.
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    bos = tiny.tokenizer.bos_id
+    scores = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos,
+                                   batch_size=batch_size, top_n=2)
+    result = evaluate_segments(tiny.model, docs, segment=8, memory="xl", mem_len=12, sink_tokens=2,
+                               batch_size=batch_size, boundary_token=bos)
+    assert sum(len(s.tokens) for s in scores) == result["tokens"]
+    total = sum(s.total_logprob for s in scores)
+    assert math.isclose(total, -result["nll"] * result["tokens"], rel_tol=1e-9)
+    for s, d in zip(scores, docs):
+        assert s.tokens.tolist() == d and s.context_tokens == 1
+        np.testing.assert_array_equal(s.logprob, s.base_logprob)
+        assert s.greedy.tolist() == (s.top_ids[:, 0] == s.tokens).tolist()
+
+
+def test_segments_xl_per_token_equal_manual_recurrence(tiny, docs):
+    """Per token: one document run segment by segment by hand with XLMemory (batch 1)."""
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    bos = tiny.tokenizer.bos_id
+    doc = docs[0]
+    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=bos, batch_size=1)
+    seq = [bos, *doc]
+    state = new_memory(memory, 1)
+    want = []
+    with torch.no_grad():
+        for lo in range(0, len(doc), 8):
+            inputs = torch.tensor([seq[lo : lo + 8]])  # (1, T)
+            out = tiny.model(inputs, state)
+            state = out.state
+            lp = F.log_softmax(out.logits[0].float(), -1)  # (T, V)
+            want.append(lp.gather(1, torch.tensor(seq[lo + 1 : lo + 9])[:, None])[:, 0])
+    torch.testing.assert_close(torch.from_numpy(s.base_logprob), torch.cat(want), rtol=1e-5, atol=1e-5)
+    # The memory matters: without it (each segment alone) the scores differ.
+    (alone,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=MemoryConfig("none"),
+                                     boundary_token=bos, batch_size=1)
+    assert not np.allclose(alone.base_logprob, s.base_logprob)
+
+
+def test_segments_context_conditions_but_is_not_scored(tiny, docs):
+    ctx, cont = docs[0][:20], docs[0][20:45]
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    bos = tiny.tokenizer.bos_id
+    (with_ctx, empty) = score_tokens_segments(tiny.model, [cont, []], contexts=[ctx, ctx], segment=8,
+                                              memory=memory, boundary_token=bos, batch_size=2, top_n=1)
+    (whole,) = score_tokens_segments(tiny.model, [ctx + cont], segment=8, memory=memory, boundary_token=bos,
+                                     batch_size=1)
+    assert with_ctx.tokens.tolist() == cont and with_ctx.context_tokens == 1 + len(ctx)
+    torch.testing.assert_close(torch.from_numpy(with_ctx.base_logprob), torch.from_numpy(whole.base_logprob[20:]))
+    assert len(empty.tokens) == 0 and empty.top_ids.shape == (0, 1) and empty.context_tokens == 1 + len(ctx)
+
+
+def test_segments_knn_lambda_zero_is_base_and_keys_come_from_the_memory_forward(tiny, docs, searcher):
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    bos = tiny.tokenizer.bos_id
+    base = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos)
+    zero = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos,
+                                 searcher=searcher, knn=KNNLMConfig(k=8, lmbda=0.0, temperature=1.0))
+    mixed = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos, top_n=3,
+                                  searcher=searcher, knn=KNNLMConfig(k=8, lmbda=0.5, temperature=5.0))
+    for b, z, m in zip(base, zero, mixed):
+        np.testing.assert_array_equal(z.logprob, b.base_logprob)
+        np.testing.assert_array_equal(m.base_logprob, b.base_logprob)
+        assert m.greedy.tolist() == (m.top_ids[:, 0] == m.tokens).tolist()
+    assert abs(sum(m.total_logprob for m in mixed) - sum(b.total_logprob for b in base)) > 1.0
+    # Oracle for the mixture: search the keys of the memory forward pass by hand (first document).
+    knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+    doc = docs[1]
+    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=bos,
+                                 searcher=searcher, knn=knn, batch_size=1)
+    seq, state, want = [bos, *doc], new_memory(memory, 1), []
+    from memlm.knnlm import interpolate, knn_target_logprob
+
+    with torch.no_grad():
+        for lo in range(0, len(doc), 8):
+            out = tiny.model(torch.tensor([seq[lo : lo + 8]]), state)
+            state = out.state
+            targets = torch.tensor(seq[lo + 1 : lo + 9])
+            n = len(targets)
+            lp = F.log_softmax(out.logits[0, :n].float(), -1).gather(1, targets[:, None])[:, 0]  # (n,)
+            nb = searcher.search(out.knn_key[0, :n].float().numpy(), knn.k)
+            want.append(interpolate(lp, knn_target_logprob(nb, targets, knn.temperature), knn.lmbda))
+    torch.testing.assert_close(torch.from_numpy(s.logprob), torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_segments_reject_bad_arguments(tiny, docs):
+    from memlm.errors import MemlmError
+
+    with pytest.raises(MemlmError, match="segment"):
+        score_tokens_segments(tiny.model, docs, segment=0, memory=MemoryConfig("xl"), boundary_token=0)
+    with pytest.raises(MemlmError, match="segment"):
+        score_tokens_segments(tiny.model, docs, segment=tiny.model.config.max_seq_len + 1,
+                              memory=MemoryConfig("xl"), boundary_token=0)
