@@ -37,6 +37,26 @@ FINISH_NAMES = {
 
 
 @dataclass(frozen=True)
+class MemoryRequest:
+    """Segment and memory sizes for memory mode "xl", in tokens; None fields take the server's defaults."""
+
+    segment_tokens: int | None = None
+    """Segment length (Score) or prompt-encoding segment length (Generate), 1 <= it <= the context."""
+    memory_tokens: int | None = None
+    """Memory length: states per layer kept from earlier segments."""
+    sink_tokens: int | None = None
+    """The sequence's first tokens that stay attended for the whole sequence (attention sinks)."""
+
+    def to_proto(self) -> lm_pb2.MemoryOptions:
+        o = lm_pb2.MemoryOptions()
+        for name in ("segment_tokens", "memory_tokens", "sink_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(o, name, value)
+        return o
+
+
+@dataclass(frozen=True)
 class KnnRequest:
     """kNN-LM options of one request; None fields take the server's defaults."""
 
@@ -218,12 +238,18 @@ class LanguageModelClient:
         window_tokens: int | None = None,
         stride_tokens: int | None = None,
         memory_mode: str | None = None,
+        memory: MemoryRequest | None = None,
     ) -> list[ScoreResult]:
         """Score texts or token-id sequences (continuations), optionally each after a context.
 
         knn: None = base LM only; KnnRequest() = kNN-LM with the server's defaults.
+        memory_mode: "none" (sliding windows: window_tokens, stride_tokens), "xl" (segments with a
+        Transformer-XL memory: memory), ...; None = the server's default.
+        memory: sizes for "xl"; None = the server's defaults.
         """
         request = lm_pb2.ScoreRequest(top_n=top_n, memory_mode=_memory_mode(memory_mode))
+        if memory is not None:
+            request.memory.CopyFrom(memory.to_proto())
         if contexts is not None and len(contexts) != len(inputs):
             raise MemlmError(f"{len(contexts)} contexts for {len(inputs)} inputs")
         for i, item in enumerate(inputs):
@@ -258,12 +284,17 @@ class LanguageModelClient:
         stop: Sequence[str] = (),
         knn: KnnRequest | None = None,
         memory_mode: str | None = None,
+        memory: MemoryRequest | None = None,
     ) -> Iterator[TextDelta | Finish]:
         """Stream a continuation: TextDelta events, then one Finish. Closing the iterator early cancels
-        the call (the server stops generating). temperature None = the server's default (1.0)."""
+        the call (the server stops generating). temperature None = the server's default (1.0).
+        memory_mode "xl": the decoder keeps an XL memory (memory: its sizes) instead of a KV cache, so
+        generation runs past the model's context without re-encoding."""
         request = lm_pb2.GenerateRequest(
             max_new_tokens=max_new_tokens, stop_sequences=list(stop), memory_mode=_memory_mode(memory_mode)
         )
+        if memory is not None:
+            request.memory.CopyFrom(memory.to_proto())
         if isinstance(prompt, str):
             request.prompt_text = prompt
         else:
@@ -328,6 +359,8 @@ def main_score(
     top_n: int = 0,
     window_tokens: int | None = None,
     stride_tokens: int | None = None,
+    memory_mode: str | None = None,
+    memory: MemoryRequest | None = None,
     per_token: bool = False,
     tls: ClientTls | None = None,
     token: str | None = None,
@@ -340,7 +373,7 @@ def main_score(
     out = out if out is not None else sys.stdout
     with LanguageModelClient(address, tls=tls, token=token, timeout=timeout) as client:
         results = client.score(texts, contexts=contexts, knn=knn, top_n=top_n, window_tokens=window_tokens,
-                               stride_tokens=stride_tokens)
+                               stride_tokens=stride_tokens, memory_mode=memory_mode, memory=memory)
     header = f"{'#':>3} {'tokens':>7} {'logprob':>12} {'ppl':>10}"
     header += f" {'base ppl':>10}" if knn is not None else ""
     print(header + "  greedy  text", file=out)
@@ -368,6 +401,8 @@ def main_generate(
     seed: int | None = None,
     stop: Sequence[str] = (),
     knn: KnnRequest | None = None,
+    memory_mode: str | None = None,
+    memory: MemoryRequest | None = None,
     tls: ClientTls | None = None,
     token: str | None = None,
     timeout: float | None = 300.0,
@@ -382,7 +417,8 @@ def main_generate(
     with LanguageModelClient(address, tls=tls, token=token, timeout=timeout) as client:
         print(prompt, end="", file=out, flush=True)
         for event in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, stop=stop, knn=knn):
+                                     top_p=top_p, seed=seed, stop=stop, knn=knn, memory_mode=memory_mode,
+                                     memory=memory):
             if isinstance(event, TextDelta):
                 print(event.text, end="", file=out, flush=True)
             else:

@@ -12,7 +12,12 @@ kNN-LM uses whatever Searcher the server was given: an in-process datastore (`--
 RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). Health stays
 NOT_SERVING until the model and the searcher are loaded.
 
-Memory modes: only MEMORY_MODE_NONE (sliding windows) is served; the others answer UNIMPLEMENTED.
+Memory modes: MEMORY_MODE_NONE (sliding windows; a KV cache with a sliding window for Generate) and
+MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.scoring.score_tokens_segments`, which
+scores as `memlm eval --memory xl` does, and for Generate an XLMemory as the decoder state, so generation
+runs past the context without re-encoding). kNN-LM combines with both. MEMORY_MODE_COMPRESSIVE,
+MEMORY_MODE_MEMORIZING and MEMORY_MODE_SPALM answer UNIMPLEMENTED (they need trained parameters or a
+per-document memory the service does not keep yet).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import torch
 from memlm.errors import MemlmError
 from memlm.generate import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationEnd, SamplingConfig, TokenEvent, generate
 from memlm.knnlm import KNNLMConfig
-from memlm.scoring import SequenceScore, score_tokens
+from memlm.memory import MemoryConfig
+from memlm.scoring import SequenceScore, score_tokens, score_tokens_segments
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.security import ClientTls
@@ -49,7 +55,7 @@ from services.server_common import (
 
 SERVICE = lm_pb2.DESCRIPTOR.services_by_name["LanguageModelService"]
 MESSAGE_CLASSES = message_classes_of(lm_pb2, retrieval_pb2, tensor_pb2)
-SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE,)
+SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
 FINISH_REASONS = {
     FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
     FINISH_STOP: lm_pb2.FINISH_REASON_STOP_SEQUENCE,
@@ -75,7 +81,16 @@ class LMLimits:
     max_stop_sequences: int = 16
     """Most stop sequences in one GenerateRequest."""
     score_batch_size: int = 4
-    """Windows per forward pass while scoring (as `memlm eval --batch-size`)."""
+    """Windows (NONE) or sequences side by side (XL) per forward pass while scoring (as `memlm eval --batch-size`)."""
+    segment_tokens: int = 128
+    """MEMORY_MODE_XL segment length where a request leaves it unset, in tokens (`memlm eval --segment`);
+    capped at the model's context."""
+    memory_tokens: int = 1024
+    """MEMORY_MODE_XL memory length (states per layer) where a request leaves it unset (`memlm eval --mem-len`)."""
+    sink_tokens: int = 4
+    """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
+    max_memory_tokens: int = 65536
+    """Largest memory_tokens or sink_tokens a request may ask for."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,11 @@ class LanguageModelServicer:
             context_length=model.config.max_seq_len,
             memory_modes=SUPPORTED_MEMORY_MODES,
             default_memory_mode=lm_pb2.MEMORY_MODE_NONE,
+            default_memory=lm_pb2.MemoryOptions(
+                segment_tokens=min(self._limits.segment_tokens, model.config.max_seq_len),
+                memory_tokens=self._limits.memory_tokens, sink_tokens=self._limits.sink_tokens,
+            ),
+            max_memory_tokens=self._limits.max_memory_tokens,
             max_score_tokens=self._limits.max_score_tokens,
             max_score_batch=self._limits.max_score_batch,
             max_new_tokens=self._limits.max_new_tokens,
@@ -208,17 +228,38 @@ class LanguageModelServicer:
                                  OUT_OF_RANGE)
         return self._tokenizer.encode(text)
 
-    def _memory_mode(self, mode: int) -> None:
-        if mode == lm_pb2.MEMORY_MODE_UNSPECIFIED or mode in SUPPORTED_MEMORY_MODES:
-            return
+    def _memory(self, request) -> tuple[MemoryConfig, int] | None:
+        """The request's memory (MemoryConfig, segment length in tokens), or None for MEMORY_MODE_NONE."""
+        mode = request.memory_mode
+        if mode == lm_pb2.MEMORY_MODE_UNSPECIFIED:
+            mode = self._info.default_memory_mode
         if mode not in lm_pb2.MemoryMode.values():
             raise InvalidRequest("memory_mode", f"unknown value {mode}")
-        supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in SUPPORTED_MEMORY_MODES)
-        raise InvalidRequest(
-            "memory_mode",
-            f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported})",
-            grpc.StatusCode.UNIMPLEMENTED,
-        )
+        if mode not in SUPPORTED_MEMORY_MODES:
+            supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in SUPPORTED_MEMORY_MODES)
+            raise InvalidRequest(
+                "memory_mode",
+                f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported})",
+                grpc.StatusCode.UNIMPLEMENTED,
+            )
+        if mode == lm_pb2.MEMORY_MODE_NONE:
+            return None
+        o, d = request.memory, self._info.default_memory
+        max_len = self._model.config.max_seq_len
+        segment = o.segment_tokens if o.HasField("segment_tokens") else d.segment_tokens
+        if not 1 <= segment <= max_len:
+            raise InvalidRequest("memory.segment_tokens", f"{segment}, must be in [1, {max_len}] (the model's context)")
+        sizes = {}
+        for name in ("memory_tokens", "sink_tokens"):
+            value = getattr(o, name) if o.HasField(name) else getattr(d, name)
+            if value < 0:
+                raise InvalidRequest(f"memory.{name}", f"{value}, must be >= 0")
+            if value > self._limits.max_memory_tokens:
+                raise InvalidRequest(
+                    f"memory.{name}", f"{value}, at most {self._limits.max_memory_tokens}", OUT_OF_RANGE
+                )
+            sizes[name] = value
+        return MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"]), segment
 
     def _knn(self, request) -> KNNLMConfig | None:
         if not request.HasField("knn") or not request.knn.enabled:
@@ -254,7 +295,7 @@ class LanguageModelServicer:
 
     def _parse_score(self, request: lm_pb2.ScoreRequest) -> dict:
         self._batch_size(len(request.inputs), "inputs")
-        self._memory_mode(request.memory_mode)
+        memory = self._memory(request)
         if not 0 <= request.top_n <= self._limits.max_top_n:
             raise InvalidRequest("top_n", f"{request.top_n}, must be in [0, {self._limits.max_top_n}]")
         max_len = self._model.config.max_seq_len
@@ -291,7 +332,7 @@ class LanguageModelServicer:
             contexts.append(ctx)
             continuations.append(cont)
         return dict(token_seqs=continuations, contexts=contexts, context=window, stride=stride, knn=knn,
-                    top_n=request.top_n)
+                    top_n=request.top_n, memory=memory)
 
     def _parse_generate(self, request: lm_pb2.GenerateRequest) -> dict:
         which = request.WhichOneof("prompt")
@@ -322,11 +363,11 @@ class LanguageModelServicer:
         for j, stop in enumerate(request.stop_sequences):
             if not stop:
                 raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
-        self._memory_mode(request.memory_mode)
+        memory = self._memory(request)
         knn = self._knn(request)
         sampling = SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
         return dict(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=sampling,
-                    stop_sequences=list(request.stop_sequences), knn=knn)
+                    stop_sequences=list(request.stop_sequences), knn=knn, memory=memory)
 
     # -- rpcs ---------------------------------------------------------------------------------------
 
@@ -335,12 +376,18 @@ class LanguageModelServicer:
 
         def work():
             args = self._parse_score(request)  # tokenizing long texts is work too: off the event loop
-            scores = score_tokens(
-                self._model, args["token_seqs"], contexts=args["contexts"], context=args["context"],
-                stride=args["stride"], boundary_token=self._boundary,
+            common = dict(
+                contexts=args["contexts"], boundary_token=self._boundary,
                 searcher=self._searcher if args["knn"] is not None else None, knn=args["knn"],
                 top_n=args["top_n"], batch_size=self._limits.score_batch_size,
             )
+            if args["memory"] is None:
+                scores = score_tokens(self._model, args["token_seqs"], context=args["context"], stride=args["stride"],
+                                      **common)
+            else:
+                memory, segment = args["memory"]
+                scores = score_tokens_segments(self._model, args["token_seqs"], segment=segment, memory=memory,
+                                               **common)
             return lm_pb2.ScoreResponse(results=[self._encode_score(s) for s in scores])
 
         return await self._call_library(context, work)
@@ -371,7 +418,8 @@ class LanguageModelServicer:
                 self._model, self._tokenizer, args["prompt"], max_new_tokens=args["max_new_tokens"],
                 sampling=args["sampling"], stop_sequences=args["stop_sequences"], boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id, searcher=self._searcher if args["knn"] is not None else None,
-                knn=args["knn"],
+                knn=args["knn"], memory=args["memory"][0] if args["memory"] else None,
+                segment=args["memory"][1] if args["memory"] else None,
             )
 
         events = await self._call_library(context, start)

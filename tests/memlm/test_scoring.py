@@ -257,3 +257,47 @@ def test_segments_reject_bad_arguments(tiny, docs):
     with pytest.raises(MemlmError, match="segment"):
         score_tokens_segments(tiny.model, docs, segment=tiny.model.config.max_seq_len + 1,
                               memory=MemoryConfig("xl"), boundary_token=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation with an XL memory as the decoder state (what the Generate rpc's MEMORY_MODE_XL runs)
+
+
+def test_generate_xl_runs_past_context_and_scores_as_segments(tiny):
+    """A copy of the tiny model with a 32-token context generates 60 tokens with an XL memory (never
+    re-encoding); scoring prompt + output segment by segment (segment 1, as generation steps) with the
+    same memory gives back the generated tokens' base log-probabilities."""
+    from dataclasses import replace
+
+    from memlm.generate import SamplingConfig, TokenEvent, generate
+    from memlm.model import Decoder
+
+    short = Decoder(replace(tiny.model.config, max_seq_len=32))
+    short.load_state_dict(tiny.model.state_dict())
+    short.eval()
+    tok, bos = tiny.tokenizer, tiny.tokenizer.bos_id
+    prompt = tok.encode("The quick brown fox")
+    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2)
+    events = list(generate(short, tok, prompt, max_new_tokens=60, sampling=SamplingConfig(0.9, seed=1),
+                           boundary_token=bos, memory=memory, segment=1))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert len(tokens) == 60 and 1 + len(prompt) + 60 > short.config.max_seq_len
+    (s,) = score_tokens_segments(short, [[t.token_id for t in tokens]], contexts=[prompt], segment=1, memory=memory,
+                                 boundary_token=bos, batch_size=1)
+    torch.testing.assert_close(torch.from_numpy(s.base_logprob), torch.tensor([t.base_logprob for t in tokens]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_generate_xl_without_eviction_equals_kv_cache(tiny):
+    """While nothing leaves the memory, the XL memory holds exactly what a KV cache holds."""
+    from memlm.generate import SamplingConfig, TokenEvent, generate
+
+    tok, bos = tiny.tokenizer, tiny.tokenizer.bos_id
+    prompt = tok.encode("Peter Piper picked a peck")
+    runs = {}
+    for name, memory in (("cache", None), ("xl", MemoryConfig("xl", mem_len=256, sink_tokens=4))):
+        events = generate(tiny.model, tok, prompt, max_new_tokens=20, sampling=SamplingConfig(0.0), boundary_token=bos,
+                          memory=memory, segment=8 if memory else None)
+        runs[name] = [(e.token_id, e.base_logprob) for e in events if isinstance(e, TokenEvent)]
+    assert [t for t, _ in runs["xl"]] == [t for t, _ in runs["cache"]]
+    np.testing.assert_allclose([lp for _, lp in runs["xl"]], [lp for _, lp in runs["cache"]], rtol=1e-5, atol=1e-5)

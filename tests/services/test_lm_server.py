@@ -25,11 +25,21 @@ from memlm.evaluate import evaluate_perplexity
 from memlm.exact_search import TorchExactSearcher
 from memlm.generate import SamplingConfig, TokenEvent, generate
 from memlm.knnlm import KNNLMConfig
-from memlm.scoring import score_tokens
+from memlm.memory import MemoryConfig
+from memlm.scoring import score_tokens, score_tokens_segments
+from memlm.segment_eval import evaluate_segments
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.weights import load_pretrained
 from memlm.windows import WindowConfig, score_documents
-from services.lm_client import Finish, KnnRequest, LanguageModelClient, TextDelta, main_generate, main_score
+from services.lm_client import (
+    Finish,
+    KnnRequest,
+    LanguageModelClient,
+    MemoryRequest,
+    TextDelta,
+    main_generate,
+    main_score,
+)
 from services.lm_server import LMLimits, bind_lm_server, create_lm_server, start_lm_server
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
@@ -219,9 +229,12 @@ def test_cancelled_generate_stops_work(servers):
         stream.close()  # cancels the call
         record = wait_for_record(servicer, before + 1)
         assert record.outcome == "cancelled" and record.completion_tokens < 100_000
-        # A deadline ends the work the same way.
+        # A deadline ends the work the same way. Greedy from "The quick" runs 3000 tokens without the
+        # tiny model's end-of-text (checked once); sampling draws it after a few hundred tokens, which
+        # could end the stream before the deadline.
         with pytest.raises(ServiceError) as e:
-            for _ in LanguageModelClient(servers["plain"], timeout=1.0).generate("abc", max_new_tokens=100_000):
+            for _ in LanguageModelClient(servers["plain"], timeout=1.0).generate("The quick", max_new_tokens=100_000,
+                                                                               temperature=0.0):
                 pass
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         record = wait_for_record(servicer, before + 2)
@@ -252,8 +265,18 @@ BAD_SCORES = [
     (score_request(inputs=one(), window_tokens=8, stride_tokens=9), grpc.StatusCode.INVALID_ARGUMENT, "stride_tokens"),
     (score_request(inputs=one(), knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION,
      "knn.enabled"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_COMPRESSIVE), grpc.StatusCode.UNIMPLEMENTED,
+     "memory_mode"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_SPALM), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
     (score_request(inputs=one(), memory_mode=99), grpc.StatusCode.INVALID_ARGUMENT, "memory_mode"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=1025)),
+     grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(memory_tokens=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "memory.memory_tokens"),
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(sink_tokens=70000)),
+     grpc.StatusCode.OUT_OF_RANGE, "memory.sink_tokens"),
 ]
 
 
@@ -280,6 +303,9 @@ BAD_GENERATES = [
      "prompt_token_ids.ids[0]"),
     (generate_request(prompt_text="y" * 500), grpc.StatusCode.OUT_OF_RANGE, "prompt"),
     (generate_request(knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION, "knn.enabled"),
+    (generate_request(memory_mode=lm_pb2.MEMORY_MODE_COMPRESSIVE), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
+    (generate_request(memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
 ]
 
 
@@ -329,7 +355,11 @@ def test_info(tiny, servers, index):
         info = c.info()
     assert info.model == "tiny" and info.model_fingerprint == tiny.fingerprint
     assert info.vocab_size == tiny.tokenizer.vocab_size and info.context_length == tiny.model.config.max_seq_len
-    assert not info.HasField("datastore") and list(info.memory_modes) == [lm_pb2.MEMORY_MODE_NONE]
+    assert not info.HasField("datastore")
+    assert list(info.memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL]
+    assert info.default_memory_mode == lm_pb2.MEMORY_MODE_NONE
+    d = info.default_memory
+    assert (d.segment_tokens, d.memory_tokens, d.sink_tokens) == (128, 1024, 4) and info.max_memory_tokens == 65536
     assert info.max_new_tokens == 100_000 and info.max_score_tokens == 400
     with client(servers["remote"]) as c:
         assert c.info().datastore.n == index[1]["n"]
@@ -363,3 +393,65 @@ def test_command_line_entry_points(servers, capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("Once") and finish.reason == "length"
     assert "[finish: length; prompt 4 tokens, generated 5]" in captured.err
+
+
+# ---------------------------------------------------------------------------------------------
+# MEMORY_MODE_XL: oracle memlm.segment_eval.evaluate_segments (what `memlm eval --memory xl` runs)
+
+XL = MemoryRequest(segment_tokens=8, memory_tokens=12, sink_tokens=2)
+XL_CONFIG = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+
+
+def test_score_xl_equals_evaluate_segments(tiny, docs, servers):
+    bos = tiny.tokenizer.bos_id
+    with client(servers["plain"]) as c:
+        remote = c.score(docs, memory_mode="xl", memory=XL, top_n=2)
+        windows = c.score(docs, window_tokens=8, stride_tokens=4)
+        defaults = c.score(docs, memory_mode="xl")
+    # Same rows as the server (LMLimits.score_batch_size 4), so the floats are bit-identical.
+    result = evaluate_segments(tiny.model, docs, segment=8, memory="xl", mem_len=12, sink_tokens=2,
+                               batch_size=4, boundary_token=bos)
+    assert sum(len(r.tokens) for r in remote) == result["tokens"]
+    total = sum(r.total_logprob for r in remote)
+    assert math.isclose(total, -result["nll"] * result["tokens"], rel_tol=1e-9)
+    local = score_tokens_segments(tiny.model, docs, segment=8, memory=XL_CONFIG, boundary_token=bos, top_n=2)
+    for r, s in zip(remote, local):
+        assert [t.token_id for t in r.tokens] == s.tokens.tolist()
+        assert [t.base_logprob for t in r.tokens] == s.base_logprob.tolist()
+        assert [t.logprob for t in r.tokens] == s.logprob.tolist()
+        assert [t.is_greedy for t in r.tokens] == s.greedy.tolist()
+        assert [[a.token_id for a in t.alternatives] for t in r.tokens] == s.top_ids.tolist()
+    # The mode is really applied: sliding windows of the same length score differently.
+    assert abs(total - sum(r.total_logprob for r in windows)) > 1e-3
+    # Unset sizes take the server's defaults (segment 128, memory 1024, sinks 4).
+    result = evaluate_segments(tiny.model, docs, segment=128, memory="xl", mem_len=1024, sink_tokens=4,
+                               batch_size=4, boundary_token=bos)
+    assert math.isclose(sum(r.total_logprob for r in defaults), -result["nll"] * result["tokens"], rel_tol=1e-9)
+
+
+def test_score_xl_with_knn_remote_equals_local(tiny, docs, servers, index):
+    with client(servers["local"]) as a, client(servers["remote"]) as b:
+        local = a.score(docs, knn=KnnRequest(), memory_mode="xl", memory=XL, top_n=2)
+        remote = b.score(docs, knn=KnnRequest(), memory_mode="xl", memory=XL, top_n=2)
+        base = a.score(docs, memory_mode="xl", memory=XL)
+    assert remote == local
+    in_process = score_tokens_segments(tiny.model, docs, segment=8, memory=XL_CONFIG,
+                                       boundary_token=tiny.tokenizer.bos_id, searcher=index[0], knn=KNN)
+    for r, s, b_ in zip(local, in_process, base):
+        assert [t.logprob for t in r.tokens] == s.logprob.tolist()
+        assert [t.base_logprob for t in r.tokens] == [t.base_logprob for t in b_.tokens]
+    assert abs(sum(r.total_logprob for r in local) - sum(r.total_logprob for r in base)) > 1.0
+
+
+def test_generate_xl_equals_library(tiny, servers):
+    tok = tiny.tokenizer
+    prompt = tok.encode("The quick brown fox jumps")
+    for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=3)):
+        events = list(generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling,
+                               boundary_token=tok.bos_id, eos_id=tok.eos_id, memory=XL_CONFIG, segment=8))
+        want = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
+        with client(servers["plain"]) as c:
+            got = list(c.generate(prompt, max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k,
+                                  seed=sampling.seed, memory_mode="xl", memory=XL))
+        assert [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids] == want
+        assert isinstance(got[-1], Finish) and got[-1].completion_tokens == len(want)
