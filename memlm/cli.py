@@ -236,7 +236,8 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn,
         options=ServerOptions(tls=server_tls(args), token=token_from(args),
                               max_concurrent_rpcs=args.max_concurrent_rpcs),
-        limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens),
+        limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
+                        segment_tokens=args.segment, memory_tokens=args.mem_len, sink_tokens=args.sink_tokens),
         retrieval_tls=client_tls(args.retrieval_ca),
         retrieval_token=args.retrieval_token or os.environ.get("MEMLM_RETRIEVAL_TOKEN") or None,
     ))
@@ -250,13 +251,22 @@ def knn_request(args: argparse.Namespace) -> Any:
     return KnnRequest(lmbda=args.lmbda, temperature=args.knn_temperature, k=args.k)
 
 
+def memory_request(args: argparse.Namespace) -> dict[str, Any]:
+    """memory_mode= and memory= keyword arguments of the client calls (server defaults when unset)."""
+    from services.lm_client import MemoryRequest
+
+    if args.memory == "none":
+        return {}
+    return {"memory_mode": args.memory, "memory": MemoryRequest(args.segment, args.mem_len, args.sink_tokens)}
+
+
 def cmd_client_score(args: argparse.Namespace) -> None:
     from services.lm_client import main_score
 
     main_score(
         args.address, args.text, contexts=args.context or None, knn=knn_request(args), top_n=args.top_n,
         window_tokens=args.window, stride_tokens=args.stride, per_token=args.per_token,
-        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout,
+        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 
 
@@ -266,7 +276,7 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
     main_generate(
         args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
-        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout,
+        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 
 
@@ -382,6 +392,12 @@ def add_knn_options(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--knn-temperature", type=float, default=1.0 if defaults else None, help="temperature over -distance")
 
 
+def add_memory_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    p.add_argument("--segment", type=int, default=128 if defaults else None, help="XL segment length, tokens")
+    p.add_argument("--mem-len", type=int, default=1024 if defaults else None, help="XL memory per layer, tokens")
+    p.add_argument("--sink-tokens", type=int, default=4 if defaults else None, help="first tokens kept in memory")
+
+
 def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run a gRPC server (prints the address it listens on)")
     ssub = p.add_subparsers(dest="serve_command", required=True, metavar="SERVER")
@@ -410,6 +426,7 @@ def add_serve_parser(sub: Any) -> None:
     lm.add_argument("--exact-rerank", action="store_true", help="re-rank neighbours with exact distances")
     lm.add_argument("--max-new-tokens", type=int, default=4096, help="largest Generate request")
     lm.add_argument("--max-score-tokens", type=int, default=65536, help="largest Score request, in tokens")
+    add_memory_options(lm, defaults=True)
     add_server_security(lm)
     lm.set_defaults(func=cmd_serve_lm)
 
@@ -425,6 +442,8 @@ def add_client_parser(sub: Any) -> None:
         c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
         add_knn_options(c, defaults=False)
+        c.add_argument("--memory", default="none", choices=["none", "xl"], help="Transformer-XL memory mode")
+        add_memory_options(c, defaults=False)
         if name == "score":
             c.add_argument("text", nargs="+", help="texts to score")
             c.add_argument("--context", action="append", help="context for each text (loglikelihood of text given it)")
