@@ -29,12 +29,16 @@ RERANK_ROWS = 1 << 22
 class Datastore:
     """A finished datastore directory: manifest, keys (N, d) float16, values (N,) int32, FAISS index."""
 
-    def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, keys: np.ndarray, values: np.ndarray):
+    def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, keys: np.ndarray, values: np.ndarray,
+                 exact: Any = None):
         self.path = path
         self.manifest = manifest
-        self.index = index
+        self.index = index  # CPU index, or its clone on all GPUs
         self.keys = keys  # (N, d) float16 read-only memmap
         self.values = values  # (N,) int32 read-only memmap
+        self.exact = exact  # TorchExactSearcher when opened with backend="torch", else None
+        self.on_gpu = _is_gpu(index)
+        self._gpu_nprobe = manifest.nprobe
 
     @classmethod
     def open(
@@ -45,10 +49,15 @@ class Datastore:
         expect_model_fingerprint: str | None = None,
         expect_tokenizer_fingerprint: str | None = None,
         verify: bool = True,
+        backend: str = "faiss",
+        device: str | None = None,
     ) -> "Datastore":
         """Open a finished datastore.
 
         mmap: memory-map the FAISS index instead of loading it (pages come in as searches touch them).
+        backend: "faiss" searches the index (cloned to all GPUs when faiss-gpu and CUDA are present and
+            device is not "cpu"); "torch" searches all float16 keys exactly with chunked matmuls on
+            `device` (default: cuda when available) -- for datastores that fit in GPU memory.
         expect_*_fingerprint: the fingerprints of the model/tokenizer in use; a difference is refused.
         verify: check every file's SHA-256 against the manifest (reads all files once).
         """
@@ -88,7 +97,24 @@ class Datastore:
         if index.ntotal != manifest.n or index.d != manifest.dim:
             raise MemlmError(f"the index of {path} holds {index.ntotal} keys of dimension {index.d}, "
                              f"the manifest says {manifest.n} of {manifest.dim}; rebuild it")
-        return cls(path, manifest, index, keys, values)
+        exact = None
+        if backend == "torch":
+            import torch
+
+            from memlm.exact_search import TorchExactSearcher
+
+            torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            exact = TorchExactSearcher(torch.from_numpy(np.asarray(keys)).to(torch_device), values)
+        elif backend == "faiss":
+            if device != "cpu" and not mmap and index_lib.gpu_count() > 0:
+                # GPU indexes are not thread-safe: the retrieval server searches on one worker thread.
+                gpu_index = index_lib.to_gpus(index, manifest.n, lambda message: None)
+                if gpu_index is not None:
+                    index = gpu_index
+                    _set_gpu_nprobe(index, manifest.nprobe)
+        else:
+            raise MemlmError(f"search backend must be faiss or torch, got {backend!r}")
+        return cls(path, manifest, index, keys, values, exact)
 
     @property
     def dim(self) -> int:
@@ -110,7 +136,17 @@ class Datastore:
         xq = _as_queries(xq, self.dim)  # (Q, d) float32
         if k < 1:
             raise MemlmError(f"k must be at least 1, got {k}")
-        params = index_lib.search_params(self.index, nprobe if nprobe is not None else self.manifest.nprobe)
+        if self.exact is not None:
+            return self.exact.search(xq, k)  # exact already: nprobe and re-ranking do not apply
+        nprobe = nprobe if nprobe is not None else self.manifest.nprobe
+        if self.on_gpu:
+            # GPU clones take no per-call parameters; callers search them from one thread (see open).
+            if nprobe is not None and nprobe != self._gpu_nprobe:
+                _set_gpu_nprobe(self.index, nprobe)
+                self._gpu_nprobe = nprobe
+            params = None
+        else:
+            params = index_lib.search_params(self.index, nprobe)
         distances, ids = self.index.search(xq, k, params=params)  # (Q, k), (Q, k)
         missing = ids < 0
         distances = np.where(missing, np.float32(np.inf), distances).astype(np.float32)  # faiss pads with FLT_MAX
@@ -140,6 +176,16 @@ class Datastore:
             "stride": m.stride,
             "boundary_token": m.boundary_token,
         }
+
+
+def _is_gpu(index: faiss.Index) -> bool:
+    """True for an index living on GPUs (a GpuIndex, or replicas/shards of them)."""
+    return "Gpu" in type(index).__name__ or isinstance(index, (faiss.IndexReplicas, faiss.IndexShards))
+
+
+def _set_gpu_nprobe(index: faiss.Index, nprobe: int | None) -> None:
+    if nprobe is not None:
+        faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", int(nprobe))
 
 
 def exact_distances_sorted(xq: np.ndarray, ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -120,6 +120,8 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, token_docs: list[l
         Path(args.datastore),
         expect_model_fingerprint=pretrained.fingerprint,
         expect_tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
+        backend=args.search_backend,
+        device=str(pretrained.model.device),
     )
     tune_docs = None
     if args.tune_data:
@@ -203,7 +205,8 @@ def cmd_serve_retrieval(args: argparse.Namespace) -> None:
     from datastore import Datastore
     from services.retrieval_server import serve_retrieval
 
-    store = Datastore.open(Path(args.datastore), mmap=args.mmap)
+    store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
+                           device=None if args.device == "auto" else args.device)
     asyncio.run(serve_retrieval(
         store, store.info(), args.host, args.port, tls=server_tls(args), token=token_from(args),
         micro_batching=not args.no_micro_batching, max_concurrent_rpcs=args.max_concurrent_rpcs,
@@ -337,6 +340,8 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--temperature", default="1.0", help="softmax temperature over -distance, or auto")
     knn.add_argument("--exact-rerank", action="store_true", help="recompute exact distances from the stored keys")
     knn.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the datastore's)")
+    knn.add_argument("--search-backend", default="faiss", choices=["faiss", "torch"],
+                     help="faiss index (GPU clone when faiss-gpu sees CUDA), or exact torch search on the model's device")
     knn.add_argument("--tune-data", default=None, help="corpus for --lambda/--temperature auto (never the eval split)")
     knn.add_argument("--tune-split", default=None, help="split of --tune-data")
     knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
@@ -405,6 +410,9 @@ def add_serve_parser(sub: Any) -> None:
     r.add_argument("--datastore", required=True, help="datastore directory")
     r.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
     r.add_argument("--no-micro-batching", action="store_true", help="one FAISS search per call")
+    r.add_argument("--search-backend", default="faiss", choices=["faiss", "torch"],
+                   help="faiss index, or exact torch search over the keys on --device")
+    r.add_argument("--device", default="auto", help="auto, cpu or cuda: where the search runs")
     add_server_security(r)
     r.set_defaults(func=cmd_serve_retrieval)
     ro = ssub.add_parser("router", help="RetrievalService that fans out to shards and merges the top-k")

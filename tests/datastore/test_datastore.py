@@ -126,3 +126,19 @@ def test_bad_queries_are_refused(built):
         ds.search(np.zeros((2, 3), np.float32), 4)
     with pytest.raises(MemlmError, match="float32 or float16"):
         ds.search(np.zeros((2, ds.dim), np.int64), 4)
+
+
+
+def test_torch_backend_is_exact_search_over_the_stored_keys(built):
+    """backend="torch": the exact neighbours of the float16 keys (float64 brute force is the oracle)."""
+    ds = Datastore.open(built, backend="torch", device="cpu")
+    xq = queries(ds)
+    nb = ds.search(xq, 10)
+    want = np.argsort(brute_force(np.asarray(ds.keys), xq), axis=1, kind="stable")[:, :10]
+    assert (nb.ids == want).mean() > 0.99  # ties in float32 may swap equal-distance neighbours
+    np.testing.assert_array_equal(nb.values, np.asarray(ds.values)[nb.ids])
+
+
+def test_unknown_backend_is_refused(built):
+    with pytest.raises(MemlmError, match="backend"):
+        Datastore.open(built, backend="annoy")
