@@ -74,9 +74,11 @@ def eval_token_docs(client: LanguageModelClient, data: str, split: str, max_toke
 
 
 def generate(client: LanguageModelClient, prompt: str, knn: KnnRequest | None, tokens: int) -> None:
+    """Stream one sampled continuation; the same seed with and without kNN-LM, so only p(y) differs."""
     label = "kNN-LM" if knn else "base  "
     print(f"[demo] {label} | {prompt}", end="", flush=True)
-    for event in client.generate(prompt, max_new_tokens=tokens, temperature=0.0, knn=knn):
+    stream = client.generate(prompt, max_new_tokens=tokens, temperature=0.8, top_p=0.95, seed=1, knn=knn)
+    for event in stream:
         if isinstance(event, Finish):
             print(f"  [{event.reason}, {event.completion_tokens} tokens]")
         else:
@@ -109,11 +111,12 @@ def main() -> None:
         with LanguageModelClient(lm_address) as client:
             docs = eval_token_docs(client, args.data, args.split, args.max_tokens)
             n_tokens = sum(len(d) for d in docs)
-            print(f"[demo] Score: {len(docs)} speeches ({args.split}), {n_tokens} tokens, "
+            print(f"[demo] Score: {len(docs)} speech(es) ({args.split}), {n_tokens} tokens, "
                   f"windows {args.context}/{args.stride}, kNN-LM via the retrieval server")
             t0 = time.perf_counter()
             results = client.score(docs, knn=knn, window_tokens=args.context, stride_tokens=args.stride)
             seconds = time.perf_counter() - t0
+            print("[demo] Generate, streamed (temperature 0.8, top-p 0.95, seed 1):")
             generate(client, args.prompt, None, args.generate_tokens)
             generate(client, args.prompt, knn, args.generate_tokens)
     finally:
