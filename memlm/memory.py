@@ -96,7 +96,8 @@ def _gather_slots(m: LayerMemory, index: torch.Tensor, valid: torch.Tensor) -> L
     """Pick slots `index` (B, S') of every row of m; `valid` (B, S') is the new validity."""
     nkv, hs = m.k.shape[2], m.k.shape[3]
     idx4 = index[:, :, None, None].expand(-1, -1, nkv, hs)  # (B, S', nkv, hs)
-    return LayerMemory(m.k.gather(1, idx4), m.v.gather(1, idx4), m.pos.gather(1, index), valid)
+    x = None if m.x is None else m.x.gather(1, index[:, :, None].expand(-1, -1, m.x.shape[2]))  # (B, S', C)
+    return LayerMemory(m.k.gather(1, idx4), m.v.gather(1, idx4), m.pos.gather(1, index), valid, x)
 
 
 def _concat(a: LayerMemory | None, b: LayerMemory) -> LayerMemory:
@@ -107,6 +108,7 @@ def _concat(a: LayerMemory | None, b: LayerMemory) -> LayerMemory:
         torch.cat([a.v, b.v.to(a.v.dtype)], dim=1),  # (B, S+T, nkv, hs)
         torch.cat([a.pos, b.pos], dim=1),  # (B, S+T)
         torch.cat([a.valid, b.valid], dim=1),  # (B, S+T)
+        None if a.x is None or b.x is None else torch.cat([a.x, b.x.to(a.x.dtype)], dim=1),  # (B, S+T, C)
     )
 
 
@@ -156,35 +158,56 @@ def push_fifo(
 
 
 class Compressor(nn.Module):
-    """Learned compression (Rae et al. 2019): per layer, a Conv1d over time with kernel = stride = c,
-    one for keys and one for values, over the D = nkv * hs channels of the un-rotated states.
+    """Learned compression (Rae et al. 2019): per layer, a Conv1d over time with kernel = stride = c.
 
+    space "kv": one conv for keys and one for values, over the D = nkv * hs channels of the un-rotated
+    states (memories that cache keys and values: evaluation of a frozen model).
+    space "x": one conv over the C channels of the layer's normalised input, which the memory stores when
+    it re-projects keys and values with the current weights (training; the paper compresses the
+    memory's activations the same way).
     Initialised to mean pooling (weight = identity / c), so an untrained compressor equals the
     parameter-free "mean" compression and training can only start from that baseline.
     """
 
-    def __init__(self, config: ModelConfig, rate: int) -> None:
+    def __init__(self, config: ModelConfig, rate: int, space: str = "kv") -> None:
         super().__init__()
+        if space not in ("kv", "x"):
+            raise ValueError(f"compressor space must be 'kv' or 'x', got {space!r}")
         self.rate = rate
-        d = config.n_kv_head * config.head_dim
-        self.k_convs = nn.ModuleList(nn.Conv1d(d, d, kernel_size=rate, stride=rate) for _ in range(config.n_layer))
-        self.v_convs = nn.ModuleList(nn.Conv1d(d, d, kernel_size=rate, stride=rate) for _ in range(config.n_layer))
+        self.space = space
+        d = config.n_kv_head * config.head_dim if space == "kv" else config.n_embd
+        n = config.n_layer
+        if space == "kv":
+            self.k_convs = nn.ModuleList(nn.Conv1d(d, d, kernel_size=rate, stride=rate) for _ in range(n))
+            self.v_convs = nn.ModuleList(nn.Conv1d(d, d, kernel_size=rate, stride=rate) for _ in range(n))
+            convs = [*self.k_convs, *self.v_convs]
+        else:
+            self.x_convs = nn.ModuleList(nn.Conv1d(d, d, kernel_size=rate, stride=rate) for _ in range(n))
+            convs = list(self.x_convs)
         with torch.no_grad():
             eye = torch.eye(d)[:, :, None].expand(d, d, rate) / rate  # (D, D, c)
-            for conv in [*self.k_convs, *self.v_convs]:
+            for conv in convs:
                 conv.weight.copy_(eye)
                 conv.bias.zero_()
 
     def forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, E, nkv, hs) with E a multiple of c -> (B, E/c, nkv, hs) each, in their dtype."""
+        """space "kv": k, v: (B, E, nkv, hs) with E a multiple of c -> (B, E/c, nkv, hs) each, in their dtype."""
+        if self.space != "kv":
+            raise ValueError("this compressor compresses layer inputs (space 'x'); call compress_x")
         return self._conv_time(self.k_convs[layer], k), self._conv_time(self.v_convs[layer], v)
+
+    def compress_x(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """space "x": x: (B, E, C) with E a multiple of c -> (B, E/c, C), in its dtype."""
+        if self.space != "x":
+            raise ValueError("this compressor compresses keys and values (space 'kv'); call it directly")
+        return self._conv_time(self.x_convs[layer], x[:, :, None, :])[:, :, 0, :]
 
     @staticmethod
     def _conv_time(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        B, E, nkv, hs = x.shape
+        B, E = x.shape[0], x.shape[1]
         w = conv.weight
-        y = conv(x.reshape(B, E, nkv * hs).transpose(1, 2).to(w.dtype))  # (B, D, E/c)
-        return y.transpose(1, 2).reshape(B, -1, nkv, hs).to(x.dtype)  # (B, E/c, nkv, hs)
+        y = conv(x.reshape(B, E, -1).transpose(1, 2).to(w.dtype))  # (B, D, E/c)
+        return y.transpose(1, 2).reshape(B, -1, *x.shape[2:]).to(x.dtype)  # (B, E/c, ...)
 
 
 def compress(
@@ -206,23 +229,34 @@ def compress(
     if E % rate != 0:
         raise ValueError(f"{E} states cannot be compressed in groups of {rate}")
     groups = E // rate
+    if fn not in COMPRESS_FNS:
+        raise ValueError(f"unknown compress_fn {fn!r}")
+    if fn == "conv" and compressor is None:
+        raise ValueError("compress_fn 'conv' needs a Compressor")
+    x = None
+    if old.x is not None:
+        # The memory re-projects keys and values from layer inputs: compress the inputs (Rae et al.
+        # compress the memory's activations); k and v are left as cheap placeholders (mean pooling),
+        # attention recomputes them from x.
+        if fn == "conv":
+            x = compressor.compress_x(layer, old.x)  # (B, E/c, C)
+        else:
+            xg = old.x.reshape(B, groups, rate, -1)  # (B, E/c, c, C)
+            x = xg.amax(dim=2) if fn == "max" else xg.mean(dim=2)  # (B, E/c, C)
+        fn = "mean"
     if fn == "conv":
-        if compressor is None:
-            raise ValueError("compress_fn 'conv' needs a Compressor")
         k, v = compressor(layer, old.k, old.v)  # (B, E/c, nkv, hs) each
-    elif fn in ("max", "mean"):
+    else:
         kg = old.k.reshape(B, groups, rate, nkv, hs)  # (B, E/c, c, nkv, hs)
         vg = old.v.reshape(B, groups, rate, nkv, hs)
         if fn == "max":
             k, v = kg.amax(dim=2), vg.amax(dim=2)  # (B, E/c, nkv, hs)
         else:
             k, v = kg.mean(dim=2), vg.mean(dim=2)  # (B, E/c, nkv, hs)
-    else:
-        raise ValueError(f"unknown compress_fn {fn!r}")
     pos = old.pos.reshape(B, groups, rate).float().mean(dim=2)  # (B, E/c) fractional
     # push_fifo evicts whole groups, so a group is entirely valid or entirely padding.
     valid = old.valid.reshape(B, groups, rate).all(dim=2)  # (B, E/c)
-    return LayerMemory(k, v, pos, valid)
+    return LayerMemory(k, v, pos, valid, x)
 
 
 class Compression(NamedTuple):
@@ -240,13 +274,21 @@ class Compression(NamedTuple):
 def _detached(m: LayerMemory, valid: torch.Tensor) -> LayerMemory:
     # Stop-gradient into memory (Transformer-XL's SG(h_{tau-1})): later segments never backpropagate
     # into the segment that wrote the memory.
-    return LayerMemory(m.k.detach(), m.v.detach(), m.pos.detach().float(), valid)
+    x = None if m.x is None else m.x.detach()
+    return LayerMemory(m.k.detach(), m.v.detach(), m.pos.detach().float(), valid, x)
 
 
 class XLMemory:
     """Transformer-XL memory with attention sinks. Immutable: `update` and `reset_rows` return new values.
 
     mem_len 0 and sink_tokens 0 is exactly "no memory" (every segment attends to itself only).
+
+    reproject: keep each slot's layer input x (LayerMemory.x) so that attention projects the memory's
+    keys and values with the *current* weights, as Transformer-XL does (k = SG(h) W_k). Training needs
+    it: with cached keys (reproject False) W_k and W_v get no gradient from attention to the memory, so
+    a model cannot learn to look further back than its segment (a copy task at distance > segment stays
+    at chance, tests/memlm/test_train.py), and the cached keys are one optimizer step stale. For fixed
+    weights both give the same scores; cached keys are cheaper (evaluation).
     """
 
     def __init__(
@@ -257,21 +299,27 @@ class XLMemory:
         seen: torch.Tensor,
         sink: tuple[LayerMemory, ...] | None = None,
         mem: tuple[LayerMemory, ...] | None = None,
+        reproject: bool = False,
     ) -> None:
         self.mem_len = mem_len
         self.sink_tokens = sink_tokens
+        self.reproject = reproject
         self.next_pos = next_pos  # (B,) float32: position of each row's next token
         self.seen = seen  # (B,) int64: tokens of the current document seen so far (for sink slots)
         self.sink = sink  # per layer (B, N, nkv, hs), or None before the first segment
         self.mem = mem  # per layer (B, S, nkv, hs), or None before the first segment
 
     @classmethod
-    def empty(cls, batch_size: int, mem_len: int, sink_tokens: int = 4, device: torch.device | str = "cpu") -> "XLMemory":
+    def empty(
+        cls, batch_size: int, mem_len: int, sink_tokens: int = 4, device: torch.device | str = "cpu",
+        reproject: bool = False,
+    ) -> "XLMemory":
         return cls(
             mem_len,
             sink_tokens,
             torch.zeros(batch_size, dtype=torch.float32, device=device),
             torch.zeros(batch_size, dtype=torch.long, device=device),
+            reproject=reproject,
         )
 
     # -- DecoderState protocol --
@@ -304,7 +352,7 @@ class XLMemory:
         for i, new in enumerate(fifo_new):
             kept, _ = push_fifo(self.mem[i] if self.mem is not None else None, new, self.mem_len)
             mem.append(kept)
-        return XLMemory(self.mem_len, self.sink_tokens, self.next_pos + T, self.seen + T, sink, tuple(mem))
+        return XLMemory(self.mem_len, self.sink_tokens, self.next_pos + T, self.seen + T, sink, tuple(mem), self.reproject)
 
     # -- shared by both memories --
     def _split_segment(self, new_kv: list[LayerMemory]) -> tuple[tuple[LayerMemory, ...], list[LayerMemory], int]:
@@ -317,6 +365,10 @@ class XLMemory:
         to_sink = offset < N  # (B, T)
         sinks, fifo_in = [], []
         for i, new in enumerate(new_kv):
+            if not self.reproject or new.x is None:
+                new = new._replace(x=None)
+            if self.reproject and new.x is None:
+                raise ValueError("a reprojecting memory needs the layer inputs (LayerMemory.x) from the decoder")
             nkv, hs = new.k.shape[2], new.k.shape[3]
             if self.sink is not None:
                 old = self.sink[i]
@@ -326,8 +378,10 @@ class XLMemory:
                     new.v.new_zeros(B, N, nkv, hs).detach(),
                     torch.zeros(B, N, dtype=torch.float32, device=device),
                     torch.zeros(B, N, dtype=torch.bool, device=device),
+                    None if new.x is None else new.x.new_zeros(B, N, new.x.shape[2]).detach(),
                 )
             k, v, pos, valid = old.k.clone(), old.v.clone(), old.pos.clone(), old.valid.clone()
+            x = None if old.x is None else old.x.clone()
             # Only the first N tokens of a segment can be sink tokens; write token t to slot offset t.
             for t in range(min(T, N)):
                 rows = to_sink[:, t]  # (B,)
@@ -339,14 +393,16 @@ class XLMemory:
                 v[r, slot[r]] = new.v[r, t].detach().to(v.dtype)
                 pos[r, slot[r]] = new.pos[r, t].float()
                 valid[r, slot[r]] = True
-            sinks.append(LayerMemory(k, v, pos, valid))
+                if x is not None:
+                    x[r, slot[r]] = new.x[r, t].detach().to(x.dtype)
+            sinks.append(LayerMemory(k, v, pos, valid, x))
             fifo_in.append(_detached(new, new.valid & ~to_sink))
         return tuple(sinks), fifo_in, T
 
     def reset_rows(self, mask: torch.Tensor) -> "XLMemory":
         """A new document starts in rows where mask (B,) is True: clear only those rows, positions restart at 0."""
         next_pos, seen, sink, mem, _ = self._reset_common(mask)
-        return XLMemory(self.mem_len, self.sink_tokens, next_pos, seen, sink, mem)
+        return XLMemory(self.mem_len, self.sink_tokens, next_pos, seen, sink, mem, self.reproject)
 
     def _reset_common(self, mask: torch.Tensor):
         mask = mask.to(self.next_pos.device).bool()  # (B,)
@@ -355,7 +411,7 @@ class XLMemory:
         def clear(layers: tuple[LayerMemory, ...] | None) -> tuple[LayerMemory, ...] | None:
             if layers is None:
                 return None
-            return tuple(LayerMemory(m.k, m.v, m.pos, m.valid & keep) for m in layers)
+            return tuple(m._replace(valid=m.valid & keep) for m in layers)
 
         next_pos = torch.where(mask, torch.zeros_like(self.next_pos), self.next_pos)
         seen = torch.where(mask, torch.zeros_like(self.seen), self.seen)
@@ -364,7 +420,7 @@ class XLMemory:
     def state_dict(self) -> dict:
         """Tensors and sizes, for checkpoints (resume continues with the same memory)."""
         return {
-            "kind": "xl", "mem_len": self.mem_len, "sink_tokens": self.sink_tokens,
+            "kind": "xl", "mem_len": self.mem_len, "sink_tokens": self.sink_tokens, "reproject": self.reproject,
             "next_pos": self.next_pos, "seen": self.seen,
             "sink": None if self.sink is None else [tuple(m) for m in self.sink],
             "mem": None if self.mem is None else [tuple(m) for m in self.mem],
@@ -393,12 +449,16 @@ class CompressiveMemory(XLMemory):
         cmem: tuple[LayerMemory, ...] | None = None,
         compressor: Compressor | None = None,
         last_compression: tuple[Compression | None, ...] | None = None,
+        reproject: bool = False,
     ) -> None:
-        super().__init__(mem_len, sink_tokens, next_pos, seen, sink, mem)
+        super().__init__(mem_len, sink_tokens, next_pos, seen, sink, mem, reproject)
         if compress_fn == "conv" and compressor is None:
             raise ValueError("compress_fn 'conv' needs a Compressor")
         if compressor is not None and compressor.rate != rate:
             raise ValueError(f"compressor rate {compressor.rate} != compress_rate {rate}")
+        if compress_fn == "conv" and compressor.space != ("x" if reproject else "kv"):
+            raise ValueError(f"a {'re-projecting' if reproject else 'key/value'} memory needs a compressor of "
+                             f"space {'x' if reproject else 'kv'}, got {compressor.space!r}")
         self.cmem_len = cmem_len
         self.rate = rate
         self.compress_fn = compress_fn
@@ -417,12 +477,13 @@ class CompressiveMemory(XLMemory):
         sink_tokens: int = 4,
         device: torch.device | str = "cpu",
         compressor: Compressor | None = None,
+        reproject: bool = False,
     ) -> "CompressiveMemory":
         return cls(
             mem_len, cmem_len, rate, compress_fn, sink_tokens,
             torch.zeros(batch_size, dtype=torch.float32, device=device),
             torch.zeros(batch_size, dtype=torch.long, device=device),
-            compressor=compressor,
+            compressor=compressor, reproject=reproject,
         )
 
     def _parts(self, layer: int) -> list[LayerMemory]:
@@ -456,13 +517,14 @@ class CompressiveMemory(XLMemory):
         return CompressiveMemory(
             self.mem_len, self.cmem_len, self.rate, self.compress_fn, self.sink_tokens,
             self.next_pos + T, self.seen + T, sink, tuple(mem), tuple(cmem), self.compressor, tuple(record),
+            self.reproject,
         )
 
     def reset_rows(self, mask: torch.Tensor) -> "CompressiveMemory":
         next_pos, seen, sink, mem, clear = self._reset_common(mask)
         return CompressiveMemory(
             self.mem_len, self.cmem_len, self.rate, self.compress_fn, self.sink_tokens,
-            next_pos, seen, sink, mem, clear(self.cmem), self.compressor, None,
+            next_pos, seen, sink, mem, clear(self.cmem), self.compressor, None, self.reproject,
         )
 
     def state_dict(self) -> dict:
@@ -473,20 +535,26 @@ class CompressiveMemory(XLMemory):
 
 
 def _empty_like(m: LayerMemory) -> LayerMemory:
-    return LayerMemory(m.k[:, :0], m.v[:, :0], m.pos[:, :0], m.valid[:, :0])
+    return LayerMemory(m.k[:, :0], m.v[:, :0], m.pos[:, :0], m.valid[:, :0], None if m.x is None else m.x[:, :0])
 
 
 def new_memory(
-    config: MemoryConfig, batch_size: int, device: torch.device | str = "cpu", compressor: Compressor | None = None
+    config: MemoryConfig, batch_size: int, device: torch.device | str = "cpu", compressor: Compressor | None = None,
+    reproject: bool = False,
 ) -> XLMemory | None:
-    """An empty memory for `config` (None for kind "none")."""
+    """An empty memory for `config` (None for kind "none"); reproject: see XLMemory (True for training).
+
+    A conv compressor of space "x" (trained by memlm train) compresses layer inputs, so its memory
+    re-projects whatever `reproject` says."""
     if config.kind == "none":
         return None
+    if config.kind == "compressive" and config.compress_fn == "conv" and compressor is not None:
+        reproject = reproject or compressor.space == "x"
     if config.kind == "xl":
-        return XLMemory.empty(batch_size, config.mem_len, config.sink_tokens, device)
+        return XLMemory.empty(batch_size, config.mem_len, config.sink_tokens, device, reproject)
     return CompressiveMemory.empty(
         batch_size, config.mem_len, config.cmem_len, config.compress_rate, config.compress_fn,
-        config.sink_tokens, device, compressor,
+        config.sink_tokens, device, compressor, reproject,
     )
 
 
@@ -494,14 +562,17 @@ def memory_from_state_dict(d: dict, device: torch.device | str = "cpu", compress
     """Inverse of `state_dict` (the compressor, a module, is passed in separately)."""
 
     def layers(x):
-        return None if x is None else tuple(LayerMemory(*(t.to(device) for t in m)) for m in x)
+        if x is None:
+            return None
+        return tuple(LayerMemory(*(None if t is None else t.to(device) for t in m)) for m in x)
 
     next_pos, seen = d["next_pos"].to(device), d["seen"].to(device)
+    reproject = bool(d.get("reproject", False))
     if d["kind"] == "xl":
-        return XLMemory(d["mem_len"], d["sink_tokens"], next_pos, seen, layers(d["sink"]), layers(d["mem"]))
+        return XLMemory(d["mem_len"], d["sink_tokens"], next_pos, seen, layers(d["sink"]), layers(d["mem"]), reproject)
     return CompressiveMemory(
         d["mem_len"], d["cmem_len"], d["rate"], d["compress_fn"], d["sink_tokens"], next_pos, seen,
-        layers(d["sink"]), layers(d["mem"]), layers(d["cmem"]), compressor,
+        layers(d["sink"]), layers(d["mem"]), layers(d["cmem"]), compressor, reproject=reproject,
     )
 
 
@@ -527,6 +598,19 @@ def capture_queries(model: Decoder) -> Iterator[list[torch.Tensor]]:
             h.remove()
 
 
+def _project(m: LayerMemory, block: nn.Module) -> LayerMemory:
+    """Keys and values of a memory that carries layer inputs, from `block`'s current projections.
+
+    The weights are detached: the reconstruction loss must not train the model (Rae et al. 2019)."""
+    if m.x is None:
+        return m
+    attn = block.self_attn
+    B, S, _ = m.x.shape
+    k = F.linear(m.x, attn.k_proj.weight.detach()).view(B, S, *m.k.shape[2:])  # (B, S, nkv, hs)
+    v = F.linear(m.x, attn.v_proj.weight.detach()).view(B, S, *m.v.shape[2:])  # (B, S, nkv, hs)
+    return m._replace(k=k, v=v)
+
+
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, m: LayerMemory, theta: float) -> torch.Tensor:
     """Queries q (B, nh, T, hs) at q_pos (B, T) attend over memory m only -> (B, nh, T, hs), float32."""
     B, nh, T, hs = q.shape
@@ -545,15 +629,17 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, m: LayerMemory, theta: float) 
 
 
 def attention_reconstruction_loss(
-    state: CompressiveMemory, queries: Sequence[torch.Tensor], config: ModelConfig
+    state: CompressiveMemory, queries: Sequence[torch.Tensor], model: Decoder
 ) -> torch.Tensor:
     """Mean squared difference between attention over the evicted memories and over their compression.
 
     state: the memory returned by the forward pass whose queries were captured (its last_compression).
     queries: per layer (B, T, nh*hs), from `capture_queries`.
+    model: the decoder that ran; a re-projecting memory's keys and values come from its projections.
     Everything but the compression is detached (the paper's stop-gradients), so this loss trains only
     the compressor. Returns a scalar float32 (0 when nothing was compressed).
     """
+    config = model.config
     terms = []
     for i, rec in enumerate(state.last_compression or ()):
         if rec is None:
@@ -565,8 +651,8 @@ def attention_reconstruction_loss(
         Bq, T, _ = q.shape
         q = q.view(Bq, T, config.n_head, config.head_dim).transpose(1, 2)  # (B', nh, T, hs)
         q_pos = rec.query_pos[rows]  # (B', T)
-        old = LayerMemory(*(t[rows] for t in rec.old))
-        comp = LayerMemory(*(t[rows] for t in rec.compressed))
+        old = _project(LayerMemory(*(None if t is None else t[rows] for t in rec.old)), model.layers[i])
+        comp = _project(LayerMemory(*(None if t is None else t[rows] for t in rec.compressed)), model.layers[i])
         target = _attend(q, q_pos, old, config.rope_theta)  # (B', nh, T, hs) no graph
         approx = _attend(q, q_pos, comp, config.rope_theta)  # (B', nh, T, hs) graph into the compressor
         terms.append(F.mse_loss(approx, target))

@@ -38,6 +38,10 @@ class LayerMemory(NamedTuple):
     v: torch.Tensor  # (B, S, nkv, hs) values
     pos: torch.Tensor  # (B, S) float32 absolute positions
     valid: torch.Tensor  # (B, S) bool; False slots are masked out (empty or reset rows)
+    x: torch.Tensor | None = None  # (B, S, C) the layer's normalised input, or None
+    # When a memory carries x, attention projects the memory's keys and values from it with the current
+    # weights, as Transformer-XL does in training (Dai et al. 2019: k = SG(h) W_k): W_k and W_v then
+    # learn from attention to the memory, and the keys are never a step stale. k and v are ignored then.
 
 
 class DecoderState(Protocol):
@@ -112,7 +116,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, cfg.n_head, hs)  # (B, T, nh, hs)
         k = self.k_proj(x).view(B, T, cfg.n_kv_head, hs)  # (B, T, nkv, hs)
         v = self.v_proj(x).view(B, T, cfg.n_kv_head, hs)  # (B, T, nkv, hs)
-        segment_kv = LayerMemory(k, v, pos, torch.ones(B, T, dtype=torch.bool, device=x.device))
+        segment_kv = LayerMemory(k, v, pos, torch.ones(B, T, dtype=torch.bool, device=x.device), x)
+        if memory is not None and memory.x is not None:
+            S = memory.x.shape[1]
+            mx = memory.x.to(x.dtype)  # (B, S, C)
+            memory = memory._replace(
+                k=self.k_proj(mx).view(B, S, cfg.n_kv_head, hs), v=self.v_proj(mx).view(B, S, cfg.n_kv_head, hs)
+            )  # (B, S, nkv, hs) each
 
         # Positions relative to the segment start keep rotary angles small (exact in float32 even
         # deep into long documents); only relative distances matter for the scores.

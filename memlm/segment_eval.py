@@ -147,11 +147,15 @@ def evaluate_segments(
     batch_size: int = 1,
     compressor: Compressor | None = None,
     boundary_token: int = 0,
+    reproject: bool | None = None,
 ) -> dict[str, Any]:
     """Segment-recurrent perplexity of `model` over `token_docs` (token ids per document).
 
     memory: "none" (each segment alone), "xl" or "compressive"; sizes as in memlm.memory.MemoryConfig.
     boundary_token: prepended to every document (SmolLM2's <|endoftext|> is id 0).
+    reproject: the memory keeps layer inputs and re-projects keys and values (memlm.memory.XLMemory);
+        None: only when the conv compressor compresses layer inputs (one trained by memlm train). For
+        fixed weights it changes nothing for XL or mean pooling (projection is linear), only the cost.
     Returns perplexity, nll (nats/token), tokens, seconds, tokens_per_s and the attention span/cost.
     """
     mcfg = MemoryConfig(memory, mem_len, cmem_len, compress_rate, compress_fn, sink_tokens)
@@ -161,7 +165,9 @@ def evaluate_segments(
         raise MemlmError("--compress-fn conv needs a trained compressor (a checkpoint from memlm train)")
     device = model.device
     stream = SegmentStream(token_docs, batch_size, segment, boundary_token)
-    state = new_memory(mcfg, batch_size, device, compressor)
+    if reproject is None:
+        reproject = compressor is not None and compressor.space == "x"
+    state = new_memory(mcfg, batch_size, device, compressor, reproject)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
     was_training = model.training

@@ -194,7 +194,8 @@ def load_compressor(directory: str | Path, device: str | torch.device = "cpu") -
     from memlm.config import ModelConfig
 
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    comp = Compressor(ModelConfig.from_dict(json.loads(saved["model_config"])), int(saved["rate"]))
+    comp = Compressor(ModelConfig.from_dict(json.loads(saved["model_config"])), int(saved["rate"]),
+                      saved.get("space", "kv"))
     comp.load_state_dict(saved["state_dict"])
     return comp.to(device)
 
@@ -256,7 +257,8 @@ def train(
     model.train()
     compressor = None
     if mcfg.kind == "compressive" and mcfg.compress_fn == "conv":
-        compressor = Compressor(model.config, mcfg.compress_rate).to(device)
+        # Space "x": training memories re-project keys and values, so they keep and compress layer inputs.
+        compressor = Compressor(model.config, mcfg.compress_rate, space="x").to(device)
         if resume_from is not None:
             loaded = load_compressor(resume_from, device)
             if loaded is None:
@@ -276,7 +278,9 @@ def train(
     # -- optimizer, data, memory (restored on resume) ----------------------------------------------
     opt = _optimizer(model, compressor, config)
     stream = SegmentStream(train_docs, config.batch_size, config.segment, boundary, loop=True)
-    state = new_memory(mcfg, config.batch_size, device, compressor)
+    # reproject: Transformer-XL computes the memory's keys and values with the current weights, so that
+    # W_k and W_v learn from attention to the memory (memlm.memory.XLMemory explains what breaks without).
+    state = new_memory(mcfg, config.batch_size, device, compressor, reproject=True)
     step = 0
     if trainer_state is not None:
         opt.load_state_dict(trainer_state["optimizer"])
@@ -301,7 +305,7 @@ def train(
         r = evaluate_segments(
             model, eval_docs, config.segment, mcfg.kind, mcfg.mem_len, mcfg.cmem_len, mcfg.compress_rate,
             mcfg.compress_fn, mcfg.sink_tokens, batch_size=config.batch_size, compressor=compressor,
-            boundary_token=boundary,
+            boundary_token=boundary, reproject=True,
         )
         model.train()
         r["step"] = step
@@ -317,7 +321,7 @@ def train(
             torch.save({"optimizer": opt.state_dict(), "step": step, "data_position": stream.position(),
                         "memory": None if state is None else state.state_dict()}, tmp / TRAINER_FILE)
             if compressor is not None:
-                torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate,
+                torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
                             "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
 
         return str(save_checkpoint(config.out_dir, model, tokenizer, extra, write_files=write))
@@ -337,7 +341,7 @@ def train(
         lm_loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
         rec = torch.zeros((), device=device)
         if compressing and isinstance(out.state, CompressiveMemory):
-            rec = attention_reconstruction_loss(out.state, queries, model.config)
+            rec = attention_reconstruction_loss(out.state, queries, model)
         loss = (0.0 if config.compressor_only else lm_loss) + config.reconstruction_weight * (rec if compressor is not None else 0.0)
         if torch.is_tensor(loss) and loss.requires_grad:
             loss.backward()

@@ -235,7 +235,7 @@ def test_state_dict_round_trip():
     back = memory_from_state_dict(mem.state_dict())
     for i in range(2):
         for a, b in zip(mem.layer_memory(i), back.layer_memory(i)):
-            assert torch.equal(a, b)
+            assert (a is None and b is None) or torch.equal(a, b)
     assert torch.equal(mem.next_pos, back.next_pos)
 
 
@@ -298,7 +298,7 @@ def test_reconstruction_loss_trains_only_the_compressor():
         with capture_queries(model) as queries:
             out = model(x[:, s : s + 8], state)
         state = out.state
-        loss = attention_reconstruction_loss(state, queries, model.config)
+        loss = attention_reconstruction_loss(state, queries, model)
         if s == 0:  # memory not full yet: nothing compressed
             assert loss.item() == 0.0
             continue
@@ -327,3 +327,80 @@ def test_memory_config_costs():
     assert cfg.memory_slots == 1028 and cfg.history_tokens == 4 + 512 + 2048
     r = evaluate_segments(tiny_model(2), [list(range(1, 40))], 16, "xl", mem_len=32, sink_tokens=4)
     assert r["memory_slots"] == 36 and r["attention_span"] == 52 and r["effective_reach"] == 32 * 2 + 16
+
+
+# ---------------------------------------------------------------- re-projected memory (training)
+
+
+@pytest.mark.parametrize("kind", ["xl", "compressive-mean"])
+def test_reprojected_memory_scores_like_cached_keys(kind):
+    # For fixed weights, keys projected from the stored layer inputs equal the cached keys (mean pooling
+    # commutes with the linear projection), so both memories give the same logits.
+    model = tiny_model(2)
+    x = torch.randint(0, 512, (2, 48))
+
+    def memory(reproject: bool):
+        if kind == "xl":
+            return XLMemory.empty(2, 12, sink_tokens=2, reproject=reproject)
+        return CompressiveMemory.empty(2, 8, 4, 2, "mean", sink_tokens=2, reproject=reproject)
+
+    with torch.no_grad():
+        cached, _ = run_segments(model, x, 8, memory(False))
+        reprojected, state = run_segments(model, x, 8, memory(True))
+    assert state.layer_memory(0).x is not None and state.layer_memory(0).x.shape[-1] == model.config.n_embd
+    torch.testing.assert_close(reprojected, cached, atol=ATOL, rtol=0)
+
+
+def test_reprojected_memory_trains_key_and_value_projections_like_a_full_pass():
+    # Transformer-XL: k = SG(h) W_k. In a one-layer model h is the (normalised) embedding, so the gradient
+    # of segment 2's loss into W_q, W_k, W_v, W_o equals that of one full pass over both segments scored
+    # on segment 2 only. Cached keys give W_k and W_v no gradient from the memory: it must differ.
+    model = tiny_model(1).train()
+    x = torch.randint(0, 512, (2, 24))
+    y = torch.randint(0, 512, (2, 12))
+    names = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+    def grads(logits):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 512), y.reshape(-1)).backward()
+        return [getattr(model.layers[0].self_attn, n).weight.grad.clone() for n in names]
+
+    full = grads(model(x).logits[:, 12:])
+    for reproject in (True, False):
+        state = model(x[:, :12], XLMemory.empty(2, 12, sink_tokens=0, reproject=reproject)).state
+        got = grads(model(x[:, 12:], state).logits)
+        for name, a, b in zip(names, got, full):
+            if reproject or name in ("q_proj", "o_proj"):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+            else:
+                assert not torch.allclose(a, b, atol=1e-5, rtol=1e-4), f"{name}: cached keys should lose gradient"
+
+
+@pytest.mark.parametrize("space", ["kv", "x"])
+def test_reconstruction_loss_trains_only_the_compressor_in_both_spaces(space):
+    model = tiny_model(2).train()
+    compressor = Compressor(model.config, rate=2, space=space)
+    state = CompressiveMemory.empty(2, 8, 8, 2, "conv", sink_tokens=0, compressor=compressor, reproject=space == "x")
+    x = torch.randint(0, 512, (2, 32))
+    for s in range(0, 32, 8):
+        with capture_queries(model) as queries:
+            out = model(x[:, s : s + 8], state)
+        state = out.state
+        loss = attention_reconstruction_loss(state, queries, model)
+        if s < 16:
+            continue
+        assert loss.item() > 0
+        model.zero_grad()
+        compressor.zero_grad()
+        (loss + 0 * out.logits.sum()).backward()
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters()), "gradient leaked into the model"
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in compressor.parameters())
+
+
+def test_compressor_space_must_match_the_memory():
+    cfg = ModelConfig.from_name("tiny")
+    with pytest.raises(ValueError, match="space"):
+        CompressiveMemory.empty(1, 4, 4, 2, "conv", compressor=Compressor(cfg, 2, space="kv"), reproject=True)
+    comp = Compressor(cfg, rate=4, space="x")
+    h = torch.randn(2, 8, cfg.n_embd)
+    torch.testing.assert_close(comp.compress_x(0, h), h.view(2, 2, 4, cfg.n_embd).mean(2), atol=1e-6, rtol=0)

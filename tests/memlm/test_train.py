@@ -113,8 +113,8 @@ def test_compressor_only_training_freezes_the_model(tmp_path):
     for (name, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items()):
         assert torch.equal(a, b), f"{name} changed in compressor-only training"
     comp = load_compressor(tmp_path / "comp")
-    eye = torch.eye(comp.k_convs[0].weight.shape[0])[:, :, None].expand_as(comp.k_convs[0].weight) / 2
-    assert not torch.equal(comp.k_convs[0].weight, eye)  # moved away from its mean-pooling init
+    eye = torch.eye(comp.x_convs[0].weight.shape[0])[:, :, None].expand_as(comp.x_convs[0].weight) / 2
+    assert not torch.equal(comp.x_convs[0].weight, eye)  # moved away from its mean-pooling init
     rec = [r for r in result.reconstruction_losses if r > 0]
     assert rec and sum(rec[-3:]) < sum(rec[:3])
 
