@@ -6,6 +6,9 @@ hands them to `datastore.build.build_from_tokens`, which does the work in resuma
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import sys
 from pathlib import Path
 
 from datastore.build import BuildSettings, Provenance, build_from_tokens
@@ -31,6 +34,7 @@ def build_datastore(
     nprobe: int | None = None,
     shard_batches: int = 64,
     progress: bool = True,
+    num_shards: int = 1,
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
@@ -40,8 +44,13 @@ def build_datastore(
     context, stride: window length and stride (None: min(1024, model max) and context // 2, as `memlm eval`).
     Running the same call again after an interruption continues the build; a finished datastore in
     `out` is an error unless overwrite.
+    num_shards: > 1 writes that many datastores `out/shard-00-of-NN`, ... over contiguous runs of
+        documents with about equal token counts, for `memlm serve router` (shard order = id order).
     """
     from memlm.corpus import corpus_fingerprint, load_documents, tokenize_documents
+
+    if num_shards < 1:
+        raise MemlmError(f"--shards must be at least 1, got {num_shards}")
     from memlm.evaluate import resolve_device, resolve_dtype
     from memlm.weights import load_pretrained
 
@@ -72,8 +81,52 @@ def build_datastore(
     def documents():  # read and tokenized only when the tokenize stage runs
         return tokenize_documents(load_documents(data, split), tokenizer, max_tokens)
 
-    return build_from_tokens(pretrained.model, documents, Path(out), provenance, settings,
-                             overwrite=overwrite, progress=progress)
+    if num_shards == 1:
+        return build_from_tokens(pretrained.model, documents, Path(out), provenance, settings,
+                                 overwrite=overwrite, progress=progress)
+    return _build_shards(pretrained.model, list(documents()), Path(out), provenance, settings, num_shards,
+                         overwrite, progress)
+
+
+def shard_dir(out: Path, shard: int, num_shards: int) -> Path:
+    return out / f"shard-{shard:02d}-of-{num_shards:02d}"
+
+
+def split_documents(token_docs: list[list[int]], num_shards: int) -> list[list[list[int]]]:
+    """Contiguous runs of documents with about total/num_shards tokens each (documents stay whole)."""
+    total = sum(len(d) for d in token_docs)
+    groups: list[list[list[int]]] = [[] for _ in range(num_shards)]
+    seen = 0
+    for doc in token_docs:
+        # the shard whose token range holds this document's middle token
+        shard = min(num_shards - 1, (seen + len(doc) // 2) * num_shards // max(total, 1))
+        groups[shard].append(doc)
+        seen += len(doc)
+    return groups
+
+
+def _build_shards(model, token_docs: list[list[int]], out: Path, provenance: Provenance, settings: BuildSettings,
+                  num_shards: int, overwrite: bool, progress: bool) -> Path:
+    groups = split_documents(token_docs, num_shards)
+    if any(not any(group) for group in groups):
+        raise MemlmError(f"the corpus has too few documents for {num_shards} shards; use fewer --shards")
+    dirs = [shard_dir(out, i, num_shards) for i in range(num_shards)]
+    finished = [(d / "manifest.json").is_file() for d in dirs]
+    if all(finished) and not overwrite:
+        raise MemlmError(f"{out} already holds {num_shards} finished shards; pass --overwrite to rebuild them")
+    for i, (directory, group) in enumerate(zip(dirs, groups)):
+        if finished[i] and not overwrite:
+            print(f"shard {i}: {directory} already built", file=sys.stderr)
+            continue
+        shard_provenance = dataclasses.replace(
+            provenance,
+            corpus=f"{provenance.corpus} shard {i} of {num_shards}",
+            corpus_fingerprint=hashlib.sha256(f"{provenance.corpus_fingerprint}:{i}/{num_shards}".encode()).hexdigest(),
+        )
+        build_from_tokens(model, group, directory, shard_provenance, settings, overwrite=overwrite, progress=progress)
+    print("serve the shards in this order behind one router: "
+          + " ".join(f"--shard <address of {d.name}>" for d in dirs), file=sys.stderr)
+    return out
 
 
 def datastore_info(directory: Path) -> str:

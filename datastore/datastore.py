@@ -104,7 +104,7 @@ class Datastore:
             from memlm.exact_search import TorchExactSearcher
 
             torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            exact = TorchExactSearcher(torch.from_numpy(np.asarray(keys)).to(torch_device), values)
+            exact = TorchExactSearcher(torch.from_numpy(np.array(keys)).to(torch_device), values)  # a copy: memmaps are read-only
         elif backend == "faiss":
             if device != "cpu" and not mmap and index_lib.gpu_count() > 0:
                 # GPU indexes are not thread-safe: the retrieval server searches on one worker thread.

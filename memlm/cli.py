@@ -163,7 +163,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         model=args.model, data=args.data, out=Path(args.out), split=args.split, max_tokens=args.max_tokens,
         index=args.index, context=args.context, stride=args.stride, batch_size=args.batch_size,
         device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
-        progress=not args.quiet,
+        progress=not args.quiet, num_shards=args.shards,
     )
     print(out)
 
@@ -374,6 +374,8 @@ def add_datastore_parser(sub: Any) -> None:
     b.add_argument("--device", default="auto", help="auto, cpu or cuda")
     b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     b.add_argument("--overwrite", action="store_true", help="replace a finished datastore in --out")
+    b.add_argument("--shards", type=int, default=1,
+                   help="write N datastores over contiguous document runs (for memlm serve router)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_datastore_build)
     i = dsub.add_parser("info", help="print a datastore's manifest")
