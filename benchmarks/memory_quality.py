@@ -13,7 +13,7 @@ Budgets are flags so that the whole script fits in a few CPU minutes; the printe
 README reports, with the command line that produced it.
 
     python benchmarks/memory_quality.py [--sections a b c] [--eval-docs 2] [--doc-tokens 2048]
-        [--model tiny] [--train-tokens 150000] [--mem 64] [--segment 64] [--frozen-compressive]
+        [--model tiny] [--train-tokens 150000] [--mem 64] [--segment 64] [--seed 0] [--frozen-compressive]
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def sections_bc(args, sections: set[str]) -> None:
           f"{args.doc_tokens} tokens\n{HEADER}")
     for sec, name, mem in variants:
         cfg = TrainConfig(model=args.model, memory=mem, segment=args.segment, batch_size=args.batch, steps=steps,
-                          lr=args.lr, min_lr=args.lr / 10, warmup_steps=max(steps // 20, 1), log_every=0, seed=0)
+                          lr=args.lr, min_lr=args.lr / 10, warmup_steps=max(steps // 20, 1), log_every=0, seed=args.seed)
         t0 = time.perf_counter()
         result = train(cfg, train_docs, eval_docs, log=lambda line: None)
         r = result.evals[-1]
@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mem", type=int, default=64, help="memory slots M of (b), (c)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0, help="seed of the from-scratch init in (b), (c)")
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
     if args.threads:

@@ -290,7 +290,13 @@ def train(
             state = memory_from_state_dict(trainer_state["memory"], device, compressor)
         step = int(trainer_state["step"])
 
+    # Clip the model and the compressor each on its own norm: they minimise different losses (LM vs
+    # attention reconstruction), and one global norm let the compressor's gradients shrink the model's
+    # steps (a conv-compressive run trained worse than one without memory).
+    compressor_ids = {id(p) for p in compressor.parameters()} if compressor is not None else set()
     trainable = [p for g in opt.param_groups for p in g["params"]]
+    clip_groups = [grp for grp in ([p for p in trainable if id(p) not in compressor_ids],
+                                   [p for p in trainable if id(p) in compressor_ids]) if grp]
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     losses: list[float] = []
     rec_losses: list[float] = []
@@ -346,7 +352,8 @@ def train(
         if torch.is_tensor(loss) and loss.requires_grad:
             loss.backward()
             if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+                for grp in clip_groups:
+                    torch.nn.utils.clip_grad_norm_(grp, config.grad_clip)
             opt.step()
         opt.zero_grad(set_to_none=True)
         state = out.state
