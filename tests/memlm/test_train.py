@@ -131,7 +131,7 @@ def test_reconstruction_gradients_do_not_scale_the_model_steps():
     # gradient by a factor that depends on the weight (100x apart here) and the runs would differ.
     memory = MemoryConfig("compressive", mem_len=8, cmem_len=8, compress_rate=2, compress_fn="conv", sink_tokens=0)
     runs = [train(small_config(memory=memory, steps=8, grad_clip=1.0, reconstruction_weight=w), documents(2, 120),
-                  log=quiet) for w in (1e4, 1e6)]
+                  log=quiet) for w in (1e6, 1e8)]
     assert any(r > 0 for r in runs[0].reconstruction_losses)  # the compressor was trained
     for (name, a), (_, b) in zip(runs[0].model.state_dict().items(), runs[1].model.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} depends on the reconstruction weight")
