@@ -86,9 +86,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "dtype": str(dtype).removeprefix("torch."),
     }
 
+    if args.memory != "none" and args.datastore:
+        raise MemlmError("--memory and --datastore cannot be combined in memlm eval; the LM service's Score "
+                         "combines XL memory with kNN-LM (memlm client score --memory xl --knn)")
     if args.memory != "none":
+        from memlm.memory import MemoryConfig
         from memlm.segment_eval import evaluate_segments
         from memlm.train import load_compressor
+
+        try:
+            MemoryConfig(args.memory, args.mem_len, args.cmem_len, args.compress_rate, args.compress_fn,
+                         args.sink_tokens)
+        except ValueError as e:
+            raise MemlmError(str(e)) from None
 
         compressor = None
         if args.memory == "compressive" and args.compress_fn == "conv":
@@ -96,6 +106,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
             if compressor is None:
                 raise MemlmError("--compress-fn conv needs a checkpoint trained with it (memlm train --memory "
                                  "compressive --compress-fn conv); use mean or max pooling with other models")
+            if compressor.rate != args.compress_rate:
+                raise MemlmError(f"the checkpoint's compressor has rate {compressor.rate}; pass --compress-rate "
+                                 f"{compressor.rate}")
         result = evaluate_segments(
             model, token_docs, segment=args.segment, memory=args.memory, mem_len=args.mem_len,
             cmem_len=args.cmem_len, compress_rate=args.compress_rate, compress_fn=args.compress_fn,

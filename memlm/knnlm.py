@@ -319,6 +319,8 @@ def _default_exact_searcher(searcher: Any, device: torch.device) -> TorchExactSe
     """An exact searcher over the searcher's own float16 keys (duck-typed: .keys (N, d), .values (N,))."""
     if isinstance(searcher, TorchExactSearcher):
         return searcher
+    if isinstance(getattr(searcher, "exact", None), TorchExactSearcher):  # a Datastore opened with backend="torch"
+        return searcher.exact
     keys, values = getattr(searcher, "keys", None), getattr(searcher, "values", None)
     if not isinstance(keys, np.ndarray) or values is None or keys.nbytes > EXACT_RECALL_MAX_BYTES:
         return None

@@ -248,7 +248,7 @@ def train(
             if getattr(saved, name) != getattr(config, name):
                 raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
         pre = load_checkpoint(resume_from, device)
-        trainer_state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=False)
+        trainer_state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)
     else:
         pre = load_pretrained(config.model, device)
     model, tokenizer = pre.model, pre.tokenizer

@@ -453,6 +453,9 @@ class LanguageModelServicer:
             outcome = "error"
             raise
         finally:
+            # Free the generation's KV cache / memory now (an abandoned one too), on the model thread,
+            # queued behind any step still running there.
+            self._executor.submit(events.close)
             self._record(GenerationRecord(produced, outcome))
 
     def _record(self, record: GenerationRecord) -> None:

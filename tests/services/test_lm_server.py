@@ -232,9 +232,11 @@ def test_cancelled_generate_stops_work(servers):
         # A deadline ends the work the same way. Greedy from "The quick" runs 3000 tokens without the
         # tiny model's end-of-text (checked once); sampling draws it after a few hundred tokens, which
         # could end the stream before the deadline.
+        hurried = LanguageModelClient(servers["plain"])
+        hurried.tokenize(["connect first"])  # the 1 s deadline below then covers generation only
+        hurried.timeout = 1.0
         with pytest.raises(ServiceError) as e:
-            for _ in LanguageModelClient(servers["plain"], timeout=1.0).generate("The quick", max_new_tokens=100_000,
-                                                                               temperature=0.0):
+            for _ in hurried.generate("The quick", max_new_tokens=100_000, temperature=0.0):
                 pass
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         record = wait_for_record(servicer, before + 2)
