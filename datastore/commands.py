@@ -52,6 +52,7 @@ def build_datastore(
     if num_shards < 1:
         raise MemlmError(f"--shards must be at least 1, got {num_shards}")
     from memlm.evaluate import resolve_device, resolve_dtype
+    from memlm.tokenizer import document_boundary
     from memlm.weights import load_pretrained
 
     torch_device = resolve_device(device)
@@ -59,9 +60,7 @@ def build_datastore(
     tokenizer = pretrained.tokenizer
     context = context or min(1024, pretrained.model.config.max_seq_len)
     stride = stride or max(1, context // 2)
-    boundary = tokenizer.boundary_id
-    if boundary is None:
-        raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark document starts")
+    boundary = document_boundary(tokenizer)
     provenance = Provenance(
         model_name=model,
         model_fingerprint=pretrained.fingerprint,

@@ -50,16 +50,9 @@ def load_eval_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: i
     return token_docs
 
 
-def boundary_token(tokenizer: Any) -> int:
-    """The token that precedes every document (<|endoftext|>, else BOS, else EOS: Tokenizer.boundary_id)."""
-    token = tokenizer.boundary_id
-    if token is None:
-        raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark document starts")
-    return token
-
-
 def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.evaluate import evaluate_perplexity, resolve_device, resolve_dtype, write_json
+    from memlm.tokenizer import document_boundary
     from memlm.weights import load_pretrained
     from memlm.windows import WindowConfig
 
@@ -76,7 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             f"pass --context {model.config.max_seq_len} or less"
         )
     token_docs = load_eval_tokens(tokenizer, args.data, args.split, args.max_tokens)
-    bos = boundary_token(tokenizer)
+    bos = document_boundary(tokenizer)
     header = {
         "model": args.model,
         "model_fingerprint": pretrained.fingerprint,

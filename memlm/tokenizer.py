@@ -212,3 +212,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise MemlmError(f"{path} is not valid JSON ({e}); restore or delete it") from e
     return data if isinstance(data, dict) else {}
+
+
+def document_boundary(tokenizer: "Tokenizer") -> int:
+    """The token that precedes every document or scored sequence (Tokenizer.boundary_id), or a MemlmError."""
+    token = tokenizer.boundary_id
+    if token is None:
+        raise MemlmError("the tokenizer has neither <|endoftext|>, BOS nor EOS to mark document starts")
+    return token

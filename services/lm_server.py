@@ -38,6 +38,7 @@ from memlm.generate import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationEnd
 from memlm.knnlm import KNNLMConfig
 from memlm.memory import MemoryConfig
 from memlm.scoring import SequenceScore, score_tokens, score_tokens_segments
+from memlm.tokenizer import document_boundary
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.security import ClientTls
@@ -103,14 +104,6 @@ class GenerationRecord:
     """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
 
 
-def boundary_token(tokenizer) -> int:
-    """The token that precedes every sequence (Tokenizer.boundary_id), as memlm.cli.boundary_token."""
-    token = tokenizer.boundary_id
-    if token is None:
-        raise MemlmError("the tokenizer has neither a BOS nor an EOS token to mark sequence starts")
-    return token
-
-
 def _finite(x: float) -> bool:
     return math.isfinite(x)
 
@@ -163,7 +156,7 @@ class LanguageModelServicer:
         self._model = model
         self._tokenizer = tokenizer
         self._searcher = searcher
-        self._boundary = boundary_token(tokenizer)
+        self._boundary = document_boundary(tokenizer)
         # Valid ids: those both the model and the tokenizer know (a random preset may pad its vocab).
         self._vocab = min(model.config.vocab_size, tokenizer.vocab_size)
         # Token texts once, so responses never decode token by token.
