@@ -83,7 +83,7 @@ class Provenance:
     corpus_fingerprint: str
     """Fingerprint of the corpus (memlm.corpus.corpus_fingerprint)."""
     boundary_token: int
-    """Token prepended to every document (the tokenizer's BOS, else EOS); evaluation uses the same."""
+    """Token prepended to every document (memlm.tokenizer.document_boundary); evaluation uses the same."""
 
 
 @dataclass(frozen=True)

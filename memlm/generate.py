@@ -4,7 +4,7 @@
 iterator so callers decide where each step runs (a server advances it one token at a time on its
 model thread, and stops advancing it when the client goes away).
 
-- The prompt is preceded by the boundary token (BOS, else EOS), as in scoring and `memlm eval`.
+- The prompt is preceded by the boundary token (memlm.tokenizer.document_boundary), as in scoring and `memlm eval`.
 - Decoding is incremental: the prompt is encoded once into a KVCache, then each new token is one
   forward step of length 1. When the cache reaches the model's context length, the last half of the
   context is re-encoded into a fresh cache (a sliding window), so generation never exceeds it.
@@ -149,7 +149,7 @@ def generate(
     prompt_ids: prompt token ids in [0, V); may be empty when boundary_token is given.
     stop_sequences: strings (matched on the generated text, included in it) or token-id sequences
         (matched on the generated ids).
-    boundary_token: prepended to the prompt (BOS, else EOS); None = the prompt as is.
+    boundary_token: prepended to the prompt (memlm.tokenizer.document_boundary); None = the prompt as is.
     eos_id: generation ends (reason "eos") when this token is drawn; None = never.
     searcher, knn: kNN-LM over the whole vocabulary (both or neither).
     memory, segment: a segment memory as the decoder state instead of a KV cache (kind "none" = the KV

@@ -7,7 +7,7 @@ top-n alternatives. It covers both of lm-evaluation-harness's requests:
 - loglikelihood: a context (conditioning only) and a continuation (scored).
 
 Conventions are those of `memlm eval` (memlm.windows): each sequence is preceded by one boundary token
-(the tokenizer's BOS, else EOS), so its first token is predicted too; long sequences are scored in
+(memlm.tokenizer.document_boundary: <|endoftext|>, else BOS, else EOS), so its first token is predicted too; long sequences are scored in
 sliding windows (context length L, stride s), each token exactly once; windows are batched and padded
 exactly as `score_documents` does, so a sequence without context gets bit-identical base
 log-probabilities, and its perplexity equals `evaluate_perplexity` on the same tokens. The kNN-LM target
@@ -137,7 +137,7 @@ def score_tokens(
 
     token_seqs: the tokens to score (continuations), ids in [0, V).
     context, stride: window length L and stride s in tokens (as `memlm eval --context/--stride`).
-    boundary_token: prepended to every sequence (BOS, else EOS: `memlm.cli.boundary_token`).
+    boundary_token: prepended to every sequence (`memlm.tokenizer.document_boundary`).
     contexts: per sequence, tokens that condition the continuation but are not scored (None or empty
         = no context), placed between the boundary token and the continuation.
     searcher, knn: kNN-LM (both or neither); knn.lmbda and knn.temperature must be set (not "auto").

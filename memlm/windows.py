@@ -3,7 +3,7 @@
 Perplexity jobs, the datastore builder and kNN-LM evaluation all consume `score_documents`, so every
 key in a datastore sees exactly the left context that evaluation gives the same token.
 
-Each document is scored on its own, preceded by one boundary token (the tokenizer's BOS/EOS), so its
+Each document is scored on its own, preceded by one boundary token (memlm.tokenizer.document_boundary), so its
 first real token is predicted too and no window crosses a document boundary. With context length L
 and stride s, windows start every s tokens; each window scores only the targets after the previous
 window's end (the overlap is context only), so every target is scored exactly once.
