@@ -7,7 +7,8 @@ top-n alternatives. It covers both of lm-evaluation-harness's requests:
 - loglikelihood: a context (conditioning only) and a continuation (scored).
 
 Conventions are those of `memlm eval` (memlm.windows): each sequence is preceded by one boundary token
-(memlm.tokenizer.document_boundary: <|endoftext|>, else BOS, else EOS), so its first token is predicted too; long sequences are scored in
+(memlm.tokenizer.document_boundary: <|endoftext|>, else BOS, else EOS), so its first token is
+predicted too; long sequences are scored in
 sliding windows (context length L, stride s), each token exactly once; windows are batched and padded
 exactly as `score_documents` does, so a sequence without context gets bit-identical base
 log-probabilities, and its perplexity equals `evaluate_perplexity` on the same tokens. The kNN-LM target
