@@ -73,3 +73,20 @@ class TorchExactSearcher:
         ids_out[:, : best_i.shape[1]] = best_i.cpu().numpy()
         values = np.where(ids_out >= 0, self.values[np.maximum(ids_out, 0)], -1).astype(np.int32)  # (Q, k)
         return Neighbors(distances, ids_out, values)
+
+
+def exact_searcher_over_documents(
+    model: Any, token_docs: Any, window: Any, boundary_token: int
+) -> TorchExactSearcher:
+    """An in-memory datastore: the (key, next token) pairs of `token_docs` under `model`, taken from the
+    same sliding windows as the datastore builder (memlm.windows.score_documents), searched exactly.
+
+    For tests and small corpora; keys stay on the model's device in float32, (N, C).
+    """
+    from memlm.windows import score_documents
+
+    keys, values = [], []
+    for scored in score_documents(model, token_docs, window, boundary_token, with_logprobs=False):
+        keys.append(scored.keys.float())  # (n, C)
+        values.append(scored.targets)  # (n,)
+    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())  # (N, C), (N,)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.evaluate import evaluate_perplexity
-from memlm.exact_search import TorchExactSearcher
+from memlm.exact_search import exact_searcher_over_documents
 from memlm.knnlm import KNNLMConfig, evaluate_knnlm
 from memlm.memory import MemoryConfig, new_memory
 from memlm.scoring import plan_scored_windows, score_tokens, score_tokens_segments
@@ -45,11 +45,7 @@ def searcher(tiny):
     """Exact search over (key, next token) pairs of the tiny model over TEXTS (as a datastore holds)."""
     tok = tiny.tokenizer
     train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 4]]
-    keys, values = [], []
-    for s in score_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id, with_logprobs=False):
-        keys.append(s.keys.float())
-        values.append(s.targets)
-    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())  # (N, C), (N,)
+    return exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id)
 
 
 def test_plan_without_context_is_memlm_eval_plan():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from memlm.errors import MemlmError
 from memlm.evaluate import evaluate_perplexity
-from memlm.exact_search import TorchExactSearcher
+from memlm.exact_search import exact_searcher_over_documents
 from memlm.generate import SamplingConfig, TokenEvent, generate
 from memlm.knnlm import KNNLMConfig
 from memlm.memory import MemoryConfig
@@ -30,7 +30,7 @@ from memlm.scoring import score_tokens, score_tokens_segments
 from memlm.segment_eval import evaluate_segments
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.weights import load_pretrained
-from memlm.windows import WindowConfig, score_documents
+from memlm.windows import WindowConfig
 from services.lm_client import (
     Finish,
     KnnRequest,
@@ -88,11 +88,7 @@ def index(tiny):
     """A Flat (exact) index over the tiny model's (key, next token) pairs, as a datastore holds them."""
     tok = tiny.tokenizer
     train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 3]]
-    keys, values = [], []
-    for s in score_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id, with_logprobs=False):
-        keys.append(s.keys.float())
-        values.append(s.targets)
-    searcher = TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())  # (N, C), (N,)
+    searcher = exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id)
     info = {"n": len(searcher), "dim": searcher.dim, "index": "Flat", "metric": "L2",
             "model_fingerprint": tiny.fingerprint, "tokenizer_fingerprint": tok.fingerprint}
     return searcher, info
