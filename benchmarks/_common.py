@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:
 
 def load_model(name: str | None) -> tuple[Any, str, str, int]:
     """(model, name, fingerprint, boundary token); SmolLM2 when fetched unless a name is given."""
-    from memlm.weights import load_pretrained, model_path
+    from memlm.model.weights import load_pretrained, model_path
 
     if name is None:
         name = "smollm2-135m" if model_path("smollm2-135m").is_file() else "tiny"
@@ -26,7 +26,8 @@ def load_model(name: str | None) -> tuple[Any, str, str, int]:
 
 def load_tokens(pre: Any, data: str, split: str | None, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Token documents of a fetched corpus split, or random tokens when the corpus is not fetched."""
-    from memlm.corpus import is_fetched, load_documents, tokenize_documents
+    from memlm.data.corpora import is_fetched
+    from memlm.data.documents import load_documents, tokenize_documents
 
     if is_fetched(data):
         docs = [d for d in tokenize_documents(load_documents(data, split), pre.tokenizer, max_tokens) if d]

@@ -19,7 +19,7 @@ import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
 from datastore import BuildSettings, Provenance, build_from_tokens
-from memlm.windows import WindowConfig, score_documents
+from memlm.jobs.windows import WindowConfig, score_documents
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from memlm.errors import MemlmError
-    from memlm.weights import load_pretrained
+    from memlm.model.weights import load_pretrained
 
     dtype = getattr(torch, args.dtype)
     try:

@@ -26,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memlm.search import Neighbors  # noqa: E402
+from memlm.retrieval.searcher import Neighbors
 
 
 class FlatSearcher:

@@ -18,8 +18,9 @@ import torch
 
 from datastore import BuildSettings, Datastore, Provenance, build_from_tokens
 from datastore.index import default_nlist, default_pq_m
-from memlm.knnlm import KNNLMConfig, collect_tuning_data, evaluate_knnlm, tune
-from memlm.windows import WindowConfig
+from memlm.jobs.knnlm_eval import collect_tuning_data, evaluate_knnlm, tune
+from memlm.jobs.windows import WindowConfig
+from memlm.retrieval.knnlm import KNNLMConfig
 
 
 def main() -> None:

@@ -25,14 +25,14 @@ import time
 
 import torch
 
-from memlm.memory import MemoryConfig
-from memlm.segment_eval import evaluate_segments
-from memlm.train import TrainConfig, train
-from memlm.windows import WindowConfig, score_documents
+from memlm.jobs.segment_eval import evaluate_segments
+from memlm.jobs.train import TrainConfig, train
+from memlm.jobs.windows import WindowConfig, score_documents
+from memlm.memory.config import MemoryConfig
 
 
 def sotu_tokens(tokenizer, split: str, n_docs: int | None, doc_tokens: int | None, total: int | None = None):
-    from memlm.corpus import load_documents, tokenize_documents
+    from memlm.data.documents import load_documents, tokenize_documents
 
     docs = []
     for ids in tokenize_documents(load_documents("sotu", split), tokenizer, total):
@@ -53,7 +53,7 @@ HEADER = ("| variant                                      | perplexity | slots |
 
 
 def section_a(args) -> None:
-    from memlm.weights import load_pretrained
+    from memlm.model.weights import load_pretrained
 
     pre = load_pretrained("smollm2-135m")
     model, bos = pre.model, pre.tokenizer.bos_id or 0
@@ -85,7 +85,7 @@ def section_a(args) -> None:
 
 
 def sections_bc(args, sections: set[str]) -> None:
-    from memlm.weights import load_pretrained
+    from memlm.model.weights import load_pretrained
 
     tok = load_pretrained(args.model).tokenizer
     train_docs = sotu_tokens(tok, f"year<{args.split_year}", None, None, args.train_tokens * 2)

@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from memlm.segment_eval import evaluate_segments
+from memlm.jobs.segment_eval import evaluate_segments
 
 
 def load_model_and_text(model_name: str, tokens: int):
-    from memlm.weights import load_pretrained
+    from memlm.model.weights import load_pretrained
 
     try:
         pre = load_pretrained(model_name)
@@ -37,7 +37,7 @@ def load_model_and_text(model_name: str, tokens: int):
         pre = load_pretrained("tiny")
     ids: list[int] = []
     try:
-        from memlm.corpus import load_documents, tokenize_documents
+        from memlm.data.documents import load_documents, tokenize_documents
 
         for doc in tokenize_documents(load_documents("sotu", "year>=2000"), pre.tokenizer, tokens):
             ids += doc

@@ -1,7 +1,7 @@
 """Build a datastore in named, resumable stages with files in between.
 
     tokenize  documents -> .build/tokens.i32 + .build/doc_offsets.i64
-    encode    the decoder over the windows of memlm.windows -> .build/shards/keys-*.f16, values-*.i32
+    encode    the decoder over the windows of memlm.jobs.windows -> .build/shards/keys-*.f16, values-*.i32
     merge     shards -> keys.f16 (N, d) float16 + values.i32 (N,) int32
     train     a seeded sample of the keys -> .build/trained.faiss (empty, trained index)
     add       the keys in chunks, in order -> index.faiss
@@ -15,7 +15,7 @@ batch has the same composition (and padding) as in an uninterrupted run and the 
 byte-identical (batch composition changes float results). `.build/build.json` records the settings of a
 build in progress; resuming with different settings is refused.
 
-Keys come from `memlm.windows.score_documents`, the loop that perplexity evaluation uses, so each key
+Keys come from `memlm.jobs.windows.score_documents`, the loop that perplexity evaluation uses, so each key
 sees exactly the left context that evaluation gives its token.
 
 Shape legend: n scored tokens of a window, N keys in all, d key dimension.
@@ -41,7 +41,14 @@ from tqdm import tqdm
 
 import memlm
 from datastore import index as index_lib
-from datastore.manifest import INDEX_NAME, KEYS_NAME, MANIFEST_NAME, VALUES_NAME, FileEntry, Manifest
+from datastore.manifest import (
+    INDEX_NAME,
+    KEYS_NAME,
+    MANIFEST_NAME,
+    VALUES_NAME,
+    FileEntry,
+    Manifest,
+)
 from datastore.shards import (
     KEY_DTYPE,
     PARTIAL_SUFFIX,
@@ -56,8 +63,8 @@ from datastore.shards import (
     write_text,
 )
 from memlm.errors import MemlmError
-from memlm.model import Decoder
-from memlm.windows import WindowConfig, plan_windows, score_documents
+from memlm.jobs.windows import WindowConfig, plan_windows, score_documents
+from memlm.model.decoder import Decoder
 
 WORK_DIR = ".build"
 """Scratch directory of a build in progress, removed when the manifest is written."""
@@ -75,15 +82,15 @@ class Provenance:
     model_name: str
     """Model as the user named it (preset, path or hub id)."""
     model_fingerprint: str
-    """Fingerprint of the model weights (memlm.weights)."""
+    """Fingerprint of the model weights (memlm.model.weights)."""
     tokenizer_fingerprint: str
-    """Fingerprint of the tokenizer (memlm.tokenizer.Tokenizer.fingerprint)."""
+    """Fingerprint of the tokenizer (memlm.model.tokenizer.Tokenizer.fingerprint)."""
     corpus: str
     """Corpus spec and split as the user gave them."""
     corpus_fingerprint: str
-    """Fingerprint of the corpus (memlm.corpus.corpus_fingerprint)."""
+    """Fingerprint of the corpus (memlm.data.documents.corpus_fingerprint)."""
     boundary_token: int
-    """Token prepended to every document (memlm.tokenizer.document_boundary); evaluation uses the same."""
+    """Token prepended to every document (memlm.model.tokenizer.document_boundary); evaluation uses the same."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from datastore.build import BuildSettings, Provenance, build_from_tokens
 from datastore.datastore import Datastore
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
-from memlm.windows import WindowConfig
+from memlm.jobs.windows import WindowConfig
 
 
 def build_datastore(
@@ -38,8 +38,8 @@ def build_datastore(
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
-    model: preset, .gguf file, HF or memlm checkpoint dir (memlm.weights.load_pretrained).
-    data, split: corpus spec and split expression (memlm.corpus.load_documents).
+    model: preset, .gguf file, HF or memlm checkpoint dir (memlm.model.weights.load_pretrained).
+    data, split: corpus spec and split expression (memlm.data.documents.load_documents).
     index: FAISS factory string; None chooses one from N and d and prints it.
     context, stride: window length and stride (None: min(1024, model max) and context // 2, as `memlm eval`).
     Running the same call again after an interruption continues the build; a finished datastore in
@@ -47,13 +47,17 @@ def build_datastore(
     num_shards: > 1 writes that many datastores `out/shard-00-of-NN`, ... over contiguous runs of
         documents with about equal token counts, for `memlm serve router` (shard order = id order).
     """
-    from memlm.corpus import corpus_fingerprint, load_documents, tokenize_documents
+    from memlm.data.documents import (
+        corpus_fingerprint,
+        load_documents,
+        tokenize_documents,
+    )
 
     if num_shards < 1:
         raise MemlmError(f"--shards must be at least 1, got {num_shards}")
-    from memlm.evaluate import resolve_device, resolve_dtype
-    from memlm.tokenizer import document_boundary
-    from memlm.weights import load_pretrained
+    from memlm.jobs.evaluate import resolve_device, resolve_dtype
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
 
     torch_device = resolve_device(device)
     pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device))

@@ -20,7 +20,7 @@ from datastore import index as index_lib
 from datastore.manifest import INDEX_NAME, KEYS_NAME, VALUES_NAME, Manifest
 from datastore.shards import KEY_DTYPE, VALUE_DTYPE, read_array, sha256_file
 from memlm.errors import MemlmError
-from memlm.search import Neighbors
+from memlm.retrieval.searcher import Neighbors
 
 RERANK_ROWS = 1 << 22
 """Gathered key elements per exact re-rank step (Q_chunk * k * d float32, 16 MB)."""
@@ -101,7 +101,7 @@ class Datastore:
         if backend == "torch":
             import torch
 
-            from memlm.exact_search import TorchExactSearcher
+            from memlm.retrieval.exact import TorchExactSearcher
 
             torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             exact = TorchExactSearcher(torch.from_numpy(np.array(keys)).to(torch_device), values)  # a copy: memmaps are read-only

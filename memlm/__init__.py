@@ -1,7 +1,12 @@
 """memlm: retrieval- and memory-augmented language modeling.
 
-Data flow: corpus -> tokenizer -> Decoder (memlm.model) -> keys/values -> datastore (FAISS)
--> Searcher -> kNN-LM (memlm.knnlm) -> perplexity jobs (memlm.evaluate) and services.
+The subpackages follow the data flow:
+    data/       corpora, split expressions, documents -> token ids (one boundary rule)
+    model/      config and presets, the decoder, tokenizer, weights, checkpoints
+    memory/     Transformer-XL and compressive memories (states passed in and returned)
+    retrieval/  the Searcher seam, exact torch search, kNN-LM math
+    jobs/       windows, perplexity and kNN-LM evaluation, scoring, generation, training
+    cli.py      the `memlm` command line on top; v1/ is generated protobuf code.
 """
 
 __version__ = "0.1.0"

@@ -22,26 +22,27 @@ from memlm.errors import MemlmError
 
 def cmd_fetch(name: str) -> None:
     """Fetch a model or corpus into the cache and print the local path."""
-    from memlm import corpus, weights
+    from memlm.data.corpora import fetch_corpus
+    from memlm.model.weights import fetch_model
 
     if name in MODEL_NAMES:
-        path = weights.fetch_model(name)
+        path = fetch_model(name)
     elif name in CORPUS_NAMES:
-        path = corpus.fetch_corpus(name)
+        path = fetch_corpus(name)
     else:
         raise MemlmError(f"unknown name {name!r}; fetchable: {', '.join(MODEL_NAMES + CORPUS_NAMES)}")
     print(path)
 
 
 MODEL_NAMES = ["smollm2-135m"]
-CORPUS_NAMES = ["sotu", "wiki-summaries"]  # memlm.corpus.CORPORA
+CORPUS_NAMES = ["sotu", "wiki-summaries"]  # memlm.data.corpora.CORPORA
 
 # ---------------------------------------------------------------------------------------------------
 # eval
 
 
 def load_eval_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: int | None) -> list[list[int]]:
-    from memlm.corpus import load_documents, tokenize_documents
+    from memlm.data.documents import load_documents, tokenize_documents
 
     docs = load_documents(data, split)
     token_docs = [t for t in tokenize_documents(docs, tokenizer, max_tokens) if t]
@@ -51,10 +52,15 @@ def load_eval_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: i
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.evaluate import evaluate_perplexity, resolve_device, resolve_dtype, write_json
-    from memlm.tokenizer import document_boundary
-    from memlm.weights import load_pretrained
-    from memlm.windows import WindowConfig
+    from memlm.jobs.evaluate import (
+        evaluate_perplexity,
+        resolve_device,
+        resolve_dtype,
+        write_json,
+    )
+    from memlm.jobs.windows import WindowConfig
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -83,9 +89,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise MemlmError("--memory and --datastore cannot be combined in memlm eval; the LM service's Score "
                          "combines XL memory with kNN-LM (memlm client score --memory xl --knn)")
     if args.memory != "none":
-        from memlm.memory import MemoryConfig
-        from memlm.segment_eval import evaluate_segments
-        from memlm.train import load_compressor
+        from memlm.jobs.segment_eval import evaluate_segments
+        from memlm.jobs.train import load_compressor
+        from memlm.memory.config import MemoryConfig
 
         try:
             MemoryConfig(args.memory, args.mem_len, args.cmem_len, args.compress_rate, args.compress_fn,
@@ -120,7 +126,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, token_docs: list[list[int]], window: Any, bos: int) -> dict:
     from datastore import Datastore
-    from memlm.knnlm import KNNLMConfig, evaluate_knnlm
+    from memlm.jobs.knnlm_eval import evaluate_knnlm
+    from memlm.retrieval.knnlm import KNNLMConfig
 
     store = Datastore.open(
         Path(args.datastore),
@@ -230,8 +237,8 @@ def cmd_serve_router(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_lm(args: argparse.Namespace) -> None:
-    from memlm.evaluate import resolve_device, resolve_dtype
-    from memlm.knnlm import KNNLMConfig
+    from memlm.jobs.evaluate import resolve_device, resolve_dtype
+    from memlm.retrieval.knnlm import KNNLMConfig
     from services.lm_server import LMLimits, serve_lm
     from services.server_common import ServerOptions
 
@@ -294,8 +301,8 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from memlm.memory import MemoryConfig
-    from memlm.train import TrainConfig, train
+    from memlm.jobs.train import TrainConfig, train
+    from memlm.memory.config import MemoryConfig
 
     try:
         memory = MemoryConfig(args.memory, args.mem_len, args.cmem_len, args.compress_rate, args.compress_fn,

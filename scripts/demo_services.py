@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memlm.corpus import load_documents
+from memlm.data.documents import load_documents
 from services.lm_client import Finish, KnnRequest, LanguageModelClient
 
 START_TIMEOUT_S = 300.0

@@ -19,8 +19,17 @@ import grpc
 from memlm.errors import MemlmError
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
-from services.security import ClientTls, auth_metadata, channel_credentials, channel_tls_options
-from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, channel_options
+from services.security import (
+    ClientTls,
+    auth_metadata,
+    channel_credentials,
+    channel_tls_options,
+)
+from services.server_common import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServiceError,
+    channel_options,
+)
 
 MEMORY_MODES = {
     "none": lm_pb2.MEMORY_MODE_NONE,

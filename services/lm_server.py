@@ -1,7 +1,7 @@
 """LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
 
 The servicer is thin (STYLE.md 14): it validates a request into library arguments, runs
-`memlm.scoring.score_tokens` / `memlm.generate.generate` and encodes the result. All model work runs on
+`memlm.jobs.scoring.score_tokens` / `memlm.jobs.generate.generate` and encodes the result. All model work runs on
 ONE worker thread: torch is not async, and one thread keeps the model's memory and the CPU cores to one
 computation at a time. Generate advances its token iterator one step per job on that thread, so
 concurrent generations and Score calls interleave token by token, and a generation whose client went
@@ -13,7 +13,7 @@ RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). 
 NOT_SERVING until the model and the searcher are loaded.
 
 Memory modes: MEMORY_MODE_NONE (sliding windows; a KV cache with a sliding window for Generate) and
-MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.scoring.score_tokens_segments`, which
+MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.jobs.scoring.score_tokens_segments`, which
 scores as `memlm eval --memory xl` does, and for Generate an XLMemory as the decoder state, so generation
 runs past the context without re-encoding). kNN-LM combines with both. MEMORY_MODE_COMPRESSIVE,
 MEMORY_MODE_MEMORIZING and MEMORY_MODE_SPALM answer UNIMPLEMENTED (they need trained parameters or a
@@ -34,11 +34,19 @@ import grpc
 import torch
 
 from memlm.errors import MemlmError
-from memlm.generate import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationEnd, SamplingConfig, TokenEvent, generate
-from memlm.knnlm import KNNLMConfig
-from memlm.memory import MemoryConfig
-from memlm.scoring import SequenceScore, score_tokens, score_tokens_segments
-from memlm.tokenizer import document_boundary
+from memlm.jobs.generate import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationEnd,
+    SamplingConfig,
+    TokenEvent,
+    generate,
+)
+from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
+from memlm.memory.config import MemoryConfig
+from memlm.model.tokenizer import document_boundary
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.security import ClientTls
@@ -126,7 +134,7 @@ class LanguageModelServicer:
     # -- setup --------------------------------------------------------------------------------------
 
     def load(self, pretrained, searcher=None, datastore_info: Mapping | retrieval_pb2.DatastoreInfo | None = None) -> None:
-        """Attach the model (memlm.weights.Pretrained) and optionally a Searcher with its datastore info.
+        """Attach the model (memlm.model.weights.Pretrained) and optionally a Searcher with its datastore info.
 
         Refuses a datastore whose model or tokenizer fingerprint differs from the model's: its keys
         would be meaningless for this model.
@@ -516,7 +524,7 @@ async def start_lm_server(
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
-    pretrained: memlm.weights.Pretrained (model, tokenizer, fingerprint).
+    pretrained: memlm.model.weights.Pretrained (model, tokenizer, fingerprint).
     searcher: a Searcher for kNN-LM (Datastore or RetrievalClient), or None (kNN-LM requests then get
         FAILED_PRECONDITION). datastore_info: its description (Datastore.info() dict, or a RetrievalClient's
         `info.datastore`); when None and searcher has `info`, it is taken from there.
@@ -569,7 +577,7 @@ def open_model_and_searcher(
     retrieval_token: str | None = None,
 ):
     """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher, info)."""
-    from memlm.weights import load_pretrained
+    from memlm.model.weights import load_pretrained
 
     if datastore is not None and retrieval is not None:
         raise MemlmError("pass --datastore or --retrieval, not both")

@@ -1,4 +1,4 @@
-"""A synchronous RetrievalService client that answers the Searcher seam (memlm/search.py).
+"""A synchronous RetrievalService client that answers the Searcher seam (memlm/retrieval/searcher.py).
 
 Library code (kNN-LM scoring, evaluation) calls `search(xq, k)` without knowing whether the
 datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
@@ -12,12 +12,21 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from memlm.search import Neighbors
+from memlm.retrieval.searcher import Neighbors
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
-from services.security import ClientTls, auth_metadata, channel_credentials, channel_tls_options
-from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, channel_options
-from services.tensors import TensorError, from_tensor, to_tensor
 from services.retrieval_server import RESPONSE_BYTES_PER_NEIGHBOUR, response_bytes
+from services.security import (
+    ClientTls,
+    auth_metadata,
+    channel_credentials,
+    channel_tls_options,
+)
+from services.server_common import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServiceError,
+    channel_options,
+)
+from services.tensors import TensorError, from_tensor, to_tensor
 
 
 class RetrievalClient:

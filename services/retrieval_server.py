@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from memlm.search import Neighbors
+from memlm.retrieval.searcher import Neighbors
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.security import ServerTls
 from services.server_common import (

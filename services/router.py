@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from memlm.errors import MemlmError
-from memlm.search import Neighbors
+from memlm.retrieval.searcher import Neighbors
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.retrieval_server import (
     MESSAGE_CLASSES,
@@ -31,7 +31,13 @@ from services.retrieval_server import (
     neighbors_to_response,
     parse_search_request,
 )
-from services.security import ClientTls, ServerTls, auth_metadata, channel_credentials, channel_tls_options
+from services.security import (
+    ClientTls,
+    ServerTls,
+    auth_metadata,
+    channel_credentials,
+    channel_tls_options,
+)
 from services.server_common import (
     DEFAULT_HOST,
     DEFAULT_MAX_MESSAGE_BYTES,

@@ -29,7 +29,7 @@ def smollm2_path() -> Path:
     because tests/datastore and tests/services have their own conftest.py (whichever is imported
     first owns the name "conftest" in a full run).
     """
-    from memlm.weights import model_path
+    from memlm.model.weights import model_path
 
     path = model_path("smollm2-135m")
     if not path.is_file():

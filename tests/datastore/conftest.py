@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from datastore import BuildSettings, Provenance, build_from_tokens
-from memlm.config import ModelConfig
-from memlm.model import build_model
-from memlm.windows import WindowConfig
+from memlm.jobs.windows import WindowConfig
+from memlm.model.config import ModelConfig
+from memlm.model.decoder import build_model
 
 VOCAB = 64
 BOS = 1

@@ -9,10 +9,16 @@ import pytest
 import torch
 from conftest import PROVENANCE, WINDOW
 
-from datastore import BuildSettings, Datastore, Manifest, build_from_tokens, datastore_info
+from datastore import (
+    BuildSettings,
+    Datastore,
+    Manifest,
+    build_from_tokens,
+    datastore_info,
+)
 from datastore.build import WORK_DIR
 from memlm.errors import MemlmError
-from memlm.windows import score_documents
+from memlm.jobs.windows import score_documents
 
 QUIET = dict(progress=False, log=lambda m: None)
 

@@ -11,9 +11,9 @@ from conftest import PROVENANCE, WINDOW
 
 from datastore import BuildSettings, Datastore, build_from_tokens
 from memlm.errors import MemlmError
-from memlm.exact_search import TorchExactSearcher
-from memlm.knnlm import recall_at_k
-from memlm.search import Searcher
+from memlm.jobs.knnlm_eval import recall_at_k
+from memlm.retrieval.exact import TorchExactSearcher
+from memlm.retrieval.searcher import Searcher
 
 
 def brute_force(keys: np.ndarray, xq: np.ndarray) -> np.ndarray:

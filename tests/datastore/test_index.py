@@ -5,7 +5,15 @@ from __future__ import annotations
 import faiss
 import pytest
 
-from datastore.index import FLAT_MAX, SQ8_MAX, default_factory, default_nlist, default_nprobe, default_pq_m, make_index
+from datastore.index import (
+    FLAT_MAX,
+    SQ8_MAX,
+    default_factory,
+    default_nlist,
+    default_nprobe,
+    default_pq_m,
+    make_index,
+)
 
 
 @pytest.mark.parametrize("d", [64, 576, 768, 1024, 100])

@@ -5,8 +5,9 @@ from __future__ import annotations
 from conftest import PROVENANCE, WINDOW
 
 from datastore import Datastore
-from memlm.evaluate import evaluate_perplexity
-from memlm.knnlm import KNNLMConfig, evaluate_knnlm
+from memlm.jobs.evaluate import evaluate_perplexity
+from memlm.jobs.knnlm_eval import evaluate_knnlm
+from memlm.retrieval.knnlm import KNNLMConfig
 
 BOS = PROVENANCE.boundary_token
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from memlm.config import ModelConfig
-from memlm.evaluate import evaluate_perplexity
-from memlm.model import KVCache, build_model
-from memlm.windows import WindowConfig
+from memlm.jobs.evaluate import evaluate_perplexity
+from memlm.jobs.windows import WindowConfig
+from memlm.model.config import ModelConfig
+from memlm.model.decoder import KVCache, build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

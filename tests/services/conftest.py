@@ -12,7 +12,7 @@ import faiss
 import numpy as np
 import pytest
 
-from memlm.search import Neighbors
+from memlm.retrieval.searcher import Neighbors
 
 
 class FlatSearcher:

@@ -1,6 +1,6 @@
 """LanguageModelService with real servers on port 0 and the tiny model.
 
-Oracles: memlm.scoring / memlm.generate in process, evaluate_perplexity, and kNN-LM over the same
+Oracles: memlm.jobs.scoring / memlm.jobs.generate in process, evaluate_perplexity, and kNN-LM over the same
 index in process versus through a real retrieval server (RetrievalClient). Malformed requests get the
 right status codes and the server stays healthy.
 
@@ -20,16 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memlm.errors import MemlmError
-from memlm.evaluate import evaluate_perplexity
-from memlm.exact_search import exact_searcher_over_documents
-from memlm.generate import SamplingConfig, TokenEvent, generate
-from memlm.knnlm import KNNLMConfig
-from memlm.memory import MemoryConfig
-from memlm.scoring import score_tokens, score_tokens_segments
-from memlm.segment_eval import evaluate_segments
+from memlm.jobs.evaluate import evaluate_perplexity
+from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from memlm.jobs.scoring import score_tokens, score_tokens_segments
+from memlm.jobs.segment_eval import evaluate_segments
+from memlm.jobs.windows import WindowConfig
+from memlm.memory.config import MemoryConfig
+from memlm.model.weights import load_pretrained
+from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
-from memlm.weights import load_pretrained
-from memlm.windows import WindowConfig
 from services.lm_client import (
     Finish,
     KnnRequest,
@@ -39,7 +39,12 @@ from services.lm_client import (
     main_generate,
     main_score,
 )
-from services.lm_server import LMLimits, bind_lm_server, create_lm_server, start_lm_server
+from services.lm_server import (
+    LMLimits,
+    bind_lm_server,
+    create_lm_server,
+    start_lm_server,
+)
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
 from services.server_common import ServerOptions, ServiceError
@@ -393,7 +398,7 @@ def test_command_line_entry_points(servers, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# MEMORY_MODE_XL: oracle memlm.segment_eval.evaluate_segments (what `memlm eval --memory xl` runs)
+# MEMORY_MODE_XL: oracle memlm.jobs.segment_eval.evaluate_segments (what `memlm eval --memory xl` runs)
 
 XL = MemoryRequest(segment_tokens=8, memory_tokens=12, sink_tokens=2)
 XL_CONFIG = MemoryConfig("xl", mem_len=12, sink_tokens=2)

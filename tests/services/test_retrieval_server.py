@@ -307,7 +307,7 @@ SLOW_SERVER = textwrap.dedent(
     """
     import asyncio, sys, time
     import numpy as np
-    from memlm.search import Neighbors
+    from memlm.retrieval.searcher import Neighbors
     from services.retrieval_server import serve_retrieval
 
     class SlowSearcher:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from memlm.errors import MemlmError
-from memlm.search import Neighbors
+from memlm.retrieval.searcher import Neighbors
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
 from services.router import create_router_server, merge_top_k

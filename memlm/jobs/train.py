@@ -1,0 +1,374 @@
+"""`memlm train`: segment-recurrent training with a Transformer-XL or compressive memory.
+
+Long documents are read in order, segment after segment, with the memory carried across segments
+(truncated backpropagation through time: the memory is stored detached, so gradients stay inside the
+segment, as in Dai et al. 2019). Batch rows are independent document streams (memlm.jobs.segment_eval).
+
+Modes:
+- from scratch on a preset ("tiny", "small"), seeded random init;
+- from pretrained weights (anything memlm.model.weights.load_pretrained accepts: "smollm2-135m", a .gguf,
+  a Hugging Face directory, a memlm checkpoint);
+- compressor only: the model is frozen and only the learned Conv1d compressor (memlm.memory.compressive.Compressor)
+  is trained, by the attention-reconstruction loss (Rae et al. 2019).
+With a compressive memory the reconstruction loss always trains the compressor (it is the only loss
+that reaches it); the language-modelling loss trains the model.
+
+AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr, gradient-norm clipping,
+bfloat16 autocast on CUDA, periodic segment-recurrent evaluation, checkpoints (memlm.model.checkpoint) that
+carry the model config and this TrainConfig, and exact resume (optimizer, step, data position, memory).
+
+Shape legend: B rows, T segment length, V vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from memlm.errors import MemlmError
+from memlm.jobs.segment_eval import SegmentStream, evaluate_segments
+from memlm.memory.compressive import CompressiveMemory, Compressor
+from memlm.memory.config import MemoryConfig
+from memlm.memory.reconstruction import attention_reconstruction_loss, capture_queries
+from memlm.memory.state import memory_from_state_dict, new_memory
+from memlm.model.config import PRESETS
+from memlm.model.decoder import Decoder
+
+TRAINER_FILE = "trainer.pt"
+COMPRESSOR_FILE = "compressor.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs; stored in every checkpoint (extra.json["train_config"])."""
+
+    model: str = "tiny"
+    """Preset name (with init="scratch"), or anything load_pretrained accepts (init="pretrained")."""
+    init: str = "scratch"
+    """"scratch": seeded random weights of the preset; "pretrained": load `model`."""
+    memory: MemoryConfig = field(default_factory=lambda: MemoryConfig("xl", mem_len=128, sink_tokens=0))
+    """Memory carried across segments during training and evaluation."""
+    segment: int = 64
+    """Tokens per segment T (the unit of truncated backpropagation)."""
+    batch_size: int = 4
+    """Rows B: independent document streams."""
+    steps: int = 200
+    """Optimizer steps in total (a resumed run continues up to this step)."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, on matrices only (not norms, biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    compressor_only: bool = False
+    """Freeze the model; train only the conv compressor by the reconstruction loss."""
+    reconstruction_weight: float = 1.0
+    """Weight of the attention-reconstruction loss (it reaches only the compressor)."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: only at the end, when eval documents are given)."""
+    checkpoint_every: int = 0
+    """Write the checkpoint every this many steps (0: only at the end, when out_dir is set)."""
+    out_dir: str | None = None
+    """Checkpoint directory (memlm.model.checkpoint layout plus trainer.pt, compressor.pt)."""
+    log_every: int = 10
+    """Log a progress line every this many steps."""
+    seed: int = 0
+    """Seed of the random init (scratch)."""
+    device: str = "auto"
+    """"auto" (cuda when available), "cpu" or "cuda"."""
+    data: str | None = None
+    """Corpus spec for memlm.data.documents.load_documents (when no token lists are passed)."""
+    train_split: str | None = None
+    """Split expression of the training documents."""
+    eval_split: str | None = None
+    """Split expression of the evaluation documents (None: no evaluation from the corpus)."""
+    max_train_tokens: int | None = None
+    """Read at most this many training tokens from the corpus (documents in order)."""
+    max_eval_tokens: int | None = None
+    """Read at most this many evaluation tokens."""
+
+    def __post_init__(self) -> None:
+        if self.init not in ("scratch", "pretrained"):
+            raise MemlmError(f"init must be 'scratch' or 'pretrained', got {self.init!r}")
+        if self.init == "scratch" and self.model not in PRESETS:
+            raise MemlmError(f"training from scratch needs a preset ({', '.join(sorted(PRESETS))}), got {self.model!r}")
+        if self.compressor_only and not (self.memory.kind == "compressive" and self.memory.compress_fn == "conv"):
+            raise MemlmError("--compressor-only needs --memory compressive --compress-fn conv")
+        if self.segment < 1 or self.batch_size < 1 or self.steps < 0:
+            raise MemlmError("segment and batch_size must be >= 1, steps >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        d["memory"] = MemoryConfig(**d["memory"])
+        d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    step: int
+    """Steps done in total (including those before a resume)."""
+    losses: list[float]
+    """Language-modelling loss (nats/token) of each step run in this call."""
+    reconstruction_losses: list[float]
+    """Attention-reconstruction loss of each step (0 without compression)."""
+    evals: list[dict[str, Any]]
+    """evaluate_segments results, each with its "step"."""
+    tokens: int
+    """Training tokens scored in this call."""
+    checkpoint: str | None
+    """Where the last checkpoint was written."""
+    model: Decoder
+    """The trained model (train mode)."""
+    compressor: Compressor | None
+    """The trained conv compressor, when the memory has one."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to min_lr at cfg.steps."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MemlmError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _boundary(tokenizer: Any) -> int:
+    for i in (getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)):
+        if i is not None:
+            return int(i)
+    return 0
+
+
+def _optimizer(model: Decoder, compressor: Compressor | None, cfg: TrainConfig) -> torch.optim.AdamW:
+    groups = []
+    if not cfg.compressor_only:
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Decay matrices (embeddings, projections); not norm gains (nanoGPT's split).
+        groups.append({"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay})
+        groups.append({"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0})
+    if compressor is not None:
+        groups.append({"params": list(compressor.parameters()), "weight_decay": 0.0})
+    fused = {"fused": True} if model.device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **fused)
+
+
+def load_compressor(directory: str | Path, device: str | torch.device = "cpu") -> Compressor | None:
+    """The trained compressor saved beside a checkpoint, or None when the run had none."""
+    path = Path(directory) / COMPRESSOR_FILE
+    if not path.is_file():
+        return None
+    from memlm.model.config import ModelConfig
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    comp = Compressor(ModelConfig.from_dict(json.loads(saved["model_config"])), int(saved["rate"]),
+                      saved.get("space", "kv"))
+    comp.load_state_dict(saved["state_dict"])
+    return comp.to(device)
+
+
+def _load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[list[list[int]], list[list[int]] | None]:
+    from memlm.data.documents import load_documents, tokenize_documents
+
+    if cfg.data is None:
+        raise MemlmError("no training data: pass --data (a corpus name or file)")
+    train = list(tokenize_documents(load_documents(cfg.data, cfg.train_split), tokenizer, cfg.max_train_tokens))
+    evals = None
+    if cfg.eval_split is not None:
+        evals = list(tokenize_documents(load_documents(cfg.data, cfg.eval_split), tokenizer, cfg.max_eval_tokens))
+    return train, evals
+
+
+def train(
+    config: TrainConfig,
+    train_docs: Sequence[Sequence[int]] | None = None,
+    eval_docs: Sequence[Sequence[int]] | None = None,
+    resume_from: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+    stop_at: int | None = None,
+) -> TrainResult:
+    """Train per `config`; token lists (one per document) may be given instead of config.data.
+
+    resume_from: a checkpoint directory written by this function; training continues from its step,
+        optimizer state, data position and memory, exactly as if it had not stopped. Its memory,
+        segment and batch size must equal config's.
+    log: called with one line per progress report (default: stderr).
+    stop_at: stop after this global step (checkpoint written as at the end) although the schedule runs
+        to config.steps: a time-boxed piece of a longer run, to be continued with resume_from.
+    """
+    from memlm.model.checkpoint import load_checkpoint, read_extra, save_checkpoint
+    from memlm.model.weights import load_pretrained, random_model
+
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    device = _device(config.device)
+    mcfg = config.memory
+
+    # -- model, tokenizer, compressor ---------------------------------------------------------------
+    trainer_state = None
+    if resume_from is not None:
+        resume_from = Path(resume_from)
+        extra = read_extra(resume_from)
+        if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
+            raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
+        saved = TrainConfig.from_dict(extra["train_config"])
+        for name in ("memory", "segment", "batch_size", "compressor_only"):
+            if getattr(saved, name) != getattr(config, name):
+                raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
+        pre = load_checkpoint(resume_from, device)
+        trainer_state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)
+    else:
+        pre = load_pretrained(config.model, device)
+    model, tokenizer = pre.model, pre.tokenizer
+    if config.init == "scratch" and resume_from is None:
+        model = random_model(model.config, config.seed, device, torch.float32)
+    model.train()
+    compressor = None
+    if mcfg.kind == "compressive" and mcfg.compress_fn == "conv":
+        # Space "x": training memories re-project keys and values, so they keep and compress layer inputs.
+        compressor = Compressor(model.config, mcfg.compress_rate, space="x").to(device)
+        if resume_from is not None:
+            loaded = load_compressor(resume_from, device)
+            if loaded is None:
+                raise MemlmError(f"{resume_from} has no {COMPRESSOR_FILE}")
+            compressor = loaded
+    if config.compressor_only:
+        model.requires_grad_(False)
+
+    if train_docs is None:
+        train_docs, corpus_eval = _load_data(config, tokenizer)
+        eval_docs = eval_docs if eval_docs is not None else corpus_eval
+    vocab = model.config.vocab_size
+    if any(t < 0 or t >= vocab for d in train_docs for t in d):
+        raise MemlmError(f"training tokens must be in [0, {vocab}) for model {model.config.name}")
+    boundary = _boundary(tokenizer)
+
+    # -- optimizer, data, memory (restored on resume) ----------------------------------------------
+    opt = _optimizer(model, compressor, config)
+    stream = SegmentStream(train_docs, config.batch_size, config.segment, boundary, loop=True)
+    # reproject: Transformer-XL computes the memory's keys and values with the current weights, so that
+    # W_k and W_v learn from attention to the memory (memlm.memory.xl.XLMemory explains what breaks without).
+    state = new_memory(mcfg, config.batch_size, device, compressor, reproject=True)
+    step = 0
+    if trainer_state is not None:
+        opt.load_state_dict(trainer_state["optimizer"])
+        stream = SegmentStream(train_docs, config.batch_size, config.segment, boundary, loop=True,
+                               position=trainer_state["data_position"])
+        if trainer_state["memory"] is not None:
+            state = memory_from_state_dict(trainer_state["memory"], device, compressor)
+        step = int(trainer_state["step"])
+
+    # Clip the model and the compressor each on its own norm: they minimise different losses (LM vs
+    # attention reconstruction), and one global norm let the compressor's gradients shrink the model's
+    # steps (a conv-compressive run trained worse than one without memory).
+    compressor_ids = {id(p) for p in compressor.parameters()} if compressor is not None else set()
+    trainable = [p for g in opt.param_groups for p in g["params"]]
+    clip_groups = [grp for grp in ([p for p in trainable if id(p) not in compressor_ids],
+                                   [p for p in trainable if id(p) in compressor_ids]) if grp]
+    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    losses: list[float] = []
+    rec_losses: list[float] = []
+    evals: list[dict[str, Any]] = []
+    tokens = 0
+    checkpoint: str | None = None
+    t_log, tok_log = time.perf_counter(), 0
+
+    def evaluate() -> None:
+        if not eval_docs:
+            return
+        r = evaluate_segments(
+            model, eval_docs, config.segment, mcfg.kind, mcfg.mem_len, mcfg.cmem_len, mcfg.compress_rate,
+            mcfg.compress_fn, mcfg.sink_tokens, batch_size=config.batch_size, compressor=compressor,
+            boundary_token=boundary, reproject=True,
+        )
+        model.train()
+        r["step"] = step
+        evals.append(r)
+        log(f"eval step {step}: perplexity {r['perplexity']:.3f} over {r['tokens']} tokens")
+
+    def save() -> str:
+        assert config.out_dir is not None
+        extra = {"train_config": config.to_dict(), "step": step, "data_position": stream.position(),
+                 "last_eval": evals[-1] if evals else None}
+
+        def write(tmp: Path) -> None:
+            torch.save({"optimizer": opt.state_dict(), "step": step, "data_position": stream.position(),
+                        "memory": None if state is None else state.state_dict()}, tmp / TRAINER_FILE)
+            if compressor is not None:
+                torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
+                            "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
+
+        return str(save_checkpoint(config.out_dir, model, tokenizer, extra, write_files=write))
+
+    compressing = mcfg.kind == "compressive"
+    last = config.steps if stop_at is None else min(stop_at, config.steps)
+    while step < last:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, config)
+        batch = stream.next_batch()
+        assert batch is not None  # loop=True never runs dry
+        inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))
+        if state is not None:
+            state = state.reset_rows(batch.reset.to(device))
+        with autocast, (capture_queries(model) if compressing else contextlib.nullcontext([])) as queries:
+            out = model(inputs, state)
+        lm_loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
+        rec = torch.zeros((), device=device)
+        if compressing and isinstance(out.state, CompressiveMemory):
+            rec = attention_reconstruction_loss(out.state, queries, model)
+        loss = (0.0 if config.compressor_only else lm_loss) + config.reconstruction_weight * (rec if compressor is not None else 0.0)
+        if torch.is_tensor(loss) and loss.requires_grad:
+            loss.backward()
+            if config.grad_clip > 0:
+                for grp in clip_groups:
+                    torch.nn.utils.clip_grad_norm_(grp, config.grad_clip)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = out.state
+        step += 1
+        n_tok = int(batch.mask.sum())
+        tokens += n_tok
+        tok_log += n_tok
+        losses.append(float(lm_loss.detach()))
+        rec_losses.append(float(rec.detach()))
+        if config.log_every and (step % config.log_every == 0 or step == config.steps):
+            now = time.perf_counter()
+            log(f"step {step}/{config.steps} loss {losses[-1]:.4f} rec {rec_losses[-1]:.3g} "
+                f"lr {lr_at(step - 1, config):.2e} epoch {stream.epoch} tok/s {tok_log / max(now - t_log, 1e-9):.0f}")
+            t_log, tok_log = now, 0
+        if config.eval_every and step % config.eval_every == 0 and step < last:
+            evaluate()
+        if config.out_dir and config.checkpoint_every and step % config.checkpoint_every == 0 and step < last:
+            checkpoint = save()
+    evaluate()
+    if config.out_dir:
+        checkpoint = save()
+        log(f"checkpoint written to {checkpoint}")
+    return TrainResult(step, losses, rec_losses, evals, tokens, checkpoint, model, compressor)

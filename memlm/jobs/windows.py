@@ -1,0 +1,143 @@
+"""Sliding windows over documents: the one loop that scores tokens and produces kNN keys.
+
+Perplexity jobs, the datastore builder and kNN-LM evaluation all consume `score_documents`, so every
+key in a datastore sees exactly the left context that evaluation gives the same token.
+
+Each document is scored on its own, preceded by one boundary token (memlm.model.tokenizer.document_boundary), so its
+first real token is predicted too and no window crosses a document boundary. With context length L
+and stride s, windows start every s tokens; each window scores only the targets after the previous
+window's end (the overlap is context only), so every target is scored exactly once.
+
+Shape legend: B windows in a batch, T window length, n scored tokens, C key width, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from memlm.errors import MemlmError
+from memlm.model.decoder import Decoder
+
+
+class Window(NamedTuple):
+    """Inputs tokens[start:end] of one document; predictions for targets tokens[score_from+1 : end+1]."""
+
+    doc: int  # document number in the input order
+    start: int  # first input position (inclusive)
+    end: int  # last input position (exclusive)
+    score_from: int  # first input position whose prediction is scored; start <= score_from < end
+
+
+def plan_windows(n_inputs: int, context: int, stride: int, doc: int = 0) -> list[Window]:
+    """Windows over a sequence with n_inputs input positions (targets are the next positions).
+
+    Every input position i in [0, n_inputs) is scored exactly once, in the first window that
+    reaches it, with as much left context as that window gives (at least context - stride tokens
+    once the document is longer than the context).
+    """
+    if context < 1:
+        raise MemlmError(f"--context must be at least 1, got {context}")
+    if not 1 <= stride <= context:
+        raise MemlmError(f"--stride must be between 1 and --context ({context}), got {stride}")
+    windows = []
+    scored_until = 0
+    start = 0
+    while scored_until < n_inputs:
+        end = min(start + context, n_inputs)
+        windows.append(Window(doc, start, end, scored_until))
+        scored_until = end
+        start += stride
+    return windows
+
+
+class ScoredTokens(NamedTuple):
+    """The scored targets of one window."""
+
+    doc: int
+    positions: torch.Tensor  # (n,) int64, index of each target within its document's tokens
+    targets: torch.Tensor  # (n,) int64 token ids
+    lm_logprob: torch.Tensor  # (n,) float32 log p_LM(target | context), empty when logprobs were not asked
+    greedy: torch.Tensor  # (n,) bool, target == argmax of the LM distribution (empty likewise)
+    keys: torch.Tensor  # (n, C) kNN-LM keys in the model's dtype, on the model's device
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    context: int = 1024
+    """Tokens of input per window (at most the model's max_seq_len)."""
+    stride: int = 512
+    """Tokens between window starts; only the last `stride` positions of a full window are scored."""
+    batch_size: int = 4
+    """Windows per forward pass."""
+
+
+def score_documents(
+    model: Decoder,
+    documents: Iterable[list[int]],
+    config: WindowConfig,
+    boundary_token: int,
+    with_logprobs: bool = True,
+    skip_batches: int = 0,
+) -> Iterator[ScoredTokens]:
+    """Run the decoder over sliding windows of each document and yield what each window scores.
+
+    documents: token ids per document (the boundary token is prepended here).
+    with_logprobs: False skips the output head entirely (datastore building needs only keys).
+    skip_batches: plan but do not run the first batches (a resumed datastore build): the batches
+        after them are composed exactly as in a full run, so their floats are identical too.
+    Full-vocabulary log-probabilities exist for one batch at a time only: (B, T, V) floats.
+    """
+    if config.context > model.config.max_seq_len:
+        raise MemlmError(
+            f"--context {config.context} is longer than the model supports ({model.config.max_seq_len}); "
+            f"pass --context {model.config.max_seq_len} or less"
+        )
+    pending: list[tuple[Window, torch.Tensor]] = []
+    batch_index = 0
+    for doc_index, tokens in enumerate(documents):
+        if len(tokens) == 0:
+            continue
+        sequence = torch.tensor([boundary_token, *tokens], dtype=torch.long)  # inputs [:-1], targets [1:]
+        for window in plan_windows(len(sequence) - 1, config.context, config.stride, doc_index):
+            pending.append((window, sequence))
+            if len(pending) == config.batch_size:
+                if batch_index >= skip_batches:
+                    yield from _score_batch(model, pending, with_logprobs)
+                batch_index += 1
+                pending = []
+    if pending and batch_index >= skip_batches:
+        yield from _score_batch(model, pending, with_logprobs)
+
+
+@torch.inference_mode()
+def _score_batch(
+    model: Decoder, batch: list[tuple[Window, torch.Tensor]], with_logprobs: bool
+) -> Iterator[ScoredTokens]:
+    device = model.device
+    T = max(w.end - w.start for w, _ in batch)
+    # Right padding is harmless under a causal mask: padded positions come after every real one.
+    inputs = torch.zeros(len(batch), T, dtype=torch.long)  # (B, T)
+    for row, (w, seq) in enumerate(batch):
+        inputs[row, : w.end - w.start] = seq[w.start : w.end]
+    first_scored = min(w.score_from - w.start for w, _ in batch)
+    logits_from = first_scored if with_logprobs else T
+    out = model(inputs.to(device), logits_from=logits_from)
+    for row, (w, seq) in enumerate(batch):
+        lo, hi = w.score_from - w.start, w.end - w.start  # scored slice within the window
+        targets = seq[w.score_from + 1 : w.end + 1]  # (n,)
+        keys = out.knn_key[row, lo:hi]  # (n, C)
+        if with_logprobs:
+            row_logits = out.logits[row, lo - first_scored : hi - first_scored].float()  # (n, V)
+            logprobs = F.log_softmax(row_logits, dim=-1)  # (n, V), one window at a time
+            targets_dev = targets.to(device)
+            lm_logprob = logprobs.gather(1, targets_dev[:, None])[:, 0].cpu()  # (n,)
+            greedy = (row_logits.argmax(dim=-1) == targets_dev).cpu()  # (n,)
+        else:
+            lm_logprob = torch.empty(0)
+            greedy = torch.empty(0, dtype=torch.bool)
+        positions = torch.arange(w.score_from, w.end)  # (n,)
+        yield ScoredTokens(w.doc, positions, targets, lm_logprob, greedy, keys)

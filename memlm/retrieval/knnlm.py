@@ -1,0 +1,129 @@
+"""kNN-LM (Khandelwal et al. 2020): interpolate the LM with a distribution over retrieved next tokens.
+
+    p(y | x) = lambda * p_kNN(y | x) + (1 - lambda) * p_LM(y | x)
+    p_kNN(y | x) = sum_{j : v_j = y} exp(-d_j / T) / sum_j exp(-d_j / T)
+
+over the k nearest datastore keys (distances d_j, stored next tokens v_j) of the query key x. Everything
+is in log space: p_kNN of the target is a logsumexp over the matching neighbours (no (Q, V) tensor per
+token), and the mixture is a logaddexp, so lambda = 0 returns the LM's log-probabilities bit for bit and
+a target no neighbour predicts gives log p_kNN = -inf without NaNs. The full distribution
+(`knn_log_distribution`) is built only for generation.
+
+This module takes a Searcher (memlm.retrieval.searcher) and never imports `datastore` or `services`: the command
+line or a server opens the datastore and passes it in. lambda and T are either given or tuned by grid
+search on a separate tuning split (`collect_tuning_data` + `tune`), never on the evaluation split.
+
+Shape legend: Q queries (scored tokens), k neighbours, V vocab, d key dimension, n tuning tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from memlm.errors import MemlmError
+from memlm.retrieval.searcher import Neighbors
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class KNNLMConfig:
+    k: int = 1024
+    """Neighbours retrieved per token."""
+    lmbda: float | None = 0.25
+    """Interpolation weight of p_kNN in [0, 1]; None: tuned on the tuning split ("--lambda auto")."""
+    temperature: float | None = 1.0
+    """T in p_kNN proportional to exp(-distance / T), distances being squared L2; None: tuned."""
+    exact_rerank: bool = False
+    """Recompute exact distances from the stored float16 keys (the searcher must support it)."""
+    nprobe: int | None = None
+    """Inverted lists visited per query; None: the datastore's default."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise MemlmError(f"--k must be at least 1, got {self.k}")
+        if self.lmbda is not None and not 0.0 <= self.lmbda <= 1.0:
+            raise MemlmError(f"--lambda must be in [0, 1] or auto, got {self.lmbda}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise MemlmError(f"--temperature must be positive or auto, got {self.temperature}")
+
+    @property
+    def needs_tuning(self) -> bool:
+        return self.lmbda is None or self.temperature is None
+
+    def search_kwargs(self) -> dict[str, Any]:
+        """Extra arguments for `searcher.search` beyond the seam's (xq, k); empty for defaults."""
+        kwargs: dict[str, Any] = {}
+        if self.nprobe is not None:
+            kwargs["nprobe"] = self.nprobe
+        if self.exact_rerank:
+            kwargs["exact_rerank"] = True
+        return kwargs
+
+
+# -- scoring ----------------------------------------------------------------------------------------
+
+
+def _as_tensor(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    return a.to(dtype) if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a)).to(dtype)
+
+
+def knn_logprob_from_matches(distances: torch.Tensor, matches: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p_kNN(target) from distances (Q, k) float32 and matches (Q, k) bool (v_j == target).
+
+    Missing neighbours have distance inf (weight 0). Rows without a match, or without neighbours, give -inf.
+    """
+    logits = -distances.float() / temperature  # (Q, k), -inf where missing
+    log_norm = torch.logsumexp(logits, dim=1)  # (Q,)
+    log_num = torch.logsumexp(logits.masked_fill(~matches, NEG_INF), dim=1)  # (Q,)
+    # Both -inf (no neighbours at all) would give NaN; such a row predicts nothing.
+    return torch.where(torch.isfinite(log_norm), log_num - log_norm, torch.full_like(log_num, NEG_INF))
+
+
+def knn_target_logprob(neighbors: Neighbors, targets: torch.Tensor | np.ndarray, temperature: float) -> torch.Tensor:
+    """log p_kNN(target) for each query, computed from its k neighbours only.
+
+    neighbors: (Q, k) arrays from a Searcher; targets: (Q,) token ids. Returns (Q,) float32 (CPU).
+    """
+    values = _as_tensor(neighbors.values, torch.int64)  # (Q, k)
+    targets = _as_tensor(targets, torch.int64).cpu()  # (Q,)
+    matches = values == targets[:, None]  # (Q, k)
+    return knn_logprob_from_matches(_as_tensor(neighbors.distances, torch.float32), matches, temperature)
+
+
+def knn_log_distribution(neighbors: Neighbors, vocab_size: int, temperature: float) -> torch.Tensor:
+    """The full log p_kNN over the vocabulary, for generation: (Q, V) float32 (CPU), -inf off-support."""
+    distances = _as_tensor(neighbors.distances, torch.float32)  # (Q, k)
+    values = _as_tensor(neighbors.values, torch.int64)  # (Q, k)
+    logits = -distances / temperature  # (Q, k)
+    row_max = logits.max(dim=1, keepdim=True).values  # (Q, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(logits - row_max)  # (Q, k), 0 where missing
+    weights = weights.masked_fill(values < 0, 0.0)
+    dense = torch.zeros(values.shape[0], vocab_size, dtype=torch.float32)  # (Q, V)
+    dense.scatter_add_(1, values.clamp(min=0), weights)
+    total = dense.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # (Q, 1)
+    return torch.log(dense) - torch.log(total)  # (Q, V); a row without neighbours is all -inf
+
+
+def interpolate(lm_logprob: torch.Tensor, knn_logprob: torch.Tensor, lmbda: float) -> torch.Tensor:
+    """log(lambda * p_kNN + (1 - lambda) * p_LM), elementwise (any matching shapes, e.g. (Q,) or (Q, V)).
+
+    lambda 0 returns lm_logprob itself (bit-identical base); lambda 1 returns knn_logprob.
+    """
+    if lmbda == 0.0:
+        return lm_logprob
+    if lmbda == 1.0:
+        return knn_logprob
+    lm = lm_logprob.float() + math.log1p(-lmbda)
+    knn = knn_logprob.float().to(lm.device) + math.log(lmbda)
+    # logaddexp(a, -inf) == a; guard the (-inf, -inf) corner explicitly (no NaN, stays -inf).
+    both_inf = torch.isneginf(lm) & torch.isneginf(knn)
+    mixed = torch.logaddexp(lm, knn)
+    return torch.where(both_inf, torch.full_like(mixed, NEG_INF), mixed)
+
