@@ -1,13 +1,17 @@
 """The Searcher seam: what every nearest-neighbour backend answers.
 
 The in-process `datastore.Datastore`, the gRPC retrieval client and the shard router all implement
-`Searcher`; the model library above them does not know which one it has.
+`Searcher`; the model library above them does not know which one it has. The seam says everything it
+takes: per-call options travel in a typed `SearchOptions` (never as **kwargs), and `info()` describes
+the datastore behind it (size, index, the model and the text layout its keys were made with), so that
+callers check compatibility the same way whether the datastore is local or remote.
 
 Shape legend: Q queries, d key dimension, k neighbours, N datastore entries.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -24,6 +28,58 @@ class Neighbors(NamedTuple):
     values: np.ndarray  # (Q, k) int32, the next token stored with each key
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """Per-call search settings. Every Searcher accepts all of them; an option that does not apply to its
+    index (nprobe on a flat index, re-ranking on an exact search) changes nothing."""
+
+    nprobe: int | None = None
+    """Inverted lists visited per query (IVF indexes); None: the datastore's default (its manifest)."""
+    exact_rerank: bool = False
+    """Recompute exact squared L2 distances from the stored float16 keys for the candidates and re-sort."""
+
+    def __post_init__(self) -> None:
+        if self.nprobe is not None and self.nprobe < 1:
+            raise ValueError(f"nprobe must be at least 1, got {self.nprobe}")
+
+
+@dataclass(frozen=True)
+class SearcherInfo:
+    """What a datastore holds and how its keys were made; enough for a caller to check it matches its
+    model and its text layout. Local datastores fill it from manifest.json, remote ones from GetInfo."""
+
+    n: int
+    """Number of (key, next token) entries N."""
+    dim: int
+    """Key dimension d."""
+    index: str
+    """FAISS factory string ("Flat", "IVF1024,PQ64", ...) or "exact" for the torch backend."""
+    metric: str
+    """"l2": distances are squared Euclidean distances."""
+    nprobe: int
+    """Default inverted lists visited per query (1 for flat indexes)."""
+    key_layer: str
+    """Which activation the keys are (ModelConfig.key_description, e.g. "ffn_input.29")."""
+    model_name: str
+    """The model the keys came from, as the builder named it."""
+    model_fingerprint: str
+    """Fingerprint of those weights; queries must come from the same model."""
+    tokenizer_fingerprint: str
+    """Fingerprint of the tokenizer; values are its token ids."""
+    corpus: str
+    """Corpus spec and split the datastore was built from."""
+    corpus_fingerprint: str
+    """Fingerprint of that corpus content and split (tuning/evaluation data must not overlap it)."""
+    context: int
+    """Window length (tokens) the keys were computed with."""
+    stride: int
+    """Window stride the keys were computed with."""
+    boundary_token: int
+    """Token prepended to every document when the keys were made; queries must use the same."""
+    sink_tokens: int = 0
+    """Attention-sink tokens kept when the keys were made (0: plain sliding windows)."""
+
+
 @runtime_checkable
 class Searcher(Protocol):
     """Anything that finds the k nearest datastore keys to a batch of queries."""
@@ -33,6 +89,10 @@ class Searcher(Protocol):
         """Key dimension d."""
         ...
 
-    def search(self, xq: np.ndarray, k: int) -> Neighbors:
-        """xq: (Q, d) float32 or float16 queries -> Neighbors with (Q, k) arrays."""
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
+        """xq: (Q, d) float32 or float16 queries -> Neighbors with (Q, k) arrays; options None = defaults."""
+        ...
+
+    def info(self) -> SearcherInfo:
+        """The datastore behind this searcher."""
         ...
