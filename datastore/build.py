@@ -210,7 +210,7 @@ def build_from_tokens(
         tokenizer_fingerprint=provenance.tokenizer_fingerprint, corpus=provenance.corpus,
         corpus_fingerprint=provenance.corpus_fingerprint, index_factory=factory, metric="l2",
         nprobe=int(nprobe), context=settings.window.context, stride=settings.window.stride,
-        boundary_token=provenance.boundary_token, files=files, build=build,
+        boundary_token=provenance.boundary_token, sink_tokens=0, files=files, build=build,
     )
     write_text(out / MANIFEST_NAME, manifest.to_json())
     shutil.rmtree(work)

@@ -63,7 +63,9 @@ class Manifest:
     stride: int
     """Window stride; each key saw at least context - stride tokens of left context."""
     boundary_token: int
-    """Token prepended to each document (BOS/EOS); evaluation must use the same."""
+    """Token prepended to each document (memlm.model.tokenizer.document_boundary); queries must use the same."""
+    sink_tokens: int
+    """Attention-sink tokens kept when the keys were made (0: plain sliding windows, what the builder does)."""
     files: dict[str, FileEntry]
     """Checksums of every data file in the directory, by file name."""
     build: dict[str, Any] = field(default_factory=dict)
