@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.jobs.segment_eval import SegmentStream
-from memlm.jobs.windows import Window, plan_windows
+from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
+from memlm.jobs.windows import Window, forward_windows, plan_windows
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
@@ -52,7 +52,7 @@ from memlm.retrieval.knnlm import (
     knn_log_distribution,
     knn_target_logprob,
 )
-from memlm.retrieval.searcher import Neighbors, Searcher
+from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
 DENSE_BLOCK_FLOATS = 1 << 22
 """Largest (rows, V) float32 block of full distributions held at once for kNN greedy/top-n (16 MiB)."""
@@ -232,25 +232,15 @@ def score_tokens_segments(
                     state = state.reset_rows(batch.reset.to(device))
                 out = model(batch.inputs.to(device), state)
                 state = out.state
-                # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
-                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-                slices = []  # (row, original sequence index, first column, last column)
-                for r in range(rows):
-                    n = int(batch.mask[r].sum())
-                    if n == 0:
-                        continue
-                    d = where["row_doc"][r]
-                    lo = where["row_offset"][r] - n  # document target index of column 0
-                    seq = runs[d]
-                    first = max(0, prefix_lens[seq] - 1 - lo)  # context targets are not scored
-                    if first < n:
-                        slices.append((r, seq, first, n))
+                slices = _scored_slices(batch, where, runs, prefix_lens)
                 if not slices:
                     continue
+                # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
+                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
                 neighbors = None
                 if searcher is not None:
                     keys = torch.cat([out.knn_key[r, a:b] for r, _, a, b in slices])  # (Q, C)
-                    neighbors = _search(searcher, keys, knn)  # (Q, k), one search per forward batch
+                    neighbors = search_keys(searcher, keys, knn.k, knn.search_options)  # (Q, k), one per batch
                 offset = 0
                 for r, seq, a, b in slices:
                     targets = batch.targets[r, a:b].to(device)  # (n,)
@@ -260,6 +250,27 @@ def score_tokens_segments(
                     greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
                     parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
     return _assemble(token_seqs, parts, prefix_lens, top_n)
+
+
+def _scored_slices(
+    batch: SegmentBatch, where: dict[str, list[int]], runs: list[int], prefix_lens: list[int]
+) -> list[tuple[int, int, int, int]]:
+    """(row, original sequence index, first column, end column) of each row's continuation targets.
+
+    where: the stream's position just after dealing `batch` (every real row advanced by its targets);
+    runs: original index of each document the stream deals; prefix_lens: boundary + context per sequence.
+    """
+    slices = []
+    for r in range(batch.mask.shape[0]):
+        n = int(batch.mask[r].sum())
+        if n == 0:
+            continue
+        seq = runs[where["row_doc"][r]]
+        lo = where["row_offset"][r] - n  # document target index of column 0
+        first = max(0, prefix_lens[seq] - 1 - lo)  # context targets are not scored
+        if first < n:
+            slices.append((r, seq, first, n))
+    return slices
 
 
 def _check_common(model, token_seqs, contexts, searcher, knn, top_n) -> None:
@@ -297,16 +308,6 @@ def _assemble(
     return results
 
 
-def _search(searcher: Searcher, keys: torch.Tensor, knn: KNNLMConfig) -> Neighbors:
-    xq = keys.float().cpu().numpy()  # (Q, C) float32, as memlm.jobs.knnlm_eval sends them
-    try:
-        return searcher.search(xq, knn.k, **knn.search_kwargs())
-    except TypeError as e:
-        if knn.search_kwargs():
-            raise MemlmError(f"this searcher does not take {', '.join(knn.search_kwargs())} ({e})") from e
-        raise
-
-
 @torch.inference_mode()
 def _score_batch(
     model: Decoder,
@@ -315,37 +316,23 @@ def _score_batch(
     knn: KNNLMConfig | None,
     top_n: int,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """One forward pass over up to batch_size windows, padded and sliced exactly as
-    memlm.jobs.windows._score_batch; returns per window (base (n,), final (n,), greedy (n,),
-    top ids (n, N), top logprobs (n, N)) on the CPU."""
-    device = model.device
-    T = max(j.window.end - j.window.start for j in batch)
-    # Right padding is harmless under a causal mask: padded positions come after every real one.
-    inputs = torch.zeros(len(batch), T, dtype=torch.long)  # (B, T)
-    for row, (w, seq) in enumerate(batch):
-        inputs[row, : w.end - w.start] = seq[w.start : w.end]
-    first_scored = min(j.window.score_from - j.window.start for j in batch)
-    out = model(inputs.to(device), logits_from=first_scored)
-
+    """One forward pass over up to batch_size windows (memlm.jobs.windows.forward_windows, what
+    `memlm eval` runs); returns per window (base (n,), final (n,), greedy (n,), top ids (n, N),
+    top logprobs (n, N)) on the CPU."""
+    outputs = forward_windows(model, batch)
     neighbors = None
     if searcher is not None:
-        keys = torch.cat([
-            out.knn_key[row, w.score_from - w.start : w.end - w.start] for row, (w, _) in enumerate(batch)
-        ])  # (Q, C)
-        neighbors = _search(searcher, keys, knn)  # (Q, k) arrays, one search per forward batch
+        keys = torch.cat([o.keys for o in outputs])  # (Q, C)
+        neighbors = search_keys(searcher, keys, knn.k, knn.search_options)  # (Q, k), one per batch
 
     results = []
     offset = 0  # row of this window's first scored token in `neighbors`
-    for row, (w, seq) in enumerate(batch):
-        lo, hi = w.score_from - w.start, w.end - w.start  # scored slice within the window
-        n = hi - lo
-        targets = seq[w.score_from + 1 : w.end + 1].to(device)  # (n,)
-        row_logits = out.logits[row, lo - first_scored : hi - first_scored].float()  # (n, V)
-        lm_lp = F.log_softmax(row_logits, dim=-1)  # (n, V)
-        greedy = row_logits.argmax(dim=-1) == targets  # (n,), the test memlm.jobs.windows uses
+    for o in outputs:
+        n = len(o.targets)
+        lm_lp, greedy = o.log_probs()  # (n, V), (n,)
         nb = None if neighbors is None else Neighbors(*(a[offset : offset + n] for a in neighbors))  # (n, k)
         offset += n
-        results.append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+        results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n))
     return results
 
 

@@ -14,7 +14,8 @@ Shape legend: B windows in a batch, T window length, n scored tokens, C key widt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -113,10 +114,36 @@ def score_documents(
         yield from _score_batch(model, pending, with_logprobs)
 
 
+class WindowOutput(NamedTuple):
+    """What one forward pass gives for the scored slice of one window."""
+
+    window: Window
+    targets: torch.Tensor  # (n,) int64 token ids, on the CPU
+    logits: torch.Tensor | None  # (n, V) in the model's dtype, a view of the batch's logits; None without the head
+    keys: torch.Tensor  # (n, C) kNN-LM keys in the model's dtype, on the model's device
+
+    def log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, V) float32 log-softmax of the logits and (n,) bool greedy flags (target == argmax), on the device.
+
+        Computed one window at a time, so that full-vocabulary floats exist for one window at once
+        beyond the batch's logits.
+        """
+        row_logits = self.logits.float()  # (n, V)
+        targets = self.targets.to(row_logits.device)  # (n,)
+        return F.log_softmax(row_logits, dim=-1), row_logits.argmax(dim=-1) == targets
+
+
 @torch.inference_mode()
-def _score_batch(
-    model: Decoder, batch: list[tuple[Window, torch.Tensor]], with_logprobs: bool
-) -> Iterator[ScoredTokens]:
+def forward_windows(
+    model: Decoder, batch: Sequence[tuple[Window, torch.Tensor]], with_logits: bool = True
+) -> list[WindowOutput]:
+    """One forward pass over a batch of windows; per window, its scored slice (memlm eval, the datastore
+    builder and memlm.jobs.scoring all run this, so their floats agree bit for bit).
+
+    batch: (window, sequence) pairs; sequence (L,) int64 holds the inputs [:-1] and the targets [1:] of
+        the window's document.
+    with_logits: False skips the output head entirely (datastore building needs only keys).
+    """
     device = model.device
     T = max(w.end - w.start for w, _ in batch)
     # Right padding is harmless under a causal mask: padded positions come after every real one.
@@ -124,20 +151,26 @@ def _score_batch(
     for row, (w, seq) in enumerate(batch):
         inputs[row, : w.end - w.start] = seq[w.start : w.end]
     first_scored = min(w.score_from - w.start for w, _ in batch)
-    logits_from = first_scored if with_logprobs else T
-    out = model(inputs.to(device), logits_from=logits_from)
+    out = model(inputs.to(device), logits_from=first_scored if with_logits else T)
+    outputs = []
     for row, (w, seq) in enumerate(batch):
         lo, hi = w.score_from - w.start, w.end - w.start  # scored slice within the window
-        targets = seq[w.score_from + 1 : w.end + 1]  # (n,)
-        keys = out.knn_key[row, lo:hi]  # (n, C)
+        logits = out.logits[row, lo - first_scored : hi - first_scored] if with_logits else None  # (n, V)
+        outputs.append(WindowOutput(w, seq[w.score_from + 1 : w.end + 1], logits, out.knn_key[row, lo:hi]))
+    return outputs
+
+
+@torch.inference_mode()
+def _score_batch(
+    model: Decoder, batch: list[tuple[Window, torch.Tensor]], with_logprobs: bool
+) -> Iterator[ScoredTokens]:
+    for o in forward_windows(model, batch, with_logprobs):
         if with_logprobs:
-            row_logits = out.logits[row, lo - first_scored : hi - first_scored].float()  # (n, V)
-            logprobs = F.log_softmax(row_logits, dim=-1)  # (n, V), one window at a time
-            targets_dev = targets.to(device)
-            lm_logprob = logprobs.gather(1, targets_dev[:, None])[:, 0].cpu()  # (n,)
-            greedy = (row_logits.argmax(dim=-1) == targets_dev).cpu()  # (n,)
+            logprobs, greedy = o.log_probs()  # (n, V), (n,)
+            lm_logprob = logprobs.gather(1, o.targets.to(logprobs.device)[:, None])[:, 0].cpu()  # (n,)
+            greedy = greedy.cpu()
         else:
             lm_logprob = torch.empty(0)
             greedy = torch.empty(0, dtype=torch.bool)
-        positions = torch.arange(w.score_from, w.end)  # (n,)
-        yield ScoredTokens(w.doc, positions, targets, lm_logprob, greedy, keys)
+        positions = torch.arange(o.window.score_from, o.window.end)  # (n,)
+        yield ScoredTokens(o.window.doc, positions, o.targets, lm_logprob, greedy, o.keys)
