@@ -51,18 +51,16 @@ from datastore.manifest import (
 )
 from datastore.shards import (
     KEY_DTYPE,
-    PARTIAL_SUFFIX,
     VALUE_DTYPE,
     complete_shards,
     merge_shards,
     read_array,
-    sha256_file,
     shard_paths,
     write_array,
     write_shard,
-    write_text,
 )
 from memlm.errors import MemlmError
+from memlm.files import PARTIAL_SUFFIX, atomic_write, sha256_file
 from memlm.jobs.windows import WindowConfig, plan_windows, score_documents
 from memlm.model.decoder import Decoder
 
@@ -186,7 +184,7 @@ def build_from_tokens(
     index = index_lib.read_index(out / INDEX_NAME, mmap=True)
     nprobe = settings.nprobe if settings.nprobe is not None else index_lib.default_nprobe(index)
 
-    files = {name: FileEntry(bytes=(out / name).stat().st_size, sha256=sha256_file(out / name))
+    files = {name: FileEntry(bytes=(out / name).stat().st_size, sha256=sha256_file(out / name, remember=False))
              for name in DATA_FILES}
     build = {
         "batch_size": settings.window.batch_size,
@@ -212,7 +210,7 @@ def build_from_tokens(
         nprobe=int(nprobe), context=settings.window.context, stride=settings.window.stride,
         boundary_token=provenance.boundary_token, sink_tokens=0, files=files, build=build,
     )
-    write_text(out / MANIFEST_NAME, manifest.to_json())
+    atomic_write(out / MANIFEST_NAME, manifest.to_json(), durable=True)
     shutil.rmtree(work)
     log(f"datastore: {out} ({n_total} keys of dimension {dim}, index {factory})")
     return out
@@ -264,7 +262,7 @@ def _identity(model: Decoder, provenance: Provenance, settings: BuildSettings) -
 def _check_identity(work: Path, identity: dict, out: Path) -> None:
     path = work / "build.json"
     if not path.exists():
-        write_text(path, json.dumps(identity, indent=2, sort_keys=True))
+        atomic_write(path, json.dumps(identity, indent=2, sort_keys=True), durable=True)
         return
     before = json.loads(path.read_text())
     if before == identity:

@@ -18,8 +18,9 @@ import numpy as np
 
 from datastore import index as index_lib
 from datastore.manifest import INDEX_NAME, KEYS_NAME, VALUES_NAME, Manifest
-from datastore.shards import KEY_DTYPE, VALUE_DTYPE, read_array, sha256_file
+from datastore.shards import KEY_DTYPE, VALUE_DTYPE, read_array
 from memlm.errors import MemlmError
+from memlm.files import sha256_file
 from memlm.retrieval.searcher import Neighbors
 
 RERANK_ROWS = 1 << 22
@@ -83,7 +84,7 @@ class Datastore:
                     f"{file} has {size} bytes, the manifest says {entry.bytes}; the file is damaged, rebuild "
                     "the datastore"
                 )
-            if verify and sha256_file(file) != entry.sha256:
+            if verify and sha256_file(file, remember=False) != entry.sha256:
                 raise MemlmError(
                     f"{file} fails its checksum (sha256 differs from manifest.json); the file is damaged or "
                     "was changed, rebuild the datastore"

@@ -12,7 +12,6 @@ Shape legend: N keys, n rows of a chunk, d key dimension, Q queries, k neighbour
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -21,8 +20,8 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from datastore.shards import PARTIAL_SUFFIX, fsync_dir
 from memlm.errors import MemlmError
+from memlm.files import atomic_path
 
 FLAT_MAX = 200_000
 """Up to this many keys a brute-force "Flat" index is exact and still fast (N * d multiply-adds per
@@ -171,13 +170,9 @@ def add_keys(
 
 
 def write_index(index: faiss.Index, path: Path) -> None:
-    """Write to `path` via a temporary name (faiss writes the file itself, so fsync it afterwards)."""
-    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    faiss.write_index(index, str(tmp))
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Write to `path` atomically and durably (faiss writes the temporary file itself; atomic_path fsyncs it)."""
+    with atomic_path(path, durable=True) as tmp:
+        faiss.write_index(index, str(tmp))
 
 
 def read_index(path: Path, mmap: bool = False) -> faiss.Index:

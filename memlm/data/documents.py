@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -28,7 +27,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 from memlm.data.corpora import CORPORA, corpus_path
 from memlm.data.splits import SLICE_RE, SPLIT_SYNTAX, SplitExpr, parse_split, slice_iter
 from memlm.errors import MemlmError
-from memlm.files import cache_dir
+from memlm.files import sha256_file
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 """File suffixes `load_documents` reads as local files."""
@@ -283,32 +282,6 @@ def tokenize_documents(docs: Iterable[Document], tokenizer: Any, max_tokens: int
         yield ids
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, remembered in `cache_dir()/hashes/` keyed by path, size and mtime.
-
-    The sidecar lives in the cache rather than beside the file: corpus files may sit on read-only media.
-    """
-    path = Path(path).resolve()
-    st = path.stat()
-    key = hashlib.sha256(str(path).encode()).hexdigest()[:32]
-    sidecar = cache_dir() / "hashes" / f"{key}.json"
-    stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    with contextlib.suppress(OSError, ValueError):
-        saved = json.loads(sidecar.read_text())
-        if {k: saved.get(k) for k in stamp} == stamp and isinstance(saved.get("sha256"), str):
-            return saved["sha256"]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
-    sidecar.parent.mkdir(parents=True, exist_ok=True)
-    tmp = sidecar.with_suffix(f".{os.getpid()}.partial")
-    tmp.write_text(json.dumps({**stamp, "sha256": digest}))
-    os.replace(tmp, sidecar)
-    return digest
-
-
 def corpus_fingerprint(spec: str, split: str | None = None) -> str:
     """sha256 naming (corpus content, split expression), for datastore manifests.
 
@@ -318,5 +291,5 @@ def corpus_fingerprint(spec: str, split: str | None = None) -> str:
     """
     res = _resolve(spec)
     expr = parse_split(split)
-    content = f"sha256:{file_sha256(res.path)}" if res.path is not None else f"hub:{spec}"
+    content = f"sha256:{sha256_file(res.path)}" if res.path is not None else f"hub:{spec}"
     return hashlib.sha256(f"{content}\nsplit:{'' if expr is None else expr}".encode()).hexdigest()

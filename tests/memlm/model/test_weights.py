@@ -14,11 +14,11 @@ import torch
 
 from memlm.model import weights
 from memlm.errors import MemlmError
+from memlm.files import sha256_file
 from memlm.model.checkpoint import load_checkpoint, read_extra, save_checkpoint
 from memlm.model.config import PRESETS
 from memlm.model.weights import (
     Pretrained,
-    file_sha256,
     load_pretrained,
     reverse_permute,
 )
@@ -86,16 +86,6 @@ def test_tiny_preset_is_seeded_and_leaves_global_rng_alone() -> None:
     assert a.tokenizer.vocab_size <= a.model.config.vocab_size
 
 
-def test_file_sha256_sidecar_follows_content(tmp_path) -> None:
-    f = tmp_path / "w.bin"
-    f.write_bytes(b"abc")
-    first = file_sha256(f)
-    assert first == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # sha256("abc")
-    assert (tmp_path / "w.bin.sha256").is_file()
-    f.write_bytes(b"abd")  # new content, new size/mtime key: the sidecar must not be trusted
-    assert file_sha256(f) != first
-
-
 def fake_wheel(tmp_path: Path, payload: bytes) -> Path:
     folder = tmp_path / "wheel-tmp"
     folder.mkdir()
@@ -136,7 +126,7 @@ def test_checkpoint_round_trip_tiny_and_crash_safety(tmp_path) -> None:
     back = load_pretrained(str(ckpt))
     ids = pre.tokenizer.encode("hello, world")
     assert torch.equal(logits(back, ids), logits(pre, ids))
-    assert back.fingerprint == file_sha256(ckpt / "model.safetensors")
+    assert back.fingerprint == sha256_file(ckpt / "model.safetensors")
     assert back.tokenizer.fingerprint == pre.tokenizer.fingerprint
     assert back.model.config == pre.model.config and read_extra(ckpt) == {"step": 7}
 
@@ -236,7 +226,7 @@ def test_hf_directory_loads_to_identical_logits(smol2: Pretrained, hf_llama, tmp
     assert back.model.lm_head.weight is back.model.embed_tokens.weight
     assert (back.tokenizer.bos_id, back.tokenizer.eos_id) == (tok.bos_id, tok.eos_id)
     assert back.tokenizer.encode(PARAGRAPH) == tok.encode(PARAGRAPH)
-    assert len(weights_files) == 1 and back.fingerprint == file_sha256(weights_files[0])
+    assert len(weights_files) == 1 and back.fingerprint == sha256_file(weights_files[0])
 
 
 @pytest.mark.slow
