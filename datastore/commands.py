@@ -55,7 +55,7 @@ def build_datastore(
 
     if num_shards < 1:
         raise MemlmError(f"--shards must be at least 1, got {num_shards}")
-    from memlm.jobs.evaluate import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device, resolve_dtype
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 

@@ -21,6 +21,7 @@ from datastore.manifest import INDEX_NAME, KEYS_NAME, VALUES_NAME, Manifest
 from datastore.shards import KEY_DTYPE, VALUE_DTYPE, read_array
 from memlm.errors import MemlmError
 from memlm.files import sha256_file
+from memlm.model.device import resolve_device
 from memlm.retrieval.searcher import Neighbors
 
 RERANK_ROWS = 1 << 22
@@ -104,7 +105,7 @@ class Datastore:
 
             from memlm.retrieval.exact import TorchExactSearcher
 
-            torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            torch_device = resolve_device(device or "auto")
             exact = TorchExactSearcher(torch.from_numpy(np.array(keys)).to(torch_device), values)  # a copy: memmaps are read-only
         elif backend == "faiss":
             if device != "cpu" and not mmap and index_lib.gpu_count() > 0:

@@ -52,12 +52,8 @@ def load_eval_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: i
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.jobs.evaluate import (
-        evaluate_perplexity,
-        resolve_device,
-        resolve_dtype,
-        write_json,
-    )
+    from memlm.jobs.evaluate import evaluate_perplexity, write_json
+    from memlm.model.device import resolve_device, resolve_dtype
     from memlm.jobs.windows import WindowConfig
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
@@ -237,7 +233,7 @@ def cmd_serve_router(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_lm(args: argparse.Namespace) -> None:
-    from memlm.jobs.evaluate import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device, resolve_dtype
     from memlm.retrieval.knnlm import KNNLMConfig
     from services.lm_server import LMLimits, serve_lm
     from services.server_common import ServerOptions

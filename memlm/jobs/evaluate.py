@@ -13,35 +13,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-import torch
-
 from memlm.errors import MemlmError
 from memlm.files import atomic_write
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu. Asking for cuda without a GPU is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MemlmError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu or auto")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise MemlmError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
-    return torch.device(device)
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" -> bfloat16 on GPU, float32 on CPU (CPU half-precision matmuls are slow)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise MemlmError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
+from memlm.model.device import synchronize
 
 
 class Progress:
@@ -81,16 +57,14 @@ def evaluate_perplexity(
     nll = 0.0  # float64 sum on the host: exact enough for millions of tokens
     correct = 0
     scored = 0
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(model.device)
     start = time.perf_counter()
     for chunk in score_documents(model, token_docs, window, boundary_token, with_logprobs=True):
         nll -= chunk.lm_logprob.double().sum().item()
         correct += int(chunk.greedy.sum())
         scored += len(chunk.targets)
         bar.update(len(chunk.targets))
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(model.device)
     seconds = time.perf_counter() - start
     bar.close()
     assert scored == total, f"scored {scored} tokens of {total}"  # the window plan covers every token once

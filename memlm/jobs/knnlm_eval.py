@@ -18,6 +18,7 @@ from tqdm import tqdm
 from memlm.errors import MemlmError
 from memlm.jobs.windows import ScoredTokens, WindowConfig, score_documents
 from memlm.model.decoder import Decoder
+from memlm.model.device import synchronize
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import (
     KNNLMConfig,
@@ -43,8 +44,7 @@ class _Timer:
         self.seconds += time.perf_counter() - self._t0
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
 
 def _timed(stream: Iterator[ScoredTokens], timer: _Timer) -> Iterator[ScoredTokens]:

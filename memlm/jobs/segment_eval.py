@@ -31,6 +31,7 @@ from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder
+from memlm.model.device import synchronize
 
 
 class SegmentBatch(NamedTuple):
@@ -174,7 +175,7 @@ def evaluate_segments(
     n_tokens = 0
     was_training = model.training
     model.eval()
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         while (batch := stream.next_batch()) is not None:
@@ -187,7 +188,7 @@ def evaluate_segments(
             tok_logp = logp.gather(-1, batch.targets.to(device)[..., None])[..., 0]  # (B, T)
             nll_sum -= tok_logp[mask].double().sum()
             n_tokens += int(mask.sum())
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
     model.train(was_training)
     nll = float(nll_sum) / max(n_tokens, 1)
@@ -201,7 +202,3 @@ def evaluate_segments(
         **attention_cost(mcfg, segment, model.config.n_layer),
     }
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

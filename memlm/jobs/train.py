@@ -43,6 +43,7 @@ from memlm.memory.reconstruction import attention_reconstruction_loss, capture_q
 from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.model.config import PRESETS
 from memlm.model.decoder import Decoder
+from memlm.model.device import resolve_device
 
 TRAINER_FILE = "trainer.pt"
 COMPRESSOR_FILE = "compressor.pt"
@@ -91,7 +92,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of the random init (scratch)."""
     device: str = "auto"
-    """"auto" (cuda when available), "cpu" or "cuda"."""
+    """"auto" (cuda when available), "cpu" or "cuda[:N]" (memlm.model.device.resolve_device)."""
     data: str | None = None
     """Corpus spec for memlm.data.documents.load_documents (when no token lists are passed)."""
     train_split: str | None = None
@@ -151,14 +152,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MemlmError("--device cuda: no CUDA device is available")
-    return torch.device(name)
 
 
 def _boundary(tokenizer: Any) -> int:
@@ -228,7 +221,7 @@ def train(
     from memlm.model.weights import load_pretrained, random_model
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    device = _device(config.device)
+    device = resolve_device(config.device)
     mcfg = config.memory
 
     # -- model, tokenizer, compressor ---------------------------------------------------------------
