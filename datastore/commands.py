@@ -16,6 +16,7 @@ from datastore.datastore import Datastore
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
 from memlm.jobs.windows import WindowConfig
+from memlm.model.config import describe_weights
 
 
 def build_datastore(
@@ -41,7 +42,8 @@ def build_datastore(
     model: preset, .gguf file, HF or memlm checkpoint dir (memlm.model.weights.load_pretrained).
     data, split: corpus spec and split expression (memlm.data.documents.load_documents).
     index: FAISS factory string; None chooses one from N and d and prints it.
-    context, stride: window length and stride (None: min(1024, model max) and context // 2, as `memlm eval`).
+    context, stride: window length and stride (None: min(WindowConfig.context, model max) and context // 2,
+        as `memlm eval`).
     Running the same call again after an interruption continues the build; a finished datastore in
     `out` is an error unless overwrite.
     num_shards: > 1 writes that many datastores `out/shard-00-of-NN`, ... over contiguous runs of
@@ -62,7 +64,7 @@ def build_datastore(
     torch_device = resolve_device(device)
     pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device))
     tokenizer = pretrained.tokenizer
-    context = context or min(1024, pretrained.model.config.max_seq_len)
+    context = context or min(WindowConfig.context, pretrained.model.config.max_seq_len)
     stride = stride or max(1, context // 2)
     boundary = document_boundary(tokenizer)
     provenance = Provenance(
@@ -142,9 +144,11 @@ def datastore_info(directory: Path) -> str:
         f"key layer     {m.key_layer}",
         f"index         {m.index_factory} (metric {m.metric}, default nprobe {m.nprobe})",
         f"model         {m.model_name} (fingerprint {m.model_fingerprint[:16]})",
+        f"weights       {describe_weights(m.model_name)}",
         f"tokenizer     fingerprint {m.tokenizer_fingerprint[:16]}",
         f"corpus        {m.corpus} (fingerprint {m.corpus_fingerprint[:16]})",
-        f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}",
+        f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}, "
+        f"sink tokens {m.sink_tokens}",
         f"files         {size / 2**20:.1f} MiB: "
         + ", ".join(f"{name} {e.bytes / 2**20:.1f} MiB" for name, e in sorted(m.files.items())),
         f"format        version {m.format_version}",

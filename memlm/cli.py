@@ -1,6 +1,7 @@
 """The memlm command line: one table from subcommand to a typed function.
 
-The library modules never import `datastore` or `services`; this file wires them together.
+Option groups (kNN-LM, memory, windows) are defined once in memlm.options; `memlm eval` lives in
+memlm.eval_command. The library modules never import `datastore` or `services`; this file wires them together.
 User errors (MemlmError) print one line and exit 1, never a traceback.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -15,6 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
+from memlm.eval_command import add_eval_parser
+from memlm.memory.config import MemoryConfig
+from memlm.options import (
+    KNN_OPTIONS,
+    MEMORY_OPTIONS,
+    WINDOW_OPTIONS,
+    add_options,
+    flag,
+    given,
+    knn_config,
+    memory_config,
+    refuse_given,
+)
+
+SERVE_MEMORY = ("segment", "mem_len", "sink_tokens")
+"""The memory options a LanguageModelService request carries (MemoryOptions), for `serve lm` and `client`."""
+CLIENT_KNN = ("k", "lmbda", "temperature", "nprobe")
+"""The kNN options a request carries (KnnRequest; exact re-rank is the server's setting)."""
 
 # ---------------------------------------------------------------------------------------------------
 # fetch
@@ -23,10 +43,10 @@ from memlm.errors import MemlmError
 def cmd_fetch(name: str) -> None:
     """Fetch a model or corpus into the cache and print the local path."""
     from memlm.data.corpora import fetch_corpus
-    from memlm.model.weights import fetch_model
+    from memlm.model.weights import fetch_model, fetch_name
 
     if name in MODEL_NAMES:
-        path = fetch_model(name)
+        path = fetch_model(fetch_name(name))
     elif name in CORPUS_NAMES:
         path = fetch_corpus(name)
     else:
@@ -34,132 +54,8 @@ def cmd_fetch(name: str) -> None:
     print(path)
 
 
-MODEL_NAMES = ["smollm2-135m"]
+MODEL_NAMES = ["smollm2-135m-instruct-q4_1", "smollm2-135m"]  # memlm.model.config: the preset and its alias
 CORPUS_NAMES = ["sotu", "wiki-summaries"]  # memlm.data.corpora.CORPORA
-
-# ---------------------------------------------------------------------------------------------------
-# eval
-
-
-def load_eval_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: int | None) -> list[list[int]]:
-    from memlm.data.documents import load_documents, tokenize_documents
-
-    docs = load_documents(data, split)
-    token_docs = [t for t in tokenize_documents(docs, tokenizer, max_tokens) if t]
-    if not token_docs:
-        raise MemlmError(f"corpus {data} (split {split or 'all'}) has no tokens to evaluate")
-    return token_docs
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    from memlm.jobs.evaluate import evaluate_perplexity, write_json
-    from memlm.model.device import resolve_device, resolve_dtype
-    from memlm.jobs.windows import WindowConfig
-    from memlm.model.tokenizer import document_boundary
-    from memlm.model.weights import load_pretrained
-
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    pretrained = load_pretrained(args.model, device=device, dtype=dtype)
-    model, tokenizer = pretrained.model, pretrained.tokenizer
-    context = args.context or min(1024, model.config.max_seq_len)
-    stride = args.stride or max(1, context // 2)
-    window = WindowConfig(context=context, stride=stride, batch_size=args.batch_size)
-    if context > model.config.max_seq_len:
-        raise MemlmError(
-            f"--context {context} is longer than {args.model} supports ({model.config.max_seq_len}); "
-            f"pass --context {model.config.max_seq_len} or less"
-        )
-    token_docs = load_eval_tokens(tokenizer, args.data, args.split, args.max_tokens)
-    bos = document_boundary(tokenizer)
-    header = {
-        "model": args.model,
-        "model_fingerprint": pretrained.fingerprint,
-        "data": args.data,
-        "split": args.split,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-    if args.memory != "none" and args.datastore:
-        raise MemlmError("--memory and --datastore cannot be combined in memlm eval; the LM service's Score "
-                         "combines XL memory with kNN-LM (memlm client score --memory xl --knn)")
-    if args.memory != "none":
-        from memlm.jobs.segment_eval import evaluate_segments
-        from memlm.jobs.train import load_compressor
-        from memlm.memory.config import MemoryConfig
-
-        try:
-            MemoryConfig(args.memory, args.mem_len, args.cmem_len, args.compress_rate, args.compress_fn,
-                         args.sink_tokens)
-        except ValueError as e:
-            raise MemlmError(str(e)) from None
-
-        compressor = None
-        if args.memory == "compressive" and args.compress_fn == "conv":
-            compressor = load_compressor(args.model, device) if Path(args.model).is_dir() else None
-            if compressor is None:
-                raise MemlmError("--compress-fn conv needs a checkpoint trained with it (memlm train --memory "
-                                 "compressive --compress-fn conv); use mean or max pooling with other models")
-            if compressor.rate != args.compress_rate:
-                raise MemlmError(f"the checkpoint's compressor has rate {compressor.rate}; pass --compress-rate "
-                                 f"{compressor.rate}")
-        result = evaluate_segments(
-            model, token_docs, segment=args.segment, memory=args.memory, mem_len=args.mem_len,
-            cmem_len=args.cmem_len, compress_rate=args.compress_rate, compress_fn=args.compress_fn,
-            sink_tokens=args.sink_tokens, batch_size=args.batch_size, compressor=compressor,
-            boundary_token=bos,
-        )
-    elif args.datastore:
-        result = run_knnlm_eval(args, pretrained, token_docs, window, bos)
-    else:
-        result = evaluate_perplexity(model, token_docs, window, bos, progress=not args.quiet)
-    result = {**header, **result}
-    print_result(result)
-    if args.json:
-        write_json(result, args.json)
-
-
-def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, token_docs: list[list[int]], window: Any, bos: int) -> dict:
-    from datastore import Datastore
-    from memlm.jobs.knnlm_eval import evaluate_knnlm
-    from memlm.retrieval.knnlm import KNNLMConfig
-
-    store = Datastore.open(
-        Path(args.datastore),
-        expect_model_fingerprint=pretrained.fingerprint,
-        expect_tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
-        backend=args.search_backend,
-        device=str(pretrained.model.device),
-    )
-    tune_docs = None
-    if args.tune_data:
-        tune_docs = load_eval_tokens(pretrained.tokenizer, args.tune_data, args.tune_split, args.tune_max_tokens)
-    elif args.lmbda == "auto" or args.temperature == "auto":
-        raise MemlmError("--lambda auto / --temperature auto need --tune-data (never tuned on the evaluation split)")
-    knn = KNNLMConfig(
-        k=args.k,
-        lmbda=None if args.lmbda == "auto" else float(args.lmbda),
-        temperature=None if args.temperature == "auto" else float(args.temperature),
-        exact_rerank=args.exact_rerank,
-        nprobe=args.nprobe,
-    )
-    return evaluate_knnlm(
-        pretrained.model, token_docs, store, window, knn, bos, tune_docs=tune_docs, progress=not args.quiet
-    )
-
-
-def print_result(result: dict[str, Any]) -> None:
-    """A short human summary on stdout; the JSON file has everything."""
-    for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "lambda", "temperature",
-                "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
-                "knnlm_speed_ratio", "recall_at_k", "recall_at_10",
-                "attention_span", "seconds"):
-        if key in result:
-            value = result[key]
-            text = f"{value:.4f}" if isinstance(value, float) else str(value)
-            print(f"{key:>20}: {text}")
-
 
 # ---------------------------------------------------------------------------------------------------
 # datastore
@@ -217,7 +113,7 @@ def cmd_serve_retrieval(args: argparse.Namespace) -> None:
     store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
                            device=None if args.device == "auto" else args.device)
     asyncio.run(serve_retrieval(
-        store, store.info(), args.host, args.port, tls=server_tls(args), token=token_from(args),
+        store, args.host, args.port, tls=server_tls(args), token=token_from(args),
         micro_batching=not args.no_micro_batching, max_concurrent_rpcs=args.max_concurrent_rpcs,
     ))
 
@@ -232,52 +128,78 @@ def cmd_serve_router(args: argparse.Namespace) -> None:
     ))
 
 
+def serve_memory_defaults(args: argparse.Namespace) -> MemoryConfig:
+    """Segment, memory length and sink tokens of requests that leave them unset: the flags, else a `memlm
+    train` checkpoint's settings (one line says so), else MemoryConfig's defaults."""
+    from memlm.eval_command import checkpoint_settings
+    from memlm.model.tokenizer import Tokenizer, document_boundary
+    from memlm.retrieval.compat import adopt, say_taken
+
+    settings = None
+    if Path(args.model).is_dir() and (Path(args.model) / "tokenizer.json").is_file():
+        settings = checkpoint_settings(args.model, document_boundary(Tokenizer.from_dir(Path(args.model))))
+    if settings is None:
+        return memory_config(args, MemoryConfig())
+    taken: list[str] = []
+    values = {d: adopt(flag(d), getattr(args, d), getattr(settings.memory, d), f"checkpoint {args.model}", taken)
+              for d in SERVE_MEMORY}
+    say_taken(taken, f"checkpoint {args.model}")
+    return dataclasses.replace(settings.memory, **values)
+
+
 def cmd_serve_lm(args: argparse.Namespace) -> None:
     from memlm.model.device import resolve_device, resolve_dtype
-    from memlm.retrieval.knnlm import KNNLMConfig
     from services.lm_server import LMLimits, serve_lm
     from services.server_common import ServerOptions
 
     if args.datastore and args.retrieval:
         raise MemlmError("give --datastore DIR or --retrieval HOST:PORT, not both")
+    if not (args.datastore or args.retrieval):
+        refuse_given(args, KNN_OPTIONS, "needs --datastore or --retrieval (the server has no kNN-LM without one)")
     device = resolve_device(args.device)
-    knn = KNNLMConfig(k=args.k, lmbda=args.lmbda, temperature=args.knn_temperature,
-                      exact_rerank=args.exact_rerank, nprobe=args.nprobe)
+    memory = serve_memory_defaults(args)
     asyncio.run(serve_lm(
         args.model, datastore=args.datastore, retrieval=args.retrieval, host=args.host, port=args.port,
-        device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn,
+        device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn_config(args),
         options=ServerOptions(tls=server_tls(args), token=token_from(args),
                               max_concurrent_rpcs=args.max_concurrent_rpcs),
         limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
-                        segment_tokens=args.segment, memory_tokens=args.mem_len, sink_tokens=args.sink_tokens),
+                        segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens),
         retrieval_tls=client_tls(args.retrieval_ca),
         retrieval_token=args.retrieval_token or os.environ.get("MEMLM_RETRIEVAL_TOKEN") or None,
     ))
 
 
 def knn_request(args: argparse.Namespace) -> Any:
+    """The request's kNN-LM options (None fields: the server's defaults); kNN flags without --knn are refused."""
     from services.lm_client import KnnRequest
 
     if not args.knn:
+        refuse_given(args, CLIENT_KNN, "needs --knn")
         return None
-    return KnnRequest(lmbda=args.lmbda, temperature=args.knn_temperature, k=args.k)
+    values = given(args, KNN_OPTIONS)
+    if "auto" in (values.get("lmbda"), values.get("temperature")):
+        raise MemlmError("auto is tuned by `memlm eval --tune-data` only; give a number")
+    return KnnRequest(**values)
 
 
 def memory_request(args: argparse.Namespace) -> dict[str, Any]:
     """memory_mode= and memory= keyword arguments of the client calls (server defaults when unset)."""
     from services.lm_client import MemoryRequest
 
-    if args.memory == "none":
+    if args.kind in (None, "none"):
+        refuse_given(args, SERVE_MEMORY, "needs --memory xl")
         return {}
-    return {"memory_mode": args.memory, "memory": MemoryRequest(args.segment, args.mem_len, args.sink_tokens)}
+    return {"memory_mode": args.kind,
+            "memory": MemoryRequest(segment_tokens=args.segment, memory_tokens=args.mem_len, sink_tokens=args.sink_tokens)}
 
 
 def cmd_client_score(args: argparse.Namespace) -> None:
     from services.lm_client import main_score
 
     main_score(
-        args.address, args.text, contexts=args.context or None, knn=knn_request(args), top_n=args.top_n,
-        window_tokens=args.window, stride_tokens=args.stride, per_token=args.per_token,
+        args.address, args.text, contexts=args.prefix or None, knn=knn_request(args), top_n=args.top_n,
+        window_tokens=args.context, stride_tokens=args.stride, per_token=args.per_token,
         tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 
@@ -286,7 +208,7 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
     from services.lm_client import main_generate
 
     main_generate(
-        args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.sampling_temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
         tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
@@ -298,15 +220,9 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from memlm.jobs.train import TrainConfig, train
-    from memlm.memory.config import MemoryConfig
 
-    try:
-        memory = MemoryConfig(args.memory, args.mem_len, args.cmem_len, args.compress_rate, args.compress_fn,
-                              args.sink_tokens)
-    except ValueError as e:
-        raise MemlmError(str(e)) from None
     config = TrainConfig(
-        model=args.model, init=args.init, memory=memory, segment=args.segment, batch_size=args.batch_size,
+        model=args.model, init=args.init, memory=memory_config(args, MemoryConfig()), batch_size=args.batch_size,
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, compressor_only=args.compressor_only,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, out_dir=args.out,
@@ -329,43 +245,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 # argument parsing
 
 
-def add_eval_parser(sub: Any) -> None:
-    p = sub.add_parser("eval", help="perplexity of a model (optionally with kNN-LM or a memory) on a corpus split")
-    p.add_argument("--model", required=True, help="preset (smollm2-135m, tiny, small), .gguf file, HF or memlm checkpoint dir")
-    p.add_argument("--data", required=True, help="fetched corpus name (sotu, wiki-summaries) or a .txt/.jsonl/.json/.parquet file")
-    p.add_argument("--split", default=None, help='documents to use, e.g. "year>=2001", "[0:10]", "year<2001[-5:]"')
-    p.add_argument("--context", type=int, default=None, help="window length in tokens (default min(1024, model max))")
-    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default context/2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens evaluated")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--json", default=None, help="write the result as JSON to this path")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    knn = p.add_argument_group("kNN-LM")
-    knn.add_argument("--datastore", default=None, help="datastore directory: report base and kNN-LM perplexity")
-    knn.add_argument("--k", type=int, default=1024, help="neighbours per token")
-    knn.add_argument("--lambda", dest="lmbda", default="0.25", help="interpolation weight, or auto (tuned on --tune-data)")
-    knn.add_argument("--temperature", default="1.0", help="softmax temperature over -distance, or auto")
-    knn.add_argument("--exact-rerank", action="store_true", help="recompute exact distances from the stored keys")
-    knn.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the datastore's)")
-    knn.add_argument("--search-backend", default="faiss", choices=["faiss", "torch"],
-                     help="faiss index (GPU clone when faiss-gpu sees CUDA), or exact torch search on the model's device")
-    knn.add_argument("--tune-data", default=None, help="corpus for --lambda/--temperature auto (never the eval split)")
-    knn.add_argument("--tune-split", default=None, help="split of --tune-data")
-    knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
-    mem = p.add_argument_group("memory")
-    mem.add_argument("--memory", default="none", choices=["none", "xl", "compressive"], help="segment-recurrent memory")
-    mem.add_argument("--segment", type=int, default=128, help="segment length in tokens")
-    mem.add_argument("--mem-len", type=int, default=1024, help="Transformer-XL memory slots per layer")
-    mem.add_argument("--cmem-len", type=int, default=0, help="compressed memory slots per layer")
-    mem.add_argument("--compress-rate", type=int, default=4, help="memories per compressed slot")
-    mem.add_argument("--compress-fn", default="mean", choices=["mean", "max", "conv"], help="compression function")
-    mem.add_argument("--sink-tokens", type=int, default=4, help="first tokens of each document kept in memory")
-    p.set_defaults(func=lambda a: cmd_eval(a))
-
-
-
 def add_datastore_parser(sub: Any) -> None:
     p = sub.add_parser("datastore", help="build and inspect kNN-LM datastores")
     dsub = p.add_subparsers(dest="datastore_command", required=True, metavar="ACTION")
@@ -377,8 +256,6 @@ def add_datastore_parser(sub: Any) -> None:
     b.add_argument("--max-tokens", type=int, default=None, help="cap on tokens stored")
     b.add_argument("--index", default=None, help='FAISS factory string, e.g. "IVF4096,PQ64" (default: chosen from N and d)')
     b.add_argument("--nprobe", type=int, default=None, help="default IVF lists probed at search time")
-    b.add_argument("--context", type=int, default=None, help="window length (default min(1024, model max))")
-    b.add_argument("--stride", type=int, default=None, help="tokens between window starts (default context/2)")
     b.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
     b.add_argument("--device", default="auto", help="auto, cpu or cuda")
     b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -386,6 +263,7 @@ def add_datastore_parser(sub: Any) -> None:
     b.add_argument("--shards", type=int, default=1,
                    help="write N datastores over contiguous document runs (for memlm serve router)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_options(b, "windows the keys are computed with", WINDOW_OPTIONS)
     b.set_defaults(func=cmd_datastore_build)
     i = dsub.add_parser("info", help="print a datastore's manifest")
     i.add_argument("directory")
@@ -400,18 +278,6 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", default=None, help="CA (PEM) that client certificates must chain to (mTLS)")
     p.add_argument("--token", default=None, help="bearer token callers must send (default $MEMLM_TOKEN)")
     p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="RESOURCE_EXHAUSTED past this many calls")
-
-
-def add_knn_options(p: argparse.ArgumentParser, defaults: bool) -> None:
-    p.add_argument("--k", type=int, default=1024 if defaults else None, help="neighbours per token")
-    p.add_argument("--lambda", dest="lmbda", type=float, default=0.25 if defaults else None, help="kNN-LM weight")
-    p.add_argument("--knn-temperature", type=float, default=1.0 if defaults else None, help="temperature over -distance")
-
-
-def add_memory_options(p: argparse.ArgumentParser, defaults: bool) -> None:
-    p.add_argument("--segment", type=int, default=128 if defaults else None, help="XL segment length, tokens")
-    p.add_argument("--mem-len", type=int, default=1024 if defaults else None, help="XL memory per layer, tokens")
-    p.add_argument("--sink-tokens", type=int, default=4 if defaults else None, help="first tokens kept in memory")
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -440,12 +306,10 @@ def add_serve_parser(sub: Any) -> None:
     lm.add_argument("--retrieval-token", default=None, help="token for the retrieval service (default $MEMLM_RETRIEVAL_TOKEN)")
     lm.add_argument("--device", default="auto", help="auto, cpu or cuda")
     lm.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    add_knn_options(lm, defaults=True)
-    lm.add_argument("--nprobe", type=int, default=None, help="IVF lists probed (default: the datastore's)")
-    lm.add_argument("--exact-rerank", action="store_true", help="re-rank neighbours with exact distances")
+    add_options(lm, "kNN-LM defaults of requests", KNN_OPTIONS)
     lm.add_argument("--max-new-tokens", type=int, default=4096, help="largest Generate request")
     lm.add_argument("--max-score-tokens", type=int, default=65536, help="largest Score request, in tokens")
-    add_memory_options(lm, defaults=True)
+    add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
     add_server_security(lm)
     lm.set_defaults(func=cmd_serve_lm)
 
@@ -460,21 +324,21 @@ def add_client_parser(sub: Any) -> None:
         c.add_argument("--token", default=None, help="bearer token (default $MEMLM_TOKEN)")
         c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
-        add_knn_options(c, defaults=False)
-        c.add_argument("--memory", default="none", choices=["none", "xl"], help="Transformer-XL memory mode")
-        add_memory_options(c, defaults=False)
+        add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)
+        add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY),
+                    choices={"kind": ("none", "xl")})
         if name == "score":
             c.add_argument("text", nargs="+", help="texts to score")
-            c.add_argument("--context", action="append", help="context for each text (loglikelihood of text given it)")
+            c.add_argument("--prefix", action="append", help="text each text continues (its loglikelihood given it)")
             c.add_argument("--top-n", type=int, default=0, help="alternatives per token")
-            c.add_argument("--window", type=int, default=None, help="window length in tokens")
-            c.add_argument("--stride", type=int, default=None, help="window stride in tokens")
+            add_options(c, "sliding windows (unset: the server's)", WINDOW_OPTIONS)
             c.add_argument("--per-token", action="store_true", help="print every token's log-probability")
             c.set_defaults(func=cmd_client_score)
         else:
             c.add_argument("prompt", help="prompt text")
             c.add_argument("--max-new-tokens", type=int, default=64)
-            c.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+            c.add_argument("--temperature", dest="sampling_temperature", type=float, default=None,
+                           help="sampling temperature, 0 = greedy")
             c.add_argument("--top-k", type=int, default=None)
             c.add_argument("--top-p", type=float, default=None)
             c.add_argument("--seed", type=int, default=None)
@@ -493,13 +357,8 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--max-eval-tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="checkpoint directory (config, weights, tokenizer, optimizer)")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
-    p.add_argument("--memory", default="xl", choices=["none", "xl", "compressive"])
-    p.add_argument("--segment", type=int, default=64, help="tokens per segment (truncated BPTT unit)")
-    p.add_argument("--mem-len", type=int, default=128)
-    p.add_argument("--cmem-len", type=int, default=0)
-    p.add_argument("--compress-rate", type=int, default=4)
-    p.add_argument("--compress-fn", default="mean", choices=["mean", "max", "conv"])
-    p.add_argument("--sink-tokens", type=int, default=0)
+    add_options(p, f"memory carried across segments (default --memory {MemoryConfig.kind}; the segment is the "
+                "truncated-backpropagation unit)", MEMORY_OPTIONS)
     p.add_argument("--compressor-only", action="store_true", help="freeze the model, train the conv compressor")
     p.add_argument("--batch-size", type=int, default=4, help="independent document streams")
     p.add_argument("--steps", type=int, default=200)

@@ -2,7 +2,8 @@
 
 Data flow: `fetch_corpus(name)` -> `cache_dir()/corpora/<name>.jsonl` (one JSON object a document)
 -> `load_documents(spec, split, streaming)` -> `Document(text, meta)` in corpus order
--> `tokenize_documents(docs, tokenizer, max_tokens)` -> token ids, one list a document.
+-> `tokenize_documents(docs, tokenizer, max_tokens)` -> token ids, one list a document
+(`load_tokenized` does both and keeps each document's `document_fingerprint`, for overlap checks).
 Document boundaries are kept all the way: nothing here concatenates documents.
 
 Specs (`load_documents(spec)`):
@@ -280,6 +281,44 @@ def tokenize_documents(docs: Iterable[Document], tokenizer: Any, max_tokens: int
             ids = ids[:left]
             left -= len(ids)
         yield ids
+
+
+def document_fingerprint(doc: Document) -> str:
+    """sha256 of a document's text: its identity when two selections are compared for overlap.
+
+    Over the content, not a row number: two split expressions of one corpus file that select the same
+    document ("year>=2003" and "year>=2001") give it the same fingerprint, and so does a copy of it in
+    another file, which would leak the same tokens just as well.
+    """
+    return hashlib.sha256(doc.text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """Token ids of the documents that contribute at least one token, with each one's fingerprint."""
+
+    token_docs: list[list[int]]
+    """Token ids, one non-empty list a document, in corpus order."""
+    fingerprints: list[str]
+    """document_fingerprint of each of them (same order)."""
+
+
+def load_tokenized(spec: str, split: str | None, tokenizer: Any, max_tokens: int | None = None) -> TokenizedCorpus:
+    """load_documents + tokenize_documents, keeping the identity of every document that got tokens
+    (with max_tokens, a document cut short still counts: its first tokens are used)."""
+    docs: list[Document] = []
+
+    def remember(source: Iterable[Document]) -> Iterator[Document]:
+        for doc in source:
+            docs.append(doc)
+            yield doc
+
+    token_docs, fingerprints = [], []
+    for doc_index, ids in enumerate(tokenize_documents(remember(load_documents(spec, split)), tokenizer, max_tokens)):
+        if ids:
+            token_docs.append(ids)
+            fingerprints.append(document_fingerprint(docs[doc_index]))
+    return TokenizedCorpus(token_docs, fingerprints)
 
 
 def corpus_fingerprint(spec: str, split: str | None = None) -> str:

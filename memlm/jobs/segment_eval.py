@@ -6,7 +6,7 @@ memory left by the earlier segments of its document (none / XL / compressive, me
 token is scored exactly once at the cost of one segment plus the memory, instead of re-encoding a
 sliding window per scored token (the Transformer-XL paper's evaluation speedup).
 
-As in memlm.jobs.windows, each document is preceded by one boundary token (the tokenizer's BOS/EOS) so its
+As in memlm.jobs.windows, each document is preceded by one boundary token (memlm.model.tokenizer.document_boundary) so its
 first real token is predicted too; inputs are sequence[:-1], targets sequence[1:].
 
 Batch rows are independent streams of documents: when a row's document ends, the row takes the next
@@ -141,30 +141,53 @@ def evaluate_segments(
     model: Decoder,
     token_docs: Sequence[Sequence[int]],
     segment: int,
-    memory: str = "xl",
-    mem_len: int = 1024,
-    cmem_len: int = 0,
-    compress_rate: int = 4,
-    compress_fn: str = "mean",
-    sink_tokens: int = 4,
+    memory: str = MemoryConfig.kind,
+    mem_len: int = MemoryConfig.mem_len,
+    cmem_len: int = MemoryConfig.cmem_len,
+    compress_rate: int = MemoryConfig.compress_rate,
+    compress_fn: str = MemoryConfig.compress_fn,
+    sink_tokens: int = MemoryConfig.sink_tokens,
     batch_size: int = 1,
     compressor: Compressor | None = None,
     boundary_token: int = 0,
     reproject: bool | None = None,
 ) -> dict[str, Any]:
+    """`evaluate_memory` with the memory given field by field (defaults: MemoryConfig's).
+
+    boundary_token: callers with a tokenizer pass memlm.model.tokenizer.document_boundary(tokenizer);
+        0 is what that rule gives for SmolLM2 (<|endoftext|>) and suits token lists without a tokenizer.
+    """
+    try:
+        mcfg = MemoryConfig(memory, mem_len, cmem_len, compress_rate, compress_fn, sink_tokens, segment)
+    except ValueError as e:
+        raise MemlmError(str(e)) from None
+    return evaluate_memory(model, token_docs, mcfg, boundary_token=boundary_token, batch_size=batch_size,
+                           compressor=compressor, reproject=reproject)
+
+
+def evaluate_memory(
+    model: Decoder,
+    token_docs: Sequence[Sequence[int]],
+    memory: MemoryConfig,
+    *,
+    boundary_token: int,
+    batch_size: int = 1,
+    compressor: Compressor | None = None,
+    reproject: bool | None = None,
+) -> dict[str, Any]:
     """Segment-recurrent perplexity of `model` over `token_docs` (token ids per document).
 
-    memory: "none" (each segment alone), "xl" or "compressive"; sizes as in memlm.memory.config.MemoryConfig.
-    boundary_token: prepended to every document (SmolLM2's <|endoftext|> is id 0).
+    memory: kind "none" (each memory.segment-token segment alone), "xl" or "compressive", with its sizes.
+    boundary_token: prepended to every document (memlm.model.tokenizer.document_boundary).
     reproject: the memory keeps layer inputs and re-projects keys and values (memlm.memory.xl.XLMemory);
         None: only when the conv compressor compresses layer inputs (one trained by memlm train). For
         fixed weights it changes nothing for XL or mean pooling (projection is linear), only the cost.
-    Returns perplexity, nll (nats/token), tokens, seconds, tokens_per_s and the attention span/cost.
+    Returns perplexity, nll (nats/token), tokens, seconds, tokens_per_s, the settings and the attention cost.
     """
-    mcfg = MemoryConfig(memory, mem_len, cmem_len, compress_rate, compress_fn, sink_tokens)
+    mcfg, segment = memory, memory.segment
     if segment > model.config.max_seq_len:
         raise MemlmError(f"--segment {segment} is longer than the model supports ({model.config.max_seq_len})")
-    if mcfg.kind == "compressive" and compress_fn == "conv" and compressor is None:
+    if mcfg.kind == "compressive" and mcfg.compress_fn == "conv" and compressor is None:
         raise MemlmError("--compress-fn conv needs a trained compressor (a checkpoint from memlm train)")
     device = model.device
     stream = SegmentStream(token_docs, batch_size, segment, boundary_token)
@@ -183,7 +206,7 @@ def evaluate_segments(
                 state = state.reset_rows(batch.reset.to(device))
             out = model(batch.inputs.to(device), state)
             state = out.state
-            mask = batch.mask.to(device)
+            mask = batch.mask.to(device)  # (B, T)
             logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
             tok_logp = logp.gather(-1, batch.targets.to(device)[..., None])[..., 0]  # (B, T)
             nll_sum -= tok_logp[mask].double().sum()
@@ -192,11 +215,14 @@ def evaluate_segments(
     seconds = time.perf_counter() - t0
     model.train(was_training)
     nll = float(nll_sum) / max(n_tokens, 1)
+    compressive = mcfg.kind == "compressive"
     return {
         "memory": mcfg.kind, "segment": segment, "mem_len": mcfg.mem_len if mcfg.kind != "none" else 0,
-        "cmem_len": mcfg.cmem_len if mcfg.kind == "compressive" else 0,
-        "compress_rate": compress_rate, "compress_fn": compress_fn,
+        "cmem_len": mcfg.cmem_len if compressive else 0,
+        "compress_rate": mcfg.compress_rate if compressive else 0,
+        "compress_fn": mcfg.compress_fn if compressive else None,
         "sink_tokens": mcfg.sink_tokens if mcfg.kind != "none" else 0,
+        "boundary_token": boundary_token,
         "documents": len(stream.docs), "tokens": n_tokens, "nll": nll, "perplexity": math.exp(nll),
         "seconds": seconds, "tokens_per_s": n_tokens / seconds if seconds > 0 else float("inf"),
         **attention_cost(mcfg, segment, model.config.n_layer),

@@ -15,7 +15,8 @@ that reaches it); the language-modelling loss trains the model.
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr, gradient-norm clipping,
 bfloat16 autocast on CUDA, periodic segment-recurrent evaluation, checkpoints (memlm.model.checkpoint) that
-carry the model config and this TrainConfig, and exact resume (optimizer, step, data position, memory).
+carry the model config, this TrainConfig and the TextSettings (boundary token, memory, segment, sink
+tokens) that `memlm eval` and `serve lm` reproduce, and exact resume (optimizer, step, data position, memory).
 
 Shape legend: B rows, T segment length, V vocab.
 """
@@ -36,14 +37,16 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.jobs.segment_eval import SegmentStream, evaluate_segments
+from memlm.jobs.segment_eval import SegmentStream, evaluate_memory
 from memlm.memory.compressive import CompressiveMemory, Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.reconstruction import attention_reconstruction_loss, capture_queries
 from memlm.memory.state import memory_from_state_dict, new_memory
+from memlm.model.checkpoint import TextSettings
 from memlm.model.config import PRESETS
 from memlm.model.decoder import Decoder
 from memlm.model.device import resolve_device
+from memlm.model.tokenizer import document_boundary
 
 TRAINER_FILE = "trainer.pt"
 COMPRESSOR_FILE = "compressor.pt"
@@ -57,10 +60,9 @@ class TrainConfig:
     """Preset name (with init="scratch"), or anything load_pretrained accepts (init="pretrained")."""
     init: str = "scratch"
     """"scratch": seeded random weights of the preset; "pretrained": load `model`."""
-    memory: MemoryConfig = field(default_factory=lambda: MemoryConfig("xl", mem_len=128, sink_tokens=0))
-    """Memory carried across segments during training and evaluation."""
-    segment: int = 64
-    """Tokens per segment T (the unit of truncated backpropagation)."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Memory carried across segments during training and evaluation, with the segment length T (the unit
+    of truncated backpropagation); defaults are MemoryConfig's, the same as `memlm eval` and `serve lm`."""
     batch_size: int = 4
     """Rows B: independent document streams."""
     steps: int = 200
@@ -111,8 +113,13 @@ class TrainConfig:
             raise MemlmError(f"training from scratch needs a preset ({', '.join(sorted(PRESETS))}), got {self.model!r}")
         if self.compressor_only and not (self.memory.kind == "compressive" and self.memory.compress_fn == "conv"):
             raise MemlmError("--compressor-only needs --memory compressive --compress-fn conv")
-        if self.segment < 1 or self.batch_size < 1 or self.steps < 0:
-            raise MemlmError("segment and batch_size must be >= 1, steps >= 0")
+        if self.batch_size < 1 or self.steps < 0:
+            raise MemlmError("batch_size must be >= 1, steps >= 0")
+
+    @property
+    def segment(self) -> int:
+        """Tokens per segment T (memory.segment)."""
+        return self.memory.segment
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,7 +127,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         d = dict(d)
-        d["memory"] = MemoryConfig(**d["memory"])
+        memory = dict(d["memory"])
+        if "segment" in d:  # checkpoints written before the segment moved into MemoryConfig
+            memory["segment"] = d.pop("segment")
+        d["memory"] = MemoryConfig(**memory)
         d["betas"] = tuple(d["betas"])
         return cls(**d)
 
@@ -134,7 +144,7 @@ class TrainResult:
     reconstruction_losses: list[float]
     """Attention-reconstruction loss of each step (0 without compression)."""
     evals: list[dict[str, Any]]
-    """evaluate_segments results, each with its "step"."""
+    """evaluate_memory results, each with its "step"."""
     tokens: int
     """Training tokens scored in this call."""
     checkpoint: str | None
@@ -152,13 +162,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def _boundary(tokenizer: Any) -> int:
-    for i in (getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)):
-        if i is not None:
-            return int(i)
-    return 0
 
 
 def _optimizer(model: Decoder, compressor: Compressor | None, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -232,7 +235,7 @@ def train(
         if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
             raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
         saved = TrainConfig.from_dict(extra["train_config"])
-        for name in ("memory", "segment", "batch_size", "compressor_only"):
+        for name in ("memory", "batch_size", "compressor_only"):
             if getattr(saved, name) != getattr(config, name):
                 raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
         pre = load_checkpoint(resume_from, device)
@@ -261,7 +264,8 @@ def train(
     vocab = model.config.vocab_size
     if any(t < 0 or t >= vocab for d in train_docs for t in d):
         raise MemlmError(f"training tokens must be in [0, {vocab}) for model {model.config.name}")
-    boundary = _boundary(tokenizer)
+    # The one document-boundary rule (issue 8): train, eval, the datastore builder and the server agree.
+    boundary = document_boundary(tokenizer)
 
     # -- optimizer, data, memory (restored on resume) ----------------------------------------------
     opt = _optimizer(model, compressor, config)
@@ -296,11 +300,8 @@ def train(
     def evaluate() -> None:
         if not eval_docs:
             return
-        r = evaluate_segments(
-            model, eval_docs, config.segment, mcfg.kind, mcfg.mem_len, mcfg.cmem_len, mcfg.compress_rate,
-            mcfg.compress_fn, mcfg.sink_tokens, batch_size=config.batch_size, compressor=compressor,
-            boundary_token=boundary, reproject=True,
-        )
+        r = evaluate_memory(model, eval_docs, mcfg, boundary_token=boundary, batch_size=config.batch_size,
+                            compressor=compressor, reproject=True)
         model.train()
         r["step"] = step
         evals.append(r)
@@ -318,7 +319,8 @@ def train(
                 torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
                             "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
 
-        return str(save_checkpoint(config.out_dir, model, tokenizer, extra, write_files=write))
+        return str(save_checkpoint(config.out_dir, model, tokenizer, extra, write_files=write,
+                                   settings=TextSettings(boundary_token=boundary, memory=mcfg)))
 
     compressing = mcfg.kind == "compressive"
     last = config.steps if stop_at is None else min(stop_at, config.steps)

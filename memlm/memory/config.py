@@ -39,7 +39,7 @@ COMPRESS_FNS: tuple[str, ...] = ("max", "mean", "conv")
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Which memory a segment-recurrent run carries, and its sizes (all counts are per layer)."""
+    """Which memory a segment-recurrent run carries, its sizes (slot counts are per layer) and its segment."""
 
     kind: str = "xl"
     """"none" (each segment alone), "xl" (Transformer-XL) or "compressive" (Compressive Transformer)."""
@@ -52,7 +52,10 @@ class MemoryConfig:
     compress_fn: str = "mean"
     """"max", "mean" (parameter-free pooling over time) or "conv" (learned Conv1d, see Compressor)."""
     sink_tokens: int = 4
-    """The first sink_tokens states of each document stay in memory for the whole document."""
+    """The first sink_tokens states of each document stay in memory for the whole document. The one
+    default for `memlm train`, `eval` and `serve lm` (issue 8: train had 0, eval and serve 4)."""
+    segment: int = 128
+    """Tokens per segment T: the unit the memory advances by (and of truncated backpropagation in training)."""
 
     def __post_init__(self) -> None:
         if self.kind not in MEMORY_KINDS:
@@ -63,6 +66,8 @@ class MemoryConfig:
             raise ValueError("mem_len, cmem_len and sink_tokens must be >= 0")
         if self.compress_rate < 1:
             raise ValueError(f"compress_rate must be >= 1, got {self.compress_rate}")
+        if self.segment < 1:
+            raise ValueError(f"segment must be >= 1, got {self.segment}")
 
     @property
     def memory_slots(self) -> int:

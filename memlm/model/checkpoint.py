@@ -5,6 +5,8 @@ Layout:
     model.safetensors      parameters by our names; lm_head.weight is left out when tied
     tokenizer.json         Hugging Face tokenizer JSON
     tokenizer_config.json  bos/eos token names
+    settings.json          how the model reads text (TextSettings: boundary token, memory, segment, sinks),
+                           when the checkpoint comes from a run (memlm train); absent for a bare model
     extra.json             caller's metadata (training step, ...)
     (optimizer.pt)         written by the training code through `write_files`, inside the same atomic step
 
@@ -14,10 +16,12 @@ old checkpoint or the new one, never half of one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import torch
 
 from memlm.errors import MemlmError
 from memlm.files import sha256_file
+from memlm.memory.config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
@@ -32,6 +37,28 @@ from memlm.model.pretrained import Pretrained, model_from_state_dict
 
 FORMAT = "memlm-checkpoint"
 VERSION = 1
+SETTINGS_NAME = "settings.json"
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """How a checkpoint's model was run over text: what evaluating or serving it must reproduce (issue 8).
+
+    `memlm eval` and `serve lm` take these where the caller leaves an option unset, and refuse a given
+    option that differs (memlm.retrieval.compat.adopt): one rule for checkpoints and datastores.
+    """
+
+    boundary_token: int
+    """Token prepended to every document (memlm.model.tokenizer.document_boundary at training time)."""
+    memory: MemoryConfig
+    """Memory kind, segment length, memory sizes and sink-token count the model was trained with."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TextSettings":
+        return cls(boundary_token=int(d["boundary_token"]), memory=MemoryConfig(**d["memory"]))
 
 
 def save_checkpoint(
@@ -40,9 +67,11 @@ def save_checkpoint(
     tokenizer: Tokenizer,
     extra: dict[str, Any] | None = None,
     write_files: Callable[[Path], None] | None = None,
+    settings: TextSettings | None = None,
 ) -> Path:
     """Write a checkpoint of `model` and `tokenizer` to `directory` atomically (replacing an old one).
 
+    settings: how the model was run over text (written to settings.json); None for a bare model.
     write_files: called with the not-yet-published directory, to add files such as optimizer.pt so
         that they are part of the same atomic step.
     """
@@ -65,6 +94,8 @@ def save_checkpoint(
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
         (tmp / "extra.json").write_text(json.dumps(extra or {}, indent=2, sort_keys=True) + "\n")
+        if settings is not None:
+            (tmp / SETTINGS_NAME).write_text(json.dumps(settings.to_dict(), indent=2, sort_keys=True) + "\n")
         if write_files is not None:
             write_files(tmp)
         sha256_file(tmp / "model.safetensors")  # remembered by inode: loading the published one does not rehash
@@ -116,3 +147,14 @@ def read_extra(directory: str | Path) -> dict[str, Any]:
     """The `extra` dict saved with a checkpoint ({} when there is none)."""
     path = Path(directory) / "extra.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_settings(directory: str | Path) -> TextSettings | None:
+    """The TextSettings saved with a checkpoint; None for a bare model or anything that is not a checkpoint."""
+    path = Path(directory) / SETTINGS_NAME
+    if not path.is_file():
+        return None
+    try:
+        return TextSettings.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise MemlmError(f"{path} cannot be read ({e}); the checkpoint is damaged") from None

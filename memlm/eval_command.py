@@ -1,0 +1,261 @@
+"""`memlm eval`: which evaluation the flags ask for, the settings it takes from artifacts, and its result.
+
+Three modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
+- sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
+  options, lambda/T tuned on --tune-data that must share no document with the evaluation data);
+- segments alone (--memory none --segment S, or --segment S alone): each S-token segment scored with no
+  memory at all;
+- segment-recurrent memory (--memory xl|compressive and its sizes).
+Settings recorded by an artifact follow one rule (memlm.retrieval.compat): a datastore's context and
+stride, and a `memlm train` checkpoint's memory settings, are taken when left unset (one line says so)
+and refused when given differently; its boundary token and fingerprints must match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import MemlmError
+from memlm.memory.config import MemoryConfig
+from memlm.options import (
+    KNN_OPTIONS,
+    MEMORY_OPTIONS,
+    WINDOW_OPTIONS,
+    add_options,
+    flag,
+    given,
+    knn_config,
+    refuse_given,
+)
+
+KNN_ONLY = ("search_backend", "tune_data", "tune_split", "tune_max_tokens", "allow_tune_overlap")
+"""Eval flags of kNN-LM besides the kNN option group (refused without --datastore)."""
+
+
+def add_eval_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help="perplexity of a model (optionally with kNN-LM or a memory) on a corpus split")
+    p.add_argument("--model", required=True, help="preset (smollm2-135m-instruct-q4_1 alias smollm2-135m, tiny, "
+                   "small), .gguf file, HF or memlm checkpoint dir")
+    p.add_argument("--data", required=True, help="fetched corpus name (sotu, wiki-summaries) or a .txt/.jsonl/.json/.parquet file")
+    p.add_argument("--split", default=None, help='documents to use, e.g. "year>=2001", "[0:10]", "year<2001[-5:]"')
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens evaluated")
+    p.add_argument("--batch-size", type=int, default=4, help="windows (or document streams) per forward pass")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--json", default=None, help="write the result as JSON to this path")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_options(p, "sliding windows", WINDOW_OPTIONS)
+    add_options(p, "kNN-LM", KNN_OPTIONS)
+    knn = p.add_argument_group("kNN-LM datastore and tuning")
+    knn.add_argument("--datastore", default=None, help="datastore directory: report base and kNN-LM perplexity")
+    knn.add_argument("--search-backend", default=None, choices=["faiss", "torch"],
+                     help="faiss index (GPU clone when faiss-gpu sees CUDA), or exact torch search on the "
+                          "model's device (default faiss)")
+    knn.add_argument("--tune-data", default=None, help="corpus for --lambda/--knn-temperature auto")
+    knn.add_argument("--tune-split", default=None, help="split of --tune-data (no document may be evaluated too)")
+    knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
+    knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
+                     help="tune even on documents that are evaluated too (recorded in the result)")
+    add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
+    p.set_defaults(func=cmd_eval)
+
+
+def load_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: int | None) -> Any:
+    """memlm.data.documents.TokenizedCorpus of the selection; none at all is a user error."""
+    from memlm.data.documents import load_tokenized
+
+    corpus = load_tokenized(data, split, tokenizer, max_tokens)
+    if not corpus.token_docs:
+        raise MemlmError(f"corpus {data} (split {split or 'all'}) has no tokens to evaluate")
+    return corpus
+
+
+def checkpoint_settings(model: str, boundary: int) -> Any:
+    """The TextSettings of a `memlm train` checkpoint (None for anything else); its boundary must be ours."""
+    from memlm.model.checkpoint import read_settings
+
+    settings = read_settings(model) if Path(model).is_dir() else None
+    if settings is not None and settings.boundary_token != boundary:
+        raise MemlmError(f"checkpoint {model} was trained with documents starting with token {settings.boundary_token}, "
+                         f"this tokenizer's document boundary is {boundary}; retrain it with this memlm")
+    return settings
+
+
+def memory_for(args: argparse.Namespace, settings: Any) -> MemoryConfig | None:
+    """The segment-recurrent MemoryConfig the flags (and a checkpoint's settings) ask for; None: windows."""
+    from memlm.retrieval.compat import adopt, say_taken
+
+    mem, win = given(args, MEMORY_OPTIONS), given(args, WINDOW_OPTIONS)
+    memory_flags = [d for d in mem if not (d == "kind" and mem[d] == "none")]  # --memory none is windows too
+    if args.datastore is not None:
+        refuse_given(args, memory_flags, "does not apply with --datastore (sliding windows); the LM "
+                     "service's Score combines memory with kNN-LM (memlm client score --memory xl --knn)")
+        return None
+    if win:
+        if memory_flags:
+            refuse_given(args, win, f"does not apply with {flag(memory_flags[0])}: windows are for --memory none "
+                         "without --segment")
+        return None
+    if mem.get("kind", "none") == "none" and "segment" not in mem and settings is None:
+        refuse_given(args, [d for d in mem if d != "kind"],
+                     "needs --memory xl or compressive (or --segment to score segments alone)")
+        return None
+    if settings is None:
+        memory = MemoryConfig(kind="none")
+        values = {dest: mem.get(dest, getattr(memory, dest)) for dest in MEMORY_OPTIONS}
+    else:
+        taken: list[str] = []
+        values = {dest: adopt(flag(dest), mem.get(dest), getattr(settings.memory, dest), f"checkpoint {args.model}",
+                              taken) for dest in MEMORY_OPTIONS}
+        say_taken(taken, f"checkpoint {args.model}")
+    kind = values["kind"]
+    if kind != "compressive":
+        refuse_given(args, ("cmem_len", "compress_rate", "compress_fn"),
+                     f"applies to --memory compressive only, not {kind}")
+    if kind == "none":
+        refuse_given(args, ("mem_len", "sink_tokens"),
+                     "needs --memory xl or compressive; --memory none scores each segment alone")
+    try:
+        return MemoryConfig(**values)
+    except ValueError as e:
+        raise MemlmError(str(e)) from None
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from memlm.jobs.evaluate import evaluate_perplexity, write_json
+    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.config import describe_weights
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
+
+    if args.datastore is None:
+        refuse_given(args, (*KNN_OPTIONS, *KNN_ONLY), "needs --datastore")
+    if args.tune_data is None:
+        refuse_given(args, KNN_ONLY[2:], "needs --tune-data")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    pretrained = load_pretrained(args.model, device=device, dtype=dtype)
+    boundary = document_boundary(pretrained.tokenizer)
+    memory = memory_for(args, checkpoint_settings(args.model, boundary))
+    evaluation = load_tokens(pretrained.tokenizer, args.data, args.split, args.max_tokens)
+    header = {
+        "model": args.model,
+        "weights": describe_weights(args.model),
+        "model_fingerprint": pretrained.fingerprint,
+        "data": args.data,
+        "split": args.split,
+        "boundary_token": boundary,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if memory is not None:
+        result = run_memory_eval(args, pretrained.model, evaluation.token_docs, memory, boundary, device)
+    elif args.datastore is not None:
+        result = run_knnlm_eval(args, pretrained, evaluation, boundary)
+    else:
+        window = window_config(args, pretrained.model.config.max_seq_len)
+        result = evaluate_perplexity(pretrained.model, evaluation.token_docs, window, boundary, progress=not args.quiet)
+    result = {**header, **result}
+    print_result(result)
+    if args.json:
+        write_json(result, args.json)
+
+
+def window_config(args: argparse.Namespace, max_seq_len: int, recorded: Any = None) -> Any:
+    """WindowConfig from --context/--stride; unset: a datastore's (`recorded` SearcherInfo), else the defaults
+    (WindowConfig.context capped at the model's length, stride half the context)."""
+    from memlm.jobs.windows import WindowConfig
+    from memlm.retrieval.compat import adopt, say_taken
+
+    if recorded is not None:
+        taken: list[str] = []
+        context = adopt("--context", args.context, recorded.context, "the datastore", taken)
+        stride = adopt("--stride", args.stride, recorded.stride, "the datastore", taken)
+        say_taken(taken, "the datastore")
+    else:
+        context = args.context or min(WindowConfig.context, max_seq_len)
+        stride = args.stride or max(1, context // 2)
+    if context > max_seq_len:
+        raise MemlmError(f"--context {context} is longer than {args.model} supports ({max_seq_len}); "
+                         f"pass --context {max_seq_len} or less")
+    return WindowConfig(context=context, stride=stride, batch_size=args.batch_size)
+
+
+def run_memory_eval(args: argparse.Namespace, model: Any, token_docs: list[list[int]], memory: MemoryConfig,
+                    boundary: int, device: Any) -> dict:
+    from memlm.jobs.segment_eval import evaluate_memory
+    from memlm.jobs.train import load_compressor
+
+    compressor = None
+    if memory.kind == "compressive" and memory.compress_fn == "conv":
+        compressor = load_compressor(args.model, device) if Path(args.model).is_dir() else None
+        if compressor is None:
+            raise MemlmError("--compress-fn conv needs a checkpoint trained with it (memlm train --memory "
+                             "compressive --compress-fn conv); use mean or max pooling with other models")
+        if compressor.rate != memory.compress_rate:
+            raise MemlmError(f"the checkpoint's compressor has rate {compressor.rate}; pass --compress-rate "
+                             f"{compressor.rate}")
+    return evaluate_memory(model, token_docs, memory, boundary_token=boundary, batch_size=args.batch_size,
+                           compressor=compressor)
+
+
+def tuning_tokens(args: argparse.Namespace, tokenizer: Any, evaluation: Any) -> tuple[list[list[int]] | None, dict]:
+    """The tuning documents, refused when any of them is also evaluated (issue 8: tuning never sees
+    evaluation tokens) unless --allow-tune-overlap, which the result records."""
+    if args.tune_data is None:
+        return None, {}
+    tune = load_tokens(tokenizer, args.tune_data, args.tune_split, args.tune_max_tokens)
+    shared = set(tune.fingerprints) & set(evaluation.fingerprints)
+    if shared and not args.allow_tune_overlap:
+        raise MemlmError(
+            f"--tune-data {args.tune_data} --tune-split {args.tune_split!r} shares {len(shared)} document(s) with "
+            f"the evaluation data (--split {args.split!r}): tuning must never see evaluation tokens; choose "
+            "disjoint splits, or pass --allow-tune-overlap to tune on them anyway (recorded in the result)"
+        )
+    record = {"tune_data": args.tune_data, "tune_split": args.tune_split, "tune_documents": len(tune.token_docs),
+              "tune_overlap_documents": len(shared), "allow_tune_overlap": bool(args.allow_tune_overlap)}
+    return tune.token_docs, record
+
+
+def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, boundary: int) -> dict:
+    from datastore import Datastore
+    from memlm.jobs.knnlm_eval import EXACT_RECALL_MAX_BYTES, evaluate_knnlm
+    from memlm.retrieval.compat import check_searcher
+
+    model = pretrained.model
+    knn = knn_config(args, allow_auto=True)
+    tune_docs, tune_record = tuning_tokens(args, pretrained.tokenizer, evaluation)
+    if knn.needs_tuning and tune_docs is None:
+        raise MemlmError("--lambda auto / --knn-temperature auto need --tune-data (never tuned on the evaluation split)")
+    store = Datastore.open(Path(args.datastore), backend=args.search_backend or "faiss", device=str(model.device))
+    info = store.info()
+    window = window_config(args, model.config.max_seq_len, recorded=info)
+    check_searcher(info, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
+                   context=window.context, stride=window.stride)
+    # Recall@k needs exact search over all keys: a copy of them, only when it fits in memory.
+    key_bytes = info.n * info.dim * 2
+    exact = None
+    if key_bytes <= EXACT_RECALL_MAX_BYTES:
+        exact = store.exact_searcher(str(model.device))
+    else:
+        print(f"recall@k not reported: the {key_bytes / 2**30:.1f} GiB of keys exceed the "
+              f"{EXACT_RECALL_MAX_BYTES / 2**30:.0f} GiB an exact searcher may copy", file=sys.stderr)
+    result = evaluate_knnlm(model, evaluation.token_docs, store, window, knn, boundary, tune_docs=tune_docs,
+                            exact_searcher=exact, progress=not args.quiet)
+    return {**result, **tune_record}
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """A short human summary on stdout; the JSON file has everything."""
+    for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "lambda", "temperature",
+                "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
+                "knnlm_speed_ratio", "recall_at_k", "recall_at_10",
+                "attention_span", "seconds"):
+        if key in result:
+            value = result[key]
+            text = f"{value:.4f}" if isinstance(value, float) else str(value)
+            print(f"{key:>20}: {text}")

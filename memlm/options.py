@@ -1,0 +1,133 @@
+"""Command-line option groups, each defined once: kNN-LM, memory, windows (issue 8, item 6).
+
+Each option has one flag, one type and one help text, and is attached by name to the subcommands it
+applies to (`memlm eval`, `serve lm`, `train`, `client score/generate`, `datastore build`). Parsers keep
+every default at None, so that a command can tell "left unset" from "given": unset options take the
+library's defaults (KNNLMConfig, MemoryConfig, WindowConfig, never literals written here), or an
+artifact's recorded settings (memlm.retrieval.compat.adopt), and a given option that does not apply to
+the chosen mode is refused in one line (`refuse_given`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from memlm.errors import MemlmError
+from memlm.jobs.windows import WindowConfig
+from memlm.memory.config import COMPRESS_FNS, MEMORY_KINDS, MemoryConfig
+from memlm.retrieval.knnlm import KNNLMConfig
+
+AUTO = "auto"
+
+
+def float_or_auto(text: str) -> float | str:
+    """A float, or "auto" (tuned on --tune-data; only `memlm eval` tunes)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option: its flag, where it lands in the namespace, its type and help."""
+
+    flag: str
+    """"--mem-len"."""
+    dest: str
+    """Attribute of the parsed namespace (and, for grouped options, the config field it sets)."""
+    type: Callable[[str], Any] | None
+    """Parser of the value; None: a switch (store_true)."""
+    help: str
+    """Help text; the library default is appended."""
+    default: Any = None
+    """The library default the help names (the parser's own default stays None)."""
+    choices: tuple[str, ...] | None = None
+    """Allowed values."""
+
+    def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup, choices: tuple[str, ...] | None) -> None:
+        text = self.help if self.default is None else f"{self.help} (default {self.default})"
+        if self.type is None:
+            parser.add_argument(self.flag, dest=self.dest, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(self.flag, dest=self.dest, type=self.type, default=None, choices=choices or self.choices,
+                                metavar=None if (choices or self.choices) else self.flag[2:].upper().replace("-", "_"), help=text)
+
+
+_K, _M, _W = KNNLMConfig(), MemoryConfig(), WindowConfig()
+
+KNN_OPTIONS = {o.dest: o for o in (
+    Option("--k", "k", int, "neighbours retrieved per token", _K.k),
+    Option("--lambda", "lmbda", float_or_auto, "kNN-LM interpolation weight in [0, 1], or auto", _K.lmbda),
+    Option("--knn-temperature", "temperature", float_or_auto, "softmax temperature over -distance, or auto",
+           _K.temperature),
+    Option("--nprobe", "nprobe", int, "IVF lists probed per search", "the datastore's"),
+    Option("--exact-rerank", "exact_rerank", None, "recompute exact distances from the stored keys"),
+)}
+MEMORY_OPTIONS = {o.dest: o for o in (
+    Option("--memory", "kind", str, "segment-recurrent memory", None, MEMORY_KINDS),
+    Option("--segment", "segment", int, "segment length in tokens", _M.segment),
+    Option("--mem-len", "mem_len", int, "Transformer-XL memory slots per layer", _M.mem_len),
+    Option("--cmem-len", "cmem_len", int, "compressed memory slots per layer", _M.cmem_len),
+    Option("--compress-rate", "compress_rate", int, "memories per compressed slot", _M.compress_rate),
+    Option("--compress-fn", "compress_fn", str, "compression function", _M.compress_fn, COMPRESS_FNS),
+    Option("--sink-tokens", "sink_tokens", int, "first tokens of each document kept in memory", _M.sink_tokens),
+)}
+WINDOW_OPTIONS = {o.dest: o for o in (
+    Option("--context", "context", int, "sliding-window length in tokens (at most the model's)", _W.context),
+    Option("--stride", "stride", int, "tokens between window starts", "context/2"),
+)}
+
+
+def add_options(parser: argparse.ArgumentParser, title: str, table: dict[str, Option],
+                names: Iterable[str] | None = None, choices: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Attach the options `names` (default: all) of one table to `parser` under the heading `title`."""
+    group = parser.add_argument_group(title)
+    for name in names if names is not None else table:
+        table[name].add_to(group, (choices or {}).get(name))
+
+
+def given(args: argparse.Namespace, table: dict[str, Option]) -> dict[str, Any]:
+    """The options of `table` present on this command (attached) and set by the user, by dest."""
+    return {dest: getattr(args, dest) for dest in table if getattr(args, dest, None) is not None}
+
+
+def refuse_given(args: argparse.Namespace, names: Iterable[str], why: str) -> None:
+    """A flag that does not apply is an error, never silently ignored (issue 8, item 4): the first of the
+    options `names` (dests) set on this command is refused with `why`."""
+    for name in names:
+        if getattr(args, name, None) is not None:
+            raise MemlmError(f"{flag(name)} {why}")
+
+
+def knn_config(args: argparse.Namespace, allow_auto: bool = False) -> KNNLMConfig:
+    """KNNLMConfig from the kNN options given (the rest: its defaults); "auto" becomes None (tuned)."""
+    values = given(args, KNN_OPTIONS)
+    for dest in ("lmbda", "temperature"):
+        if values.get(dest) == AUTO:
+            if not allow_auto:
+                raise MemlmError(f"{KNN_OPTIONS[dest].flag} auto is tuned by `memlm eval --tune-data` only; "
+                                 "give a number")
+            values[dest] = None
+    return KNNLMConfig(**values)
+
+
+def memory_config(args: argparse.Namespace, base: MemoryConfig) -> MemoryConfig:
+    """`base` with the memory options given replacing its fields; a bad combination is one line."""
+    try:
+        return dataclasses.replace(base, **given(args, MEMORY_OPTIONS))
+    except ValueError as e:
+        raise MemlmError(str(e)) from None
+
+
+def flag(dest: str) -> str:
+    """The flag of an option by its dest: the group tables' flags, else the argparse spelling."""
+    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS):
+        if dest in table:
+            return table[dest].flag
+    return "--" + dest.replace("_", "-")
