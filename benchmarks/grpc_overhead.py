@@ -26,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
 
 class FlatSearcher:
@@ -42,10 +42,12 @@ class FlatSearcher:
         self.index.add(keys)
         self.dim = d
 
-    def info(self) -> dict:
-        return dict(n=self.index.ntotal, dim=self.dim, index="Flat", metric="L2", model_fingerprint="bench", tokenizer_fingerprint="bench")
+    def info(self) -> SearcherInfo:
+        return SearcherInfo(n=self.index.ntotal, dim=self.dim, index="Flat", metric="l2", nprobe=1, key_layer="random",
+                            model_name="bench", model_fingerprint="bench", tokenizer_fingerprint="bench",
+                            corpus="random keys", corpus_fingerprint="bench", context=0, stride=0, boundary_token=-1)
 
-    def search(self, xq: np.ndarray, k: int) -> Neighbors:
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
         distances, ids = self.index.search(xq, k)  # (Q, k) each
         return Neighbors(distances, ids, self.values[ids])
 
@@ -54,7 +56,7 @@ def serve(args) -> None:
     from services.retrieval_server import serve_retrieval
 
     searcher = FlatSearcher(args.n, args.d)
-    asyncio.run(serve_retrieval(searcher, searcher.info(), "127.0.0.1", 0, micro_batching=not args.no_micro_batching))
+    asyncio.run(serve_retrieval(searcher, "127.0.0.1", 0, micro_batching=not args.no_micro_batching))
 
 
 def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:

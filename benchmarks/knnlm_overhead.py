@@ -67,8 +67,8 @@ def main() -> None:
         r = evaluate_knnlm(model, eval_docs, ds, window, cfg, bos, progress=False)
         rows.append((rerank, r))
 
-    print(f"model {name}; datastore {ds.info()['n']} keys, index {ds.info()['index']} (nprobe "
-          f"{ds.info()['nprobe']}); eval {rows[0][1]['tokens']} tokens; k {args.k}; threads {torch.get_num_threads()}")
+    print(f"model {name}; datastore {ds.info().n} keys, index {ds.info().index} (nprobe "
+          f"{ds.info().nprobe}); eval {rows[0][1]['tokens']} tokens; k {args.k}; threads {torch.get_num_threads()}")
     print(f"{'exact rerank':>12} {'base ppl':>9} {'kNN-LM ppl':>10} {'change':>7} {'lambda':>6} {'T':>9} "
           f"{'base tok/s':>10} {'kNN tok/s':>9} {'ratio':>6} {'recall@k':>8} {'recall@10':>9}")
     for rerank, r in rows:

@@ -47,7 +47,7 @@ def run_load(address: str, args) -> dict:
     def client_thread(c: int) -> None:
         rng = np.random.default_rng(100 + c)
         with RetrievalClient(address, timeout=120) as client:
-            client.info  # noqa: B018 -- connect before the clock starts
+            client.info()  # connect before the clock starts
             barrier.wait()
             for _ in range(args.calls):
                 xq = rng.standard_normal((args.queries, args.d), dtype=np.float32)  # (Q, d)

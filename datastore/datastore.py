@@ -15,6 +15,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+import torch
 
 from datastore import index as index_lib
 from datastore.manifest import INDEX_NAME, KEYS_NAME, VALUES_NAME, Manifest
@@ -22,7 +23,8 @@ from datastore.shards import KEY_DTYPE, VALUE_DTYPE, read_array
 from memlm.errors import MemlmError
 from memlm.files import sha256_file
 from memlm.model.device import resolve_device
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.exact import TorchExactSearcher
+from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
 RERANK_ROWS = 1 << 22
 """Gathered key elements per exact re-rank step (Q_chunk * k * d float32, 16 MB)."""
@@ -32,7 +34,7 @@ class Datastore:
     """A finished datastore directory: manifest, keys (N, d) float16, values (N,) int32, FAISS index."""
 
     def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, keys: np.ndarray, values: np.ndarray,
-                 exact: Any = None):
+                 exact: TorchExactSearcher | None = None):
         self.path = path
         self.manifest = manifest
         self.index = index  # CPU index, or its clone on all GPUs
@@ -99,24 +101,19 @@ class Datastore:
         if index.ntotal != manifest.n or index.d != manifest.dim:
             raise MemlmError(f"the index of {path} holds {index.ntotal} keys of dimension {index.d}, "
                              f"the manifest says {manifest.n} of {manifest.dim}; rebuild it")
-        exact = None
-        if backend == "torch":
-            import torch
-
-            from memlm.retrieval.exact import TorchExactSearcher
-
-            torch_device = resolve_device(device or "auto")
-            exact = TorchExactSearcher(torch.from_numpy(np.array(keys)).to(torch_device), values)  # a copy: memmaps are read-only
-        elif backend == "faiss":
+        if backend == "faiss":
             if device != "cpu" and not mmap and index_lib.gpu_count() > 0:
                 # GPU indexes are not thread-safe: the retrieval server searches on one worker thread.
                 gpu_index = index_lib.to_gpus(index, manifest.n, lambda message: None)
                 if gpu_index is not None:
                     index = gpu_index
                     _set_gpu_nprobe(index, manifest.nprobe)
-        else:
+        elif backend != "torch":
             raise MemlmError(f"search backend must be faiss or torch, got {backend!r}")
-        return cls(path, manifest, index, keys, values, exact)
+        store = cls(path, manifest, index, keys, values)
+        if backend == "torch":
+            store.exact = store.exact_searcher(device)
+        return store
 
     @property
     def dim(self) -> int:
@@ -126,24 +123,25 @@ class Datastore:
     def __len__(self) -> int:
         return self.manifest.n
 
-    def search(self, xq: np.ndarray, k: int, nprobe: int | None = None, exact_rerank: bool = False) -> Neighbors:
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
         """The k nearest keys to each query.
 
         xq: (Q, d) float32 or float16 (numpy, or a torch tensor on any device).
-        nprobe: inverted lists to visit (IVF indexes); None: the manifest's default.
-        exact_rerank: recompute squared L2 from the float16 keys for the retrieved ids and re-sort, so
-            distances are exact even with a compressed (PQ/SQ) index (kNN-LM paper: 16.65 -> 16.12 ppl).
+        options.nprobe: inverted lists to visit (IVF indexes); None: the manifest's default.
+        options.exact_rerank: recompute squared L2 from the float16 keys for the retrieved ids and re-sort,
+            so distances are exact even with a compressed (PQ/SQ) index (kNN-LM paper: 16.65 -> 16.12 ppl).
         Returns Neighbors with (Q, k) arrays; missing neighbours (k > N) have id -1, value -1, distance inf.
         """
+        options = options or SearchOptions()
         xq = _as_queries(xq, self.dim)  # (Q, d) float32
         if k < 1:
             raise MemlmError(f"k must be at least 1, got {k}")
         if self.exact is not None:
             return self.exact.search(xq, k)  # exact already: nprobe and re-ranking do not apply
-        nprobe = nprobe if nprobe is not None else self.manifest.nprobe
+        nprobe = options.nprobe if options.nprobe is not None else self.manifest.nprobe
         if self.on_gpu:
             # GPU clones take no per-call parameters; callers search them from one thread (see open).
-            if nprobe is not None and nprobe != self._gpu_nprobe:
+            if nprobe != self._gpu_nprobe:
                 _set_gpu_nprobe(self.index, nprobe)
                 self._gpu_nprobe = nprobe
             params = None
@@ -152,32 +150,33 @@ class Datastore:
         distances, ids = self.index.search(xq, k, params=params)  # (Q, k), (Q, k)
         missing = ids < 0
         distances = np.where(missing, np.float32(np.inf), distances).astype(np.float32)  # faiss pads with FLT_MAX
-        if exact_rerank:
+        if options.exact_rerank:
             distances, ids = exact_distances_sorted(xq, ids, self.keys)
             missing = ids < 0
         values = np.where(missing, -1, self.values[np.where(missing, 0, ids)]).astype(np.int32)  # (Q, k)
         return Neighbors(distances, ids.astype(np.int64), values)
 
-    def info(self) -> dict[str, Any]:
-        """Summary for services (gRPC Info) and `memlm datastore info`."""
-        m = self.manifest
-        return {
-            "path": str(self.path),
-            "n": m.n,
-            "dim": m.dim,
-            "index": m.index_factory,
-            "metric": m.metric,
-            "nprobe": m.nprobe,
-            "key_layer": m.key_layer,
-            "model_name": m.model_name,
-            "model_fingerprint": m.model_fingerprint,
-            "tokenizer_fingerprint": m.tokenizer_fingerprint,
-            "corpus": m.corpus,
-            "corpus_fingerprint": m.corpus_fingerprint,
-            "context": m.context,
-            "stride": m.stride,
-            "boundary_token": m.boundary_token,
-        }
+    def info(self) -> SearcherInfo:
+        """The manifest's description of this datastore (the Searcher seam; gRPC GetInfo sends it on)."""
+        return _searcher_info(self.manifest)
+
+    def exact_searcher(self, device: str | None = None) -> TorchExactSearcher:
+        """A TorchExactSearcher over a copy of all float16 keys on `device` (default: cuda when available):
+        the ground truth for recall@k. The caller decides whether N * d * 2 bytes fit."""
+        if self.exact is not None:
+            return self.exact
+        torch_device = resolve_device(device or "auto")
+        keys = torch.from_numpy(np.array(self.keys)).to(torch_device)  # (N, d) float16, a copy of the memmap
+        return TorchExactSearcher(keys, self.values, info=self.info())
+
+
+def _searcher_info(m: Manifest) -> SearcherInfo:
+    return SearcherInfo(
+        n=m.n, dim=m.dim, index=m.index_factory, metric=m.metric, nprobe=m.nprobe, key_layer=m.key_layer,
+        model_name=m.model_name, model_fingerprint=m.model_fingerprint,
+        tokenizer_fingerprint=m.tokenizer_fingerprint, corpus=m.corpus, corpus_fingerprint=m.corpus_fingerprint,
+        context=m.context, stride=m.stride, boundary_token=m.boundary_token, sink_tokens=m.sink_tokens,
+    )
 
 
 def _is_gpu(index: faiss.Index) -> bool:
@@ -219,7 +218,7 @@ def exact_distances_sorted(xq: np.ndarray, ids: np.ndarray, keys: np.ndarray) ->
 
 
 def _as_queries(xq: Any, dim: int) -> np.ndarray:
-    if hasattr(xq, "detach"):  # a torch tensor, on any device
+    if isinstance(xq, torch.Tensor):  # on any device
         xq = xq.detach().float().cpu().numpy()
     xq = np.asarray(xq)
     if xq.ndim != 2 or xq.shape[1] != dim:

@@ -19,17 +19,8 @@ import grpc
 from memlm.errors import MemlmError
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
-from services.security import (
-    ClientTls,
-    auth_metadata,
-    channel_credentials,
-    channel_tls_options,
-)
-from services.server_common import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    ServiceError,
-    channel_options,
-)
+from services.security import ClientTls, auth_metadata
+from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, open_channel
 
 MEMORY_MODES = {
     "none": lm_pb2.MEMORY_MODE_NONE,
@@ -212,11 +203,7 @@ class LanguageModelClient:
         self.timeout = timeout
         self._wait_for_ready = wait_for_ready
         self._metadata = auth_metadata(token)
-        options = channel_options(max_message_bytes) + channel_tls_options(tls)
-        if tls is not None:
-            self._channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = open_channel(address, tls, max_message_bytes)
         self._stub = lm_pb2_grpc.LanguageModelServiceStub(self._channel)
 
     def _kwargs(self) -> dict:

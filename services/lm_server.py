@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,9 +46,12 @@ from memlm.jobs.generate import (
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
 from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
+from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
+from services.retrieval_server import info_to_proto
 from services.security import ClientTls
 from services.server_common import (
     DEFAULT_HOST,
@@ -91,12 +94,12 @@ class LMLimits:
     """Most stop sequences in one GenerateRequest."""
     score_batch_size: int = 4
     """Windows (NONE) or sequences side by side (XL) per forward pass while scoring (as `memlm eval --batch-size`)."""
-    segment_tokens: int = 128
+    segment_tokens: int = MemoryConfig.segment
     """MEMORY_MODE_XL segment length where a request leaves it unset, in tokens (`memlm eval --segment`);
     capped at the model's context."""
-    memory_tokens: int = 1024
+    memory_tokens: int = MemoryConfig.mem_len
     """MEMORY_MODE_XL memory length (states per layer) where a request leaves it unset (`memlm eval --mem-len`)."""
-    sink_tokens: int = 4
+    sink_tokens: int = MemoryConfig.sink_tokens
     """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
     max_memory_tokens: int = 65536
     """Largest memory_tokens or sink_tokens a request may ask for."""
@@ -133,43 +136,30 @@ class LanguageModelServicer:
 
     # -- setup --------------------------------------------------------------------------------------
 
-    def load(self, pretrained, searcher=None, datastore_info: Mapping | retrieval_pb2.DatastoreInfo | None = None) -> None:
-        """Attach the model (memlm.model.weights.Pretrained) and optionally a Searcher with its datastore info.
+    def load(self, pretrained, searcher: Searcher | None = None) -> None:
+        """Attach the model (memlm.model.weights.Pretrained) and optionally a Searcher (kNN-LM).
 
-        Refuses a datastore whose model or tokenizer fingerprint differs from the model's: its keys
-        would be meaningless for this model.
+        Refuses a datastore (searcher.info()) made with another model or tokenizer (its keys would be
+        meaningless for this model, its values other tokens), keys of another dimension, or another
+        document-boundary token than the one this server prepends (its keys saw other text). May block:
+        a RetrievalClient asks its server.
         """
-        if (searcher is None) != (datastore_info is None):
-            raise ValueError("pass a searcher together with its datastore_info, or neither")
         model, tokenizer = pretrained.model, pretrained.tokenizer
-        ds = None
-        if datastore_info is not None:
-            if isinstance(datastore_info, retrieval_pb2.DatastoreInfo):
-                ds = datastore_info
-            else:
-                from services.retrieval_server import info_to_datastore
-
-                ds = info_to_datastore(datastore_info)
-            for what, theirs, ours in (
-                ("model", ds.model_fingerprint, pretrained.fingerprint),
-                ("tokenizer", ds.tokenizer_fingerprint, tokenizer.fingerprint),
-            ):
-                if theirs != ours:
-                    raise MemlmError(
-                        f"the datastore was built with a different {what} (fingerprint {theirs[:16]}) than the "
-                        f"one served ({ours[:16]}); serve the model it was built with"
-                    )
-            if ds.dim != model.config.n_embd:
-                raise MemlmError(f"the datastore's keys have dimension {ds.dim}, the model's {model.config.n_embd}")
+        boundary = document_boundary(tokenizer)
+        info = None
+        if searcher is not None:
+            info = searcher.info()
+            check_searcher(info, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,
+                           dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
         self._model = model
         self._tokenizer = tokenizer
         self._searcher = searcher
-        self._boundary = document_boundary(tokenizer)
+        self._boundary = boundary
         # Valid ids: those both the model and the tokenizer know (a random preset may pad its vocab).
         self._vocab = min(model.config.vocab_size, tokenizer.vocab_size)
         # Token texts once, so responses never decode token by token.
         self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
-        info = lm_pb2.LanguageModelServiceGetInfoResponse(
+        response = lm_pb2.LanguageModelServiceGetInfoResponse(
             model=self._model_name,
             model_fingerprint=pretrained.fingerprint,
             tokenizer_fingerprint=tokenizer.fingerprint,
@@ -187,9 +177,9 @@ class LanguageModelServicer:
             max_new_tokens=self._limits.max_new_tokens,
             max_message_bytes=self._max_message_bytes,
         )
-        if ds is not None:
-            info.datastore.CopyFrom(ds)
-        self._info = info
+        if info is not None:
+            response.datastore.CopyFrom(info_to_proto(info))
+        self._info = response
         self._loaded = True
 
     def close(self) -> None:
@@ -430,9 +420,11 @@ class LanguageModelServicer:
             while True:
                 # Between tokens: a cancelled call never gets here (its await is cancelled); a call
                 # whose deadline passed is ended here even if grpc has not cancelled it yet.
-                remaining = context.time_remaining()
-                if context.cancelled() or (remaining is not None and remaining <= 0):
+                if context.cancelled():
                     return
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    break  # to the DEADLINE_EXCEEDED below
                 event = await self._call_library(context, next, events)
                 if isinstance(event, TokenEvent):
                     produced += 1
@@ -458,6 +450,9 @@ class LanguageModelServicer:
             # queued behind any step still running there.
             self._executor.submit(events.close)
             self._record(GenerationRecord(produced, outcome))
+        # Ending the stream normally here would tell a client whose own timer has not fired yet that the
+        # generation finished (status OK, no finish message).
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed after {produced} generated tokens")
 
     def _record(self, record: GenerationRecord) -> None:
         with self.records_changed:
@@ -514,9 +509,8 @@ async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMCo
 async def start_lm_server(
     address: str,
     pretrained,
-    searcher=None,
+    searcher: Searcher | None = None,
     *,
-    datastore_info: Mapping | retrieval_pb2.DatastoreInfo | None = None,
     model_name: str = "custom",
     knn_defaults: KNNLMConfig = KNNLMConfig(),
     options: ServerOptions = ServerOptions(),
@@ -526,17 +520,14 @@ async def start_lm_server(
 
     pretrained: memlm.model.weights.Pretrained (model, tokenizer, fingerprint).
     searcher: a Searcher for kNN-LM (Datastore or RetrievalClient), or None (kNN-LM requests then get
-        FAILED_PRECONDITION). datastore_info: its description (Datastore.info() dict, or a RetrievalClient's
-        `info.datastore`); when None and searcher has `info`, it is taken from there.
+        FAILED_PRECONDITION); its info() is checked against the model and sent on in GetInfo.
     knn_defaults: k, lambda, temperature, nprobe, exact re-rank used where a request leaves them unset.
     Health reports SERVING once this returns. The model thread is released when the server stops.
     """
-    if searcher is not None and datastore_info is None:
-        # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
-        datastore_info = await asyncio.to_thread(_searcher_info, searcher)
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     try:
-        started.servicer.load(pretrained, searcher, datastore_info)
+        # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher)
     except BaseException:
         await started.running.server.stop(None)
         raise
@@ -544,19 +535,10 @@ async def start_lm_server(
     return started
 
 
-async def create_lm_server(address: str, pretrained, searcher=None, **kwargs) -> tuple[grpc.aio.Server, int]:
+async def create_lm_server(address: str, pretrained, searcher: Searcher | None = None, **kwargs) -> tuple[grpc.aio.Server, int]:
     """start_lm_server, returning (server, bound port); same arguments."""
     started = await start_lm_server(address, pretrained, searcher, **kwargs)
     return started.running.server, started.running.port
-
-
-def _searcher_info(searcher) -> Mapping | retrieval_pb2.DatastoreInfo:
-    info = getattr(searcher, "info", None)
-    if isinstance(info, retrieval_pb2.RetrievalServiceGetInfoResponse):  # RetrievalClient.info (a property)
-        return info.datastore
-    if callable(info):  # Datastore.info()
-        return info()
-    raise ValueError("pass datastore_info: the searcher does not describe itself")
 
 
 async def _close_when_stopped(server: grpc.aio.Server, servicer: LanguageModelServicer) -> None:
@@ -576,7 +558,7 @@ def open_model_and_searcher(
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None,
 ):
-    """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher, info)."""
+    """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None)."""
     from memlm.model.weights import load_pretrained
 
     if datastore is not None and retrieval is not None:
@@ -585,17 +567,13 @@ def open_model_and_searcher(
     if datastore is not None:
         from datastore.datastore import Datastore
 
-        ds = Datastore.open(
-            datastore, expect_model_fingerprint=pretrained.fingerprint,
-            expect_tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
-        )
-        return pretrained, ds, ds.info()
+        ds = Datastore.open(datastore)  # checked against the model by check_searcher in load()
+        return pretrained, ds
     if retrieval is not None:
         from services.retrieval_client import RetrievalClient
 
-        client = RetrievalClient(retrieval, tls=retrieval_tls, token=retrieval_token, wait_for_ready=True)
-        return pretrained, client, client.info.datastore
-    return pretrained, None, None
+        return pretrained, RetrievalClient(retrieval, tls=retrieval_tls, token=retrieval_token, wait_for_ready=True)
+    return pretrained, None
 
 
 async def serve_lm(
@@ -618,15 +596,15 @@ async def serve_lm(
     started = await bind_lm_server(join_host_port(host, port), model_name=model, knn_defaults=knn_defaults,
                            options=options, limits=limits)
     try:
-        pretrained, searcher, info = await asyncio.to_thread(
+        pretrained, searcher = await asyncio.to_thread(
             open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
             retrieval_tls=retrieval_tls, retrieval_token=retrieval_token,
         )
-        started.servicer.load(pretrained, searcher, info)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher)
     except BaseException:
         await started.running.server.stop(None)
         raise
     await run_until_signal(
         started.running, host, grace_s=options.grace_s,
-        on_stopped=(searcher.close if hasattr(searcher, "close") else None),
+        on_stopped=searcher.close if retrieval is not None else None,  # the RetrievalClient's channel
     )

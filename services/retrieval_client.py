@@ -1,7 +1,7 @@
 """A synchronous RetrievalService client that answers the Searcher seam (memlm/retrieval/searcher.py).
 
-Library code (kNN-LM scoring, evaluation) calls `search(xq, k)` without knowing whether the
-datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
+Library code (kNN-LM scoring, evaluation) calls `search(xq, k, options)` and `info()` without knowing
+whether the datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
 It uses a blocking grpc channel, so it works from plain synchronous code and from threads.
 
 Shape legend: Q queries, d key dimension, k neighbours.
@@ -12,20 +12,15 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
-from services.retrieval_server import RESPONSE_BYTES_PER_NEIGHBOUR, response_bytes
-from services.security import (
-    ClientTls,
-    auth_metadata,
-    channel_credentials,
-    channel_tls_options,
+from services.retrieval_server import (
+    RESPONSE_BYTES_PER_NEIGHBOUR,
+    info_from_proto,
+    response_bytes,
 )
-from services.server_common import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    ServiceError,
-    channel_options,
-)
+from services.security import ClientTls, auth_metadata
+from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, open_channel
 from services.tensors import TensorError, from_tensor, to_tensor
 
 
@@ -54,13 +49,9 @@ class RetrievalClient:
         self.timeout = timeout
         self._metadata = auth_metadata(token)
         self._max_message_bytes = max_message_bytes
-        options = channel_options(max_message_bytes) + channel_tls_options(tls)
-        if tls is not None:
-            self._channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = open_channel(address, tls, max_message_bytes)
         self._stub = retrieval_pb2_grpc.RetrievalServiceStub(self._channel)
-        self._info: retrieval_pb2.RetrievalServiceGetInfoResponse | None = None
+        self._server_info: retrieval_pb2.RetrievalServiceGetInfoResponse | None = None
 
     def _call(self, method, request):
         try:
@@ -68,34 +59,38 @@ class RetrievalClient:
         except grpc.RpcError as e:
             raise ServiceError(self.address, e.code(), e.details() or "") from None
 
-    @property
-    def info(self) -> retrieval_pb2.RetrievalServiceGetInfoResponse:
-        """The server's GetInfo answer (fetched once, then cached)."""
-        if self._info is None:
-            self._info = self._call(self._stub.GetInfo, retrieval_pb2.RetrievalServiceGetInfoRequest())
-        return self._info
+    def server_info(self) -> retrieval_pb2.RetrievalServiceGetInfoResponse:
+        """The server's GetInfo answer, datastore and request limits (fetched once, then cached)."""
+        if self._server_info is None:
+            self._server_info = self._call(self._stub.GetInfo, retrieval_pb2.RetrievalServiceGetInfoRequest())
+        return self._server_info
+
+    def info(self) -> SearcherInfo:
+        """The remote datastore (for a router: the union of its shards), as the Searcher seam says."""
+        return info_from_proto(self.server_info().datastore)
 
     @property
     def dim(self) -> int:
         """Key dimension d of the remote datastore."""
-        return self.info.datastore.dim
+        return self.server_info().datastore.dim
 
     def rows_per_call(self, k: int, itemsize: int = 4) -> int:
         """Most queries one call may carry: within the server's max_queries, and so that both the
         request (Q * d * itemsize bytes) and the response (Q * k * 16 bytes) fit one message on
         both ends."""
-        info = self.info
+        info = self.server_info()
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
         by_response = (limit - response_bytes(0, k)) // (max(k, 1) * RESPONSE_BYTES_PER_NEIGHBOUR)  # k < 1: server says why
         by_request = (limit - 4096) // (self.dim * itemsize)  # 4096: room for the message's headers
         return max(1, min(info.max_queries or by_request, by_request, by_response))
 
-    def search(self, xq: np.ndarray, k: int, nprobe: int | None = None, exact_rerank: bool | None = None) -> Neighbors:
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
         """xq: (Q, d) float32 or float16 queries -> Neighbors with (Q, k) arrays.
 
-        nprobe / exact_rerank: passed to the datastore only when not None. Batches bigger than
-        one message are split into several calls, made one after another.
+        options: sent with every call (nprobe only when set: unset is the datastore's default). Batches
+        bigger than one message are split into several calls, made one after another.
         """
+        options = options or SearchOptions()
         xq = np.asarray(xq)
         if xq.dtype != np.float16:
             xq = xq.astype(np.float32, copy=False)  # float16 travels as is: half the bytes
@@ -107,11 +102,9 @@ class RetrievalClient:
         parts = []
         for start in range(0, len(xq), step):
             chunk = xq[start : start + step]  # (q, d)
-            request = retrieval_pb2.SearchRequest(queries=to_tensor(chunk), k=k)
-            if nprobe is not None:
-                request.nprobe = nprobe
-            if exact_rerank is not None:
-                request.exact_rerank = exact_rerank
+            request = retrieval_pb2.SearchRequest(
+                queries=to_tensor(chunk), k=k, nprobe=options.nprobe, exact_rerank=options.exact_rerank
+            )
             parts.append(self._decode(self._call(self._stub.Search, request), len(chunk), k))
         if len(parts) == 1:
             return parts[0]

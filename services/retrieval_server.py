@@ -3,8 +3,8 @@
 Concurrent Search calls are micro-batched: the requests that arrive while the index is busy (or
 within `max_wait_s` of each other) are concatenated into ONE `searcher.search` call on ONE worker
 thread per index, because FAISS answers a batch of queries much faster than the same queries one by
-one, and GPU indexes are not thread-safe (issue 4). Requests are grouped by (k, nprobe,
-exact_rerank) since those are per-call arguments of the searcher; results are split back by row.
+one, and GPU indexes are not thread-safe (issue 4). Requests are grouped by (k, SearchOptions) since
+those are per-call arguments of the searcher; results are split back by row.
 
 Shape legend: Q queries in one request, B queries in one batch (sum of Q), d key dimension, k
 neighbours.
@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import math
-from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.security import ServerTls
 from services.server_common import (
@@ -40,7 +39,6 @@ from services.tensors import from_tensor, to_tensor
 
 SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"]
 MESSAGE_CLASSES = message_classes_of(retrieval_pb2, tensor_pb2)
-INFO_KEYS = ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint")
 QUERY_DTYPES = (tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_FLOAT16)
 # Bytes per (query, neighbour) in a SearchResponse: float32 distance + int64 id + int32 value.
 RESPONSE_BYTES_PER_NEIGHBOUR = 4 + 8 + 4
@@ -66,10 +64,8 @@ class ParsedSearch:
     """(Q, d) float32 queries, all finite."""
     k: int
     """Neighbours per query, 1 <= k <= max_k."""
-    nprobe: int | None
-    """IVF lists to probe, or None = the searcher's default (not passed on)."""
-    exact_rerank: bool | None
-    """Exact re-rank flag, or None = the searcher's default (not passed on)."""
+    options: SearchOptions
+    """nprobe (None: the searcher's default) and exact_rerank (unset: False), as the request set them."""
 
 
 def parse_search_request(request: retrieval_pb2.SearchRequest, dim: int, limits: SearchLimits) -> ParsedSearch:
@@ -100,28 +96,18 @@ def parse_search_request(request: retrieval_pb2.SearchRequest, dim: int, limits:
     nprobe = request.nprobe if request.HasField("nprobe") else None
     if nprobe is not None and nprobe < 1:
         raise InvalidRequest("nprobe", f"{nprobe}, must be >= 1")
-    exact_rerank = request.exact_rerank if request.HasField("exact_rerank") else None
+    exact_rerank = request.exact_rerank if request.HasField("exact_rerank") else False
     if not np.isfinite(xq).all():
         bad = int(np.argwhere(~np.isfinite(xq))[0, 0])
         raise InvalidRequest("queries.data", f"query {bad} contains NaN or infinity")
     # float16 -> float32 is exact; one dtype lets requests of both kinds share a batch.
-    return ParsedSearch(xq.astype(np.float32, copy=False), int(request.k), nprobe, exact_rerank)
+    options = SearchOptions(nprobe=nprobe, exact_rerank=exact_rerank)
+    return ParsedSearch(xq.astype(np.float32, copy=False), int(request.k), options)
 
 
 def response_bytes(q: int, k: int) -> int:
     """Upper bound on the serialized size of a SearchResponse for Q queries and k neighbours."""
     return q * k * RESPONSE_BYTES_PER_NEIGHBOUR + 1024  # + tensor headers (dtype, shape, tags)
-
-
-def search_kwargs(nprobe: int | None, exact_rerank: bool | None) -> dict:
-    """Keyword arguments for searcher.search: only those the request set, so plain Searchers
-    (which take just (xq, k)) keep working."""
-    kwargs = {}
-    if nprobe is not None:
-        kwargs["nprobe"] = nprobe
-    if exact_rerank is not None:
-        kwargs["exact_rerank"] = exact_rerank
-    return kwargs
 
 
 def neighbors_to_response(nb: Neighbors) -> retrieval_pb2.SearchResponse:
@@ -132,18 +118,14 @@ def neighbors_to_response(nb: Neighbors) -> retrieval_pb2.SearchResponse:
     )
 
 
-def info_to_datastore(info: Mapping) -> retrieval_pb2.DatastoreInfo:
-    missing = [key for key in INFO_KEYS if key not in info]
-    if missing:
-        raise ValueError(f"info lacks {missing}; expected keys {list(INFO_KEYS)}")
-    return retrieval_pb2.DatastoreInfo(
-        n=int(info["n"]),
-        dim=int(info["dim"]),
-        index=str(info["index"]),
-        metric=str(info["metric"]),
-        model_fingerprint=str(info["model_fingerprint"]),
-        tokenizer_fingerprint=str(info["tokenizer_fingerprint"]),
-    )
+def info_to_proto(info: SearcherInfo) -> retrieval_pb2.DatastoreInfo:
+    """SearcherInfo -> the wire's DatastoreInfo (the one conversion; info_from_proto is its inverse)."""
+    return retrieval_pb2.DatastoreInfo(**dataclasses.asdict(info))
+
+
+def info_from_proto(message: retrieval_pb2.DatastoreInfo) -> SearcherInfo:
+    """The wire's DatastoreInfo -> SearcherInfo, every field."""
+    return SearcherInfo(**{f.name: getattr(message, f.name) for f in dataclasses.fields(SearcherInfo)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +151,7 @@ class SearchBatcher:
     request is searched on its own, on the same single thread (the baseline of benchmarks/load.py).
     """
 
-    def __init__(self, searcher, *, micro_batching: bool = True, max_batch_queries: int = 4096, max_wait_s: float = 0.002):
+    def __init__(self, searcher: Searcher, *, micro_batching: bool = True, max_batch_queries: int = 4096, max_wait_s: float = 0.002):
         self._searcher = searcher
         self._micro_batching = micro_batching
         self._max_batch_queries = max_batch_queries
@@ -224,12 +206,11 @@ class SearchBatcher:
                     item.future.set_exception(DeadlineExceeded())
                     continue
                 live.append(item)
-            groups: dict[tuple, list[_Pending]] = {}
+            groups: dict[tuple[int, SearchOptions], list[_Pending]] = {}
             for item in live:
-                p = item.parsed
-                groups.setdefault((p.k, p.nprobe, p.exact_rerank), []).append(item)
-            for (k, nprobe, exact_rerank), items in groups.items():
-                await self._search_group(loop, items, k, search_kwargs(nprobe, exact_rerank))
+                groups.setdefault((item.parsed.k, item.parsed.options), []).append(item)
+            for (k, options), items in groups.items():
+                await self._search_group(loop, items, k, options)
 
     async def _gather_more(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wait up to max_wait_s for calls still being validated, unless the batch is full."""
@@ -255,13 +236,13 @@ class SearchBatcher:
             total += len(item.parsed.xq)
         return batch
 
-    async def _search_group(self, loop, items: list[_Pending], k: int, kwargs: dict) -> None:
+    async def _search_group(self, loop, items: list[_Pending], k: int, options: SearchOptions) -> None:
         sizes = [len(item.parsed.xq) for item in items]
         xq = items[0].parsed.xq if len(items) == 1 else np.concatenate([i.parsed.xq for i in items])  # (B, d)
         self.batch_sizes.append(len(xq))
         del self.batch_sizes[:-1000]
         try:
-            nb = await loop.run_in_executor(self._executor, lambda: self._searcher.search(xq, k, **kwargs))
+            nb = await loop.run_in_executor(self._executor, lambda: self._searcher.search(xq, k, options))
             distances, ids, values = (np.asarray(a) for a in nb)  # (B, k) each
             for name, a in (("distances", distances), ("ids", ids), ("values", values)):
                 if a.shape != (len(xq), k):
@@ -319,8 +300,7 @@ class RetrievalServer:
 
 async def start_retrieval_server(
     address: str,
-    searcher,
-    info: Mapping,
+    searcher: Searcher,
     *,
     max_k: int = SearchLimits.max_k,
     max_queries: int = SearchLimits.max_queries,
@@ -335,17 +315,15 @@ async def start_retrieval_server(
 ) -> RetrievalServer:
     """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port).
 
-    searcher: answers `search(xq (B, d) float32, k, [nprobe=], [exact_rerank=]) -> Neighbors`; the
-        keyword arguments are passed only when a request sets them.
-    info: the datastore's description, keys n, dim, index, metric, model_fingerprint,
-        tokenizer_fingerprint (what `Datastore.info()` returns).
+    searcher: the Searcher served (e.g. a Datastore): `search(xq (B, d) float32, k, SearchOptions)`, and
+        `info()`, which GetInfo sends on (read once, here).
     max_batch_queries / max_wait_s / micro_batching: micro-batching (see SearchBatcher).
     Health reports SERVING once this returns (the searcher is already loaded). The batcher's
     worker thread is released when the server stops (`server.stop` / SIGTERM).
     """
-    datastore = info_to_datastore(info)
-    if hasattr(searcher, "dim") and int(searcher.dim) != datastore.dim:
-        raise ValueError(f"searcher.dim {searcher.dim} != info['dim'] {datastore.dim}")
+    datastore = info_to_proto(searcher.info())
+    if searcher.dim != datastore.dim:
+        raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
     options = ServerOptions(max_message_bytes, max_concurrent_rpcs, grace_s, tls, token)
     limits = SearchLimits(max_k=max_k, max_queries=max_queries, max_message_bytes=max_message_bytes)
     info_response = retrieval_pb2.RetrievalServiceGetInfoResponse(
@@ -362,9 +340,9 @@ async def start_retrieval_server(
     return RetrievalServer(running, batcher)
 
 
-async def create_retrieval_server(address: str, searcher, info: Mapping, **kwargs) -> tuple[grpc.aio.Server, int]:
+async def create_retrieval_server(address: str, searcher: Searcher, **kwargs) -> tuple[grpc.aio.Server, int]:
     """start_retrieval_server, returning (server, bound port); same arguments."""
-    started = await start_retrieval_server(address, searcher, info, **kwargs)
+    started = await start_retrieval_server(address, searcher, **kwargs)
     return started.running.server, started.running.port
 
 
@@ -376,8 +354,7 @@ async def _close_when_stopped(server: grpc.aio.Server, batcher: SearchBatcher) -
 
 
 async def serve_retrieval(
-    searcher,
-    info: Mapping,
+    searcher: Searcher,
     host: str = DEFAULT_HOST,
     port: int = 0,
     **server_kwargs,
@@ -385,5 +362,5 @@ async def serve_retrieval(
     """Serve `searcher` until SIGTERM/SIGINT: prints `listening on HOST:PORT` once healthy, then
     drains in-flight calls on the signal (for up to grace_s) and returns. `server_kwargs` as for
     start_retrieval_server (tls, token, max_concurrent_rpcs, micro_batching, grace_s, ...)."""
-    started = await start_retrieval_server(join_host_port(host, port), searcher, info, **server_kwargs)
+    started = await start_retrieval_server(join_host_port(host, port), searcher, **server_kwargs)
     await run_until_signal(started.running, host, grace_s=server_kwargs.get("grace_s", ServerOptions.grace_s))

@@ -1,8 +1,7 @@
 """Shard router: one RetrievalService in front of N retrieval servers holding shards of one corpus.
 
 A Search is validated, sent to every shard concurrently with the caller's remaining deadline, and
-the per-shard top-k lists are merged into a global top-k by distance (smaller is nearer for both
-metrics: the wire carries negative inner products for "IP"). Because each shard returns its own
+the per-shard top-k lists are merged into a global top-k by distance (smaller is nearer). Because each shard returns its own
 exact top-k, the merged list equals the top-k over the union for exact (Flat) shards.
 
 Global ids: shard s's local id i becomes offset_s + i, where offset_s is the sum of N (from
@@ -16,6 +15,7 @@ Shape legend: Q queries, k neighbours, S shards.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Sequence
 
 import grpc
@@ -31,27 +31,25 @@ from services.retrieval_server import (
     neighbors_to_response,
     parse_search_request,
 )
-from services.security import (
-    ClientTls,
-    ServerTls,
-    auth_metadata,
-    channel_credentials,
-    channel_tls_options,
-)
+from services.security import ClientTls, ServerTls, auth_metadata
 from services.server_common import (
     DEFAULT_HOST,
     DEFAULT_MAX_MESSAGE_BYTES,
     RunningServer,
     ServerOptions,
-    channel_options,
     join_host_port,
+    open_channel,
     run_until_signal,
     start_server,
 )
 from services.tensors import TensorError, from_tensor
 
-# Fields every shard must agree on: a query vector means the same thing on all of them.
-AGREEING_FIELDS = ("dim", "metric", "model_fingerprint", "tokenizer_fingerprint")
+# Fields every shard must agree on: a query vector (made by one model, key layer and text layout)
+# means the same thing on all of them, and their values are the same tokenizer's ids.
+AGREEING_FIELDS = (
+    "dim", "metric", "model_fingerprint", "tokenizer_fingerprint", "key_layer", "context", "stride",
+    "boundary_token", "sink_tokens",
+)
 
 
 def merge_shard_infos(
@@ -64,18 +62,21 @@ def merge_shard_infos(
             if getattr(info.datastore, field) != getattr(first, field):
                 raise MemlmError(
                     f"shard {address} has {field}={getattr(info.datastore, field)!r} but shard {addresses[0]} has "
-                    f"{getattr(first, field)!r}; all shards must come from one model, tokenizer and key layout"
+                    f"{getattr(first, field)!r}; all shards must come from one model, tokenizer, key layer and "
+                    "window layout"
                 )
     offsets = np.cumsum([0] + [info.datastore.n for info in infos[:-1]]).tolist()  # offset_s = sum of earlier N
-    indexes = sorted({info.datastore.index for info in infos})
-    union = retrieval_pb2.DatastoreInfo(
-        n=sum(info.datastore.n for info in infos),
-        dim=first.dim,
-        index=indexes[0] if len(indexes) == 1 else " | ".join(indexes),
-        metric=first.metric,
-        model_fingerprint=first.model_fingerprint,
-        tokenizer_fingerprint=first.tokenizer_fingerprint,
-    )
+    union = retrieval_pb2.DatastoreInfo()
+    union.CopyFrom(first)  # the agreeing fields, and model_name
+    union.n = sum(info.datastore.n for info in infos)
+    union.index = _joined(info.datastore.index for info in infos)
+    union.corpus = _joined(info.datastore.corpus for info in infos)
+    # The union's content, in shard order (the order that defines the global ids).
+    union.corpus_fingerprint = hashlib.sha256(
+        "\n".join(info.datastore.corpus_fingerprint for info in infos).encode()
+    ).hexdigest()
+    nprobes = {info.datastore.nprobe for info in infos}
+    union.nprobe = nprobes.pop() if len(nprobes) == 1 else 0  # 0: each shard uses its own default
     merged = retrieval_pb2.RetrievalServiceGetInfoResponse(
         datastore=union,
         max_k=min(info.max_k for info in infos),
@@ -83,6 +84,11 @@ def merge_shard_infos(
         max_message_bytes=min([max_message_bytes] + [info.max_message_bytes for info in infos]),
     )
     return merged, offsets
+
+
+def _joined(values) -> str:
+    """Distinct values in first-seen order, joined by " | " (one value stays as it is)."""
+    return " | ".join(dict.fromkeys(values))
 
 
 def merge_top_k(results: Sequence[Neighbors], offsets: Sequence[int], k: int) -> Neighbors:
@@ -183,11 +189,7 @@ async def start_router_server(
     """
     if not shard_addresses:
         raise MemlmError("the router needs at least one --shard HOST:PORT")
-    options = channel_options(max_message_bytes) + channel_tls_options(shard_tls)
-    if shard_tls is not None:
-        channels = [grpc.aio.secure_channel(a, channel_credentials(shard_tls), options=options) for a in shard_addresses]
-    else:
-        channels = [grpc.aio.insecure_channel(a, options=options) for a in shard_addresses]
+    channels = [open_channel(a, shard_tls, max_message_bytes, asynchronous=True) for a in shard_addresses]
     stubs = [retrieval_pb2_grpc.RetrievalServiceStub(c) for c in channels]
     metadata = auth_metadata(shard_token)
 

@@ -27,7 +27,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memlm.errors import MemlmError
-from services.security import BearerTokenInterceptor, ServerTls, server_credentials
+from services.security import (
+    BearerTokenInterceptor,
+    ClientTls,
+    ServerTls,
+    channel_credentials,
+    channel_tls_options,
+    server_credentials,
+)
 from services.tensors import TensorError
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
@@ -62,6 +69,24 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def open_channel(
+    address: str, tls: ClientTls | None, max_message_bytes: int, *, asynchronous: bool = False
+) -> grpc.Channel | grpc.aio.Channel:
+    """The one channel setup of every memlm client (LM client, retrieval client, the router's shard links):
+    message limits raised on both ends, TLS (with its server-name override) or plaintext.
+
+    asynchronous: a grpc.aio channel (for code on an event loop, the router) instead of a blocking one.
+    """
+    options = channel_options(max_message_bytes) + channel_tls_options(tls)
+    if asynchronous:
+        if tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, channel_credentials(tls), options=options)
 
 
 class InvalidRequest(Exception):

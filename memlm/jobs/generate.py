@@ -40,7 +40,7 @@ from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder, KVCache
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
-from memlm.retrieval.searcher import Searcher
+from memlm.retrieval.searcher import Searcher, search_keys
 
 REPLACEMENT = "\ufffd"
 FINISH_LENGTH = "length"
@@ -216,7 +216,7 @@ def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling,
             lm_lp = F.log_softmax(logits.float(), dim=-1)  # (V,)
             final_lp = lm_lp
             if searcher is not None:
-                nb = searcher.search(key.float().cpu().numpy()[None, :], knn.k, **knn.search_kwargs())  # (1, k)
+                nb = search_keys(searcher, key[None, :], knn.k, knn.search_options)  # (1, k)
                 knn_lp = knn_log_distribution(nb, V, knn.temperature)[0].to(device)  # (V,)
                 final_lp = interpolate(lm_lp, knn_lp, knn.lmbda)  # (V,)
             choice = final_lp

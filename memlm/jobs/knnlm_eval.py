@@ -19,14 +19,13 @@ from memlm.errors import MemlmError
 from memlm.jobs.windows import ScoredTokens, WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
-from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import (
     KNNLMConfig,
     interpolate,
     knn_logprob_from_matches,
     knn_target_logprob,
 )
-from memlm.retrieval.searcher import Neighbors, Searcher
+from memlm.retrieval.searcher import Searcher, SearchOptions
 
 
 class _Timer:
@@ -57,18 +56,6 @@ def _timed(stream: Iterator[ScoredTokens], timer: _Timer) -> Iterator[ScoredToke
         yield item
 
 
-def _search(searcher: Searcher, xq: np.ndarray, config: KNNLMConfig) -> Neighbors:
-    kwargs = config.search_kwargs()
-    try:
-        return searcher.search(xq, config.k, **kwargs)
-    except TypeError as e:
-        if kwargs:
-            raise MemlmError(
-                f"this searcher does not take {', '.join(kwargs)} ({e}); drop --exact-rerank / --nprobe"
-            ) from e
-        raise
-
-
 def _groups(stream: Iterator[ScoredTokens], min_tokens: int) -> Iterator[list[ScoredTokens]]:
     """Windows grouped until they hold min_tokens scored tokens: one search call per group."""
     group: list[ScoredTokens] = []
@@ -84,6 +71,7 @@ def _groups(stream: Iterator[ScoredTokens], min_tokens: int) -> Iterator[list[Sc
 
 
 def _queries(group: list[ScoredTokens]) -> tuple[np.ndarray, torch.Tensor]:
+    """The group's keys as float32 numpy (searched, and sampled for the recall check) and targets."""
     xq = torch.cat([s.keys for s in group]).float().cpu().numpy()  # (Q, d)
     targets = torch.cat([s.targets for s in group])  # (Q,)
     return xq, targets
@@ -113,7 +101,7 @@ def collect_tuning_data(
     with tqdm(total=total, desc="tune: collect", unit="tok", file=sys.stderr, disable=not progress) as bar:
         for group in _groups(stream, 1024):
             xq, targets = _queries(group)
-            nb = _search(searcher, xq, knn_config)
+            nb = searcher.search(xq, knn_config.k, knn_config.search_options)
             lm.append(torch.cat([s.lm_logprob for s in group]).float())
             dist.append(torch.from_numpy(nb.distances.astype(np.float32)))
             match.append(torch.from_numpy(nb.values.astype(np.int64)) == targets[:, None])
@@ -188,10 +176,11 @@ def recall_at_k(
     exact_searcher: Searcher,
     queries: np.ndarray,
     k: int,
-    search_kwargs: dict[str, Any] | None = None,
+    options: SearchOptions | None = None,
 ) -> float:
-    """Mean fraction of the exact k nearest ids that `searcher` also returns, over queries (Q, d)."""
-    approx = searcher.search(queries, k, **(search_kwargs or {})).ids  # (Q, k)
+    """Mean fraction of the exact k nearest ids that `searcher` (searched with `options`) also returns,
+    over queries (Q, d) float32."""
+    approx = searcher.search(queries, k, options).ids  # (Q, k)
     exact = exact_searcher.search(queries, k).ids  # (Q, k)
     hits = 0
     count = 0
@@ -203,19 +192,7 @@ def recall_at_k(
 
 
 EXACT_RECALL_MAX_BYTES = 8 << 30
-"""Largest key matrix evaluate_knnlm copies into a TorchExactSearcher for the recall check."""
-
-
-def _default_exact_searcher(searcher: Any, device: torch.device) -> TorchExactSearcher | None:
-    """An exact searcher over the searcher's own float16 keys (duck-typed: .keys (N, d), .values (N,))."""
-    if isinstance(searcher, TorchExactSearcher):
-        return searcher
-    if isinstance(getattr(searcher, "exact", None), TorchExactSearcher):  # a Datastore opened with backend="torch"
-        return searcher.exact
-    keys, values = getattr(searcher, "keys", None), getattr(searcher, "values", None)
-    if not isinstance(keys, np.ndarray) or values is None or keys.nbytes > EXACT_RECALL_MAX_BYTES:
-        return None
-    return TorchExactSearcher(torch.from_numpy(np.array(keys)).to(device), np.asarray(values))
+"""Largest key matrix (N * d * 2 bytes) a caller copies into a TorchExactSearcher for the recall check."""
 
 
 def evaluate_knnlm(
@@ -239,8 +216,8 @@ def evaluate_knnlm(
     searcher: the datastore (any Searcher); its keys must come from this model and key layer.
     knn_config: k, lambda, T, exact re-rank, nprobe; lambda/T None are tuned on tune_docs first.
     tune_docs: a tuning split, disjoint from token_docs; required when knn_config.needs_tuning.
-    exact_searcher: ground truth for recall; None: a TorchExactSearcher over searcher.keys/.values
-        when the searcher has them (a Datastore does), else recall is not measured.
+    exact_searcher: ground truth for recall (e.g. `Datastore.exact_searcher()`, built by the caller, who
+        knows whether the keys fit in memory); None: recall is not measured.
     recall_queries: evaluation keys (seeded random sample) on which recall@k is measured; 0: skip.
     search_tokens: scored tokens gathered per search call (bigger batches search faster).
 
@@ -248,8 +225,8 @@ def evaluate_knnlm(
     relative_change (knnlm / base - 1), lambda, temperature, tuned, tune_tokens, tune_base_perplexity,
     tune_knnlm_perplexity, k, exact_rerank, nprobe, knn_hit_rate (share of tokens with the target among
     the neighbours), forward_seconds, search_seconds, interpolate_seconds, base_tokens_per_s,
-    knnlm_tokens_per_s, knnlm_speed_ratio, recall_at_k, recall_at_10, recall_k, recall_queries, and
-    index/datastore_size when the searcher has an info() dict.
+    knnlm_tokens_per_s, knnlm_speed_ratio, index, datastore_size (from searcher.info()), and with an
+    exact_searcher recall_at_k, recall_at_10, recall_k, recall_queries.
     """
     if knn_config.needs_tuning and not tune_docs:
         raise MemlmError("--lambda auto / --temperature auto need a tuning split (--tune-data); "
@@ -278,7 +255,7 @@ def evaluate_knnlm(
         for group in _groups(stream, search_tokens):
             xq, targets = _queries(group)  # (Q, d), (Q,)
             with search:
-                nb = _search(searcher, xq, knn_config)
+                nb = searcher.search(xq, knn_config.k, knn_config.search_options)
             with mix:
                 knn = knn_target_logprob(nb, targets, temperature)  # (Q,)
                 hits += int(torch.isfinite(knn).sum())
@@ -325,17 +302,15 @@ def evaluate_knnlm(
     )
     result["lambda"] = lmbda
     result["temperature"] = temperature
-    info = searcher.info() if hasattr(searcher, "info") else None
-    if isinstance(info, dict):
-        result["index"] = info.get("index")
-        result["datastore_size"] = info.get("n")
-    if exact_searcher is None and recall_queries > 0:
-        exact_searcher = _default_exact_searcher(searcher, model.device)
-    if exact_searcher is not None and sample:
+    info = searcher.info()
+    result["index"] = info.index
+    result["datastore_size"] = info.n
+    if exact_searcher is not None and recall_queries > 0 and sample:
         queries = np.stack(sample)  # (R, d)
-        kwargs = {"nprobe": knn_config.nprobe} if knn_config.nprobe is not None else {}
         result["recall_k"] = knn_config.k
-        result["recall_at_k"] = recall_at_k(searcher, exact_searcher, queries, knn_config.k, kwargs)
-        result["recall_at_10"] = recall_at_k(searcher, exact_searcher, queries, min(10, knn_config.k), kwargs)
+        # The options of the evaluation itself: recall says how good the neighbours it used were.
+        options = knn_config.search_options
+        result["recall_at_k"] = recall_at_k(searcher, exact_searcher, queries, knn_config.k, options)
+        result["recall_at_10"] = recall_at_k(searcher, exact_searcher, queries, min(10, knn_config.k), options)
         result["recall_queries"] = int(queries.shape[0])
     return result

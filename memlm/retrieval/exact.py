@@ -11,21 +11,29 @@ Shape legend: Q queries, d key dimension, k neighbours, N keys, n keys of a chun
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
+
+EXACT_INDEX = "exact"
+"""SearcherInfo.index of the torch exact backend."""
 
 
 class TorchExactSearcher:
     """Brute-force squared-L2 search over keys (N, d) held as a torch tensor on any device."""
 
-    def __init__(self, keys: torch.Tensor, values: Any, chunk_size: int = 65536) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: Any, chunk_size: int = 65536, *, info: SearcherInfo | None = None
+    ) -> None:
         """keys: (N, d) float16/bfloat16/float32 tensor; values: (N,) int32 next tokens (numpy or torch).
 
         chunk_size: keys per matmul; (Q, chunk_size) float32 scores exist at a time.
+        info: how the keys were made (e.g. a Datastore's info()); its n, dim, index and nprobe are replaced
+            by this searcher's own. None: only what the keys say (fingerprints "", layout 0, boundary -1).
         """
         if keys.dim() != 2:
             raise ValueError(f"keys must have shape (N, d), got {tuple(keys.shape)}")
@@ -38,6 +46,12 @@ class TorchExactSearcher:
         # |k|^2 once, in float32, chunk by chunk.
         norms = [keys[lo : lo + chunk_size].float().pow(2).sum(-1) for lo in range(0, keys.shape[0], chunk_size)]
         self.key_norms = torch.cat(norms) if norms else keys.new_zeros(0, dtype=torch.float32)  # (N,)
+        unknown = SearcherInfo(n=0, dim=0, index=EXACT_INDEX, metric="l2", nprobe=1, key_layer="", model_name="",
+                               model_fingerprint="", tokenizer_fingerprint="", corpus="", corpus_fingerprint="",
+                               context=0, stride=0, boundary_token=-1)
+        self._info = dataclasses.replace(
+            info or unknown, n=int(keys.shape[0]), dim=int(keys.shape[1]), index=EXACT_INDEX, nprobe=1
+        )
 
     @property
     def dim(self) -> int:
@@ -46,10 +60,17 @@ class TorchExactSearcher:
     def __len__(self) -> int:
         return int(self.keys.shape[0])
 
+    def info(self) -> SearcherInfo:
+        """The keys' description (as given at construction), with index "exact"."""
+        return self._info
+
     @torch.inference_mode()
-    def search(self, xq: Any, k: int) -> Neighbors:
-        """xq: (Q, d) float32/float16 numpy array or tensor -> the exact k nearest keys, sorted."""
-        x = torch.as_tensor(np.asarray(xq) if not isinstance(xq, torch.Tensor) else xq)
+    def search(self, xq: Any, k: int, options: SearchOptions | None = None) -> Neighbors:
+        """xq: (Q, d) float32/float16 numpy array or tensor -> the exact k nearest keys, sorted.
+
+        options: accepted for the seam; nprobe and exact re-ranking change nothing on an exact search."""
+        # A copy of numpy queries: they may be read-only (decoded from a message), which torch warns about.
+        x = xq if isinstance(xq, torch.Tensor) else torch.tensor(np.asarray(xq))
         if x.dim() != 2 or x.shape[1] != self.dim:
             raise ValueError(f"queries must have shape (Q, {self.dim}), got {tuple(x.shape)}")
         x = x.to(device=self.keys.device, dtype=torch.float32)  # (Q, d)
@@ -76,12 +97,14 @@ class TorchExactSearcher:
 
 
 def exact_searcher_over_documents(
-    model: Any, token_docs: Any, window: Any, boundary_token: int
+    model: Any, token_docs: Any, window: Any, boundary_token: int, *, model_fingerprint: str = "",
+    tokenizer_fingerprint: str = "",
 ) -> TorchExactSearcher:
     """An in-memory datastore: the (key, next token) pairs of `token_docs` under `model`, taken from the
     same sliding windows as the datastore builder (memlm.jobs.windows.score_documents), searched exactly.
 
-    For tests and small corpora; keys stay on the model's device in float32, (N, C).
+    For tests and small corpora; keys stay on the model's device in float32, (N, C). Its info() records
+    the window, boundary token and key layer, and the fingerprints given here (the Decoder knows none).
     """
     from memlm.jobs.windows import score_documents
 
@@ -89,4 +112,10 @@ def exact_searcher_over_documents(
     for scored in score_documents(model, token_docs, window, boundary_token, with_logprobs=False):
         keys.append(scored.keys.float())  # (n, C)
         values.append(scored.targets)  # (n,)
-    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())  # (N, C), (N,)
+    info = SearcherInfo(
+        n=0, dim=0, index=EXACT_INDEX, metric="l2", nprobe=1, key_layer=model.config.key_description,
+        model_name="", model_fingerprint=model_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
+        corpus="in-memory documents", corpus_fingerprint="", context=window.context, stride=window.stride,
+        boundary_token=boundary_token, sink_tokens=0,
+    )  # n and dim: filled in by the searcher
+    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy(), info=info)  # (N, C), (N,)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, SearchOptions
 
 NEG_INF = float("-inf")
 
@@ -40,7 +40,7 @@ class KNNLMConfig:
     temperature: float | None = 1.0
     """T in p_kNN proportional to exp(-distance / T), distances being squared L2; None: tuned."""
     exact_rerank: bool = False
-    """Recompute exact distances from the stored float16 keys (the searcher must support it)."""
+    """Recompute exact distances from the stored float16 keys (SearchOptions.exact_rerank)."""
     nprobe: int | None = None
     """Inverted lists visited per query; None: the datastore's default."""
 
@@ -51,19 +51,17 @@ class KNNLMConfig:
             raise MemlmError(f"--lambda must be in [0, 1] or auto, got {self.lmbda}")
         if self.temperature is not None and not self.temperature > 0:
             raise MemlmError(f"--temperature must be positive or auto, got {self.temperature}")
+        if self.nprobe is not None and self.nprobe < 1:
+            raise MemlmError(f"--nprobe must be at least 1, got {self.nprobe}")
 
     @property
     def needs_tuning(self) -> bool:
         return self.lmbda is None or self.temperature is None
 
-    def search_kwargs(self) -> dict[str, Any]:
-        """Extra arguments for `searcher.search` beyond the seam's (xq, k); empty for defaults."""
-        kwargs: dict[str, Any] = {}
-        if self.nprobe is not None:
-            kwargs["nprobe"] = self.nprobe
-        if self.exact_rerank:
-            kwargs["exact_rerank"] = True
-        return kwargs
+    @property
+    def search_options(self) -> SearchOptions:
+        """The per-call options of `Searcher.search` these settings ask for."""
+        return SearchOptions(nprobe=self.nprobe, exact_rerank=self.exact_rerank)
 
 
 # -- scoring ----------------------------------------------------------------------------------------

@@ -12,9 +12,12 @@ Shape legend: Q queries, d key dimension, k neighbours, N datastore entries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Neighbors(NamedTuple):
@@ -96,3 +99,10 @@ class Searcher(Protocol):
     def info(self) -> SearcherInfo:
         """The datastore behind this searcher."""
         ...
+
+
+def search_keys(searcher: Searcher, keys: "torch.Tensor", k: int, options: SearchOptions | None) -> Neighbors:
+    """The one way the model library turns kNN keys into a search: keys (Q, d) of any float dtype on any
+    device -> float32 numpy (what every backend and the wire accept) -> searcher.search(xq, k, options)."""
+    xq = keys.detach().float().cpu().numpy()  # (Q, d) float32
+    return searcher.search(xq, k, options)

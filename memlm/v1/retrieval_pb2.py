@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from memlm.v1 import tensor_pb2 as memlm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"\x89\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerank\"v\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\" \n\x1eRetrievalServiceGetInfoRequest\"\x80\x01\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\"\x8c\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x32\xaf\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"\x89\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerank\"v\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\" \n\x1eRetrievalServiceGetInfoRequest\"\xb1\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\"\x8c\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x32\xaf\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,9 +39,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_start=321
   _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_end=353
   _globals['_DATASTOREINFO']._serialized_start=356
-  _globals['_DATASTOREINFO']._serialized_end=484
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=487
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=627
-  _globals['_RETRIEVALSERVICE']._serialized_start=630
-  _globals['_RETRIEVALSERVICE']._serialized_end=805
+  _globals['_DATASTOREINFO']._serialized_end=661
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=664
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=804
+  _globals['_RETRIEVALSERVICE']._serialized_start=807
+  _globals['_RETRIEVALSERVICE']._serialized_end=982
 # @@protoc_insertion_point(module_scope)

@@ -33,20 +33,38 @@ class RetrievalServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DatastoreInfo(_message.Message):
-    __slots__ = ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint")
+    __slots__ = ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint", "nprobe", "key_layer", "model_name", "corpus", "corpus_fingerprint", "context", "stride", "boundary_token", "sink_tokens")
     N_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NPROBE_FIELD_NUMBER: _ClassVar[int]
+    KEY_LAYER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     n: int
     dim: int
     index: str
     metric: str
     model_fingerprint: str
     tokenizer_fingerprint: str
-    def __init__(self, n: _Optional[int] = ..., dim: _Optional[int] = ..., index: _Optional[str] = ..., metric: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    nprobe: int
+    key_layer: str
+    model_name: str
+    corpus: str
+    corpus_fingerprint: str
+    context: int
+    stride: int
+    boundary_token: int
+    sink_tokens: int
+    def __init__(self, n: _Optional[int] = ..., dim: _Optional[int] = ..., index: _Optional[str] = ..., metric: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., nprobe: _Optional[int] = ..., key_layer: _Optional[str] = ..., model_name: _Optional[str] = ..., corpus: _Optional[str] = ..., corpus_fingerprint: _Optional[str] = ..., context: _Optional[int] = ..., stride: _Optional[int] = ..., boundary_token: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
 
 class RetrievalServiceGetInfoResponse(_message.Message):
     __slots__ = ("datastore", "max_k", "max_queries", "max_message_bytes")

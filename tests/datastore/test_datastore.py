@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
 import pytest
-import torch
-from conftest import PROVENANCE, WINDOW
+from conftest import BOS, PROVENANCE, WINDOW
 
 from datastore import BuildSettings, Datastore, build_from_tokens
 from memlm.errors import MemlmError
 from memlm.jobs.knnlm_eval import recall_at_k
-from memlm.retrieval.exact import TorchExactSearcher
-from memlm.retrieval.searcher import Searcher
+from memlm.retrieval.searcher import Searcher, SearcherInfo, SearchOptions
 
 
 def brute_force(keys: np.ndarray, xq: np.ndarray) -> np.ndarray:
@@ -33,26 +32,30 @@ def queries(ds: Datastore, n: int = 64, seed: int = 0) -> np.ndarray:
 def test_datastore_is_a_searcher_and_reports_info(built):
     ds = Datastore.open(built)
     assert isinstance(ds, Searcher) and ds.dim == 64
-    info = ds.info()
-    for key in ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint"):
-        assert key in info
-    assert (info["n"], info["index"]) == (1483, "IVF16,Flat")
+    p = PROVENANCE
+    assert ds.info() == SearcherInfo(
+        n=1483, dim=64, index="IVF16,Flat", metric="l2", nprobe=4, key_layer="ffn_input.1",
+        model_name=p.model_name, model_fingerprint=p.model_fingerprint, tokenizer_fingerprint=p.tokenizer_fingerprint,
+        corpus=p.corpus, corpus_fingerprint=p.corpus_fingerprint, context=WINDOW.context, stride=WINDOW.stride,
+        boundary_token=BOS, sink_tokens=0,
+    )
 
 
 def test_ivf_recall_at_10_against_exact_search(built):
     ds = Datastore.open(built)
-    exact = TorchExactSearcher(torch.from_numpy(np.array(ds.keys)), ds.values)
+    exact = ds.exact_searcher("cpu")
+    assert exact.info() == dataclasses.replace(ds.info(), index="exact", nprobe=1)
     xq = queries(ds)
-    recall = recall_at_k(ds, exact, xq, 10)
+    recall = recall_at_k(ds, exact, xq, 10)  # the manifest's nprobe 4 of 16 lists
     assert recall >= 0.9
-    assert recall_at_k(ds, exact, xq, 10, {"nprobe": 16}) == 1.0  # all lists probed: exact
-    assert recall_at_k(ds, exact, xq, 10, {"nprobe": 1}) < 1.0  # the default really approximates
+    assert recall_at_k(ds, exact, xq, 10, SearchOptions(nprobe=16)) == 1.0  # all lists probed: exact
+    assert recall_at_k(ds, exact, xq, 10, SearchOptions(nprobe=1)) < recall  # fewer lists, fewer found
 
 
 def test_search_results_match_brute_force_with_all_lists(built):
     ds = Datastore.open(built)
     xq = queries(ds, 8)
-    nb = ds.search(xq.astype(np.float16), 5, nprobe=16)
+    nb = ds.search(xq.astype(np.float16), 5, SearchOptions(nprobe=16))
     exact = brute_force(np.asarray(ds.keys), xq.astype(np.float16).astype(np.float32))
     np.testing.assert_allclose(nb.distances, np.sort(exact, axis=1)[:, :5], rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(nb.values, np.asarray(ds.values)[nb.ids])
@@ -65,7 +68,7 @@ def test_exact_rerank_gives_exact_distances(tmp_path, tiny_model, docs):
     ds = Datastore.open(out)
     xq = queries(ds, 16)
     approx = ds.search(xq, 20)
-    reranked = ds.search(xq, 20, exact_rerank=True)
+    reranked = ds.search(xq, 20, SearchOptions(exact_rerank=True))
     exact = brute_force(np.asarray(ds.keys), xq)  # (Q, N)
     oracle = np.take_along_axis(exact, reranked.ids, axis=1)
     np.testing.assert_allclose(reranked.distances, oracle, rtol=1e-5, atol=1e-4)
@@ -79,7 +82,7 @@ def test_k_larger_than_n_pads_with_missing(tmp_path, tiny_model):
                             BuildSettings(window=WINDOW), progress=False, log=lambda m: None)
     ds = Datastore.open(out)
     for rerank in (False, True):
-        nb = ds.search(np.zeros((2, ds.dim), np.float32), 6, exact_rerank=rerank)
+        nb = ds.search(np.zeros((2, ds.dim), np.float32), 6, SearchOptions(exact_rerank=rerank))
         assert (nb.ids[:, 3:] == -1).all() and (nb.values[:, 3:] == -1).all() and np.isinf(nb.distances[:, 3:]).all()
         assert sorted(nb.values[0, :3]) == [5, 6, 7]
 
@@ -127,6 +130,14 @@ def test_bad_queries_are_refused(built):
     with pytest.raises(MemlmError, match="float32 or float16"):
         ds.search(np.zeros((2, ds.dim), np.int64), 4)
 
+
+
+def test_nprobe_option_changes_the_search_and_none_means_the_manifest_default(built):
+    ds = Datastore.open(built)
+    xq = queries(ds)
+    default = ds.search(xq, 10)
+    np.testing.assert_array_equal(default.ids, ds.search(xq, 10, SearchOptions(nprobe=4)).ids)  # manifest nprobe 4
+    assert not np.array_equal(default.ids, ds.search(xq, 10, SearchOptions(nprobe=1)).ids)
 
 
 def test_torch_backend_is_exact_search_over_the_stored_keys(built):

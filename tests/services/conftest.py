@@ -6,42 +6,45 @@ Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import faiss
 import numpy as np
 import pytest
 
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
+
+TEST_INFO = SearcherInfo(
+    n=0, dim=0, index="Flat", metric="l2", nprobe=1, key_layer="ffn_input.1", model_name="test-model",
+    model_fingerprint="model-test", tokenizer_fingerprint="tok-test", corpus="random keys",
+    corpus_fingerprint="corpus-test", context=64, stride=32, boundary_token=0, sink_tokens=0,
+)
+"""What FlatSearcher.info() says besides its own n and dim."""
 
 
 class FlatSearcher:
-    """Exact L2 search over (keys, values) with faiss.IndexFlatL2: the local oracle."""
+    """Exact L2 search over (keys, values) with faiss.IndexFlatL2: the local oracle.
 
-    def __init__(self, keys: np.ndarray, values: np.ndarray) -> None:
+    info_changes: SearcherInfo fields info() reports differently from TEST_INFO (e.g. another model)."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray, info_changes: dict | None = None) -> None:
         self.keys = np.ascontiguousarray(keys, dtype=np.float32)  # (N, d)
         self.values = np.asarray(values, dtype=np.int32)  # (N,)
         self.index = faiss.IndexFlatL2(self.keys.shape[1])
         self.index.add(self.keys)
-        self.calls: list[tuple[int, int, dict]] = []  # (Q, k, kwargs) of every search
+        self.info_changes = dict(info_changes or {})
+        self.calls: list[tuple[int, int, SearchOptions | None]] = []  # (Q, k, options) of every search
 
     @property
     def dim(self) -> int:
         return self.keys.shape[1]
 
-    def info(self, **overrides) -> dict:
-        return {
-            "n": len(self.keys),
-            "dim": self.dim,
-            "index": "Flat",
-            "metric": "L2",
-            "model_fingerprint": "model-test",
-            "tokenizer_fingerprint": "tok-test",
-            **overrides,
-        }
+    def info(self) -> SearcherInfo:
+        return dataclasses.replace(TEST_INFO, **{"n": len(self.keys), "dim": self.dim, **self.info_changes})
 
-    def search(self, xq: np.ndarray, k: int, **kwargs) -> Neighbors:
-        self.calls.append((len(xq), k, kwargs))
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
+        self.calls.append((len(xq), k, options))
         distances, ids = self.index.search(np.ascontiguousarray(xq, dtype=np.float32), k)  # (Q, k) each
         missing = ids < 0  # FAISS pads with id -1 and FLT_MAX when N < k; Neighbors says +inf
         distances[missing] = np.inf
@@ -59,15 +62,15 @@ def make_searcher(n: int, d: int, seed: int) -> FlatSearcher:
 class GatedSearcher(FlatSearcher):
     """A FlatSearcher whose searches block until `release` is set; `entered` says one started."""
 
-    def __init__(self, base: FlatSearcher):
-        super().__init__(base.keys, base.values)
+    def __init__(self, base: FlatSearcher, info_changes: dict | None = None):
+        super().__init__(base.keys, base.values, info_changes)
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def search(self, xq, k, **kwargs):
+    def search(self, xq, k, options=None):
         self.entered.set()
         assert self.release.wait(20), "test never released the searcher"
-        return super().search(xq, k, **kwargs)
+        return super().search(xq, k, options)
 
 
 class LoopThread:

@@ -10,6 +10,7 @@ Shape legend: N datastore entries, C key width.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 
@@ -26,8 +27,9 @@ from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import MemoryConfig
+from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.retrieval.exact import TorchExactSearcher, exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_client import (
@@ -46,7 +48,7 @@ from services.lm_server import (
     start_lm_server,
 )
 from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
+from services.retrieval_server import create_retrieval_server, info_from_proto
 from services.server_common import ServerOptions, ServiceError
 
 TEXTS = [
@@ -88,20 +90,22 @@ def docs(tiny):
 
 
 @pytest.fixture(scope="module")
-def index(tiny):
-    """A Flat (exact) index over the tiny model's (key, next token) pairs, as a datastore holds them."""
+def boundary(tiny) -> int:
+    return document_boundary(tiny.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def index(tiny, boundary):
+    """An exact searcher over the tiny model's (key, next token) pairs, as a datastore holds them."""
     tok = tiny.tokenizer
     train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 3]]
-    searcher = exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id)
-    info = {"n": len(searcher), "dim": searcher.dim, "index": "Flat", "metric": "L2",
-            "model_fingerprint": tiny.fingerprint, "tokenizer_fingerprint": tok.fingerprint}
-    return searcher, info
+    return exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), boundary,
+                                         model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint)
 
 
 @pytest.fixture(scope="module")
 def servers(tiny, index):
     """Addresses of: an LM server without datastore, one with the index in process, one over gRPC."""
-    searcher, info = index
     loop = Loop()
 
     def start(factory, *args, **kwargs):
@@ -112,8 +116,8 @@ def servers(tiny, index):
     started = loop.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny", knn_defaults=KNN, limits=LIMITS))
     loop.servers.append(started.running.server)
     plain = f"127.0.0.1:{started.running.port}"
-    local = start(create_lm_server, "127.0.0.1:0", tiny, searcher, datastore_info=info, knn_defaults=KNN)
-    retrieval = start(create_retrieval_server, "127.0.0.1:0", searcher, info)
+    local = start(create_lm_server, "127.0.0.1:0", tiny, index, knn_defaults=KNN, limits=LIMITS)
+    retrieval = start(create_retrieval_server, "127.0.0.1:0", index)
     remote_searcher = RetrievalClient(retrieval)
     remote = start(create_lm_server, "127.0.0.1:0", tiny, remote_searcher, knn_defaults=KNN)
     yield {"plain": plain, "local": local, "remote": remote, "servicer": started.servicer, "loop": loop}
@@ -133,7 +137,7 @@ def health(address: str) -> int:
 def test_score_equals_library_and_memlm_eval(tiny, docs, servers):
     with client(servers["plain"]) as c:
         remote = c.score(docs, window_tokens=32, stride_tokens=16, top_n=3)
-    local = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id, top_n=3)
+    local = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer), top_n=3)
     for r, s in zip(remote, local):
         assert [t.token_id for t in r.tokens] == s.tokens.tolist()
         assert [t.base_logprob for t in r.tokens] == s.base_logprob.tolist()  # float32 on both sides
@@ -142,7 +146,7 @@ def test_score_equals_library_and_memlm_eval(tiny, docs, servers):
         assert [[a.token_id for a in t.alternatives] for t in r.tokens] == s.top_ids.tolist()
         assert r.total_logprob == s.total_logprob and r.perplexity == s.perplexity
         assert r.context_tokens == 1
-    result = evaluate_perplexity(tiny.model, docs, WindowConfig(32, 16, 4), tiny.tokenizer.bos_id, progress=False)
+    result = evaluate_perplexity(tiny.model, docs, WindowConfig(32, 16, 4), document_boundary(tiny.tokenizer), progress=False)
     nll = -sum(r.total_logprob for r in remote)
     assert math.isclose(math.exp(nll / result["tokens"]), result["perplexity"], rel_tol=1e-9)
 
@@ -167,8 +171,8 @@ def test_knn_remote_equals_local_and_lambda_zero_is_base(tiny, docs, servers, in
         base = a.score(docs, window_tokens=32)
         zero = b.score(docs, knn=KnnRequest(lmbda=0.0), window_tokens=32)
     assert remote == local  # identical tokens, log-probs, greedy flags, alternatives
-    in_process = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id,
-                              searcher=index[0], knn=KNN)
+    in_process = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer),
+                              searcher=index, knn=KNN)
     for r, s in zip(local, in_process):
         assert [t.logprob for t in r.tokens] == s.logprob.tolist()
     for z, b_ in zip(zero, base):
@@ -181,7 +185,7 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
     prompt = tok.encode("The quick")
     for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=7)):
         events = list(generate(tiny.model, tok, prompt, max_new_tokens=10, sampling=sampling,
-                               boundary_token=tok.bos_id, eos_id=tok.eos_id))
+                               boundary_token=document_boundary(tok), eos_id=tok.eos_id))
         want = [e.token_id for e in events if isinstance(e, TokenEvent)]
         with client(servers["plain"]) as c:
             got = list(c.generate("The quick", max_new_tokens=10, temperature=sampling.temperature,
@@ -195,7 +199,7 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
         assert text == tok.decode(want)
     # kNN-LM generation over the remote index equals the in-process one.
     events = list(generate(tiny.model, tok, prompt, max_new_tokens=6, sampling=SamplingConfig(temperature=0.0),
-                           boundary_token=tok.bos_id, eos_id=tok.eos_id, searcher=index[0], knn=KNN))
+                           boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=KNN))
     with client(servers["remote"]) as c:
         got = list(c.generate(prompt, max_new_tokens=6, temperature=0.0, knn=KnnRequest()))
     pairs = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
@@ -364,10 +368,11 @@ def test_info(tiny, servers, index):
     assert (d.segment_tokens, d.memory_tokens, d.sink_tokens) == (128, 1024, 4) and info.max_memory_tokens == 65536
     assert info.max_new_tokens == 100_000 and info.max_score_tokens == 400
     with client(servers["remote"]) as c:
-        assert c.info().datastore.n == index[1]["n"]
+        # The remote datastore's description reaches the LM client through two servers, every field.
+        assert info_from_proto(c.info().datastore) == index.info()
 
 
-def test_not_serving_until_loaded_and_fingerprints_checked(tiny, servers, index):
+def test_not_serving_until_loaded_and_datastore_checked(tiny, servers, index, boundary):
     loop = servers["loop"]
     started = loop.run(bind_lm_server("127.0.0.1:0", model_name="tiny", knn_defaults=KNN, options=ServerOptions(),
                                       limits=LMLimits()))
@@ -377,10 +382,16 @@ def test_not_serving_until_loaded_and_fingerprints_checked(tiny, servers, index)
     with client(address) as c, pytest.raises(ServiceError) as e:
         c.score(["hi"])
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    searcher, info = index
+    def described_as(**changes) -> TorchExactSearcher:
+        return TorchExactSearcher(index.keys, index.values, info=dataclasses.replace(index.info(), **changes))
+
     with pytest.raises(MemlmError, match="different model"):
-        started.servicer.load(tiny, searcher, {**info, "model_fingerprint": "other"})
-    started.servicer.load(tiny, searcher, info)
+        started.servicer.load(tiny, described_as(model_fingerprint="other"))
+    with pytest.raises(MemlmError, match="different tokenizer"):
+        started.servicer.load(tiny, described_as(tokenizer_fingerprint="other"))
+    with pytest.raises(MemlmError, match=f"start with token {boundary + 1}, this tokenizer's document boundary is {boundary}"):
+        started.servicer.load(tiny, described_as(boundary_token=boundary + 1))
+    started.servicer.load(tiny, index)
     loop.run(started.running.mark_serving())
     assert health(address) == health_pb2.HealthCheckResponse.SERVING
     with client(address) as c:
@@ -405,7 +416,7 @@ XL_CONFIG = MemoryConfig("xl", mem_len=12, sink_tokens=2)
 
 
 def test_score_xl_equals_evaluate_segments(tiny, docs, servers):
-    bos = tiny.tokenizer.bos_id
+    bos = document_boundary(tiny.tokenizer)
     with client(servers["plain"]) as c:
         remote = c.score(docs, memory_mode="xl", memory=XL, top_n=2)
         windows = c.score(docs, window_tokens=8, stride_tokens=4)
@@ -438,7 +449,7 @@ def test_score_xl_with_knn_remote_equals_local(tiny, docs, servers, index):
         base = a.score(docs, memory_mode="xl", memory=XL)
     assert remote == local
     in_process = score_tokens_segments(tiny.model, docs, segment=8, memory=XL_CONFIG,
-                                       boundary_token=tiny.tokenizer.bos_id, searcher=index[0], knn=KNN)
+                                       boundary_token=document_boundary(tiny.tokenizer), searcher=index, knn=KNN)
     for r, s, b_ in zip(local, in_process, base):
         assert [t.logprob for t in r.tokens] == s.logprob.tolist()
         assert [t.base_logprob for t in r.tokens] == [t.base_logprob for t in b_.tokens]
@@ -450,7 +461,7 @@ def test_generate_xl_equals_library(tiny, servers):
     prompt = tok.encode("The quick brown fox jumps")
     for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=3)):
         events = list(generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling,
-                               boundary_token=tok.bos_id, eos_id=tok.eos_id, memory=XL_CONFIG, segment=8))
+                               boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=XL_CONFIG, segment=8))
         want = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
         with client(servers["plain"]) as c:
             got = list(c.generate(prompt, max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k,

@@ -23,9 +23,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from memlm.retrieval.searcher import SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server, start_retrieval_server
+from services.retrieval_server import (
+    create_retrieval_server,
+    info_from_proto,
+    start_retrieval_server,
+)
 from services.server_common import ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +57,7 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 
 @pytest.mark.parametrize("q, k", [(1, 1), (7, 10), (100, 64), (5, 3500)])  # k=3500 > N: padded
 def test_remote_search_equals_local(loop_thread, searcher, q, k):
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info())
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher)
     xq = queries(q, searcher.dim, seed=q)
     with RetrievalClient(f"127.0.0.1:{port}") as client:
         assert client.dim == searcher.dim
@@ -64,20 +69,21 @@ def test_remote_search_equals_local(loop_thread, searcher, q, k):
         assert (remote.ids[:, -1] == -1).all() and np.isinf(remote.distances[:, -1]).all()
 
 
-def test_search_options_are_passed_only_when_set(loop_thread, make_searcher):
+def test_search_options_reach_the_searcher_as_sent(loop_thread, make_searcher):
     s = make_searcher(200, 8, seed=1)
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", s, s.info())
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", s)
+    sent = [None, SearchOptions(nprobe=7), SearchOptions(exact_rerank=True), SearchOptions(nprobe=2, exact_rerank=True)]
     with RetrievalClient(f"127.0.0.1:{port}") as client:
-        client.search(queries(2, 8, 0), 3)
-        client.search(queries(2, 8, 0), 3, nprobe=7)
-        client.search(queries(2, 8, 0), 3, exact_rerank=False)
-    assert [kwargs for _, _, kwargs in s.calls] == [{}, {"nprobe": 7}, {"exact_rerank": False}]
+        for options in sent:
+            client.search(queries(2, 8, 0), 3, options)
+    # None travels as the defaults: every searcher call gets a typed SearchOptions, never kwargs.
+    assert [options for _, _, options in s.calls] == [SearchOptions(), *sent[1:]]
 
 
 def test_client_splits_batches_over_the_message_limit(loop_thread, searcher):
     limit = 256 * 1024
     port = loop_thread.start(
-        create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), max_message_bytes=limit, micro_batching=False
+        create_retrieval_server, "127.0.0.1:0", searcher, max_message_bytes=limit, micro_batching=False
     )
     searcher.calls.clear()
     xq = queries(500, searcher.dim, seed=3)  # response 500 * 100 * 16 B = 800 kB > 256 kB
@@ -89,7 +95,7 @@ def test_client_splits_batches_over_the_message_limit(loop_thread, searcher):
 
 
 def test_health_reflection_and_info(loop_thread, searcher):
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info())
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         for service in ("", "memlm.v1.RetrievalService"):
@@ -100,7 +106,9 @@ def test_health_reflection_and_info(loop_thread, searcher):
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert {"memlm.v1.RetrievalService", "grpc.health.v1.Health"} <= names
         info = retrieval_pb2_grpc.RetrievalServiceStub(channel).GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest(), timeout=10)
-    assert info.datastore.n == 3000 and info.datastore.dim == 32 and info.datastore.metric == "L2"
+    # Every SearcherInfo field survives the wire (the fixture's values differ from proto defaults).
+    assert info_from_proto(info.datastore) == searcher.info()
+    assert info.datastore.n == 3000 and info.datastore.dim == 32 and info.datastore.boundary_token == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +168,7 @@ def malformed(draw):
 
 def test_malformed_requests_get_field_naming_errors_and_server_keeps_serving(loop_thread, make_searcher):
     s = make_searcher(100, D, seed=2)
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", s, s.info(), max_k=MAX_K, max_queries=MAX_Q)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", s, max_k=MAX_K, max_queries=MAX_Q)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
     raw = channel.unary_unary("/memlm.v1.RetrievalService/Search")  # bytes in, bytes out
@@ -197,7 +205,7 @@ def test_malformed_requests_get_field_naming_errors_and_server_keeps_serving(loo
 
 
 def test_concurrent_clients_get_the_sequential_answers(loop_thread, searcher):
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info())
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher)
     rng = np.random.default_rng(5)
     jobs = [(queries(int(rng.integers(1, 40)), searcher.dim, seed=i), int(rng.choice([4, 16]))) for i in range(48)]
     with RetrievalClient(f"127.0.0.1:{port}") as client:
@@ -222,11 +230,11 @@ def test_concurrent_clients_get_the_sequential_answers(loop_thread, searcher):
 
 def test_queued_requests_are_merged_into_one_search_per_k(loop_thread, searcher, gated_searcher):
     gated = gated_searcher
-    started = loop_thread.run(start_retrieval_server("127.0.0.1:0", gated, gated.info()))
+    started = loop_thread.run(start_retrieval_server("127.0.0.1:0", gated))
     loop_thread.servers.append(started.running.server)
     address = f"127.0.0.1:{started.running.port}"
     client = RetrievalClient(address)
-    client.info  # noqa: B018 -- fetch GetInfo before the gate closes the searcher
+    client.info()  # fetch GetInfo before the gate closes the searcher
     jobs = [(queries(3, 32, seed=100), 5)] + [(queries(q, 32, seed=q), k) for q, k in [(2, 5), (4, 7), (6, 5), (1, 7)]]
     out: dict[int, object] = {}
     first = threading.Thread(target=lambda: out.__setitem__(0, client.search(*jobs[0])))
@@ -240,7 +248,9 @@ def test_queued_requests_are_merged_into_one_search_per_k(loop_thread, searcher,
     for t in [first, *rest]:
         t.join(30)
     # First the lone request, then the 4 queued ones as one search per k: (2+6) for k=5, (4+1) for k=7.
-    assert [(q, k) for q, k, _ in gated.calls] == [(3, 5), (8, 5), (5, 7)]
+    # (Groups run in the order their first request arrived, which the threads do not fix.)
+    calls = [(q, k) for q, k, _ in gated.calls]
+    assert calls[0] == (3, 5) and sorted(calls[1:]) == [(5, 7), (8, 5)]
     for i, (xq, k) in enumerate(jobs):
         assert_same(out[i], searcher.search(xq, k))
     client.close()
@@ -248,9 +258,9 @@ def test_queued_requests_are_merged_into_one_search_per_k(loop_thread, searcher,
 
 def test_past_max_concurrent_rpcs_is_resource_exhausted(loop_thread, searcher, gated_searcher):
     gated = gated_searcher
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated, gated.info(), max_concurrent_rpcs=1)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated, max_concurrent_rpcs=1)
     client = RetrievalClient(f"127.0.0.1:{port}")
-    client.info  # noqa: B018
+    client.info()  # connect before the gate closes
     xq = queries(2, 32, seed=1)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", client.search(xq, 4)))
@@ -268,11 +278,11 @@ def test_past_max_concurrent_rpcs_is_resource_exhausted(loop_thread, searcher, g
 
 def test_expired_call_is_dropped_before_it_is_searched(loop_thread, searcher, gated_searcher):
     gated = gated_searcher
-    started = loop_thread.run(start_retrieval_server("127.0.0.1:0", gated, gated.info()))
+    started = loop_thread.run(start_retrieval_server("127.0.0.1:0", gated))
     loop_thread.servers.append(started.running.server)
     address = f"127.0.0.1:{started.running.port}"
     slow, hurried = RetrievalClient(address), RetrievalClient(address)
-    slow.info, hurried.info  # noqa: B018  (connect before the short deadline applies)
+    slow.info(), hurried.info()  # connect before the short deadline applies
     hurried.timeout = 0.3
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", slow.search(queries(3, 32, 0), 4)))
@@ -307,19 +317,22 @@ SLOW_SERVER = textwrap.dedent(
     """
     import asyncio, sys, time
     import numpy as np
-    from memlm.retrieval.searcher import Neighbors
+    from memlm.retrieval.searcher import Neighbors, SearcherInfo
     from services.retrieval_server import serve_retrieval
 
     class SlowSearcher:
         dim = 4
-        def search(self, xq, k):
+        def info(self):
+            return SearcherInfo(n=100, dim=4, index="Flat", metric="l2", nprobe=1, key_layer="k", model_name="m",
+                                model_fingerprint="m", tokenizer_fingerprint="t", corpus="c", corpus_fingerprint="c",
+                                context=8, stride=4, boundary_token=0)
+        def search(self, xq, k, options=None):
             print("searching", flush=True)
             time.sleep(1.0)  # long enough for the test to send SIGTERM mid-search
             ids = np.tile(np.arange(k, dtype=np.int64), (len(xq), 1))  # (Q, k)
             return Neighbors(ids.astype(np.float32) + xq[:, :1], ids, (ids * 2).astype(np.int32))
 
-    info = dict(n=100, dim=4, index="Flat", metric="L2", model_fingerprint="m", tokenizer_fingerprint="t")
-    asyncio.run(serve_retrieval(SlowSearcher(), info, "127.0.0.1", 0, grace_s=20))
+    asyncio.run(serve_retrieval(SlowSearcher(), "127.0.0.1", 0, grace_s=20))
     """
 )
 

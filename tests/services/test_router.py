@@ -22,7 +22,7 @@ def start_shards(loop_thread, searcher, sizes, flat_searcher_type):
     ports, start = [], 0
     for size in sizes:
         shard = flat_searcher_type(searcher.keys[start : start + size], searcher.values[start : start + size])
-        ports.append(loop_thread.start(create_retrieval_server, "127.0.0.1:0", shard, shard.info()))
+        ports.append(loop_thread.start(create_retrieval_server, "127.0.0.1:0", shard))
         start += size
     return [f"127.0.0.1:{p}" for p in ports]
 
@@ -33,7 +33,7 @@ def test_router_over_flat_shards_equals_flat_union(loop_thread, searcher, k):
     port = loop_thread.start(create_router_server, "127.0.0.1:0", shards)
     xq = np.random.default_rng(k).standard_normal((20, searcher.dim)).astype(np.float32)  # (Q, d)
     with RetrievalClient(f"127.0.0.1:{port}") as client:
-        assert client.info.datastore.n == 3000 and client.dim == searcher.dim
+        assert client.info().n == 3000 and client.dim == searcher.dim
         remote = client.search(xq, k)
     expected = searcher.search(xq, k)
     for name, a, b in zip(("distances", "ids", "values"), remote, expected):
@@ -54,15 +54,17 @@ def test_merge_top_k_offsets_ids_and_keeps_missing():
 
 def test_router_refuses_shards_that_disagree(loop_thread, make_searcher):
     a, b = make_searcher(100, 8, seed=1), make_searcher(100, 8, seed=2)
-    pa = loop_thread.start(create_retrieval_server, "127.0.0.1:0", a, a.info())
-    pb = loop_thread.start(create_retrieval_server, "127.0.0.1:0", b, b.info(model_fingerprint="other-model"))
+    pa = loop_thread.start(create_retrieval_server, "127.0.0.1:0", a)
+    b.info_changes["model_fingerprint"] = "other-model"
+    pb = loop_thread.start(create_retrieval_server, "127.0.0.1:0", b)
     with pytest.raises(MemlmError, match="model_fingerprint"):
         loop_thread.run(create_router_server("127.0.0.1:0", [f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"]))
 
 
 def test_router_validates_input_and_passes_deadlines(loop_thread, searcher, gated_searcher):
     fast = start_shards(loop_thread, searcher, [1500], type(searcher))
-    slow = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated_searcher, gated_searcher.info(n=1500))
+    gated_searcher.info_changes["n"] = 1500
+    slow = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated_searcher)
     port = loop_thread.start(create_router_server, "127.0.0.1:0", [*fast, f"127.0.0.1:{slow}"])
     with RetrievalClient(f"127.0.0.1:{port}", timeout=0.5) as client:
         with pytest.raises(ServiceError) as info:

@@ -84,13 +84,13 @@ def search_ok(client: RetrievalClient, searcher) -> None:
 def refused(client: RetrievalClient) -> grpc.StatusCode:
     """The status of a GetInfo call that must fail (GetInfo needs the token and the handshake)."""
     with pytest.raises(ServiceError) as info:
-        client.info  # noqa: B018
+        client.info()
     return info.value.code
 
 
 def test_tls_accepts_trusting_clients_and_refuses_others(loop_thread, searcher, pki):
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), tls=tls)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls)
     address = f"localhost:{port}"
     with RetrievalClient(address, tls=ClientTls(root_ca=pki["ca"])) as ok:
         search_ok(ok, searcher)
@@ -104,7 +104,7 @@ def test_tls_accepts_trusting_clients_and_refuses_others(loop_thread, searcher, 
 
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(loop_thread, searcher, pki):
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1], client_ca=pki["ca"])
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), tls=tls)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls)
     address = f"localhost:{port}"
     client_tls = ClientTls(root_ca=pki["ca"], certificate_chain=pki["client"][0], private_key=pki["client"][1])
     with RetrievalClient(address, tls=client_tls) as ok:
@@ -118,7 +118,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(loop_thread, searc
 
 
 def test_bearer_token_is_required_except_for_health_checks(loop_thread, searcher):
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), token="s3cret")
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, token="s3cret")
     address = f"127.0.0.1:{port}"
     with RetrievalClient(address, token="s3cret") as ok:
         search_ok(ok, searcher)
@@ -137,7 +137,7 @@ def test_bearer_token_is_required_except_for_health_checks(loop_thread, searcher
 
 def test_router_with_tls_and_tokens_on_both_sides(loop_thread, searcher, pki):
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
-    shard = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, searcher.info(), tls=tls, token="shard-token")
+    shard = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls, token="shard-token")
     router = loop_thread.start(
         create_router_server, "127.0.0.1:0", [f"localhost:{shard}"],
         shard_tls=ClientTls(root_ca=pki["ca"]), shard_token="shard-token", tls=tls, token="router-token",

@@ -24,7 +24,7 @@ from memlm.retrieval.knnlm import (
     knn_logprob_from_matches,
     knn_target_logprob,
 )
-from memlm.retrieval.searcher import Neighbors
+from memlm.retrieval.searcher import Neighbors, SearchOptions, search_keys
 
 V = 50
 WINDOW = WindowConfig(context=48, stride=24, batch_size=4)
@@ -154,11 +154,43 @@ def test_lambda_zero_gives_the_base_perplexity_exactly(model, docs):
 def test_datastore_of_the_evaluation_text_drives_perplexity_to_one(model, docs):
     searcher = TorchExactSearcher(*keys_of(model, docs))
     result = evaluate_knnlm(model, docs, searcher, WINDOW, KNNLMConfig(k=8, lmbda=0.999, temperature=1e-3), BOS,
-                            progress=False)
+                            exact_searcher=searcher, progress=False)
     assert result["base_perplexity"] > 20  # a random model over 50 tokens knows nothing
     assert result["knnlm_perplexity"] < 1.05
     assert result["knn_hit_rate"] == 1.0
-    assert result["recall_at_k"] == 1.0  # exact searcher against itself (no default exact searcher needed)
+    assert result["recall_at_k"] == 1.0  # exact searcher against itself
+    assert (result["index"], result["datastore_size"]) == ("exact", len(searcher))
+
+
+class MissesTheNearest:
+    """A Searcher that loses each query's nearest neighbour (returns ranks 2..k+1): recall (k-1)/k
+    exactly, against exact search. Records the options it was searched with."""
+
+    def __init__(self, exact: TorchExactSearcher) -> None:
+        self.exact = exact
+        self.dim = exact.dim
+        self.options: list[SearchOptions | None] = []
+
+    def info(self):
+        return self.exact.info()
+
+    def search(self, xq, k, options=None):
+        self.options.append(options)
+        nb = self.exact.search(xq, k + 1)
+        return Neighbors(*(a[:, 1:] for a in nb))  # (Q, k)
+
+
+def test_recall_is_measured_with_the_given_exact_searcher_and_the_evaluation_options(model, docs):
+    exact = TorchExactSearcher(*keys_of(model, docs))
+    approx = MissesTheNearest(exact)
+    knn = KNNLMConfig(k=8, lmbda=0.5, temperature=1.0, nprobe=3, exact_rerank=True)
+    result = evaluate_knnlm(model, docs, approx, WINDOW, knn, BOS, exact_searcher=exact, recall_queries=50,
+                            progress=False)
+    assert result["recall_at_k"] == pytest.approx(7 / 8) and result["recall_at_10"] == pytest.approx(7 / 8)
+    assert result["recall_queries"] == 50
+    assert set(approx.options) == {SearchOptions(nprobe=3, exact_rerank=True)}  # every search, recall's too
+    # Without an exact searcher recall is not reported (no searcher is guessed from attributes).
+    assert "recall_at_k" not in evaluate_knnlm(model, docs, approx, WINDOW, knn, BOS, progress=False)
 
 
 def test_auto_parameters_need_a_tuning_split(model, docs):
@@ -207,7 +239,10 @@ def test_config_validates():
         KNNLMConfig(lmbda=1.5)
     with pytest.raises(MemlmError):
         KNNLMConfig(temperature=0.0)
-    assert KNNLMConfig(exact_rerank=True, nprobe=4).search_kwargs() == {"exact_rerank": True, "nprobe": 4}
+    with pytest.raises(MemlmError, match="nprobe"):
+        KNNLMConfig(nprobe=0)
+    assert KNNLMConfig(exact_rerank=True, nprobe=4).search_options == SearchOptions(nprobe=4, exact_rerank=True)
+    assert KNNLMConfig().search_options == SearchOptions()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -220,3 +255,22 @@ def test_torch_exact_searcher_on_gpu_matches_cpu():
     gpu = TorchExactSearcher(keys.cuda(), values, chunk_size=1000).search(xq, 50)
     np.testing.assert_array_equal(cpu.ids, gpu.ids)
     np.testing.assert_allclose(cpu.distances, gpu.distances, rtol=1e-4, atol=1e-3)
+
+
+def test_search_keys_sends_float32_numpy_and_the_options_unchanged():
+    seen = []
+
+    class Recording:
+        dim = 4
+
+        def search(self, xq, k, options=None):
+            seen.append((xq, k, options))
+            return Neighbors(np.zeros((len(xq), k), np.float32), np.zeros((len(xq), k), np.int64),
+                             np.zeros((len(xq), k), np.int32))
+
+    keys = torch.randn(3, 4).to(torch.bfloat16)  # (Q, d), as a bfloat16 model makes them
+    options = SearchOptions(nprobe=2, exact_rerank=True)
+    search_keys(Recording(), keys, 5, options)
+    ((xq, k, got),) = seen
+    assert isinstance(xq, np.ndarray) and xq.dtype == np.float32 and k == 5 and got is options
+    np.testing.assert_array_equal(xq, keys.float().numpy())
