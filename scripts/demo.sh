@@ -20,7 +20,7 @@ $MEMLM datastore info "$DS"
 
 echo "== in-process kNN-LM: tune lambda and T on 2001-2002, evaluate on 2003+ (first 6000 tokens)"
 $MEMLM eval --model smollm2-135m --data sotu --split "year>=2003" --max-tokens 6000 "${WINDOW[@]}" \
-  --datastore "$DS" --k 1024 --lambda auto --temperature auto \
+  --datastore "$DS" --k 1024 --lambda auto --knn-temperature auto \
   --tune-data sotu --tune-split "2001<=year<=2002" --tune-max-tokens 4000 --json "$OUT/knnlm.json"
 
 echo "== the same through real gRPC servers (retrieval + language model)"

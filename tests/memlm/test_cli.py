@@ -226,3 +226,42 @@ def test_option_groups_have_one_name_and_type_everywhere():
     assert {"eval", "client score", "datastore build"} <= attached["--context"]
     train_args = parser.parse_args(["train", "--data", "x"])
     assert memory_config(train_args, MemoryConfig()).sink_tokens == MemoryConfig.sink_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "lm", "--model", "tiny", "--k", "8"], "--k needs --datastore or --retrieval"),
+        (["serve", "lm", "--model", "tiny", "--datastore", "x", "--lambda", "auto"], "--lambda auto is tuned by"),
+        (["client", "score", "--address", "127.0.0.1:1", "--k", "8", "hi"], "--k needs --knn"),
+        (["client", "score", "--address", "127.0.0.1:1", "--knn", "--lambda", "auto", "hi"], "auto is tuned by"),
+        (["client", "generate", "--address", "127.0.0.1:1", "--segment", "8", "hi"], "--segment needs --memory xl"),
+        (["client", "score", "--address", "127.0.0.1:1", "--memory", "none", "--sink-tokens", "2", "hi"],
+         "--sink-tokens needs --memory xl"),
+    ],
+)
+def test_serve_and_client_refuse_flags_that_do_not_apply(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and message in err and err.count("\n") == 1, err
+
+
+def test_eval_of_a_checkpoint_takes_its_memory_settings_or_refuses_others(capsys, tmp_path):
+    """Issue 8 item 1: a checkpoint records how its model reads text; eval reproduces it or says no."""
+    from memlm.jobs.train import TrainConfig, train
+    from memlm.memory.config import MemoryConfig
+
+    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16)
+    docs = [[97 + (i % 26) for i in range(80)]]
+    train(TrainConfig(memory=memory, steps=2, batch_size=1, log_every=0, device="cpu", out_dir=str(tmp_path / "c")),
+          docs, log=lambda line: None)
+    text = tmp_path / "doc.txt"
+    text.write_text("abcdefghijklmnopqrstuvwxyz" * 4)
+    out_json = tmp_path / "r.json"
+    common = ["eval", "--model", str(tmp_path / "c"), "--data", str(text), "--quiet"]
+    code, _, err = run(capsys, *common, "--json", str(out_json))
+    assert code == 0, err
+    assert "taken from checkpoint" in err and "--memory xl" in err and "--sink-tokens 2" in err
+    result = json.loads(out_json.read_text())
+    assert (result["memory"], result["segment"], result["mem_len"], result["sink_tokens"]) == ("xl", 16, 16, 2)
+    code, _, err = run(capsys, *common, "--mem-len", "32")
+    assert code == 1 and "--mem-len 32 differs from checkpoint" in err and err.count("\n") == 1
