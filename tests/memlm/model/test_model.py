@@ -1,8 +1,9 @@
 """The Decoder against transformers' LlamaForCausalLM (the oracle), and its own invariants.
 
 Tiny random configs with grouped-query attention; weights are drawn larger than the training init
-(std 0.2, norms around 1) so that logits spread over several units and layout mistakes (rotary halves
-vs pairs, GQA head grouping, norm placement) show up far above the 1e-3 tolerance.
+(std 0.2, norms around 1) so that logits spread over several units (std about 1.4, max about 5) and
+layout mistakes (rotary halves vs pairs, GQA head grouping, norm placement) show up as errors of
+order 1, far above the tolerance.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder, KVCache
 
-TOL = 1e-3
+TOL = 2e-5
+"""Max abs logit difference allowed against transformers (float32, CPU). Measured on these configs:
+3.4e-6 to 6.7e-6 (tied and untied; 1, 2 and 6 key/value heads); float32 summation order differs."""
 
 
 def make_config(tie: bool, **overrides) -> ModelConfig:

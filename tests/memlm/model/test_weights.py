@@ -23,6 +23,9 @@ from memlm.model.weights import (
     reverse_permute,
 )
 
+SMOLLM2_TOL = 2e-4
+"""Max abs logit difference allowed between our SmolLM2 and transformers' LlamaForCausalLM (4x measured)."""
+
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg developed a "
     "system of movable metal type in Mainz, Germany. His invention made it possible to produce books far more "
@@ -162,7 +165,9 @@ def test_smollm2_logits_match_transformers(smol: Pretrained, hf_llama) -> None:
     ref = hf_llama(smol.model.config, smol.model.state_dict())
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]  # (T, V)
-    torch.testing.assert_close(logits(smol, ids), theirs, atol=1e-3, rtol=0)
+    # Measured: max abs difference 5.4e-5 over 64 x 49152 logits whose magnitude reaches 35 (float32,
+    # CPU, 1 or 2 threads): not bit-identical, as float32 summation order differs from transformers'.
+    torch.testing.assert_close(logits(smol, ids), theirs, atol=SMOLLM2_TOL, rtol=0)
 
 
 @pytest.mark.slow
