@@ -25,11 +25,14 @@ def test_pq_sub_quantisers_divide_the_dimension(d):
 @pytest.mark.parametrize("n", [10, 150_000, FLAT_MAX + 1, 1_000_000, SQ8_MAX + 1, 100_000_000])
 def test_default_factory_is_valid_and_grows_with_n(n):
     factory, reason = default_factory(n, 576)
-    assert reason
     index = make_index(factory, 576)
     if n <= FLAT_MAX:
         assert factory == "Flat"
+        assert reason == f"N {n} <= {FLAT_MAX}: exact brute-force search is affordable"
     else:
+        # the reason names N, the threshold it was compared with and the list count chosen
+        nlist = default_nlist(n)
+        assert reason.startswith(f"N {n} {'<=' if n <= SQ8_MAX else '>'} {SQ8_MAX}: {nlist} lists (~4 sqrt N), ")
         ivf = faiss.try_extract_index_ivf(index)
         assert ivf.nlist == default_nlist(n) and n // ivf.nlist >= 64
         assert ("SQ8" in factory) == (n <= SQ8_MAX) and ("PQ" in factory) == (n > SQ8_MAX)

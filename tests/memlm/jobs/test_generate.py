@@ -20,7 +20,7 @@ from memlm.jobs.generate import (
 )
 from memlm.model.config import PRESETS
 from memlm.model.decoder import KVCache, LMOutput, build_model
-from memlm.model.tokenizer import Tokenizer
+from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -35,7 +35,7 @@ def tiny():
 
 def run(tiny, prompt="The quick brown fox", **kwargs):
     tok = tiny.tokenizer
-    kwargs.setdefault("boundary_token", tok.bos_id)
+    kwargs.setdefault("boundary_token", document_boundary(tok))
     events = list(generate(tiny.model, tok, tok.encode(prompt), **kwargs))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     (end,) = [e for e in events if isinstance(e, GenerationEnd)]
@@ -58,11 +58,12 @@ def argmax_by_full_forward(model, prefix: list[int], n: int, decodable: int) -> 
 def test_greedy_equals_argmax_of_full_forward_passes(tiny):
     tok = tiny.tokenizer
     tokens, end = run(tiny, max_new_tokens=16, sampling=GREEDY)
-    expected = argmax_by_full_forward(tiny.model, [tok.bos_id, *tok.encode("The quick brown fox")], 16, tok.vocab_size)
+    prefix = [document_boundary(tok), *tok.encode("The quick brown fox")]
+    expected = argmax_by_full_forward(tiny.model, prefix, 16, tok.vocab_size)
     assert [t.token_id for t in tokens] == expected
     assert end.reason == "length" and end.completion_tokens == 16 and end.prompt_tokens == 19
     # Reported log-probs are the base LM's (no kNN) at the chosen token.
-    seq = [tok.bos_id, *tok.encode("The quick brown fox"), *expected]
+    seq = [document_boundary(tok), *tok.encode("The quick brown fox"), *expected]
     with torch.no_grad():
         lp = F.log_softmax(tiny.model(torch.tensor([seq])).logits[0].float(), -1)  # (T, V)
     want = lp[torch.arange(len(seq) - 17, len(seq) - 1), torch.tensor(expected)]
@@ -144,9 +145,9 @@ class ScriptedModel(torch.nn.Module):
 def test_text_deltas_hold_split_utf8_characters():
     tok = Tokenizer.byte_level()
     text = "héllo €😀 ok"
-    script = [tok.bos_id, *tok.encode("x"), *tok.encode(text)]
+    script = [document_boundary(tok), *tok.encode("x"), *tok.encode(text)]
     events = list(generate(ScriptedModel(script), tok, tok.encode("x"), max_new_tokens=len(tok.encode(text)),
-                           sampling=GREEDY, boundary_token=tok.bos_id))
+                           sampling=GREEDY, boundary_token=document_boundary(tok)))
     deltas = [e.text_delta for e in events]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
@@ -160,11 +161,12 @@ def test_sliding_window_when_the_cache_is_full():
     model = build_model(config)
     tok = Tokenizer.byte_level()
     prompt = tok.encode("abcdefgh")
-    events = list(generate(model, tok, prompt, max_new_tokens=40, sampling=GREEDY, boundary_token=tok.bos_id))
+    events = list(generate(model, tok, prompt, max_new_tokens=40, sampling=GREEDY,
+                           boundary_token=document_boundary(tok)))
     tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
     assert len(tokens) == 40 and events[-1].reason == "length"
     # Until the cache first fills (16 positions), decoding equals full forward passes.
-    assert tokens[:7] == argmax_by_full_forward(model, [tok.bos_id, *prompt], 7, tok.vocab_size)
+    assert tokens[:7] == argmax_by_full_forward(model, [document_boundary(tok), *prompt], 7, tok.vocab_size)
 
 
 def test_knn_lambda_zero_generates_the_base_tokens(tiny):

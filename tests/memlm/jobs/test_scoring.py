@@ -20,6 +20,7 @@ from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.windows import WindowConfig, plan_windows, score_documents
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
+from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
 from memlm.retrieval.exact import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -29,6 +30,9 @@ TEXTS = [
     "Peter Piper picked a peck of pickled peppers.",
     "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. " * 2,
 ]
+
+BOUNDARY = document_boundary(Tokenizer.byte_level())
+"""The tiny preset's document boundary (its byte tokenizer has no <|endoftext|>: BOS)."""
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def searcher(tiny):
     """Exact search over (key, next token) pairs of the tiny model over TEXTS (as a datastore holds)."""
     tok = tiny.tokenizer
     train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 4]]
-    return exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), tok.bos_id)
+    return exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), document_boundary(tok))
 
 
 def test_plan_without_context_is_memlm_eval_plan():
@@ -71,16 +75,16 @@ def test_plan_with_context_scores_each_target_once_with_left_context():
 
 def test_score_without_context_equals_memlm_eval(tiny, docs):
     window = WindowConfig(context=32, stride=16, batch_size=4)
-    scores = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id)
+    scores = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=BOUNDARY)
     # Per-token base log-probs are bit-identical to the windows memlm eval runs.
     expected: list[list[torch.Tensor]] = [[] for _ in docs]
-    for s in score_documents(tiny.model, docs, window, tiny.tokenizer.bos_id):
+    for s in score_documents(tiny.model, docs, window, BOUNDARY):
         expected[s.doc].append(s.lm_logprob)
     for s, e, d in zip(scores, expected, docs):
         np.testing.assert_array_equal(s.base_logprob, torch.cat(e).numpy())
         np.testing.assert_array_equal(s.logprob, s.base_logprob)  # no kNN: final is base
         assert s.tokens.tolist() == d and s.context_tokens == 1
-    result = evaluate_perplexity(tiny.model, docs, window, tiny.tokenizer.bos_id, progress=False)
+    result = evaluate_perplexity(tiny.model, docs, window, BOUNDARY, progress=False)
     nll = -sum(s.total_logprob for s in scores)
     assert math.isclose(math.exp(nll / result["tokens"]), result["perplexity"], rel_tol=1e-9)
     greedy = sum(int(s.greedy.sum()) for s in scores)
@@ -89,8 +93,8 @@ def test_score_without_context_equals_memlm_eval(tiny, docs):
 
 def test_one_window_equals_full_forward(tiny, docs):
     seq = docs[1]
-    (s,) = score_tokens(tiny.model, [seq], context=128, stride=64, boundary_token=tiny.tokenizer.bos_id, top_n=5)
-    idx = torch.tensor([[tiny.tokenizer.bos_id, *seq]])
+    (s,) = score_tokens(tiny.model, [seq], context=128, stride=64, boundary_token=BOUNDARY, top_n=5)
+    idx = torch.tensor([[BOUNDARY, *seq]])
     with torch.no_grad():
         lp = F.log_softmax(tiny.model(idx).logits[0, :-1].float(), -1)  # (n, V)
     target = torch.tensor(seq)
@@ -105,14 +109,14 @@ def test_one_window_equals_full_forward(tiny, docs):
 def test_context_conditions_but_is_not_scored(tiny, docs):
     ctx, cont = docs[0][:40], docs[0][40:70]
     (with_ctx,) = score_tokens(tiny.model, [cont], contexts=[ctx], context=128, stride=64,
-                               boundary_token=tiny.tokenizer.bos_id)
-    (whole,) = score_tokens(tiny.model, [ctx + cont], context=128, stride=64, boundary_token=tiny.tokenizer.bos_id)
+                               boundary_token=BOUNDARY)
+    (whole,) = score_tokens(tiny.model, [ctx + cont], context=128, stride=64, boundary_token=BOUNDARY)
     assert with_ctx.tokens.tolist() == cont and with_ctx.context_tokens == 1 + len(ctx)
     torch.testing.assert_close(torch.from_numpy(with_ctx.base_logprob), torch.from_numpy(whole.base_logprob[40:]))
     # Short windows: each continuation token is scored in a window that starts where the plan says.
     (windowed,) = score_tokens(tiny.model, [cont], contexts=[ctx], context=16, stride=8,
-                               boundary_token=tiny.tokenizer.bos_id)
-    seq = [tiny.tokenizer.bos_id, *ctx, *cont]
+                               boundary_token=BOUNDARY)
+    seq = [BOUNDARY, *ctx, *cont]
     for w in plan_scored_windows(len(seq) - 1, len(ctx), 16, 8):
         with torch.no_grad():
             lp = F.log_softmax(tiny.model(torch.tensor([seq[w.start : w.end]])).logits[0].float(), -1)
@@ -123,13 +127,13 @@ def test_context_conditions_but_is_not_scored(tiny, docs):
 
 
 def test_empty_sequence_has_infinite_perplexity(tiny):
-    (s,) = score_tokens(tiny.model, [[]], context=16, stride=8, boundary_token=tiny.tokenizer.bos_id, top_n=2)
+    (s,) = score_tokens(tiny.model, [[]], context=16, stride=8, boundary_token=BOUNDARY, top_n=2)
     assert len(s.tokens) == 0 and s.top_ids.shape == (0, 2) and s.perplexity == math.inf
 
 
 def test_knn_lambda_zero_is_base(tiny, docs, searcher):
     knn = KNNLMConfig(k=8, lmbda=0.0, temperature=1.0)
-    (s,) = score_tokens(tiny.model, docs[:1], context=32, stride=16, boundary_token=tiny.tokenizer.bos_id,
+    (s,) = score_tokens(tiny.model, docs[:1], context=32, stride=16, boundary_token=BOUNDARY,
                         searcher=searcher, knn=knn)
     np.testing.assert_array_equal(s.logprob, s.base_logprob)
 
@@ -137,9 +141,9 @@ def test_knn_lambda_zero_is_base(tiny, docs, searcher):
 def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
     knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
     window = WindowConfig(context=32, stride=16, batch_size=4)
-    scores = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=tiny.tokenizer.bos_id,
+    scores = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=BOUNDARY,
                           searcher=searcher, knn=knn, top_n=3)
-    result = evaluate_knnlm(tiny.model, docs, searcher, window, knn, tiny.tokenizer.bos_id,
+    result = evaluate_knnlm(tiny.model, docs, searcher, window, knn, BOUNDARY,
                             recall_queries=0, progress=False)
     nll = -sum(s.total_logprob for s in scores)
     base_nll = -sum(s.base_total_logprob for s in scores)
@@ -164,11 +168,11 @@ def test_segments_xl_equal_evaluate_segments(tiny, docs, batch_size):
     # Segments of 8 and a memory of 12 slots (+2 sinks): every document spans several segments and
     # evicts from its memory, so the memory carried between segments is what is being compared.
     memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
-    bos = tiny.tokenizer.bos_id
-    scores = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos,
+    boundary = BOUNDARY
+    scores = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary,
                                    batch_size=batch_size, top_n=2)
     result = evaluate_segments(tiny.model, docs, segment=8, memory="xl", mem_len=12, sink_tokens=2,
-                               batch_size=batch_size, boundary_token=bos)
+                               batch_size=batch_size, boundary_token=boundary)
     assert sum(len(s.tokens) for s in scores) == result["tokens"]
     total = sum(s.total_logprob for s in scores)
     assert math.isclose(total, -result["nll"] * result["tokens"], rel_tol=1e-9)
@@ -181,10 +185,10 @@ def test_segments_xl_equal_evaluate_segments(tiny, docs, batch_size):
 def test_segments_xl_per_token_equal_manual_recurrence(tiny, docs):
     """Per token: one document run segment by segment by hand with XLMemory (batch 1)."""
     memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
-    bos = tiny.tokenizer.bos_id
+    boundary = BOUNDARY
     doc = docs[0]
-    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=bos, batch_size=1)
-    seq = [bos, *doc]
+    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=boundary, batch_size=1)
+    seq = [boundary, *doc]
     state = new_memory(memory, 1)
     want = []
     with torch.no_grad():
@@ -197,17 +201,17 @@ def test_segments_xl_per_token_equal_manual_recurrence(tiny, docs):
     torch.testing.assert_close(torch.from_numpy(s.base_logprob), torch.cat(want), rtol=1e-5, atol=1e-5)
     # The memory matters: without it (each segment alone) the scores differ.
     (alone,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=MemoryConfig("none"),
-                                     boundary_token=bos, batch_size=1)
+                                     boundary_token=boundary, batch_size=1)
     assert not np.allclose(alone.base_logprob, s.base_logprob)
 
 
 def test_segments_context_conditions_but_is_not_scored(tiny, docs):
     ctx, cont = docs[0][:20], docs[0][20:45]
     memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
-    bos = tiny.tokenizer.bos_id
+    boundary = BOUNDARY
     (with_ctx, empty) = score_tokens_segments(tiny.model, [cont, []], contexts=[ctx, ctx], segment=8,
-                                              memory=memory, boundary_token=bos, batch_size=2, top_n=1)
-    (whole,) = score_tokens_segments(tiny.model, [ctx + cont], segment=8, memory=memory, boundary_token=bos,
+                                              memory=memory, boundary_token=boundary, batch_size=2, top_n=1)
+    (whole,) = score_tokens_segments(tiny.model, [ctx + cont], segment=8, memory=memory, boundary_token=boundary,
                                      batch_size=1)
     assert with_ctx.tokens.tolist() == cont and with_ctx.context_tokens == 1 + len(ctx)
     torch.testing.assert_close(torch.from_numpy(with_ctx.base_logprob), torch.from_numpy(whole.base_logprob[20:]))
@@ -216,11 +220,11 @@ def test_segments_context_conditions_but_is_not_scored(tiny, docs):
 
 def test_segments_knn_lambda_zero_is_base_and_keys_come_from_the_memory_forward(tiny, docs, searcher):
     memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
-    bos = tiny.tokenizer.bos_id
-    base = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos)
-    zero = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos,
+    boundary = BOUNDARY
+    base = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary)
+    zero = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary,
                                  searcher=searcher, knn=KNNLMConfig(k=8, lmbda=0.0, temperature=1.0))
-    mixed = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=bos, top_n=3,
+    mixed = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary, top_n=3,
                                   searcher=searcher, knn=KNNLMConfig(k=8, lmbda=0.5, temperature=5.0))
     for b, z, m in zip(base, zero, mixed):
         np.testing.assert_array_equal(z.logprob, b.base_logprob)
@@ -230,9 +234,9 @@ def test_segments_knn_lambda_zero_is_base_and_keys_come_from_the_memory_forward(
     # Oracle for the mixture: search the keys of the memory forward pass by hand (first document).
     knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
     doc = docs[1]
-    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=bos,
+    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=boundary,
                                  searcher=searcher, knn=knn, batch_size=1)
-    seq, state, want = [bos, *doc], new_memory(memory, 1), []
+    seq, state, want = [boundary, *doc], new_memory(memory, 1), []
     from memlm.retrieval.knnlm import interpolate, knn_target_logprob
 
     with torch.no_grad():
@@ -273,15 +277,15 @@ def test_generate_xl_runs_past_context_and_scores_as_segments(tiny):
     short = Decoder(replace(tiny.model.config, max_seq_len=32))
     short.load_state_dict(tiny.model.state_dict())
     short.eval()
-    tok, bos = tiny.tokenizer, tiny.tokenizer.bos_id
+    tok, boundary = tiny.tokenizer, BOUNDARY
     prompt = tok.encode("The quick brown fox")
     memory = MemoryConfig("xl", mem_len=16, sink_tokens=2)
     events = list(generate(short, tok, prompt, max_new_tokens=60, sampling=SamplingConfig(0.9, seed=1),
-                           boundary_token=bos, memory=memory, segment=1))
+                           boundary_token=boundary, memory=memory, segment=1))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert len(tokens) == 60 and 1 + len(prompt) + 60 > short.config.max_seq_len
     (s,) = score_tokens_segments(short, [[t.token_id for t in tokens]], contexts=[prompt], segment=1, memory=memory,
-                                 boundary_token=bos, batch_size=1)
+                                 boundary_token=boundary, batch_size=1)
     torch.testing.assert_close(torch.from_numpy(s.base_logprob), torch.tensor([t.base_logprob for t in tokens]),
                                rtol=1e-5, atol=1e-5)
 
@@ -290,12 +294,12 @@ def test_generate_xl_without_eviction_equals_kv_cache(tiny):
     """While nothing leaves the memory, the XL memory holds exactly what a KV cache holds."""
     from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 
-    tok, bos = tiny.tokenizer, tiny.tokenizer.bos_id
+    tok, boundary = tiny.tokenizer, BOUNDARY
     prompt = tok.encode("Peter Piper picked a peck")
     runs = {}
     for name, memory in (("cache", None), ("xl", MemoryConfig("xl", mem_len=256, sink_tokens=4))):
-        events = generate(tiny.model, tok, prompt, max_new_tokens=20, sampling=SamplingConfig(0.0), boundary_token=bos,
-                          memory=memory, segment=8 if memory else None)
+        events = generate(tiny.model, tok, prompt, max_new_tokens=20, sampling=SamplingConfig(0.0),
+                          boundary_token=boundary, memory=memory, segment=8 if memory else None)
         runs[name] = [(e.token_id, e.base_logprob) for e in events if isinstance(e, TokenEvent)]
     assert [t for t, _ in runs["xl"]] == [t for t, _ in runs["cache"]]
     np.testing.assert_allclose([lp for _, lp in runs["xl"]], [lp for _, lp in runs["cache"]], rtol=1e-5, atol=1e-5)
