@@ -1,6 +1,6 @@
 """LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
 
-The servicer is thin (STYLE.md 14): it validates a request into library arguments, runs
+The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm_requests), runs
 `memlm.jobs.scoring.score_tokens` / `memlm.jobs.generate.generate` and encodes the result. All model work runs on
 ONE worker thread: torch is not async, and one thread keeps the model's memory and the CPU cores to one
 computation at a time. Generate advances its token iterator one step per job on that thread, so
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,23 +38,21 @@ from memlm.jobs.generate import (
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationEnd,
-    SamplingConfig,
     TokenEvent,
     generate,
 )
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
-from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
+from services.lm_requests import DEFAULT_MEMORY_MODE, SUPPORTED_MEMORY_MODES, LMLimits, RequestParser
 from services.retrieval_server import info_to_proto
 from services.security import ClientTls
 from services.server_common import (
     DEFAULT_HOST,
-    InvalidRequest,
     RunningServer,
     ServerOptions,
     ServiceError,
@@ -67,42 +64,11 @@ from services.server_common import (
 
 SERVICE = lm_pb2.DESCRIPTOR.services_by_name["LanguageModelService"]
 MESSAGE_CLASSES = message_classes_of(lm_pb2, retrieval_pb2, tensor_pb2)
-SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
 FINISH_REASONS = {
     FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
     FINISH_STOP: lm_pb2.FINISH_REASON_STOP_SEQUENCE,
     FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
 }
-OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
-
-
-@dataclass(frozen=True)
-class LMLimits:
-    """What one request may ask for (the answers of GetInfo)."""
-
-    max_score_tokens: int = 65536
-    """Longest sequence Score (boundary + context + continuation) or a Generate prompt may have, in tokens."""
-    max_score_batch: int = 64
-    """Most inputs in one ScoreRequest or texts in one TokenizeRequest."""
-    max_new_tokens: int = 4096
-    """Largest max_new_tokens of a GenerateRequest."""
-    max_top_n: int = 20
-    """Largest ScoreRequest.top_n."""
-    max_k: int = 4096
-    """Largest kNN-LM k."""
-    max_stop_sequences: int = 16
-    """Most stop sequences in one GenerateRequest."""
-    score_batch_size: int = 4
-    """Windows (NONE) or sequences side by side (XL) per forward pass while scoring (as `memlm eval --batch-size`)."""
-    segment_tokens: int = MemoryConfig.segment
-    """MEMORY_MODE_XL segment length where a request leaves it unset, in tokens (`memlm eval --segment`);
-    capped at the model's context."""
-    memory_tokens: int = MemoryConfig.mem_len
-    """MEMORY_MODE_XL memory length (states per layer) where a request leaves it unset (`memlm eval --mem-len`)."""
-    sink_tokens: int = MemoryConfig.sink_tokens
-    """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
-    max_memory_tokens: int = 65536
-    """Largest memory_tokens or sink_tokens a request may ask for."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +79,6 @@ class GenerationRecord:
     """Tokens generated before the call ended."""
     outcome: str
     """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
 
 
 class LanguageModelServicer:
@@ -156,21 +118,21 @@ class LanguageModelServicer:
         self._searcher = searcher
         self._boundary = boundary
         # Valid ids: those both the model and the tokenizer know (a random preset may pad its vocab).
-        self._vocab = min(model.config.vocab_size, tokenizer.vocab_size)
+        vocab = min(model.config.vocab_size, tokenizer.vocab_size)
+        self._parser = RequestParser(tokenizer=tokenizer, vocab=vocab, max_len=model.config.max_seq_len,
+                                     limits=self._limits, knn_defaults=self._knn_defaults,
+                                     has_searcher=searcher is not None)
         # Token texts once, so responses never decode token by token.
         self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
         response = lm_pb2.LanguageModelServiceGetInfoResponse(
             model=self._model_name,
             model_fingerprint=pretrained.fingerprint,
             tokenizer_fingerprint=tokenizer.fingerprint,
-            vocab_size=self._vocab,
+            vocab_size=vocab,
             context_length=model.config.max_seq_len,
             memory_modes=SUPPORTED_MEMORY_MODES,
-            default_memory_mode=lm_pb2.MEMORY_MODE_NONE,
-            default_memory=lm_pb2.MemoryOptions(
-                segment_tokens=min(self._limits.segment_tokens, model.config.max_seq_len),
-                memory_tokens=self._limits.memory_tokens, sink_tokens=self._limits.sink_tokens,
-            ),
+            default_memory_mode=DEFAULT_MEMORY_MODE,
+            default_memory=self._parser.default_memory,
             max_memory_tokens=self._limits.max_memory_tokens,
             max_score_tokens=self._limits.max_score_tokens,
             max_score_batch=self._limits.max_score_batch,
@@ -202,183 +164,26 @@ class LanguageModelServicer:
         except MemlmError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    # -- validation -------------------------------------------------------------------------------
-
-    def _ids(self, ids, field: str) -> list[int]:
-        out = list(ids)
-        for j, i in enumerate(out):
-            if not 0 <= i < self._vocab:
-                raise InvalidRequest(f"{field}[{j}]", f"token id {i} outside [0, {self._vocab})")
-        return out
-
-    def _text(self, text: str, field: str) -> list[int]:
-        # Bound the work before tokenizing: a text of more than 64 characters per allowed token cannot
-        # fit (BPE tokens average a few characters), and tokenizing megabytes would stall the model thread.
-        if len(text) > 64 * self._limits.max_score_tokens:
-            raise InvalidRequest(field, f"{len(text)} characters, far over {self._limits.max_score_tokens} tokens",
-                                 OUT_OF_RANGE)
-        return self._tokenizer.encode(text)
-
-    def _memory(self, request) -> tuple[MemoryConfig, int] | None:
-        """The request's memory (MemoryConfig, segment length in tokens), or None for MEMORY_MODE_NONE."""
-        mode = request.memory_mode
-        if mode == lm_pb2.MEMORY_MODE_UNSPECIFIED:
-            mode = self._info.default_memory_mode
-        if mode not in lm_pb2.MemoryMode.values():
-            raise InvalidRequest("memory_mode", f"unknown value {mode}")
-        if mode not in SUPPORTED_MEMORY_MODES:
-            supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in SUPPORTED_MEMORY_MODES)
-            raise InvalidRequest(
-                "memory_mode",
-                f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported})",
-                grpc.StatusCode.UNIMPLEMENTED,
-            )
-        if mode == lm_pb2.MEMORY_MODE_NONE:
-            return None
-        o, d = request.memory, self._info.default_memory
-        max_len = self._model.config.max_seq_len
-        segment = o.segment_tokens if o.HasField("segment_tokens") else d.segment_tokens
-        if not 1 <= segment <= max_len:
-            raise InvalidRequest("memory.segment_tokens", f"{segment}, must be in [1, {max_len}] (the model's context)")
-        sizes = {}
-        for name in ("memory_tokens", "sink_tokens"):
-            value = getattr(o, name) if o.HasField(name) else getattr(d, name)
-            if value < 0:
-                raise InvalidRequest(f"memory.{name}", f"{value}, must be >= 0")
-            if value > self._limits.max_memory_tokens:
-                raise InvalidRequest(
-                    f"memory.{name}", f"{value}, at most {self._limits.max_memory_tokens}", OUT_OF_RANGE
-                )
-            sizes[name] = value
-        return MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"]), segment
-
-    def _knn(self, request) -> KNNLMConfig | None:
-        if not request.HasField("knn") or not request.knn.enabled:
-            return None
-        o = request.knn
-        if self._searcher is None:
-            raise InvalidRequest(
-                "knn.enabled", "this server has no datastore; start it with --datastore or --retrieval",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
-        d = self._knn_defaults
-        lmbda = o.lambda_weight if o.HasField("lambda_weight") else d.lmbda
-        temperature = o.temperature if o.HasField("temperature") else d.temperature
-        k = o.k if o.HasField("k") else d.k
-        nprobe = o.nprobe if o.HasField("nprobe") else d.nprobe
-        if lmbda is None or not (_finite(lmbda) and 0.0 <= lmbda <= 1.0):
-            raise InvalidRequest("knn.lambda_weight", f"{lmbda}, must be in [0, 1]")
-        if temperature is None or not (_finite(temperature) and temperature > 0):
-            raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
-        if k < 1:
-            raise InvalidRequest("knn.k", f"{k}, must be >= 1")
-        if k > self._limits.max_k:
-            raise InvalidRequest("knn.k", f"{k}, at most {self._limits.max_k}", OUT_OF_RANGE)
-        if nprobe is not None and nprobe < 1:
-            raise InvalidRequest("knn.nprobe", f"{nprobe}, must be >= 1")
-        return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
-
-    def _batch_size(self, n: int, field: str) -> None:
-        if n == 0:
-            raise InvalidRequest(field, "empty batch: send at least one")
-        if n > self._limits.max_score_batch:
-            raise InvalidRequest(field, f"{n} entries, at most {self._limits.max_score_batch}", OUT_OF_RANGE)
-
-    def _parse_score(self, request: lm_pb2.ScoreRequest) -> dict:
-        self._batch_size(len(request.inputs), "inputs")
-        memory = self._memory(request)
-        if not 0 <= request.top_n <= self._limits.max_top_n:
-            raise InvalidRequest("top_n", f"{request.top_n}, must be in [0, {self._limits.max_top_n}]")
-        max_len = self._model.config.max_seq_len
-        window = request.window_tokens if request.HasField("window_tokens") else min(1024, max_len)
-        if not 1 <= window <= max_len:
-            raise InvalidRequest("window_tokens", f"{window}, must be in [1, {max_len}] (the model's context)")
-        stride = request.stride_tokens if request.HasField("stride_tokens") else max(1, window // 2)
-        if not 1 <= stride <= window:
-            raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
-        knn = self._knn(request)
-        contexts, continuations = [], []
-        for i, item in enumerate(request.inputs):
-            field = f"inputs[{i}]"
-            which = item.WhichOneof("context")
-            if which == "context_text":
-                ctx = self._text(item.context_text, f"{field}.context_text")
-            elif which == "context_token_ids":
-                ctx = self._ids(item.context_token_ids.ids, f"{field}.context_token_ids.ids")
-            else:
-                ctx = []
-            which = item.WhichOneof("continuation")
-            if which == "text":
-                cont = self._text(item.text, f"{field}.text")
-            elif which == "token_ids":
-                cont = self._ids(item.token_ids.ids, f"{field}.token_ids.ids")
-            else:
-                raise InvalidRequest(f"{field}.continuation", "missing: set text or token_ids")
-            total = 1 + len(ctx) + len(cont)
-            if total > self._limits.max_score_tokens:
-                raise InvalidRequest(
-                    field, f"{total} tokens (boundary + context + continuation), at most {self._limits.max_score_tokens}",
-                    OUT_OF_RANGE,
-                )
-            contexts.append(ctx)
-            continuations.append(cont)
-        return dict(token_seqs=continuations, contexts=contexts, context=window, stride=stride, knn=knn,
-                    top_n=request.top_n, memory=memory)
-
-    def _parse_generate(self, request: lm_pb2.GenerateRequest) -> dict:
-        which = request.WhichOneof("prompt")
-        if which == "prompt_text":
-            prompt = self._text(request.prompt_text, "prompt_text")
-        elif which == "prompt_token_ids":
-            prompt = self._ids(request.prompt_token_ids.ids, "prompt_token_ids.ids")
-        else:
-            raise InvalidRequest("prompt", "missing: set prompt_text or prompt_token_ids")
-        if 1 + len(prompt) > self._limits.max_score_tokens:
-            raise InvalidRequest("prompt", f"{len(prompt)} tokens, at most {self._limits.max_score_tokens - 1}", OUT_OF_RANGE)
-        if request.max_new_tokens < 1:
-            raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, must be >= 1")
-        if request.max_new_tokens > self._limits.max_new_tokens:
-            raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, at most {self._limits.max_new_tokens}", OUT_OF_RANGE)
-        s = request.sampling
-        temperature = s.temperature if s.HasField("temperature") else 1.0
-        if not (_finite(temperature) and temperature >= 0):
-            raise InvalidRequest("sampling.temperature", f"{temperature}, must be a finite number >= 0")
-        top_k = s.top_k if s.HasField("top_k") else None
-        if top_k is not None and top_k < 1:
-            raise InvalidRequest("sampling.top_k", f"{top_k}, must be >= 1")
-        top_p = s.top_p if s.HasField("top_p") else None
-        if top_p is not None and not (_finite(top_p) and 0 < top_p <= 1):
-            raise InvalidRequest("sampling.top_p", f"{top_p}, must be in (0, 1]")
-        if len(request.stop_sequences) > self._limits.max_stop_sequences:
-            raise InvalidRequest("stop_sequences", f"{len(request.stop_sequences)}, at most {self._limits.max_stop_sequences}", OUT_OF_RANGE)
-        for j, stop in enumerate(request.stop_sequences):
-            if not stop:
-                raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
-        memory = self._memory(request)
-        knn = self._knn(request)
-        sampling = SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
-        return dict(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=sampling,
-                    stop_sequences=list(request.stop_sequences), knn=knn, memory=memory)
-
     # -- rpcs ---------------------------------------------------------------------------------------
 
     async def Score(self, request: lm_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
 
         def work():
-            args = self._parse_score(request)  # tokenizing long texts is work too: off the event loop
-            common = dict(
-                contexts=args["contexts"], boundary_token=self._boundary,
-                searcher=self._searcher if args["knn"] is not None else None, knn=args["knn"],
-                top_n=args["top_n"], batch_size=self._limits.score_batch_size,
-            )
-            if args["memory"] is None:
-                scores = score_tokens(self._model, args["token_seqs"], context=args["context"], stride=args["stride"],
-                                      **common)
+            args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
+            searcher = self._searcher if args.knn is not None else None
+            if args.memory is None:
+                scores = score_tokens(
+                    self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
+                    boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
+                    batch_size=self._limits.score_batch_size,
+                )
             else:
-                memory, segment = args["memory"]
-                scores = score_tokens_segments(self._model, args["token_seqs"], segment=segment, memory=memory,
-                                               **common)
+                scores = score_tokens_segments(
+                    self._model, args.token_seqs, segment=args.memory.segment, memory=args.memory,
+                    contexts=args.contexts, boundary_token=self._boundary, searcher=searcher, knn=args.knn,
+                    top_n=args.top_n, batch_size=self._limits.score_batch_size,
+                )
             return lm_pb2.ScoreResponse(results=[self._encode_score(s) for s in scores])
 
         return await self._call_library(context, work)
@@ -404,13 +209,12 @@ class LanguageModelServicer:
         await self._require_loaded(context)
 
         def start():
-            args = self._parse_generate(request)
+            args = self._parser.generate(request)
             return generate(
-                self._model, self._tokenizer, args["prompt"], max_new_tokens=args["max_new_tokens"],
-                sampling=args["sampling"], stop_sequences=args["stop_sequences"], boundary_token=self._boundary,
-                eos_id=self._tokenizer.eos_id, searcher=self._searcher if args["knn"] is not None else None,
-                knn=args["knn"], memory=args["memory"][0] if args["memory"] else None,
-                segment=args["memory"][1] if args["memory"] else None,
+                self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
+                eos_id=self._tokenizer.eos_id, searcher=self._searcher if args.knn is not None else None,
+                knn=args.knn, memory=args.memory, segment=args.memory.segment if args.memory else None,
             )
 
         events = await self._call_library(context, start)
@@ -462,7 +266,7 @@ class LanguageModelServicer:
 
     async def Tokenize(self, request: lm_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
-        self._batch_size(len(request.texts), "texts")
+        self._parser.batch_size(len(request.texts), "texts")
 
         def work():
             results = []

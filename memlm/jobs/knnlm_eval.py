@@ -195,6 +195,67 @@ EXACT_RECALL_MAX_BYTES = 8 << 30
 """Largest key matrix (N * d * 2 bytes) a caller copies into a TorchExactSearcher for the recall check."""
 
 
+class _Pass(NamedTuple):
+    """Sums and timings of one kNN-LM pass over the evaluation documents."""
+
+    base_nll: float  # float64 sums, window by window, as evaluate_perplexity
+    knn_nll: float
+    tokens: int
+    hits: int  # tokens whose target is among the neighbours
+    forward_seconds: float
+    search_seconds: float
+    interpolate_seconds: float
+    sample: list[np.ndarray]  # up to recall_queries evaluation keys (d,), a seeded uniform sample
+
+
+def _knn_pass(
+    model: Decoder,
+    token_docs: Sequence[list[int]],
+    searcher: Searcher,
+    window_config: WindowConfig,
+    knn_config: KNNLMConfig,
+    boundary_token: int,
+    lmbda: float,
+    temperature: float,
+    recall_queries: int,
+    search_tokens: int,
+    progress: bool,
+) -> _Pass:
+    """One pass: forward (timed), one search per group of windows (timed), interpolation (timed)."""
+    forward, search, mix = _Timer(model.device), _Timer(torch.device("cpu")), _Timer(torch.device("cpu"))
+    base_nll = knn_nll = 0.0
+    scored = hits = seen = 0
+    rng = np.random.default_rng(0)
+    sample: list[np.ndarray] = []
+    stream = _timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True), forward)
+    total = sum(len(d) for d in token_docs)
+    with tqdm(total=total, desc="eval kNN-LM", unit="tok", file=sys.stderr, disable=not progress) as bar:
+        for group in _groups(stream, search_tokens):
+            xq, targets = _queries(group)  # (Q, d), (Q,)
+            with search:
+                nb = searcher.search(xq, knn_config.k, knn_config.search_options)
+            with mix:
+                knn = knn_target_logprob(nb, targets, temperature)  # (Q,)
+                hits += int(torch.isfinite(knn).sum())
+                lo = 0
+                for s in group:  # per window, summed exactly like evaluate_perplexity
+                    n = s.targets.shape[0]
+                    base_nll -= s.lm_logprob.double().sum().item()
+                    knn_nll -= interpolate(s.lm_logprob, knn[lo : lo + n], lmbda).double().sum().item()
+                    lo += n
+            scored += xq.shape[0]
+            for row in xq:  # reservoir sampling (Algorithm R)
+                if len(sample) < recall_queries:
+                    sample.append(row)
+                else:
+                    j = int(rng.integers(0, seen + 1))
+                    if j < recall_queries:
+                        sample[j] = row
+                seen += 1
+            bar.update(xq.shape[0])
+    return _Pass(base_nll, knn_nll, scored, hits, forward.seconds, search.seconds, mix.seconds, sample)
+
+
 def evaluate_knnlm(
     model: Decoder,
     token_docs: Sequence[list[int]],
@@ -244,41 +305,14 @@ def evaluate_knnlm(
                       tune_base_perplexity=tuned.base_perplexity, tune_knnlm_perplexity=tuned.perplexity)
     assert lmbda is not None and temperature is not None
 
-    forward, search, mix = _Timer(model.device), _Timer(torch.device("cpu")), _Timer(torch.device("cpu"))
-    base_nll = knn_nll = 0.0  # float64 sums, window by window, as evaluate_perplexity
-    scored = hits = 0
-    rng = np.random.default_rng(0)
-    sample: list[np.ndarray] = []  # reservoir of evaluation keys for the recall check
-    seen = 0
-    stream = _timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True), forward)
-    with tqdm(total=total, desc="eval kNN-LM", unit="tok", file=sys.stderr, disable=not progress) as bar:
-        for group in _groups(stream, search_tokens):
-            xq, targets = _queries(group)  # (Q, d), (Q,)
-            with search:
-                nb = searcher.search(xq, knn_config.k, knn_config.search_options)
-            with mix:
-                knn = knn_target_logprob(nb, targets, temperature)  # (Q,)
-                hits += int(torch.isfinite(knn).sum())
-                lo = 0
-                for s in group:  # per window, summed exactly like evaluate_perplexity
-                    n = s.targets.shape[0]
-                    base_nll -= s.lm_logprob.double().sum().item()
-                    knn_nll -= interpolate(s.lm_logprob, knn[lo : lo + n], lmbda).double().sum().item()
-                    lo += n
-            scored += xq.shape[0]
-            for row in xq:  # reservoir sampling (Algorithm R)
-                if len(sample) < recall_queries:
-                    sample.append(row)
-                else:
-                    j = int(rng.integers(0, seen + 1))
-                    if j < recall_queries:
-                        sample[j] = row
-                seen += 1
-            bar.update(xq.shape[0])
+    run = _knn_pass(model, token_docs, searcher, window_config, knn_config, boundary_token, lmbda, temperature,
+                    recall_queries, search_tokens, progress)
+    base_nll, knn_nll, scored, hits = run.base_nll, run.knn_nll, run.tokens, run.hits
     assert scored == total, f"scored {scored} tokens of {total}"
+    forward, search, mix = run.forward_seconds, run.search_seconds, run.interpolate_seconds
 
     base_ppl, knn_ppl = math.exp(base_nll / scored), math.exp(knn_nll / scored)
-    overhead = search.seconds + mix.seconds
+    overhead = search + mix
     result.update(
         tokens=scored,
         base_nll=base_nll,
@@ -291,12 +325,12 @@ def evaluate_knnlm(
         k=knn_config.k,
         exact_rerank=knn_config.exact_rerank,
         nprobe=knn_config.nprobe,
-        forward_seconds=forward.seconds,
-        search_seconds=search.seconds,
-        interpolate_seconds=mix.seconds,
-        base_tokens_per_s=scored / forward.seconds if forward.seconds > 0 else float("inf"),
-        knnlm_tokens_per_s=scored / (forward.seconds + overhead) if forward.seconds + overhead > 0 else float("inf"),
-        knnlm_speed_ratio=forward.seconds / (forward.seconds + overhead) if forward.seconds + overhead > 0 else 1.0,
+        forward_seconds=forward,
+        search_seconds=search,
+        interpolate_seconds=mix,
+        base_tokens_per_s=scored / forward if forward > 0 else float("inf"),
+        knnlm_tokens_per_s=scored / (forward + overhead) if forward + overhead > 0 else float("inf"),
+        knnlm_speed_ratio=forward / (forward + overhead) if forward + overhead > 0 else 1.0,
         context=window_config.context,
         stride=window_config.stride,
     )
@@ -305,8 +339,8 @@ def evaluate_knnlm(
     info = searcher.info()
     result["index"] = info.index
     result["datastore_size"] = info.n
-    if exact_searcher is not None and recall_queries > 0 and sample:
-        queries = np.stack(sample)  # (R, d)
+    if exact_searcher is not None and run.sample:
+        queries = np.stack(run.sample)  # (R, d)
         result["recall_k"] = knn_config.k
         # The options of the evaluation itself: recall says how good the neighbours it used were.
         options = knn_config.search_options

@@ -1,0 +1,278 @@
+"""LanguageModelService request parsing: a ScoreRequest / GenerateRequest becomes typed library arguments.
+
+Every check raises `InvalidRequest(field, message, code)`, which `services.server_common` turns into a
+status whose message starts with the field's name: INVALID_ARGUMENT for a value outside its domain,
+OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
+on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve. Nothing
+here runs the model; the servicer (services.lm_server) runs what the parser returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import grpc
+
+from memlm.jobs.generate import SamplingConfig
+from memlm.memory.config import MemoryConfig
+from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.v1 import language_model_pb2 as lm_pb2
+from services.server_common import InvalidRequest
+
+SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
+DEFAULT_MEMORY_MODE = lm_pb2.MEMORY_MODE_NONE
+"""What MEMORY_MODE_UNSPECIFIED means (GetInfo.default_memory_mode)."""
+OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
+
+
+@dataclass(frozen=True)
+class LMLimits:
+    """What one request may ask for (the answers of GetInfo)."""
+
+    max_score_tokens: int = 65536
+    """Longest sequence Score (boundary + context + continuation) or a Generate prompt may have, in tokens."""
+    max_score_batch: int = 64
+    """Most inputs in one ScoreRequest or texts in one TokenizeRequest."""
+    max_new_tokens: int = 4096
+    """Largest max_new_tokens of a GenerateRequest."""
+    max_top_n: int = 20
+    """Largest ScoreRequest.top_n."""
+    max_k: int = 4096
+    """Largest kNN-LM k."""
+    max_stop_sequences: int = 16
+    """Most stop sequences in one GenerateRequest."""
+    score_batch_size: int = 4
+    """Windows (NONE) or sequences side by side (XL) per forward pass while scoring (as `memlm eval --batch-size`)."""
+    segment_tokens: int = MemoryConfig.segment
+    """MEMORY_MODE_XL segment length where a request leaves it unset, in tokens (`memlm eval --segment`);
+    capped at the model's context."""
+    memory_tokens: int = MemoryConfig.mem_len
+    """MEMORY_MODE_XL memory length (states per layer) where a request leaves it unset (`memlm eval --mem-len`)."""
+    sink_tokens: int = MemoryConfig.sink_tokens
+    """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
+    max_memory_tokens: int = 65536
+    """Largest memory_tokens or sink_tokens a request may ask for."""
+
+
+@dataclass(frozen=True)
+class ScoreArgs:
+    """A validated ScoreRequest, as memlm.jobs.scoring takes it."""
+
+    token_seqs: list[list[int]]
+    """The continuations to score, token ids."""
+    contexts: list[list[int]]
+    """Their contexts (conditioned on, not scored), token ids; [] for none."""
+    context: int
+    """Sliding-window length in tokens (MEMORY_MODE_NONE)."""
+    stride: int
+    """Sliding-window stride in tokens (MEMORY_MODE_NONE)."""
+    knn: KNNLMConfig | None
+    """kNN-LM settings, or None for the base LM."""
+    top_n: int
+    """Alternatives returned per token."""
+    memory: MemoryConfig | None
+    """MEMORY_MODE_XL memory (its segment included), or None for sliding windows."""
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A validated GenerateRequest, as memlm.jobs.generate.generate takes it."""
+
+    prompt: list[int]
+    """Prompt token ids."""
+    max_new_tokens: int
+    """1 <= tokens to generate <= LMLimits.max_new_tokens."""
+    sampling: SamplingConfig
+    """Temperature, top-k, top-p, seed."""
+    stop_sequences: list[str]
+    """Non-empty strings that end the generation."""
+    knn: KNNLMConfig | None
+    """kNN-LM settings, or None for the base LM."""
+    memory: MemoryConfig | None
+    """MEMORY_MODE_XL memory (its segment included), or None for a KV cache."""
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+class RequestParser:
+    """Checks requests against one loaded model and the server's limits.
+
+    vocab: valid token ids are [0, vocab); max_len: the model's context in tokens; has_searcher: whether
+    kNN-LM can be served; knn_defaults: what a request's unset kNN fields take.
+    """
+
+    def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
+                 knn_defaults: KNNLMConfig, has_searcher: bool) -> None:
+        self._tokenizer = tokenizer
+        self._vocab = vocab
+        self._max_len = max_len
+        self._limits = limits
+        self._knn_defaults = knn_defaults
+        self._has_searcher = has_searcher
+        self.default_memory = lm_pb2.MemoryOptions(
+            segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
+            sink_tokens=limits.sink_tokens,
+        )
+        """The sizes a MEMORY_MODE_XL request leaves unset take (GetInfo.default_memory)."""
+
+    def ids(self, ids, field: str) -> list[int]:
+        out = list(ids)
+        for j, i in enumerate(out):
+            if not 0 <= i < self._vocab:
+                raise InvalidRequest(f"{field}[{j}]", f"token id {i} outside [0, {self._vocab})")
+        return out
+
+    def text(self, text: str, field: str) -> list[int]:
+        # Bound the work before tokenizing: a text of more than 64 characters per allowed token cannot
+        # fit (BPE tokens average a few characters), and tokenizing megabytes would stall the model thread.
+        if len(text) > 64 * self._limits.max_score_tokens:
+            raise InvalidRequest(field, f"{len(text)} characters, far over {self._limits.max_score_tokens} tokens",
+                                 OUT_OF_RANGE)
+        return self._tokenizer.encode(text)
+
+    def batch_size(self, n: int, field: str) -> None:
+        if n == 0:
+            raise InvalidRequest(field, "empty batch: send at least one")
+        if n > self._limits.max_score_batch:
+            raise InvalidRequest(field, f"{n} entries, at most {self._limits.max_score_batch}", OUT_OF_RANGE)
+
+    def memory(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest) -> MemoryConfig | None:
+        """The request's memory, or None for MEMORY_MODE_NONE."""
+        mode = request.memory_mode
+        if mode == lm_pb2.MEMORY_MODE_UNSPECIFIED:
+            mode = DEFAULT_MEMORY_MODE
+        if mode not in lm_pb2.MemoryMode.values():
+            raise InvalidRequest("memory_mode", f"unknown value {mode}")
+        if mode not in SUPPORTED_MEMORY_MODES:
+            supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in SUPPORTED_MEMORY_MODES)
+            raise InvalidRequest(
+                "memory_mode",
+                f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported})",
+                grpc.StatusCode.UNIMPLEMENTED,
+            )
+        if mode == lm_pb2.MEMORY_MODE_NONE:
+            return None
+        o, d = request.memory, self.default_memory
+        segment = o.segment_tokens if o.HasField("segment_tokens") else d.segment_tokens
+        if not 1 <= segment <= self._max_len:
+            raise InvalidRequest("memory.segment_tokens",
+                                 f"{segment}, must be in [1, {self._max_len}] (the model's context)")
+        sizes = {}
+        for name in ("memory_tokens", "sink_tokens"):
+            value = getattr(o, name) if o.HasField(name) else getattr(d, name)
+            if value < 0:
+                raise InvalidRequest(f"memory.{name}", f"{value}, must be >= 0")
+            if value > self._limits.max_memory_tokens:
+                raise InvalidRequest(f"memory.{name}", f"{value}, at most {self._limits.max_memory_tokens}",
+                                     OUT_OF_RANGE)
+            sizes[name] = value
+        return MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"], segment=segment)
+
+    def knn(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest) -> KNNLMConfig | None:
+        if not request.HasField("knn") or not request.knn.enabled:
+            return None
+        o = request.knn
+        if not self._has_searcher:
+            raise InvalidRequest(
+                "knn.enabled", "this server has no datastore; start it with --datastore or --retrieval",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        d = self._knn_defaults
+        lmbda = o.lambda_weight if o.HasField("lambda_weight") else d.lmbda
+        temperature = o.temperature if o.HasField("temperature") else d.temperature
+        k = o.k if o.HasField("k") else d.k
+        nprobe = o.nprobe if o.HasField("nprobe") else d.nprobe
+        if lmbda is None or not (_finite(lmbda) and 0.0 <= lmbda <= 1.0):
+            raise InvalidRequest("knn.lambda_weight", f"{lmbda}, must be in [0, 1]")
+        if temperature is None or not (_finite(temperature) and temperature > 0):
+            raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
+        if k < 1:
+            raise InvalidRequest("knn.k", f"{k}, must be >= 1")
+        if k > self._limits.max_k:
+            raise InvalidRequest("knn.k", f"{k}, at most {self._limits.max_k}", OUT_OF_RANGE)
+        if nprobe is not None and nprobe < 1:
+            raise InvalidRequest("knn.nprobe", f"{nprobe}, must be >= 1")
+        return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
+
+    def _score_input(self, item: lm_pb2.ScoreInput, field: str) -> tuple[list[int], list[int]]:
+        """One input's (context, continuation) token ids."""
+        which = item.WhichOneof("context")
+        if which == "context_text":
+            ctx = self.text(item.context_text, f"{field}.context_text")
+        elif which == "context_token_ids":
+            ctx = self.ids(item.context_token_ids.ids, f"{field}.context_token_ids.ids")
+        else:
+            ctx = []
+        which = item.WhichOneof("continuation")
+        if which == "text":
+            cont = self.text(item.text, f"{field}.text")
+        elif which == "token_ids":
+            cont = self.ids(item.token_ids.ids, f"{field}.token_ids.ids")
+        else:
+            raise InvalidRequest(f"{field}.continuation", "missing: set text or token_ids")
+        total = 1 + len(ctx) + len(cont)
+        if total > self._limits.max_score_tokens:
+            raise InvalidRequest(
+                field, f"{total} tokens (boundary + context + continuation), at most {self._limits.max_score_tokens}",
+                OUT_OF_RANGE,
+            )
+        return ctx, cont
+
+    def score(self, request: lm_pb2.ScoreRequest) -> ScoreArgs:
+        self.batch_size(len(request.inputs), "inputs")
+        memory = self.memory(request)
+        if not 0 <= request.top_n <= self._limits.max_top_n:
+            raise InvalidRequest("top_n", f"{request.top_n}, must be in [0, {self._limits.max_top_n}]")
+        window = request.window_tokens if request.HasField("window_tokens") else min(1024, self._max_len)
+        if not 1 <= window <= self._max_len:
+            raise InvalidRequest("window_tokens", f"{window}, must be in [1, {self._max_len}] (the model's context)")
+        stride = request.stride_tokens if request.HasField("stride_tokens") else max(1, window // 2)
+        if not 1 <= stride <= window:
+            raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
+        knn = self.knn(request)
+        pairs = [self._score_input(item, f"inputs[{i}]") for i, item in enumerate(request.inputs)]
+        return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
+                         stride=stride, knn=knn, top_n=request.top_n, memory=memory)
+
+    def generate(self, request: lm_pb2.GenerateRequest) -> GenerateArgs:
+        which = request.WhichOneof("prompt")
+        if which == "prompt_text":
+            prompt = self.text(request.prompt_text, "prompt_text")
+        elif which == "prompt_token_ids":
+            prompt = self.ids(request.prompt_token_ids.ids, "prompt_token_ids.ids")
+        else:
+            raise InvalidRequest("prompt", "missing: set prompt_text or prompt_token_ids")
+        limits = self._limits
+        if 1 + len(prompt) > limits.max_score_tokens:
+            raise InvalidRequest("prompt", f"{len(prompt)} tokens, at most {limits.max_score_tokens - 1}", OUT_OF_RANGE)
+        if request.max_new_tokens < 1:
+            raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, must be >= 1")
+        if request.max_new_tokens > limits.max_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, at most {limits.max_new_tokens}",
+                                 OUT_OF_RANGE)
+        if len(request.stop_sequences) > limits.max_stop_sequences:
+            raise InvalidRequest("stop_sequences", f"{len(request.stop_sequences)}, at most {limits.max_stop_sequences}",
+                                 OUT_OF_RANGE)
+        for j, stop in enumerate(request.stop_sequences):
+            if not stop:
+                raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
+        return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
+                            stop_sequences=list(request.stop_sequences), knn=self.knn(request),
+                            memory=self.memory(request))
+
+    @staticmethod
+    def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        if not (_finite(temperature) and temperature >= 0):
+            raise InvalidRequest("sampling.temperature", f"{temperature}, must be a finite number >= 0")
+        top_k = s.top_k if s.HasField("top_k") else None
+        if top_k is not None and top_k < 1:
+            raise InvalidRequest("sampling.top_k", f"{top_k}, must be >= 1")
+        top_p = s.top_p if s.HasField("top_p") else None
+        if top_p is not None and not (_finite(top_p) and 0 < top_p <= 1):
+            raise InvalidRequest("sampling.top_p", f"{top_p}, must be in (0, 1]")
+        return SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
