@@ -27,9 +27,11 @@ def test_every_position_scored_exactly_once(n, context, data):
 
 
 def test_bad_stride_and_context_are_user_errors():
-    with pytest.raises(MemlmError, match="stride"):
+    with pytest.raises(MemlmError, match=r"^--stride must be between 1 and --context \(8\), got 9$"):
         plan_windows(10, 8, 9)
-    with pytest.raises(MemlmError, match="context"):
+    with pytest.raises(MemlmError, match=r"^--stride must be between 1 and --context \(8\), got 0$"):
+        plan_windows(10, 8, 0)
+    with pytest.raises(MemlmError, match="^--context must be at least 1, got 0$"):
         plan_windows(10, 0, 1)
 
 
@@ -64,3 +66,17 @@ def test_batching_and_padding_do_not_change_scores():
     torch.testing.assert_close(torch.cat([c.lm_logprob for c in one]), torch.cat([c.lm_logprob for c in many]),
                                atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.cat([c.targets for c in one]), torch.tensor([t for d in docs for t in d]))
+
+
+def test_keys_without_the_head_equal_keys_with_it():
+    """The datastore builder (with_logprobs=False) and evaluation share one forward: same keys, bit for bit."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name("tiny")).eval()
+    docs = [torch.randint(1, 512, (n,)).tolist() for n in (50, 9, 33)]
+    window = WindowConfig(context=16, stride=8, batch_size=3)
+    with_head = list(score_documents(model, docs, window, boundary_token=0))
+    keys_only = list(score_documents(model, docs, window, boundary_token=0, with_logprobs=False))
+    assert [(c.doc, c.positions.tolist()) for c in keys_only] == [(c.doc, c.positions.tolist()) for c in with_head]
+    for a, b in zip(keys_only, with_head):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.targets, b.targets)
+        assert a.lm_logprob.numel() == 0 and b.lm_logprob.shape == b.targets.shape
