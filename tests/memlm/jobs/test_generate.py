@@ -186,13 +186,13 @@ def test_bad_arguments(tiny):
     tok = tiny.tokenizer
     from memlm.errors import MemlmError
 
-    with pytest.raises(MemlmError, match="temperature"):
+    with pytest.raises(MemlmError, match=r"^temperature must be a finite number >= 0, got -1.0$"):
         SamplingConfig(temperature=-1.0)
-    with pytest.raises(MemlmError, match="top_p"):
+    with pytest.raises(MemlmError, match=r"^top_p must be in \(0, 1\], got 0.0$"):
         SamplingConfig(top_p=0.0)
-    with pytest.raises(MemlmError, match="max_new_tokens"):
+    with pytest.raises(MemlmError, match="^max_new_tokens must be >= 1, got 0$"):
         generate(tiny.model, tok, [1], max_new_tokens=0)
-    with pytest.raises(MemlmError, match="outside"):
+    with pytest.raises(MemlmError, match=r"^prompt has token ids outside \[0, 512\)$"):
         generate(tiny.model, tok, [100000], max_new_tokens=1)
-    with pytest.raises(MemlmError, match="non-empty"):
+    with pytest.raises(MemlmError, match="^stop sequences must be non-empty$"):
         generate(tiny.model, tok, [1], max_new_tokens=1, stop_sequences=[""])
