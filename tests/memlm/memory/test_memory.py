@@ -24,15 +24,6 @@ from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder, KVCache, LayerMemory, build_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: thread start-up dominates and 2 threads on 2 shared cores are ~20x slower than 1.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 ATOL = 1e-4  # logits are O(10) with the 0.2 init; float32 rounding differs by summation order
 
 
