@@ -140,50 +140,9 @@ def build_from_tokens(
     work.mkdir(parents=True, exist_ok=True)
     identity = _identity(model, provenance, settings)
     _check_identity(work, identity, out)
-
-    offsets_path = work / "doc_offsets.i64"
-    tokens_path = work / "tokens.i32"
-    if not offsets_path.exists():
-        _stage_tokenize(documents, settings.max_tokens, tokens_path, offsets_path, progress)
-    tokens = read_array(tokens_path, VALUE_DTYPE)  # (N,)
-    offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (docs + 1,)
-    n_total = int(tokens.shape[0])
-    if n_total == 0:
-        raise MemlmError(f"the corpus {provenance.corpus} gave no tokens; nothing to build")
-    dim = model.config.n_embd
-
-    encode_seconds = None
-    if not (out / KEYS_NAME).exists() or not (out / VALUES_NAME).exists():
-        shards_dir = work / "shards"
-        shards_dir.mkdir(exist_ok=True)
-        encode_seconds = _stage_encode(model, tokens, offsets, settings, provenance.boundary_token,
-                                       shards_dir, progress, log)
-        n_shards = complete_shards(shards_dir)
-        n_merged = merge_shards(shards_dir, n_shards, dim, out / KEYS_NAME, out / VALUES_NAME)
-        if n_merged != n_total:
-            raise RuntimeError(f"encoded {n_merged} keys for {n_total} tokens")
-        shutil.rmtree(shards_dir)
-    keys = read_array(out / KEYS_NAME, KEY_DTYPE, width=dim)  # (N, d)
-
-    factory = settings.index_factory
-    if factory is None:
-        factory, reason = index_lib.default_factory(n_total, dim)
-        log(f"index: {factory} ({reason}; choose another with --index)")
-    else:
-        log(f"index: {factory}")
-    trained_path = work / "trained.faiss"
-    if not (out / INDEX_NAME).exists():
-        t0 = time.perf_counter()
-        if not trained_path.exists():
-            trained = index_lib.train_index(factory, keys, settings.seed, log, progress)
-            index_lib.write_index(trained, trained_path)
-        index = index_lib.read_index(trained_path)
-        index = index_lib.add_keys(index, keys, settings.add_chunk, log, progress)
-        index_lib.write_index(index, out / INDEX_NAME)
-        log(f"index trained and filled in {time.perf_counter() - t0:.1f} s")
-    index = index_lib.read_index(out / INDEX_NAME, mmap=True)
-    nprobe = settings.nprobe if settings.nprobe is not None else index_lib.default_nprobe(index)
-
+    tokens, offsets = _stage_tokens(documents, settings, work, provenance, progress)
+    keys, encode_seconds = _stage_keys(model, tokens, offsets, settings, provenance, out, work, progress, log)
+    factory, nprobe = _stage_index(keys, settings, out, work, progress, log)
     files = {name: FileEntry(bytes=(out / name).stat().st_size, sha256=sha256_file(out / name, remember=False))
              for name in DATA_FILES}
     build = {
@@ -202,6 +161,7 @@ def build_from_tokens(
         "last_run_seconds": round(time.perf_counter() - started, 3),
         "last_run_encode_seconds": None if encode_seconds is None else round(encode_seconds, 3),
     }
+    n_total, dim = keys.shape
     manifest = Manifest(
         n=n_total, dim=dim, key_layer=model.config.key_description,
         model_name=provenance.model_name, model_fingerprint=provenance.model_fingerprint,
@@ -214,6 +174,65 @@ def build_from_tokens(
     shutil.rmtree(work)
     log(f"datastore: {out} ({n_total} keys of dimension {dim}, index {factory})")
     return out
+
+
+def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, provenance: Provenance,
+                  progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 1: token ids (N,) int32 and document offsets (docs + 1,) int64, written once, then read back."""
+    offsets_path = work / "doc_offsets.i64"
+    tokens_path = work / "tokens.i32"
+    if not offsets_path.exists():
+        _stage_tokenize(documents, settings.max_tokens, tokens_path, offsets_path, progress)
+    tokens = read_array(tokens_path, VALUE_DTYPE)  # (N,)
+    offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (docs + 1,)
+    if tokens.shape[0] == 0:
+        raise MemlmError(f"the corpus {provenance.corpus} gave no tokens; nothing to build")
+    return tokens, offsets
+
+
+def _stage_keys(model: Decoder, tokens: np.ndarray, offsets: np.ndarray, settings: BuildSettings,
+                provenance: Provenance, out: Path, work: Path, progress: bool,
+                log: Callable[[str], None]) -> tuple[np.ndarray, float | None]:
+    """Stage 2: encode in shards and merge them into keys (N, d) float16 and values (N,) int32 in `out`.
+    Returns the keys (a memmap) and the encoding time of this run (None when already done)."""
+    dim, n_total = model.config.n_embd, int(tokens.shape[0])
+    encode_seconds = None
+    if not (out / KEYS_NAME).exists() or not (out / VALUES_NAME).exists():
+        shards_dir = work / "shards"
+        shards_dir.mkdir(exist_ok=True)
+        encode_seconds = _stage_encode(model, tokens, offsets, settings, provenance.boundary_token,
+                                       shards_dir, progress, log)
+        n_shards = complete_shards(shards_dir)
+        n_merged = merge_shards(shards_dir, n_shards, dim, out / KEYS_NAME, out / VALUES_NAME)
+        if n_merged != n_total:
+            raise RuntimeError(f"encoded {n_merged} keys for {n_total} tokens")
+        shutil.rmtree(shards_dir)
+    return read_array(out / KEYS_NAME, KEY_DTYPE, width=dim), encode_seconds  # (N, d)
+
+
+def _stage_index(keys: np.ndarray, settings: BuildSettings, out: Path, work: Path, progress: bool,
+                 log: Callable[[str], None]) -> tuple[str, int]:
+    """Stages 3-4: train the index on a sample (kept in work/trained.faiss), add all keys; (factory, nprobe)."""
+    n_total, dim = keys.shape
+    factory = settings.index_factory
+    if factory is None:
+        factory, reason = index_lib.default_factory(n_total, dim)
+        log(f"index: {factory} ({reason}; choose another with --index)")
+    else:
+        log(f"index: {factory}")
+    trained_path = work / "trained.faiss"
+    if not (out / INDEX_NAME).exists():
+        t0 = time.perf_counter()
+        if not trained_path.exists():
+            trained = index_lib.train_index(factory, keys, settings.seed, log, progress)
+            index_lib.write_index(trained, trained_path)
+        index = index_lib.read_index(trained_path)
+        index = index_lib.add_keys(index, keys, settings.add_chunk, log, progress)
+        index_lib.write_index(index, out / INDEX_NAME)
+        log(f"index trained and filled in {time.perf_counter() - t0:.1f} s")
+    index = index_lib.read_index(out / INDEX_NAME, mmap=True)
+    nprobe = settings.nprobe if settings.nprobe is not None else index_lib.default_nprobe(index)
+    return factory, int(nprobe)
 
 
 def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> None:

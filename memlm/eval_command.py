@@ -126,8 +126,8 @@ def memory_for(args: argparse.Namespace, settings: Any) -> MemoryConfig | None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.jobs.evaluate import evaluate_perplexity, write_json
-    from memlm.model.device import resolve_device, resolve_dtype
     from memlm.model.config import describe_weights
+    from memlm.model.device import resolve_device, resolve_dtype
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from memlm.errors import MemlmError
 from memlm.jobs.windows import WindowConfig

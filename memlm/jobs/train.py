@@ -214,156 +214,183 @@ def train(
     """Train per `config`; token lists (one per document) may be given instead of config.data.
 
     resume_from: a checkpoint directory written by this function; training continues from its step,
-        optimizer state, data position and memory, exactly as if it had not stopped. Its memory,
-        segment and batch size must equal config's.
+        optimizer state, data position and memory, exactly as if it had not stopped. Its memory
+        (with the segment) and batch size must equal config's.
     log: called with one line per progress report (default: stderr).
     stop_at: stop after this global step (checkpoint written as at the end) although the schedule runs
         to config.steps: a time-boxed piece of a longer run, to be continued with resume_from.
     """
-    from memlm.model.checkpoint import load_checkpoint, read_extra, save_checkpoint
-    from memlm.model.weights import load_pretrained, random_model
-
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    device = resolve_device(config.device)
-    mcfg = config.memory
-
-    # -- model, tokenizer, compressor ---------------------------------------------------------------
-    trainer_state = None
-    if resume_from is not None:
-        resume_from = Path(resume_from)
-        extra = read_extra(resume_from)
-        if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
-            raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
-        saved = TrainConfig.from_dict(extra["train_config"])
-        for name in ("memory", "batch_size", "compressor_only"):
-            if getattr(saved, name) != getattr(config, name):
-                raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
-        pre = load_checkpoint(resume_from, device)
-        trainer_state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)
-    else:
-        pre = load_pretrained(config.model, device)
-    model, tokenizer = pre.model, pre.tokenizer
-    if config.init == "scratch" and resume_from is None:
-        model = random_model(model.config, config.seed, device, torch.float32)
-    model.train()
-    compressor = None
-    if mcfg.kind == "compressive" and mcfg.compress_fn == "conv":
-        # Space "x": training memories re-project keys and values, so they keep and compress layer inputs.
-        compressor = Compressor(model.config, mcfg.compress_rate, space="x").to(device)
-        if resume_from is not None:
-            loaded = load_compressor(resume_from, device)
-            if loaded is None:
-                raise MemlmError(f"{resume_from} has no {COMPRESSOR_FILE}")
-            compressor = loaded
-    if config.compressor_only:
-        model.requires_grad_(False)
-
+    run = _Run(config, Path(resume_from) if resume_from is not None else None, log)
     if train_docs is None:
-        train_docs, corpus_eval = _load_data(config, tokenizer)
+        train_docs, corpus_eval = _load_data(config, run.tokenizer)
         eval_docs = eval_docs if eval_docs is not None else corpus_eval
-    vocab = model.config.vocab_size
-    if any(t < 0 or t >= vocab for d in train_docs for t in d):
-        raise MemlmError(f"training tokens must be in [0, {vocab}) for model {model.config.name}")
-    # The one document-boundary rule (issue 8): train, eval, the datastore builder and the server agree.
-    boundary = document_boundary(tokenizer)
+    return run.run(train_docs, eval_docs, stop_at)
 
-    # -- optimizer, data, memory (restored on resume) ----------------------------------------------
-    opt = _optimizer(model, compressor, config)
-    stream = SegmentStream(train_docs, config.batch_size, config.segment, boundary, loop=True)
-    # reproject: Transformer-XL computes the memory's keys and values with the current weights, so that
-    # W_k and W_v learn from attention to the memory (memlm.memory.xl.XLMemory explains what breaks without).
-    state = new_memory(mcfg, config.batch_size, device, compressor, reproject=True)
-    step = 0
-    if trainer_state is not None:
-        opt.load_state_dict(trainer_state["optimizer"])
-        stream = SegmentStream(train_docs, config.batch_size, config.segment, boundary, loop=True,
-                               position=trainer_state["data_position"])
-        if trainer_state["memory"] is not None:
-            state = memory_from_state_dict(trainer_state["memory"], device, compressor)
-        step = int(trainer_state["step"])
 
-    # Clip the model and the compressor each on its own norm: they minimise different losses (LM vs
-    # attention reconstruction), and one global norm let the compressor's gradients shrink the model's
-    # steps (a conv-compressive run trained worse than one without memory).
-    compressor_ids = {id(p) for p in compressor.parameters()} if compressor is not None else set()
-    trainable = [p for g in opt.param_groups for p in g["params"]]
-    clip_groups = [grp for grp in ([p for p in trainable if id(p) not in compressor_ids],
-                                   [p for p in trainable if id(p) in compressor_ids]) if grp]
-    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    losses: list[float] = []
-    rec_losses: list[float] = []
-    evals: list[dict[str, Any]] = []
-    tokens = 0
-    checkpoint: str | None = None
-    t_log, tok_log = time.perf_counter(), 0
+def _model_for(config: TrainConfig, resume_from: Path | None, device: torch.device) -> tuple[Any, dict | None]:
+    """The Pretrained to train (a resumed checkpoint, or config.model) and the saved trainer state."""
+    from memlm.model.checkpoint import load_checkpoint, read_extra
+    from memlm.model.weights import load_pretrained
 
-    def evaluate() -> None:
-        if not eval_docs:
-            return
-        r = evaluate_memory(model, eval_docs, mcfg, boundary_token=boundary, batch_size=config.batch_size,
-                            compressor=compressor, reproject=True)
-        model.train()
-        r["step"] = step
-        evals.append(r)
-        log(f"eval step {step}: perplexity {r['perplexity']:.3f} over {r['tokens']} tokens")
+    if resume_from is None:
+        return load_pretrained(config.model, device), None
+    extra = read_extra(resume_from)
+    if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
+        raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
+    saved = TrainConfig.from_dict(extra["train_config"])
+    for name in ("memory", "batch_size", "compressor_only"):
+        if getattr(saved, name) != getattr(config, name):
+            raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
+    state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)
+    return load_checkpoint(resume_from, device), state
 
-    def save() -> str:
-        assert config.out_dir is not None
-        extra = {"train_config": config.to_dict(), "step": step, "data_position": stream.position(),
-                 "last_eval": evals[-1] if evals else None}
 
-        def write(tmp: Path) -> None:
-            torch.save({"optimizer": opt.state_dict(), "step": step, "data_position": stream.position(),
-                        "memory": None if state is None else state.state_dict()}, tmp / TRAINER_FILE)
-            if compressor is not None:
-                torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
-                            "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
+class _Run:
+    """One training run: model, compressor, optimizer, data stream and memory, and the loop over steps."""
 
-        return str(save_checkpoint(config.out_dir, model, tokenizer, extra, write_files=write,
-                                   settings=TextSettings(boundary_token=boundary, memory=mcfg)))
+    def __init__(self, config: TrainConfig, resume_from: Path | None, log: Callable[[str], None]) -> None:
+        from memlm.model.weights import random_model
 
-    compressing = mcfg.kind == "compressive"
-    last = config.steps if stop_at is None else min(stop_at, config.steps)
-    while step < last:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, config)
-        batch = stream.next_batch()
+        self.config, self.resume_from, self.log = config, resume_from, log
+        self.device = resolve_device(config.device)
+        pre, self.trainer_state = _model_for(config, resume_from, self.device)
+        self.model, self.tokenizer = pre.model, pre.tokenizer
+        if config.init == "scratch" and resume_from is None:
+            self.model = random_model(self.model.config, config.seed, self.device, torch.float32)
+        self.model.train()
+        self.compressor = self._compressor()
+        if config.compressor_only:
+            self.model.requires_grad_(False)
+        # The one document-boundary rule (issue 8): train, eval, the datastore builder and the server agree.
+        self.boundary = document_boundary(self.tokenizer)
+        self.opt = _optimizer(self.model, self.compressor, config)
+        self.evals: list[dict[str, Any]] = []
+        self.step = 0
+
+    def _compressor(self) -> Compressor | None:
+        mcfg = self.config.memory
+        if not (mcfg.kind == "compressive" and mcfg.compress_fn == "conv"):
+            return None
+        if self.resume_from is None:
+            # Space "x": training memories re-project keys and values, so they keep and compress layer inputs.
+            return Compressor(self.model.config, mcfg.compress_rate, space="x").to(self.device)
+        loaded = load_compressor(self.resume_from, self.device)
+        if loaded is None:
+            raise MemlmError(f"{self.resume_from} has no {COMPRESSOR_FILE}")
+        return loaded
+
+    def _start(self, train_docs: Sequence[Sequence[int]]) -> None:
+        """Data stream and memory, fresh or restored from the trainer state."""
+        cfg, vocab = self.config, self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for d in train_docs for t in d):
+            raise MemlmError(f"training tokens must be in [0, {vocab}) for model {self.model.config.name}")
+        saved = self.trainer_state
+        self.stream = SegmentStream(train_docs, cfg.batch_size, cfg.segment, self.boundary, loop=True,
+                                    position=saved["data_position"] if saved is not None else None)
+        # reproject: Transformer-XL computes the memory's keys and values with the current weights, so that
+        # W_k and W_v learn from attention to the memory (memlm.memory.xl.XLMemory explains what breaks without).
+        self.state = new_memory(cfg.memory, cfg.batch_size, self.device, self.compressor, reproject=True)
+        if saved is not None:
+            self.opt.load_state_dict(saved["optimizer"])
+            if saved["memory"] is not None:
+                self.state = memory_from_state_dict(saved["memory"], self.device, self.compressor)
+            self.step = int(saved["step"])
+        # Clip the model and the compressor each on its own norm: they minimise different losses (LM vs
+        # attention reconstruction), and one global norm let the compressor's gradients shrink the model's
+        # steps (a conv-compressive run trained worse than one without memory).
+        compressor_ids = {id(p) for p in self.compressor.parameters()} if self.compressor is not None else set()
+        trainable = [p for g in self.opt.param_groups for p in g["params"]]
+        self.clip_groups = [grp for grp in ([p for p in trainable if id(p) not in compressor_ids],
+                                            [p for p in trainable if id(p) in compressor_ids]) if grp]
+
+    def _train_step(self) -> tuple[float, float, int]:
+        """One optimizer step on the next batch: (LM loss, reconstruction loss, tokens scored)."""
+        cfg, device, model = self.config, self.device, self.model
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, cfg)
+        batch = self.stream.next_batch()
         assert batch is not None  # loop=True never runs dry
-        inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))
-        if state is not None:
-            state = state.reset_rows(batch.reset.to(device))
+        inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))  # (B, T) each
+        state = self.state.reset_rows(batch.reset.to(device)) if self.state is not None else None
+        compressing = cfg.memory.kind == "compressive"
+        autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                    else contextlib.nullcontext())
         with autocast, (capture_queries(model) if compressing else contextlib.nullcontext([])) as queries:
             out = model(inputs, state)
         lm_loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
         rec = torch.zeros((), device=device)
         if compressing and isinstance(out.state, CompressiveMemory):
             rec = attention_reconstruction_loss(out.state, queries, model)
-        loss = (0.0 if config.compressor_only else lm_loss) + config.reconstruction_weight * (rec if compressor is not None else 0.0)
+        loss = ((0.0 if cfg.compressor_only else lm_loss)
+                + cfg.reconstruction_weight * (rec if self.compressor is not None else 0.0))
         if torch.is_tensor(loss) and loss.requires_grad:
             loss.backward()
-            if config.grad_clip > 0:
-                for grp in clip_groups:
-                    torch.nn.utils.clip_grad_norm_(grp, config.grad_clip)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = out.state
-        step += 1
-        n_tok = int(batch.mask.sum())
-        tokens += n_tok
-        tok_log += n_tok
-        losses.append(float(lm_loss.detach()))
-        rec_losses.append(float(rec.detach()))
-        if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            now = time.perf_counter()
-            log(f"step {step}/{config.steps} loss {losses[-1]:.4f} rec {rec_losses[-1]:.3g} "
-                f"lr {lr_at(step - 1, config):.2e} epoch {stream.epoch} tok/s {tok_log / max(now - t_log, 1e-9):.0f}")
-            t_log, tok_log = now, 0
-        if config.eval_every and step % config.eval_every == 0 and step < last:
-            evaluate()
-        if config.out_dir and config.checkpoint_every and step % config.checkpoint_every == 0 and step < last:
-            checkpoint = save()
-    evaluate()
-    if config.out_dir:
-        checkpoint = save()
-        log(f"checkpoint written to {checkpoint}")
-    return TrainResult(step, losses, rec_losses, evals, tokens, checkpoint, model, compressor)
+            if cfg.grad_clip > 0:
+                for grp in self.clip_groups:
+                    torch.nn.utils.clip_grad_norm_(grp, cfg.grad_clip)
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.state = out.state
+        self.step += 1
+        return float(lm_loss.detach()), float(rec.detach()), int(batch.mask.sum())
+
+    def evaluate(self, eval_docs: Sequence[Sequence[int]] | None) -> None:
+        if not eval_docs:
+            return
+        r = evaluate_memory(self.model, eval_docs, self.config.memory, boundary_token=self.boundary,
+                            batch_size=self.config.batch_size, compressor=self.compressor, reproject=True)
+        self.model.train()
+        r["step"] = self.step
+        self.evals.append(r)
+        self.log(f"eval step {self.step}: perplexity {r['perplexity']:.3f} over {r['tokens']} tokens")
+
+    def save(self) -> str:
+        """The checkpoint: model, tokenizer, TextSettings, TrainConfig, trainer state (and the compressor)."""
+        from memlm.model.checkpoint import save_checkpoint
+
+        cfg, model, compressor = self.config, self.model, self.compressor
+        assert cfg.out_dir is not None
+        extra = {"train_config": cfg.to_dict(), "step": self.step, "data_position": self.stream.position(),
+                 "last_eval": self.evals[-1] if self.evals else None}
+
+        def write(tmp: Path) -> None:
+            torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "data_position": self.stream.position(),
+                        "memory": None if self.state is None else self.state.state_dict()}, tmp / TRAINER_FILE)
+            if compressor is not None:
+                torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
+                            "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
+
+        return str(save_checkpoint(cfg.out_dir, model, self.tokenizer, extra, write_files=write,
+                                   settings=TextSettings(boundary_token=self.boundary, memory=cfg.memory)))
+
+    def run(self, train_docs: Sequence[Sequence[int]], eval_docs: Sequence[Sequence[int]] | None,
+            stop_at: int | None) -> TrainResult:
+        cfg = self.config
+        self._start(train_docs)
+        losses: list[float] = []
+        rec_losses: list[float] = []
+        tokens, checkpoint = 0, None
+        t_log, tok_log = time.perf_counter(), 0
+        last = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+        while self.step < last:
+            lm_loss, rec, n_tok = self._train_step()
+            tokens += n_tok
+            tok_log += n_tok
+            losses.append(lm_loss)
+            rec_losses.append(rec)
+            step = self.step
+            if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
+                now = time.perf_counter()
+                self.log(f"step {step}/{cfg.steps} loss {lm_loss:.4f} rec {rec:.3g} lr {lr_at(step - 1, cfg):.2e} "
+                         f"epoch {self.stream.epoch} tok/s {tok_log / max(now - t_log, 1e-9):.0f}")
+                t_log, tok_log = now, 0
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < last:
+                self.evaluate(eval_docs)
+            if cfg.out_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < last:
+                checkpoint = self.save()
+        self.evaluate(eval_docs)
+        if cfg.out_dir:
+            checkpoint = self.save()
+            self.log(f"checkpoint written to {checkpoint}")
+        return TrainResult(self.step, losses, rec_losses, self.evals, tokens, checkpoint, self.model, self.compressor)

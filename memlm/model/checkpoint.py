@@ -32,8 +32,8 @@ from memlm.files import sha256_file
 from memlm.memory.config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
-from memlm.model.tokenizer import Tokenizer
 from memlm.model.pretrained import Pretrained, model_from_state_dict
+from memlm.model.tokenizer import Tokenizer
 
 FORMAT = "memlm-checkpoint"
 VERSION = 1
@@ -57,7 +57,7 @@ class TextSettings:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TextSettings":
+    def from_dict(cls, d: dict[str, Any]) -> TextSettings:
         return cls(boundary_token=int(d["boundary_token"]), memory=MemoryConfig(**d["memory"]))
 
 

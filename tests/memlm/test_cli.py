@@ -203,8 +203,8 @@ def test_datastore_info_and_results_name_the_weights(capsys, tmp_path, built_sto
 def test_option_groups_have_one_name_and_type_everywhere():
     """Issue 8 item 6: --temperature vs --knn-temperature, sink default 0 (train) vs 4 (eval, serve)."""
     from memlm.cli import build_parser
-    from memlm.options import KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, memory_config
     from memlm.memory.config import MemoryConfig
+    from memlm.options import KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, memory_config
 
     parser = build_parser()
     commands = {"eval": ["eval"], "train": ["train"], "serve lm": ["serve", "lm"], "client score": ["client", "score"],

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
+from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.train import TrainConfig, load_compressor, lr_at, train
 from memlm.memory.config import MemoryConfig
-from memlm.errors import MemlmError
 from memlm.model.checkpoint import TextSettings, read_extra, read_settings
 from memlm.model.config import ModelConfig
 from memlm.model.tokenizer import document_boundary
