@@ -176,13 +176,16 @@ class CompressiveMemory(XLMemory):
         batch_size: int,
         mem_len: int,
         cmem_len: int,
-        rate: int = 4,
-        compress_fn: str = "mean",
-        sink_tokens: int = 4,
+        rate: int,
+        compress_fn: str,
+        *,
+        sink_tokens: int,
         device: torch.device | str = "cpu",
         compressor: Compressor | None = None,
         reproject: bool = False,
     ) -> "CompressiveMemory":
+        """An empty memory for batch_size rows; no size has a default here (their one home is
+        MemoryConfig; memlm.memory.state.new_memory builds memories from one)."""
         return cls(
             mem_len, cmem_len, rate, compress_fn, sink_tokens,
             torch.zeros(batch_size, dtype=torch.float32, device=device),

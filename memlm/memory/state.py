@@ -24,10 +24,11 @@ def new_memory(
     if config.kind == "compressive" and config.compress_fn == "conv" and compressor is not None:
         reproject = reproject or compressor.space == "x"
     if config.kind == "xl":
-        return XLMemory.empty(batch_size, config.mem_len, config.sink_tokens, device, reproject)
+        return XLMemory.empty(batch_size, config.mem_len, sink_tokens=config.sink_tokens, device=device,
+                              reproject=reproject)
     return CompressiveMemory.empty(
         batch_size, config.mem_len, config.cmem_len, config.compress_rate, config.compress_fn,
-        config.sink_tokens, device, compressor, reproject,
+        sink_tokens=config.sink_tokens, device=device, compressor=compressor, reproject=reproject,
     )
 
 

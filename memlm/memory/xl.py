@@ -118,9 +118,11 @@ class XLMemory:
 
     @classmethod
     def empty(
-        cls, batch_size: int, mem_len: int, sink_tokens: int = 4, device: torch.device | str = "cpu",
+        cls, batch_size: int, mem_len: int, *, sink_tokens: int, device: torch.device | str = "cpu",
         reproject: bool = False,
     ) -> "XLMemory":
+        """An empty memory for batch_size rows. sink_tokens has no default here: its one default is
+        MemoryConfig.sink_tokens (memlm.memory.state.new_memory builds memories from a MemoryConfig)."""
         return cls(
             mem_len,
             sink_tokens,

@@ -75,7 +75,7 @@ def test_segments_with_whole_document_span_equal_full_pass(n_layer, sinks, kind)
     if kind == "xl":
         state = XLMemory.empty(2, mem_len=70, sink_tokens=sinks)
     else:
-        state = CompressiveMemory.empty(2, mem_len=70, cmem_len=8, rate=4, sink_tokens=sinks)
+        state = CompressiveMemory.empty(2, mem_len=70, cmem_len=8, rate=4, compress_fn="mean", sink_tokens=sinks)
     got, _ = run_segments(model, x, 16, state)
     torch.testing.assert_close(got, full, atol=ATOL, rtol=0)
 
@@ -385,9 +385,11 @@ def test_reconstruction_loss_trains_only_the_compressor_in_both_spaces(space):
 def test_compressor_space_must_match_the_memory():
     cfg = ModelConfig.from_name("tiny")
     with pytest.raises(ValueError, match="^a re-projecting memory needs a compressor of space x, got 'kv'$"):
-        CompressiveMemory.empty(1, 4, 4, 2, "conv", compressor=Compressor(cfg, 2, space="kv"), reproject=True)
+        CompressiveMemory.empty(1, 4, 4, 2, "conv", sink_tokens=0, compressor=Compressor(cfg, 2, space="kv"),
+                                reproject=True)
     with pytest.raises(ValueError, match="^a key/value memory needs a compressor of space kv, got 'x'$"):
-        CompressiveMemory.empty(1, 4, 4, 2, "conv", compressor=Compressor(cfg, 2, space="x"), reproject=False)
+        CompressiveMemory.empty(1, 4, 4, 2, "conv", sink_tokens=0, compressor=Compressor(cfg, 2, space="x"),
+                                reproject=False)
     comp = Compressor(cfg, rate=4, space="x")
     h = torch.randn(2, 8, cfg.n_embd)
     torch.testing.assert_close(comp.compress_x(0, h), h.view(2, 2, 4, cfg.n_embd).mean(2), atol=1e-6, rtol=0)
