@@ -354,6 +354,120 @@ def test_fuzzed_request_bytes_never_break_the_server(servers, data):
             except grpc.RpcError as e:
                 assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                                     grpc.StatusCode.UNIMPLEMENTED), (e.code(), e.details())
+        # Generate streams: a request that happens to be valid may generate for long, so read one message.
+        stream = channel.unary_stream("/memlm.v1.LanguageModelService/Generate")(data, timeout=30)
+        try:
+            next(stream, None)
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                                grpc.StatusCode.UNIMPLEMENTED), (e.code(), e.details())
+        finally:
+            stream.cancel()
+
+
+# Generate fuzzed like Score: each generated request is wrong in exactly one way, so the expected status
+# and the field its message must name are known (LIMITS: prompts < 400 tokens, max_new_tokens <= 100_000).
+
+INVALID, RANGE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
+F32 = {"width": 32}  # the proto fields are float32
+
+
+def _floats(**kw):
+    return st.floats(**F32, **kw)
+
+
+@st.composite
+def malformed_generate(draw, vocab: int):
+    """(GenerateRequest fields, expected code, field the message starts with)."""
+    good = {"prompt_text": "hi", "max_new_tokens": draw(st.integers(1, 3))}
+    kind = draw(st.sampled_from([
+        "no_prompt", "prompt_id", "prompt_long", "max_new_low", "max_new_high", "temperature", "top_k", "top_p",
+        "stops_many", "stop_empty", "mode_unknown", "mode_unserved", "segment", "memory_size", "knn_lambda",
+        "knn_temperature", "knn_k", "knn_nprobe",
+    ]))
+    if kind == "no_prompt":
+        return {"max_new_tokens": good["max_new_tokens"]}, INVALID, "prompt"
+    if kind == "prompt_id":
+        ids = draw(st.lists(st.integers(0, vocab - 1), max_size=5))
+        j = draw(st.integers(0, len(ids)))
+        bad = draw(st.one_of(st.integers(-(2**31), -1), st.integers(vocab, 2**31 - 1)))
+        ids.insert(j, bad)
+        fields = {"prompt_token_ids": lm_pb2.TokenIds(ids=ids), "max_new_tokens": good["max_new_tokens"]}
+        return fields, INVALID, f"prompt_token_ids.ids[{j}]"
+    if kind == "prompt_long":
+        ids = [draw(st.integers(0, vocab - 1))] * draw(st.integers(400, 600))
+        return {"prompt_token_ids": lm_pb2.TokenIds(ids=ids), "max_new_tokens": 1}, RANGE, "prompt"
+    if kind == "max_new_low":
+        return dict(good, max_new_tokens=draw(st.integers(-(2**31), 0))), INVALID, "max_new_tokens"
+    if kind == "max_new_high":
+        return dict(good, max_new_tokens=draw(st.integers(100_001, 2**31 - 1))), RANGE, "max_new_tokens"
+    if kind == "temperature":
+        t = draw(st.one_of(_floats(max_value=-0.5), st.sampled_from([math.nan, math.inf, -math.inf])))
+        return dict(good, sampling=lm_pb2.SamplingOptions(temperature=t)), INVALID, "sampling.temperature"
+    if kind == "top_k":
+        return dict(good, sampling=lm_pb2.SamplingOptions(top_k=draw(st.integers(-(2**31), 0)))), INVALID, "sampling.top_k"
+    if kind == "top_p":
+        p = draw(st.one_of(_floats(max_value=0.0), _floats(min_value=1.5), st.just(math.nan)))
+        return dict(good, sampling=lm_pb2.SamplingOptions(top_p=p)), INVALID, "sampling.top_p"
+    if kind == "stops_many":
+        stops = draw(st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=30))
+        return dict(good, stop_sequences=stops), RANGE, "stop_sequences"
+    if kind == "stop_empty":
+        stops = draw(st.lists(st.text(min_size=1, max_size=3), max_size=5))
+        j = draw(st.integers(0, len(stops)))
+        stops.insert(j, "")
+        return dict(good, stop_sequences=stops), INVALID, f"stop_sequences[{j}]"
+    if kind == "mode_unknown":
+        mode = draw(st.integers(-(2**31), 2**31 - 1).filter(lambda m: m not in lm_pb2.MemoryMode.values()))
+        return dict(good, memory_mode=mode), INVALID, "memory_mode"
+    if kind == "mode_unserved":
+        mode = draw(st.sampled_from([lm_pb2.MEMORY_MODE_COMPRESSIVE, lm_pb2.MEMORY_MODE_MEMORIZING,
+                                     lm_pb2.MEMORY_MODE_SPALM]))
+        return dict(good, memory_mode=mode), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"
+    xl = dict(good, memory_mode=lm_pb2.MEMORY_MODE_XL)
+    if kind == "segment":
+        segment = draw(st.one_of(st.integers(-(2**31), 0), st.integers(1025, 2**31 - 1)))  # tiny context: 1024
+        return dict(xl, memory=lm_pb2.MemoryOptions(segment_tokens=segment)), INVALID, "memory.segment_tokens"
+    if kind == "memory_size":
+        name = draw(st.sampled_from(["memory_tokens", "sink_tokens"]))
+        if draw(st.booleans()):
+            return dict(xl, memory=lm_pb2.MemoryOptions(**{name: draw(st.integers(-(2**31), -1))})), INVALID, f"memory.{name}"
+        return dict(xl, memory=lm_pb2.MemoryOptions(**{name: draw(st.integers(65537, 2**31 - 1))})), RANGE, f"memory.{name}"
+    if kind == "knn_lambda":
+        lam = draw(st.one_of(_floats(max_value=-0.5), _floats(min_value=1.5), st.just(math.nan)))
+        return dict(good, knn=lm_pb2.KnnOptions(enabled=True, lambda_weight=lam)), INVALID, "knn.lambda_weight"
+    if kind == "knn_temperature":
+        t = draw(st.one_of(_floats(max_value=0.0), st.sampled_from([math.nan, math.inf])))
+        return dict(good, knn=lm_pb2.KnnOptions(enabled=True, temperature=t)), INVALID, "knn.temperature"
+    if kind == "knn_k":
+        if draw(st.booleans()):
+            return dict(good, knn=lm_pb2.KnnOptions(enabled=True, k=draw(st.integers(-(2**31), 0)))), INVALID, "knn.k"
+        return dict(good, knn=lm_pb2.KnnOptions(enabled=True, k=draw(st.integers(4097, 2**31 - 1)))), RANGE, "knn.k"
+    nprobe = draw(st.integers(-(2**31), 0))
+    return dict(good, knn=lm_pb2.KnnOptions(enabled=True, nprobe=nprobe)), INVALID, "knn.nprobe"
+
+
+def test_fuzzed_malformed_generate_requests_get_field_named_statuses(tiny, servers):
+    address = servers["local"]  # has a datastore, so kNN options are checked too
+    vocab = min(tiny.model.config.vocab_size, tiny.tokenizer.vocab_size)
+    with grpc.insecure_channel(address) as channel:
+        from memlm.v1 import language_model_pb2_grpc as lm_grpc
+
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+
+        @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(malformed_generate(vocab))
+        def check(case):
+            fields, code, field = case
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(lm_pb2.GenerateRequest(**fields), timeout=30))
+            assert e.value.code() == code, (fields, e.value.details())
+            assert e.value.details().startswith(field + ":"), (fields, e.value.details())
+
+        check()
+    assert health(address) == health_pb2.HealthCheckResponse.SERVING
+    with client(address) as c:  # still generating after all that
+        assert isinstance(list(c.generate("hi", max_new_tokens=2, temperature=0.0))[-1], Finish)
 
 
 def test_info(tiny, servers, index):

@@ -17,11 +17,19 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from memlm.jobs.scoring import score_tokens
+from memlm.jobs.windows import WindowConfig
+from memlm.model.tokenizer import document_boundary
+from memlm.model.weights import load_pretrained
+from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.retrieval.knnlm import KNNLMConfig
+from services.lm_client import KnnRequest, LanguageModelClient
+from services.lm_server import create_lm_server
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
 from services.router import create_router_server
 from services.security import ClientTls, ServerTls
-from services.server_common import ServiceError
+from services.server_common import ServerOptions, ServiceError
 
 
 def _pem(key) -> bytes:
@@ -146,3 +154,63 @@ def test_router_with_tls_and_tokens_on_both_sides(loop_thread, searcher, pki):
         search_ok(ok, searcher)
     with RetrievalClient(f"localhost:{router}", tls=ClientTls(root_ca=pki["ca"]), token="shard-token") as wrong:
         assert refused(wrong) == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM server: TLS and a token on its own port, and on its link to a retrieval server
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """The tiny model and an exact searcher over its (key, next token) pairs of two short texts."""
+    pretrained = load_pretrained("tiny")
+    tok = pretrained.tokenizer
+    docs = [tok.encode("The quick brown fox jumps over the lazy dog. " * 3), tok.encode("Peter Piper picked.")]
+    searcher = exact_searcher_over_documents(
+        pretrained.model, docs, WindowConfig(48, 24, 4), document_boundary(tok),
+        model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tok.fingerprint,
+    )
+    return pretrained, searcher, docs
+
+
+def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_thread, pki, tiny_lm):
+    pretrained, searcher, docs = tiny_lm
+    tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
+    trust = ClientTls(root_ca=pki["ca"])
+    knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls, token="ret-token")
+    link = RetrievalClient(f"localhost:{retrieval}", tls=trust, token="ret-token")
+    lm = loop_thread.start(create_lm_server, "127.0.0.1:0", pretrained, link, knn_defaults=knn,
+                           options=ServerOptions(tls=tls, token="lm-token"))
+    address = f"localhost:{lm}"
+    try:
+        with LanguageModelClient(address, tls=trust, token="lm-token") as ok:
+            remote = ok.score(docs, knn=KnnRequest(), window_tokens=32)
+        # kNN-LM through both TLS + token hops equals the in-process computation, token for token.
+        local = score_tokens(pretrained.model, docs, context=32, stride=16,
+                             boundary_token=document_boundary(pretrained.tokenizer), searcher=searcher, knn=knn)
+        for r, s in zip(remote, local):
+            assert [t.logprob for t in r.tokens] == s.logprob.tolist()
+            assert [t.logprob for t in r.tokens] != [t.base_logprob for t in r.tokens]  # kNN-LM changed them
+        for token, detail in ((None, "missing bearer token"), ("ret-token", "wrong bearer token")):
+            with LanguageModelClient(address, tls=trust, token=token) as bad, pytest.raises(ServiceError) as e:
+                bad.score(["hi"])
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and e.value.details.startswith(detail)
+        with LanguageModelClient(address, token="lm-token", timeout=3) as plaintext, pytest.raises(ServiceError) as e:
+            plaintext.score(["hi"])
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("token, detail", [(None, "missing bearer token"), ("lm-token", "wrong bearer token")])
+def test_lm_server_refuses_to_start_on_a_retrieval_link_without_the_right_token(loop_thread, pki, tiny_lm, token,
+                                                                                   detail):
+    pretrained, searcher, _ = tiny_lm
+    tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
+    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls, token="ret-token")
+    with RetrievalClient(f"localhost:{retrieval}", tls=ClientTls(root_ca=pki["ca"]), token=token) as link:
+        with pytest.raises(ServiceError) as e:
+            loop_thread.run(create_lm_server("127.0.0.1:0", pretrained, link))
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and e.value.details.startswith(detail)
+    assert f"localhost:{retrieval}" in str(e.value)  # the message names the retrieval server
