@@ -180,7 +180,7 @@ class LanguageModelServicer:
                 )
             else:
                 scores = score_tokens_segments(
-                    self._model, args.token_seqs, segment=args.memory.segment, memory=args.memory,
+                    self._model, args.token_seqs, memory=args.memory,
                     contexts=args.contexts, boundary_token=self._boundary, searcher=searcher, knn=args.knn,
                     top_n=args.top_n, batch_size=self._limits.score_batch_size,
                 )
@@ -214,7 +214,7 @@ class LanguageModelServicer:
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id, searcher=self._searcher if args.knn is not None else None,
-                knn=args.knn, memory=args.memory, segment=args.memory.segment if args.memory else None,
+                knn=args.knn, memory=args.memory,
             )
 
         events = await self._call_library(context, start)

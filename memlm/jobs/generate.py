@@ -9,7 +9,7 @@ model thread, and stops advancing it when the client goes away).
   forward step of length 1. When the cache reaches the model's context length, the last half of the
   context is re-encoded into a fresh cache (a sliding window), so generation never exceeds it.
   With a `memory` (memlm.memory.config.MemoryConfig, e.g. Transformer-XL with sink tokens) the state is that
-  memory instead: the prompt is encoded in segments of `segment` tokens, then each new token is one
+  memory instead: the prompt is encoded in segments of `memory.segment` tokens, then each new token is one
   step that attends to the sinks and the last mem_len states, so generation runs past the model's
   context without ever re-encoding (what the Score rpc's MEMORY_MODE_XL does, token by token).
 - kNN-LM (Khandelwal et al. 2020) mixes the full next-token distribution:
@@ -142,7 +142,6 @@ def generate(
     searcher: Searcher | None = None,
     knn: KNNLMConfig | None = None,
     memory: MemoryConfig | None = None,
-    segment: int | None = None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     """Continue `prompt_ids`, yielding TokenEvents then exactly one GenerationEnd.
 
@@ -153,8 +152,8 @@ def generate(
     boundary_token: prepended to the prompt (memlm.model.tokenizer.document_boundary); None = the prompt as is.
     eos_id: generation ends (reason "eos") when this token is drawn; None = never.
     searcher, knn: kNN-LM over the whole vocabulary (both or neither).
-    memory, segment: a segment memory as the decoder state instead of a KV cache (kind "none" = the KV
-        cache), the prompt encoded in segments of `segment` tokens (1 <= segment <= max_seq_len).
+    memory: a segment memory as the decoder state instead of a KV cache (None or kind "none" = the KV
+        cache), the prompt encoded in segments of memory.segment tokens (1 <= segment <= max_seq_len).
     """
     if max_new_tokens < 1:
         raise MemlmError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -164,8 +163,8 @@ def generate(
         raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
     if memory is not None and memory.kind == "none":
         memory = None
-    if memory is not None and not (segment is not None and 1 <= segment <= model.config.max_seq_len):
-        raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {segment}")
+    if memory is not None and memory.segment > model.config.max_seq_len:
+        raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {memory.segment}")
     stops = [_as_stop(s) for s in stop_sequences]
     prefix = ([boundary_token] if boundary_token is not None else []) + [int(i) for i in prompt_ids]
     if not prefix:
@@ -174,11 +173,11 @@ def generate(
     if any(not 0 <= i < V for i in prefix):
         raise MemlmError(f"prompt has token ids outside [0, {V})")
     return _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher, knn,
-                     memory, segment)
+                     memory)
 
 
 def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling, stops, eos_id, searcher, knn,
-              memory=None, segment=None):
+              memory=None):
     device = model.device
     max_len = model.config.max_seq_len
     V = model.config.vocab_size
@@ -203,6 +202,7 @@ def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling,
     def encode_segments():
         # The whole prompt, segment by segment, into the memory (never re-encoded afterwards).
         state = new_memory(memory, 1, device)
+        segment = memory.segment
         for lo in range(0, len(tokens), segment):
             idx = torch.tensor([tokens[lo : lo + segment]], dtype=torch.long, device=device)  # (1, T)
             out = model(idx, state=state, logits_from=idx.shape[1] - 1)

@@ -181,7 +181,6 @@ def score_tokens_segments(
     model: Decoder,
     token_seqs: Sequence[Sequence[int]],
     *,
-    segment: int,
     memory: MemoryConfig,
     boundary_token: int,
     contexts: Sequence[Sequence[int] | None] | None = None,
@@ -194,8 +193,8 @@ def score_tokens_segments(
     """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
 
     Arguments as `score_tokens`, except:
-    segment: tokens per segment (1 <= segment <= the model's context), as `memlm eval --segment`.
-    memory: which memory and its sizes (memlm.memory.config.MemoryConfig; kind "none" runs each segment alone).
+    memory: which memory, its sizes and its segment (memlm.memory.config.MemoryConfig; kind "none" runs
+        each segment alone); 1 <= memory.segment <= the model's context, as `memlm eval --segment`.
     batch_size: sequences run side by side, one per row (equal to `memlm eval --batch-size` for
         bit-identical floats); a row's memory is reset when it starts the next sequence.
     compressor: the learned compressor for memory.compress_fn "conv".
@@ -204,7 +203,8 @@ def score_tokens_segments(
     (and the segment it shares with it).
     """
     _check_common(model, token_seqs, contexts, searcher, knn, top_n)
-    if not 1 <= segment <= model.config.max_seq_len:
+    segment = memory.segment
+    if segment > model.config.max_seq_len:
         raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] (the model's context), got {segment}")
     if batch_size < 1:
         raise MemlmError(f"batch_size must be >= 1, got {batch_size}")

@@ -526,7 +526,7 @@ def test_command_line_entry_points(servers, capsys):
 # MEMORY_MODE_XL: oracle memlm.jobs.segment_eval.evaluate_segments (what `memlm eval --memory xl` runs)
 
 XL = MemoryRequest(segment_tokens=8, memory_tokens=12, sink_tokens=2)
-XL_CONFIG = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+XL_CONFIG = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
 
 
 def test_score_xl_equals_evaluate_segments(tiny, docs, servers):
@@ -541,7 +541,7 @@ def test_score_xl_equals_evaluate_segments(tiny, docs, servers):
     assert sum(len(r.tokens) for r in remote) == result["tokens"]
     total = sum(r.total_logprob for r in remote)
     assert math.isclose(total, -result["nll"] * result["tokens"], rel_tol=1e-9)
-    local = score_tokens_segments(tiny.model, docs, segment=8, memory=XL_CONFIG, boundary_token=bos, top_n=2)
+    local = score_tokens_segments(tiny.model, docs, memory=XL_CONFIG, boundary_token=bos, top_n=2)
     for r, s in zip(remote, local):
         assert [t.token_id for t in r.tokens] == s.tokens.tolist()
         assert [t.base_logprob for t in r.tokens] == s.base_logprob.tolist()
@@ -562,7 +562,7 @@ def test_score_xl_with_knn_remote_equals_local(tiny, docs, servers, index):
         remote = b.score(docs, knn=KnnRequest(), memory_mode="xl", memory=XL, top_n=2)
         base = a.score(docs, memory_mode="xl", memory=XL)
     assert remote == local
-    in_process = score_tokens_segments(tiny.model, docs, segment=8, memory=XL_CONFIG,
+    in_process = score_tokens_segments(tiny.model, docs, memory=XL_CONFIG,
                                        boundary_token=document_boundary(tiny.tokenizer), searcher=index, knn=KNN)
     for r, s, b_ in zip(local, in_process, base):
         assert [t.logprob for t in r.tokens] == s.logprob.tolist()
@@ -575,7 +575,7 @@ def test_generate_xl_equals_library(tiny, servers):
     prompt = tok.encode("The quick brown fox jumps")
     for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=3)):
         events = list(generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling,
-                               boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=XL_CONFIG, segment=8))
+                               boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=XL_CONFIG))
         want = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
         with client(servers["plain"]) as c:
             got = list(c.generate(prompt, max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k,

@@ -18,6 +18,7 @@ from memlm.jobs.generate import (
     filter_logits,
     generate,
 )
+from memlm.memory.config import MemoryConfig
 from memlm.model.config import PRESETS
 from memlm.model.decoder import KVCache, LMOutput, build_model
 from memlm.model.tokenizer import Tokenizer, document_boundary
@@ -196,3 +197,6 @@ def test_bad_arguments(tiny):
         generate(tiny.model, tok, [100000], max_new_tokens=1)
     with pytest.raises(MemlmError, match="^stop sequences must be non-empty$"):
         generate(tiny.model, tok, [1], max_new_tokens=1, stop_sequences=[""])
+    too_long = MemoryConfig("xl", segment=tiny.model.config.max_seq_len + 1)
+    with pytest.raises(MemlmError, match=r"^segment must be in \[1, 1024\] with a memory, got 1025$"):
+        generate(tiny.model, tok, [1], max_new_tokens=1, memory=too_long)

@@ -167,9 +167,9 @@ def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
 def test_segments_xl_equal_evaluate_segments(tiny, docs, batch_size):
     # Segments of 8 and a memory of 12 slots (+2 sinks): every document spans several segments and
     # evicts from its memory, so the memory carried between segments is what is being compared.
-    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
     boundary = BOUNDARY
-    scores = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary,
+    scores = score_tokens_segments(tiny.model, docs, memory=memory, boundary_token=boundary,
                                    batch_size=batch_size, top_n=2)
     result = evaluate_segments(tiny.model, docs, segment=8, memory="xl", mem_len=12, sink_tokens=2,
                                batch_size=batch_size, boundary_token=boundary)
@@ -184,10 +184,10 @@ def test_segments_xl_equal_evaluate_segments(tiny, docs, batch_size):
 
 def test_segments_xl_per_token_equal_manual_recurrence(tiny, docs):
     """Per token: one document run segment by segment by hand with XLMemory (batch 1)."""
-    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
     boundary = BOUNDARY
     doc = docs[0]
-    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=boundary, batch_size=1)
+    (s,) = score_tokens_segments(tiny.model, [doc], memory=memory, boundary_token=boundary, batch_size=1)
     seq = [boundary, *doc]
     state = new_memory(memory, 1)
     want = []
@@ -200,18 +200,18 @@ def test_segments_xl_per_token_equal_manual_recurrence(tiny, docs):
             want.append(lp.gather(1, torch.tensor(seq[lo + 1 : lo + 9])[:, None])[:, 0])
     torch.testing.assert_close(torch.from_numpy(s.base_logprob), torch.cat(want), rtol=1e-5, atol=1e-5)
     # The memory matters: without it (each segment alone) the scores differ.
-    (alone,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=MemoryConfig("none"),
+    (alone,) = score_tokens_segments(tiny.model, [doc], memory=MemoryConfig("none", segment=8),
                                      boundary_token=boundary, batch_size=1)
     assert not np.allclose(alone.base_logprob, s.base_logprob)
 
 
 def test_segments_context_conditions_but_is_not_scored(tiny, docs):
     ctx, cont = docs[0][:20], docs[0][20:45]
-    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
     boundary = BOUNDARY
-    (with_ctx, empty) = score_tokens_segments(tiny.model, [cont, []], contexts=[ctx, ctx], segment=8,
+    (with_ctx, empty) = score_tokens_segments(tiny.model, [cont, []], contexts=[ctx, ctx],
                                               memory=memory, boundary_token=boundary, batch_size=2, top_n=1)
-    (whole,) = score_tokens_segments(tiny.model, [ctx + cont], segment=8, memory=memory, boundary_token=boundary,
+    (whole,) = score_tokens_segments(tiny.model, [ctx + cont], memory=memory, boundary_token=boundary,
                                      batch_size=1)
     assert with_ctx.tokens.tolist() == cont and with_ctx.context_tokens == 1 + len(ctx)
     torch.testing.assert_close(torch.from_numpy(with_ctx.base_logprob), torch.from_numpy(whole.base_logprob[20:]))
@@ -219,12 +219,12 @@ def test_segments_context_conditions_but_is_not_scored(tiny, docs):
 
 
 def test_segments_knn_lambda_zero_is_base_and_keys_come_from_the_memory_forward(tiny, docs, searcher):
-    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2)
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
     boundary = BOUNDARY
-    base = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary)
-    zero = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary,
+    base = score_tokens_segments(tiny.model, docs, memory=memory, boundary_token=boundary)
+    zero = score_tokens_segments(tiny.model, docs, memory=memory, boundary_token=boundary,
                                  searcher=searcher, knn=KNNLMConfig(k=8, lmbda=0.0, temperature=1.0))
-    mixed = score_tokens_segments(tiny.model, docs, segment=8, memory=memory, boundary_token=boundary, top_n=3,
+    mixed = score_tokens_segments(tiny.model, docs, memory=memory, boundary_token=boundary, top_n=3,
                                   searcher=searcher, knn=KNNLMConfig(k=8, lmbda=0.5, temperature=5.0))
     for b, z, m in zip(base, zero, mixed):
         np.testing.assert_array_equal(z.logprob, b.base_logprob)
@@ -234,7 +234,7 @@ def test_segments_knn_lambda_zero_is_base_and_keys_come_from_the_memory_forward(
     # Oracle for the mixture: search the keys of the memory forward pass by hand (first document).
     knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
     doc = docs[1]
-    (s,) = score_tokens_segments(tiny.model, [doc], segment=8, memory=memory, boundary_token=boundary,
+    (s,) = score_tokens_segments(tiny.model, [doc], memory=memory, boundary_token=boundary,
                                  searcher=searcher, knn=knn, batch_size=1)
     seq, state, want = [boundary, *doc], new_memory(memory, 1), []
     from memlm.retrieval.knnlm import interpolate, knn_target_logprob
@@ -254,11 +254,9 @@ def test_segments_knn_lambda_zero_is_base_and_keys_come_from_the_memory_forward(
 def test_segments_reject_bad_arguments(tiny, docs):
     from memlm.errors import MemlmError
 
-    with pytest.raises(MemlmError, match="segment"):
-        score_tokens_segments(tiny.model, docs, segment=0, memory=MemoryConfig("xl"), boundary_token=0)
-    with pytest.raises(MemlmError, match="segment"):
-        score_tokens_segments(tiny.model, docs, segment=tiny.model.config.max_seq_len + 1,
-                              memory=MemoryConfig("xl"), boundary_token=0)
+    too_long = MemoryConfig("xl", segment=tiny.model.config.max_seq_len + 1)
+    with pytest.raises(MemlmError, match=r"^segment must be in \[1, 1024\] \(the model's context\), got 1025$"):
+        score_tokens_segments(tiny.model, docs, memory=too_long, boundary_token=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,12 +277,12 @@ def test_generate_xl_runs_past_context_and_scores_as_segments(tiny):
     short.eval()
     tok, boundary = tiny.tokenizer, BOUNDARY
     prompt = tok.encode("The quick brown fox")
-    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2)
+    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=1)
     events = list(generate(short, tok, prompt, max_new_tokens=60, sampling=SamplingConfig(0.9, seed=1),
-                           boundary_token=boundary, memory=memory, segment=1))
+                           boundary_token=boundary, memory=memory))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert len(tokens) == 60 and 1 + len(prompt) + 60 > short.config.max_seq_len
-    (s,) = score_tokens_segments(short, [[t.token_id for t in tokens]], contexts=[prompt], segment=1, memory=memory,
+    (s,) = score_tokens_segments(short, [[t.token_id for t in tokens]], contexts=[prompt], memory=memory,
                                  boundary_token=boundary, batch_size=1)
     torch.testing.assert_close(torch.from_numpy(s.base_logprob), torch.tensor([t.base_logprob for t in tokens]),
                                rtol=1e-5, atol=1e-5)
@@ -297,9 +295,9 @@ def test_generate_xl_without_eviction_equals_kv_cache(tiny):
     tok, boundary = tiny.tokenizer, BOUNDARY
     prompt = tok.encode("Peter Piper picked a peck")
     runs = {}
-    for name, memory in (("cache", None), ("xl", MemoryConfig("xl", mem_len=256, sink_tokens=4))):
+    for name, memory in (("cache", None), ("xl", MemoryConfig("xl", mem_len=256, sink_tokens=4, segment=8))):
         events = generate(tiny.model, tok, prompt, max_new_tokens=20, sampling=SamplingConfig(0.0),
-                          boundary_token=boundary, memory=memory, segment=8 if memory else None)
+                          boundary_token=boundary, memory=memory)
         runs[name] = [(e.token_id, e.base_logprob) for e in events if isinstance(e, TokenEvent)]
     assert [t for t, _ in runs["xl"]] == [t for t, _ in runs["cache"]]
     np.testing.assert_allclose([lp for _, lp in runs["xl"]], [lp for _, lp in runs["cache"]], rtol=1e-5, atol=1e-5)
