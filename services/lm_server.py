@@ -48,7 +48,12 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
-from services.lm_requests import DEFAULT_MEMORY_MODE, SUPPORTED_MEMORY_MODES, LMLimits, RequestParser
+from services.lm_requests import (
+    DEFAULT_MEMORY_MODE,
+    SUPPORTED_MEMORY_MODES,
+    LMLimits,
+    RequestParser,
+)
 from services.retrieval_server import info_to_proto
 from services.security import ClientTls
 from services.server_common import (
@@ -56,6 +61,7 @@ from services.server_common import (
     RunningServer,
     ServerOptions,
     ServiceError,
+    close_when_stopped,
     join_host_port,
     message_classes_of,
     run_until_signal,
@@ -306,7 +312,11 @@ async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMCo
         model_name=model_name, knn_defaults=knn_defaults, limits=limits, max_message_bytes=options.max_message_bytes
     )
     running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
-    asyncio.get_running_loop().create_task(_close_when_stopped(running.server, servicer))
+
+    async def release() -> None:
+        servicer.close()  # joins the model thread
+
+    close_when_stopped(running.server, release)
     return LMServer(running, servicer)
 
 
@@ -343,13 +353,6 @@ async def create_lm_server(address: str, pretrained, searcher: Searcher | None =
     """start_lm_server, returning (server, bound port); same arguments."""
     started = await start_lm_server(address, pretrained, searcher, **kwargs)
     return started.running.server, started.running.port
-
-
-async def _close_when_stopped(server: grpc.aio.Server, servicer: LanguageModelServicer) -> None:
-    try:
-        await server.wait_for_termination()
-    finally:
-        servicer.close()
 
 
 def open_model_and_searcher(

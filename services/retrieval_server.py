@@ -30,6 +30,7 @@ from services.server_common import (
     InvalidRequest,
     RunningServer,
     ServerOptions,
+    close_when_stopped,
     join_host_port,
     message_classes_of,
     run_until_signal,
@@ -334,8 +335,11 @@ async def start_retrieval_server(
     )
     servicer = RetrievalServicer(batcher, info_response, limits)
     running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
-    # Release the worker thread once the server has stopped, however it was stopped.
-    asyncio.get_running_loop().create_task(_close_when_stopped(running.server, batcher))
+
+    async def release() -> None:
+        batcher.close()  # joins the worker thread once the server has stopped, however it was stopped
+
+    close_when_stopped(running.server, release)
     await running.mark_serving()
     return RetrievalServer(running, batcher)
 
@@ -344,13 +348,6 @@ async def create_retrieval_server(address: str, searcher: Searcher, **kwargs) ->
     """start_retrieval_server, returning (server, bound port); same arguments."""
     started = await start_retrieval_server(address, searcher, **kwargs)
     return started.running.server, started.running.port
-
-
-async def _close_when_stopped(server: grpc.aio.Server, batcher: SearchBatcher) -> None:
-    try:
-        await server.wait_for_termination()
-    finally:
-        batcher.close()
 
 
 async def serve_retrieval(

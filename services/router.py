@@ -37,6 +37,7 @@ from services.server_common import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RunningServer,
     ServerOptions,
+    close_when_stopped,
     join_host_port,
     open_channel,
     run_until_signal,
@@ -221,7 +222,7 @@ async def start_router_server(
         raise
     limits = SearchLimits(max_k=info.max_k, max_queries=info.max_queries, max_message_bytes=info.max_message_bytes)
     servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets, limits)
-    asyncio.get_running_loop().create_task(_close_channels_when_stopped(running.server, channels))
+    close_when_stopped(running.server, lambda: _close_all(channels))
     await running.mark_serving()
     return running
 
@@ -244,16 +245,12 @@ class _LateServicer:
 
 async def _stop(running: RunningServer, channels) -> None:
     await running.server.stop(None)
+    await _close_all(channels)
+
+
+async def _close_all(channels) -> None:
     for c in channels:
         await c.close()
-
-
-async def _close_channels_when_stopped(server: grpc.aio.Server, channels) -> None:
-    try:
-        await server.wait_for_termination()
-    finally:
-        for c in channels:
-            await c.close()
 
 
 async def create_router_server(address: str, shard_addresses: Sequence[str], **kwargs) -> tuple[grpc.aio.Server, int]:

@@ -17,7 +17,7 @@ import asyncio
 import functools
 import signal
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -267,6 +267,25 @@ async def start_server(
         raise MemlmError(f"cannot listen on {address}: address in use or not local")
     await server.start()
     return RunningServer(server, port, health_servicer, tuple(names))
+
+
+_WATCHERS: set[asyncio.Task] = set()
+"""Tasks of close_when_stopped, held so that they are not garbage-collected while they wait."""
+
+
+def close_when_stopped(server: grpc.aio.Server, cleanup: Callable[[], Awaitable[None]]) -> None:
+    """Await `cleanup()` once `server` has stopped, however it was stopped (`server.stop`, SIGTERM): release
+    worker threads and channels with the server. Call from the server's event loop."""
+
+    async def watch() -> None:
+        try:
+            await server.wait_for_termination()
+        finally:
+            await cleanup()
+
+    task = asyncio.get_running_loop().create_task(watch())
+    _WATCHERS.add(task)
+    task.add_done_callback(_WATCHERS.discard)
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -107,6 +107,14 @@ def loop_thread():
 
 
 @pytest.fixture(scope="module")
+def module_loop():
+    """A LoopThread shared by a module's servers (for module-scoped server fixtures)."""
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="module")
 def searcher() -> FlatSearcher:
     return make_searcher(3000, 32, seed=0)
 

@@ -9,10 +9,8 @@ Shape legend: N datastore entries, C key width.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
-import threading
 
 import grpc
 import pytest
@@ -42,6 +40,7 @@ from services.lm_client import (
     main_score,
 )
 from services.lm_server import (
+    GenerationRecord,
     LMLimits,
     bind_lm_server,
     create_lm_server,
@@ -57,26 +56,6 @@ TEXTS = [
 ]
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
 LIMITS = LMLimits(max_score_tokens=400, max_new_tokens=100_000)
-
-
-class Loop:
-    """An asyncio loop on a daemon thread for the servers (the clients here are synchronous)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.servers = []
-
-    def run(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        for server in self.servers:
-            self.run(server.stop(None))
-        self.run(asyncio.sleep(0.05))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +83,12 @@ def index(tiny, boundary):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny, index):
+def servers(tiny, index, module_loop):
     """Addresses of: an LM server without datastore, one with the index in process, one over gRPC."""
-    loop = Loop()
+    loop = module_loop
 
     def start(factory, *args, **kwargs):
-        server, port = loop.run(factory(*args, **kwargs))
-        loop.servers.append(server)
-        return f"127.0.0.1:{port}"
+        return f"127.0.0.1:{loop.start(factory, *args, **kwargs)}"
 
     started = loop.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny", knn_defaults=KNN, limits=LIMITS))
     loop.servers.append(started.running.server)
@@ -122,7 +99,6 @@ def servers(tiny, index):
     remote = start(create_lm_server, "127.0.0.1:0", tiny, remote_searcher, knn_defaults=KNN)
     yield {"plain": plain, "local": local, "remote": remote, "servicer": started.servicer, "loop": loop}
     remote_searcher.close()
-    loop.close()
 
 
 def client(address: str) -> LanguageModelClient:
@@ -246,6 +222,48 @@ def test_cancelled_generate_stops_work(servers):
         record = wait_for_record(servicer, before + 2)
         assert record.outcome == "cancelled" and record.completion_tokens < 100_000
         assert c.score(["still serving"])[0].tokens
+
+
+class _Aborted(Exception):
+    pass
+
+
+class ExpiringContext:
+    """A servicer context whose deadline passes after `tokens` time checks (grpc has not cancelled yet)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.checks_left = tokens
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        self.checks_left -= 1
+        return 10.0 if self.checks_left >= 0 else 0.0
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        self.aborted = (code, details)
+        raise _Aborted(details)
+
+
+def test_generate_whose_deadline_passes_ends_deadline_exceeded_not_ok(servers):
+    # Before: the handler returned normally, so a client whose own timer had not fired yet saw the stream
+    # end with status OK and no finish message, as if the generation were complete.
+    servicer = servers["servicer"]
+    context = ExpiringContext(tokens=3)
+
+    async def drive() -> list:
+        out = []
+        with pytest.raises(_Aborted):
+            async for response in servicer.Generate(lm_pb2.GenerateRequest(prompt_text="hi", max_new_tokens=50), context):
+                out.append(response)
+        return out
+
+    responses = servers["loop"].run(drive())
+    assert len(responses) == 3 and all(r.HasField("delta") for r in responses)
+    assert context.aborted == (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed after 3 generated tokens")
+    assert servicer.records[-1] == GenerationRecord(completion_tokens=3, outcome="cancelled")
 
 
 def score_request(**kw) -> lm_pb2.ScoreRequest:

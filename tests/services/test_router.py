@@ -5,6 +5,9 @@ Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+
 import grpc
 import numpy as np
 import pytest
@@ -59,6 +62,36 @@ def test_router_refuses_shards_that_disagree(loop_thread, make_searcher):
     pb = loop_thread.start(create_retrieval_server, "127.0.0.1:0", b)
     with pytest.raises(MemlmError, match="model_fingerprint"):
         loop_thread.run(create_router_server("127.0.0.1:0", [f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"]))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tokenizer_fingerprint", "other-tokenizer"), ("metric", "ip"), ("key_layer", "ffn_input.0"), ("context", 1024),
+    ("stride", 512), ("boundary_token", 7), ("sink_tokens", 4),
+])
+def test_router_refuses_shards_whose_keys_were_made_differently(loop_thread, make_searcher, field, value):
+    a, b = make_searcher(100, 8, seed=1), make_searcher(100, 8, seed=2)
+    b.info_changes[field] = value
+    pa = loop_thread.start(create_retrieval_server, "127.0.0.1:0", a)
+    pb = loop_thread.start(create_retrieval_server, "127.0.0.1:0", b)
+    with pytest.raises(MemlmError, match=f"has {field}={value!r} but shard"):
+        loop_thread.run(create_router_server("127.0.0.1:0", [f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"]))
+
+
+def test_router_info_describes_the_union_of_its_shards(loop_thread, make_searcher):
+    shards = [make_searcher(100, 8, seed=1), make_searcher(50, 8, seed=2), make_searcher(70, 8, seed=3)]
+    for i, shard in enumerate(shards):
+        shard.info_changes.update(corpus=f"corpus shard {i} of 3", corpus_fingerprint=f"fp{i}")
+    shards[2].info_changes.update(index="IVF4,Flat", nprobe=2)
+    ports = [loop_thread.start(create_retrieval_server, "127.0.0.1:0", s) for s in shards]
+    router = loop_thread.start(create_router_server, "127.0.0.1:0", [f"127.0.0.1:{p}" for p in ports])
+    with RetrievalClient(f"127.0.0.1:{router}") as client:
+        info = client.info()
+    first = shards[0].info()
+    assert info == dataclasses.replace(
+        first, n=220, index="Flat | IVF4,Flat", nprobe=0,  # 0: the shards' default nprobe differs
+        corpus="corpus shard 0 of 3 | corpus shard 1 of 3 | corpus shard 2 of 3",
+        corpus_fingerprint=hashlib.sha256(b"fp0\nfp1\nfp2").hexdigest(),
+    )
 
 
 def test_router_validates_input_and_passes_deadlines(loop_thread, searcher, gated_searcher):
