@@ -60,11 +60,12 @@ def main() -> None:
     eval_docs = _common.load_tokens(pre, args.data, args.eval_split, args.eval_tokens, seed=3)
 
     rows = []
+    exact = ds.exact_searcher()  # ground truth for recall@k (the keys of this benchmark fit in memory)
     for rerank in (False, True):
         cfg = KNNLMConfig(k=args.k, lmbda=None, temperature=None, exact_rerank=rerank)
         tuned = tune(collect_tuning_data(model, tune_docs, ds, window, cfg, bos, progress=False))
         cfg = KNNLMConfig(k=args.k, lmbda=tuned.lmbda, temperature=tuned.temperature, exact_rerank=rerank)
-        r = evaluate_knnlm(model, eval_docs, ds, window, cfg, bos, progress=False)
+        r = evaluate_knnlm(model, eval_docs, ds, window, cfg, bos, exact_searcher=exact, progress=False)
         rows.append((rerank, r))
 
     print(f"model {name}; datastore {ds.info().n} keys, index {ds.info().index} (nprobe "
