@@ -199,7 +199,7 @@ def wait_for_record(servicer, count: int):
         return servicer.records[count - 1]
 
 
-def test_cancelled_generate_stops_work(servers):
+def test_cancelled_generate_stops_work(tiny, servers):
     servicer = servers["servicer"]
     before = len(servicer.records)
     with client(servers["plain"]) as c:
@@ -221,7 +221,7 @@ def test_cancelled_generate_stops_work(servers):
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         record = wait_for_record(servicer, before + 2)
         assert record.outcome == "cancelled" and record.completion_tokens < 100_000
-        assert c.score(["still serving"])[0].tokens
+        assert [t.token_id for t in c.score(["still serving"])[0].tokens] == tiny.tokenizer.encode("still serving")
 
 
 class _Aborted(Exception):
@@ -526,8 +526,8 @@ def test_not_serving_until_loaded_and_datastore_checked(tiny, servers, index, bo
     started.servicer.load(tiny, index)
     loop.run(started.running.mark_serving())
     assert health(address) == health_pb2.HealthCheckResponse.SERVING
-    with client(address) as c:
-        assert c.score(["hi"], knn=KnnRequest())[0].tokens
+    with client(address) as c, client(servers["local"]) as reference:  # the same datastore, loaded before
+        assert c.score(["hi"], knn=KnnRequest()) == reference.score(["hi"], knn=KnnRequest())
 
 
 def test_command_line_entry_points(servers, capsys):
