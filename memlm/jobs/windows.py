@@ -1,7 +1,9 @@
 """Sliding windows over documents: the one loop that scores tokens and produces kNN keys.
 
 Perplexity jobs, the datastore builder and kNN-LM evaluation all consume `score_documents`, so every
-key in a datastore sees exactly the left context that evaluation gives the same token.
+key in a datastore sees exactly the left context that evaluation gives the same token; per-token
+scoring (memlm.jobs.scoring, the Score rpc) runs the same batch forward, `forward_windows`, so its
+floats are those of `memlm eval` bit for bit.
 
 Each document is scored on its own, preceded by one boundary token (memlm.model.tokenizer.document_boundary), so its
 first real token is predicted too and no window crosses a document boundary. With context length L
