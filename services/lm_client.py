@@ -19,8 +19,12 @@ import grpc
 from memlm.errors import MemlmError
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
-from services.security import ClientTls, auth_metadata
-from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, open_channel
+from services.security import ClientTls
+from services.server_common import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServiceClient,
+    ServiceError,
+)
 
 MEMORY_MODES = {
     "none": lm_pb2.MEMORY_MODE_NONE,
@@ -181,13 +185,9 @@ def _memory_mode(name: str | None) -> int:
     return MEMORY_MODES[name]
 
 
-class LanguageModelClient:
-    """Client of a LanguageModelService.
-
-    address: "HOST:PORT". tls: None = plaintext. token: bearer token, if the server wants one.
-    timeout: seconds allowed per call (a whole Generate stream included); None = no deadline.
-    wait_for_ready: True = calls wait (within timeout) for a server that is still starting.
-    """
+class LanguageModelClient(ServiceClient):
+    """Client of a LanguageModelService (arguments as ServiceClient; the timeout covers a whole Generate
+    stream)."""
 
     def __init__(
         self,
@@ -199,21 +199,8 @@ class LanguageModelClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         wait_for_ready: bool = False,
     ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self._wait_for_ready = wait_for_ready
-        self._metadata = auth_metadata(token)
-        self._channel = open_channel(address, tls, max_message_bytes)
+        super().__init__(address, tls, token, timeout, max_message_bytes, wait_for_ready)
         self._stub = lm_pb2_grpc.LanguageModelServiceStub(self._channel)
-
-    def _kwargs(self) -> dict:
-        return dict(timeout=self.timeout, metadata=self._metadata, wait_for_ready=self._wait_for_ready)
-
-    def _call(self, method, request):
-        try:
-            return method(request, **self._kwargs())
-        except grpc.RpcError as e:
-            raise ServiceError(self.address, e.code(), e.details() or "") from None
 
     def info(self) -> lm_pb2.LanguageModelServiceGetInfoResponse:
         """The server's model, datastore and limits."""
@@ -303,7 +290,7 @@ class LanguageModelClient:
         return self._stream(request)
 
     def _stream(self, request: lm_pb2.GenerateRequest) -> Iterator[TextDelta | Finish]:
-        call = self._stub.Generate(request, **self._kwargs())
+        call = self._stub.Generate(request, **self._call_options())
         try:
             for response in call:
                 if response.HasField("delta"):
@@ -320,15 +307,6 @@ class LanguageModelClient:
             raise ServiceError(self.address, e.code(), e.details() or "") from None
         finally:
             call.cancel()  # no-op when the stream ended; stops the server's work when we left early
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> LanguageModelClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _score_result(r: lm_pb2.SequenceScore) -> ScoreResult:

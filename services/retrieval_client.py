@@ -19,18 +19,19 @@ from services.retrieval_server import (
     info_from_proto,
     response_bytes,
 )
-from services.security import ClientTls, auth_metadata
-from services.server_common import DEFAULT_MAX_MESSAGE_BYTES, ServiceError, open_channel
+from services.security import ClientTls
+from services.server_common import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServiceClient,
+    ServiceError,
+)
 from services.tensors import TensorError, from_tensor, to_tensor
 
 
-class RetrievalClient:
+class RetrievalClient(ServiceClient):
     """Searcher backed by a remote RetrievalService (a retrieval server or a shard router).
 
-    address: "HOST:PORT". tls: None = plaintext. token: bearer token, if the server wants one.
-    timeout: seconds allowed for each call (a search of many queries makes several calls).
-    wait_for_ready: False = a server that cannot be reached fails the call at once (UNAVAILABLE);
-    True = calls wait, within `timeout`, for it to come up (e.g. while it is still starting).
+    Arguments as ServiceClient; the timeout is per call, and a search of many queries makes several calls.
     Errors are ServiceError (a MemlmError) carrying the gRPC status code.
     """
 
@@ -44,20 +45,9 @@ class RetrievalClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         wait_for_ready: bool = False,
     ) -> None:
-        self.address = address
-        self._wait_for_ready = wait_for_ready
-        self.timeout = timeout
-        self._metadata = auth_metadata(token)
-        self._max_message_bytes = max_message_bytes
-        self._channel = open_channel(address, tls, max_message_bytes)
+        super().__init__(address, tls, token, timeout, max_message_bytes, wait_for_ready)
         self._stub = retrieval_pb2_grpc.RetrievalServiceStub(self._channel)
         self._server_info: retrieval_pb2.RetrievalServiceGetInfoResponse | None = None
-
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self.timeout, metadata=self._metadata, wait_for_ready=self._wait_for_ready)
-        except grpc.RpcError as e:
-            raise ServiceError(self.address, e.code(), e.details() or "") from None
 
     def server_info(self) -> retrieval_pb2.RetrievalServiceGetInfoResponse:
         """The server's GetInfo answer, datastore and request limits (fetched once, then cached)."""
@@ -126,12 +116,3 @@ class RetrievalClient:
                 )
         # Copies: the decoded views of the message bytes are read-only, local FAISS results are not.
         return Neighbors(*(np.array(a) for a in out))
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> RetrievalClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

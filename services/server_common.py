@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import grpc
 from google.protobuf import message as pb_message
@@ -31,6 +32,7 @@ from services.security import (
     BearerTokenInterceptor,
     ClientTls,
     ServerTls,
+    auth_metadata,
     channel_credentials,
     channel_tls_options,
     server_credentials,
@@ -87,6 +89,45 @@ def open_channel(
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, channel_credentials(tls), options=options)
+
+
+class ServiceClient:
+    """What every memlm client shares: one channel (`open_channel`), the bearer token on every call, a
+    per-call deadline, and grpc errors raised as ServiceError. Subclasses add their stub and methods.
+
+    address: "HOST:PORT". tls: None = plaintext. token: bearer token, if the server wants one.
+    timeout: seconds allowed per call; None = no deadline. wait_for_ready: True = calls wait (within the
+    timeout) for a server that is still starting; False = an unreachable server fails at once (UNAVAILABLE).
+    """
+
+    def __init__(self, address: str, tls: ClientTls | None, token: str | None, timeout: float | None,
+                 max_message_bytes: int, wait_for_ready: bool) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._wait_for_ready = wait_for_ready
+        self._metadata = auth_metadata(token)
+        self._max_message_bytes = max_message_bytes
+        self._channel = open_channel(address, tls, max_message_bytes)
+
+    def _call_options(self) -> dict:
+        """Keyword arguments of every stub call: deadline, token, wait_for_ready."""
+        return {"timeout": self.timeout, "metadata": self._metadata, "wait_for_ready": self._wait_for_ready}
+
+    def _call(self, method: Callable, request: pb_message.Message):
+        """A unary call; grpc errors become ServiceError (code and details kept)."""
+        try:
+            return method(request, **self._call_options())
+        except grpc.RpcError as e:
+            raise ServiceError(self.address, e.code(), e.details() or "") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class InvalidRequest(Exception):
