@@ -49,10 +49,12 @@ def hf_llama():
     return build_hf_llama
 
 
-def build_hf_llama(config, state_dict):
-    """transformers' LlamaForCausalLM (eager attention) holding our `state_dict`: the reference model.
+def build_hf_llama(config, state_dict, attn_implementation: str = "eager"):
+    """transformers' LlamaForCausalLM holding our `state_dict`: the reference model.
 
     config: a memlm ModelConfig; state_dict: our parameter names (no "model." prefix).
+    attn_implementation: "eager" (transformers' own attention arithmetic: an independent oracle, equal
+        to ours up to float32 summation order) or "sdpa" (the same torch kernel as ours: bit-identical).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,7 +63,7 @@ def build_hf_llama(config, state_dict):
         vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
         rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
-        max_position_embeddings=config.max_seq_len, attn_implementation="eager",
+        max_position_embeddings=config.max_seq_len, attn_implementation=attn_implementation,
     )
     with torch.device("meta"):  # skip transformers' random init of weights that are replaced anyway
         model = LlamaForCausalLM(hf_config)

@@ -55,6 +55,20 @@ def test_logits_match_transformers(tie: bool, hf_llama) -> None:
         assert model.lm_head.weight is model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("n_kv_head", [6, 2, 1])
+def test_logits_equal_transformers_sdpa_bit_for_bit(tie: bool, n_kv_head: int, hf_llama) -> None:
+    # The README's "logits bit-identical" (benchmarks/forward_throughput.py): with the same attention
+    # kernel (torch SDPA) every float matches; against eager attention only TOL holds.
+    config = make_config(tie, n_kv_head=n_kv_head)
+    model = make_model(config)
+    idx = tokens(config)
+    with torch.no_grad():
+        ours = model(idx).logits  # (B, T, V)
+        theirs = hf_llama(config, model.state_dict(), "sdpa")(idx).logits  # (B, T, V)
+    assert torch.equal(ours, theirs)
+
+
 def test_no_gqa_and_multi_query_match_transformers(hf_llama) -> None:
     for n_kv_head in (6, 1):  # plain multi-head attention, and one shared key/value head
         config = make_config(False, n_kv_head=n_kv_head)

@@ -162,12 +162,15 @@ def test_smollm2_config_matches_preset(smol: Pretrained) -> None:
 def test_smollm2_logits_match_transformers(smol: Pretrained, hf_llama) -> None:
     ids = smol.tokenizer.encode(PARAGRAPH)[:64]
     assert len(ids) == 64
-    ref = hf_llama(smol.model.config, smol.model.state_dict())
+    ours = logits(smol, ids)  # (T, V)
     with torch.no_grad():
-        theirs = ref(torch.tensor([ids])).logits[0]  # (T, V)
-    # Measured: max abs difference 5.4e-5 over 64 x 49152 logits whose magnitude reaches 35 (float32,
-    # CPU, 1 or 2 threads): not bit-identical, as float32 summation order differs from transformers'.
-    torch.testing.assert_close(logits(smol, ids), theirs, atol=SMOLLM2_TOL, rtol=0)
+        eager = hf_llama(smol.model.config, smol.model.state_dict())(torch.tensor([ids])).logits[0]  # (T, V)
+        sdpa = hf_llama(smol.model.config, smol.model.state_dict(), "sdpa")(torch.tensor([ids])).logits[0]  # (T, V)
+    # Against transformers' eager attention, measured: max abs difference 5.4e-5 over 64 x 49152 logits
+    # whose magnitude reaches 35 (float32, CPU, 1 or 2 threads): float32 summation order differs.
+    torch.testing.assert_close(ours, eager, atol=SMOLLM2_TOL, rtol=0)
+    # With the same attention kernel (SDPA, as benchmarks/forward_throughput.py builds it): bit-identical.
+    assert torch.equal(ours, sdpa)
 
 
 @pytest.mark.slow
