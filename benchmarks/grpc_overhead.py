@@ -45,7 +45,8 @@ class FlatSearcher:
     def info(self) -> SearcherInfo:
         return SearcherInfo(n=self.index.ntotal, dim=self.dim, index="Flat", metric="l2", nprobe=1, key_layer="random",
                             model_name="bench", model_fingerprint="bench", tokenizer_fingerprint="bench",
-                            corpus="random keys", corpus_fingerprint="bench", context=0, stride=0, boundary_token=-1)
+                            corpus="random keys", corpus_fingerprint="bench", context=0, stride=0, boundary_token=-1,
+                            sink_tokens=0)
 
     def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
         distances, ids = self.index.search(xq, k)  # (Q, k) each

@@ -48,7 +48,7 @@ class TorchExactSearcher:
         self.key_norms = torch.cat(norms) if norms else keys.new_zeros(0, dtype=torch.float32)  # (N,)
         unknown = SearcherInfo(n=0, dim=0, index=EXACT_INDEX, metric="l2", nprobe=1, key_layer="", model_name="",
                                model_fingerprint="", tokenizer_fingerprint="", corpus="", corpus_fingerprint="",
-                               context=0, stride=0, boundary_token=-1)
+                               context=0, stride=0, boundary_token=-1, sink_tokens=0)
         self._info = dataclasses.replace(
             info or unknown, n=int(keys.shape[0]), dim=int(keys.shape[1]), index=EXACT_INDEX, nprobe=1
         )

@@ -79,8 +79,8 @@ class SearcherInfo:
     """Window stride the keys were computed with."""
     boundary_token: int
     """Token prepended to every document when the keys were made; queries must use the same."""
-    sink_tokens: int = 0
-    """Attention-sink tokens kept when the keys were made (0: plain sliding windows)."""
+    sink_tokens: int
+    """Attention-sink tokens kept when the keys were made (0: plain sliding windows, what the builder does)."""
 
 
 @runtime_checkable

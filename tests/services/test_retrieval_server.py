@@ -325,7 +325,7 @@ SLOW_SERVER = textwrap.dedent(
         def info(self):
             return SearcherInfo(n=100, dim=4, index="Flat", metric="l2", nprobe=1, key_layer="k", model_name="m",
                                 model_fingerprint="m", tokenizer_fingerprint="t", corpus="c", corpus_fingerprint="c",
-                                context=8, stride=4, boundary_token=0)
+                                context=8, stride=4, boundary_token=0, sink_tokens=0)
         def search(self, xq, k, options=None):
             print("searching", flush=True)
             time.sleep(1.0)  # long enough for the test to send SIGTERM mid-search
