@@ -257,7 +257,10 @@ def test_generate_whose_deadline_passes_ends_deadline_exceeded_not_ok(servers):
     async def drive() -> list:
         out = []
         with pytest.raises(_Aborted):
-            async for response in servicer.Generate(lm_pb2.GenerateRequest(prompt_text="hi", max_new_tokens=50), context):
+            # Greedy from "The quick": no end-of-text for thousands of tokens (see test_cancelled_generate_stops_work).
+            request = lm_pb2.GenerateRequest(prompt_text="The quick", max_new_tokens=50,
+                                             sampling=lm_pb2.SamplingOptions(temperature=0.0))
+            async for response in servicer.Generate(request, context):
                 out.append(response)
         return out
 
