@@ -14,14 +14,14 @@ if str(ROOT) not in sys.path:
 
 def load_model(name: str | None) -> tuple[Any, str, str, int]:
     """(model, name, fingerprint, boundary token); SmolLM2 when fetched unless a name is given."""
+    from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained, model_path
 
     if name is None:
         name = "smollm2-135m" if model_path("smollm2-135m").is_file() else "tiny"
     pre = load_pretrained(name)
     tok = pre.tokenizer
-    bos = tok.boundary_id
-    return pre, name, pre.fingerprint, int(bos)
+    return pre, name, pre.fingerprint, document_boundary(tok)
 
 
 def load_tokens(pre: Any, data: str, split: str | None, max_tokens: int, seed: int = 0) -> list[list[int]]:

@@ -71,19 +71,6 @@ class Tokenizer:
         """Number of ids this tokenizer can produce (added tokens included)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def boundary_id(self) -> int | None:
-        """Token that separates documents: <|endoftext|> when the vocabulary has it, else BOS, else EOS.
-
-        SmolLM2's pretraining data joins documents with <|endoftext|> (id 0); the Instruct GGUF's BOS is
-        the chat token <|im_start|>. Measured on a 91-token English paragraph: perplexity 15.06 after
-        <|endoftext|>, 17.82 after <|im_start|>.
-        """
-        for candidate in (self.token_to_id("<|endoftext|>"), self.bos_id, self.eos_id):
-            if candidate is not None:
-                return candidate
-        return None
-
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -215,8 +202,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def document_boundary(tokenizer: "Tokenizer") -> int:
-    """The token that precedes every document or scored sequence (Tokenizer.boundary_id), or a MemlmError."""
-    token = tokenizer.boundary_id
-    if token is None:
-        raise MemlmError("the tokenizer has neither <|endoftext|>, BOS nor EOS to mark document starts")
-    return token
+    """The token that precedes every document or scored sequence, the one rule for every path (eval,
+    train, datastore build, serving, benchmarks): <|endoftext|> when the vocabulary has it, else BOS,
+    else EOS; a MemlmError when the tokenizer has none of them.
+
+    SmolLM2's pretraining data joins documents with <|endoftext|> (id 0); the Instruct GGUF's BOS is
+    the chat token <|im_start|>. Measured on a 91-token English paragraph: perplexity 15.06 after
+    <|endoftext|>, 17.82 after <|im_start|>.
+    """
+    for candidate in (tokenizer.token_to_id("<|endoftext|>"), tokenizer.bos_id, tokenizer.eos_id):
+        if candidate is not None:
+            return candidate
+    raise MemlmError("the tokenizer has neither <|endoftext|>, BOS nor EOS to mark document starts")

@@ -16,7 +16,8 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memlm.model.tokenizer import BYTE_SPECIALS, Tokenizer
+from memlm.errors import MemlmError
+from memlm.model.tokenizer import BYTE_SPECIALS, Tokenizer, document_boundary
 from memlm.model.weights import tokenizer_from_gguf
 
 TEXTS = [
@@ -60,6 +61,14 @@ def test_byte_tokenizer_round_trips_any_text(text: str) -> None:
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
+
+
+def test_document_boundary_rule_endoftext_then_bos_then_eos() -> None:
+    backend = Tokenizer.byte_level().backend  # no <|endoftext|>: 256 <|bos|>, 257 <|eos|>
+    assert document_boundary(Tokenizer(backend, 256, 257)) == 256
+    assert document_boundary(Tokenizer(backend, None, 257)) == 257
+    with pytest.raises(MemlmError, match=r"^the tokenizer has neither <\|endoftext\|>, BOS nor EOS to mark"):
+        document_boundary(Tokenizer(backend, None, None))
 
 
 def test_byte_tokenizer_specials() -> None:
@@ -196,7 +205,7 @@ def test_smollm2_metadata_and_specials(smol: Tokenizer) -> None:
     assert (smol.bos_id, smol.eos_id) == (1, 2)  # <|im_start|>, <|im_end|> in this Instruct GGUF
     assert smol.encode("<|im_start|>user\nhi<|im_end|>") == [1] + smol.encode("user\nhi") + [2]
     assert smol.encode("<|endoftext|>") == [0]
-    assert smol.boundary_id == 0 and Tokenizer.byte_level().boundary_id == 256
+    assert document_boundary(smol) == 0 and document_boundary(Tokenizer.byte_level()) == 256
 
 
 def test_json_round_trip_keeps_ids_and_fingerprint(smol: Tokenizer, tmp_path) -> None:
