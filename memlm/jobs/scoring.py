@@ -237,16 +237,10 @@ def score_tokens_segments(
                     continue
                 # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
                 logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-                neighbors = None
-                if searcher is not None:
-                    keys = torch.cat([out.knn_key[r, a:b] for r, _, a, b in slices])  # (Q, C)
-                    neighbors = search_keys(searcher, keys, knn.k, knn.search_options)  # (Q, k), one per batch
-                offset = 0
-                for r, seq, a, b in slices:
+                neighbors = _search_each(searcher, knn, [out.knn_key[r, a:b] for r, _, a, b in slices])
+                for (r, seq, a, b), nb in zip(slices, neighbors):
                     targets = batch.targets[r, a:b].to(device)  # (n,)
                     lm_lp = logp[r, a:b]  # (n, V)
-                    nb = None if neighbors is None else Neighbors(*(x[offset : offset + b - a] for x in neighbors))
-                    offset += b - a
                     greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
                     parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
     return _assemble(token_seqs, parts, prefix_lens, top_n)
@@ -320,20 +314,27 @@ def _score_batch(
     `memlm eval` runs); returns per window (base (n,), final (n,), greedy (n,), top ids (n, N),
     top logprobs (n, N)) on the CPU."""
     outputs = forward_windows(model, batch)
-    neighbors = None
-    if searcher is not None:
-        keys = torch.cat([o.keys for o in outputs])  # (Q, C)
-        neighbors = search_keys(searcher, keys, knn.k, knn.search_options)  # (Q, k), one per batch
-
     results = []
-    offset = 0  # row of this window's first scored token in `neighbors`
-    for o in outputs:
-        n = len(o.targets)
+    for o, nb in zip(outputs, _search_each(searcher, knn, [o.keys for o in outputs])):
         lm_lp, greedy = o.log_probs()  # (n, V), (n,)
-        nb = None if neighbors is None else Neighbors(*(a[offset : offset + n] for a in neighbors))  # (n, k)
-        offset += n
         results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n))
     return results
+
+
+def _search_each(
+    searcher: Searcher | None, knn: KNNLMConfig | None, keys: list[torch.Tensor]
+) -> list[Neighbors | None]:
+    """Neighbours of each key block (n_i, C), from one search over all of them (one per forward batch);
+    None for every block without kNN-LM."""
+    if searcher is None:
+        return [None] * len(keys)
+    neighbors = search_keys(searcher, torch.cat(keys), knn.k, knn.search_options)  # (Q, k) arrays
+    blocks, offset = [], 0
+    for block in keys:
+        n = block.shape[0]
+        blocks.append(Neighbors(*(a[offset : offset + n] for a in neighbors)))  # (n, k)
+        offset += n
+    return blocks
 
 
 def _final_scores(
