@@ -42,3 +42,11 @@ def test_default_factory_is_valid_and_grows_with_n(n):
 def test_nlist_is_about_four_sqrt_n():
     assert default_nlist(1_000_000) == 4096
     assert default_nlist(100_000_000) == 32768
+
+
+@pytest.mark.parametrize("factory", ["PQ8", "IVF4,PQ8", "OPQ8,IVF4,PQ8x4"])
+def test_pq_indexes_skip_polysemous_training(factory):
+    # The factory turns it on for PQ codes; it takes minutes for PQ64 and we never use Hamming filtering.
+    index = make_index(factory, 64)
+    ivf = faiss.try_extract_index_ivf(index)
+    assert faiss.downcast_index(ivf if ivf is not None else index).do_polysemous_training is False
