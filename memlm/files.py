@@ -80,6 +80,21 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(directory: Path) -> None:
+    """fsync every file below `directory`, then every folder, deepest first: what a folder published
+    by one rename (a checkpoint) needs so that a power cut after the rename cannot leave empty files."""
+    directory = Path(directory)
+    folders = [directory]
+    for path in sorted(directory.rglob("*")):
+        if path.is_dir():
+            folders.append(path)
+        elif path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(folder)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, durable: bool = False, concurrent: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write; when the block succeeds it is renamed onto `path`

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from memlm.errors import MemlmError
-from memlm.files import sha256_file
+from memlm.files import fsync_dir, fsync_tree, sha256_file
 from memlm.memory.config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
@@ -99,7 +99,9 @@ def save_checkpoint(
         if write_files is not None:
             write_files(tmp)
         sha256_file(tmp / "model.safetensors")  # remembered by inode: loading the published one does not rehash
+        fsync_tree(tmp)  # durable before it is published: a resumed run must not find empty files
         _publish(tmp, directory)
+        fsync_dir(directory.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from memlm.files import PARTIAL_SUFFIX, atomic_open, atomic_path, atomic_write, sha256_file
+from memlm import files
+from memlm.files import PARTIAL_SUFFIX, atomic_open, atomic_path, atomic_write, fsync_tree, sha256_file
 
 
 @pytest.fixture
@@ -96,3 +97,17 @@ def test_atomic_open_refuses_modes_that_do_not_write_a_new_file(tmp_path) -> Non
     with pytest.raises(ValueError, match="mode 'wb' or 'w', got 'ab'"):
         with atomic_open(tmp_path / "x", "ab"):
             pass
+
+
+def test_fsync_tree_syncs_every_file_then_the_folders_deepest_first(tmp_path, monkeypatch) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("top.json", "a/mid.bin", "a/b/deep.bin"):
+        (tmp_path / name).write_bytes(b"x")
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    fsync_tree(tmp_path)
+    root = str(tmp_path)
+    files_synced, folders_synced = synced[:3], synced[3:]
+    assert sorted(files_synced) == sorted(f"{root}/{n}" for n in ("top.json", "a/mid.bin", "a/b/deep.bin"))
+    assert folders_synced == [f"{root}/a/b", f"{root}/a", root]

@@ -147,6 +147,30 @@ def test_checkpoint_round_trip_tiny_and_crash_safety(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_checkpoint_files_are_fsynced_before_the_folder_is_published(tmp_path, monkeypatch) -> None:
+    import os
+
+    from memlm import files
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                       real_fsync(fd))[1])
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr("memlm.model.checkpoint.os.replace", replace)
+    pre = load_pretrained("tiny")
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, pre.model, pre.tokenizer, write_files=lambda d: (d / "optimizer.pt").write_bytes(b"x"))
+    publish = events.index(("replace", str(ckpt)))
+    synced = {Path(p).name for kind, p in events[:publish] if kind == "fsync"}
+    assert {p.name for p in ckpt.iterdir()} <= synced  # every file, written by us or by write_files
+    assert ("fsync", str(tmp_path)) in events[publish:]  # and the rename itself
+
+
 # -- the real SmolLM2 -----------------------------------------------------------------------------
 
 
