@@ -298,6 +298,27 @@ def test_reconstruction_loss_trains_only_the_compressor():
     assert any(not torch.equal(a, b) for a, b in zip(before, compressor.parameters()))
 
 
+def test_reconstruction_loss_is_zero_exactly_when_compression_is_lossless():
+    """Rate 1 pooling keeps every evicted state as it is, so attention over the compression equals
+    attention over the evicted states: the loss is 0.0; rate 2 mean pooling loses information."""
+    model = tiny_model(2)
+    x = torch.randint(0, 512, (2, 48))
+    for rate, fn in ((1, "mean"), (1, "max"), (2, "mean")):
+        state = CompressiveMemory.empty(2, 8, 8, rate, fn, sink_tokens=0)
+        losses, evicted = [], 0
+        for s in range(0, 48, 8):
+            with torch.no_grad(), capture_queries(model) as queries:
+                out = model(x[:, s : s + 8], state)
+            state = out.state
+            evicted += sum(int(rec.old.valid.sum()) for rec in state.last_compression or () if rec is not None)
+            losses.append(attention_reconstruction_loss(state, queries, model).item())
+        assert evicted == 2 * 2 * (48 - 8)  # layers x rows x tokens pushed past the 8 memory slots
+        if rate == 1:
+            assert losses == [0.0] * 6, (fn, losses)
+        else:
+            assert losses[0] == 0.0 and min(losses[1:]) > 1e-4, losses  # the first segment evicts nothing
+
+
 def test_conv_compressor_starts_as_mean_pooling():
     cfg = ModelConfig.from_name("tiny")
     comp = Compressor(cfg, rate=4)
