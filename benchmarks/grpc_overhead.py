@@ -54,10 +54,10 @@ class FlatSearcher:
 
 
 def serve(args) -> None:
-    from services.retrieval_server import serve_retrieval
+    from services.retrieval_server import BatchingOptions, serve_retrieval
 
     searcher = FlatSearcher(args.n, args.d)
-    asyncio.run(serve_retrieval(searcher, "127.0.0.1", 0, micro_batching=not args.no_micro_batching))
+    asyncio.run(serve_retrieval(searcher, "127.0.0.1", 0, batching=BatchingOptions(micro_batching=not args.no_micro_batching)))
 
 
 def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:

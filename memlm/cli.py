@@ -108,23 +108,27 @@ def client_tls(ca: str | None) -> Any:
 
 def cmd_serve_retrieval(args: argparse.Namespace) -> None:
     from datastore import Datastore
-    from services.retrieval_server import serve_retrieval
+    from services.retrieval_server import BatchingOptions, serve_retrieval
+    from services.server_common import ServerOptions
 
     store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
                            device=None if args.device == "auto" else args.device)
     asyncio.run(serve_retrieval(
-        store, args.host, args.port, tls=server_tls(args), token=token_from(args),
-        micro_batching=not args.no_micro_batching, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        store, args.host, args.port,
+        options=ServerOptions(tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs),
+        batching=BatchingOptions(micro_batching=not args.no_micro_batching),
     ))
 
 
 def cmd_serve_router(args: argparse.Namespace) -> None:
-    from services.router import serve_router
+    from services.router import ShardLinks, serve_router
+    from services.server_common import ServerOptions
 
+    shards = ShardLinks(tls=client_tls(args.shard_ca),
+                        token=args.shard_token or os.environ.get("MEMLM_SHARD_TOKEN") or None)
     asyncio.run(serve_router(
-        args.shard, args.host, args.port, shard_tls=client_tls(args.shard_ca),
-        shard_token=args.shard_token or os.environ.get("MEMLM_SHARD_TOKEN") or None,
-        tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs,
+        args.shard, args.host, args.port, shards=shards,
+        options=ServerOptions(tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs),
     ))
 
 

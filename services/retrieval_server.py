@@ -23,10 +23,8 @@ import numpy as np
 
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, tensor_pb2
-from services.security import ServerTls
 from services.server_common import (
     DEFAULT_HOST,
-    DEFAULT_MAX_MESSAGE_BYTES,
     InvalidRequest,
     RunningServer,
     ServerOptions,
@@ -47,14 +45,25 @@ RESPONSE_BYTES_PER_NEIGHBOUR = 4 + 8 + 4
 
 @dataclass(frozen=True)
 class SearchLimits:
-    """What one Search request may ask for."""
+    """What one Search request may ask for (GetInfo reports them, with ServerOptions.max_message_bytes,
+    which the response (Q * k * 16 bytes) must fit: OUT_OF_RANGE when it would not)."""
 
     max_k: int = 4096
     """Largest k accepted (OUT_OF_RANGE above)."""
     max_queries: int = 65536
     """Largest Q in one request (OUT_OF_RANGE above); the client splits bigger batches."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """The response (Q * k * 16 bytes) must fit one message: OUT_OF_RANGE when it would not."""
+
+
+@dataclass(frozen=True)
+class BatchingOptions:
+    """How the server merges concurrent Search calls into one searcher call (see SearchBatcher)."""
+
+    micro_batching: bool = True
+    """False: every request is searched on its own (the baseline of benchmarks/load.py)."""
+    max_batch_queries: int = 4096
+    """Most queries merged into one searcher call."""
+    max_wait_s: float = 0.002
+    """Longest wait, in seconds, for calls still being validated to join a batch."""
 
 
 @dataclass(frozen=True)
@@ -69,29 +78,31 @@ class ParsedSearch:
     """nprobe (None: the searcher's default) and exact_rerank (unset: False), as the request set them."""
 
 
-def parse_search_request(request: retrieval_pb2.SearchRequest, dim: int, limits: SearchLimits) -> ParsedSearch:
-    """Validate a SearchRequest against the datastore's dim and the limits; raise InvalidRequest
-    (or TensorError) naming the bad field. Shared by the retrieval server and the router."""
+def parse_search_request(
+    request: retrieval_pb2.SearchRequest, info: retrieval_pb2.RetrievalServiceGetInfoResponse
+) -> ParsedSearch:
+    """Validate a SearchRequest against what GetInfo reports (the datastore's dim, max_k, max_queries,
+    max_message_bytes); raise InvalidRequest (or TensorError) naming the bad field. Shared by the retrieval
+    server and the router."""
+    dim, max_k, max_queries, max_bytes = info.datastore.dim, info.max_k, info.max_queries, info.max_message_bytes
     if not request.HasField("queries"):
         raise InvalidRequest("queries", "missing; send a (Q, d) float32 or float16 tensor")
     xq = from_tensor(request.queries, "queries", dtypes=QUERY_DTYPES, ndim=2)  # (Q, d)
     q, d = xq.shape
     if q == 0:
         raise InvalidRequest("queries.shape[0]", "empty batch: send at least one query")
-    if q > limits.max_queries:
-        raise InvalidRequest(
-            "queries.shape[0]", f"{q} queries, at most {limits.max_queries} per call", grpc.StatusCode.OUT_OF_RANGE
-        )
+    if q > max_queries:
+        raise InvalidRequest("queries.shape[0]", f"{q} queries, at most {max_queries} per call", grpc.StatusCode.OUT_OF_RANGE)
     if d != dim:
         raise InvalidRequest("queries.shape[1]", f"dimension {d}, the datastore's keys have dimension {dim}")
     if request.k < 1:
         raise InvalidRequest("k", f"{request.k}, must be >= 1")
-    if request.k > limits.max_k:
-        raise InvalidRequest("k", f"{request.k}, at most {limits.max_k}", grpc.StatusCode.OUT_OF_RANGE)
-    if response_bytes(q, request.k) > limits.max_message_bytes:
+    if request.k > max_k:
+        raise InvalidRequest("k", f"{request.k}, at most {max_k}", grpc.StatusCode.OUT_OF_RANGE)
+    if response_bytes(q, request.k) > max_bytes:
         raise InvalidRequest(
             "queries.shape[0]",
-            f"{q} queries x k={request.k} do not fit one {limits.max_message_bytes}-byte response; split the batch",
+            f"{q} queries x k={request.k} do not fit one {max_bytes}-byte response; split the batch",
             grpc.StatusCode.OUT_OF_RANGE,
         )
     nprobe = request.nprobe if request.HasField("nprobe") else None
@@ -148,15 +159,15 @@ class SearchBatcher:
     """Runs searcher.search on one worker thread, merging concurrent requests into one call.
 
     Queries of calls that were cancelled or whose deadline passed before their batch started are
-    dropped (a FAISS search cannot be interrupted once it runs). With micro_batching=False every
+    dropped (a FAISS search cannot be interrupted once it runs). With batching.micro_batching False every
     request is searched on its own, on the same single thread (the baseline of benchmarks/load.py).
     """
 
-    def __init__(self, searcher: Searcher, *, micro_batching: bool = True, max_batch_queries: int = 4096, max_wait_s: float = 0.002):
+    def __init__(self, searcher: Searcher, batching: BatchingOptions = BatchingOptions()):
         self._searcher = searcher
-        self._micro_batching = micro_batching
-        self._max_batch_queries = max_batch_queries
-        self._max_wait_s = max_wait_s
+        self._micro_batching = batching.micro_batching
+        self._max_batch_queries = batching.max_batch_queries
+        self._max_wait_s = batching.max_wait_s
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlm-search")
         self._pending: collections.deque[_Pending] = collections.deque()
         self._arrived = asyncio.Event()
@@ -268,15 +279,14 @@ class SearchBatcher:
 class RetrievalServicer:
     """Thin servicer: validate, hand to the batcher, encode."""
 
-    def __init__(self, batcher: SearchBatcher, info: retrieval_pb2.RetrievalServiceGetInfoResponse, limits: SearchLimits):
+    def __init__(self, batcher: SearchBatcher, info: retrieval_pb2.RetrievalServiceGetInfoResponse):
         self._batcher = batcher
-        self._info = info
-        self._limits = limits
+        self._info = info  # the datastore and the limits every request is checked against
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         self._batcher.arriving += 1
         try:
-            parsed = parse_search_request(request, self._info.datastore.dim, self._limits)
+            parsed = parse_search_request(request, self._info)
         finally:
             self._batcher.arriving -= 1
         try:
@@ -303,38 +313,28 @@ async def start_retrieval_server(
     address: str,
     searcher: Searcher,
     *,
-    max_k: int = SearchLimits.max_k,
-    max_queries: int = SearchLimits.max_queries,
-    max_batch_queries: int = 4096,
-    max_wait_s: float = 0.002,
-    micro_batching: bool = True,
-    max_concurrent_rpcs: int = ServerOptions.max_concurrent_rpcs,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    grace_s: float = ServerOptions.grace_s,
-    tls: ServerTls | None = None,
-    token: str | None = None,
+    options: ServerOptions = ServerOptions(),
+    limits: SearchLimits = SearchLimits(),
+    batching: BatchingOptions = BatchingOptions(),
 ) -> RetrievalServer:
     """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port).
 
     searcher: the Searcher served (e.g. a Datastore): `search(xq (B, d) float32, k, SearchOptions)`, and
         `info()`, which GetInfo sends on (read once, here).
-    max_batch_queries / max_wait_s / micro_batching: micro-batching (see SearchBatcher).
+    options: message size, concurrent calls, grace period, TLS, token. limits: largest k and Q per request.
+    batching: micro-batching (see SearchBatcher).
     Health reports SERVING once this returns (the searcher is already loaded). The batcher's
     worker thread is released when the server stops (`server.stop` / SIGTERM).
     """
     datastore = info_to_proto(searcher.info())
     if searcher.dim != datastore.dim:
         raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
-    options = ServerOptions(max_message_bytes, max_concurrent_rpcs, grace_s, tls, token)
-    limits = SearchLimits(max_k=max_k, max_queries=max_queries, max_message_bytes=max_message_bytes)
-    info_response = retrieval_pb2.RetrievalServiceGetInfoResponse(
-        datastore=datastore, max_k=max_k, max_queries=max_queries, max_message_bytes=max_message_bytes
+    info = retrieval_pb2.RetrievalServiceGetInfoResponse(
+        datastore=datastore, max_k=limits.max_k, max_queries=limits.max_queries,
+        max_message_bytes=options.max_message_bytes,
     )
-    batcher = SearchBatcher(
-        searcher, micro_batching=micro_batching, max_batch_queries=max_batch_queries, max_wait_s=max_wait_s
-    )
-    servicer = RetrievalServicer(batcher, info_response, limits)
-    running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
+    batcher = SearchBatcher(searcher, batching)
+    running = await start_server(address, [(SERVICE, RetrievalServicer(batcher, info))], MESSAGE_CLASSES, options)
 
     async def release() -> None:
         batcher.close()  # joins the worker thread once the server has stopped, however it was stopped
@@ -344,9 +344,16 @@ async def start_retrieval_server(
     return RetrievalServer(running, batcher)
 
 
-async def create_retrieval_server(address: str, searcher: Searcher, **kwargs) -> tuple[grpc.aio.Server, int]:
-    """start_retrieval_server, returning (server, bound port); same arguments."""
-    started = await start_retrieval_server(address, searcher, **kwargs)
+async def create_retrieval_server(
+    address: str,
+    searcher: Searcher,
+    *,
+    options: ServerOptions = ServerOptions(),
+    limits: SearchLimits = SearchLimits(),
+    batching: BatchingOptions = BatchingOptions(),
+) -> tuple[grpc.aio.Server, int]:
+    """start_retrieval_server, returning (server, bound port)."""
+    started = await start_retrieval_server(address, searcher, options=options, limits=limits, batching=batching)
     return started.running.server, started.running.port
 
 
@@ -354,10 +361,15 @@ async def serve_retrieval(
     searcher: Searcher,
     host: str = DEFAULT_HOST,
     port: int = 0,
-    **server_kwargs,
+    *,
+    options: ServerOptions = ServerOptions(),
+    limits: SearchLimits = SearchLimits(),
+    batching: BatchingOptions = BatchingOptions(),
 ) -> None:
     """Serve `searcher` until SIGTERM/SIGINT: prints `listening on HOST:PORT` once healthy, then
-    drains in-flight calls on the signal (for up to grace_s) and returns. `server_kwargs` as for
-    start_retrieval_server (tls, token, max_concurrent_rpcs, micro_batching, grace_s, ...)."""
-    started = await start_retrieval_server(join_host_port(host, port), searcher, **server_kwargs)
-    await run_until_signal(started.running, host, grace_s=server_kwargs.get("grace_s", ServerOptions.grace_s))
+    drains in-flight calls on the signal (for up to options.grace_s) and returns. Arguments as for
+    start_retrieval_server."""
+    started = await start_retrieval_server(
+        join_host_port(host, port), searcher, options=options, limits=limits, batching=batching
+    )
+    await run_until_signal(started.running, host, grace_s=options.grace_s)

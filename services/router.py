@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -27,14 +28,12 @@ from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.retrieval_server import (
     MESSAGE_CLASSES,
     SERVICE,
-    SearchLimits,
     neighbors_to_response,
     parse_search_request,
 )
-from services.security import ClientTls, ServerTls, auth_metadata
+from services.security import ClientTls, auth_metadata
 from services.server_common import (
     DEFAULT_HOST,
-    DEFAULT_MAX_MESSAGE_BYTES,
     RunningServer,
     ServerOptions,
     close_when_stopped,
@@ -72,10 +71,10 @@ def merge_shard_infos(
     union.n = sum(info.datastore.n for info in infos)
     union.index = _joined(info.datastore.index for info in infos)
     union.corpus = _joined(info.datastore.corpus for info in infos)
-    # The union's content, in shard order (the order that defines the global ids).
-    union.corpus_fingerprint = hashlib.sha256(
-        "\n".join(info.datastore.corpus_fingerprint for info in infos).encode()
-    ).hexdigest()
+    if len(infos) > 1:  # the union's content, in shard order (the order that defines the global ids)
+        union.corpus_fingerprint = hashlib.sha256(
+            "\n".join(info.datastore.corpus_fingerprint for info in infos).encode()
+        ).hexdigest()
     nprobes = {info.datastore.nprobe for info in infos}
     union.nprobe = nprobes.pop() if len(nprobes) == 1 else 0  # 0: each shard uses its own default
     merged = retrieval_pb2.RetrievalServiceGetInfoResponse(
@@ -123,17 +122,16 @@ def _decode(response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors
 class RouterServicer:
     """RetrievalService that fans out to shard stubs and merges."""
 
-    def __init__(self, addresses, stubs, metadata, info, offsets, limits: SearchLimits):
+    def __init__(self, addresses, stubs, metadata, info: retrieval_pb2.RetrievalServiceGetInfoResponse, offsets):
         self._addresses = addresses
         self._stubs = stubs
         self._metadata = metadata
-        self._info = info
+        self._info = info  # the union of the shards, and the tightest of their limits
         self._offsets = offsets
-        self._limits = limits
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         # Validate here too: bad input is refused once, not S times, and the message names the field.
-        parsed = parse_search_request(request, self._info.datastore.dim, self._limits)
+        parsed = parse_search_request(request, self._info)
         timeout = context.time_remaining()  # the caller's deadline bounds every shard call
         calls = [asyncio.ensure_future(self._shard_search(i, request, timeout)) for i in range(len(self._stubs))]
         try:
@@ -168,60 +166,54 @@ class _ShardFailed(Exception):
         self.error = error
 
 
+@dataclass(frozen=True)
+class ShardLinks:
+    """How the router reaches its shards."""
+
+    tls: ClientTls | None = None
+    """TLS towards the shards; None = plaintext."""
+    token: str | None = None
+    """Bearer token the shards want, if any."""
+    connect_timeout_s: float = 30.0
+    """Seconds to wait at start-up for every shard's GetInfo (shards may still be starting)."""
+
+
 async def start_router_server(
     address: str,
     shard_addresses: Sequence[str],
     *,
-    shard_tls: ClientTls | None = None,
-    shard_token: str | None = None,
-    connect_timeout_s: float = 30.0,
-    max_concurrent_rpcs: int = ServerOptions.max_concurrent_rpcs,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    grace_s: float = ServerOptions.grace_s,
-    tls: ServerTls | None = None,
-    token: str | None = None,
+    shards: ShardLinks = ShardLinks(),
+    options: ServerOptions = ServerOptions(),
 ) -> RunningServer:
     """Start a router on `address` over `shard_addresses` (in the builder's shard order).
 
-    shard_tls / shard_token: how the router reaches the shards; tls / token: what the router's own
-    callers must use. The server starts NOT_SERVING, asks every shard for GetInfo (waiting up to
-    connect_timeout_s for shards still starting), checks they agree, then reports SERVING.
+    shards: how the router reaches the shards; options: what the router's own callers get and must use
+    (TLS, token, message size, concurrent calls, grace period). The server starts NOT_SERVING, asks every
+    shard for GetInfo (waiting up to shards.connect_timeout_s), checks they agree, then reports SERVING.
     Raises MemlmError (after stopping) when a shard is unreachable or the shards disagree.
     """
     if not shard_addresses:
         raise MemlmError("the router needs at least one --shard HOST:PORT")
-    channels = [open_channel(a, shard_tls, max_message_bytes, asynchronous=True) for a in shard_addresses]
+    channels = [open_channel(a, shards.tls, options.max_message_bytes, asynchronous=True) for a in shard_addresses]
     stubs = [retrieval_pb2_grpc.RetrievalServiceStub(c) for c in channels]
-    metadata = auth_metadata(shard_token)
+    metadata = auth_metadata(shards.token)
 
     servicer = _LateServicer()
-    running = await start_server(
-        address,
-        [(SERVICE, servicer)],
-        MESSAGE_CLASSES,
-        ServerOptions(max_message_bytes, max_concurrent_rpcs, grace_s, tls, token),
-    )
+    running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
     try:
-        infos = await asyncio.gather(
-            *(
-                stub.GetInfo(
-                    retrieval_pb2.RetrievalServiceGetInfoRequest(),
-                    timeout=connect_timeout_s,
-                    metadata=metadata,
-                    wait_for_ready=True,
-                )
-                for stub in stubs
-            )
-        )
-        info, offsets = merge_shard_infos(shard_addresses, infos, max_message_bytes)
+        infos = await asyncio.gather(*(
+            stub.GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest(), timeout=shards.connect_timeout_s,
+                         metadata=metadata, wait_for_ready=True)
+            for stub in stubs
+        ))
+        info, offsets = merge_shard_infos(shard_addresses, infos, options.max_message_bytes)
     except grpc.aio.AioRpcError as e:
         await _stop(running, channels)
         raise MemlmError(f"router: a shard did not answer GetInfo: {e.code().name}: {e.details()}") from None
     except MemlmError:
         await _stop(running, channels)
         raise
-    limits = SearchLimits(max_k=info.max_k, max_queries=info.max_queries, max_message_bytes=info.max_message_bytes)
-    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets, limits)
+    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets)
     close_when_stopped(running.server, lambda: _close_all(channels))
     await running.mark_serving()
     return running
@@ -253,14 +245,20 @@ async def _close_all(channels) -> None:
         await c.close()
 
 
-async def create_router_server(address: str, shard_addresses: Sequence[str], **kwargs) -> tuple[grpc.aio.Server, int]:
-    """start_router_server, returning (server, bound port); same arguments."""
-    running = await start_router_server(address, shard_addresses, **kwargs)
+async def create_router_server(
+    address: str, shard_addresses: Sequence[str], *, shards: ShardLinks = ShardLinks(),
+    options: ServerOptions = ServerOptions(),
+) -> tuple[grpc.aio.Server, int]:
+    """start_router_server, returning (server, bound port)."""
+    running = await start_router_server(address, shard_addresses, shards=shards, options=options)
     return running.server, running.port
 
 
-async def serve_router(shard_addresses: Sequence[str], host: str = DEFAULT_HOST, port: int = 0, **kwargs) -> None:
-    """Run a router until SIGTERM/SIGINT; prints `listening on HOST:PORT` once it is SERVING.
-    `kwargs` as for start_router_server."""
-    running = await start_router_server(join_host_port(host, port), shard_addresses, **kwargs)
-    await run_until_signal(running, host, grace_s=kwargs.get("grace_s", ServerOptions.grace_s))
+async def serve_router(
+    shard_addresses: Sequence[str], host: str = DEFAULT_HOST, port: int = 0, *, shards: ShardLinks = ShardLinks(),
+    options: ServerOptions = ServerOptions(),
+) -> None:
+    """Run a router until SIGTERM/SIGINT; prints `listening on HOST:PORT` once it is SERVING. Arguments as
+    for start_router_server."""
+    running = await start_router_server(join_host_port(host, port), shard_addresses, shards=shards, options=options)
+    await run_until_signal(running, host, grace_s=options.grace_s)

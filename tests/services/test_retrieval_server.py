@@ -27,11 +27,13 @@ from memlm.retrieval.searcher import SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import (
+    BatchingOptions,
+    SearchLimits,
     create_retrieval_server,
     info_from_proto,
     start_retrieval_server,
 )
-from services.server_common import ServiceError
+from services.server_common import ServerOptions, ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +85,8 @@ def test_search_options_reach_the_searcher_as_sent(loop_thread, make_searcher):
 def test_client_splits_batches_over_the_message_limit(loop_thread, searcher):
     limit = 256 * 1024
     port = loop_thread.start(
-        create_retrieval_server, "127.0.0.1:0", searcher, max_message_bytes=limit, micro_batching=False
+        create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(max_message_bytes=limit),
+        batching=BatchingOptions(micro_batching=False),
     )
     searcher.calls.clear()
     xq = queries(500, searcher.dim, seed=3)  # response 500 * 100 * 16 B = 800 kB > 256 kB
@@ -168,7 +171,8 @@ def malformed(draw):
 
 def test_malformed_requests_get_field_naming_errors_and_server_keeps_serving(loop_thread, make_searcher):
     s = make_searcher(100, D, seed=2)
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", s, max_k=MAX_K, max_queries=MAX_Q)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", s,
+                             limits=SearchLimits(max_k=MAX_K, max_queries=MAX_Q))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
     raw = channel.unary_unary("/memlm.v1.RetrievalService/Search")  # bytes in, bytes out
@@ -258,7 +262,8 @@ def test_queued_requests_are_merged_into_one_search_per_k(loop_thread, searcher,
 
 def test_past_max_concurrent_rpcs_is_resource_exhausted(loop_thread, searcher, gated_searcher):
     gated = gated_searcher
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated, max_concurrent_rpcs=1)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", gated,
+                             options=ServerOptions(max_concurrent_rpcs=1))
     client = RetrievalClient(f"127.0.0.1:{port}")
     client.info()  # connect before the gate closes
     xq = queries(2, 32, seed=1)
@@ -319,6 +324,7 @@ SLOW_SERVER = textwrap.dedent(
     import numpy as np
     from memlm.retrieval.searcher import Neighbors, SearcherInfo
     from services.retrieval_server import serve_retrieval
+    from services.server_common import ServerOptions
 
     class SlowSearcher:
         dim = 4
@@ -332,7 +338,7 @@ SLOW_SERVER = textwrap.dedent(
             ids = np.tile(np.arange(k, dtype=np.int64), (len(xq), 1))  # (Q, k)
             return Neighbors(ids.astype(np.float32) + xq[:, :1], ids, (ids * 2).astype(np.int32))
 
-    asyncio.run(serve_retrieval(SlowSearcher(), "127.0.0.1", 0, grace_s=20))
+    asyncio.run(serve_retrieval(SlowSearcher(), "127.0.0.1", 0, options=ServerOptions(grace_s=20)))
     """
 )
 

@@ -94,6 +94,14 @@ def test_router_info_describes_the_union_of_its_shards(loop_thread, make_searche
     )
 
 
+def test_router_over_one_shard_describes_it_unchanged(loop_thread, make_searcher):
+    shard = make_searcher(100, 8, seed=1)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", shard)
+    router = loop_thread.start(create_router_server, "127.0.0.1:0", [f"127.0.0.1:{port}"])
+    with RetrievalClient(f"127.0.0.1:{router}") as client:
+        assert client.info() == shard.info()
+
+
 def test_router_validates_input_and_passes_deadlines(loop_thread, searcher, gated_searcher):
     fast = start_shards(loop_thread, searcher, [1500], type(searcher))
     gated_searcher.info_changes["n"] = 1500

@@ -27,7 +27,7 @@ from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import create_lm_server
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
-from services.router import create_router_server
+from services.router import ShardLinks, create_router_server
 from services.security import ClientTls, ServerTls
 from services.server_common import ServerOptions, ServiceError
 
@@ -98,7 +98,7 @@ def refused(client: RetrievalClient) -> grpc.StatusCode:
 
 def test_tls_accepts_trusting_clients_and_refuses_others(loop_thread, searcher, pki):
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(tls=tls))
     address = f"localhost:{port}"
     with RetrievalClient(address, tls=ClientTls(root_ca=pki["ca"])) as ok:
         search_ok(ok, searcher)
@@ -112,7 +112,7 @@ def test_tls_accepts_trusting_clients_and_refuses_others(loop_thread, searcher, 
 
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(loop_thread, searcher, pki):
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1], client_ca=pki["ca"])
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls)
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(tls=tls))
     address = f"localhost:{port}"
     client_tls = ClientTls(root_ca=pki["ca"], certificate_chain=pki["client"][0], private_key=pki["client"][1])
     with RetrievalClient(address, tls=client_tls) as ok:
@@ -126,7 +126,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(loop_thread, searc
 
 
 def test_bearer_token_is_required_except_for_health_checks(loop_thread, searcher):
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, token="s3cret")
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(token="s3cret"))
     address = f"127.0.0.1:{port}"
     with RetrievalClient(address, token="s3cret") as ok:
         search_ok(ok, searcher)
@@ -145,10 +145,12 @@ def test_bearer_token_is_required_except_for_health_checks(loop_thread, searcher
 
 def test_router_with_tls_and_tokens_on_both_sides(loop_thread, searcher, pki):
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
-    shard = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls, token="shard-token")
+    shard = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher,
+                              options=ServerOptions(tls=tls, token="shard-token"))
     router = loop_thread.start(
         create_router_server, "127.0.0.1:0", [f"localhost:{shard}"],
-        shard_tls=ClientTls(root_ca=pki["ca"]), shard_token="shard-token", tls=tls, token="router-token",
+        shards=ShardLinks(tls=ClientTls(root_ca=pki["ca"]), token="shard-token"),
+        options=ServerOptions(tls=tls, token="router-token"),
     )
     with RetrievalClient(f"localhost:{router}", tls=ClientTls(root_ca=pki["ca"]), token="router-token") as ok:
         search_ok(ok, searcher)
@@ -178,7 +180,8 @@ def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_t
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
     trust = ClientTls(root_ca=pki["ca"])
     knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
-    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls, token="ret-token")
+    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher,
+                                   options=ServerOptions(tls=tls, token="ret-token"))
     link = RetrievalClient(f"localhost:{retrieval}", tls=trust, token="ret-token")
     lm = loop_thread.start(create_lm_server, "127.0.0.1:0", pretrained, link, knn_defaults=knn,
                            options=ServerOptions(tls=tls, token="lm-token"))
@@ -208,7 +211,8 @@ def test_lm_server_refuses_to_start_on_a_retrieval_link_without_the_right_token(
                                                                                    detail):
     pretrained, searcher, _ = tiny_lm
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
-    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, tls=tls, token="ret-token")
+    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher,
+                                   options=ServerOptions(tls=tls, token="ret-token"))
     with RetrievalClient(f"localhost:{retrieval}", tls=ClientTls(root_ca=pki["ca"]), token=token) as link:
         with pytest.raises(ServiceError) as e:
             loop_thread.run(create_lm_server("127.0.0.1:0", pretrained, link))
