@@ -20,6 +20,7 @@ from datastore import BuildSettings, Datastore, Provenance, build_from_tokens
 from datastore.index import default_nlist, default_pq_m
 from memlm.jobs.knnlm_eval import collect_tuning_data, evaluate_knnlm, tune
 from memlm.jobs.windows import WindowConfig
+from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
 
 
@@ -55,7 +56,10 @@ def main() -> None:
         build_from_tokens(model, ds_docs, out, prov, BuildSettings(window=window, index_factory=factory),
                           progress=False)
         print(f"built {n} keys with {factory} in {time.perf_counter() - t0:.1f} s")
-    ds = Datastore.open(out, expect_model_fingerprint=fingerprint)
+    ds = Datastore.open(out)
+    check_searcher(ds.info(), model_fingerprint=fingerprint, tokenizer_fingerprint=pre.tokenizer.fingerprint,
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bos,
+                   context=window.context, stride=window.stride)
     tune_docs = _common.load_tokens(pre, args.data, args.tune_split, args.tune_tokens, seed=2)
     eval_docs = _common.load_tokens(pre, args.data, args.eval_split, args.eval_tokens, seed=3)
 

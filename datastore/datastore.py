@@ -50,33 +50,21 @@ class Datastore:
         directory: str | Path,
         *,
         mmap: bool = False,
-        expect_model_fingerprint: str | None = None,
-        expect_tokenizer_fingerprint: str | None = None,
         verify: bool = True,
         backend: str = "faiss",
         device: str | None = None,
     ) -> "Datastore":
-        """Open a finished datastore.
+        """Open a finished datastore. Whether it fits the model in use is the caller's one check:
+        memlm.retrieval.compat.check_searcher(store.info(), ...) (fingerprints, key layer, boundary, windows).
 
         mmap: memory-map the FAISS index instead of loading it (pages come in as searches touch them).
         backend: "faiss" searches the index (cloned to all GPUs when faiss-gpu and CUDA are present and
             device is not "cpu"); "torch" searches all float16 keys exactly with chunked matmuls on
             `device` (default: cuda when available) -- for datastores that fit in GPU memory.
-        expect_*_fingerprint: the fingerprints of the model/tokenizer in use; a difference is refused.
         verify: check every file's SHA-256 against the manifest (reads all files once).
         """
         path = Path(directory)
         manifest = Manifest.read(path)
-        for what, expected, stored in (
-            ("model", expect_model_fingerprint, manifest.model_fingerprint),
-            ("tokenizer", expect_tokenizer_fingerprint, manifest.tokenizer_fingerprint),
-        ):
-            if expected is not None and expected != stored:
-                raise MemlmError(
-                    f"datastore {path} was built with a different {what} ({manifest.model_name}, {what} "
-                    f"fingerprint {stored[:16]}) than the one in use ({expected[:16]}); evaluate with the "
-                    f"model it was built with, or rebuild it with `memlm datastore build --model ...`"
-                )
         for name, entry in manifest.files.items():
             file = path / name
             if not file.is_file():

@@ -97,11 +97,15 @@ def test_mmap_index_searches_the_same(built):
 
 @pytest.mark.parametrize("which", ["model", "tokenizer"])
 def test_fingerprint_mismatch_is_refused(built, which):
-    kwargs = {f"expect_{which}_fingerprint": "0" * 64}
+    """The one check (memlm.retrieval.compat.check_searcher) over what the opened datastore says."""
+    from memlm.retrieval.compat import check_searcher
+
+    info = Datastore.open(built).info()
+    ours = {"model_fingerprint": PROVENANCE.model_fingerprint, "tokenizer_fingerprint": PROVENANCE.tokenizer_fingerprint,
+            "dim": info.dim, "key_layer": info.key_layer, "boundary_token": PROVENANCE.boundary_token}
+    check_searcher(info, **ours)
     with pytest.raises(MemlmError, match=f"different {which}"):
-        Datastore.open(built, **kwargs)
-    Datastore.open(built, expect_model_fingerprint=PROVENANCE.model_fingerprint,
-                   expect_tokenizer_fingerprint=PROVENANCE.tokenizer_fingerprint)
+        check_searcher(info, **{**ours, f"{which}_fingerprint": "0" * 64})
 
 
 @pytest.mark.parametrize("name", ["keys.f16", "values.i32", "index.faiss"])
