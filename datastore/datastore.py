@@ -1,8 +1,9 @@
 """Datastore.open(dir).search(xq, k): a finished datastore answering the Searcher seam.
 
-Opening checks the manifest: the model and tokenizer fingerprints against the model in use (keys from
-another model live in another space; values from another tokenizer are other tokens) and, unless told
-not to, the checksum of every file. Keys and values are read-only memmaps; the index is loaded or
+Opening checks the files against the manifest (sizes and, unless told not to, checksums). Whether the
+datastore fits the model in use (keys from another model live in another space; values from another
+tokenizer are other tokens) is one check over `info()`, memlm.retrieval.compat.check_searcher, the same
+for a local datastore and a remote one. Keys and values are read-only memmaps; the index is loaded or
 memory-mapped.
 
 Shape legend: Q queries, d key dimension, k neighbours, N datastore entries.
