@@ -42,6 +42,7 @@ from memlm.jobs.generate import (
     generate,
 )
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
+from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -104,8 +105,8 @@ class LanguageModelServicer:
 
     # -- setup --------------------------------------------------------------------------------------
 
-    def load(self, pretrained, searcher: Searcher | None = None) -> None:
-        """Attach the model (memlm.model.weights.Pretrained) and optionally a Searcher (kNN-LM).
+    def load(self, pretrained: Pretrained, searcher: Searcher | None = None) -> None:
+        """Attach the model (memlm.model.pretrained.Pretrained) and optionally a Searcher (kNN-LM).
 
         Refuses a datastore (searcher.info()) made with another model or tokenizer (its keys would be
         meaningless for this model, its values other tokens), keys of another dimension, or another
@@ -322,7 +323,7 @@ async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMCo
 
 async def start_lm_server(
     address: str,
-    pretrained,
+    pretrained: Pretrained,
     searcher: Searcher | None = None,
     *,
     model_name: str = "custom",
@@ -332,7 +333,7 @@ async def start_lm_server(
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
-    pretrained: memlm.model.weights.Pretrained (model, tokenizer, fingerprint).
+    pretrained: memlm.model.pretrained.Pretrained (model, tokenizer, fingerprint).
     searcher: a Searcher for kNN-LM (Datastore or RetrievalClient), or None (kNN-LM requests then get
         FAILED_PRECONDITION); its info() is checked against the model and sent on in GetInfo.
     knn_defaults: k, lambda, temperature, nprobe, exact re-rank used where a request leaves them unset.
@@ -349,9 +350,19 @@ async def start_lm_server(
     return started
 
 
-async def create_lm_server(address: str, pretrained, searcher: Searcher | None = None, **kwargs) -> tuple[grpc.aio.Server, int]:
-    """start_lm_server, returning (server, bound port); same arguments."""
-    started = await start_lm_server(address, pretrained, searcher, **kwargs)
+async def create_lm_server(
+    address: str,
+    pretrained: Pretrained,
+    searcher: Searcher | None = None,
+    *,
+    model_name: str = "custom",
+    knn_defaults: KNNLMConfig = KNNLMConfig(),
+    options: ServerOptions = ServerOptions(),
+    limits: LMLimits = LMLimits(),
+) -> tuple[grpc.aio.Server, int]:
+    """start_lm_server, returning (server, bound port)."""
+    started = await start_lm_server(address, pretrained, searcher, model_name=model_name, knn_defaults=knn_defaults,
+                                    options=options, limits=limits)
     return started.running.server, started.running.port
 
 
@@ -364,7 +375,7 @@ def open_model_and_searcher(
     dtype: torch.dtype = torch.float32,
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None,
-):
+) -> tuple[Pretrained, Searcher | None]:
     """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None)."""
     from memlm.model.weights import load_pretrained
 
