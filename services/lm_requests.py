@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from memlm.jobs.generate import SamplingConfig
+from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -102,17 +103,21 @@ class RequestParser:
     """Checks requests against one loaded model and the server's limits.
 
     vocab: valid token ids are [0, vocab); max_len: the model's context in tokens; has_searcher: whether
-    kNN-LM can be served; knn_defaults: what a request's unset kNN fields take.
+    kNN-LM can be served; knn_defaults: what a request's unset kNN fields take; datastore_windows: the
+    (context, stride) the searcher's keys were made with, which a Score request's unset window takes
+    (memlm.retrieval.compat's rule for an artifact's settings; None: WindowConfig's defaults).
     """
 
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
-                 knn_defaults: KNNLMConfig, has_searcher: bool) -> None:
+                 knn_defaults: KNNLMConfig, has_searcher: bool,
+                 datastore_windows: tuple[int, int] | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab = vocab
         self._max_len = max_len
         self._limits = limits
         self._knn_defaults = knn_defaults
         self._has_searcher = has_searcher
+        self._windows = datastore_windows
         self.default_memory = lm_pb2.MemoryOptions(
             segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
             sink_tokens=limits.sink_tokens,
@@ -227,10 +232,14 @@ class RequestParser:
         memory = self.memory(request)
         if not 0 <= request.top_n <= self._limits.max_top_n:
             raise InvalidRequest("top_n", f"{request.top_n}, must be in [0, {self._limits.max_top_n}]")
-        window = request.window_tokens if request.HasField("window_tokens") else min(1024, self._max_len)
+        default_window, default_stride = self._windows or (min(WindowConfig.context, self._max_len), None)
+        window = request.window_tokens if request.HasField("window_tokens") else default_window
         if not 1 <= window <= self._max_len:
             raise InvalidRequest("window_tokens", f"{window}, must be in [1, {self._max_len}] (the model's context)")
-        stride = request.stride_tokens if request.HasField("stride_tokens") else max(1, window // 2)
+        if request.HasField("stride_tokens"):
+            stride = request.stride_tokens
+        else:
+            stride = default_stride if window == default_window and default_stride else max(1, window // 2)
         if not 1 <= stride <= window:
             raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
         knn = self.knn(request)

@@ -128,7 +128,8 @@ class LanguageModelServicer:
         vocab = min(model.config.vocab_size, tokenizer.vocab_size)
         self._parser = RequestParser(tokenizer=tokenizer, vocab=vocab, max_len=model.config.max_seq_len,
                                      limits=self._limits, knn_defaults=self._knn_defaults,
-                                     has_searcher=searcher is not None)
+                                     has_searcher=searcher is not None,
+                                     datastore_windows=(info.context, info.stride) if info is not None else None)
         # Token texts once, so responses never decode token by token.
         self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
         response = lm_pb2.LanguageModelServiceGetInfoResponse(

@@ -1,0 +1,35 @@
+"""The LM server scores with the windows its datastore's keys were made with when a Score request leaves
+them unset (issue 8: one rule for an artifact's settings; before, the server's own literal 1024/512 applied)."""
+
+from __future__ import annotations
+
+from memlm.jobs.scoring import score_tokens
+from memlm.jobs.windows import WindowConfig
+from memlm.model.tokenizer import document_boundary
+from memlm.model.weights import load_pretrained
+from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.retrieval.knnlm import KNNLMConfig
+from services.lm_client import KnnRequest, LanguageModelClient
+from services.lm_server import create_lm_server
+
+KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+
+
+def test_unset_windows_are_the_datastores(loop_thread):
+    tiny = load_pretrained("tiny")
+    tok, boundary = tiny.tokenizer, document_boundary(tiny.tokenizer)
+    docs = [tok.encode("The quick brown fox jumps over the lazy dog. " * 4)]  # 180 tokens: many 48-token windows
+    index = exact_searcher_over_documents(tiny.model, docs, WindowConfig(48, 24, 4), boundary,
+                                          model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint)
+    port = loop_thread.start(create_lm_server, "127.0.0.1:0", tiny, index, knn_defaults=KNN)
+    with LanguageModelClient(f"127.0.0.1:{port}", timeout=60) as client:
+        got = [t.logprob for t in client.score(docs, knn=KnnRequest())[0].tokens]
+        no_knn = [t.logprob for t in client.score(docs)[0].tokens]
+
+    def in_process(context: int, stride: int, knn: KNNLMConfig | None = KNN) -> list[float]:
+        return score_tokens(tiny.model, docs, context=context, stride=stride, boundary_token=boundary,
+                            searcher=index if knn else None, knn=knn)[0].logprob.tolist()
+
+    assert got == in_process(48, 24)
+    assert no_knn == in_process(48, 24, knn=None)  # the server's windows are the datastore's for every request
+    assert got != in_process(1024, 512)  # the oracle tells the datastore's windows from the old default
