@@ -64,8 +64,8 @@ def build_datastore(
     torch_device = resolve_device(device)
     pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device))
     tokenizer = pretrained.tokenizer
-    context = context or min(WindowConfig.context, pretrained.model.config.max_seq_len)
-    stride = stride or max(1, context // 2)
+    defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context or None, stride or None)
+    context, stride = defaults.context, defaults.stride
     boundary = document_boundary(tokenizer)
     provenance = Provenance(
         model_name=model,

@@ -176,8 +176,8 @@ def window_config(args: argparse.Namespace, max_seq_len: int, recorded: Any = No
         stride = adopt("--stride", args.stride, recorded.stride, "the datastore", taken)
         say_taken(taken, "the datastore")
     else:
-        context = args.context or min(WindowConfig.context, max_seq_len)
-        stride = args.stride or max(1, context // 2)
+        defaults = WindowConfig.for_model(max_seq_len, args.context or None, args.stride or None)
+        context, stride = defaults.context, defaults.stride
     if context > max_seq_len:
         raise MemlmError(f"--context {context} is longer than {args.model} supports ({max_seq_len}); "
                          f"pass --context {max_seq_len} or less")

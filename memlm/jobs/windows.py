@@ -70,12 +70,27 @@ class ScoredTokens(NamedTuple):
 
 @dataclass(frozen=True)
 class WindowConfig:
+    """Sliding windows of `memlm eval`, the datastore builder and the Score rpc."""
+
     context: int = 1024
     """Tokens of input per window (at most the model's max_seq_len)."""
     stride: int = 512
     """Tokens between window starts; only the last `stride` positions of a full window are scored."""
     batch_size: int = 4
     """Windows per forward pass."""
+
+    @classmethod
+    def for_model(
+        cls, max_seq_len: int, context: int | None = None, stride: int | None = None, batch_size: int | None = None
+    ) -> "WindowConfig":
+        """The one defaulting rule for windows: context None -> the default context capped at the model's
+        max_seq_len; stride None -> half the context (at least 1); batch_size None -> the default. Given
+        values are kept as they are (an invalid one is refused where the windows are planned, `plan_windows`)."""
+        if context is None:
+            context = min(cls.context, max_seq_len)
+        if stride is None:
+            stride = max(1, context // 2)
+        return cls(context=context, stride=stride, batch_size=cls.batch_size if batch_size is None else batch_size)
 
 
 def score_documents(

@@ -80,3 +80,12 @@ def test_keys_without_the_head_equal_keys_with_it():
     for a, b in zip(keys_only, with_head):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.targets, b.targets)
         assert a.lm_logprob.numel() == 0 and b.lm_logprob.shape == b.targets.shape
+
+
+def test_window_defaults_for_a_model():
+    assert WindowConfig.for_model(2048) == WindowConfig(1024, 512, 4)
+    assert WindowConfig.for_model(256) == WindowConfig(256, 128, 4)  # capped at the model's context
+    assert WindowConfig.for_model(2048, context=100) == WindowConfig(100, 50, 4)
+    assert WindowConfig.for_model(2048, context=1, batch_size=2) == WindowConfig(1, 1, 2)
+    assert WindowConfig.for_model(2048, context=64, stride=64) == WindowConfig(64, 64, 4)
+    assert WindowConfig.for_model(2048, context=0) == WindowConfig(0, 1, 4)  # kept: plan_windows refuses it
