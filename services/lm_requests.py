@@ -232,14 +232,15 @@ class RequestParser:
         memory = self.memory(request)
         if not 0 <= request.top_n <= self._limits.max_top_n:
             raise InvalidRequest("top_n", f"{request.top_n}, must be in [0, {self._limits.max_top_n}]")
-        default_window, default_stride = self._windows or (min(WindowConfig.context, self._max_len), None)
-        window = request.window_tokens if request.HasField("window_tokens") else default_window
+        given_window = request.window_tokens if request.HasField("window_tokens") else None
+        given_stride = request.stride_tokens if request.HasField("stride_tokens") else None
+        if self._windows is not None and given_window in (None, self._windows[0]):
+            window, stride = self._windows[0], self._windows[1] if given_stride is None else given_stride
+        else:
+            windows = WindowConfig.for_model(self._max_len, given_window, given_stride)
+            window, stride = windows.context, windows.stride
         if not 1 <= window <= self._max_len:
             raise InvalidRequest("window_tokens", f"{window}, must be in [1, {self._max_len}] (the model's context)")
-        if request.HasField("stride_tokens"):
-            stride = request.stride_tokens
-        else:
-            stride = default_stride if window == default_window and default_stride else max(1, window // 2)
         if not 1 <= stride <= window:
             raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
         knn = self.knn(request)
