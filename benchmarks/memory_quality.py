@@ -19,6 +19,7 @@ README reports, with the command line that produced it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -108,7 +109,7 @@ def sections_bc(args, sections: set[str]) -> None:
           f"{args.split_year}); evaluated with its own memory on {len(eval_docs)} later speeches x "
           f"{args.doc_tokens} tokens\n{HEADER}")
     for sec, name, mem in variants:
-        cfg = TrainConfig(model=args.model, memory=mem, segment=args.segment, batch_size=args.batch, steps=steps,
+        cfg = TrainConfig(model=args.model, memory=dataclasses.replace(mem, segment=args.segment), batch_size=args.batch, steps=steps,
                           lr=args.lr, min_lr=args.lr / 10, warmup_steps=max(steps // 20, 1), log_every=0, seed=args.seed)
         t0 = time.perf_counter()
         result = train(cfg, train_docs, eval_docs, log=lambda line: None)

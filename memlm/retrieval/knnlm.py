@@ -50,7 +50,7 @@ class KNNLMConfig:
         if self.lmbda is not None and not 0.0 <= self.lmbda <= 1.0:
             raise MemlmError(f"--lambda must be in [0, 1] or auto, got {self.lmbda}")
         if self.temperature is not None and not self.temperature > 0:
-            raise MemlmError(f"--temperature must be positive or auto, got {self.temperature}")
+            raise MemlmError(f"--knn-temperature must be positive or auto, got {self.temperature}")
         if self.nprobe is not None and self.nprobe < 1:
             raise MemlmError(f"--nprobe must be at least 1, got {self.nprobe}")
 
