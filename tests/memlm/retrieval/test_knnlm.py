@@ -237,7 +237,7 @@ def test_tune_finds_the_grid_minimum():
 def test_config_validates():
     with pytest.raises(MemlmError, match="--lambda must be in"):
         KNNLMConfig(lmbda=1.5)
-    with pytest.raises(MemlmError, match="--temperature must be positive"):
+    with pytest.raises(MemlmError, match="--knn-temperature must be positive"):
         KNNLMConfig(temperature=0.0)
     with pytest.raises(MemlmError, match="nprobe"):
         KNNLMConfig(nprobe=0)
