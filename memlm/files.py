@@ -140,7 +140,9 @@ def atomic_open(
             yield f
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = False, concurrent: bool = False) -> None:
+def atomic_write(
+    path: str | os.PathLike, data: bytes | str, *, durable: bool = False, concurrent: bool = False
+) -> None:
     """Write `data` (bytes, or str as UTF-8) to `path` through `atomic_path`."""
     with atomic_open(path, "wb", durable=durable, concurrent=concurrent) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -4,7 +4,8 @@
 iterator so callers decide where each step runs (a server advances it one token at a time on its
 model thread, and stops advancing it when the client goes away).
 
-- The prompt is preceded by the boundary token (memlm.model.tokenizer.document_boundary), as in scoring and `memlm eval`.
+- The prompt is preceded by the boundary token (memlm.model.tokenizer.document_boundary), as in scoring
+  and `memlm eval`.
 - Decoding is incremental: the prompt is encoded once into a KVCache, then each new token is one
   forward step of length 1. When the cache reaches the model's context length, the last half of the
   context is re-encoded into a fresh cache (a sliding window), so generation never exceeds it.
@@ -39,6 +40,7 @@ from memlm.errors import MemlmError
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder, KVCache
+from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
 from memlm.retrieval.searcher import Searcher, search_keys
 
@@ -131,7 +133,7 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 
 def generate(
     model: Decoder,
-    tokenizer,
+    tokenizer: Tokenizer,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int,
@@ -145,7 +147,7 @@ def generate(
 ) -> Iterator[TokenEvent | GenerationEnd]:
     """Continue `prompt_ids`, yielding TokenEvents then exactly one GenerationEnd.
 
-    tokenizer: memlm.model.tokenizer.Tokenizer (decode, vocab_size) for the text deltas and stop strings.
+    tokenizer: decodes the text deltas and matches the stop strings (its vocab_size bounds what is drawn).
     prompt_ids: prompt token ids in [0, V); may be empty when boundary_token is given.
     stop_sequences: strings (matched on the generated text, included in it) or token-id sequences
         (matched on the generated ids).
@@ -176,8 +178,11 @@ def generate(
                      memory)
 
 
-def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling, stops, eos_id, searcher, knn,
-              memory=None):
+def _generate(
+    model: Decoder, tokenizer: Tokenizer, prefix: list[int], prompt_tokens: int, max_new_tokens: int,
+    sampling: SamplingConfig, stops: list[str | tuple[int, ...]], eos_id: int | None, searcher: Searcher | None,
+    knn: KNNLMConfig | None, memory: MemoryConfig | None,
+) -> Iterator[TokenEvent | GenerationEnd]:
     device = model.device
     max_len = model.config.max_seq_len
     V = model.config.vocab_size
@@ -243,7 +248,8 @@ def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling,
         matched = _match_stop(stops, generated, stable, checked, tokenizer)
         checked = len(stable)
         if matched is not None:
-            yield GenerationEnd(FINISH_STOP, _flush(tokenizer, generated, emitted), prompt_tokens, len(generated), matched)
+            tail = _flush(tokenizer, generated, emitted)
+            yield GenerationEnd(FINISH_STOP, tail, prompt_tokens, len(generated), matched)
             return
         if len(generated) == max_new_tokens:
             break
@@ -257,13 +263,15 @@ def _generate(model, tokenizer, prefix, prompt_tokens, max_new_tokens, sampling,
     yield GenerationEnd(FINISH_LENGTH, _flush(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
 
 
-def _flush(tokenizer, generated: list[int], emitted: str) -> str:
+def _flush(tokenizer: Tokenizer, generated: list[int], emitted: str) -> str:
     """At the end, whatever was held back (an incomplete UTF-8 tail) is emitted as decoded."""
     text = tokenizer.decode(generated) if generated else ""
     return text[len(emitted):] if text.startswith(emitted) else ""
 
 
-def _match_stop(stops, generated: list[int], stable: str, checked: int, tokenizer) -> str | None:
+def _match_stop(
+    stops: list[str | tuple[int, ...]], generated: list[int], stable: str, checked: int, tokenizer: Tokenizer
+) -> str | None:
     for s in stops:
         if isinstance(s, str):
             # Only text not searched before (plus an overlap of len(s) - 1) can hold a new match.
