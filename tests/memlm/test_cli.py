@@ -265,3 +265,22 @@ def test_eval_of_a_checkpoint_takes_its_memory_settings_or_refuses_others(capsys
     assert (result["memory"], result["segment"], result["mem_len"], result["sink_tokens"]) == ("xl", 16, 16, 2)
     code, _, err = run(capsys, *common, "--mem-len", "32")
     assert code == 1 and "--mem-len 32 differs from checkpoint" in err and err.count("\n") == 1
+
+
+def test_serve_lm_takes_a_checkpoints_memory_defaults_or_refuses_others(capsys, tmp_path):
+    from memlm.cli import build_parser, serve_memory_defaults
+    from memlm.jobs.train import TrainConfig, train
+    from memlm.memory.config import MemoryConfig
+
+    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16)
+    train(TrainConfig(memory=memory, steps=1, batch_size=1, log_every=0, device="cpu", out_dir=str(tmp_path / "c")),
+          [[97 + (i % 26) for i in range(40)]], log=lambda line: None)
+    parser = build_parser()
+    taken = serve_memory_defaults(parser.parse_args(["serve", "lm", "--model", str(tmp_path / "c")]))
+    assert (taken.segment, taken.mem_len, taken.sink_tokens) == (16, 16, 2)
+    assert "taken from checkpoint" in capsys.readouterr().err
+    plain = serve_memory_defaults(parser.parse_args(["serve", "lm", "--model", "tiny"]))
+    assert (plain.segment, plain.mem_len, plain.sink_tokens) == (MemoryConfig.segment, MemoryConfig.mem_len,
+                                                                  MemoryConfig.sink_tokens)
+    code, _, err = run(capsys, "serve", "lm", "--model", str(tmp_path / "c"), "--sink-tokens", "4")
+    assert code == 1 and "--sink-tokens 4 differs from checkpoint" in err and err.count("\n") == 1
