@@ -152,10 +152,9 @@ def score_tokens(
     top_n: alternatives per scored token (0 = none).
     batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
     """
-    _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n)
     if context > model.config.max_seq_len:
         raise MemlmError(f"context {context} is longer than the model supports ({model.config.max_seq_len})")
-    top_n = min(top_n, model.config.vocab_size)
 
     # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
@@ -202,7 +201,7 @@ def score_tokens_segments(
     continuation's targets are scored, so a context conditions the continuation through the memory
     (and the segment it shares with it).
     """
-    _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n)
     segment = memory.segment
     if segment > model.config.max_seq_len:
         raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] (the model's context), got {segment}")
@@ -210,7 +209,6 @@ def score_tokens_segments(
         raise MemlmError(f"batch_size must be >= 1, got {batch_size}")
     if memory.kind == "compressive" and memory.compress_fn == "conv" and compressor is None:
         raise MemlmError("compress_fn conv needs a trained compressor")
-    top_n = min(top_n, model.config.vocab_size)
 
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
     ctxs = [list(c or ()) for c in contexts] if contexts is not None else [[] for _ in token_seqs]
@@ -267,7 +265,12 @@ def _scored_slices(
     return slices
 
 
-def _check_common(model, token_seqs, contexts, searcher, knn, top_n) -> None:
+def _check_common(
+    model: Decoder, token_seqs: Sequence[Sequence[int]], contexts: Sequence[Sequence[int] | None] | None,
+    searcher: Searcher | None, knn: KNNLMConfig | None, top_n: int,
+) -> int:
+    """The argument checks score_tokens and score_tokens_segments share (MemlmError naming the argument);
+    returns top_n capped at the vocabulary size."""
     if (searcher is None) != (knn is None):
         raise MemlmError("kNN-LM scoring needs both a searcher and a KNNLMConfig")
     if knn is not None and knn.needs_tuning:
@@ -276,6 +279,7 @@ def _check_common(model, token_seqs, contexts, searcher, knn, top_n) -> None:
         raise MemlmError(f"top_n must be >= 0, got {top_n}")
     if contexts is not None and len(contexts) != len(token_seqs):
         raise MemlmError(f"{len(contexts)} contexts for {len(token_seqs)} sequences")
+    return min(top_n, model.config.vocab_size)
 
 
 def _assemble(

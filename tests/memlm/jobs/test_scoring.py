@@ -163,6 +163,31 @@ def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
 # Segment-recurrent scoring (memory modes): oracle memlm.jobs.segment_eval.evaluate_segments
 
 
+@pytest.mark.parametrize("segments", [False, True], ids=["windows", "segments"])
+def test_bad_arguments_are_refused_and_top_n_is_capped(tiny, docs, searcher, segments):
+    from memlm.errors import MemlmError
+
+    def score(**kw):
+        if segments:
+            return score_tokens_segments(tiny.model, docs[:1], memory=MemoryConfig("xl", segment=8),
+                                         boundary_token=BOUNDARY, **kw)
+        return score_tokens(tiny.model, docs[:1], context=32, stride=16, boundary_token=BOUNDARY, **kw)
+
+    with pytest.raises(MemlmError, match="^kNN-LM scoring needs both a searcher and a KNNLMConfig$"):
+        score(searcher=searcher)
+    with pytest.raises(MemlmError, match=r"^kNN-LM scoring needs a fixed lambda and temperature \(tuning is"):
+        score(searcher=searcher, knn=KNNLMConfig(k=8, lmbda=None))
+    with pytest.raises(MemlmError, match="^top_n must be >= 0, got -1$"):
+        score(top_n=-1)
+    with pytest.raises(MemlmError, match="^2 contexts for 1 sequences$"):
+        score(contexts=[[], []])
+    (s,) = score(top_n=10_000)  # more alternatives than the vocabulary has: all of them, most likely first
+    V = tiny.model.config.vocab_size
+    assert s.top_ids.shape == (len(docs[0]), V)
+    assert (np.diff(s.top_logprobs, axis=1) <= 0).all()
+    assert sorted(s.top_ids[0].tolist()) == list(range(V))
+
+
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_segments_xl_equal_evaluate_segments(tiny, docs, batch_size):
     # Segments of 8 and a memory of 12 slots (+2 sinks): every document spans several segments and
