@@ -64,6 +64,13 @@ class BatchingOptions:
     """Most queries merged into one searcher call."""
     max_wait_s: float = 0.002
     """Longest wait, in seconds, for calls still being validated to join a batch."""
+    search_threads: int = 1
+    """Requests searched at once, each on its own worker thread; more than 1 only without micro-batching
+    (the unbatched baselines of benchmarks/load.py: FAISS CPU search is thread-safe, GPU indexes are not)."""
+
+    def __post_init__(self) -> None:
+        if self.search_threads < 1 or (self.micro_batching and self.search_threads != 1):
+            raise ValueError(f"search_threads must be 1 with micro-batching and >= 1 without, got {self.search_threads}")
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,8 @@ class SearchBatcher:
 
     Queries of calls that were cancelled or whose deadline passed before their batch started are
     dropped (a FAISS search cannot be interrupted once it runs). With batching.micro_batching False every
-    request is searched on its own, on the same single thread (the baseline of benchmarks/load.py).
+    request is searched on its own, on one of batching.search_threads worker threads (the baselines of
+    benchmarks/load.py).
     """
 
     def __init__(self, searcher: Searcher, batching: BatchingOptions = BatchingOptions()):
@@ -168,10 +176,11 @@ class SearchBatcher:
         self._micro_batching = batching.micro_batching
         self._max_batch_queries = batching.max_batch_queries
         self._max_wait_s = batching.max_wait_s
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlm-search")
+        self._threads = batching.search_threads
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="memlm-search")
         self._pending: collections.deque[_Pending] = collections.deque()
         self._arrived = asyncio.Event()
-        self._runner: asyncio.Task | None = None
+        self._runners: set[asyncio.Task] = set()  # at most search_threads, each searching one batch at a time
         self.arriving = 0
         """Search calls that have started but not yet enqueued (being validated). While any are,
         waiting up to max_wait_s lets them join the batch; when none are, waiting only adds latency."""
@@ -186,7 +195,7 @@ class SearchBatcher:
     @property
     def idle(self) -> bool:
         """True when nothing is queued or being searched."""
-        return not self._pending and (self._runner is None or self._runner.done())
+        return not self._pending and all(r.done() for r in self._runners)
 
     def close(self) -> None:
         """Release the worker thread (after the server stopped)."""
@@ -198,9 +207,10 @@ class SearchBatcher:
         deadline = None if time_remaining is None else loop.time() + time_remaining
         self._pending.append(_Pending(parsed, future, deadline))
         self._arrived.set()
-        if self._runner is None or self._runner.done():
-            # The runner lives only while there is work, so no task outlives the server's loop.
-            self._runner = loop.create_task(self._run())
+        self._runners = {r for r in self._runners if not r.done()}
+        if len(self._runners) < self._threads:
+            # A runner lives only while there is work, so no task outlives the server's loop.
+            self._runners.add(loop.create_task(self._run()))
         # A cancelled RPC cancels this await, which cancels `future`; the runner then skips it.
         return await future
 
