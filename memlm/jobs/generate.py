@@ -185,8 +185,7 @@ def _generate(
 ) -> Iterator[TokenEvent | GenerationEnd]:
     device = model.device
     max_len = model.config.max_seq_len
-    V = model.config.vocab_size
-    decodable = min(V, tokenizer.vocab_size)
+    decodable = min(model.config.vocab_size, tokenizer.vocab_size)
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -218,22 +217,7 @@ def _generate(
         logits, key, cache = encode_window() if memory is None else encode_segments()
     for _ in range(max_new_tokens):
         with torch.inference_mode():
-            lm_lp = F.log_softmax(logits.float(), dim=-1)  # (V,)
-            final_lp = lm_lp
-            if searcher is not None:
-                nb = search_keys(searcher, key[None, :], knn.k, knn.search_options)  # (1, k)
-                knn_lp = knn_log_distribution(nb, V, knn.temperature)[0].to(device)  # (V,)
-                final_lp = interpolate(lm_lp, knn_lp, knn.lmbda)  # (V,)
-            choice = final_lp
-            if decodable < V:
-                choice = final_lp.clone()
-                choice[decodable:] = float("-inf")
-            if sampling.temperature == 0:
-                token = int(choice.argmax())
-            else:
-                scaled = filter_logits(choice / sampling.temperature, sampling.top_k, sampling.top_p)
-                token = int(torch.multinomial(scaled.softmax(-1), 1, generator=generator))
-            logprob, base_logprob = float(final_lp[token]), float(lm_lp[token])
+            token, logprob, base_logprob = _next_token(logits, key, decodable, sampling, generator, searcher, knn)
         if eos_id is not None and token == eos_id:
             yield GenerationEnd(FINISH_EOS, _flush(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
             return
@@ -261,6 +245,31 @@ def _generate(
                 out = model(step, state=cache)
                 logits, key, cache = out.logits[0, -1], out.knn_key[0, -1], out.state
     yield GenerationEnd(FINISH_LENGTH, _flush(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
+
+
+def _next_token(
+    logits: torch.Tensor, key: torch.Tensor, decodable: int, sampling: SamplingConfig, generator: torch.Generator,
+    searcher: Searcher | None, knn: KNNLMConfig | None,
+) -> tuple[int, float, float]:
+    """Draw the next token from the last position's logits (V,) and kNN key (C,): (token, final log-prob,
+    base log-prob). Ids from `decodable` on (beyond the tokenizer's vocabulary) are never drawn."""
+    V = logits.shape[-1]
+    lm_lp = F.log_softmax(logits.float(), dim=-1)  # (V,)
+    final_lp = lm_lp
+    if searcher is not None:
+        nb = search_keys(searcher, key[None, :], knn.k, knn.search_options)  # (1, k)
+        knn_lp = knn_log_distribution(nb, V, knn.temperature)[0].to(logits.device)  # (V,)
+        final_lp = interpolate(lm_lp, knn_lp, knn.lmbda)  # (V,)
+    choice = final_lp
+    if decodable < V:
+        choice = final_lp.clone()
+        choice[decodable:] = float("-inf")
+    if sampling.temperature == 0:
+        token = int(choice.argmax())
+    else:
+        scaled = filter_logits(choice / sampling.temperature, sampling.top_k, sampling.top_p)
+        token = int(torch.multinomial(scaled.softmax(-1), 1, generator=generator))
+    return token, float(final_lp[token]), float(lm_lp[token])
 
 
 def _flush(tokenizer: Tokenizer, generated: list[int], emitted: str) -> str:
