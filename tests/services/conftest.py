@@ -1,4 +1,5 @@
-"""Fixtures for the service tests: a real FAISS Flat searcher and servers on an event loop thread.
+"""Fixtures for the service tests: a real FAISS Flat searcher, servers on an event loop thread, and LM
+servers over the tiny model.
 
 Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
 """
@@ -13,7 +14,15 @@ import faiss
 import numpy as np
 import pytest
 
+from memlm.jobs.windows import WindowConfig
+from memlm.model.tokenizer import document_boundary
+from memlm.model.weights import load_pretrained
+from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
+from services.lm_server import LMLimits, create_lm_server, start_lm_server
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
 
 TEST_INFO = SearcherInfo(
     n=0, dim=0, index="Flat", metric="l2", nprobe=1, key_layer="ffn_input.1", model_name="test-model",
@@ -129,3 +138,62 @@ def make_searcher_fixture():
 @pytest.fixture
 def gated_searcher(searcher) -> GatedSearcher:
     return GatedSearcher(searcher)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM service over the tiny model (test_lm_server.py, test_lm_requests.py, test_security.py)
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Peter Piper picked a peck of pickled peppers.",
+]
+KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+"""The LM servers' kNN-LM defaults (tests read them as servers["knn"])."""
+LIMITS = LMLimits(max_score_tokens=400, max_new_tokens=100_000)
+"""The limits of the "plain" and "local" servers: prompts under 400 tokens, at most 100_000 new tokens."""
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny random preset (model, tokenizer, fingerprint)."""
+    return load_pretrained("tiny")
+
+
+@pytest.fixture(scope="module")
+def docs(tiny):
+    """TEXTS as token ids."""
+    return [tiny.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def boundary(tiny) -> int:
+    return document_boundary(tiny.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def index(tiny, boundary):
+    """An exact searcher over the tiny model's (key, next token) pairs, as a datastore holds them."""
+    tok = tiny.tokenizer
+    train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 3]]
+    return exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), boundary,
+                                         model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, index, module_loop):
+    """Addresses of: an LM server without datastore ("plain", LIMITS), one with the index in process ("local",
+    LIMITS), one over a retrieval server ("remote", default limits); "servicer" (plain's), "loop", "knn"."""
+    loop = module_loop
+
+    def start(factory, *args, **kwargs):
+        return f"127.0.0.1:{loop.start(factory, *args, **kwargs)}"
+
+    started = loop.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny", knn_defaults=KNN, limits=LIMITS))
+    loop.servers.append(started.running.server)
+    plain = f"127.0.0.1:{started.running.port}"
+    local = start(create_lm_server, "127.0.0.1:0", tiny, index, knn_defaults=KNN, limits=LIMITS)
+    retrieval = start(create_retrieval_server, "127.0.0.1:0", index)
+    remote_searcher = RetrievalClient(retrieval)
+    remote = start(create_lm_server, "127.0.0.1:0", tiny, remote_searcher, knn_defaults=KNN)
+    yield {"plain": plain, "local": local, "remote": remote, "servicer": started.servicer, "loop": loop, "knn": KNN}
+    remote_searcher.close()

@@ -15,8 +15,6 @@ import math
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from memlm.errors import MemlmError
 from memlm.jobs.evaluate import evaluate_perplexity
@@ -26,9 +24,7 @@ from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
-from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import TorchExactSearcher, exact_searcher_over_documents
-from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.exact import TorchExactSearcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_client import (
     Finish,
@@ -43,62 +39,9 @@ from services.lm_server import (
     GenerationRecord,
     LMLimits,
     bind_lm_server,
-    create_lm_server,
-    start_lm_server,
 )
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server, info_from_proto
+from services.retrieval_server import info_from_proto
 from services.server_common import ServerOptions, ServiceError
-
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Peter Piper picked a peck of pickled peppers.",
-]
-KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
-LIMITS = LMLimits(max_score_tokens=400, max_new_tokens=100_000)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_pretrained("tiny")
-
-
-@pytest.fixture(scope="module")
-def docs(tiny):
-    return [tiny.tokenizer.encode(t) for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def boundary(tiny) -> int:
-    return document_boundary(tiny.tokenizer)
-
-
-@pytest.fixture(scope="module")
-def index(tiny, boundary):
-    """An exact searcher over the tiny model's (key, next token) pairs, as a datastore holds them."""
-    tok = tiny.tokenizer
-    train = [tok.encode(t) for t in TEXTS + ["the lazy dog and the quick fox " * 3]]
-    return exact_searcher_over_documents(tiny.model, train, WindowConfig(48, 24, 4), boundary,
-                                         model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint)
-
-
-@pytest.fixture(scope="module")
-def servers(tiny, index, module_loop):
-    """Addresses of: an LM server without datastore, one with the index in process, one over gRPC."""
-    loop = module_loop
-
-    def start(factory, *args, **kwargs):
-        return f"127.0.0.1:{loop.start(factory, *args, **kwargs)}"
-
-    started = loop.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny", knn_defaults=KNN, limits=LIMITS))
-    loop.servers.append(started.running.server)
-    plain = f"127.0.0.1:{started.running.port}"
-    local = start(create_lm_server, "127.0.0.1:0", tiny, index, knn_defaults=KNN, limits=LIMITS)
-    retrieval = start(create_retrieval_server, "127.0.0.1:0", index)
-    remote_searcher = RetrievalClient(retrieval)
-    remote = start(create_lm_server, "127.0.0.1:0", tiny, remote_searcher, knn_defaults=KNN)
-    yield {"plain": plain, "local": local, "remote": remote, "servicer": started.servicer, "loop": loop}
-    remote_searcher.close()
 
 
 def client(address: str) -> LanguageModelClient:
@@ -148,7 +91,7 @@ def test_knn_remote_equals_local_and_lambda_zero_is_base(tiny, docs, servers, in
         zero = b.score(docs, knn=KnnRequest(lmbda=0.0), window_tokens=32)
     assert remote == local  # identical tokens, log-probs, greedy flags, alternatives
     in_process = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer),
-                              searcher=index, knn=KNN)
+                              searcher=index, knn=servers["knn"])
     for r, s in zip(local, in_process):
         assert [t.logprob for t in r.tokens] == s.logprob.tolist()
     for z, b_ in zip(zero, base):
@@ -175,7 +118,7 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
         assert text == tok.decode(want)
     # kNN-LM generation over the remote index equals the in-process one.
     events = list(generate(tiny.model, tok, prompt, max_new_tokens=6, sampling=SamplingConfig(temperature=0.0),
-                           boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=KNN))
+                           boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=servers["knn"]))
     with client(servers["remote"]) as c:
         got = list(c.generate(prompt, max_new_tokens=6, temperature=0.0, knn=KnnRequest()))
     pairs = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
@@ -271,228 +214,6 @@ def test_generate_whose_deadline_passes_ends_deadline_exceeded_not_ok(servers):
     assert GenerationRecord(completion_tokens=3, outcome="cancelled") in servicer.records[before:]
 
 
-def score_request(**kw) -> lm_pb2.ScoreRequest:
-    return lm_pb2.ScoreRequest(**kw)
-
-
-def one(text="hi") -> list[lm_pb2.ScoreInput]:
-    return [lm_pb2.ScoreInput(text=text)]
-
-
-BAD_SCORES = [
-    (score_request(), grpc.StatusCode.INVALID_ARGUMENT, "inputs"),
-    (score_request(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=[1, 400]))]),
-     grpc.StatusCode.INVALID_ARGUMENT, "inputs[0].token_ids.ids[1]"),
-    (score_request(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=[-1]))]),
-     grpc.StatusCode.INVALID_ARGUMENT, "inputs[0].token_ids.ids[0]"),
-    (score_request(inputs=[lm_pb2.ScoreInput(context_text="x")]), grpc.StatusCode.INVALID_ARGUMENT,
-     "inputs[0].continuation"),
-    (score_request(inputs=one("x" * 500)), grpc.StatusCode.OUT_OF_RANGE, "inputs[0]"),
-    (score_request(inputs=one() * 65), grpc.StatusCode.OUT_OF_RANGE, "inputs"),
-    (score_request(inputs=one(), top_n=21), grpc.StatusCode.INVALID_ARGUMENT, "top_n"),
-    (score_request(inputs=one(), window_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "window_tokens"),
-    (score_request(inputs=one(), window_tokens=8, stride_tokens=9), grpc.StatusCode.INVALID_ARGUMENT, "stride_tokens"),
-    (score_request(inputs=one(), knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION,
-     "knn.enabled"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_COMPRESSIVE), grpc.StatusCode.UNIMPLEMENTED,
-     "memory_mode"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_SPALM), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
-    (score_request(inputs=one(), memory_mode=99), grpc.StatusCode.INVALID_ARGUMENT, "memory_mode"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=0)),
-     grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=1025)),
-     grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(memory_tokens=-1)),
-     grpc.StatusCode.INVALID_ARGUMENT, "memory.memory_tokens"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(sink_tokens=70000)),
-     grpc.StatusCode.OUT_OF_RANGE, "memory.sink_tokens"),
-]
-
-
-def generate_request(**kw) -> lm_pb2.GenerateRequest:
-    if "prompt_token_ids" not in kw:
-        kw.setdefault("prompt_text", "hi")
-    kw.setdefault("max_new_tokens", 2)
-    return lm_pb2.GenerateRequest(**kw)
-
-
-BAD_GENERATES = [
-    (lm_pb2.GenerateRequest(max_new_tokens=2), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    (generate_request(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
-    (generate_request(max_new_tokens=100_001), grpc.StatusCode.OUT_OF_RANGE, "max_new_tokens"),
-    (generate_request(sampling=lm_pb2.SamplingOptions(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
-     "sampling.temperature"),
-    (generate_request(sampling=lm_pb2.SamplingOptions(temperature=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
-     "sampling.temperature"),
-    (generate_request(sampling=lm_pb2.SamplingOptions(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
-    (generate_request(sampling=lm_pb2.SamplingOptions(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
-    (generate_request(sampling=lm_pb2.SamplingOptions(top_k=0)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k"),
-    (generate_request(stop_sequences=["a", ""]), grpc.StatusCode.INVALID_ARGUMENT, "stop_sequences[1]"),
-    (generate_request(prompt_token_ids=lm_pb2.TokenIds(ids=[999])), grpc.StatusCode.INVALID_ARGUMENT,
-     "prompt_token_ids.ids[0]"),
-    (generate_request(prompt_text="y" * 500), grpc.StatusCode.OUT_OF_RANGE, "prompt"),
-    (generate_request(knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION, "knn.enabled"),
-    (generate_request(memory_mode=lm_pb2.MEMORY_MODE_COMPRESSIVE), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
-    (generate_request(memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=0)),
-     grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
-]
-
-
-def test_malformed_requests_get_field_named_statuses(servers):
-    address = servers["plain"]
-    with grpc.insecure_channel(address) as channel:
-        from memlm.v1 import language_model_pb2_grpc as lm_grpc
-
-        stub = lm_grpc.LanguageModelServiceStub(channel)
-        for request, code, field in BAD_SCORES:
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Score(request, timeout=30)
-            assert (e.value.code(), e.value.details().split(":")[0]) == (code, field), request
-        for request, code, field in BAD_GENERATES:
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(request, timeout=30))
-            assert (e.value.code(), e.value.details().split(":")[0]) == (code, field), request
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Tokenize(lm_pb2.TokenizeRequest(), timeout=30)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with client(servers["local"]) as c:  # kNN options out of their domain
-        for knn, field in ((KnnRequest(lmbda=1.5), "knn.lambda_weight"), (KnnRequest(temperature=0.0), "knn.temperature"),
-                           (KnnRequest(k=0), "knn.k"), (KnnRequest(nprobe=0), "knn.nprobe")):
-            with pytest.raises(ServiceError) as e:
-                c.score(["hi"], knn=knn)
-            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith(field)
-    assert health(address) == health_pb2.HealthCheckResponse.SERVING
-    with client(address) as c:
-        assert len(c.score(["fine"])[0].tokens) == 4
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.binary(max_size=64))
-def test_fuzzed_request_bytes_never_break_the_server(servers, data):
-    with grpc.insecure_channel(servers["plain"]) as channel:
-        for method in ("Score", "Tokenize"):
-            call = channel.unary_unary(f"/memlm.v1.LanguageModelService/{method}")
-            try:
-                call(data, timeout=30)
-            except grpc.RpcError as e:
-                assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                                    grpc.StatusCode.UNIMPLEMENTED), (e.code(), e.details())
-        # Generate streams: a request that happens to be valid may generate for long, so read one message.
-        stream = channel.unary_stream("/memlm.v1.LanguageModelService/Generate")(data, timeout=30)
-        try:
-            next(stream, None)
-        except grpc.RpcError as e:
-            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                                grpc.StatusCode.UNIMPLEMENTED), (e.code(), e.details())
-        finally:
-            stream.cancel()
-
-
-# Generate fuzzed like Score: each generated request is wrong in exactly one way, so the expected status
-# and the field its message must name are known (LIMITS: prompts < 400 tokens, max_new_tokens <= 100_000).
-
-INVALID, RANGE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
-F32 = {"width": 32}  # the proto fields are float32
-
-
-def _floats(**kw):
-    return st.floats(**F32, **kw)
-
-
-@st.composite
-def malformed_generate(draw, vocab: int):
-    """(GenerateRequest fields, expected code, field the message starts with)."""
-    good = {"prompt_text": "hi", "max_new_tokens": draw(st.integers(1, 3))}
-    kind = draw(st.sampled_from([
-        "no_prompt", "prompt_id", "prompt_long", "max_new_low", "max_new_high", "temperature", "top_k", "top_p",
-        "stops_many", "stop_empty", "mode_unknown", "mode_unserved", "segment", "memory_size", "knn_lambda",
-        "knn_temperature", "knn_k", "knn_nprobe",
-    ]))
-    if kind == "no_prompt":
-        return {"max_new_tokens": good["max_new_tokens"]}, INVALID, "prompt"
-    if kind == "prompt_id":
-        ids = draw(st.lists(st.integers(0, vocab - 1), max_size=5))
-        j = draw(st.integers(0, len(ids)))
-        bad = draw(st.one_of(st.integers(-(2**31), -1), st.integers(vocab, 2**31 - 1)))
-        ids.insert(j, bad)
-        fields = {"prompt_token_ids": lm_pb2.TokenIds(ids=ids), "max_new_tokens": good["max_new_tokens"]}
-        return fields, INVALID, f"prompt_token_ids.ids[{j}]"
-    if kind == "prompt_long":
-        ids = [draw(st.integers(0, vocab - 1))] * draw(st.integers(400, 600))
-        return {"prompt_token_ids": lm_pb2.TokenIds(ids=ids), "max_new_tokens": 1}, RANGE, "prompt"
-    if kind == "max_new_low":
-        return dict(good, max_new_tokens=draw(st.integers(-(2**31), 0))), INVALID, "max_new_tokens"
-    if kind == "max_new_high":
-        return dict(good, max_new_tokens=draw(st.integers(100_001, 2**31 - 1))), RANGE, "max_new_tokens"
-    if kind == "temperature":
-        t = draw(st.one_of(_floats(max_value=-0.5), st.sampled_from([math.nan, math.inf, -math.inf])))
-        return dict(good, sampling=lm_pb2.SamplingOptions(temperature=t)), INVALID, "sampling.temperature"
-    if kind == "top_k":
-        return dict(good, sampling=lm_pb2.SamplingOptions(top_k=draw(st.integers(-(2**31), 0)))), INVALID, "sampling.top_k"
-    if kind == "top_p":
-        p = draw(st.one_of(_floats(max_value=0.0), _floats(min_value=1.5), st.just(math.nan)))
-        return dict(good, sampling=lm_pb2.SamplingOptions(top_p=p)), INVALID, "sampling.top_p"
-    if kind == "stops_many":
-        stops = draw(st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=30))
-        return dict(good, stop_sequences=stops), RANGE, "stop_sequences"
-    if kind == "stop_empty":
-        stops = draw(st.lists(st.text(min_size=1, max_size=3), max_size=5))
-        j = draw(st.integers(0, len(stops)))
-        stops.insert(j, "")
-        return dict(good, stop_sequences=stops), INVALID, f"stop_sequences[{j}]"
-    if kind == "mode_unknown":
-        mode = draw(st.integers(-(2**31), 2**31 - 1).filter(lambda m: m not in lm_pb2.MemoryMode.values()))
-        return dict(good, memory_mode=mode), INVALID, "memory_mode"
-    if kind == "mode_unserved":
-        mode = draw(st.sampled_from([lm_pb2.MEMORY_MODE_COMPRESSIVE, lm_pb2.MEMORY_MODE_MEMORIZING,
-                                     lm_pb2.MEMORY_MODE_SPALM]))
-        return dict(good, memory_mode=mode), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"
-    xl = dict(good, memory_mode=lm_pb2.MEMORY_MODE_XL)
-    if kind == "segment":
-        segment = draw(st.one_of(st.integers(-(2**31), 0), st.integers(1025, 2**31 - 1)))  # tiny context: 1024
-        return dict(xl, memory=lm_pb2.MemoryOptions(segment_tokens=segment)), INVALID, "memory.segment_tokens"
-    if kind == "memory_size":
-        name = draw(st.sampled_from(["memory_tokens", "sink_tokens"]))
-        if draw(st.booleans()):
-            return dict(xl, memory=lm_pb2.MemoryOptions(**{name: draw(st.integers(-(2**31), -1))})), INVALID, f"memory.{name}"
-        return dict(xl, memory=lm_pb2.MemoryOptions(**{name: draw(st.integers(65537, 2**31 - 1))})), RANGE, f"memory.{name}"
-    if kind == "knn_lambda":
-        lam = draw(st.one_of(_floats(max_value=-0.5), _floats(min_value=1.5), st.just(math.nan)))
-        return dict(good, knn=lm_pb2.KnnOptions(enabled=True, lambda_weight=lam)), INVALID, "knn.lambda_weight"
-    if kind == "knn_temperature":
-        t = draw(st.one_of(_floats(max_value=0.0), st.sampled_from([math.nan, math.inf])))
-        return dict(good, knn=lm_pb2.KnnOptions(enabled=True, temperature=t)), INVALID, "knn.temperature"
-    if kind == "knn_k":
-        if draw(st.booleans()):
-            return dict(good, knn=lm_pb2.KnnOptions(enabled=True, k=draw(st.integers(-(2**31), 0)))), INVALID, "knn.k"
-        return dict(good, knn=lm_pb2.KnnOptions(enabled=True, k=draw(st.integers(4097, 2**31 - 1)))), RANGE, "knn.k"
-    nprobe = draw(st.integers(-(2**31), 0))
-    return dict(good, knn=lm_pb2.KnnOptions(enabled=True, nprobe=nprobe)), INVALID, "knn.nprobe"
-
-
-def test_fuzzed_malformed_generate_requests_get_field_named_statuses(tiny, servers):
-    address = servers["local"]  # has a datastore, so kNN options are checked too
-    vocab = min(tiny.model.config.vocab_size, tiny.tokenizer.vocab_size)
-    with grpc.insecure_channel(address) as channel:
-        from memlm.v1 import language_model_pb2_grpc as lm_grpc
-
-        stub = lm_grpc.LanguageModelServiceStub(channel)
-
-        @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-        @given(malformed_generate(vocab))
-        def check(case):
-            fields, code, field = case
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(lm_pb2.GenerateRequest(**fields), timeout=30))
-            assert e.value.code() == code, (fields, e.value.details())
-            assert e.value.details().startswith(field + ":"), (fields, e.value.details())
-
-        check()
-    assert health(address) == health_pb2.HealthCheckResponse.SERVING
-    with client(address) as c:  # still generating after all that
-        assert isinstance(list(c.generate("hi", max_new_tokens=2, temperature=0.0))[-1], Finish)
-
-
 def test_info(tiny, servers, index):
     with client(servers["plain"]) as c:
         info = c.info()
@@ -511,7 +232,7 @@ def test_info(tiny, servers, index):
 
 def test_not_serving_until_loaded_and_datastore_checked(tiny, servers, index, boundary):
     loop = servers["loop"]
-    started = loop.run(bind_lm_server("127.0.0.1:0", model_name="tiny", knn_defaults=KNN, options=ServerOptions(),
+    started = loop.run(bind_lm_server("127.0.0.1:0", model_name="tiny", knn_defaults=servers["knn"], options=ServerOptions(),
                                       limits=LMLimits()))
     loop.servers.append(started.running.server)
     address = f"127.0.0.1:{started.running.port}"
@@ -586,7 +307,7 @@ def test_score_xl_with_knn_remote_equals_local(tiny, docs, servers, index):
         base = a.score(docs, memory_mode="xl", memory=XL)
     assert remote == local
     in_process = score_tokens_segments(tiny.model, docs, memory=XL_CONFIG,
-                                       boundary_token=document_boundary(tiny.tokenizer), searcher=index, knn=KNN)
+                                       boundary_token=document_boundary(tiny.tokenizer), searcher=index, knn=servers["knn"])
     for r, s, b_ in zip(local, in_process, base):
         assert [t.logprob for t in r.tokens] == s.logprob.tolist()
         assert [t.base_logprob for t in r.tokens] == [t.base_logprob for t in b_.tokens]

@@ -18,10 +18,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memlm.jobs.scoring import score_tokens
-from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
-from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import create_lm_server
@@ -162,21 +159,8 @@ def test_router_with_tls_and_tokens_on_both_sides(loop_thread, searcher, pki):
 # The LM server: TLS and a token on its own port, and on its link to a retrieval server
 
 
-@pytest.fixture(scope="module")
-def tiny_lm():
-    """The tiny model and an exact searcher over its (key, next token) pairs of two short texts."""
-    pretrained = load_pretrained("tiny")
-    tok = pretrained.tokenizer
-    docs = [tok.encode("The quick brown fox jumps over the lazy dog. " * 3), tok.encode("Peter Piper picked.")]
-    searcher = exact_searcher_over_documents(
-        pretrained.model, docs, WindowConfig(48, 24, 4), document_boundary(tok),
-        model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tok.fingerprint,
-    )
-    return pretrained, searcher, docs
-
-
-def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_thread, pki, tiny_lm):
-    pretrained, searcher, docs = tiny_lm
+def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_thread, pki, tiny, index, docs):
+    pretrained, searcher = tiny, index  # conftest: the tiny model and an exact searcher over its keys
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
     trust = ClientTls(root_ca=pki["ca"])
     knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
@@ -207,9 +191,9 @@ def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_t
 
 
 @pytest.mark.parametrize("token, detail", [(None, "missing bearer token"), ("lm-token", "wrong bearer token")])
-def test_lm_server_refuses_to_start_on_a_retrieval_link_without_the_right_token(loop_thread, pki, tiny_lm, token,
-                                                                                   detail):
-    pretrained, searcher, _ = tiny_lm
+def test_lm_server_refuses_to_start_on_a_retrieval_link_without_the_right_token(loop_thread, pki, tiny, index,
+                                                                                   token, detail):
+    pretrained, searcher = tiny, index
     tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
     retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher,
                                    options=ServerOptions(tls=tls, token="ret-token"))
