@@ -256,6 +256,29 @@ def _knn_pass(
     return _Pass(base_nll, knn_nll, scored, hits, forward.seconds, search.seconds, mix.seconds, sample)
 
 
+def _pass_result(run: _Pass) -> dict[str, Any]:
+    """Perplexities, hit rate and speeds of one pass (the kNN-LM overhead is its search + interpolation)."""
+    scored, forward = run.tokens, run.forward_seconds
+    base_ppl, knn_ppl = math.exp(run.base_nll / scored), math.exp(run.knn_nll / scored)
+    total = forward + run.search_seconds + run.interpolate_seconds
+    return {
+        "tokens": scored,
+        "base_nll": run.base_nll,
+        "knnlm_nll": run.knn_nll,
+        "base_perplexity": base_ppl,
+        "knnlm_perplexity": knn_ppl,
+        "perplexity": knn_ppl,
+        "relative_change": knn_ppl / base_ppl - 1.0,
+        "knn_hit_rate": run.hits / scored,
+        "forward_seconds": forward,
+        "search_seconds": run.search_seconds,
+        "interpolate_seconds": run.interpolate_seconds,
+        "base_tokens_per_s": scored / forward if forward > 0 else float("inf"),
+        "knnlm_tokens_per_s": scored / total if total > 0 else float("inf"),
+        "knnlm_speed_ratio": forward / total if total > 0 else 1.0,
+    }
+
+
 def evaluate_knnlm(
     model: Decoder,
     token_docs: Sequence[list[int]],
@@ -307,44 +330,25 @@ def evaluate_knnlm(
 
     run = _knn_pass(model, token_docs, searcher, window_config, knn_config, boundary_token, lmbda, temperature,
                     recall_queries, search_tokens, progress)
-    base_nll, knn_nll, scored, hits = run.base_nll, run.knn_nll, run.tokens, run.hits
-    assert scored == total, f"scored {scored} tokens of {total}"
-    forward, search, mix = run.forward_seconds, run.search_seconds, run.interpolate_seconds
-
-    base_ppl, knn_ppl = math.exp(base_nll / scored), math.exp(knn_nll / scored)
-    overhead = search + mix
-    result.update(
-        tokens=scored,
-        base_nll=base_nll,
-        knnlm_nll=knn_nll,
-        base_perplexity=base_ppl,
-        knnlm_perplexity=knn_ppl,
-        perplexity=knn_ppl,
-        relative_change=knn_ppl / base_ppl - 1.0,
-        knn_hit_rate=hits / scored,
-        k=knn_config.k,
-        exact_rerank=knn_config.exact_rerank,
-        nprobe=knn_config.nprobe,
-        forward_seconds=forward,
-        search_seconds=search,
-        interpolate_seconds=mix,
-        base_tokens_per_s=scored / forward if forward > 0 else float("inf"),
-        knnlm_tokens_per_s=scored / (forward + overhead) if forward + overhead > 0 else float("inf"),
-        knnlm_speed_ratio=forward / (forward + overhead) if forward + overhead > 0 else 1.0,
-        context=window_config.context,
-        stride=window_config.stride,
-    )
+    assert run.tokens == total, f"scored {run.tokens} tokens of {total}"
+    info = searcher.info()
+    result.update(_pass_result(run), k=knn_config.k, exact_rerank=knn_config.exact_rerank, nprobe=knn_config.nprobe,
+                  context=window_config.context, stride=window_config.stride, index=info.index,
+                  datastore_size=info.n)
     result["lambda"] = lmbda
     result["temperature"] = temperature
-    info = searcher.info()
-    result["index"] = info.index
-    result["datastore_size"] = info.n
     if exact_searcher is not None and run.sample:
-        queries = np.stack(run.sample)  # (R, d)
-        result["recall_k"] = knn_config.k
-        # The options of the evaluation itself: recall says how good the neighbours it used were.
-        options = knn_config.search_options
-        result["recall_at_k"] = recall_at_k(searcher, exact_searcher, queries, knn_config.k, options)
-        result["recall_at_10"] = recall_at_k(searcher, exact_searcher, queries, min(10, knn_config.k), options)
-        result["recall_queries"] = int(queries.shape[0])
+        result.update(_recall(searcher, exact_searcher, np.stack(run.sample), knn_config))
     return result
+
+
+def _recall(searcher: Searcher, exact_searcher: Searcher, queries: np.ndarray, knn_config: KNNLMConfig) -> dict:
+    """recall_k, recall_at_k, recall_at_10, recall_queries over sampled evaluation keys (R, d), searched with
+    the options of the evaluation itself: recall says how good the neighbours it used were."""
+    options, k = knn_config.search_options, knn_config.k
+    return {
+        "recall_k": k,
+        "recall_at_k": recall_at_k(searcher, exact_searcher, queries, k, options),
+        "recall_at_10": recall_at_k(searcher, exact_searcher, queries, min(10, k), options),
+        "recall_queries": int(queries.shape[0]),
+    }
