@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
-from memlm.jobs.windows import Window, forward_windows, plan_windows
+from memlm.jobs.windows import Window, check_window, forward_windows, plan_windows
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
@@ -114,10 +114,7 @@ def plan_scored_windows(n_inputs: int, first: int, context: int, stride: int, do
     """
     if first == 0:
         return plan_windows(n_inputs, context, stride, doc)
-    if context < 1:
-        raise MemlmError(f"context must be at least 1, got {context}")
-    if not 1 <= stride <= context:
-        raise MemlmError(f"stride must be between 1 and the context ({context}), got {stride}")
+    check_window(context, stride)
     windows = []
     scored_until = first
     end = min(n_inputs, max(context, first + stride))

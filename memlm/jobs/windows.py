@@ -35,6 +35,14 @@ class Window(NamedTuple):
     score_from: int  # first input position whose prediction is scored; start <= score_from < end
 
 
+def check_window(context: int, stride: int) -> None:
+    """MemlmError unless 1 <= stride <= context (the flags of `memlm eval`, the Score rpc's window fields)."""
+    if context < 1:
+        raise MemlmError(f"--context must be at least 1, got {context}")
+    if not 1 <= stride <= context:
+        raise MemlmError(f"--stride must be between 1 and --context ({context}), got {stride}")
+
+
 def plan_windows(n_inputs: int, context: int, stride: int, doc: int = 0) -> list[Window]:
     """Windows over a sequence with n_inputs input positions (targets are the next positions).
 
@@ -42,10 +50,7 @@ def plan_windows(n_inputs: int, context: int, stride: int, doc: int = 0) -> list
     reaches it, with as much left context as that window gives (at least context - stride tokens
     once the document is longer than the context).
     """
-    if context < 1:
-        raise MemlmError(f"--context must be at least 1, got {context}")
-    if not 1 <= stride <= context:
-        raise MemlmError(f"--stride must be between 1 and --context ({context}), got {stride}")
+    check_window(context, stride)
     windows = []
     scored_until = 0
     start = 0

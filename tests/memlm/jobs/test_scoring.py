@@ -60,6 +60,16 @@ def test_plan_without_context_is_memlm_eval_plan():
             assert plan_scored_windows(n, 0, context, stride) == plan_windows(n, context, stride)
 
 
+def test_plan_refuses_bad_windows_with_and_without_context():
+    from memlm.errors import MemlmError
+
+    for first in (0, 3):  # the same check (memlm.jobs.windows.check_window) either way
+        with pytest.raises(MemlmError, match=r"^--stride must be between 1 and --context \(8\), got 9$"):
+            plan_scored_windows(10, first, 8, 9)
+        with pytest.raises(MemlmError, match="^--context must be at least 1, got 0$"):
+            plan_scored_windows(10, first, 0, 1)
+
+
 def test_plan_with_context_scores_each_target_once_with_left_context():
     for n in range(1, 50, 3):
         for first in range(0, n, 4):
