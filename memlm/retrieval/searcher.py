@@ -78,7 +78,8 @@ class SearcherInfo:
     stride: int
     """Window stride the keys were computed with."""
     boundary_token: int
-    """Token prepended to every document when the keys were made; queries must use the same."""
+    """Token prepended to every document when the keys were made; queries must use the same (-1: not known,
+    as for a TorchExactSearcher given only keys; such a searcher fails memlm.retrieval.compat.check_searcher)."""
     sink_tokens: int
     """Attention-sink tokens kept when the keys were made (0: plain sliding windows, what the builder does)."""
 
