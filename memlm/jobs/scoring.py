@@ -150,8 +150,7 @@ def score_tokens(
     batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
     """
     top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n)
-    if context > model.config.max_seq_len:
-        raise MemlmError(f"context {context} is longer than the model supports ({model.config.max_seq_len})")
+    check_window(context, stride, model.config.max_seq_len)
 
     # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]

@@ -35,10 +35,14 @@ class Window(NamedTuple):
     score_from: int  # first input position whose prediction is scored; start <= score_from < end
 
 
-def check_window(context: int, stride: int) -> None:
-    """MemlmError unless 1 <= stride <= context (the flags of `memlm eval`, the Score rpc's window fields)."""
+def check_window(context: int, stride: int, max_seq_len: int | None = None) -> None:
+    """MemlmError unless 1 <= stride <= context (<= max_seq_len, the model's context, when given): the
+    flags of `memlm eval` and the Score rpc's window fields."""
     if context < 1:
         raise MemlmError(f"--context must be at least 1, got {context}")
+    if max_seq_len is not None and context > max_seq_len:
+        raise MemlmError(f"--context {context} is longer than the model supports ({max_seq_len}); "
+                         f"pass --context {max_seq_len} or less")
     if not 1 <= stride <= context:
         raise MemlmError(f"--stride must be between 1 and --context ({context}), got {stride}")
 
@@ -114,11 +118,7 @@ def score_documents(
         after them are composed exactly as in a full run, so their floats are identical too.
     Full-vocabulary log-probabilities exist for one batch at a time only: (B, T, V) floats.
     """
-    if config.context > model.config.max_seq_len:
-        raise MemlmError(
-            f"--context {config.context} is longer than the model supports ({model.config.max_seq_len}); "
-            f"pass --context {model.config.max_seq_len} or less"
-        )
+    check_window(config.context, config.stride, model.config.max_seq_len)
     pending: list[tuple[Window, torch.Tensor]] = []
     batch_index = 0
     for doc_index, tokens in enumerate(documents):

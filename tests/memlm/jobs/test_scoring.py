@@ -191,6 +191,9 @@ def test_bad_arguments_are_refused_and_top_n_is_capped(tiny, docs, searcher, seg
         score(top_n=-1)
     with pytest.raises(MemlmError, match="^2 contexts for 1 sequences$"):
         score(contexts=[[], []])
+    if not segments:
+        with pytest.raises(MemlmError, match=r"^--context 1025 is longer than the model supports \(1024\)"):
+            score_tokens(tiny.model, docs[:1], context=1025, stride=16, boundary_token=BOUNDARY)
     (s,) = score(top_n=10_000)  # more alternatives than the vocabulary has: all of them, most likely first
     V = tiny.model.config.vocab_size
     assert s.top_ids.shape == (len(docs[0]), V)

@@ -37,7 +37,8 @@ def test_bad_stride_and_context_are_user_errors():
 
 def test_context_longer_than_model_is_refused():
     model = build_model(ModelConfig.from_name("tiny"))
-    with pytest.raises(MemlmError, match="longer than the model supports"):
+    refusal = r"^--context 4096 is longer than the model supports \(1024\); pass --context 1024 or less$"
+    with pytest.raises(MemlmError, match=refusal):
         list(score_documents(model, [[1, 2, 3]], WindowConfig(context=4096, stride=1), boundary_token=0))
 
 
