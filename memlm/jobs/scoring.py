@@ -6,12 +6,12 @@ top-n alternatives. It covers both of lm-evaluation-harness's requests:
 - loglikelihood_rolling: a sequence without context; every token is scored.
 - loglikelihood: a context (conditioning only) and a continuation (scored).
 
-Conventions are those of `memlm eval` (memlm.jobs.windows): each sequence is preceded by one boundary token
-(memlm.model.tokenizer.document_boundary: <|endoftext|>, else BOS, else EOS), so its first token is
-predicted too; long sequences are scored in
-sliding windows (context length L, stride s), each token exactly once; windows are batched and padded
-exactly as `score_documents` does, so a sequence without context gets bit-identical base
-log-probabilities, and its perplexity equals `evaluate_perplexity` on the same tokens. The kNN-LM target
+Conventions are those of `memlm eval` (memlm.jobs.windows): each sequence is preceded by one boundary
+token (memlm.model.tokenizer.document_boundary), so its first token is predicted too; long sequences are
+scored in sliding windows (context length L, stride s), each token exactly once; windows run through the
+same batch forward as `score_documents` (memlm.jobs.windows.forward_windows), so a sequence without
+context gets bit-identical base log-probabilities, and its perplexity equals `evaluate_perplexity` on
+the same tokens. The kNN-LM target
 log-probability is the sparse one `evaluate_knnlm` uses (`knn_target_logprob` + `interpolate`), so
 kNN-LM perplexities agree too; the dense distribution (`knn_log_distribution`) is built only for the
 greedy flags and the top-n alternatives under the final distribution, a bounded block of rows at a time.
