@@ -18,7 +18,7 @@ from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.memory.compressive import CompressiveMemory, Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.reconstruction import attention_reconstruction_loss, capture_queries
-from memlm.memory.state import memory_from_state_dict
+from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.memory.xl import XLMemory, push_fifo
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder, KVCache, LayerMemory, build_model
@@ -211,6 +211,18 @@ def test_push_fifo_evicts_whole_groups_per_row():
     assert kept.pos[1, kept.valid[1]].tolist() == [3, 4, 5, 6, 7, 8, 9]
     assert evicted.pos[0, evicted.valid[0]].tolist() == [0, 1, 2, 3]
     assert not bool(evicted.valid[1].any())
+
+
+def test_new_memory_takes_every_size_from_the_config():
+    # MemoryConfig is the one home of the defaults: new_memory passes each field on, none is re-defaulted.
+    xl = new_memory(MemoryConfig("xl", mem_len=7, sink_tokens=3), batch_size=2)
+    assert (type(xl), xl.mem_len, xl.sink_tokens, tuple(xl.next_pos.shape)) == (XLMemory, 7, 3, (2,))
+    assert new_memory(MemoryConfig(), 1).sink_tokens == MemoryConfig.sink_tokens == 4
+    comp = new_memory(MemoryConfig("compressive", mem_len=6, cmem_len=5, compress_rate=3, compress_fn="max",
+                                   sink_tokens=1), batch_size=1)
+    assert (type(comp), comp.mem_len, comp.cmem_len, comp.rate, comp.compress_fn, comp.sink_tokens) == (
+        CompressiveMemory, 6, 5, 3, "max", 1)
+    assert new_memory(MemoryConfig("none"), 1) is None
 
 
 def test_state_dict_round_trip():
