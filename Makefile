@@ -42,7 +42,7 @@ proto-check: $(STAMP)
 	git diff --exit-code -- memlm/v1 || (echo "generated protobuf code is stale: run make proto and commit" && exit 1)
 
 bench: fetch
-	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

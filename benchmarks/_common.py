@@ -1,41 +1,99 @@
-"""Shared setup of the benchmarks: SmolLM2 and the SOTU corpus when fetched, else a tiny random model
-and random tokens. Nothing is downloaded here."""
+"""Shared setup of the benchmarks: SmolLM2 and the SOTU corpus when fetched; a random model or random
+tokens only with --synthetic, and then every output says so. Nothing is downloaded here.
+
+A figure measured on random weights or random tokens says nothing about the real model (a random model's
+perplexity, its kNN gains, even its attention cost per token are not SmolLM2's), so a benchmark refuses to
+print results without the real model and corpus unless the caller asks for a synthetic run.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+REAL_MODEL = "smollm2-135m"
+SYNTHETIC_MODEL = "tiny"
+RANDOM_PRESETS = ("tiny", "small")
+"""memlm.model.weights presets with random weights."""
+SYNTHETIC_NOTE = "SYNTHETIC RUN (--synthetic): random weights and/or random tokens; speed only, not SmolLM2's figures"
 
-def load_model(name: str | None) -> tuple[Any, str, str, int]:
-    """(model, name, fingerprint, boundary token); SmolLM2 when fetched unless a name is given."""
+
+def add_synthetic_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--synthetic", action="store_true",
+                        help="allow a random model / random tokens when SmolLM2 or the corpus is not fetched "
+                             "(the output then says SYNTHETIC)")
+
+
+class BenchModel(NamedTuple):
+    pre: Any
+    """memlm.model.weights.Pretrained: .model, .tokenizer, .fingerprint."""
+    name: str
+    """Preset name as loaded."""
+    boundary: int
+    """memlm.model.tokenizer.document_boundary of its tokenizer: the one document-boundary rule."""
+    synthetic: bool
+    """True when the weights are random (a RANDOM_PRESETS preset)."""
+
+
+def refuse(what: str, fetch: str) -> None:
+    raise SystemExit(f"{what} is not fetched: run `memlm fetch {fetch}` (or pass --synthetic for a random "
+                     f"stand-in whose numbers measure speed only)")
+
+
+def load_model(name: str | None, synthetic: bool, *, synthetic_model: str = SYNTHETIC_MODEL,
+               device: str = "cpu", dtype: Any = None) -> BenchModel:
+    """SmolLM2 (or the named model); the random `synthetic_model` preset only when synthetic and SmolLM2
+    is absent. A named random preset ("tiny", "small") also needs --synthetic.
+
+    device, dtype: as memlm.model.weights.load_pretrained (dtype None: float32).
+    """
+    import torch
+
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained, model_path
 
     if name is None:
-        name = "smollm2-135m" if model_path("smollm2-135m").is_file() else "tiny"
-    pre = load_pretrained(name)
-    tok = pre.tokenizer
-    return pre, name, pre.fingerprint, document_boundary(tok)
+        if model_path(REAL_MODEL).is_file():
+            name = REAL_MODEL
+        elif synthetic:
+            name = synthetic_model
+        else:
+            refuse(f"the {REAL_MODEL} model", REAL_MODEL)
+    elif name == REAL_MODEL and not model_path(REAL_MODEL).is_file():
+        refuse(f"the {REAL_MODEL} model", REAL_MODEL)
+    elif name in RANDOM_PRESETS and not synthetic:
+        raise SystemExit(f"--model {name} has random weights; pass --synthetic to measure it anyway")
+    pre = load_pretrained(name, device=device, dtype=dtype or torch.float32)
+    return BenchModel(pre, name, document_boundary(pre.tokenizer), name in RANDOM_PRESETS)
 
 
-def load_tokens(pre: Any, data: str, split: str | None, max_tokens: int, seed: int = 0) -> list[list[int]]:
-    """Token documents of a fetched corpus split, or random tokens when the corpus is not fetched."""
+def load_tokens(bench: BenchModel, data: str, split: str | None, max_tokens: int | None,
+                synthetic: bool, seed: int = 0) -> tuple[list[list[int]], bool]:
+    """(token documents of a fetched corpus split, False), or (random tokens, True) when synthetic and
+    the corpus is not fetched. max_tokens None: the whole split."""
     from memlm.data.corpora import is_fetched
     from memlm.data.documents import load_documents, tokenize_documents
 
     if is_fetched(data):
-        docs = [d for d in tokenize_documents(load_documents(data, split), pre.tokenizer, max_tokens) if d]
-        if docs:
-            return docs
+        docs = [d for d in tokenize_documents(load_documents(data, split), bench.pre.tokenizer, max_tokens) if d]
+        return docs, False
+    if not synthetic:
+        refuse(f"the {data} corpus", data)
     import numpy as np
 
-    print(f"corpus {data} not fetched: random tokens", file=sys.stderr)
     rng = np.random.default_rng(seed)
-    vocab = pre.model.config.vocab_size
-    return [rng.integers(3, vocab, size=min(max_tokens, 2000)).tolist() for _ in range(max(1, max_tokens // 2000))]
+    vocab = bench.pre.model.config.vocab_size
+    total = max_tokens or 4000
+    return [rng.integers(3, vocab, size=min(total, 2000)).tolist() for _ in range(max(1, total // 2000))], True
+
+
+def synthetic_banner(synthetic: bool) -> None:
+    """Print the synthetic-run note first, so no reader takes the figures for SmolLM2's."""
+    if synthetic:
+        print(f"# {SYNTHETIC_NOTE}")

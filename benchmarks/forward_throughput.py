@@ -1,9 +1,11 @@
 """Forward throughput: our Decoder vs transformers' LlamaForCausalLM on the same weights, batch and dtype.
 
 Both models are timed alternately in one run (the machines are shared and noisy) and the ratio of
-tokens/s is printed (goal: ours >= 1.0x).
+tokens/s is printed (goal: ours >= 1.0x). SmolLM2 by default; the random 'small' preset (same shapes
+family, SmolLM2's tokenizer) only with --synthetic, and the output then says so.
 
     python benchmarks/forward_throughput.py [--model smollm2-135m] [--batch 4] [--seq 256] [--dtype float32]
+        [--synthetic]
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import statistics
 import time
 
+import _common
 import torch
 
 
@@ -36,25 +39,19 @@ def hf_twin(model):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="preset or path (falls back to 'small' if not fetched)")
+    parser.add_argument("--model", default=None, help="preset or path (default smollm2-135m; 'small' with --synthetic "
+                        "when it is not fetched)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
+    _common.add_synthetic_flag(parser)
     args = parser.parse_args()
 
-    from memlm.errors import MemlmError
-    from memlm.model.weights import load_pretrained
-
     dtype = getattr(torch, args.dtype)
-    try:
-        model = load_pretrained(args.model, device=args.device, dtype=dtype).model
-        name = args.model
-    except MemlmError as e:
-        print(f"({e}; using the random 'small' preset instead)")
-        model = load_pretrained("small", device=args.device, dtype=dtype).model
-        name = "small"
+    bench = _common.load_model(args.model, args.synthetic, synthetic_model="small", device=args.device, dtype=dtype)
+    model, name = bench.pre.model, bench.name
     hf = hf_twin(model)
     idx = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=args.device)
 
@@ -78,6 +75,7 @@ def main() -> None:
                 times[label].append(time.perf_counter() - t0)
     tokens = args.batch * args.seq
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    _common.synthetic_banner(bench.synthetic)
     print(f"model {name}, device {args.device}, dtype {args.dtype}, batch {args.batch} x {args.seq} tokens, "
           f"median of {args.repeats} alternating runs (first warm-up pass not counted)")
     print(f"max |logit diff| = {diff:.2e}")

