@@ -48,16 +48,17 @@ def _reset_hwm() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
-def _datastore_dir(bench: _common.BenchModel, args: argparse.Namespace, factory: str) -> Path:
+def _datastore_dir(bench: _common.BenchModel, args: argparse.Namespace, n: int, factory: str, random_tokens: bool) -> Path:
     from memlm.files import cache_dir
 
-    tag = "synthetic" if args.synthetic_data else "sotu-1990-2000"
-    return cache_dir() / "bench" / (f"knnlm-{tag}-c{args.context}-s{args.stride}-{factory.replace(',', '-')}-"
+    tag = "random" if random_tokens else f"{args.data}-1990-2000"
+    return cache_dir() / "bench" / (f"knnlm-{tag}-n{n}-c{args.context}-s{args.stride}-{factory.replace(',', '-')}-"
                                     f"{bench.pre.fingerprint[:12]}")
 
 
-def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> Path:
-    """The cached benchmark datastore, built first when missing (resumable, like any build)."""
+def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> tuple[Path, bool]:
+    """(the cached benchmark datastore, whether its tokens are random), built first when missing
+    (resumable, like any build)."""
     from datastore import BuildSettings, Provenance, build_from_tokens
     from datastore.index import default_nlist, default_pq_m
     from memlm.data.documents import corpus_fingerprint
@@ -66,8 +67,7 @@ def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> Pat
     docs, random_tokens = _common.load_tokens(bench, args.data, DS_SPLIT, args.ds_tokens, args.synthetic, seed=1)
     n = sum(map(len, docs))
     factory = args.index or f"IVF{default_nlist(n)},PQ{default_pq_m(bench.pre.model.config.n_embd)}"
-    args.synthetic_data = random_tokens
-    out = _datastore_dir(bench, args, factory)
+    out = _datastore_dir(bench, args, n, factory, random_tokens)
     if not (out / "manifest.json").exists():
         fingerprint = "random-tokens" if random_tokens else corpus_fingerprint(args.data, DS_SPLIT)
         prov = Provenance(bench.name, bench.pre.fingerprint, bench.pre.tokenizer.fingerprint,
@@ -76,7 +76,7 @@ def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> Pat
         settings = BuildSettings(window=WindowConfig(args.context, args.stride, args.batch_size), index_factory=factory)
         build_from_tokens(bench.pre.model, docs, out, prov, settings, progress=False)
         print(f"# built {n} keys ({factory}) in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
-    return out
+    return out, random_tokens
 
 
 def run_side(args: argparse.Namespace) -> None:
@@ -131,7 +131,7 @@ def child(args: argparse.Namespace, side: str, datastore: Path) -> dict:
                  "temperature"):
         value = getattr(args, flag)
         if value is not None:
-            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+            cmd += ["--lambda" if flag == "lmbda" else f"--{flag.replace('_', '-')}", str(value)]
     if args.synthetic:
         cmd.append("--synthetic")
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -164,9 +164,10 @@ def main() -> None:
         return run_side(args)
 
     bench = _common.load_model(args.model, args.synthetic)
-    store = ensure_datastore(bench, args)
+    store, random_tokens = ensure_datastore(bench, args)
+    synthetic = bench.synthetic or random_tokens
     del bench  # the parent's model is not measured; free it before the children run
-    _common.synthetic_banner(args.synthetic or args.synthetic_data)
+    _common.synthetic_banner(synthetic)
     runs: dict[str, list[dict]] = {"base": [], "knn": []}
     for _ in range(args.repeats):
         for side in ("base", "knn"):
@@ -197,7 +198,7 @@ def main() -> None:
           f"whole process {proc_peak['knn'] / proc_peak['base']:.3f}")
     print(f"perplexity: base {base[-1]['perplexity']:.3f} -> kNN-LM {k0['perplexity']:.3f} "
           f"({100 * (k0['perplexity'] / base[-1]['perplexity'] - 1):+.2f}%; lambda and T fixed, not tuned)")
-    _common.synthetic_banner(args.synthetic or args.synthetic_data)
+    _common.synthetic_banner(synthetic)
 
 
 if __name__ == "__main__":
