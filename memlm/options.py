@@ -64,9 +64,10 @@ _K, _M, _W = KNNLMConfig(), MemoryConfig(), WindowConfig()
 
 KNN_OPTIONS = {o.dest: o for o in (
     Option("--k", "k", int, "neighbours retrieved per token", _K.k),
-    Option("--lambda", "lmbda", float_or_auto, "kNN-LM interpolation weight in [0, 1], or auto", _K.lmbda),
-    Option("--knn-temperature", "temperature", float_or_auto, "softmax temperature over -distance, or auto",
-           _K.temperature),
+    Option("--lambda", "lmbda", float_or_auto,
+           "kNN-LM interpolation weight in [0, 1], or auto (tuned by memlm eval --tune-data)", _K.lmbda),
+    Option("--knn-temperature", "temperature", float_or_auto,
+           "softmax temperature over -distance, or auto (tuned by memlm eval --tune-data)", _K.temperature),
     Option("--nprobe", "nprobe", int, "IVF lists probed per search", "the datastore's"),
     Option("--exact-rerank", "exact_rerank", None, "recompute exact distances from the stored keys"),
 )}

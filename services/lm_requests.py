@@ -244,6 +244,14 @@ class RequestParser:
         if not 1 <= stride <= window:
             raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
         knn = self.knn(request)
+        if knn is not None and self._windows is not None:
+            # The one settings rule (memlm.retrieval.compat): kNN-LM queries must be made like the
+            # datastore's keys; a window left unset takes the datastore's, a different one is refused.
+            for name, given, recorded in (("window_tokens", given_window, self._windows[0]),
+                                          ("stride_tokens", given_stride, self._windows[1])):
+                if given is not None and given != recorded:
+                    raise InvalidRequest(name, f"{given} differs from the datastore's {recorded}; leave it unset "
+                                               "to use the datastore's (kNN-LM queries are made like its keys)")
         pairs = [self._score_input(item, f"inputs[{i}]") for i, item in enumerate(request.inputs)]
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
                          stride=stride, knn=knn, top_n=request.top_n, memory=memory)

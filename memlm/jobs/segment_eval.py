@@ -142,6 +142,8 @@ def evaluate_segments(
     token_docs: Sequence[Sequence[int]],
     segment: int,
     memory: str = MemoryConfig.kind,
+    *,
+    boundary_token: int,
     mem_len: int = MemoryConfig.mem_len,
     cmem_len: int = MemoryConfig.cmem_len,
     compress_rate: int = MemoryConfig.compress_rate,
@@ -149,13 +151,12 @@ def evaluate_segments(
     sink_tokens: int = MemoryConfig.sink_tokens,
     batch_size: int = 1,
     compressor: Compressor | None = None,
-    boundary_token: int = 0,
     reproject: bool | None = None,
 ) -> dict[str, Any]:
     """`evaluate_memory` with the memory given field by field (defaults: MemoryConfig's).
 
-    boundary_token: callers with a tokenizer pass memlm.model.tokenizer.document_boundary(tokenizer);
-        0 is what that rule gives for SmolLM2 (<|endoftext|>) and suits token lists without a tokenizer.
+    boundary_token: prepended to every document; callers with a tokenizer pass
+        memlm.model.tokenizer.document_boundary(tokenizer). Required: no second home for that rule.
     """
     try:
         mcfg = MemoryConfig(memory, mem_len, cmem_len, compress_rate, compress_fn, sink_tokens, segment)

@@ -85,12 +85,13 @@ def test_text_input_and_context(tiny, servers):
 def test_knn_remote_equals_local_and_lambda_zero_is_base(tiny, docs, servers, index):
     knn = KnnRequest()
     with client(servers["local"]) as a, client(servers["remote"]) as b:
-        local = a.score(docs, knn=knn, window_tokens=32, top_n=2)
-        remote = b.score(docs, knn=knn, window_tokens=32, top_n=2)
-        base = a.score(docs, window_tokens=32)
-        zero = b.score(docs, knn=KnnRequest(lmbda=0.0), window_tokens=32)
+        # No window given: kNN-LM scores with the datastore's (48, 24), as its keys were made.
+        local = a.score(docs, knn=knn, top_n=2)
+        remote = b.score(docs, knn=knn, top_n=2)
+        base = a.score(docs)
+        zero = b.score(docs, knn=KnnRequest(lmbda=0.0))
     assert remote == local  # identical tokens, log-probs, greedy flags, alternatives
-    in_process = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer),
+    in_process = score_tokens(tiny.model, docs, context=48, stride=24, boundary_token=document_boundary(tiny.tokenizer),
                               searcher=index, knn=servers["knn"])
     for r, s in zip(local, in_process):
         assert [t.logprob for t in r.tokens] == s.logprob.tolist()
@@ -326,3 +327,18 @@ def test_generate_xl_equals_library(tiny, servers):
                                   seed=sampling.seed, memory_mode="xl", memory=XL))
         assert [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids] == want
         assert isinstance(got[-1], Finish) and got[-1].completion_tokens == len(want)
+
+
+def test_knn_score_with_a_window_other_than_the_datastores_is_refused(docs, servers):
+    """The one settings rule: a kNN-LM Score request that names a window or stride other than the one the
+    datastore's keys were made with (48, 24) is refused, naming the field; the datastore's own is accepted."""
+    with client(servers["local"]) as c:
+        for kwargs, field in (({"window_tokens": 32}, "window_tokens"),
+                              ({"window_tokens": 48, "stride_tokens": 16}, "stride_tokens")):
+            with pytest.raises(ServiceError) as e:
+                c.score(docs, knn=KnnRequest(), **kwargs)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details
+            assert "differs from the datastore's" in e.value.details
+        same = c.score(docs, knn=KnnRequest(), window_tokens=48, stride_tokens=24)
+        unset = c.score(docs, knn=KnnRequest())
+    assert same == unset

@@ -172,9 +172,9 @@ def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_t
     address = f"localhost:{lm}"
     try:
         with LanguageModelClient(address, tls=trust, token="lm-token") as ok:
-            remote = ok.score(docs, knn=KnnRequest(), window_tokens=32)
+            remote = ok.score(docs, knn=KnnRequest())  # the datastore's window (48, 24)
         # kNN-LM through both TLS + token hops equals the in-process computation, token for token.
-        local = score_tokens(pretrained.model, docs, context=32, stride=16,
+        local = score_tokens(pretrained.model, docs, context=48, stride=24,
                              boundary_token=document_boundary(pretrained.tokenizer), searcher=searcher, knn=knn)
         for r, s in zip(remote, local):
             assert [t.logprob for t in r.tokens] == s.logprob.tolist()

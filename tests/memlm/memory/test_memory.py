@@ -57,8 +57,8 @@ def test_xl_mem_len_zero_equals_no_memory():
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     # And through segment evaluation: "xl" with no slots is "none".
     docs = [torch.randint(1, 512, (n,)).tolist() for n in (50, 17)]
-    a = evaluate_segments(model, docs, 16, "xl", mem_len=0, sink_tokens=0)
-    b = evaluate_segments(model, docs, 16, "none")
+    a = evaluate_segments(model, docs, 16, "xl", boundary_token=0, mem_len=0, sink_tokens=0)
+    b = evaluate_segments(model, docs, 16, "none", boundary_token=0)
     assert a["tokens"] == b["tokens"] == 67
     assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
 
@@ -89,7 +89,8 @@ def test_segment_eval_equals_full_context_windows():
     ppl = math.exp(-float(torch.cat([s.lm_logprob for s in ref]).double().sum()) / n)
     for kind in ("xl", "compressive"):
         for batch_size in (1, 3):  # rows switch documents at different steps: resets must be per row
-            r = evaluate_segments(model, docs, 16, kind, mem_len=256, cmem_len=16, batch_size=batch_size)
+            r = evaluate_segments(model, docs, 16, kind, boundary_token=0, mem_len=256, cmem_len=16,
+                                  batch_size=batch_size)
             assert r["tokens"] == n == sum(map(len, docs))  # every token scored exactly once
             assert r["perplexity"] == pytest.approx(ppl, rel=1e-5)
 
@@ -343,7 +344,8 @@ def test_conv_compressor_starts_as_mean_pooling():
 def test_memory_config_costs():
     cfg = MemoryConfig("compressive", mem_len=512, cmem_len=512, compress_rate=4, sink_tokens=4)
     assert cfg.memory_slots == 1028 and cfg.history_tokens == 4 + 512 + 2048
-    r = evaluate_segments(tiny_model(2), [list(range(1, 40))], 16, "xl", mem_len=32, sink_tokens=4)
+    r = evaluate_segments(tiny_model(2), [list(range(1, 40))], 16, "xl", boundary_token=0, mem_len=32,
+                          sink_tokens=4)
     assert r["memory_slots"] == 36 and r["attention_span"] == 52 and r["effective_reach"] == 32 * 2 + 16
 
 
