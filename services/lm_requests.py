@@ -104,8 +104,9 @@ class RequestParser:
 
     vocab: valid token ids are [0, vocab); max_len: the model's context in tokens; has_searcher: whether
     kNN-LM can be served; knn_defaults: what a request's unset kNN fields take; datastore_windows: the
-    (context, stride) the searcher's keys were made with, which a Score request's unset window takes
-    (memlm.retrieval.compat's rule for an artifact's settings; None: WindowConfig's defaults).
+    (context, stride) the searcher's keys were made with, which a Score request's unset window takes and
+    which a kNN-LM Score request's given window must equal (memlm.retrieval.compat's rule for an
+    artifact's settings; None: WindowConfig's defaults).
     """
 
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
