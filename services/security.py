@@ -7,12 +7,20 @@
   with UNAUTHENTICATED before the servicer runs. Health checks (`grpc.health.v1.Health`) stay
   open on purpose, so that load balancers and orchestrators can probe readiness without the
   secret; reflection is NOT open (it describes the API, which is the token holder's business).
-  The token travels as plain metadata, so over a network use it together with TLS.
+  The token travels as plain metadata, so over a network use it together with TLS. A token is never
+  empty (`check_token`): an empty string must not quietly mean "no authentication" (issue 9).
+- Budgets (issue 9, finding 3): calls are counted in three separate budgets, so that callers without
+  the token can never take a slot from those with it: token holders' calls (`max_calls`), health
+  Watch streams and calls refused for a missing or wrong token (`max_open_calls`), and health Check
+  (`max_open_calls` again, its own counter), so that held Watch streams cannot fail a readiness probe
+  and a busy server still answers it. A call past its budget ends with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +28,8 @@ import grpc
 
 # Methods a caller may reach without the token (see the module docstring for why).
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+"""The readiness probe: counted apart from the other open calls (Watch streams can be held forever)."""
 
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower-case
 
@@ -99,13 +109,23 @@ def channel_tls_options(tls: ClientTls | None) -> list[tuple[str, str]]:
     return [("grpc.ssl_target_name_override", tls.server_name)]
 
 
+def check_token(token: str) -> str:
+    """`token` if it can serve as a bearer token, else ValueError: non-empty (an empty token must never mean
+    "no authentication"), printable ASCII without surrounding spaces (what a metadata value can carry)."""
+    if not token:
+        raise ValueError("the token is empty; leave it unset for no authentication")
+    if token != token.strip() or not (token.isascii() and token.isprintable()):
+        raise ValueError("the token must be printable ASCII without leading or trailing spaces")
+    return token
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Per-call metadata carrying the bearer token; empty without a token.
+    """Per-call metadata carrying the bearer token; empty without a token (None; "" is refused).
 
     Sent as call metadata rather than grpc call credentials because grpc refuses call credentials
     on plaintext channels, and plaintext on 127.0.0.1 with a token is a supported setup.
     """
-    return ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
+    return () if token is None else ((AUTHORIZATION_KEY, f"Bearer {check_token(token)}"),)
 
 
 def _token_of(metadata) -> str | None:
@@ -134,25 +154,94 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcM
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Ends every call without `authorization: Bearer <token>` with UNAUTHENTICATED.
+class _Budget:
+    """Calls of one kind in progress at once, at most `limit`; past it a call ends with RESOURCE_EXHAUSTED.
 
-    Calls to OPEN_METHOD_PREFIXES (health checks) pass without a token.
+    The counter lives on the server's event loop (every handler runs there), so it needs no lock.
     """
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("token must be a non-empty string")
-        self._token = token.encode()
+    def __init__(self, kind: str, limit: int, option: str) -> None:
+        if limit < 1:
+            raise ValueError(f"{option} must be at least 1, got {limit}")
+        self.kind, self.limit, self.option = kind, limit, option
+        self.in_flight = 0
+
+    def admit(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """`handler` with its behaviour counted against this budget."""
+        kinds = {(False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
+                 (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
+                 (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
+                 (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream)}
+        make, behaviour = kinds[handler.request_streaming, handler.response_streaming]
+        return make(self._counted(behaviour), request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+        if self.in_flight >= self.limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server busy: {self.limit} {self.kind} in progress ({self.option})")
+        self.in_flight += 1
+
+    def _counted(self, behaviour: Callable) -> Callable:
+        # grpc.aio takes a streaming behaviour in two forms, an async generator (ours, reflection) or a
+        # coroutine that calls context.write (health Watch); the wrapper keeps the form it was given.
+        if inspect.isasyncgenfunction(behaviour):
+            async def stream(request, context):
+                await self._enter(context)
+                try:
+                    async for response in behaviour(request, context):
+                        yield response
+                finally:
+                    self.in_flight -= 1
+
+            return stream
+
+        async def call(request, context):
+            await self._enter(context)
+            try:
+                return await behaviour(request, context)
+            finally:
+                self.in_flight -= 1
+
+        return call
+
+
+class AdmissionInterceptor(grpc.aio.ServerInterceptor):
+    """Every call of a server passes here: the bearer-token check and the three budgets (module docstring).
+
+    token: None = every caller counts as a token holder. max_calls: token holders' calls at once
+    (--max-concurrent-rpcs). max_open_calls: open calls at once (health Watch streams and refused calls),
+    and, separately, health Checks at once.
+    """
+
+    def __init__(self, token: str | None, max_calls: int, max_open_calls: int) -> None:
+        self._token = check_token(token).encode() if token is not None else None
+        self._calls = _Budget("calls", max_calls, "--max-concurrent-rpcs")
+        self._open = _Budget("unauthenticated calls and health watches", max_open_calls, "max_open_rpcs")
+        self._checks = _Budget("health checks", max_open_calls, "max_open_rpcs")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
-            return handler  # unknown methods still get UNIMPLEMENTED
-        token = _token_of(handler_call_details.invocation_metadata)
+        method = handler_call_details.method
+        if handler is None:
+            return None  # unknown methods get UNIMPLEMENTED at once
+        if method == HEALTH_CHECK:
+            return self._checks.admit(handler)
+        if method.startswith(OPEN_METHOD_PREFIXES):
+            return self._open.admit(handler)
+        refusal = self._refusal(handler_call_details.invocation_metadata)
+        if refusal is not None:
+            return self._open.admit(_refusing_handler(handler, refusal))
+        return self._calls.admit(handler)
+
+    def _refusal(self, metadata) -> str | None:
+        """Why a call with this metadata may not proceed; None = it may."""
+        if self._token is None:
+            return None
+        token = _token_of(metadata)
         if token is None:
-            return _refusing_handler(handler, "missing bearer token: send metadata 'authorization: Bearer <token>'")
+            return "missing bearer token: send metadata 'authorization: Bearer <token>'"
         # Constant-time comparison, so response timing does not leak how much of the token matched.
         if not hmac.compare_digest(token.encode(), self._token):
-            return _refusing_handler(handler, "wrong bearer token")
-        return handler
+            return "wrong bearer token"
+        return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -29,12 +30,13 @@ from grpc_reflection.v1alpha import reflection
 
 from memlm.errors import MemlmError
 from services.security import (
-    BearerTokenInterceptor,
+    AdmissionInterceptor,
     ClientTls,
     ServerTls,
     auth_metadata,
     channel_credentials,
     channel_tls_options,
+    check_token,
     server_credentials,
 )
 from services.tensors import TensorError
@@ -56,13 +58,49 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest message the server receives or sends, in bytes."""
     max_concurrent_rpcs: int = 64
-    """Calls in progress at once (health checks included); grpc answers RESOURCE_EXHAUSTED past it."""
+    """Token holders' calls in progress at once (every call but health when there is no token);
+    RESOURCE_EXHAUSTED past it. Health checks and calls without the token never count here."""
+    max_open_rpcs: int = 16
+    """Health Watch streams and calls refused for a missing or wrong token in progress at once, and,
+    counted apart, health Checks at once (services.security: the budgets); RESOURCE_EXHAUSTED past it."""
     grace_s: float = 30.0
     """On shutdown, seconds in-flight calls get to finish before they are cancelled."""
     tls: ServerTls | None = None
     """Serve TLS with these credentials; None = plaintext."""
     token: str | None = None
-    """Require `authorization: Bearer <token>` on every call except health checks; None = open."""
+    """Require `authorization: Bearer <token>` on every call except health checks; None = open. Never ""
+    (ValueError): an empty token must not quietly switch authentication off."""
+
+    def __post_init__(self) -> None:
+        if self.token is not None:
+            check_token(self.token)
+        for name in ("max_concurrent_rpcs", "max_open_rpcs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def exposure_warning(self, host: str) -> str | None:
+        """One line when binding `host` exposes the server: a non-loopback address without TLS (traffic and
+        token readable on the network) or without authentication (a token or client certificates); else None."""
+        if is_loopback(host):
+            return None
+        missing = []
+        if self.tls is None:
+            missing.append("TLS (--tls-cert/--tls-key)")
+        if self.token is None and (self.tls is None or self.tls.client_ca is None):
+            missing.append("authentication (--token-file, $MEMLM_TOKEN or --tls-client-ca)")
+        if not missing:
+            return None
+        return f"warning: serving on {host or 'every interface'} without {' or '.join(missing)}: anyone who can reach it can use it"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only: localhost, 127.0.0.0/8 or ::1 (0.0.0.0 and :: are every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -278,14 +316,12 @@ async def start_server(
     """Build, bind and start a grpc.aio server for `services`; health stays NOT_SERVING.
 
     address: "HOST:PORT"; port 0 picks a free port (tests). Raises MemlmError when the address
-    cannot be bound.
+    cannot be bound. Prints options.exposure_warning (one line on stderr) for an exposed bind.
     """
-    interceptors = [BearerTokenInterceptor(options.token)] if options.token else []
-    server = grpc.aio.server(
-        options=channel_options(options.max_message_bytes),
-        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
-        interceptors=interceptors,
-    )
+    # No grpc-wide maximum_concurrent_rpcs: it counts health checks and callers without the token against
+    # the token holders' slots (issue 9, finding 3); the interceptor's budgets keep them apart.
+    admission = AdmissionInterceptor(options.token, options.max_concurrent_rpcs, options.max_open_rpcs)
+    server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=[admission])
     names = []
     for descriptor, servicer in services:
         add_service(server, descriptor, servicer, message_classes)
@@ -306,6 +342,9 @@ async def start_server(
         raise MemlmError(f"cannot listen on {address}: {e}") from None
     if port == 0:
         raise MemlmError(f"cannot listen on {address}: address in use or not local")
+    warning = options.exposure_warning(split_host_port(address)[0])
+    if warning is not None:
+        print(f"memlm: {warning}", file=sys.stderr, flush=True)
     await server.start()
     return RunningServer(server, port, health_servicer, tuple(names))
 

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
+import ipaddress
 import threading
 
 import faiss
 import numpy as np
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
@@ -197,3 +203,59 @@ def servers(tiny, index, module_loop):
     remote = start(create_lm_server, "127.0.0.1:0", tiny, remote_searcher, knn_defaults=KNN)
     yield {"plain": plain, "local": local, "remote": remote, "servicer": started.servicer, "loop": loop, "knn": KNN}
     remote_searcher.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Certificates for the TLS tests (test_security.py, test_auth_faults.py): EC P-256, valid for an hour,
+# made here with `cryptography`, never read from disk.
+
+def _pem(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def _cert(subject: str, key, issuer_name, issuer_key, *, ca: bool, server: bool = False) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if server:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_ca(name: str):
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert(name, key, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key, ca=True)
+    return key, cert
+
+
+def issue(ca, subject: str, server: bool) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) signed by `ca`."""
+    ca_key, ca_cert = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert(subject, key, ca_cert.subject, ca_key, ca=False, server=server)
+    return cert.public_bytes(serialization.Encoding.PEM), _pem(key)
+
+
+@pytest.fixture(scope="module")
+def pki():
+    ca = make_ca("memlm test CA")
+    other_ca = make_ca("some other CA")
+    server_cert, server_key = issue(ca, "localhost", server=True)
+    client_cert, client_key = issue(ca, "memlm client", server=False)
+    stranger_cert, stranger_key = issue(other_ca, "stranger", server=False)
+    pem = lambda c: c[1].public_bytes(serialization.Encoding.PEM)  # noqa: E731
+    return dict(
+        ca=pem(ca), other_ca=pem(other_ca), server=(server_cert, server_key),
+        client=(client_cert, client_key), stranger=(stranger_cert, stranger_key),
+    )
