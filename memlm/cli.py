@@ -83,9 +83,35 @@ def cmd_datastore_info(directory: str) -> None:
 # serve and client
 
 
+def secret(args: argparse.Namespace, prefix: str, env: str) -> str | None:
+    """The bearer token of `--{prefix}token`, `--{prefix}token-file` or $env (in that order; None = no token).
+
+    A file or the environment keeps the secret out of `ps` (issue 9, finding 4). An empty value is an
+    error, never "no authentication": leave all three unset for that.
+    """
+    from services.security import check_token
+
+    dest = prefix.replace("-", "_")
+    value, path = getattr(args, f"{dest}token"), getattr(args, f"{dest}token_file")
+    if value is not None and path is not None:
+        raise MemlmError(f"give --{prefix}token or --{prefix}token-file, not both")
+    if value is not None:
+        where = f"--{prefix}token"
+    elif path is not None:
+        where, value = f"--{prefix}token-file {path}", Path(path).read_text().strip()  # a trailing newline is no part of it
+    elif env in os.environ:
+        where, value = f"${env}", os.environ[env]
+    else:
+        return None
+    try:
+        return check_token(value)
+    except ValueError as e:
+        raise MemlmError(f"{where}: {e}") from None
+
+
 def token_from(args: argparse.Namespace) -> str | None:
-    """--token, else $MEMLM_TOKEN (an environment variable keeps the secret out of `ps`)."""
-    return args.token or os.environ.get("MEMLM_TOKEN") or None
+    """The token this server wants or this client sends: --token, --token-file, else $MEMLM_TOKEN."""
+    return secret(args, "", "MEMLM_TOKEN")
 
 
 def server_tls(args: argparse.Namespace) -> Any:
@@ -100,10 +126,18 @@ def server_tls(args: argparse.Namespace) -> Any:
     return ServerTls.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
-def client_tls(ca: str | None) -> Any:
+def link_tls(args: argparse.Namespace, prefix: str) -> Any:
+    """ClientTls from a link's flags (add_link_security): its CA and, for mutual TLS, a client certificate
+    and key; None = plaintext."""
     from services.security import ClientTls
 
-    return ClientTls.from_files(root_ca=ca) if ca else None
+    dest = prefix.replace("-", "_")
+    ca, cert, key = (getattr(args, f"{dest}{name}") for name in ("ca" if prefix else "tls_ca", "tls_cert", "tls_key"))
+    if (cert is None) != (key is None):
+        raise MemlmError(f"--{prefix}tls-cert and --{prefix}tls-key go together")
+    if ca is None and cert is None:
+        return None
+    return ClientTls.from_files(root_ca=ca, cert=cert, key=key)
 
 
 def cmd_serve_retrieval(args: argparse.Namespace) -> None:
@@ -124,8 +158,7 @@ def cmd_serve_router(args: argparse.Namespace) -> None:
     from services.router import ShardLinks, serve_router
     from services.server_common import ServerOptions
 
-    shards = ShardLinks(tls=client_tls(args.shard_ca),
-                        token=args.shard_token or os.environ.get("MEMLM_SHARD_TOKEN") or None)
+    shards = ShardLinks(tls=link_tls(args, "shard-"), token=secret(args, "shard-", "MEMLM_SHARD_TOKEN"))
     asyncio.run(serve_router(
         args.shard, args.host, args.port, shards=shards,
         options=ServerOptions(tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs),
@@ -169,8 +202,8 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                               max_concurrent_rpcs=args.max_concurrent_rpcs),
         limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
                         segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens),
-        retrieval_tls=client_tls(args.retrieval_ca),
-        retrieval_token=args.retrieval_token or os.environ.get("MEMLM_RETRIEVAL_TOKEN") or None,
+        retrieval_tls=link_tls(args, "retrieval-"),
+        retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"),
     ))
 
 
@@ -204,7 +237,7 @@ def cmd_client_score(args: argparse.Namespace) -> None:
     main_score(
         args.address, args.text, contexts=args.prefix or None, knn=knn_request(args), top_n=args.top_n,
         window_tokens=args.context, stride_tokens=args.stride, per_token=args.per_token,
-        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout, **memory_request(args),
+        tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 
 
@@ -214,7 +247,7 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
     main_generate(
         args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.sampling_temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
-        tls=client_tls(args.tls_ca), token=token_from(args), timeout=args.timeout, **memory_request(args),
+        tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 
 
@@ -274,13 +307,30 @@ def add_datastore_parser(sub: Any) -> None:
     i.set_defaults(func=lambda a: cmd_datastore_info(a.directory))
 
 
+def add_token_options(p: argparse.ArgumentParser, prefix: str, what: str, env: str) -> None:
+    """--{prefix}token and --{prefix}token-file (read by `secret`)."""
+    p.add_argument(f"--{prefix}token", default=None,
+                   help=f"bearer token {what} (visible in `ps`: prefer --{prefix}token-file or ${env})")
+    p.add_argument(f"--{prefix}token-file", default=None, metavar="PATH",
+                   help=f"file holding the bearer token {what} (default ${env}; never empty)")
+
+
+def add_link_security(p: argparse.ArgumentParser, prefix: str, what: str, env: str) -> None:
+    """How a client reaches `what`: its CA, a client certificate for mutual TLS, its token (read by
+    link_tls and secret). prefix "": the client's own flags (--tls-ca, --tls-cert, --token, ...)."""
+    p.add_argument("--tls-ca" if not prefix else f"--{prefix}ca", default=None, help=f"CA (PEM) of a TLS {what}")
+    p.add_argument(f"--{prefix}tls-cert", default=None, help=f"client certificate (PEM) for a {what} that wants one (mTLS)")
+    p.add_argument(f"--{prefix}tls-key", default=None, help=f"private key (PEM) of --{prefix}tls-cert")
+    add_token_options(p, prefix, f"the {what} wants", env)
+
+
 def add_server_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--tls-cert", default=None, help="server certificate chain (PEM) to serve TLS")
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", default=None, help="CA (PEM) that client certificates must chain to (mTLS)")
-    p.add_argument("--token", default=None, help="bearer token callers must send (default $MEMLM_TOKEN)")
+    add_token_options(p, "", "callers must send", "MEMLM_TOKEN")
     p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="RESOURCE_EXHAUSTED past this many calls")
 
 
@@ -298,16 +348,14 @@ def add_serve_parser(sub: Any) -> None:
     r.set_defaults(func=cmd_serve_retrieval)
     ro = ssub.add_parser("router", help="RetrievalService that fans out to shards and merges the top-k")
     ro.add_argument("--shard", action="append", required=True, help="HOST:PORT of a shard, in build order (repeat)")
-    ro.add_argument("--shard-ca", default=None, help="CA (PEM) to reach TLS shards")
-    ro.add_argument("--shard-token", default=None, help="token for the shards (default $MEMLM_SHARD_TOKEN)")
+    add_link_security(ro, "shard-", "shard", "MEMLM_SHARD_TOKEN")
     add_server_security(ro)
     ro.set_defaults(func=cmd_serve_router)
     lm = ssub.add_parser("lm", help="LanguageModelService: Score, Generate, Tokenize")
     lm.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
     lm.add_argument("--datastore", default=None, help="local datastore for kNN-LM")
     lm.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router for kNN-LM")
-    lm.add_argument("--retrieval-ca", default=None, help="CA (PEM) to reach a TLS retrieval service")
-    lm.add_argument("--retrieval-token", default=None, help="token for the retrieval service (default $MEMLM_RETRIEVAL_TOKEN)")
+    add_link_security(lm, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
     lm.add_argument("--device", default="auto", help="auto, cpu or cuda")
     lm.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     add_options(lm, "kNN-LM defaults of requests", KNN_OPTIONS)
@@ -324,8 +372,7 @@ def add_client_parser(sub: Any) -> None:
     for name in ("score", "generate"):
         c = csub.add_parser(name, help=f"{name} text")
         c.add_argument("--address", required=True, help="HOST:PORT of `memlm serve lm`")
-        c.add_argument("--tls-ca", default=None, help="CA (PEM) of a TLS server")
-        c.add_argument("--token", default=None, help="bearer token (default $MEMLM_TOKEN)")
+        add_link_security(c, "", "server", "MEMLM_TOKEN")
         c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
         add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)

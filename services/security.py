@@ -68,6 +68,10 @@ class ClientTls:
     server_name: str | None = None
     """Name to check the server certificate against when it differs from the dialled host."""
 
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate and its private key go together")
+
     @classmethod
     def from_files(
         cls,

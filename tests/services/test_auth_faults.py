@@ -8,6 +8,10 @@ Every wait is bounded by a deadline.
 
 from __future__ import annotations
 
+import os
+import selectors
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,8 +21,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from memlm import cli
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
+from services.security import ServerTls
 from services.server_common import ServerOptions, ServiceError
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -109,3 +115,145 @@ def test_health_check_answers_while_every_authenticated_slot_is_busy(loop_thread
         channel.close()
     assert len(out) == 2  # the busy calls finished normally
     np.testing.assert_array_equal(out[0].ids, searcher.search(xq, 4).ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding 4: authentication cannot be switched off by accident
+
+
+@pytest.mark.parametrize("argv, env, line", [
+    (["--token", ""], {}, "memlm: error: --token: the token is empty; leave it unset for no authentication"),
+    ([], {"MEMLM_TOKEN": ""}, "memlm: error: $MEMLM_TOKEN: the token is empty; leave it unset for no authentication"),
+    (["--token-file", "EMPTY"], {}, "memlm: error: --token-file EMPTY: the token is empty; leave it unset for no "
+                                    "authentication"),
+    (["--token", "a", "--token-file", "EMPTY"], {}, "memlm: error: give --token or --token-file, not both"),
+    (["--shard-token", ""], {}, "memlm: error: --shard-token: the token is empty; leave it unset for no authentication"),
+])
+def test_an_empty_token_is_refused_in_one_line(argv, env, line, tmp_path, monkeypatch, capsys):
+    (tmp_path / "EMPTY").write_text("\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEMLM_TOKEN", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # Refused before anything is bound or dialled (the shard address is never reached).
+    assert cli.main(["serve", "router", "--shard", "127.0.0.1:9", *argv]) == 1
+    assert capsys.readouterr().err.splitlines() == [line]
+    with pytest.raises(ValueError, match="empty"):
+        ServerOptions(token="")  # the library refuses it too
+
+
+def test_exposure_warning_names_what_is_missing(pki):
+    tls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1])
+    mtls = ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1], client_ca=pki["ca"])
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert ServerOptions().exposure_warning(host) is None  # loopback: nobody else can reach it
+    both = ServerOptions().exposure_warning("0.0.0.0")
+    assert "TLS" in both and "authentication" in both and "\n" not in both
+    assert ServerOptions().exposure_warning("::") == both.replace("0.0.0.0", "::")
+    assert "authentication" not in ServerOptions(token="t").exposure_warning("10.0.0.5")
+    assert "TLS" not in ServerOptions(tls=tls).exposure_warning("myhost.example")
+    assert ServerOptions(tls=tls, token="t").exposure_warning("0.0.0.0") is None
+    assert ServerOptions(tls=mtls).exposure_warning("0.0.0.0") is None  # client certificates authenticate
+
+
+class ServeProcess:
+    """`memlm serve ...` as a real process: started, read until `listening on`, stopped with SIGTERM."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], deadline_s: float = 60) -> None:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMLM_") or k == "MEMLM_CACHE"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "memlm.cli", "serve", *argv], cwd=ROOT,
+                                     env={**clean, "PYTHONPATH": str(ROOT), **env}, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.port = self._port(deadline_s)
+
+    def _port(self, deadline_s: float) -> int:
+        deadline = time.monotonic() + deadline_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    line = self.proc.stdout.readline()
+                    if line.startswith("listening on "):
+                        self.startup_stderr = self._stderr_so_far()
+                        return int(line.rsplit(":", 1)[1])
+                    if not line:  # exited
+                        break
+        self.stop()
+        raise AssertionError(f"server did not start: {self.stderr}")
+
+    def _stderr_so_far(self) -> str:
+        """What the process wrote to stderr up to now (it flushes before `listening on`), without blocking."""
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        chunks = []
+        try:
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        return b"".join(chunks).decode()
+
+    def argv(self) -> bytes:
+        return Path(f"/proc/{self.proc.pid}/cmdline").read_bytes()
+
+    def stop(self) -> None:
+        if self.proc.returncode is not None:
+            return
+        self.proc.terminate()
+        try:
+            _, self.stderr = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, self.stderr = self.proc.communicate(timeout=30)
+
+
+def mtls_server(pki) -> ServerTls:
+    """Server credentials that require a client certificate from the test CA."""
+    return ServerTls(certificate_chain=pki["server"][0], private_key=pki["server"][1], client_ca=pki["ca"])
+
+
+def pem_files(pki, tmp_path: Path) -> dict[str, str]:
+    files = {"ca": pki["ca"], "cert": pki["client"][0], "key": pki["client"][1]}
+    for name, data in files.items():
+        (tmp_path / f"{name}.pem").write_bytes(data)
+    return {name: str(tmp_path / f"{name}.pem") for name in files}
+
+
+@pytest.fixture(scope="module")
+def router_process(module_loop, searcher, pki, tmp_path_factory):
+    """`memlm serve router` on 0.0.0.0 (plaintext) with its token from a file, over one shard that wants
+    a client certificate and a token (also from a file): the process, the shard's address."""
+    tmp = tmp_path_factory.mktemp("router")
+    files = pem_files(pki, tmp)
+    (tmp / "router.token").write_text("router-s3cret-7f9a\n")
+    (tmp / "shard.token").write_text("shard-s3cret-1c2d\n")
+    shard = module_loop.start(create_retrieval_server, "127.0.0.1:0", searcher,
+                              options=ServerOptions(tls=mtls_server(pki), token="shard-s3cret-1c2d"))
+    process = ServeProcess(
+        ["router", "--shard", f"localhost:{shard}", "--host", "0.0.0.0",
+         "--token-file", str(tmp / "router.token"), "--shard-token-file", str(tmp / "shard.token"),
+         "--shard-ca", files["ca"], "--shard-tls-cert", files["cert"], "--shard-tls-key", files["key"]],
+        env={})
+    yield process, shard
+    process.stop()
+
+
+def test_token_file_works_and_the_token_is_not_in_argv(router_process, searcher):
+    process, _ = router_process
+    assert b"s3cret" not in process.argv() and b"router.token" in process.argv()
+    address = f"127.0.0.1:{process.port}"
+    xq = np.random.default_rng(2).standard_normal((3, searcher.dim)).astype(np.float32)  # (Q, d)
+    with RetrievalClient(address, token="router-s3cret-7f9a", timeout=10) as client:
+        # Through the router's mTLS + token shard link, the shard's exact answer.
+        np.testing.assert_array_equal(client.search(xq, 4).ids, searcher.search(xq, 4).ids)
+    for token in (None, "router-s3cret-7f9ax"):
+        with RetrievalClient(address, token=token, timeout=10) as stranger, pytest.raises(ServiceError) as e:
+            stranger.info()
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_plaintext_bind_on_every_interface_prints_one_warning(router_process):
+    process, _ = router_process
+    warnings = [line for line in process.startup_stderr.splitlines() if "warning" in line]
+    assert warnings == ["memlm: warning: serving on 0.0.0.0 without TLS (--tls-cert/--tls-key): anyone who can "
+                        "reach it can use it"]
