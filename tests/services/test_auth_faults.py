@@ -22,9 +22,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memlm import cli
+from services.lm_client import KnnRequest, LanguageModelClient
+from services.lm_server import create_lm_server
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
-from services.security import ServerTls
+from services.security import ClientTls, ServerTls
 from services.server_common import ServerOptions, ServiceError
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -257,3 +259,43 @@ def test_plaintext_bind_on_every_interface_prints_one_warning(router_process):
     warnings = [line for line in process.startup_stderr.splitlines() if "warning" in line]
     assert warnings == ["memlm: warning: serving on 0.0.0.0 without TLS (--tls-cert/--tls-key): anyone who can "
                         "reach it can use it"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding 4: mutual TLS end to end: `memlm client` and `serve lm`'s retrieval link present certificates
+
+
+def test_memlm_client_presents_a_client_certificate(loop_thread, tiny, pki, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MEMLM_TOKEN", raising=False)
+    port = loop_thread.start(create_lm_server, "127.0.0.1:0", tiny, options=ServerOptions(tls=mtls_server(pki)))
+    files = pem_files(pki, tmp_path)
+    call = ["client", "score", "--address", f"localhost:{port}", "--timeout", "10", "--tls-ca", files["ca"]]
+    assert cli.main([*call, "--tls-cert", files["cert"], "--tls-key", files["key"], "hello there"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 2 and rows[1].split()[0] == "0" and int(rows[1].split()[1]) > 0  # one scored text
+    # Without the certificate the handshake fails: one line, exit 1.
+    assert cli.main([*call, "hello there"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"memlm: error: localhost:{port}: UNAVAILABLE")
+
+
+def test_serve_lm_reaches_an_mtls_retrieval_server_with_its_certificate(loop_thread, tiny, index, pki, tmp_path):
+    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", index,
+                                  options=ServerOptions(tls=mtls_server(pki)))
+    files = pem_files(pki, tmp_path)
+    # The retrieval server refuses a client without a certificate ...
+    with RetrievalClient(f"localhost:{retrieval}", tls=ClientTls(root_ca=pki["ca"]), timeout=5) as bare, \
+            pytest.raises(ServiceError) as e:
+        bare.info()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    # ... and serves `memlm serve lm --retrieval-tls-cert/--retrieval-tls-key` (a real process).
+    process = ServeProcess(["lm", "--model", "tiny", "--device", "cpu", "--retrieval", f"localhost:{retrieval}",
+                            "--retrieval-ca", files["ca"], "--retrieval-tls-cert", files["cert"],
+                            "--retrieval-tls-key", files["key"], "--k", "8", "--lambda", "0.5"], env={})
+    try:
+        with LanguageModelClient(f"127.0.0.1:{process.port}", timeout=30) as client:
+            [knn] = client.score(["the lazy dog and the quick fox"], knn=KnnRequest())
+        assert len(knn.tokens) > 0
+        assert [t.logprob for t in knn.tokens] != [t.base_logprob for t in knn.tokens]  # the datastore was searched
+    finally:
+        process.stop()
