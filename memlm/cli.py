@@ -126,6 +126,18 @@ def server_tls(args: argparse.Namespace) -> Any:
     return ServerTls.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
+def server_options(args: argparse.Namespace) -> Any:
+    """ServerOptions of every `memlm serve` command: TLS, token and the two call budgets."""
+    from services.server_common import ServerOptions
+
+    tls, token = server_tls(args), token_from(args)
+    try:
+        return ServerOptions(tls=tls, token=token, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                             max_open_rpcs=args.max_open_rpcs)
+    except ValueError as e:  # a budget below 1
+        raise MemlmError(f"--{str(e).replace('_', '-')}") from None
+
+
 def link_tls(args: argparse.Namespace, prefix: str) -> Any:
     """ClientTls from a link's flags (add_link_security): its CA and, for mutual TLS, a client certificate
     and key; None = plaintext."""
@@ -143,25 +155,23 @@ def link_tls(args: argparse.Namespace, prefix: str) -> Any:
 def cmd_serve_retrieval(args: argparse.Namespace) -> None:
     from datastore import Datastore
     from services.retrieval_server import BatchingOptions, serve_retrieval
-    from services.server_common import ServerOptions
 
     store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
                            device=None if args.device == "auto" else args.device)
     asyncio.run(serve_retrieval(
         store, args.host, args.port,
-        options=ServerOptions(tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs),
+        options=server_options(args),
         batching=BatchingOptions(micro_batching=not args.no_micro_batching),
     ))
 
 
 def cmd_serve_router(args: argparse.Namespace) -> None:
     from services.router import ShardLinks, serve_router
-    from services.server_common import ServerOptions
 
     shards = ShardLinks(tls=link_tls(args, "shard-"), token=secret(args, "shard-", "MEMLM_SHARD_TOKEN"))
     asyncio.run(serve_router(
         args.shard, args.host, args.port, shards=shards,
-        options=ServerOptions(tls=server_tls(args), token=token_from(args), max_concurrent_rpcs=args.max_concurrent_rpcs),
+        options=server_options(args),
     ))
 
 
@@ -187,7 +197,6 @@ def serve_memory_defaults(args: argparse.Namespace) -> MemoryConfig:
 def cmd_serve_lm(args: argparse.Namespace) -> None:
     from memlm.model.device import resolve_device, resolve_dtype
     from services.lm_server import LMLimits, serve_lm
-    from services.server_common import ServerOptions
 
     if args.datastore and args.retrieval:
         raise MemlmError("give --datastore DIR or --retrieval HOST:PORT, not both")
@@ -198,8 +207,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
     asyncio.run(serve_lm(
         args.model, datastore=args.datastore, retrieval=args.retrieval, host=args.host, port=args.port,
         device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn_config(args),
-        options=ServerOptions(tls=server_tls(args), token=token_from(args),
-                              max_concurrent_rpcs=args.max_concurrent_rpcs),
+        options=server_options(args),
         limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
                         segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens),
         retrieval_tls=link_tls(args, "retrieval-"),
@@ -331,7 +339,13 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", default=None, help="CA (PEM) that client certificates must chain to (mTLS)")
     add_token_options(p, "", "callers must send", "MEMLM_TOKEN")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="RESOURCE_EXHAUSTED past this many calls")
+    from services.server_common import ServerOptions  # the one home of the budgets' defaults
+
+    p.add_argument("--max-concurrent-rpcs", type=int, default=ServerOptions.max_concurrent_rpcs,
+                   help="token holders' calls at once; RESOURCE_EXHAUSTED past it (health checks and callers "
+                   "without the token never take these slots)")
+    p.add_argument("--max-open-rpcs", type=int, default=ServerOptions.max_open_rpcs,
+                   help="health Watch streams and refused calls at once, and apart from them health Checks at once")
 
 
 def add_serve_parser(sub: Any) -> None:

@@ -221,8 +221,8 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str | None, max_calls: int, max_open_calls: int) -> None:
         self._token = check_token(token).encode() if token is not None else None
         self._calls = _Budget("calls", max_calls, "--max-concurrent-rpcs")
-        self._open = _Budget("unauthenticated calls and health watches", max_open_calls, "max_open_rpcs")
-        self._checks = _Budget("health checks", max_open_calls, "max_open_rpcs")
+        self._open = _Budget("unauthenticated calls and health watches", max_open_calls, "--max-open-rpcs")
+        self._checks = _Budget("health checks", max_open_calls, "--max-open-rpcs")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

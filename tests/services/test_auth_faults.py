@@ -299,3 +299,9 @@ def test_serve_lm_reaches_an_mtls_retrieval_server_with_its_certificate(loop_thr
         assert [t.logprob for t in knn.tokens] != [t.base_logprob for t in knn.tokens]  # the datastore was searched
     finally:
         process.stop()
+
+
+@pytest.mark.parametrize("flag", ["--max-concurrent-rpcs", "--max-open-rpcs"])
+def test_a_call_budget_below_one_is_refused_in_one_line(flag, capsys):
+    assert cli.main(["serve", "router", "--shard", "127.0.0.1:9", flag, "0"]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"memlm: error: {flag} must be at least 1, got 0"]
