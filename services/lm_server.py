@@ -55,6 +55,7 @@ from services.lm_requests import (
     LMLimits,
     RequestParser,
 )
+from services.retrieval_client import connect_retrieval, for_caller, report_knn_health
 from services.retrieval_server import info_to_proto
 from services.security import ClientTls
 from services.server_common import (
@@ -179,7 +180,8 @@ class LanguageModelServicer:
 
         def work():
             args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
-            searcher = self._searcher if args.knn is not None else None
+            # A remote search ends by the caller's deadline, so it never holds the model thread past it.
+            searcher = for_caller(self._searcher, context.time_remaining()) if args.knn is not None else None
             if args.memory is None:
                 scores = score_tokens(
                     self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
@@ -221,7 +223,8 @@ class LanguageModelServicer:
             return generate(
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
-                eos_id=self._tokenizer.eos_id, searcher=self._searcher if args.knn is not None else None,
+                eos_id=self._tokenizer.eos_id,
+                searcher=for_caller(self._searcher, context.time_remaining()) if args.knn is not None else None,
                 knn=args.knn, memory=args.memory,
             )
 
@@ -348,6 +351,7 @@ async def start_lm_server(
         await started.running.server.stop(None)
         raise
     await started.running.mark_serving()
+    await report_knn_health(started.running.health, searcher)
     return started
 
 
@@ -382,17 +386,15 @@ def open_model_and_searcher(
 
     if datastore is not None and retrieval is not None:
         raise MemlmError("pass --datastore or --retrieval, not both")
+    # The retrieval link first: an unreachable one fails in one line before the model loads (issue 9).
+    link = connect_retrieval(retrieval, tls=retrieval_tls, token=retrieval_token) if retrieval is not None else None
     pretrained = load_pretrained(model, device, dtype)
     if datastore is not None:
         from datastore.datastore import Datastore
 
         ds = Datastore.open(datastore)  # checked against the model by check_searcher in load()
         return pretrained, ds
-    if retrieval is not None:
-        from services.retrieval_client import RetrievalClient
-
-        return pretrained, RetrievalClient(retrieval, tls=retrieval_tls, token=retrieval_token, wait_for_ready=True)
-    return pretrained, None
+    return pretrained, link
 
 
 async def serve_lm(
@@ -423,6 +425,7 @@ async def serve_lm(
     except BaseException:
         await started.running.server.stop(None)
         raise
+    await report_knn_health(started.running.health, searcher)
     await run_until_signal(
         started.running, host, grace_s=options.grace_s,
         on_stopped=searcher.close if retrieval is not None else None,  # the RetrievalClient's channel

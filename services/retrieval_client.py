@@ -4,35 +4,122 @@ Library code (kNN-LM scoring, evaluation) calls `search(xq, k, options)` and `in
 whether the datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
 It uses a blocking grpc channel, so it works from plain synchronous code and from threads.
 
+Faults (issue 9, finding 2): the client follows its channel's connectivity (`link_up`) and keeps a circuit
+breaker (services/circuit.py), so a dead or hung retrieval service fails searches at once with
+UNAVAILABLE instead of making every caller wait out a deadline; `until(deadline)` gives one caller a
+Searcher whose calls end by that caller's deadline; `wait_until_ready` is the start-up check that fails in
+one line instead of waiting silently.
+
 Shape legend: Q queries, d key dimension, k neighbours.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import grpc
 import numpy as np
 
-from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
+from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.retrieval_server import (
     RESPONSE_BYTES_PER_NEIGHBOUR,
     info_from_proto,
     response_bytes,
 )
+from services.circuit import BreakerConfig, CircuitBreaker
 from services.security import ClientTls
+from grpc_health.v1 import health
+
 from services.server_common import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    NOT_SERVING,
+    SERVING,
     ServiceClient,
     ServiceError,
 )
 from services.tensors import TensorError, from_tensor, to_tensor
 
 
+CONNECT_TIMEOUT_S = 5.0
+"""Seconds `memlm serve lm --retrieval` waits at start-up for its retrieval service, then fails in one line."""
+
+BREAKER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Failures that say the service is down or hung; any other answer shows it alive (a bad request is not its fault)."""
+
+
+class LinkWatcher:
+    """Follows a blocking channel's connectivity: `up` is True after READY, False after TRANSIENT_FAILURE or
+    SHUTDOWN, None before either (not known yet); CONNECTING keeps the last value.
+
+    A channel whose server went away falls back to IDLE and would not try again until the next call, so on
+    IDLE the watcher asks it to connect: a lost service is noticed, and a returning one too, without any
+    search. Listeners get every change of `up`, on grpc's thread (keep them short).
+    """
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._up: bool | None = None
+        # A connection has been asked for and not yet begun: grpc delivers the IDLE it starts from (again after
+        # a resubscription), which must not ask again. Asking while the channel closes makes grpc's poller
+        # raise on its thread.
+        self._asked = True
+        self._closed = False
+        self._listeners: list[Callable[[bool], None]] = []
+        channel.subscribe(self._on_state, try_to_connect=True)
+
+    @property
+    def up(self) -> bool | None:
+        with self._lock:
+            return self._up
+
+    def add_listener(self, listener: Callable[[bool], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.IDLE:
+            with self._lock:
+                if self._asked or self._closed:
+                    return
+                self._asked = True
+            # Subscribing again with try_to_connect is the public way to make grpc's poller connect.
+            self._channel.unsubscribe(self._on_state)
+            self._channel.subscribe(self._on_state, try_to_connect=True)
+            return
+        with self._lock:
+            self._asked = False
+            if state is grpc.ChannelConnectivity.READY:
+                up = True
+            elif state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                up = False
+            else:  # CONNECTING
+                return
+            if up == self._up:
+                return
+            self._up = up
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(up)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._channel.unsubscribe(self._on_state)
+
+
 class RetrievalClient(ServiceClient):
     """Searcher backed by a remote RetrievalService (a retrieval server or a shard router).
 
     Arguments as ServiceClient; the timeout is per call, and a search of many queries makes several calls.
-    Errors are ServiceError (a MemlmError) carrying the gRPC status code.
+    breaker: when repeated failures stop searches from going out (services/circuit.py).
+    Errors are ServiceError (a MemlmError) carrying the gRPC status code. A search fails at once with
+    UNAVAILABLE while the channel cannot connect or the breaker is open (wait_for_ready does not wait then).
     """
 
     def __init__(
@@ -44,10 +131,47 @@ class RetrievalClient(ServiceClient):
         timeout: float | None = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         wait_for_ready: bool = False,
+        breaker: BreakerConfig = BreakerConfig(),
     ) -> None:
         super().__init__(address, tls, token, timeout, max_message_bytes, wait_for_ready)
         self._stub = retrieval_pb2_grpc.RetrievalServiceStub(self._channel)
         self._server_info: retrieval_pb2.RetrievalServiceGetInfoResponse | None = None
+        self._breaker = CircuitBreaker(breaker)
+        self._link = LinkWatcher(self._channel)
+        self._link.add_listener(self._on_link_change)
+
+    @property
+    def link_up(self) -> bool | None:
+        """True: connected; False: the channel cannot connect (searches fail fast); None: not known yet."""
+        return self._link.up
+
+    def add_link_listener(self, listener: Callable[[bool], None]) -> None:
+        """Call listener(up) on every change of link_up, on grpc's thread."""
+        self._link.add_listener(listener)
+
+    def _on_link_change(self, up: bool) -> None:
+        if up:  # the service is back: no need to wait out the breaker's back-off
+            self._breaker.reset()
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Block until the channel is connected; ServiceError UNAVAILABLE after timeout_s (a start-up check)."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ServiceError(self.address, grpc.StatusCode.UNAVAILABLE,
+                               f"retrieval service not reachable within {timeout_s:g} s; is it running?") from None
+        finally:
+            ready.cancel()
+
+    def until(self, deadline: float | None) -> Searcher:
+        """This client for one caller: every search call ends by `deadline` (time.monotonic() seconds;
+        None = the client's own timeout only)."""
+        return _DeadlineSearcher(self, deadline)
+
+    def close(self) -> None:
+        self._link.close()
+        super().close()
 
     def server_info(self) -> retrieval_pb2.RetrievalServiceGetInfoResponse:
         """The server's GetInfo answer, datastore and request limits (fetched once, then cached)."""
@@ -80,6 +204,10 @@ class RetrievalClient(ServiceClient):
         options: sent with every call (nprobe only when set: unset is the datastore's default). Batches
         bigger than one message are split into several calls, made one after another.
         """
+        return self.search_until(xq, k, options, None)
+
+    def search_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None) -> Neighbors:
+        """search, with every call ending by `deadline` (time.monotonic() seconds; None = no caller deadline)."""
         options = options or SearchOptions()
         xq = np.asarray(xq)
         if xq.dtype != np.float16:
@@ -95,10 +223,38 @@ class RetrievalClient(ServiceClient):
             request = retrieval_pb2.SearchRequest(
                 queries=to_tensor(chunk), k=k, nprobe=options.nprobe, exact_rerank=options.exact_rerank
             )
-            parts.append(self._decode(self._call(self._stub.Search, request), len(chunk), k))
+            parts.append(self._decode(self._guarded_search(request, deadline), len(chunk), k))
         if len(parts) == 1:
             return parts[0]
         return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts)))  # (Q, k) each
+
+    def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None) -> retrieval_pb2.SearchResponse:
+        """One Search call: refused at once while the link is down or the breaker open, within the caller's
+        deadline and the client's timeout, its outcome told to the breaker."""
+        if self._link.up is False:
+            raise self._down("the channel cannot connect")
+        if not self._breaker.allow():
+            raise self._down(f"circuit open after repeated failures; next try in {self._breaker.retry_in():.1f} s")
+        timeout = self.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServiceError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed")
+            timeout = left if timeout is None else min(timeout, left)
+        try:
+            response = self._stub.Search(request, timeout=timeout, metadata=self._metadata,
+                                         wait_for_ready=self._wait_for_ready)
+        except grpc.RpcError as e:
+            if e.code() in BREAKER_CODES:
+                self._breaker.record_failure()
+            else:
+                self._breaker.record_success()
+            raise ServiceError(self.address, e.code(), e.details() or "") from None
+        self._breaker.record_success()
+        return response
+
+    def _down(self, why: str) -> ServiceError:
+        return ServiceError(self.address, grpc.StatusCode.UNAVAILABLE, f"retrieval link down ({why}); failing fast")
 
     def _decode(self, response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors:
         try:
@@ -116,3 +272,73 @@ class RetrievalClient(ServiceClient):
                 )
         # Copies: the decoded views of the message bytes are read-only, local FAISS results are not.
         return Neighbors(*(np.array(a) for a in out))
+
+
+@dataclass(frozen=True)
+class _DeadlineSearcher:
+    """The Searcher seam over a RetrievalClient for one caller (RetrievalClient.until)."""
+
+    client: RetrievalClient
+    deadline: float | None
+    """time.monotonic() seconds by which every search call ends; None = the client's timeout only."""
+
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
+        return self.client.search_until(xq, k, options, self.deadline)
+
+    def info(self) -> SearcherInfo:
+        return self.client.info()
+
+
+def for_caller(searcher: Searcher | None, time_remaining: float | None) -> Searcher | None:
+    """The searcher one server call should use: a RetrievalClient bounded by the caller's deadline
+    (time_remaining: seconds the call has left, None = no deadline); any other searcher as it is."""
+    if isinstance(searcher, RetrievalClient) and time_remaining is not None:
+        return searcher.until(time.monotonic() + time_remaining)
+    return searcher
+
+
+def connect_retrieval(address: str, *, tls: ClientTls | None, token: str | None,
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S) -> RetrievalClient:
+    """The LM server's link to its retrieval service: searches fail fast while it is down (wait_for_ready
+    off), and start-up fails with one ServiceError line when it is not reachable within connect_timeout_s."""
+    client = RetrievalClient(address, tls=tls, token=token, wait_for_ready=False)
+    try:
+        client.wait_until_ready(connect_timeout_s)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+KNN_HEALTH_NAME = "memlm.v1.LanguageModelService/knn"
+"""The health service name of an LM server's kNN-LM: SERVING while its searcher answers, NOT_SERVING while
+its retrieval link is down (the base LM, "memlm.v1.LanguageModelService", keeps serving)."""
+
+_HEALTH_TASKS: set[asyncio.Task] = set()
+"""health.set tasks started from grpc's thread, held until done so that they are not garbage-collected."""
+
+
+async def report_knn_health(health_servicer: health.aio.HealthServicer, searcher: Searcher | None) -> None:
+    """Report KNN_HEALTH_NAME on the server's health from now on: not at all without a searcher (the name is
+    unknown: NOT_FOUND), SERVING for an in-process one, and for a RetrievalClient whatever its link says,
+    following every change. Call on the server's event loop once the searcher is loaded."""
+    if searcher is None:
+        return
+    if not isinstance(searcher, RetrievalClient):
+        await health_servicer.set(KNN_HEALTH_NAME, SERVING)
+        return
+    loop = asyncio.get_running_loop()
+
+    def set_status(up: bool) -> None:  # on the event loop
+        task = loop.create_task(health_servicer.set(KNN_HEALTH_NAME, SERVING if up else NOT_SERVING))
+        _HEALTH_TASKS.add(task)
+        task.add_done_callback(_HEALTH_TASKS.discard)
+
+    def changed(up: bool) -> None:  # on grpc's thread
+        try:
+            loop.call_soon_threadsafe(set_status, up)
+        except RuntimeError:  # the server's loop is closed: nobody is asking any more
+            pass
+
+    searcher.add_link_listener(changed)
+    await health_servicer.set(KNN_HEALTH_NAME, NOT_SERVING if searcher.link_up is False else SERVING)

@@ -1,0 +1,218 @@
+"""Issue 9, finding 2: a dead or hung retrieval service fails kNN calls fast and delays nothing else.
+
+A real retrieval server runs as a child process (over the tiny model's keys) that the tests kill, stop
+(SIGSTOP, a hung service) and restart on the same port; the LM server runs in-process on port 0 and
+reaches it through the link `memlm serve lm --retrieval` used before this fix (wait_for_ready on), so
+on the old code a kNN Score after the kill waited out its deadline and held the model thread meanwhile.
+Every wait is bounded; timings are asserted with wide margins against the old 60 s.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from memlm.retrieval.knnlm import KNNLMConfig
+from services.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
+from services.lm_client import KnnRequest, LanguageModelClient
+from services.lm_server import start_lm_server
+from services.retrieval_client import KNN_HEALTH_NAME, RetrievalClient
+from services.server_common import ServiceError
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+RETRIEVAL_SERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from memlm.jobs.windows import WindowConfig
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
+    from memlm.retrieval.exact import exact_searcher_over_documents
+    from services.retrieval_server import serve_retrieval
+
+    tiny = load_pretrained("tiny")
+    tok = tiny.tokenizer
+    docs = [tok.encode("the lazy dog and the quick fox " * 3)]
+    index = exact_searcher_over_documents(tiny.model, docs, WindowConfig(48, 24, 4), document_boundary(tok),
+                                          model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint)
+    asyncio.run(serve_retrieval(index, "127.0.0.1", int(sys.argv[1])))
+    """
+)
+
+
+class RetrievalProcess:
+    """`serve_retrieval` in a child process; start() waits (bounded) for its `listening on` line."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", RETRIEVAL_SERVER, str(self.port)], cwd=REPO, env=ENV,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line.strip()) for line in self.proc.stdout], daemon=True).start()
+        first = lines.get(timeout=60)
+        assert first.startswith("listening on 127.0.0.1:"), first
+        self.port = int(first.rsplit(":", 1)[1])  # the same port again on a restart
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a stopped one cannot die otherwise
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def retrieval():
+    process = RetrievalProcess()
+    process.start()
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def lm(tiny, retrieval, module_loop):
+    """(LM server address, its RetrievalClient) over the child retrieval server."""
+    link = RetrievalClient(retrieval.address, wait_for_ready=True, timeout=60)  # what serve lm built before
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, link, model_name="tiny", knn_defaults=KNN))
+    module_loop.servers.append(started.running.server)
+    yield f"127.0.0.1:{started.running.port}", link
+    link.close()
+
+
+def health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+
+
+def wait_for_health(address: str, service: str, status: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while health(address, service) != status:
+        assert time.monotonic() < deadline, f"{service!r} never became {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+        time.sleep(0.1)
+
+
+def timed(fn):
+    """(fn(), seconds it took)."""
+    start = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - start
+
+
+def test_killed_retrieval_fails_knn_fast_delays_no_plain_score_and_health_follows(lm, retrieval):
+    address, link = lm
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with LanguageModelClient(address, timeout=30) as c:
+        before = c.score([TEXT], knn=KnnRequest())  # the link works
+        assert health(address, KNN_HEALTH_NAME) == serving
+        retrieval.kill()
+        # Noticed without any kNN call (the link watcher asks the idle channel to reconnect).
+        wait_for_health(address, KNN_HEALTH_NAME, not_serving, within_s=15)
+        assert health(address, "memlm.v1.LanguageModelService") == serving  # the base LM still serves
+        assert health(address, "") == serving
+
+        # A kNN Score and a plain one sent right behind it: both answer quickly (old: 60 s, and the plain one
+        # queued behind the kNN one on the model thread).
+        plain_out = {}
+        kill_call = threading.Thread(target=lambda: plain_out.setdefault("r", timed(lambda: c.score([TEXT]))))
+        with pytest.raises(ServiceError) as e:
+            start = time.monotonic()
+            kill_call.start()
+            c.score([TEXT], knn=KnnRequest())
+        knn_s = time.monotonic() - start
+        kill_call.join(30)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert f"retrieval service {retrieval.address}" in e.value.details and "link down" in e.value.details
+        assert knn_s < 10, knn_s  # the old code: 60 s (the client's deadline here: 30 s)
+        plain, plain_s = plain_out["r"]
+        assert plain_s < 10, plain_s
+        assert plain[0].total_logprob == pytest.approx(before[0].base_total_logprob, abs=1e-4)
+
+        retrieval.start()  # the same port
+        wait_for_health(address, KNN_HEALTH_NAME, serving, within_s=20)
+        after = c.score([TEXT], knn=KnnRequest())
+        assert after[0].total_logprob == pytest.approx(before[0].total_logprob, abs=1e-4)
+
+
+def test_hung_retrieval_holds_nothing_past_the_callers_deadline(lm, retrieval):
+    address, link = lm
+    with LanguageModelClient(address, timeout=30) as c:
+        c.score([TEXT], knn=KnnRequest())  # connected
+        retrieval.proc.send_signal(signal.SIGSTOP)  # the connection stays up; searches hang
+        try:
+            hung = LanguageModelClient(address, timeout=2)
+            with pytest.raises(ServiceError) as e:
+                _, knn_s = timed(lambda: hung.score([TEXT], knn=KnnRequest()))
+            hung.close()
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The model thread was free by the kNN caller's deadline: a plain Score right after is quick
+            # (old: the search waited out the link's own 60 s deadline, holding the model thread).
+            _, plain_s = timed(lambda: c.score([TEXT]))
+            assert plain_s < 5, plain_s
+        finally:
+            retrieval.proc.send_signal(signal.SIGCONT)
+        c.score([TEXT], knn=KnnRequest())  # and kNN works again
+
+
+def test_start_up_against_a_closed_port_fails_fast_in_one_line():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "memlm", "serve", "lm", "--model", "tiny", "--port", "0",
+                           "--retrieval", f"127.0.0.1:{port}"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=40)
+    took = time.monotonic() - start
+    assert done.returncode == 1, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "not reachable within" in lines[0], done.stderr
+    assert took < 25, took  # old: 62 s of silence, then "Deadline Exceeded"
+
+
+def test_breaker_opens_after_repeated_failures_backs_off_and_closes_on_success():
+    now = [0.0]
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=2, backoff_s=1.0, max_backoff_s=3.0), clock=lambda: now[0])
+    assert breaker.allow() and breaker.state == CLOSED
+    breaker.record_failure()
+    assert breaker.state == CLOSED  # one failure is not enough
+    breaker.record_failure()
+    assert breaker.state == OPEN and not breaker.allow() and breaker.retry_in() == pytest.approx(1.0)
+    now[0] = 1.0
+    assert breaker.state == HALF_OPEN and breaker.allow()  # the one trial
+    assert not breaker.allow()  # a second caller waits for the trial's outcome
+    breaker.record_failure()  # the trial failed: twice the back-off
+    assert breaker.retry_in() == pytest.approx(2.0)
+    now[0] = 3.0
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.retry_in() == pytest.approx(3.0)  # capped at max_backoff_s
+    now[0] = 6.0
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state == CLOSED and breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == CLOSED  # the count started again
