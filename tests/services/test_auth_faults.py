@@ -8,6 +8,7 @@ Every wait is bounded by a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import subprocess
@@ -42,22 +43,34 @@ def health_check(address: str, timeout: float = 10) -> int:
 # Finding 3: separate budgets
 
 
-def test_64_unauthenticated_watch_streams_do_not_lock_out_a_token_holder(loop_thread, searcher):
-    options = ServerOptions(token="s3cret")  # max_concurrent_rpcs 64, max_open_rpcs 16: the defaults
-    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=options)
-    address = f"127.0.0.1:{port}"
+@contextlib.contextmanager
+def held_watch_streams(address: str, n: int):
+    """Open n health Watch streams without a token and hold them; yields (admitted, refused) once every
+    stream has its first answer (SERVING: open on the server; RESOURCE_EXHAUSTED: refused)."""
     channel = grpc.insecure_channel(address)
     watches = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
-               for _ in range(64)]
+               for _ in range(n)]
     try:
         admitted, refused = 0, 0
-        for watch in watches:  # each stream's first answer: it is open on the server, or it was refused
+        for watch in watches:
             try:
                 assert next(watch).status == SERVING
                 admitted += 1
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
                 refused += 1
+        yield admitted, refused
+    finally:
+        for watch in watches:
+            watch.cancel()
+        channel.close()
+
+
+def test_64_unauthenticated_watch_streams_do_not_lock_out_a_token_holder(loop_thread, searcher):
+    options = ServerOptions(token="s3cret")  # max_concurrent_rpcs 64, max_open_rpcs 16: the defaults
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=options)
+    address = f"127.0.0.1:{port}"
+    with held_watch_streams(address, 64) as (admitted, refused):
         # The streams cost the token holder nothing: GetInfo and Search succeed, readiness answers.
         xq = np.random.default_rng(1).standard_normal((3, searcher.dim)).astype(np.float32)  # (Q, d)
         with RetrievalClient(address, token="s3cret", timeout=10) as client:
@@ -70,10 +83,16 @@ def test_64_unauthenticated_watch_streams_do_not_lock_out_a_token_holder(loop_th
         with RetrievalClient(address, timeout=10) as stranger, pytest.raises(ServiceError) as e:
             stranger.info()
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        for watch in watches:
-            watch.cancel()
-        channel.close()
+
+
+def test_the_lm_server_serves_its_token_holder_past_64_watch_streams(loop_thread, tiny):
+    # The issue's reproduction: `serve lm --token`, 64 Watch streams, then GetInfo with the right token.
+    port = loop_thread.start(create_lm_server, "127.0.0.1:0", tiny, options=ServerOptions(token="lm-token"))
+    address = f"127.0.0.1:{port}"
+    with held_watch_streams(address, 64), LanguageModelClient(address, token="lm-token", timeout=10) as client:
+        assert client.info().model_fingerprint == tiny.fingerprint
+        assert len(client.score(["hello there"])[0].tokens) > 0
+        assert health_check(address) == SERVING
 
 
 def get_info_status(channel: grpc.Channel, token: str) -> grpc.StatusCode:
