@@ -5,6 +5,12 @@ status whose message starts with the field's name: INVALID_ARGUMENT for a value 
 OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
 on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve. Nothing
 here runs the model; the servicer (services.lm_server) runs what the parser returns.
+
+Every request's cost is bounded here, before any work (issue 9): the characters of its texts before
+tokenizing (`max_text_chars`), a Score's forward work (`max_forward_tokens`: the sum over its windows of
+their length, priced in closed form by memlm.jobs.windows.window_cost) and its response (`max_score_entries`,
+and an upper bound of its bytes against the server's message limit). A Generate's work is bounded by its
+prompt (`max_score_tokens`) and `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from memlm.jobs.generate import SamplingConfig
-from memlm.jobs.windows import WindowConfig
+from memlm.jobs.windows import WindowConfig, window_cost
 from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -26,6 +32,12 @@ SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
 DEFAULT_MEMORY_MODE = lm_pb2.MEMORY_MODE_NONE
 """What MEMORY_MODE_UNSPECIFIED means (GetInfo.default_memory_mode)."""
 OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
+TOKEN_SCORE_BYTES = 32
+"""Upper bound of one encoded TokenScore's bytes besides its text and alternatives (tags, lengths, varints, floats)."""
+ALTERNATIVE_BYTES = 24
+"""Upper bound of one encoded TokenAlternative's bytes besides its text."""
+SEQUENCE_BYTES = 64
+"""Upper bound of one encoded SequenceScore's bytes besides its tokens."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,15 @@ class LMLimits:
     """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
     max_memory_tokens: int = 65536
     """Largest memory_tokens or sink_tokens a request may ask for."""
+    max_forward_tokens: int = 1 << 18
+    """Most forward work one ScoreRequest may cost: the sum over all its windows of their length in tokens
+    (MEMORY_MODE_XL: boundary + context + continuation of each input, every position runs once). The
+    default lets one 65536-token input run at the default stride (half the window), about twice its length."""
+    max_score_entries: int = 1 << 20
+    """Most entries one ScoreResponse may hold: scored tokens x (1 + top_n); bounds the server's memory."""
+    max_text_chars: int = 1 << 20
+    """Most characters of text in one request, all its text fields together (Tokenize's texts, Score's
+    texts and contexts, a Generate prompt): tokenizing is work on the model thread too."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,10 @@ class GenerateArgs:
     """MEMORY_MODE_XL memory (its segment included), or None for a KV cache."""
 
 
+_ONEOF = {"context_text": "context", "text": "continuation"}
+"""The ScoreInput oneof each text field belongs to."""
+
+
 def _finite(x: float) -> bool:
     return math.isfinite(x)
 
@@ -106,13 +131,17 @@ class RequestParser:
     kNN-LM can be served; knn_defaults: what a request's unset kNN fields take; datastore_windows: the
     (context, stride) the searcher's keys were made with, which a Score request's unset window takes and
     which a kNN-LM Score request's given window must equal (memlm.retrieval.compat's rule for an
-    artifact's settings; None: WindowConfig's defaults).
+    artifact's settings; None: WindowConfig's defaults). piece_bytes: the UTF-8 length of each token id's
+    text as responses carry it; max_response_bytes: the largest message the server may send.
     """
 
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
-                 knn_defaults: KNNLMConfig, has_searcher: bool,
+                 knn_defaults: KNNLMConfig, has_searcher: bool, piece_bytes: list[int], max_response_bytes: int,
                  datastore_windows: tuple[int, int] | None = None) -> None:
         self._tokenizer = tokenizer
+        self._piece_bytes = piece_bytes
+        self._longest_piece = max(piece_bytes, default=0)
+        self._max_response_bytes = max_response_bytes
         self._vocab = vocab
         self._max_len = max_len
         self._limits = limits
@@ -132,12 +161,16 @@ class RequestParser:
                 raise InvalidRequest(f"{field}[{j}]", f"token id {i} outside [0, {self._vocab})")
         return out
 
+    def text_budget(self, texts: list[str], field: str) -> None:
+        """Refuse a request whose texts together exceed max_text_chars, before any of them is tokenized
+        (30 MB of text held the model thread for 44 s, issue 9)."""
+        chars = sum(len(t) for t in texts)
+        if chars > self._limits.max_text_chars:
+            raise InvalidRequest(field, f"{chars} characters of text in one request, at most max_text_chars "
+                                        f"{self._limits.max_text_chars}", OUT_OF_RANGE)
+
     def text(self, text: str, field: str) -> list[int]:
-        # Bound the work before tokenizing: a text of more than 64 characters per allowed token cannot
-        # fit (BPE tokens average a few characters), and tokenizing megabytes would stall the model thread.
-        if len(text) > 64 * self._limits.max_score_tokens:
-            raise InvalidRequest(field, f"{len(text)} characters, far over {self._limits.max_score_tokens} tokens",
-                                 OUT_OF_RANGE)
+        """Token ids of a text whose length text_budget has already bounded."""
         return self._tokenizer.encode(text)
 
     def batch_size(self, n: int, field: str) -> None:
@@ -253,13 +286,48 @@ class RequestParser:
                 if given is not None and given != recorded:
                     raise InvalidRequest(name, f"{given} differs from the datastore's {recorded}; leave it unset "
                                                "to use the datastore's (kNN-LM queries are made like its keys)")
+        self.text_budget([getattr(item, name) for item in request.inputs for name in ("context_text", "text")
+                          if item.WhichOneof(_ONEOF[name]) == name], "inputs")
         pairs = [self._score_input(item, f"inputs[{i}]") for i, item in enumerate(request.inputs)]
+        self._score_cost(pairs, window, stride, memory, request.top_n)
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
                          stride=stride, knn=knn, top_n=request.top_n, memory=memory)
+
+    def _score_cost(self, pairs: list[tuple[list[int], list[int]]], window: int, stride: int,
+                    memory: MemoryConfig | None, top_n: int) -> None:
+        """Refuse a Score whose forward work or response is over the limits, before any of it runs."""
+        limits = self._limits
+        forward = 0
+        for ctx, cont in pairs:
+            if not cont:
+                continue  # nothing to score: never run
+            if memory is None:  # sliding windows over boundary + context + continuation (inputs: all but the last)
+                forward += window_cost(len(ctx) + len(cont), len(ctx), window, stride).forward_tokens
+            else:  # segments: every position runs once
+                forward += 1 + len(ctx) + len(cont)
+        if forward > limits.max_forward_tokens:
+            how = f"window_tokens {window}, stride_tokens {stride}" if memory is None else "memory mode XL"
+            raise InvalidRequest("inputs", f"{forward} forward tokens (the sum of all window lengths at {how}), at "
+                                           f"most max_forward_tokens {limits.max_forward_tokens}", OUT_OF_RANGE)
+        field = "top_n" if top_n else "inputs"
+        scored = sum(len(cont) for _, cont in pairs)
+        if scored * (1 + top_n) > limits.max_score_entries:
+            raise InvalidRequest(field, f"{scored} scored tokens x (1 + top_n {top_n}) = {scored * (1 + top_n)} "
+                                        f"response entries, at most max_score_entries {limits.max_score_entries}",
+                                 OUT_OF_RANGE)
+        # An upper bound of the encoded response: scored tokens with their own texts, alternatives with
+        # the longest text any token has (which ones they are is known only after the forward pass).
+        size = sum(SEQUENCE_BYTES + sum(TOKEN_SCORE_BYTES + self._piece_bytes[t] for t in cont) for _, cont in pairs)
+        size += scored * top_n * (ALTERNATIVE_BYTES + self._longest_piece)
+        if size > self._max_response_bytes:
+            raise InvalidRequest(field, f"the response could take {size} bytes, over the server's max_message_bytes "
+                                        f"{self._max_response_bytes}; send fewer tokens or a smaller top_n",
+                                 OUT_OF_RANGE)
 
     def generate(self, request: lm_pb2.GenerateRequest) -> GenerateArgs:
         which = request.WhichOneof("prompt")
         if which == "prompt_text":
+            self.text_budget([request.prompt_text], "prompt_text")
             prompt = self.text(request.prompt_text, "prompt_text")
         elif which == "prompt_token_ids":
             prompt = self.ids(request.prompt_token_ids.ids, "prompt_token_ids.ids")

@@ -8,6 +8,11 @@ concurrent generations and Score calls interleave token by token, and a generati
 away (cancelled, deadline passed, connection lost) stops after the token in progress: the handler
 stops asking for the next one.
 
+Bounded work (issue 9): every request's cost is checked before any work (services.lm_requests), and every
+call hands its library work a `CallStop`, polled between forward batches / segments / decode steps: when
+the client cancels, the deadline passes or the server stops, the work raises WorkStopped within one step
+and the model thread is free for the next call at once.
+
 kNN-LM uses whatever Searcher the server was given: an in-process datastore (`--datastore DIR`) or a
 RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). Health stays
 NOT_SERVING until the model and the searcher are loaded.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +48,7 @@ from memlm.jobs.generate import (
     generate,
 )
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
+from memlm.jobs.windows import WorkStopped
 from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
@@ -79,6 +86,10 @@ FINISH_REASONS = {
 }
 
 
+TASKS_END_S = 2.0
+"""At exit, how long serve_lm waits for grpc's tasks of cancelled calls to end (they take milliseconds)."""
+
+
 @dataclass(frozen=True)
 class GenerationRecord:
     """How one Generate call ended on the server (for tests and logs)."""
@@ -87,6 +98,29 @@ class GenerationRecord:
     """Tokens generated before the call ended."""
     outcome: str
     """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
+
+
+class CallStop:
+    """Whether one rpc's library work should stop: its handler ended (client cancelled, connection lost:
+    `set()` in the handler's finally), its deadline passed, or the server is closing (`closing`, set by
+    LanguageModelServicer.close). Called on the model thread between steps (memlm.jobs.windows.ShouldStop),
+    so it reads only thread-safe Events and the clock."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, closing: threading.Event) -> None:
+        remaining = context.time_remaining()
+        self.deadline = None if remaining is None else time.monotonic() + remaining
+        """time.monotonic() at the call's deadline; None = no deadline."""
+        self._ended = threading.Event()
+        self._closing = closing
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def __call__(self) -> bool:
+        return self._ended.is_set() or self._closing.is_set() or self.expired()
+
+    def set(self) -> None:
+        self._ended.set()
 
 
 class LanguageModelServicer:
@@ -99,6 +133,7 @@ class LanguageModelServicer:
         self._max_message_bytes = max_message_bytes
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlm-lm")
         self._loaded = False
+        self._closing = threading.Event()
         self.records: list[GenerationRecord] = []
         """Finished Generate calls, oldest first (bounded)."""
         self.records_changed = threading.Condition()
@@ -127,12 +162,14 @@ class LanguageModelServicer:
         self._boundary = boundary
         # Valid ids: those both the model and the tokenizer know (a random preset may pad its vocab).
         vocab = min(model.config.vocab_size, tokenizer.vocab_size)
+        # Token texts once, so responses never decode token by token.
+        self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
         self._parser = RequestParser(tokenizer=tokenizer, vocab=vocab, max_len=model.config.max_seq_len,
                                      limits=self._limits, knn_defaults=self._knn_defaults,
                                      has_searcher=searcher is not None,
+                                     piece_bytes=[len(p.encode()) for p in self._pieces],
+                                     max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None)
-        # Token texts once, so responses never decode token by token.
-        self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
         response = lm_pb2.LanguageModelServiceGetInfoResponse(
             model=self._model_name,
             model_fingerprint=pretrained.fingerprint,
@@ -154,7 +191,9 @@ class LanguageModelServicer:
         self._loaded = True
 
     def close(self) -> None:
-        """Release the model thread (after the server stopped)."""
+        """Release the model thread (after the server stopped): work still running there stops within one
+        step (its calls were cancelled when the drain's grace ran out), queued work is dropped."""
+        self._closing.set()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def _run(self, fn: Callable, *args) -> Any:
@@ -164,10 +203,18 @@ class LanguageModelServicer:
         if not self._loaded:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
 
-    async def _call_library(self, context, fn: Callable, *args) -> Any:
-        """Run fn on the model thread; searcher and library errors become statuses (the server keeps serving)."""
+    async def _call_library(self, context, stop: CallStop, fn: Callable, *args) -> Any:
+        """Run fn on the model thread; searcher and library errors become statuses (the server keeps serving).
+
+        fn's work polls `stop` (which the caller sets when its handler ends); WorkStopped means the caller
+        gave up or its deadline passed: DEADLINE_EXCEEDED or CANCELLED, for a client that may still listen.
+        """
         try:
             return await self._run(fn, *args)
+        except WorkStopped:
+            if stop.expired():
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
+            await context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled; the work was stopped")
         except ServiceError as e:  # the remote retrieval service failed: pass its code on
             await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
         except MemlmError as e:
@@ -177,6 +224,7 @@ class LanguageModelServicer:
 
     async def Score(self, request: lm_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
+        stop = CallStop(context, self._closing)
 
         def work():
             args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
@@ -186,17 +234,20 @@ class LanguageModelServicer:
                 scores = score_tokens(
                     self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
                     boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                    batch_size=self._limits.score_batch_size,
+                    batch_size=self._limits.score_batch_size, should_stop=stop,
                 )
             else:
                 scores = score_tokens_segments(
                     self._model, args.token_seqs, memory=args.memory,
                     contexts=args.contexts, boundary_token=self._boundary, searcher=searcher, knn=args.knn,
-                    top_n=args.top_n, batch_size=self._limits.score_batch_size,
+                    top_n=args.top_n, batch_size=self._limits.score_batch_size, should_stop=stop,
                 )
             return lm_pb2.ScoreResponse(results=[self._encode_score(s) for s in scores])
 
-        return await self._call_library(context, work)
+        try:
+            return await self._call_library(context, stop, work)
+        finally:  # cancelled, aborted or done: a step still running on the model thread stops after itself
+            stop.set()
 
     def _encode_score(self, s: SequenceScore) -> lm_pb2.SequenceScore:
         pieces = self._pieces
@@ -217,6 +268,7 @@ class LanguageModelServicer:
 
     async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
+        stop = CallStop(context, self._closing)
 
         def start():
             args = self._parser.generate(request)
@@ -225,10 +277,10 @@ class LanguageModelServicer:
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id,
                 searcher=for_caller(self._searcher, context.time_remaining()) if args.knn is not None else None,
-                knn=args.knn, memory=args.memory,
+                knn=args.knn, memory=args.memory, should_stop=stop,
             )
 
-        events = await self._call_library(context, start)
+        events = await self._call_library(context, stop, start)  # validates; the prompt runs at the first next()
         produced = 0
         outcome = "cancelled"
         try:
@@ -240,7 +292,7 @@ class LanguageModelServicer:
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     break  # to the DEADLINE_EXCEEDED below
-                event = await self._call_library(context, next, events)
+                event = await self._call_library(context, stop, next, events)
                 if isinstance(event, TokenEvent):
                     produced += 1
                     token = lm_pb2.GeneratedToken(
@@ -258,11 +310,12 @@ class LanguageModelServicer:
                 ))
                 return
         except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
-            outcome = "error"
+            outcome = "cancelled" if stop.expired() else "error"  # a step stopped at the deadline is no error
             raise
         finally:
-            # Free the generation's KV cache / memory now (an abandoned one too), on the model thread,
-            # queued behind any step still running there.
+            # A step still running (a long prompt's encoding) stops after itself; then the generation's
+            # KV cache / memory is freed now (an abandoned one too), on the model thread.
+            stop.set()
             self._executor.submit(events.close)
             self._record(GenerationRecord(produced, outcome))
         # Ending the stream normally here would tell a client whose own timer has not fired yet that the
@@ -278,6 +331,7 @@ class LanguageModelServicer:
     async def Tokenize(self, request: lm_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
         self._parser.batch_size(len(request.texts), "texts")
+        self._parser.text_budget(list(request.texts), "texts")
 
         def work():
             results = []
@@ -288,7 +342,7 @@ class LanguageModelServicer:
                 results.append(lm_pb2.TokenizedText(ids=ids, pieces=[self._pieces[i] for i in ids]))
             return lm_pb2.TokenizeResponse(results=results)
 
-        return await self._call_library(context, work)
+        return await self._call_library(context, CallStop(context, self._closing), work)
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
@@ -319,7 +373,8 @@ async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMCo
     running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
 
     async def release() -> None:
-        servicer.close()  # joins the model thread
+        # Joins the model thread off the event loop: the cancelled handlers still need the loop to end.
+        await asyncio.to_thread(servicer.close)
 
     close_when_stopped(running.server, release)
     return LMServer(running, servicer)
@@ -430,3 +485,8 @@ async def serve_lm(
         started.running, host, grace_s=options.grace_s,
         on_stopped=searcher.close if retrieval is not None else None,  # the RetrievalClient's channel
     )
+    # grpc's own tasks of the calls the drain cancelled end a moment after the server stops; a loop closed
+    # under them prints a CancelledError traceback for each (issue 9). Give them a bounded moment.
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=TASKS_END_S)

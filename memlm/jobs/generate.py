@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.windows import ShouldStop, check_stop
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder, KVCache
@@ -144,6 +145,7 @@ def generate(
     searcher: Searcher | None = None,
     knn: KNNLMConfig | None = None,
     memory: MemoryConfig | None = None,
+    should_stop: ShouldStop | None = None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     """Continue `prompt_ids`, yielding TokenEvents then exactly one GenerationEnd.
 
@@ -156,6 +158,9 @@ def generate(
     searcher, knn: kNN-LM over the whole vocabulary (both or neither).
     memory: a segment memory as the decoder state instead of a KV cache (None or kind "none" = the KV
         cache), the prompt encoded in segments of memory.segment tokens (1 <= segment <= max_seq_len).
+    should_stop: polled before every forward pass (each prompt segment, each decode step); when it says
+        True, the iterator raises WorkStopped (a server whose client gave up frees its model thread
+        within one step, issue 9). None = never.
     """
     if max_new_tokens < 1:
         raise MemlmError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -175,13 +180,13 @@ def generate(
     if any(not 0 <= i < V for i in prefix):
         raise MemlmError(f"prompt has token ids outside [0, {V})")
     return _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher, knn,
-                     memory)
+                     memory, should_stop)
 
 
 def _generate(
     model: Decoder, tokenizer: Tokenizer, prefix: list[int], prompt_tokens: int, max_new_tokens: int,
     sampling: SamplingConfig, stops: list[str | tuple[int, ...]], eos_id: int | None, searcher: Searcher | None,
-    knn: KNNLMConfig | None, memory: MemoryConfig | None,
+    knn: KNNLMConfig | None, memory: MemoryConfig | None, should_stop: ShouldStop | None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     device = model.device
     max_len = model.config.max_seq_len
@@ -208,6 +213,7 @@ def _generate(
         state = new_memory(memory, 1, device)
         segment = memory.segment
         for lo in range(0, len(tokens), segment):
+            check_stop(should_stop)
             idx = torch.tensor([tokens[lo : lo + segment]], dtype=torch.long, device=device)  # (1, T)
             out = model(idx, state=state, logits_from=idx.shape[1] - 1)
             state = out.state
@@ -237,6 +243,7 @@ def _generate(
             return
         if len(generated) == max_new_tokens:
             break
+        check_stop(should_stop)
         with torch.inference_mode():
             if memory is None and cache.length + 1 > max_len:
                 logits, key, cache = encode_window()

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
-from memlm.jobs.windows import Window, check_window, forward_windows, plan_windows
+from memlm.jobs.windows import ShouldStop, Window, check_stop, check_window, forward_windows, plan_windows
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.state import new_memory
@@ -137,6 +137,7 @@ def score_tokens(
     knn: KNNLMConfig | None = None,
     top_n: int = 0,
     batch_size: int = 4,
+    should_stop: ShouldStop | None = None,
 ) -> list[SequenceScore]:
     """Score each sequence of `token_seqs`, one SequenceScore per sequence, in order.
 
@@ -148,6 +149,8 @@ def score_tokens(
     searcher, knn: kNN-LM (both or neither); knn.lmbda and knn.temperature must be set (not "auto").
     top_n: alternatives per scored token (0 = none).
     batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
+    should_stop: polled before every forward batch; when it says True, WorkStopped is raised (a server
+        whose client gave up frees its model thread within one batch, issue 9). None = run to the end.
     """
     top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n)
     check_window(context, stride, model.config.max_seq_len)
@@ -165,6 +168,7 @@ def score_tokens(
         for w in plan_scored_windows(len(sequence) - 1, len(ctx), context, stride, doc=i):
             jobs.append(_Job(w, sequence))
     for lo in range(0, len(jobs), batch_size):
+        check_stop(should_stop)
         batch = jobs[lo : lo + batch_size]
         for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n)):
             parts[job.window.doc].append(scores)
@@ -184,6 +188,7 @@ def score_tokens_segments(
     top_n: int = 0,
     batch_size: int = 4,
     compressor: Compressor | None = None,
+    should_stop: ShouldStop | None = None,
 ) -> list[SequenceScore]:
     """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
 
@@ -193,6 +198,7 @@ def score_tokens_segments(
     batch_size: sequences run side by side, one per row (equal to `memlm eval --batch-size` for
         bit-identical floats); a row's memory is reset when it starts the next sequence.
     compressor: the learned compressor for memory.compress_fn "conv".
+    should_stop: polled before every segment batch, as in score_tokens.
     Each sequence is boundary + context + continuation; every position is run exactly once and only the
     continuation's targets are scored, so a context conditions the continuation through the memory
     (and the segment it shares with it).
@@ -219,6 +225,7 @@ def score_tokens_segments(
         state = new_memory(memory, rows, device, compressor)
         with torch.inference_mode():
             while (batch := stream.next_batch()) is not None:
+                check_stop(should_stop)
                 # Where each row's targets sit in its document: the stream has just advanced every
                 # real row by its number of scored targets.
                 where = stream.position()

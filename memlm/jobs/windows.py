@@ -16,7 +16,7 @@ Shape legend: B windows in a batch, T window length, n scored tokens, C key widt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -24,6 +24,22 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.model.decoder import Decoder
+
+
+ShouldStop = Callable[[], bool]
+"""Polled by long jobs (scoring, generation) between forward passes: True = the caller gave up (its client
+cancelled, its deadline passed, the server is stopping); the job then raises WorkStopped (issue 9)."""
+
+
+class WorkStopped(Exception):
+    """A long job ended early because its `should_stop()` said so; nothing was returned. Not a MemlmError:
+    the user did nothing wrong, and the command line never passes should_stop."""
+
+
+def check_stop(should_stop: ShouldStop | None) -> None:
+    """Raise WorkStopped when should_stop (None = never) says the caller gave up."""
+    if should_stop is not None and should_stop():
+        raise WorkStopped("stopped: the caller gave up")
 
 
 class Window(NamedTuple):
@@ -64,6 +80,36 @@ def plan_windows(n_inputs: int, context: int, stride: int, doc: int = 0) -> list
         scored_until = end
         start += stride
     return windows
+
+
+class WindowCost(NamedTuple):
+    """What a plan of windows costs, known before any of it runs (the Score rpc's budget, issue 9)."""
+
+    windows: int
+    """Forward rows (windows)."""
+    forward_tokens: int
+    """Sum over the windows of their length (end - start), in tokens."""
+
+
+def window_cost(n_inputs: int, first: int, context: int, stride: int) -> WindowCost:
+    """The cost of `plan_scored_windows(n_inputs, first, context, stride)` (plan_windows for first == 0),
+    in closed form: a plan of millions of windows is priced without being built.
+
+    first == 0: windows start at 0, s, 2s, ... and end at min(start + L, n); the last one is the first
+    that reaches n. first > 0: windows end at e0 = min(n, max(L, first + s)), e0 + s, ... (the last at n)
+    and each is min(end, L) long.
+    """
+    check_window(context, stride)
+    if n_inputs <= first:
+        return WindowCost(0, 0)
+    if first == 0:
+        full = max(0, -(-(n_inputs - context) // stride))  # windows before the last: all L long
+        return WindowCost(full + 1, full * context + (n_inputs - full * stride))
+    end0 = min(n_inputs, max(context, first + stride))
+    before_last = max(0, -(-(n_inputs - end0) // stride))  # windows ending at end0 + j*s < n
+    short = min(before_last, max(0, -(-(context - end0) // stride)))  # of those, ending before L: end0 + j*s long
+    tokens = short * end0 + stride * short * (short - 1) // 2 + (before_last - short) * context + min(n_inputs, context)
+    return WindowCost(before_last + 1, tokens)
 
 
 class ScoredTokens(NamedTuple):

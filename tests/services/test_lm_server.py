@@ -196,7 +196,7 @@ def test_generate_whose_deadline_passes_ends_deadline_exceeded_not_ok(servers):
     # end with status OK and no finish message, as if the generation were complete.
     servicer = servers["servicer"]
     before = len(servicer.records)
-    context = ExpiringContext(tokens=3)
+    context = ExpiringContext(tokens=1 + 3)  # one check when the call starts (lm_server.CallStop), one per token
 
     async def drive() -> list:
         out = []
