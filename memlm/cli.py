@@ -345,7 +345,7 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
                    help="token holders' calls at once; RESOURCE_EXHAUSTED past it (health checks and callers "
                    "without the token never take these slots)")
     p.add_argument("--max-open-rpcs", type=int, default=ServerOptions.max_open_rpcs,
-                   help="health Watch streams and refused calls at once, and apart from them health Checks at once")
+                   help="health Watch streams at once, and apart from them health Checks and refused calls at once")
 
 
 def add_serve_parser(sub: Any) -> None:

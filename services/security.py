@@ -11,9 +11,11 @@
   empty (`check_token`): an empty string must not quietly mean "no authentication" (issue 9).
 - Budgets (issue 9, finding 3): calls are counted in three separate budgets, so that callers without
   the token can never take a slot from those with it: token holders' calls (`max_calls`), health
-  Watch streams and calls refused for a missing or wrong token (`max_open_calls`), and health Check
-  (`max_open_calls` again, its own counter), so that held Watch streams cannot fail a readiness probe
-  and a busy server still answers it. A call past its budget ends with RESOURCE_EXHAUSTED.
+  Watch streams (`max_open_calls`: the only open calls that can last), and the momentary open calls,
+  health Checks and calls refused for a missing or wrong token (`max_open_calls` again, their own
+  counter), so that held Watch streams can neither fail a readiness probe nor turn a refusal into
+  anything but UNAUTHENTICATED, and a busy server still answers probes. A call past its budget ends
+  with RESOURCE_EXHAUSTED naming the option that sets it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import grpc
 # Methods a caller may reach without the token (see the module docstring for why).
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-"""The readiness probe: counted apart from the other open calls (Watch streams can be held forever)."""
+"""The readiness probe: counted apart from health Watch streams (which can be held forever)."""
 
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower-case
 
@@ -214,15 +216,15 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     """Every call of a server passes here: the bearer-token check and the three budgets (module docstring).
 
     token: None = every caller counts as a token holder. max_calls: token holders' calls at once
-    (--max-concurrent-rpcs). max_open_calls: open calls at once (health Watch streams and refused calls),
-    and, separately, health Checks at once.
+    (--max-concurrent-rpcs). max_open_calls: health Watch streams at once, and, separately, health Checks
+    and refused calls at once (--max-open-rpcs).
     """
 
     def __init__(self, token: str | None, max_calls: int, max_open_calls: int) -> None:
         self._token = check_token(token).encode() if token is not None else None
         self._calls = _Budget("calls", max_calls, "--max-concurrent-rpcs")
-        self._open = _Budget("unauthenticated calls and health watches", max_open_calls, "--max-open-rpcs")
-        self._checks = _Budget("health checks", max_open_calls, "--max-open-rpcs")
+        self._watches = _Budget("health watches", max_open_calls, "--max-open-rpcs")
+        self._momentary = _Budget("health checks and refused calls", max_open_calls, "--max-open-rpcs")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -230,12 +232,12 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None  # unknown methods get UNIMPLEMENTED at once
         if method == HEALTH_CHECK:
-            return self._checks.admit(handler)
+            return self._momentary.admit(handler)
         if method.startswith(OPEN_METHOD_PREFIXES):
-            return self._open.admit(handler)
+            return self._watches.admit(handler)
         refusal = self._refusal(handler_call_details.invocation_metadata)
         if refusal is not None:
-            return self._open.admit(_refusing_handler(handler, refusal))
+            return self._momentary.admit(_refusing_handler(handler, refusal))
         return self._calls.admit(handler)
 
     def _refusal(self, metadata) -> str | None:

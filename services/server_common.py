@@ -61,8 +61,8 @@ class ServerOptions:
     """Token holders' calls in progress at once (every call but health when there is no token);
     RESOURCE_EXHAUSTED past it. Health checks and calls without the token never count here."""
     max_open_rpcs: int = 16
-    """Health Watch streams and calls refused for a missing or wrong token in progress at once, and,
-    counted apart, health Checks at once (services.security: the budgets); RESOURCE_EXHAUSTED past it."""
+    """Health Watch streams in progress at once, and, counted apart, health Checks and calls refused for a
+    missing or wrong token at once (services.security: the budgets); RESOURCE_EXHAUSTED past it."""
     grace_s: float = 30.0
     """On shutdown, seconds in-flight calls get to finish before they are cancelled."""
     tls: ServerTls | None = None
