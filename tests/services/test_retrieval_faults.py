@@ -28,7 +28,7 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from services.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import start_lm_server
-from services.retrieval_client import KNN_HEALTH_NAME, RetrievalClient
+from services.retrieval_client import KNN_HEALTH_NAME, RetrievalClient, connect_retrieval
 from services.server_common import ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,13 +138,13 @@ def test_killed_retrieval_fails_knn_fast_delays_no_plain_score_and_health_follow
         # A kNN Score and a plain one sent right behind it: both answer quickly (old: 60 s, and the plain one
         # queued behind the kNN one on the model thread).
         plain_out = {}
-        kill_call = threading.Thread(target=lambda: plain_out.setdefault("r", timed(lambda: c.score([TEXT]))))
+        plain_call = threading.Thread(target=lambda: plain_out.setdefault("r", timed(lambda: c.score([TEXT]))))
+        start = time.monotonic()
         with pytest.raises(ServiceError) as e:
-            start = time.monotonic()
-            kill_call.start()
+            plain_call.start()
             c.score([TEXT], knn=KnnRequest())
         knn_s = time.monotonic() - start
-        kill_call.join(30)
+        plain_call.join(30)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
         assert f"retrieval service {retrieval.address}" in e.value.details and "link down" in e.value.details
         assert knn_s < 10, knn_s  # the old code: 60 s (the client's deadline here: 30 s)
@@ -166,7 +166,7 @@ def test_hung_retrieval_holds_nothing_past_the_callers_deadline(lm, retrieval):
         try:
             hung = LanguageModelClient(address, timeout=2)
             with pytest.raises(ServiceError) as e:
-                _, knn_s = timed(lambda: hung.score([TEXT], knn=KnnRequest()))
+                hung.score([TEXT], knn=KnnRequest())
             hung.close()
             assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             # The model thread was free by the kNN caller's deadline: a plain Score right after is quick
@@ -176,6 +176,31 @@ def test_hung_retrieval_holds_nothing_past_the_callers_deadline(lm, retrieval):
         finally:
             retrieval.proc.send_signal(signal.SIGCONT)
         c.score([TEXT], knn=KnnRequest())  # and kNN works again
+
+
+def test_serve_lm_link_fails_knn_fast_right_after_the_kill(tiny, retrieval, loop_thread):
+    """The link `memlm serve lm --retrieval` opens (connect_retrieval): no wait for the watcher to notice."""
+    link = connect_retrieval(retrieval.address, tls=None, token=None)
+    try:
+        started = loop_thread.run(start_lm_server("127.0.0.1:0", tiny, link, model_name="tiny", knn_defaults=KNN))
+        loop_thread.servers.append(started.running.server)
+        address = f"127.0.0.1:{started.running.port}"
+        with LanguageModelClient(address, timeout=30) as c:
+            c.score([TEXT], knn=KnnRequest())
+            retrieval.kill()
+            start = time.monotonic()
+            with pytest.raises(ServiceError) as e:
+                c.score([TEXT], knn=KnnRequest())
+            knn_s = time.monotonic() - start
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE and retrieval.address in e.value.details
+            assert knn_s < 10, knn_s  # the old link: the caller's whole deadline (30 s here)
+            _, plain_s = timed(lambda: c.score([TEXT]))
+            assert plain_s < 10, plain_s
+            retrieval.start()
+            wait_for_health(address, KNN_HEALTH_NAME, health_pb2.HealthCheckResponse.SERVING, within_s=20)
+            c.score([TEXT], knn=KnnRequest())
+    finally:
+        link.close()
 
 
 def test_start_up_against_a_closed_port_fails_fast_in_one_line():
