@@ -95,6 +95,11 @@ class CircuitBreaker:
             if self._failures >= self._config.failure_threshold:
                 self._open(self._backoff_s)
 
+    def record_abandoned(self) -> None:
+        """A call that `allow` let through ended with no verdict (cancelled): a trial gives its turn back."""
+        with self._lock:
+            self._trial_out = False
+
     def reset(self) -> None:
         """Close the breaker now (the link is known to be back)."""
         with self._lock:

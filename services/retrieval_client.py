@@ -4,9 +4,9 @@ Library code (kNN-LM scoring, evaluation) calls `search(xq, k, options)` and `in
 whether the datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
 It uses a blocking grpc channel, so it works from plain synchronous code and from threads.
 
-Faults (issue 9, finding 2): the client follows its channel's connectivity (`link_up`) and keeps a circuit
-breaker (services/circuit.py), so a dead or hung retrieval service fails searches at once with
-UNAVAILABLE instead of making every caller wait out a deadline; `until(deadline)` gives one caller a
+Faults (issue 9, finding 2): the client keeps a circuit breaker (services/circuit.py) and, for a long-lived
+link (`watch_link`: the LM server's), follows its channel's connectivity (`link_up`), so a dead or hung
+retrieval service fails searches at once with UNAVAILABLE instead of making every caller wait out a deadline; `until(deadline)` gives one caller a
 Searcher whose calls end by that caller's deadline; `wait_until_ready` is the start-up check that fails in
 one line instead of waiting silently.
 
@@ -119,7 +119,8 @@ class RetrievalClient(ServiceClient):
     Arguments as ServiceClient; the timeout is per call, and a search of many queries makes several calls.
     breaker: when repeated failures stop searches from going out (services/circuit.py).
     Errors are ServiceError (a MemlmError) carrying the gRPC status code. A search fails at once with
-    UNAVAILABLE while the channel cannot connect or the breaker is open (wait_for_ready does not wait then).
+    UNAVAILABLE while the breaker is open or (watch_link) the channel cannot connect; wait_for_ready does
+    not wait then.
     """
 
     def __init__(
@@ -137,16 +138,24 @@ class RetrievalClient(ServiceClient):
         self._stub = retrieval_pb2_grpc.RetrievalServiceStub(self._channel)
         self._server_info: retrieval_pb2.RetrievalServiceGetInfoResponse | None = None
         self._breaker = CircuitBreaker(breaker)
-        self._link = LinkWatcher(self._channel)
-        self._link.add_listener(self._on_link_change)
+        self._link: LinkWatcher | None = None  # watch_link() starts it
+
+    def watch_link(self) -> None:
+        """Follow the channel's connectivity from now on (on a thread of grpc's): while it cannot connect,
+        searches fail fast and link_up is False. For long-lived links (the LM server's); idempotent."""
+        if self._link is None:
+            self._link = LinkWatcher(self._channel)
+            self._link.add_listener(self._on_link_change)
 
     @property
     def link_up(self) -> bool | None:
-        """True: connected; False: the channel cannot connect (searches fail fast); None: not known yet."""
-        return self._link.up
+        """True: connected; False: the channel cannot connect (searches fail fast); None: not known yet or
+        not watched (watch_link)."""
+        return None if self._link is None else self._link.up
 
     def add_link_listener(self, listener: Callable[[bool], None]) -> None:
-        """Call listener(up) on every change of link_up, on grpc's thread."""
+        """Call listener(up) on every change of link_up, on grpc's thread (starts watch_link)."""
+        self.watch_link()
         self._link.add_listener(listener)
 
     def _on_link_change(self, up: bool) -> None:
@@ -170,7 +179,11 @@ class RetrievalClient(ServiceClient):
         return _DeadlineSearcher(self, deadline)
 
     def close(self) -> None:
-        self._link.close()
+        if self._link is not None:
+            self._link.close()
+            # grpc's connectivity poller looks at the channel every 0.2 s until it sees nobody subscribed; a
+            # channel closed under it makes it raise on its thread. Let it see that first (at most two rounds).
+            time.sleep(0.5)
         super().close()
 
     def server_info(self) -> retrieval_pb2.RetrievalServiceGetInfoResponse:
@@ -231,7 +244,7 @@ class RetrievalClient(ServiceClient):
     def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None) -> retrieval_pb2.SearchResponse:
         """One Search call: refused at once while the link is down or the breaker open, within the caller's
         deadline and the client's timeout, its outcome told to the breaker."""
-        if self._link.up is False:
+        if self.link_up is False:
             raise self._down("the channel cannot connect")
         if not self._breaker.allow():
             raise self._down(f"circuit open after repeated failures; next try in {self._breaker.retry_in():.1f} s")
@@ -300,10 +313,12 @@ def for_caller(searcher: Searcher | None, time_remaining: float | None) -> Searc
 def connect_retrieval(address: str, *, tls: ClientTls | None, token: str | None,
                       connect_timeout_s: float = CONNECT_TIMEOUT_S) -> RetrievalClient:
     """The LM server's link to its retrieval service: searches fail fast while it is down (wait_for_ready
-    off), and start-up fails with one ServiceError line when it is not reachable within connect_timeout_s."""
+    off, the link watched), and start-up fails with one ServiceError line when it is not reachable within
+    connect_timeout_s."""
     client = RetrievalClient(address, tls=tls, token=token, wait_for_ready=False)
     try:
         client.wait_until_ready(connect_timeout_s)
+        client.watch_link()
     except BaseException:
         client.close()
         raise

@@ -9,6 +9,11 @@ GetInfo) of the shards listed BEFORE it. So the --shard order must be the order 
 datastore builder wrote the shards; then a global id is the row number in the concatenated corpus.
 Missing neighbours (id -1) stay -1.
 
+Faults (issue 9, finding 2): a shard call never outlives the caller's deadline nor ShardLinks.call_timeout_s
+(a caller without a deadline must not wait forever on a hung shard), and each shard has a circuit breaker
+(services/circuit.py): after repeated failures the router answers UNAVAILABLE naming the shard at once,
+until a trial call after the back-off succeeds.
+
 Shape legend: Q queries, k neighbours, S shards.
 """
 
@@ -25,6 +30,7 @@ import numpy as np
 from memlm.errors import MemlmError
 from memlm.retrieval.searcher import Neighbors
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
+from services.circuit import BreakerConfig, CircuitBreaker
 from services.retrieval_server import (
     MESSAGE_CLASSES,
     SERVICE,
@@ -122,23 +128,27 @@ def _decode(response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors
 class RouterServicer:
     """RetrievalService that fans out to shard stubs and merges."""
 
-    def __init__(self, addresses, stubs, metadata, info: retrieval_pb2.RetrievalServiceGetInfoResponse, offsets):
+    def __init__(self, addresses, stubs, metadata, info: retrieval_pb2.RetrievalServiceGetInfoResponse, offsets,
+                 links: ShardLinks):
         self._addresses = addresses
         self._stubs = stubs
         self._metadata = metadata
         self._info = info  # the union of the shards, and the tightest of their limits
         self._offsets = offsets
+        self._call_timeout_s = links.call_timeout_s
+        self._breakers = [CircuitBreaker(links.breaker) for _ in stubs]
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         # Validate here too: bad input is refused once, not S times, and the message names the field.
         parsed = parse_search_request(request, self._info)
-        timeout = context.time_remaining()  # the caller's deadline bounds every shard call
+        remaining = context.time_remaining()  # the caller's deadline bounds every shard call
+        timeout = self._call_timeout_s if remaining is None else min(remaining, self._call_timeout_s)
         calls = [asyncio.ensure_future(self._shard_search(i, request, timeout)) for i in range(len(self._stubs))]
         try:
             responses = await asyncio.gather(*calls)
         except _ShardFailed as f:
             # Pass the shard's code on (DEADLINE_EXCEEDED stays that), naming the shard.
-            await context.abort(f.error.code(), f"shard {f.address}: {f.error.details()}")
+            await context.abort(f.code, f"shard {f.address}: {f.details}")
         finally:
             for c in calls:  # one shard failed (or our caller went away): stop waiting for the others
                 c.cancel()
@@ -152,18 +162,36 @@ class RouterServicer:
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info
 
-    async def _shard_search(self, i: int, request, timeout: float | None) -> retrieval_pb2.SearchResponse:
+    async def _shard_search(self, i: int, request, timeout: float) -> retrieval_pb2.SearchResponse:
+        breaker = self._breakers[i]
+        if not breaker.allow():
+            raise _ShardFailed(self._addresses[i], grpc.StatusCode.UNAVAILABLE,
+                               f"circuit open after repeated failures; next try in {breaker.retry_in():.1f} s")
         try:
-            return await self._stubs[i].Search(request, timeout=timeout, metadata=self._metadata)
+            response = await self._stubs[i].Search(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
-            raise _ShardFailed(self._addresses[i], e) from None
+            if e.code() in SHARD_DOWN_CODES:
+                breaker.record_failure()
+            else:  # the shard answered: it is alive
+                breaker.record_success()
+            raise _ShardFailed(self._addresses[i], e.code(), e.details() or "") from None
+        except asyncio.CancelledError:  # another shard failed or our caller left: no verdict on this one
+            breaker.record_abandoned()
+            raise
+        breaker.record_success()
+        return response
+
+
+SHARD_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Shard failures that count towards its breaker: the shard is down or hung (not a bad request)."""
 
 
 class _ShardFailed(Exception):
-    def __init__(self, address: str, error: grpc.aio.AioRpcError):
+    def __init__(self, address: str, code: grpc.StatusCode, details: str):
         super().__init__(address)
         self.address = address
-        self.error = error
+        self.code = code
+        self.details = details
 
 
 @dataclass(frozen=True)
@@ -176,6 +204,10 @@ class ShardLinks:
     """Bearer token the shards want, if any."""
     connect_timeout_s: float = 30.0
     """Seconds to wait at start-up for every shard's GetInfo (shards may still be starting)."""
+    call_timeout_s: float = 60.0
+    """Longest a shard Search may take, in seconds, when the caller's deadline is later or unset."""
+    breaker: BreakerConfig = BreakerConfig()
+    """When repeated failures of one shard make the router refuse at once (UNAVAILABLE naming it)."""
 
 
 async def start_router_server(
@@ -213,7 +245,7 @@ async def start_router_server(
     except MemlmError:
         await _stop(running, channels)
         raise
-    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets)
+    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets, shards)
     close_when_stopped(running.server, lambda: _close_all(channels))
     await running.mark_serving()
     return running

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,6 +29,7 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from services.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import start_lm_server
+from services.router import ShardLinks, create_router_server
 from services.retrieval_client import KNN_HEALTH_NAME, RetrievalClient, connect_retrieval
 from services.server_common import ServiceError
 
@@ -201,6 +203,46 @@ def test_serve_lm_link_fails_knn_fast_right_after_the_kill(tiny, retrieval, loop
             c.score([TEXT], knn=KnnRequest())
     finally:
         link.close()
+
+
+def test_router_bounds_a_hung_shard_without_a_caller_deadline_then_fails_fast_and_recovers(retrieval, loop_thread):
+    links = ShardLinks(call_timeout_s=2.0, breaker=BreakerConfig(failure_threshold=1, backoff_s=1.0))
+    port = loop_thread.start(create_router_server, "127.0.0.1:0", [retrieval.address], shards=links)
+    with RetrievalClient(f"127.0.0.1:{port}", timeout=None) as client:  # no deadline of its own
+        xq = np.random.default_rng(0).standard_normal((2, client.dim)).astype(np.float32)  # (Q, d)
+        expected = client.search(xq, 4)
+        retrieval.proc.send_signal(signal.SIGSTOP)
+        try:
+            out = {}
+
+            def search() -> None:
+                try:
+                    client.search(xq, 4)
+                except ServiceError as e:
+                    out["error"] = e
+
+            hung = threading.Thread(target=search, daemon=True)
+            hung.start()
+            hung.join(20)  # old: no deadline anywhere, so it waited for the shard forever
+            assert not hung.is_alive(), "the router waited on a hung shard without a deadline"
+            assert out["error"].code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert f"shard {retrieval.address}" in out["error"].details
+            start = time.monotonic()
+            with pytest.raises(ServiceError) as e:  # the breaker is open: refused without waiting
+                client.search(xq, 4)
+            assert time.monotonic() - start < 1.5
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE and "circuit open" in e.value.details
+        finally:
+            retrieval.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while True:  # the trial after the back-off goes through
+            try:
+                got = client.search(xq, 4)
+                break
+            except ServiceError:
+                assert time.monotonic() < deadline, "the router never recovered"
+                time.sleep(0.2)
+        np.testing.assert_array_equal(got.ids, expected.ids)
 
 
 def test_start_up_against_a_closed_port_fails_fast_in_one_line():
