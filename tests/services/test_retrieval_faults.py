@@ -4,7 +4,8 @@ A real retrieval server runs as a child process (over the tiny model's keys) tha
 (SIGSTOP, a hung service) and restart on the same port; the LM server runs in-process on port 0 and
 reaches it through the link `memlm serve lm --retrieval` used before this fix (wait_for_ready on), so
 on the old code a kNN Score after the kill waited out its deadline and held the model thread meanwhile.
-Every wait is bounded; timings are asserted with wide margins against the old 60 s.
+The shard router gets the same treatment over that process as its one shard (a hung shard, a caller
+without a deadline). Every wait is bounded; timings are asserted with wide margins against the old 60 s.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def test_serve_lm_link_fails_knn_fast_right_after_the_kill(tiny, retrieval, loop
 
 
 def test_router_bounds_a_hung_shard_without_a_caller_deadline_then_fails_fast_and_recovers(retrieval, loop_thread):
-    links = ShardLinks(call_timeout_s=2.0, breaker=BreakerConfig(failure_threshold=1, backoff_s=1.0))
+    links = ShardLinks(call_timeout_s=2.0, breaker=BreakerConfig(failure_threshold=1, backoff_s=3.0))
     port = loop_thread.start(create_router_server, "127.0.0.1:0", [retrieval.address], shards=links)
     with RetrievalClient(f"127.0.0.1:{port}", timeout=None) as client:  # no deadline of its own
         xq = np.random.default_rng(0).standard_normal((2, client.dim)).astype(np.float32)  # (Q, d)
