@@ -324,3 +324,18 @@ def test_serve_lm_reaches_an_mtls_retrieval_server_with_its_certificate(loop_thr
 def test_a_call_budget_below_one_is_refused_in_one_line(flag, capsys):
     assert cli.main(["serve", "router", "--shard", "127.0.0.1:9", flag, "0"]) == 1
     assert capsys.readouterr().err.splitlines() == [f"memlm: error: {flag} must be at least 1, got 0"]
+
+
+def test_serve_lm_without_a_client_certificate_is_refused_by_an_mtls_retrieval_server(loop_thread, index, pki,
+                                                                                        tmp_path):
+    retrieval = loop_thread.start(create_retrieval_server, "127.0.0.1:0", index,
+                                  options=ServerOptions(tls=mtls_server(pki)))
+    files = pem_files(pki, tmp_path)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMLM_") or k == "MEMLM_CACHE"}
+    done = subprocess.run(
+        [sys.executable, "-m", "memlm.cli", "serve", "lm", "--model", "tiny", "--device", "cpu",
+         "--retrieval", f"localhost:{retrieval}", "--retrieval-ca", files["ca"]],
+        cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "listening on" not in done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("memlm: error:")]
+    assert len(errors) == 1 and f"localhost:{retrieval}" in errors[0], done.stderr
