@@ -160,7 +160,9 @@ def test_an_empty_token_is_refused_in_one_line(argv, env, line, tmp_path, monkey
     assert cli.main(["serve", "router", "--shard", "127.0.0.1:9", *argv]) == 1
     assert capsys.readouterr().err.splitlines() == [line]
     with pytest.raises(ValueError, match="empty"):
-        ServerOptions(token="")  # the library refuses it too
+        ServerOptions(token="")  # the library refuses it too, on both ends
+    with pytest.raises(ValueError, match="empty"):
+        LanguageModelClient("127.0.0.1:9", token="")
 
 
 def test_exposure_warning_names_what_is_missing(pki):
