@@ -228,8 +228,8 @@ class LanguageModelServicer:
 
         def work():
             args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
-            # A remote search ends by the caller's deadline, so it never holds the model thread past it.
-            searcher = for_caller(self._searcher, context.time_remaining()) if args.knn is not None else None
+            # A remote search ends when the caller gives up, so it never holds the model thread past that.
+            searcher = for_caller(self._searcher, stop.deadline, stop) if args.knn is not None else None
             if args.memory is None:
                 scores = score_tokens(
                     self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
@@ -276,7 +276,7 @@ class LanguageModelServicer:
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id,
-                searcher=for_caller(self._searcher, context.time_remaining()) if args.knn is not None else None,
+                searcher=for_caller(self._searcher, stop.deadline, stop) if args.knn is not None else None,
                 knn=args.knn, memory=args.memory, should_stop=stop,
             )
 

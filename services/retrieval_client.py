@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from memlm.jobs.windows import ShouldStop, WorkStopped
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.retrieval_server import (
@@ -47,6 +48,9 @@ from services.tensors import TensorError, from_tensor, to_tensor
 
 CONNECT_TIMEOUT_S = 5.0
 """Seconds `memlm serve lm --retrieval` waits at start-up for its retrieval service, then fails in one line."""
+
+STOP_POLL_S = 0.05
+"""While a search waits, how often (seconds) it asks the caller's should_stop whether to give up."""
 
 BREAKER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Failures that say the service is down or hung; any other answer shows it alive (a bad request is not its fault)."""
@@ -173,10 +177,10 @@ class RetrievalClient(ServiceClient):
         finally:
             ready.cancel()
 
-    def until(self, deadline: float | None) -> Searcher:
+    def until(self, deadline: float | None, should_stop: ShouldStop | None = None) -> Searcher:
         """This client for one caller: every search call ends by `deadline` (time.monotonic() seconds;
-        None = the client's own timeout only)."""
-        return _DeadlineSearcher(self, deadline)
+        None = the client's own timeout only), and is cancelled (WorkStopped) as soon as should_stop()."""
+        return _DeadlineSearcher(self, deadline, should_stop)
 
     def close(self) -> None:
         if self._link is not None:
@@ -217,10 +221,12 @@ class RetrievalClient(ServiceClient):
         options: sent with every call (nprobe only when set: unset is the datastore's default). Batches
         bigger than one message are split into several calls, made one after another.
         """
-        return self.search_until(xq, k, options, None)
+        return self.search_until(xq, k, options, None, None)
 
-    def search_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None) -> Neighbors:
-        """search, with every call ending by `deadline` (time.monotonic() seconds; None = no caller deadline)."""
+    def search_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
+                     should_stop: ShouldStop | None) -> Neighbors:
+        """search, with every call ending by `deadline` (time.monotonic() seconds; None = no caller deadline)
+        and cancelled, raising WorkStopped, once should_stop() (polled every STOP_POLL_S; None = never)."""
         options = options or SearchOptions()
         xq = np.asarray(xq)
         if xq.dtype != np.float16:
@@ -236,14 +242,15 @@ class RetrievalClient(ServiceClient):
             request = retrieval_pb2.SearchRequest(
                 queries=to_tensor(chunk), k=k, nprobe=options.nprobe, exact_rerank=options.exact_rerank
             )
-            parts.append(self._decode(self._guarded_search(request, deadline), len(chunk), k))
+            parts.append(self._decode(self._guarded_search(request, deadline, should_stop), len(chunk), k))
         if len(parts) == 1:
             return parts[0]
         return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts)))  # (Q, k) each
 
-    def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None) -> retrieval_pb2.SearchResponse:
+    def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None,
+                        should_stop: ShouldStop | None) -> retrieval_pb2.SearchResponse:
         """One Search call: refused at once while the link is down or the breaker open, within the caller's
-        deadline and the client's timeout, its outcome told to the breaker."""
+        deadline and the client's timeout, cancelled when should_stop(), its outcome told to the breaker."""
         if self.link_up is False:
             raise self._down("the channel cannot connect")
         if not self._breaker.allow():
@@ -254,9 +261,14 @@ class RetrievalClient(ServiceClient):
             if left <= 0:
                 raise ServiceError(self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed")
             timeout = left if timeout is None else min(timeout, left)
+        call = self._stub.Search.future(request, timeout=timeout, metadata=self._metadata,
+                                        wait_for_ready=self._wait_for_ready)
         try:
-            response = self._stub.Search(request, timeout=timeout, metadata=self._metadata,
-                                         wait_for_ready=self._wait_for_ready)
+            response = _wait(call, should_stop)
+        except WorkStopped:
+            call.cancel()
+            self._breaker.record_abandoned()
+            raise
         except grpc.RpcError as e:
             if e.code() in BREAKER_CODES:
                 self._breaker.record_failure()
@@ -287,6 +299,18 @@ class RetrievalClient(ServiceClient):
         return Neighbors(*(np.array(a) for a in out))
 
 
+def _wait(call: grpc.Future, should_stop: ShouldStop | None):
+    """call's result (its RpcError raised), or WorkStopped as soon as should_stop() says the caller gave up."""
+    if should_stop is None:
+        return call.result()
+    while True:
+        try:
+            return call.result(timeout=STOP_POLL_S)
+        except grpc.FutureTimeoutError:
+            if should_stop():
+                raise WorkStopped("stopped: the caller gave up during a retrieval search") from None
+
+
 @dataclass(frozen=True)
 class _DeadlineSearcher:
     """The Searcher seam over a RetrievalClient for one caller (RetrievalClient.until)."""
@@ -294,19 +318,23 @@ class _DeadlineSearcher:
     client: RetrievalClient
     deadline: float | None
     """time.monotonic() seconds by which every search call ends; None = the client's timeout only."""
+    should_stop: ShouldStop | None
+    """Polled while a search waits: True cancels it (WorkStopped); None = never."""
 
     def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
-        return self.client.search_until(xq, k, options, self.deadline)
+        return self.client.search_until(xq, k, options, self.deadline, self.should_stop)
 
     def info(self) -> SearcherInfo:
         return self.client.info()
 
 
-def for_caller(searcher: Searcher | None, time_remaining: float | None) -> Searcher | None:
-    """The searcher one server call should use: a RetrievalClient bounded by the caller's deadline
-    (time_remaining: seconds the call has left, None = no deadline); any other searcher as it is."""
-    if isinstance(searcher, RetrievalClient) and time_remaining is not None:
-        return searcher.until(time.monotonic() + time_remaining)
+def for_caller(searcher: Searcher | None, deadline: float | None, should_stop: ShouldStop | None) -> Searcher | None:
+    """The searcher one server call should use: a RetrievalClient whose searches end by the caller's deadline
+    (time.monotonic() seconds, None = none) and are cancelled once should_stop() says the caller gave up, so
+    a slow or hung retrieval service holds the model thread no longer than the caller waits; any other
+    searcher as it is (in-process work stops between steps)."""
+    if isinstance(searcher, RetrievalClient):
+        return searcher.until(deadline, should_stop)
     return searcher
 
 

@@ -27,6 +27,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.v1 import language_model_pb2 as lm_pb2
+from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
 from services.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import start_lm_server
@@ -179,6 +181,24 @@ def test_hung_retrieval_holds_nothing_past_the_callers_deadline(lm, retrieval):
         finally:
             retrieval.proc.send_signal(signal.SIGCONT)
         c.score([TEXT], knn=KnnRequest())  # and kNN works again
+
+
+def test_a_cancelled_knn_score_frees_the_model_thread_while_its_search_hangs(lm, retrieval):
+    address, link = lm
+    with LanguageModelClient(address, timeout=30) as c, grpc.insecure_channel(address) as channel:
+        c.score([TEXT], knn=KnnRequest())  # connected
+        retrieval.proc.send_signal(signal.SIGSTOP)
+        try:
+            request = lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(text=TEXT)], knn=KnnRequest().to_proto())
+            call = lm_pb2_grpc.LanguageModelServiceStub(channel).Score.future(request, timeout=30)
+            time.sleep(1.0)  # the tiny model's forward takes milliseconds: the search is waiting by now
+            call.cancel()
+            # Old: the search waited out the caller's 30 s deadline on the model thread.
+            _, plain_s = timed(lambda: c.score([TEXT]))
+            assert plain_s < 5, plain_s
+        finally:
+            retrieval.proc.send_signal(signal.SIGCONT)
+        c.score([TEXT], knn=KnnRequest())
 
 
 def test_serve_lm_link_fails_knn_fast_right_after_the_kill(tiny, retrieval, loop_thread):
