@@ -23,19 +23,18 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health
 
 from memlm.jobs.windows import ShouldStop, WorkStopped
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
+from services.circuit import BreakerConfig, CircuitBreaker
 from services.retrieval_server import (
     RESPONSE_BYTES_PER_NEIGHBOUR,
     info_from_proto,
     response_bytes,
 )
-from services.circuit import BreakerConfig, CircuitBreaker
 from services.security import ClientTls
-from grpc_health.v1 import health
-
 from services.server_common import (
     DEFAULT_MAX_MESSAGE_BYTES,
     NOT_SERVING,
@@ -44,7 +43,6 @@ from services.server_common import (
     ServiceError,
 )
 from services.tensors import TensorError, from_tensor, to_tensor
-
 
 CONNECT_TIMEOUT_S = 5.0
 """Seconds `memlm serve lm --retrieval` waits at start-up for its retrieval service, then fails in one line."""

@@ -32,8 +32,12 @@ from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
 from services.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import start_lm_server
+from services.retrieval_client import (
+    KNN_HEALTH_NAME,
+    RetrievalClient,
+    connect_retrieval,
+)
 from services.router import ShardLinks, create_router_server
-from services.retrieval_client import KNN_HEALTH_NAME, RetrievalClient, connect_retrieval
 from services.server_common import ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,11 +104,11 @@ def retrieval():
 
 @pytest.fixture(scope="module")
 def lm(tiny, retrieval, module_loop):
-    """(LM server address, its RetrievalClient) over the child retrieval server."""
+    """The address of an LM server over the child retrieval server."""
     link = RetrievalClient(retrieval.address, wait_for_ready=True, timeout=60)  # what serve lm built before
     started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, link, model_name="tiny", knn_defaults=KNN))
     module_loop.servers.append(started.running.server)
-    yield f"127.0.0.1:{started.running.port}", link
+    yield f"127.0.0.1:{started.running.port}"
     link.close()
 
 
@@ -129,7 +133,7 @@ def timed(fn):
 
 
 def test_killed_retrieval_fails_knn_fast_delays_no_plain_score_and_health_follows(lm, retrieval):
-    address, link = lm
+    address = lm
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     with LanguageModelClient(address, timeout=30) as c:
         before = c.score([TEXT], knn=KnnRequest())  # the link works
@@ -164,7 +168,7 @@ def test_killed_retrieval_fails_knn_fast_delays_no_plain_score_and_health_follow
 
 
 def test_hung_retrieval_holds_nothing_past_the_callers_deadline(lm, retrieval):
-    address, link = lm
+    address = lm
     with LanguageModelClient(address, timeout=30) as c:
         c.score([TEXT], knn=KnnRequest())  # connected
         retrieval.proc.send_signal(signal.SIGSTOP)  # the connection stays up; searches hang
@@ -184,7 +188,7 @@ def test_hung_retrieval_holds_nothing_past_the_callers_deadline(lm, retrieval):
 
 
 def test_a_cancelled_knn_score_frees_the_model_thread_while_its_search_hangs(lm, retrieval):
-    address, link = lm
+    address = lm
     with LanguageModelClient(address, timeout=30) as c, grpc.insecure_channel(address) as channel:
         c.score([TEXT], knn=KnnRequest())  # connected
         retrieval.proc.send_signal(signal.SIGSTOP)
@@ -271,9 +275,9 @@ def test_start_up_against_a_closed_port_fails_fast_in_one_line():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "memlm", "serve", "lm", "--model", "tiny", "--port", "0",
-                           "--retrieval", f"127.0.0.1:{port}"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=40)
+    command = [sys.executable, "-m", "memlm", "serve", "lm", "--model", "tiny", "--port", "0",
+               "--retrieval", f"127.0.0.1:{port}"]
+    done = subprocess.run(command, check=False, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=40)
     took = time.monotonic() - start
     assert done.returncode == 1, done
     lines = done.stderr.strip().splitlines()
