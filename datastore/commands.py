@@ -55,8 +55,11 @@ def build_datastore(
         tokenize_documents,
     )
 
-    if num_shards < 1:
-        raise MemlmError(f"--shards must be at least 1, got {num_shards}")
+    # 0 once silently meant "the default" for some of these (issue 9, finding 6): every count is >= 1.
+    for name, value in (("--shards", num_shards), ("--batch-size", batch_size), ("--nprobe", nprobe),
+                        ("--context", context), ("--stride", stride)):
+        if value is not None and value < 1:
+            raise MemlmError(f"{name} must be at least 1, got {value}")
     from memlm.model.device import resolve_device, resolve_dtype
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
@@ -64,7 +67,7 @@ def build_datastore(
     torch_device = resolve_device(device)
     pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device))
     tokenizer = pretrained.tokenizer
-    defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context or None, stride or None)
+    defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context, stride)
     context, stride = defaults.context, defaults.stride
     boundary = document_boundary(tokenizer)
     provenance = Provenance(
@@ -134,8 +137,15 @@ def _build_shards(model, token_docs: list[list[int]], out: Path, provenance: Pro
     return out
 
 
-def datastore_info(directory: Path) -> str:
-    """A readable summary of a datastore directory (no checksum pass; `Datastore.open` does that)."""
+def datastore_info(directory: Path, verify: bool = False) -> str:
+    """A readable summary of a datastore directory.
+
+    verify: run every check `Datastore.open` runs (each file's presence, size and SHA-256, the key and
+        value arrays and the index against the manifest) by opening it on the CPU; a failure is a
+        MemlmError. Without it only the manifest is read, and the summary says nothing was verified.
+    """
+    if verify:
+        Datastore.open(Path(directory), verify=True, device="cpu")
     m = Manifest.read(Path(directory))
     size = sum(entry.bytes for entry in m.files.values())
     lines = [
@@ -152,6 +162,8 @@ def datastore_info(directory: Path) -> str:
         f"files         {size / 2**20:.1f} MiB: "
         + ", ".join(f"{name} {e.bytes / 2**20:.1f} MiB" for name, e in sorted(m.files.items())),
         f"format        version {m.format_version}",
+        "verified      " + ("files, sizes, checksums, arrays and index match the manifest" if verify
+                            else "no: files were not checked (memlm datastore info --verify checks them)"),
     ]
     build = m.build
     if build:

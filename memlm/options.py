@@ -20,6 +20,7 @@ from memlm.errors import MemlmError
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import COMPRESS_FNS, MEMORY_KINDS, MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.searcher import MAX_K
 
 AUTO = "auto"
 
@@ -32,6 +33,40 @@ def float_or_auto(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1: for counts where 0 would have meant "the default" (issue 9, finding 6)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def neighbours(text: str) -> int:
+    """--k: 1 <= k <= MAX_K, refused before anything is loaded or allocated (Q * k results)."""
+    value = positive_int(text)
+    if value > MAX_K:
+        raise argparse.ArgumentTypeError(f"at most {MAX_K} neighbours per search, got {value}")
+    return value
+
+
+MAX_PORT = 65535
+"""Largest TCP port."""
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free port) to 65535; larger values would wrap around when bound."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"ports are 0 (any free port) to {MAX_PORT}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -63,12 +98,12 @@ class Option:
 _K, _M, _W = KNNLMConfig(), MemoryConfig(), WindowConfig()
 
 KNN_OPTIONS = {o.dest: o for o in (
-    Option("--k", "k", int, "neighbours retrieved per token", _K.k),
+    Option("--k", "k", neighbours, f"neighbours retrieved per token (1 to {MAX_K})", _K.k),
     Option("--lambda", "lmbda", float_or_auto,
            "kNN-LM interpolation weight in [0, 1], or auto (tuned by memlm eval --tune-data)", _K.lmbda),
     Option("--knn-temperature", "temperature", float_or_auto,
            "softmax temperature over -distance, or auto (tuned by memlm eval --tune-data)", _K.temperature),
-    Option("--nprobe", "nprobe", int, "IVF lists probed per search", "the datastore's"),
+    Option("--nprobe", "nprobe", positive_int, "IVF lists probed per search", "the datastore's"),
     Option("--exact-rerank", "exact_rerank", None, "recompute exact distances from the stored keys"),
 )}
 MEMORY_OPTIONS = {o.dest: o for o in (
@@ -81,8 +116,8 @@ MEMORY_OPTIONS = {o.dest: o for o in (
     Option("--sink-tokens", "sink_tokens", int, "first tokens of each document kept in memory", _M.sink_tokens),
 )}
 WINDOW_OPTIONS = {o.dest: o for o in (
-    Option("--context", "context", int, "sliding-window length in tokens (at most the model's)", _W.context),
-    Option("--stride", "stride", int, "tokens between window starts", "context/2"),
+    Option("--context", "context", positive_int, "sliding-window length in tokens (at most the model's)", _W.context),
+    Option("--stride", "stride", positive_int, "tokens between window starts", "context/2"),
 )}
 
 

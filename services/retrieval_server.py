@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
+from memlm.retrieval.searcher import (
+    MAX_K,
+    MAX_QUERY_ABS,
+    Neighbors,
+    Searcher,
+    SearcherInfo,
+    SearchOptions,
+    first_unsearchable_query,
+)
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.server_common import (
     DEFAULT_HOST,
@@ -48,8 +56,8 @@ class SearchLimits:
     """What one Search request may ask for (GetInfo reports them, with ServerOptions.max_message_bytes,
     which the response (Q * k * 16 bytes) must fit: OUT_OF_RANGE when it would not)."""
 
-    max_k: int = 4096
-    """Largest k accepted (OUT_OF_RANGE above)."""
+    max_k: int = MAX_K
+    """Largest k accepted (OUT_OF_RANGE above); at most memlm.retrieval.searcher.MAX_K, which searchers refuse beyond."""
     max_queries: int = 65536
     """Largest Q in one request (OUT_OF_RANGE above); the client splits bigger batches."""
 
@@ -78,7 +86,7 @@ class ParsedSearch:
     """A validated SearchRequest."""
 
     xq: np.ndarray
-    """(Q, d) float32 queries, all finite."""
+    """(Q, d) float32 queries, all finite, every coordinate within MAX_QUERY_ABS."""
     k: int
     """Neighbours per query, 1 <= k <= max_k."""
     options: SearchOptions
@@ -116,9 +124,10 @@ def parse_search_request(
     if nprobe is not None and nprobe < 1:
         raise InvalidRequest("nprobe", f"{nprobe}, must be >= 1")
     exact_rerank = request.exact_rerank if request.HasField("exact_rerank") else False
-    if not np.isfinite(xq).all():
-        bad = int(np.argwhere(~np.isfinite(xq))[0, 0])
-        raise InvalidRequest("queries.data", f"query {bad} contains NaN or infinity")
+    bad = first_unsearchable_query(xq)
+    if bad is not None:
+        raise InvalidRequest("queries.data", f"query {bad} contains NaN, infinity or a coordinate beyond "
+                             f"{MAX_QUERY_ABS:g} (the keys' float16 range), where float32 distances cannot order neighbours")
     # float16 -> float32 is exact; one dtype lets requests of both kinds share a batch.
     options = SearchOptions(nprobe=nprobe, exact_rerank=exact_rerank)
     return ParsedSearch(xq.astype(np.float32, copy=False), int(request.k), options)

@@ -19,8 +19,11 @@ Specs (`load_documents(spec)`):
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -94,6 +97,7 @@ def _resolve(spec: str) -> _Resolved:
     path = Path(spec).expanduser()
     looks_local = path.suffix.lower() in LOCAL_SUFFIXES or spec.startswith(("/", "./", "../", "~")) or path.exists()
     if not looks_local:
+        _refuse_unreachable_hub_name(spec)
         name, _, config = spec.partition(":")
         return _Resolved(f"hub dataset {spec}", None, name, config or None)
     if not path.exists():
@@ -105,6 +109,27 @@ def _resolve(spec: str) -> _Resolved:
         raise MemlmError(f"corpus {path}: unknown file type {suffix or '(none)'}; use {', '.join(LOCAL_SUFFIXES)}")
     builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}[suffix]
     return _Resolved(str(path), path, builder)
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?")
+"""What a hub dataset spec looks like: NAME, OWNER/NAME, optionally :CONFIG."""
+
+
+def _refuse_unreachable_hub_name(spec: str) -> None:
+    """Refuse at once, in one line naming the fetchable corpora, a spec that cannot be a hub dataset, that
+    is close to a fetched corpus's name (a typo: "sotuu"), or that would need the hub while offline;
+    each used to cost several hub retries (23 s) before failing (issue 9, finding 6)."""
+    fetchable = (f"use a fetched corpus ({', '.join(sorted(CORPORA))}: memlm fetch NAME) or a local "
+                 f"{'/'.join(LOCAL_SUFFIXES)} file")
+    close = difflib.get_close_matches(spec.lower(), list(CORPORA), n=1, cutoff=0.6)
+    if close:
+        raise MemlmError(f"unknown corpus {spec!r}; did you mean {close[0]!r}? {fetchable}")
+    if not HUB_ID.fullmatch(spec):
+        raise MemlmError(f"corpus {spec!r} is no file, fetched corpus or hub dataset name; {fetchable}")
+    offline = [name for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+               if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")]
+    if offline:
+        raise MemlmError(f"hub dataset {spec} needs the network, but {offline[0]} is set (offline); {fetchable}")
 
 
 def _open_dataset(res: _Resolved, hub_split: str, streaming: bool) -> Any:
@@ -160,15 +185,18 @@ def _hub_slice(datasets_mod: Any, ds: Any, hub_split: str) -> Any:
 
 
 def _json_rows(path: str, size: int, mtime_ns: int) -> Iterator[dict]:
-    """Rows of a JSON-lines file, or of a file holding one JSON array of objects."""
+    """Rows of a JSON-lines file, or of a file holding one JSON array of objects.
+
+    Bytes are decoded line by line, so a file that is not UTF-8 text is one error naming the line.
+    """
     del size, mtime_ns  # only there to key datasets' cache
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         head = f.read(1 << 16).lstrip()
         f.seek(0)
-        if head.startswith("["):
+        if head.startswith(b"["):
             # One array: no way to stream it without a streaming JSON parser; big corpora belong in .jsonl.
             try:
-                rows = json.load(f)
+                rows = json.loads(_utf8(f.read(), path, None))
             except json.JSONDecodeError as e:
                 raise MemlmError(f"corpus {path}: not valid JSON ({e})") from None
             for i, row in enumerate(rows):
@@ -176,7 +204,8 @@ def _json_rows(path: str, size: int, mtime_ns: int) -> Iterator[dict]:
                     raise MemlmError(f"corpus {path}: item {i} is a {type(row).__name__}, not an object with a 'text' field")
                 yield row
             return
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -186,6 +215,15 @@ def _json_rows(path: str, size: int, mtime_ns: int) -> Iterator[dict]:
             if not isinstance(row, dict):
                 raise MemlmError(f"corpus {path}:{lineno}: a {type(row).__name__}, not an object with a 'text' field")
             yield row
+
+
+def _utf8(raw: bytes, path: str, lineno: int | None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"{path}:{lineno}" if lineno is not None else path
+        raise MemlmError(f"corpus {where}: not UTF-8 text (byte {e.start}: {e.reason}); a .jsonl corpus holds one "
+                         "JSON object a line") from None
 
 
 def load_documents(spec: str, split: str | None = None, streaming: bool = False) -> Iterator[Document]:

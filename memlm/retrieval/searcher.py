@@ -20,6 +20,25 @@ if TYPE_CHECKING:
     import torch
 
 
+MAX_K = 4096
+"""Most neighbours one search may ask for: results are (Q, k) arrays allocated before searching, so a
+larger k (e.g. 10**9: 16 TB for 1,000 queries) is refused up front (issue 9, finding 6)."""
+
+MAX_QUERY_ABS = 65504.0
+"""Largest |coordinate| of a query: float16's largest finite value, the range of the stored keys. Beyond
+it float32 squared L2 stops ordering neighbours (measured with FAISS: at |x| ~ 1e15 every distance
+rounds to |x|^2 and the order is arbitrary; from |x| ~ 1e19 |x|^2 overflows and FAISS returns id -1,
+"no neighbours"), so such queries are refused rather than answered wrongly."""
+
+
+def first_unsearchable_query(xq: np.ndarray) -> int | None:
+    """Row of the first query (Q, d) with a NaN, an infinity or a coordinate beyond MAX_QUERY_ABS; None
+    when every row can be searched."""
+    bad = ~(np.abs(xq) <= MAX_QUERY_ABS)  # (Q, d); NaN compares False, so it is bad too
+    rows = np.flatnonzero(bad.any(axis=1))
+    return int(rows[0]) if rows.size else None
+
+
 class Neighbors(NamedTuple):
     """Result of `Searcher.search`. Rows are sorted by increasing distance.
 
