@@ -49,11 +49,13 @@ def _reset_hwm() -> None:
 
 
 def _datastore_dir(bench: _common.BenchModel, args: argparse.Namespace, n: int, factory: str, random_tokens: bool) -> Path:
+    from datastore.manifest import FORMAT_VERSION
     from memlm.files import cache_dir
 
+    # The format version is in the name, so a newer memlm builds anew instead of failing on an old cache.
     tag = "random" if random_tokens else f"{args.data}-1990-2000"
     return cache_dir() / "bench" / (f"knnlm-{tag}-n{n}-c{args.context}-s{args.stride}-{factory.replace(',', '-')}-"
-                                    f"{bench.pre.fingerprint[:12]}")
+                                    f"{bench.pre.fingerprint[:12]}-v{FORMAT_VERSION}")
 
 
 def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> tuple[Path, bool]:

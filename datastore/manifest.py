@@ -16,7 +16,9 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the text layout is recorded in full (sink_tokens beside context, stride and boundary_token, issue 8).
+A version-1 manifest lacks it and is refused as an older format (rebuild), not as a damaged one."""
 MANIFEST_NAME = "manifest.json"
 KEYS_NAME = "keys.f16"
 """(N, d) float16, row-major, little-endian, no header: np.memmap(path, "<f2", "r", shape=(N, d))."""

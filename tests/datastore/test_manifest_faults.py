@@ -185,3 +185,14 @@ def test_retrieval_server_refuses_huge_queries_naming_the_field(built):
     finally:
         loop.run(server.stop(None))
         loop.close()
+
+
+def test_a_first_wave_manifest_is_refused_as_an_older_format(store_copy):
+    """A version-1 manifest (before sink_tokens was recorded) is an older format to rebuild, not damage."""
+    path = store_copy / MANIFEST_NAME
+    raw = json.loads(path.read_text())
+    del raw["sink_tokens"]
+    raw["format_version"] = 1
+    path.write_text(json.dumps(raw))
+    with pytest.raises(MemlmError, match="format version 1, this memlm reads version 2; rebuild"):
+        Datastore.open(store_copy)
