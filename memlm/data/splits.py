@@ -25,8 +25,9 @@ import collections
 import itertools
 import json
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from memlm.errors import MemlmError
 
