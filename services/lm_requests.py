@@ -4,13 +4,20 @@ Every check raises `InvalidRequest(field, message, code)`, which `services.serve
 status whose message starts with the field's name: INVALID_ARGUMENT for a value outside its domain,
 OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
 on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve. Nothing
-here runs the model; the servicer (services.lm_server) runs what the parser returns.
+here runs the model; the servicer (services.lm_server) runs what the parser returns, and `encode_score`
+turns the library's scores into the response.
 
 Every request's cost is bounded here, before any work (issue 9): the characters of its texts before
 tokenizing (`max_text_chars`), a Score's forward work (`max_forward_tokens`: the sum over its windows of
 their length, priced in closed form by memlm.jobs.windows.window_cost) and its response (`max_score_entries`,
 and an upper bound of its bytes against the server's message limit). A Generate's work is bounded by its
 prompt (`max_score_tokens`) and `max_new_tokens`.
+
+Every forward STEP is bounded too (`max_step_tokens`): the model's turn passes between steps
+(services.lm_scheduler), so one step is the longest a call waits for the call ahead of it and the longest a
+cancelled call keeps the model. A Score step holds `step_rows` windows (segments) of at most
+`max_step_tokens` tokens together; a window, segment or Generate prompt encoding longer than one step is
+refused, since the library cannot split one forward pass.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from memlm.jobs.generate import SamplingConfig
+from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WindowConfig, window_cost
 from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer
@@ -76,6 +84,17 @@ class LMLimits:
     max_text_chars: int = 1 << 20
     """Most characters of text in one request, all its text fields together (Tokenize's texts, Score's
     texts and contexts, a Generate prompt): tokenizing is work on the model thread too."""
+    max_step_tokens: int = 1024
+    """Most input tokens of one forward step (a Score batch: windows or segment rows x their length; a
+    Generate prompt's encoding; a segment). Concurrent calls interleave step by step, so this bounds how long
+    a call waits for each call ahead of it and how long a cancelled call keeps the model: about 2 s for
+    SmolLM2-135M on 2 CPU cores (~480 tokens/s), milliseconds on a GPU. The default admits the default
+    1024-token window; MEMORY_MODE_XL memory states are attended besides (they are no inputs)."""
+
+    def step_rows(self, tokens: int) -> int:
+        """Windows (or segment rows) of `tokens` tokens per forward step: score_batch_size, fewer when
+        max_step_tokens says so, at least 1 (the parser refuses a window over max_step_tokens)."""
+        return max(1, min(self.score_batch_size, self.max_step_tokens // max(1, tokens)))
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,8 @@ class ScoreArgs:
     """Alternatives returned per token."""
     memory: MemoryConfig | None
     """MEMORY_MODE_XL memory (its segment included), or None for sliding windows."""
+    batch_size: int
+    """Windows (sliding windows) or sequences side by side (XL) per forward step: LMLimits.step_rows."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +230,14 @@ class RequestParser:
                 raise InvalidRequest(f"memory.{name}", f"{value}, at most {self._limits.max_memory_tokens}",
                                      OUT_OF_RANGE)
             sizes[name] = value
+        self.step_budget(segment, "memory.segment_tokens")
         return MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"], segment=segment)
+
+    def step_budget(self, tokens: int, field: str, what: str = "") -> None:
+        """Refuse one forward pass of more than max_step_tokens input tokens (it cannot be split)."""
+        if tokens > self._limits.max_step_tokens:
+            raise InvalidRequest(field, f"{what}{tokens} tokens in one forward step, at most max_step_tokens "
+                                        f"{self._limits.max_step_tokens}", OUT_OF_RANGE)
 
     def knn(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest) -> KNNLMConfig | None:
         if not request.HasField("knn") or not request.knn.enabled:
@@ -277,6 +305,8 @@ class RequestParser:
             raise InvalidRequest("window_tokens", f"{window}, must be in [1, {self._max_len}] (the model's context)")
         if not 1 <= stride <= window:
             raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
+        if memory is None:
+            self.step_budget(window, "window_tokens")
         knn = self.knn(request)
         if knn is not None and self._windows is not None:
             # The one settings rule (memlm.retrieval.compat): kNN-LM queries must be made like the
@@ -290,8 +320,10 @@ class RequestParser:
                           if item.WhichOneof(_ONEOF[name]) == name], "inputs")
         pairs = [self._score_input(item, f"inputs[{i}]") for i, item in enumerate(request.inputs)]
         self._score_cost(pairs, window, stride, memory, request.top_n)
+        step = window if memory is None else memory.segment
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
-                         stride=stride, knn=knn, top_n=request.top_n, memory=memory)
+                         stride=stride, knn=knn, top_n=request.top_n, memory=memory,
+                         batch_size=self._limits.step_rows(step))
 
     def _score_cost(self, pairs: list[tuple[list[int], list[int]]], window: int, stride: int,
                     memory: MemoryConfig | None, top_n: int) -> None:
@@ -347,9 +379,16 @@ class RequestParser:
         for j, stop in enumerate(request.stop_sequences):
             if not stop:
                 raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
+        memory = self.memory(request)
+        if memory is None:
+            # The KV cache encodes the whole prompt (up to the context) in one forward pass, and re-encodes
+            # half the context when a generation passes it (memlm.jobs.generate).
+            self.step_budget(min(1 + len(prompt), self._max_len), "prompt", "MEMORY_MODE_NONE encodes the prompt: ")
+            if 1 + len(prompt) + request.max_new_tokens > self._max_len:
+                self.step_budget(max(1, self._max_len // 2), "max_new_tokens",
+                                 "a generation past the model's context re-encodes ")
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
-                            stop_sequences=list(request.stop_sequences), knn=self.knn(request),
-                            memory=self.memory(request))
+                            stop_sequences=list(request.stop_sequences), knn=self.knn(request), memory=memory)
 
     @staticmethod
     def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:
@@ -363,3 +402,21 @@ class RequestParser:
         if top_p is not None and not (_finite(top_p) and 0 < top_p <= 1):
             raise InvalidRequest("sampling.top_p", f"{top_p}, must be in (0, 1]")
         return SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
+
+
+def encode_score(s: SequenceScore, pieces: list[str]) -> lm_pb2.SequenceScore:
+    """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load)."""
+    tokens = []
+    for j, t in enumerate(s.tokens.tolist()):
+        alternatives = [
+            lm_pb2.TokenAlternative(token_id=a, text=pieces[a], logprob=lp)
+            for a, lp in zip(s.top_ids[j].tolist(), s.top_logprobs[j].tolist())
+        ]
+        tokens.append(lm_pb2.TokenScore(
+            token_id=t, text=pieces[t], logprob=float(s.logprob[j]), base_logprob=float(s.base_logprob[j]),
+            is_greedy=bool(s.greedy[j]), alternatives=alternatives,
+        ))
+    return lm_pb2.SequenceScore(
+        tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,
+        perplexity=s.perplexity, is_greedy=s.is_greedy, context_tokens=s.context_tokens,
+    )

@@ -1,17 +1,21 @@
 """LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
 
 The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm_requests), runs
-`memlm.jobs.scoring.score_tokens` / `memlm.jobs.generate.generate` and encodes the result. All model work runs on
-ONE worker thread: torch is not async, and one thread keeps the model's memory and the CPU cores to one
-computation at a time. Generate advances its token iterator one step per job on that thread, so
+`memlm.jobs.scoring.score_tokens` / `memlm.jobs.generate.generate` and encodes the result. Model work runs
+ONE forward step at a time (services.lm_scheduler): torch is not async, and one step at a time keeps the
+model's memory and the CPU cores to one computation. Each call's work runs on a worker thread of its own
+and takes turns on the model step by step (round-robin), so a small Score waits for one step of each call
+ahead of it, never for all of a long one. Generate advances its token iterator one step per job, so
 concurrent generations and Score calls interleave token by token, and a generation whose client went
 away (cancelled, deadline passed, connection lost) stops after the token in progress: the handler
 stops asking for the next one.
 
-Bounded work (issue 9): every request's cost is checked before any work (services.lm_requests), and every
-call hands its library work a `CallStop`, polled between forward batches / segments / decode steps: when
-the client cancels, the deadline passes or the server stops, the work raises WorkStopped within one step
-and the model thread is free for the next call at once.
+Bounded work (issue 9): every request's cost, and every step's, is checked before any work
+(services.lm_requests), and every call hands its library work a `CallStop` (through its StepGate), polled
+between forward batches / segments / decode steps: when the client cancels, the deadline passes or the
+server stops, the work raises WorkStopped within one step and the model is free for the next call at once.
+A remote kNN search gives the model's turn away while it waits (other calls' steps run meanwhile) and
+ends by the caller's deadline.
 
 kNN-LM uses whatever Searcher the server was given: an in-process datastore (`--datastore DIR`) or a
 RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). Health stays
@@ -28,9 +32,7 @@ per-document memory the service does not keep yet).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +49,7 @@ from memlm.jobs.generate import (
     TokenEvent,
     generate,
 )
-from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
+from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.windows import WorkStopped
 from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
@@ -61,8 +63,21 @@ from services.lm_requests import (
     SUPPORTED_MEMORY_MODES,
     LMLimits,
     RequestParser,
+    encode_score,
 )
-from services.retrieval_client import connect_retrieval, for_caller, report_knn_health
+from services.lm_scheduler import (
+    CallStop,
+    ModelScheduler,
+    SerialIterator,
+    StepGate,
+    TurnFreeSearcher,
+)
+from services.retrieval_client import (
+    RetrievalClient,
+    connect_retrieval,
+    for_caller,
+    report_knn_health,
+)
 from services.retrieval_server import info_to_proto
 from services.security import ClientTls
 from services.server_common import (
@@ -100,38 +115,18 @@ class GenerationRecord:
     """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
 
 
-class CallStop:
-    """Whether one rpc's library work should stop: its handler ended (client cancelled, connection lost:
-    `set()` in the handler's finally), its deadline passed, or the server is closing (`closing`, set by
-    LanguageModelServicer.close). Called on the model thread between steps (memlm.jobs.windows.ShouldStop),
-    so it reads only thread-safe Events and the clock."""
-
-    def __init__(self, context: grpc.aio.ServicerContext, closing: threading.Event) -> None:
-        remaining = context.time_remaining()
-        self.deadline = None if remaining is None else time.monotonic() + remaining
-        """time.monotonic() at the call's deadline; None = no deadline."""
-        self._ended = threading.Event()
-        self._closing = closing
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def __call__(self) -> bool:
-        return self._ended.is_set() or self._closing.is_set() or self.expired()
-
-    def set(self) -> None:
-        self._ended.set()
-
-
 class LanguageModelServicer:
     """Validate, run on the model thread, encode. Before `load` every call answers UNAVAILABLE."""
 
-    def __init__(self, *, model_name: str, knn_defaults: KNNLMConfig, limits: LMLimits, max_message_bytes: int):
+    def __init__(self, *, model_name: str, knn_defaults: KNNLMConfig, limits: LMLimits, max_message_bytes: int,
+                 max_calls: int):
+        """max_calls: calls whose work may be under way at once (the server's max_concurrent_rpcs)."""
         self._model_name = model_name
         self._knn_defaults = knn_defaults
         self._limits = limits
         self._max_message_bytes = max_message_bytes
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memlm-lm")
+        self.scheduler = ModelScheduler(max_calls)
+        """The model's turns (tests look at scheduler.turns)."""
         self._loaded = False
         self._closing = threading.Event()
         self.records: list[GenerationRecord] = []
@@ -184,6 +179,10 @@ class LanguageModelServicer:
             max_score_batch=self._limits.max_score_batch,
             max_new_tokens=self._limits.max_new_tokens,
             max_message_bytes=self._max_message_bytes,
+            max_forward_tokens=self._limits.max_forward_tokens,
+            max_score_entries=self._limits.max_score_entries,
+            max_text_chars=self._limits.max_text_chars,
+            max_step_tokens=self._limits.max_step_tokens,
         )
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
@@ -191,26 +190,33 @@ class LanguageModelServicer:
         self._loaded = True
 
     def close(self) -> None:
-        """Release the model thread (after the server stopped): work still running there stops within one
+        """Release the model's workers (after the server stopped): work still running stops within one
         step (its calls were cancelled when the drain's grace ran out), queued work is dropped."""
         self._closing.set()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.scheduler.close()
 
-    async def _run(self, fn: Callable, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def _searcher_for(self, gate: StepGate, stop: CallStop) -> Searcher | None:
+        """The searcher of one call: a remote one ends by the caller's deadline or cancel (for_caller) and
+        waits without the model's turn (issue 9.2); an in-process one searches on the cores the steps use,
+        so its search is part of the step."""
+        searcher = for_caller(self._searcher, stop.deadline, stop)
+        if isinstance(searcher, RetrievalClient):
+            return TurnFreeSearcher(searcher, gate)
+        return searcher
 
     async def _require_loaded(self, context) -> None:
         if not self._loaded:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
 
-    async def _call_library(self, context, stop: CallStop, fn: Callable, *args) -> Any:
-        """Run fn on the model thread; searcher and library errors become statuses (the server keeps serving).
+    async def _call_library(self, context, stop: CallStop, gate: StepGate, fn: Callable, *args) -> Any:
+        """Run fn with the model's turn (passed on at gate's polls); searcher and library errors become
+        statuses (the server keeps serving).
 
-        fn's work polls `stop` (which the caller sets when its handler ends); WorkStopped means the caller
-        gave up or its deadline passed: DEADLINE_EXCEEDED or CANCELLED, for a client that may still listen.
+        fn's work polls `gate` (whose `stop` the caller sets when its handler ends); WorkStopped means the
+        caller gave up or its deadline passed: DEADLINE_EXCEEDED or CANCELLED, for a client that may still listen.
         """
         try:
-            return await self._run(fn, *args)
+            return await self.scheduler.run(gate, fn, *args)
         except WorkStopped:
             if stop.expired():
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
@@ -225,62 +231,47 @@ class LanguageModelServicer:
     async def Score(self, request: lm_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
         stop = CallStop(context, self._closing)
+        gate = self.scheduler.gate(stop)
 
         def work():
             args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
-            # A remote search ends when the caller gives up, so it never holds the model thread past that.
-            searcher = for_caller(self._searcher, stop.deadline, stop) if args.knn is not None else None
+            searcher = self._searcher_for(gate, stop) if args.knn is not None else None
             if args.memory is None:
                 scores = score_tokens(
                     self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
                     boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                    batch_size=self._limits.score_batch_size, should_stop=stop,
+                    batch_size=args.batch_size, should_stop=gate,
                 )
             else:
                 scores = score_tokens_segments(
                     self._model, args.token_seqs, memory=args.memory,
                     contexts=args.contexts, boundary_token=self._boundary, searcher=searcher, knn=args.knn,
-                    top_n=args.top_n, batch_size=self._limits.score_batch_size, should_stop=stop,
+                    top_n=args.top_n, batch_size=args.batch_size, should_stop=gate,
                 )
-            return lm_pb2.ScoreResponse(results=[self._encode_score(s) for s in scores])
+            return lm_pb2.ScoreResponse(results=[encode_score(s, self._pieces) for s in scores])
 
         try:
-            return await self._call_library(context, stop, work)
+            return await self._call_library(context, stop, gate, work)
         finally:  # cancelled, aborted or done: a step still running on the model thread stops after itself
             stop.set()
-
-    def _encode_score(self, s: SequenceScore) -> lm_pb2.SequenceScore:
-        pieces = self._pieces
-        tokens = []
-        for j, t in enumerate(s.tokens.tolist()):
-            alternatives = [
-                lm_pb2.TokenAlternative(token_id=a, text=pieces[a], logprob=lp)
-                for a, lp in zip(s.top_ids[j].tolist(), s.top_logprobs[j].tolist())
-            ]
-            tokens.append(lm_pb2.TokenScore(
-                token_id=t, text=pieces[t], logprob=float(s.logprob[j]), base_logprob=float(s.base_logprob[j]),
-                is_greedy=bool(s.greedy[j]), alternatives=alternatives,
-            ))
-        return lm_pb2.SequenceScore(
-            tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,
-            perplexity=s.perplexity, is_greedy=s.is_greedy, context_tokens=s.context_tokens,
-        )
 
     async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
         stop = CallStop(context, self._closing)
+        gate = self.scheduler.gate(stop)
 
         def start():
             args = self._parser.generate(request)
-            return generate(
+            return SerialIterator(generate(
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id,
-                searcher=for_caller(self._searcher, stop.deadline, stop) if args.knn is not None else None,
-                knn=args.knn, memory=args.memory, should_stop=stop,
-            )
+                searcher=self._searcher_for(gate, stop) if args.knn is not None else None,
+                knn=args.knn, memory=args.memory, should_stop=gate,
+            ))
 
-        events = await self._call_library(context, stop, start)  # validates; the prompt runs at the first next()
+        # Validates; the prompt runs at the first next().
+        events = await self._call_library(context, stop, gate, start)
         produced = 0
         outcome = "cancelled"
         try:
@@ -292,7 +283,7 @@ class LanguageModelServicer:
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     break  # to the DEADLINE_EXCEEDED below
-                event = await self._call_library(context, stop, next, events)
+                event = await self._call_library(context, stop, gate, next, events)
                 if isinstance(event, TokenEvent):
                     produced += 1
                     token = lm_pb2.GeneratedToken(
@@ -314,9 +305,9 @@ class LanguageModelServicer:
             raise
         finally:
             # A step still running (a long prompt's encoding) stops after itself; then the generation's
-            # KV cache / memory is freed now (an abandoned one too), on the model thread.
+            # KV cache / memory is freed now (an abandoned one too), once that step is done (SerialIterator).
             stop.set()
-            self._executor.submit(events.close)
+            self.scheduler.submit(events.close)
             self._record(GenerationRecord(produced, outcome))
         # Ending the stream normally here would tell a client whose own timer has not fired yet that the
         # generation finished (status OK, no finish message).
@@ -342,7 +333,8 @@ class LanguageModelServicer:
                 results.append(lm_pb2.TokenizedText(ids=ids, pieces=[self._pieces[i] for i in ids]))
             return lm_pb2.TokenizeResponse(results=results)
 
-        return await self._call_library(context, CallStop(context, self._closing), work)
+        stop = CallStop(context, self._closing)
+        return await self._call_library(context, stop, self.scheduler.gate(stop), work)
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
@@ -368,12 +360,13 @@ async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMCo
     """Bind and start a server whose servicer has no model yet: health NOT_SERVING, calls UNAVAILABLE
     until `servicer.load(...)` and `running.mark_serving()` (serve_lm loads the model meanwhile)."""
     servicer = LanguageModelServicer(
-        model_name=model_name, knn_defaults=knn_defaults, limits=limits, max_message_bytes=options.max_message_bytes
+        model_name=model_name, knn_defaults=knn_defaults, limits=limits, max_message_bytes=options.max_message_bytes,
+        max_calls=options.max_concurrent_rpcs,
     )
     running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
 
     async def release() -> None:
-        # Joins the model thread off the event loop: the cancelled handlers still need the loop to end.
+        # Joins the model's workers off the event loop: the cancelled handlers still need the loop to end.
         await asyncio.to_thread(servicer.close)
 
     close_when_stopped(running.server, release)

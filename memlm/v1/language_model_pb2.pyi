@@ -241,7 +241,7 @@ class LanguageModelServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LanguageModelServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens")
+    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens", "max_forward_tokens", "max_score_entries", "max_text_chars", "max_step_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,10 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MEMORY_FIELD_NUMBER: _ClassVar[int]
     MAX_MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -270,4 +274,8 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     max_message_bytes: int
     default_memory: MemoryOptions
     max_memory_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ...) -> None: ...
+    max_forward_tokens: int
+    max_score_entries: int
+    max_text_chars: int
+    max_step_tokens: int
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_score_entries: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_step_tokens: _Optional[int] = ...) -> None: ...
