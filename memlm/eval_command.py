@@ -1,11 +1,14 @@
 """`memlm eval`: which evaluation the flags ask for, the settings it takes from artifacts, and its result.
 
-Three modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
+Four modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
 - sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
   options, lambda/T tuned on --tune-data that must share no document with the evaluation data);
 - segments alone (--memory none --segment S, or --segment S alone): each S-token segment scored with no
   memory at all;
-- segment-recurrent memory (--memory xl|compressive and its sizes).
+- segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`
+  checkpoint with its knn_attention.pt, or any model with a fresh, untrained gate, which the result says);
+- the continuous cache (--continuous-cache --cache-size M, Grave et al. 2017: kNN-LM over the document's
+  own past, over --memory none or xl; --k, --lambda, --knn-temperature, tuned on --tune-data).
 Settings recorded by an artifact follow one rule (memlm.retrieval.compat): a datastore's context and
 stride, and a `memlm train` checkpoint's memory settings, are taken when left unset (one line says so)
 and refused when given differently; its boundary token and fingerprints must match.
@@ -20,9 +23,11 @@ from typing import Any
 
 from memlm.errors import MemlmError
 from memlm.files import check_writable_file
+from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
+    MEMORIZING_ONLY,
     MEMORY_OPTIONS,
     WINDOW_OPTIONS,
     add_options,
@@ -31,10 +36,13 @@ from memlm.options import (
     knn_config,
     positive_int,
     refuse_given,
+    refuse_unless_memorizing,
 )
 
 KNN_ONLY = ("search_backend", "tune_data", "tune_split", "tune_max_tokens", "allow_tune_overlap")
 """Eval flags of kNN-LM besides the kNN option group (refused without --datastore)."""
+CACHE_KNN = ("k", "lmbda", "temperature", *KNN_ONLY[1:])
+"""kNN-LM flags the continuous cache takes too (its neighbours, mixture and tuning)."""
 
 
 def add_eval_parser(sub: Any) -> None:
@@ -62,6 +70,12 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
                      help="tune even on documents that are evaluated too (recorded in the result)")
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
+    cache = p.add_argument_group("continuous cache (Grave et al. 2017; memlm.jobs.continuous_cache)")
+    cache.add_argument("--continuous-cache", action="store_true", default=None,
+                       help="report the base and the base with a cache of the document's own past (kNN-LM over "
+                            "earlier positions; --k, --lambda, --knn-temperature, --tune-data)")
+    cache.add_argument("--cache-size", type=positive_int, default=None,
+                       help=f"positions of earlier segments the cache holds per document (default {DEFAULT_CACHE_SIZE})")
     p.set_defaults(func=cmd_eval)
 
 
@@ -88,8 +102,6 @@ def checkpoint_settings(model: str, boundary: int) -> Any:
 
 def memory_for(args: argparse.Namespace, settings: Any) -> MemoryConfig | None:
     """The segment-recurrent MemoryConfig the flags (and a checkpoint's settings) ask for; None: windows."""
-    from memlm.retrieval.compat import adopt, say_taken
-
     mem, win = given(args, MEMORY_OPTIONS), given(args, WINDOW_OPTIONS)
     memory_flags = [d for d in mem if not (d == "kind" and mem[d] == "none")]  # --memory none is windows too
     if args.datastore is not None:
@@ -109,14 +121,12 @@ def memory_for(args: argparse.Namespace, settings: Any) -> MemoryConfig | None:
         memory = MemoryConfig(kind="none")
         values = {dest: mem.get(dest, getattr(memory, dest)) for dest in MEMORY_OPTIONS}
     else:
-        taken: list[str] = []
-        values = {dest: adopt(flag(dest), mem.get(dest), getattr(settings.memory, dest), f"checkpoint {args.model}",
-                              taken) for dest in MEMORY_OPTIONS}
-        say_taken(taken, f"checkpoint {args.model}")
+        values = checkpoint_memory(args, mem, settings.memory)
     kind = values["kind"]
     if kind != "compressive":
         refuse_given(args, ("cmem_len", "compress_rate", "compress_fn"),
                      f"applies to --memory compressive only, not {kind}")
+    refuse_unless_memorizing(args, kind)
     if kind == "none":
         refuse_given(args, ("mem_len", "sink_tokens"),
                      "needs --memory xl or compressive; --memory none scores each segment alone")
@@ -126,6 +136,33 @@ def memory_for(args: argparse.Namespace, settings: Any) -> MemoryConfig | None:
         raise MemlmError(str(e)) from None
 
 
+EVAL_TIME_KNN = ("knn_mem_size", "knn_top_k", "knn_backend")
+"""Memorizing settings an evaluation of a memorizing checkpoint may change (Wu et al. 2022 evaluate one model
+at several memory sizes); its layer and the XL part are the checkpoint's."""
+
+
+def checkpoint_memory(args: argparse.Namespace, mem: dict[str, Any], recorded: MemoryConfig) -> dict[str, Any]:
+    """The memory fields of an evaluation of a `memlm train` checkpoint (compat.adopt: unset takes the
+    checkpoint's, given and different is refused), except EVAL_TIME_KNN of a memorizing checkpoint, which
+    are free, and its kind, which may be "xl" (the same XL memory without the kNN layer: memory 0)."""
+    from memlm.retrieval.compat import adopt, say_taken
+
+    artifact = f"checkpoint {args.model}"
+    memorizing = recorded.kind == "memorizing"
+    values: dict[str, Any] = {}
+    taken: list[str] = []
+    for dest in MEMORY_OPTIONS:
+        if dest in MEMORIZING_ONLY and not memorizing:
+            values[dest] = mem.get(dest, getattr(MemoryConfig(), dest))
+        elif (memorizing and dest in EVAL_TIME_KNN and dest in mem) or (
+                memorizing and dest == "kind" and mem.get(dest) == "xl"):
+            values[dest] = mem[dest]
+        else:
+            values[dest] = adopt(flag(dest), mem.get(dest), getattr(recorded, dest), artifact, taken)
+    say_taken(taken, artifact)
+    return values
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.jobs.evaluate import evaluate_perplexity, write_json
     from memlm.model.config import describe_weights
@@ -133,8 +170,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
-    if args.datastore is None:
-        refuse_given(args, (*KNN_OPTIONS, *KNN_ONLY), "needs --datastore")
+    check_cache_flags(args)
+    if args.datastore is None and not args.continuous_cache:
+        refuse_given(args, (*KNN_OPTIONS, *KNN_ONLY), "needs --datastore (or --continuous-cache)")
     if args.tune_data is None:
         refuse_given(args, KNN_ONLY[2:], "needs --tune-data")
     if args.json:
@@ -155,7 +193,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    if memory is not None:
+    if args.continuous_cache:
+        result = run_cache_eval(args, pretrained, evaluation, memory, boundary)
+    elif memory is not None:
         result = run_memory_eval(args, pretrained.model, evaluation.token_docs, memory, boundary, device)
     elif args.datastore is not None:
         result = run_knnlm_eval(args, pretrained, evaluation, boundary)
@@ -202,8 +242,53 @@ def run_memory_eval(args: argparse.Namespace, model: Any, token_docs: list[list[
         if compressor.rate != memory.compress_rate:
             raise MemlmError(f"the checkpoint's compressor has rate {compressor.rate}; pass --compress-rate "
                              f"{compressor.rate}")
+    knn_attention, trained = knn_attention_for(args.model, model, memory)
     return evaluate_memory(model, token_docs, memory, boundary_token=boundary, batch_size=args.batch_size,
-                           compressor=compressor)
+                           compressor=compressor, knn_attention=knn_attention, gate_trained=trained)
+
+
+def knn_attention_for(model_arg: str, model: Any, memory: MemoryConfig) -> tuple[Any, bool]:
+    """The memorizing layer's parameters: a `memlm train` checkpoint's knn_attention.pt (trained), else a
+    fresh module (untrained gate, said on stderr and recorded); (None, True) for other memories."""
+    if memory.kind != "memorizing":
+        return None, True
+    from memlm.memory.memorizing import load_knn_attention, new_knn_attention
+
+    saved = load_knn_attention(model_arg, model.device) if Path(model_arg).is_dir() else None
+    if saved is not None:
+        return saved, True
+    print(f"{model_arg} has no trained kNN attention (memlm train --memory memorizing): a fresh gate is used, "
+          "untrained (recorded as gate_trained false)", file=sys.stderr)
+    return new_knn_attention(model.config).to(model.device), False
+
+
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """--continuous-cache takes --cache-size, --k, --lambda, --knn-temperature and the tuning flags, over
+    --memory none or xl; the datastore's kNN-LM and windows are other modes (one line each)."""
+    if not args.continuous_cache:
+        refuse_given(args, ("cache_size",), "needs --continuous-cache")
+        return
+    if args.datastore is not None:
+        raise MemlmError("--continuous-cache and --datastore are two baselines: run them as two evaluations")
+    refuse_given(args, [d for d in (*KNN_OPTIONS, *KNN_ONLY) if d not in CACHE_KNN],
+                 "applies to --datastore only, not --continuous-cache")
+    refuse_given(args, WINDOW_OPTIONS, "does not apply with --continuous-cache (it runs segment by segment: "
+                 "--segment, --memory none or xl)")
+
+
+def run_cache_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, memory: MemoryConfig | None,
+                   boundary: int) -> dict:
+    from memlm.jobs.continuous_cache import evaluate_continuous_cache
+
+    memory = memory or MemoryConfig(kind="none")
+    knn = knn_config(args, allow_auto=True)
+    tune_docs, tune_record = tuning_tokens(args, pretrained.tokenizer, evaluation)
+    if knn.needs_tuning and tune_docs is None:
+        raise MemlmError("--lambda auto / --knn-temperature auto need --tune-data (never tuned on the evaluation split)")
+    result = evaluate_continuous_cache(pretrained.model, evaluation.token_docs, memory,
+                                       args.cache_size or DEFAULT_CACHE_SIZE, knn, boundary_token=boundary,
+                                       batch_size=args.batch_size, tune_docs=tune_docs)
+    return {**result, **tune_record}
 
 
 def tuning_tokens(args: argparse.Namespace, tokenizer: Any, evaluation: Any) -> tuple[list[list[int]] | None, dict]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from memlm.errors import MemlmError
+from memlm.jobs.memorizing import DEFAULT_KNN_TRAIN, KNN_TRAIN_MODES
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import COMPRESS_FNS, MEMORY_KINDS, MemoryConfig
+from memlm.memory.config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import MAX_K
 
@@ -114,6 +115,20 @@ MEMORY_OPTIONS = {o.dest: o for o in (
     Option("--compress-rate", "compress_rate", int, "memories per compressed slot", _M.compress_rate),
     Option("--compress-fn", "compress_fn", str, "compression function", _M.compress_fn, COMPRESS_FNS),
     Option("--sink-tokens", "sink_tokens", int, "first tokens of each document kept in memory", _M.sink_tokens),
+    Option("--knn-layer", "knn_layer", int, "memorizing: 0-based layer with kNN attention", "about 3/4 up"),
+    Option("--knn-mem-size", "knn_mem_size", positive_int,
+           "memorizing: kNN memory entries per (row, kv head); oldest evicted beyond", _M.knn_mem_size),
+    Option("--knn-top-k", "knn_top_k", positive_int, "memorizing: (key, value) pairs retrieved per query",
+           _M.knn_top_k),
+    Option("--knn-backend", "knn_backend", str, "memorizing: kNN memory backend (auto: exact up to "
+           "memlm.memory.config.EXACT_MAX_ENTRIES entries, faiss beyond)", _M.knn_backend, KNN_BACKENDS),
+)}
+MEMORIZING_ONLY = ("knn_layer", "knn_mem_size", "knn_top_k", "knn_backend")
+"""MEMORY_OPTIONS that apply to --memory memorizing only (refused with any other kind)."""
+KNN_TRAIN_OPTIONS = {o.dest: o for o in (
+    Option("--knn-train", "knn_train", str, "memorizing fine-tuning: gate (only the kNN-attention parameters) "
+           "or top (those and the decoder layers from --knn-layer up); from scratch everything trains", DEFAULT_KNN_TRAIN,
+           KNN_TRAIN_MODES),
 )}
 WINDOW_OPTIONS = {o.dest: o for o in (
     Option("--context", "context", positive_int, "sliding-window length in tokens (at most the model's)", _W.context),
@@ -157,14 +172,22 @@ def knn_config(args: argparse.Namespace, allow_auto: bool = False) -> KNNLMConfi
 def memory_config(args: argparse.Namespace, base: MemoryConfig) -> MemoryConfig:
     """`base` with the memory options given replacing its fields; a bad combination is one line."""
     try:
-        return dataclasses.replace(base, **given(args, MEMORY_OPTIONS))
+        memory = dataclasses.replace(base, **given(args, MEMORY_OPTIONS))
     except ValueError as e:
         raise MemlmError(str(e)) from None
+    refuse_unless_memorizing(args, memory.kind)
+    return memory
+
+
+def refuse_unless_memorizing(args: argparse.Namespace, kind: str) -> None:
+    """The memorizing layer's options (and --knn-train) given with another memory kind: one line (issue 10)."""
+    if kind != "memorizing":
+        refuse_given(args, (*MEMORIZING_ONLY, *KNN_TRAIN_OPTIONS), f"applies to --memory memorizing only, not {kind}")
 
 
 def flag(dest: str) -> str:
     """The flag of an option by its dest: the group tables' flags, else the argparse spelling."""
-    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS):
+    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, KNN_TRAIN_OPTIONS):
         if dest in table:
             return table[dest].flag
     return "--" + dest.replace("_", "-")

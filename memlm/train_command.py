@@ -11,7 +11,13 @@ import json
 from typing import Any
 
 from memlm.memory.config import MemoryConfig
-from memlm.options import MEMORY_OPTIONS, add_options, memory_config, positive_int
+from memlm.options import (
+    KNN_TRAIN_OPTIONS,
+    MEMORY_OPTIONS,
+    add_options,
+    memory_config,
+    positive_int,
+)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -24,7 +30,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, out_dir=args.out,
         log_every=args.log_every, seed=args.seed, device=args.device, data=args.data,
         train_split=args.split, eval_split=args.eval_split, max_train_tokens=args.max_train_tokens,
-        max_eval_tokens=args.max_eval_tokens,
+        max_eval_tokens=args.max_eval_tokens, knn_train=args.knn_train,
     )
     result = train(config, resume_from=args.resume)
     summary = {
@@ -38,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def add_train_parser(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a model (from scratch or SmolLM2) with XL / compressive memory")
+    p = sub.add_parser("train", help="train a model (from scratch or SmolLM2) with XL / compressive / memorizing memory")
     p.add_argument("--model", default="tiny", help="preset (scratch) or anything `eval --model` takes (pretrained)")
     p.add_argument("--init", default="scratch", choices=["scratch", "pretrained"])
     p.add_argument("--data", required=True, help="corpus (long documents are read in order)")
@@ -50,6 +56,7 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     add_options(p, f"memory carried across segments (default --memory {MemoryConfig.kind}; the segment is the "
                 "truncated-backpropagation unit)", MEMORY_OPTIONS)
+    add_options(p, "memorizing fine-tuning (--memory memorizing --init pretrained)", KNN_TRAIN_OPTIONS)
     p.add_argument("--compressor-only", action="store_true", help="freeze the model, train the conv compressor")
     p.add_argument("--batch-size", type=positive_int, default=4, help="independent document streams")
     p.add_argument("--steps", type=int, default=200)

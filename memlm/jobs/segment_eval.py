@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,12 @@ import torch.nn.functional as F
 from memlm.errors import MemlmError
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
-from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
+
+if TYPE_CHECKING:
+    from memlm.memory.memorizing import KnnAttention
+    from memlm.retrieval.memory_store import KeyValueMemoryFactory
 
 
 class SegmentBatch(NamedTuple):
@@ -175,16 +179,25 @@ def evaluate_memory(
     batch_size: int = 1,
     compressor: Compressor | None = None,
     reproject: bool | None = None,
+    knn_attention: KnnAttention | None = None,
+    service: KeyValueMemoryFactory | None = None,
+    gate_trained: bool = True,
 ) -> dict[str, Any]:
     """Segment-recurrent perplexity of `model` over `token_docs` (token ids per document).
 
-    memory: kind "none" (each memory.segment-token segment alone), "xl" or "compressive", with its sizes.
+    memory: kind "none" (each memory.segment-token segment alone), "xl", "compressive" or "memorizing",
+        with its sizes.
     boundary_token: prepended to every document (memlm.model.tokenizer.document_boundary).
     reproject: the memory keeps layer inputs and re-projects keys and values (memlm.memory.xl.XLMemory);
         None: only when the conv compressor compresses layer inputs (one trained by memlm train). For
         fixed weights it changes nothing for XL or mean pooling (projection is linear), only the cost.
-    Returns perplexity, nll (nats/token), tokens, seconds, tokens_per_s, the settings and the attention cost.
+    knn_attention, service: the memorizing layer's parameters and the retrieval-service memory factory
+        (memlm.jobs.memorizing.open_memory); gate_trained: recorded (False for a fresh, untrained gate).
+    Returns perplexity, nll (nats/token), tokens, seconds, tokens_per_s, the settings and the attention cost
+    (memorizing: also the kNN memory size, top-k, backend, layer and mean gate per head).
     """
+    from memlm.jobs.memorizing import memorizing_record, open_memory
+
     mcfg, segment = memory, memory.segment
     if segment > model.config.max_seq_len:
         raise MemlmError(f"--segment {segment} is longer than the model supports ({model.config.max_seq_len})")
@@ -194,7 +207,8 @@ def evaluate_memory(
     stream = SegmentStream(token_docs, batch_size, segment, boundary_token)
     if reproject is None:
         reproject = compressor is not None and compressor.space == "x"
-    state = new_memory(mcfg, batch_size, device, compressor, reproject)
+    state = open_memory(model, mcfg, batch_size, compressor=compressor, knn_attention=knn_attention, service=service,
+                        reproject=reproject)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
     was_training = model.training
@@ -227,5 +241,6 @@ def evaluate_memory(
         "documents": len(stream.docs), "tokens": n_tokens, "nll": nll, "perplexity": math.exp(nll),
         "seconds": seconds, "tokens_per_s": n_tokens / seconds if seconds > 0 else float("inf"),
         **attention_cost(mcfg, segment, model.config.n_layer),
+        **memorizing_record(mcfg, model.config.n_layer, knn_attention, gate_trained),
     }
 

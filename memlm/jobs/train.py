@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.memorizing import resolved_knn_train
 from memlm.jobs.segment_eval import SegmentStream, evaluate_memory
 from memlm.memory.compressive import CompressiveMemory, Compressor
 from memlm.memory.config import MemoryConfig
@@ -105,6 +106,10 @@ class TrainConfig:
     """Read at most this many training tokens from the corpus (documents in order)."""
     max_eval_tokens: int | None = None
     """Read at most this many evaluation tokens."""
+    knn_train: str | None = None
+    """Memorizing fine-tuning (init "pretrained"): "gate" (only the KnnAttention parameters) or "top" (and
+    the decoder blocks from the memorizing layer up); None: memlm.jobs.memorizing.DEFAULT_KNN_TRAIN. Must be
+    None otherwise (from scratch everything trains)."""
 
     def __post_init__(self) -> None:
         if self.init not in ("scratch", "pretrained"):
@@ -115,6 +120,12 @@ class TrainConfig:
             raise MemlmError("--compressor-only needs --memory compressive --compress-fn conv")
         if self.batch_size < 1 or self.steps < 0:
             raise MemlmError("batch_size must be >= 1, steps >= 0")
+        resolved_knn_train(self.memory, self.init, self.knn_train)  # refuses a knn_train that does not apply
+
+    @property
+    def trains(self) -> str:
+        """What the LM loss trains: memlm.jobs.memorizing.TRAIN_ALL, "gate" or "top" (resolved_knn_train)."""
+        return resolved_knn_train(self.memory, self.init, self.knn_train)
 
     @property
     def segment(self) -> int:
