@@ -31,19 +31,24 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.memorizing import check_knn_attention, open_memory
 from memlm.jobs.windows import ShouldStop, check_stop
 from memlm.memory.config import MemoryConfig
-from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder, KVCache
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
 from memlm.retrieval.searcher import Searcher, search_keys
+
+if TYPE_CHECKING:
+    from memlm.memory.memorizing import KnnAttention
+    from memlm.retrieval.memory_store import KeyValueMemoryFactory
 
 REPLACEMENT = "\ufffd"
 FINISH_LENGTH = "length"
@@ -105,6 +110,14 @@ class GenerationEnd:
     """The stop sequence that matched (token-id stop sequences as their decoded text); "" otherwise."""
 
 
+class _Opened(NamedTuple):
+    """What a segment memory for generation is opened from (memlm.jobs.memorizing.open_memory)."""
+
+    memory: MemoryConfig
+    knn_attention: KnnAttention | None
+    service: KeyValueMemoryFactory | None
+
+
 def _as_stop(s: str | Sequence[int]) -> str | tuple[int, ...]:
     if isinstance(s, str):
         if not s:
@@ -146,6 +159,8 @@ def generate(
     knn: KNNLMConfig | None = None,
     memory: MemoryConfig | None = None,
     should_stop: ShouldStop | None = None,
+    knn_attention: KnnAttention | None = None,
+    service: KeyValueMemoryFactory | None = None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     """Continue `prompt_ids`, yielding TokenEvents then exactly one GenerationEnd.
 
@@ -161,6 +176,10 @@ def generate(
     should_stop: polled before every forward pass (each prompt segment, each decode step); when it says
         True, the iterator raises WorkStopped (a server whose client gave up frees its model thread
         within one step, issue 9). None = never.
+    knn_attention, service: memory.kind "memorizing" (Wu et al. 2022): the layer's parameters (required)
+        and the retrieval-service memory factory (knn_backend "service"). Every decode step appends its
+        token's keys and values to the kNN memory, so later steps retrieve them (the memory of the whole
+        prompt and continuation, FIFO at knn_mem_size).
     """
     if max_new_tokens < 1:
         raise MemlmError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -179,14 +198,17 @@ def generate(
     V = model.config.vocab_size
     if any(not 0 <= i < V for i in prefix):
         raise MemlmError(f"prompt has token ids outside [0, {V})")
+    if memory is not None:
+        check_knn_attention(memory, knn_attention)
+    opened = None if memory is None else _Opened(memory, knn_attention, service)
     return _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher, knn,
-                     memory, should_stop)
+                     opened, should_stop)
 
 
 def _generate(
     model: Decoder, tokenizer: Tokenizer, prefix: list[int], prompt_tokens: int, max_new_tokens: int,
     sampling: SamplingConfig, stops: list[str | tuple[int, ...]], eos_id: int | None, searcher: Searcher | None,
-    knn: KNNLMConfig | None, memory: MemoryConfig | None, should_stop: ShouldStop | None,
+    knn: KNNLMConfig | None, opened: _Opened | None, should_stop: ShouldStop | None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     device = model.device
     max_len = model.config.max_seq_len
@@ -210,8 +232,8 @@ def _generate(
 
     def encode_segments():
         # The whole prompt, segment by segment, into the memory (never re-encoded afterwards).
-        state = new_memory(memory, 1, device)
-        segment = memory.segment
+        state = open_memory(model, opened.memory, 1, knn_attention=opened.knn_attention, service=opened.service)
+        segment = opened.memory.segment
         for lo in range(0, len(tokens), segment):
             check_stop(should_stop)
             idx = torch.tensor([tokens[lo : lo + segment]], dtype=torch.long, device=device)  # (1, T)
@@ -220,7 +242,7 @@ def _generate(
         return out.logits[0, -1], out.knn_key[0, -1], state  # (V,), (C,)
 
     with torch.inference_mode():
-        logits, key, cache = encode_window() if memory is None else encode_segments()
+        logits, key, cache = encode_window() if opened is None else encode_segments()
     for _ in range(max_new_tokens):
         with torch.inference_mode():
             token, logprob, base_logprob = _next_token(logits, key, decodable, sampling, generator, searcher, knn)
@@ -245,7 +267,7 @@ def _generate(
             break
         check_stop(should_stop)
         with torch.inference_mode():
-            if memory is None and cache.length + 1 > max_len:
+            if opened is None and cache.length + 1 > max_len:
                 logits, key, cache = encode_window()
             else:
                 step = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)

@@ -33,18 +33,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.memorizing import open_memory
 from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
-from memlm.jobs.windows import ShouldStop, Window, check_stop, check_window, forward_windows, plan_windows
+from memlm.jobs.windows import (
+    ShouldStop,
+    Window,
+    check_stop,
+    check_window,
+    forward_windows,
+    plan_windows,
+)
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
-from memlm.memory.state import new_memory
 from memlm.model.decoder import Decoder
 from memlm.retrieval.knnlm import (
     KNNLMConfig,
@@ -53,6 +60,10 @@ from memlm.retrieval.knnlm import (
     knn_target_logprob,
 )
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
+
+if TYPE_CHECKING:
+    from memlm.memory.memorizing import KnnAttention
+    from memlm.retrieval.memory_store import KeyValueMemoryFactory
 
 DENSE_BLOCK_FLOATS = 1 << 22
 """Largest (rows, V) float32 block of full distributions held at once for kNN greedy/top-n (16 MiB)."""
@@ -189,6 +200,8 @@ def score_tokens_segments(
     batch_size: int = 4,
     compressor: Compressor | None = None,
     should_stop: ShouldStop | None = None,
+    knn_attention: KnnAttention | None = None,
+    service: KeyValueMemoryFactory | None = None,
 ) -> list[SequenceScore]:
     """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
 
@@ -199,6 +212,10 @@ def score_tokens_segments(
         bit-identical floats); a row's memory is reset when it starts the next sequence.
     compressor: the learned compressor for memory.compress_fn "conv".
     should_stop: polled before every segment batch, as in score_tokens.
+    knn_attention, service: memory.kind "memorizing" (Wu et al. 2022): the layer's parameters (required)
+        and the retrieval-service memory factory (knn_backend "service"); the state is opened as
+        `memlm eval --memory memorizing` opens it (memlm.jobs.memorizing.open_memory), so per-token
+        log-probabilities equal evaluate_memory's.
     Each sequence is boundary + context + continuation; every position is run exactly once and only the
     continuation's targets are scored, so a context conditions the continuation through the memory
     (and the segment it shares with it).
@@ -222,7 +239,7 @@ def score_tokens_segments(
         rows = min(batch_size, len(docs))
         stream = SegmentStream(docs, rows, segment, boundary_token)
         device = model.device
-        state = new_memory(memory, rows, device, compressor)
+        state = open_memory(model, memory, rows, compressor=compressor, knn_attention=knn_attention, service=service)
         with torch.inference_mode():
             while (batch := stream.next_batch()) is not None:
                 check_stop(should_stop)
