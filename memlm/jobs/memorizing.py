@@ -13,6 +13,7 @@ Shape legend: B batch rows, nkv key/value heads, hs head size, L layers.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,3 +129,40 @@ def memorizing_record(memory: MemoryConfig, n_layer: int, knn_attention: KnnAtte
 def knn_parameters(knn_attention: KnnAttention | None) -> list[torch.nn.Parameter]:
     """The KnnAttention parameters (none without a memorizing layer)."""
     return [] if knn_attention is None else list(knn_attention.parameters())
+
+
+def fresh_knn_attention(model: Decoder) -> KnnAttention:
+    """A new KnnAttention for `model` on its device (gate near 0: fine-tuning starts at the base model)."""
+    from memlm.memory.memorizing import KnnAttention
+
+    return KnnAttention(model.config).to(model.device)
+
+
+def saved_knn_attention(directory: str | Path, device: torch.device | str) -> KnnAttention | None:
+    """The KnnAttention saved beside a checkpoint (memlm.memory.memorizing.save_knn_attention), or None."""
+    from memlm.memory.memorizing import KNN_ATTENTION_FILE, load_knn_attention
+
+    if not (Path(directory) / KNN_ATTENTION_FILE).is_file():
+        return None
+    return load_knn_attention(directory).to(device)
+
+
+def save_knn_attention(knn_attention: KnnAttention, directory: str | Path) -> None:
+    """Write the module beside a checkpoint (inside its atomic save)."""
+    from memlm.memory.memorizing import save_knn_attention as save
+
+    save(knn_attention, directory)
+
+
+def restore_memory(saved: dict, model: Decoder, memory: MemoryConfig, batch_size: int, *,
+                   compressor: Compressor | None = None, knn_attention: KnnAttention | None = None,
+                   service: KeyValueMemoryFactory | None = None) -> DecoderState:
+    """The memory state saved by `state_dict()` (a resumed training run), on the model's device; a
+    memorizing state gets a freshly opened store that its saved contents are loaded into."""
+    from memlm.memory.state import memory_from_state_dict
+
+    check_knn_attention(memory, knn_attention)
+    if memory.kind != "memorizing":
+        return memory_from_state_dict(saved, model.device, compressor)
+    return memory_from_state_dict(saved, model.device, knn_attention=knn_attention,
+                                  knn_store=open_knn_store(model, memory, batch_size, service))

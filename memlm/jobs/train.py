@@ -29,20 +29,29 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.jobs.memorizing import resolved_knn_train
+from memlm.jobs.memorizing import (
+    fresh_knn_attention,
+    knn_parameters,
+    open_memory,
+    resolved_knn_train,
+    restore_memory,
+    save_knn_attention,
+    saved_knn_attention,
+    select_trainable,
+)
 from memlm.jobs.segment_eval import SegmentStream, evaluate_memory
 from memlm.memory.compressive import CompressiveMemory, Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.memory.reconstruction import attention_reconstruction_loss, capture_queries
-from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.model.checkpoint import TextSettings
 from memlm.model.config import PRESETS
 from memlm.model.decoder import Decoder
@@ -136,7 +145,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         d = dict(d)
         memory = dict(d["memory"])
         if "segment" in d:  # checkpoints written before the segment moved into MemoryConfig
@@ -164,6 +173,8 @@ class TrainResult:
     """The trained model (train mode)."""
     compressor: Compressor | None
     """The trained conv compressor, when the memory has one."""
+    knn_attention: Any = None
+    """The trained KnnAttention module (memlm.memory.memorizing), with a memorizing memory."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -175,7 +186,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def _optimizer(model: Decoder, compressor: Compressor | None, cfg: TrainConfig) -> torch.optim.AdamW:
+def _optimizer(model: Decoder, compressor: Compressor | None, knn_attention: Any, cfg: TrainConfig) -> torch.optim.AdamW:
     groups = []
     if not cfg.compressor_only:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -184,6 +195,9 @@ def _optimizer(model: Decoder, compressor: Compressor | None, cfg: TrainConfig) 
         groups.append({"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0})
     if compressor is not None:
         groups.append({"params": list(compressor.parameters()), "weight_decay": 0.0})
+    # Gate logits and retrieval scales: per-head scalars, never decayed (decay would pull the gate to 0.5).
+    groups.append({"params": knn_parameters(knn_attention), "weight_decay": 0.0})
+    groups = [g for g in groups if g["params"]]
     fused = {"fused": True} if model.device.type == "cuda" else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **fused)
 
@@ -250,7 +264,7 @@ def _model_for(config: TrainConfig, resume_from: Path | None, device: torch.devi
     if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
         raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
     saved = TrainConfig.from_dict(extra["train_config"])
-    for name in ("memory", "batch_size", "compressor_only"):
+    for name in ("memory", "batch_size", "compressor_only", "knn_train"):
         if getattr(saved, name) != getattr(config, name):
             raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
     state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)
@@ -271,11 +285,13 @@ class _Run:
             self.model = random_model(self.model.config, config.seed, self.device, torch.float32)
         self.model.train()
         self.compressor = self._compressor()
+        self.knn_attention = self._knn_attention()
+        select_trainable(self.model, config.memory, config.trains)  # --knn-train gate|top freeze the rest
         if config.compressor_only:
             self.model.requires_grad_(False)
         # The one document-boundary rule (issue 8): train, eval, the datastore builder and the server agree.
         self.boundary = document_boundary(self.tokenizer)
-        self.opt = _optimizer(self.model, self.compressor, config)
+        self.opt = _optimizer(self.model, self.compressor, self.knn_attention, config)
         self.evals: list[dict[str, Any]] = []
         self.step = 0
 
@@ -291,6 +307,18 @@ class _Run:
             raise MemlmError(f"{self.resume_from} has no {COMPRESSOR_FILE}")
         return loaded
 
+    def _knn_attention(self) -> Any:
+        """The memorizing layer's parameters: fresh (gate near 0: training starts at the base model), or
+        the resumed checkpoint's."""
+        if self.config.memory.kind != "memorizing":
+            return None
+        if self.resume_from is None:
+            return fresh_knn_attention(self.model)
+        loaded = saved_knn_attention(self.resume_from, self.device)
+        if loaded is None:
+            raise MemlmError(f"{self.resume_from} has no saved kNN attention (knn_attention.pt)")
+        return loaded
+
     def _start(self, train_docs: Sequence[Sequence[int]]) -> None:
         """Data stream and memory, fresh or restored from the trainer state."""
         cfg, vocab = self.config, self.model.config.vocab_size
@@ -301,11 +329,13 @@ class _Run:
                                     position=saved["data_position"] if saved is not None else None)
         # reproject: Transformer-XL computes the memory's keys and values with the current weights, so that
         # W_k and W_v learn from attention to the memory (memlm.memory.xl.XLMemory explains what breaks without).
-        self.state = new_memory(cfg.memory, cfg.batch_size, self.device, self.compressor, reproject=True)
+        self.state = open_memory(self.model, cfg.memory, cfg.batch_size, compressor=self.compressor,
+                                 knn_attention=self.knn_attention, reproject=True)
         if saved is not None:
             self.opt.load_state_dict(saved["optimizer"])
             if saved["memory"] is not None:
-                self.state = memory_from_state_dict(saved["memory"], self.device, self.compressor)
+                self.state = restore_memory(saved["memory"], self.model, cfg.memory, cfg.batch_size,
+                                            compressor=self.compressor, knn_attention=self.knn_attention)
             self.step = int(saved["step"])
         # Clip the model and the compressor each on its own norm: they minimise different losses (LM vs
         # attention reconstruction), and one global norm let the compressor's gradients shrink the model's
@@ -350,7 +380,8 @@ class _Run:
         if not eval_docs:
             return
         r = evaluate_memory(self.model, eval_docs, self.config.memory, boundary_token=self.boundary,
-                            batch_size=self.config.batch_size, compressor=self.compressor, reproject=True)
+                            batch_size=self.config.batch_size, compressor=self.compressor, reproject=True,
+                            knn_attention=self.knn_attention)
         self.model.train()
         r["step"] = self.step
         self.evals.append(r)
@@ -371,6 +402,8 @@ class _Run:
             if compressor is not None:
                 torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
                             "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
+            if self.knn_attention is not None:
+                save_knn_attention(self.knn_attention, tmp)
 
         return str(save_checkpoint(cfg.out_dir, model, self.tokenizer, extra, write_files=write,
                                    settings=TextSettings(boundary_token=self.boundary, memory=cfg.memory)))
@@ -404,4 +437,5 @@ class _Run:
         if cfg.out_dir:
             checkpoint = self.save()
             self.log(f"checkpoint written to {checkpoint}")
-        return TrainResult(self.step, losses, rec_losses, self.evals, tokens, checkpoint, self.model, self.compressor)
+        return TrainResult(self.step, losses, rec_losses, self.evals, tokens, checkpoint, self.model, self.compressor,
+                           self.knn_attention)
