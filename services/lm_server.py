@@ -200,7 +200,7 @@ class LanguageModelServicer:
         waits without the model's turn (issue 9.2); an in-process one searches on the cores the steps use,
         so its search is part of the step."""
         searcher = for_caller(self._searcher, stop.deadline, stop)
-        if isinstance(searcher, RetrievalClient):
+        if isinstance(self._searcher, RetrievalClient):
             return TurnFreeSearcher(searcher, gate)
         return searcher
 
