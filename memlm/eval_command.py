@@ -252,14 +252,18 @@ def knn_attention_for(model_arg: str, model: Any, memory: MemoryConfig) -> tuple
     fresh module (untrained gate, said on stderr and recorded); (None, True) for other memories."""
     if memory.kind != "memorizing":
         return None, True
-    from memlm.memory.memorizing import load_knn_attention, new_knn_attention
+    from memlm.jobs.memorizing import fresh_knn_attention, saved_knn_attention
 
-    saved = load_knn_attention(model_arg, model.device) if Path(model_arg).is_dir() else None
+    saved = saved_knn_attention(model_arg, model.device) if Path(model_arg).is_dir() else None
     if saved is not None:
+        try:
+            saved.check_model(model.config)
+        except ValueError as e:
+            raise MemlmError(f"{model_arg}: {e}") from None
         return saved, True
     print(f"{model_arg} has no trained kNN attention (memlm train --memory memorizing): a fresh gate is used, "
           "untrained (recorded as gate_trained false)", file=sys.stderr)
-    return new_knn_attention(model.config).to(model.device), False
+    return fresh_knn_attention(model), False
 
 
 def check_cache_flags(args: argparse.Namespace) -> None:

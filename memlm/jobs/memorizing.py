@@ -133,18 +133,16 @@ def knn_parameters(knn_attention: KnnAttention | None) -> list[torch.nn.Paramete
 
 def fresh_knn_attention(model: Decoder) -> KnnAttention:
     """A new KnnAttention for `model` on its device (gate near 0: fine-tuning starts at the base model)."""
-    from memlm.memory.memorizing import KnnAttention
+    from memlm.memory.memorizing import new_knn_attention
 
-    return KnnAttention(model.config).to(model.device)
+    return new_knn_attention(model.config).to(model.device)
 
 
 def saved_knn_attention(directory: str | Path, device: torch.device | str) -> KnnAttention | None:
     """The KnnAttention saved beside a checkpoint (memlm.memory.memorizing.save_knn_attention), or None."""
-    from memlm.memory.memorizing import KNN_ATTENTION_FILE, load_knn_attention
+    from memlm.memory.memorizing import load_knn_attention
 
-    if not (Path(directory) / KNN_ATTENTION_FILE).is_file():
-        return None
-    return load_knn_attention(directory).to(device)
+    return load_knn_attention(directory, device)
 
 
 def save_knn_attention(knn_attention: KnnAttention, directory: str | Path) -> None:

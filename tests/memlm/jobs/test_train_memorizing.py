@@ -1,0 +1,152 @@
+"""memlm train/eval/score --memory memorizing on the tiny preset (issue 10): what trains, exact resume, a
+checkpoint round-trips into eval, the gate at 0 is the XL model exactly, scoring equals the eval path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from memlm.cli import main
+from memlm.jobs.memorizing import fresh_knn_attention
+from memlm.jobs.scoring import score_tokens_segments
+from memlm.jobs.segment_eval import evaluate_memory
+from memlm.jobs.train import TrainConfig, train
+from memlm.memory.config import MemoryConfig, memorizing_layer
+from memlm.memory.memorizing import load_knn_attention, mean_gate
+from memlm.model.weights import load_pretrained
+
+MEMORY = MemoryConfig("memorizing", mem_len=8, sink_tokens=0, segment=16, knn_mem_size=48, knn_top_k=4,
+                      knn_backend="exact")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def documents(n_docs: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Byte documents that repeat a random 12-token phrase (the memory has something to find)."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        phrase = [rng.randrange(97, 123) for _ in range(12)]
+        docs.append((phrase * (length // 12 + 1))[:length])
+    return docs
+
+
+def config(**kw) -> TrainConfig:
+    return TrainConfig(**({"model": "tiny", "init": "pretrained", "memory": MEMORY, "batch_size": 2, "steps": 3,
+                           "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0, "log_every": 0, "device": "cpu"} | kw))
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
+    return {name for name in before if not torch.equal(before[name], after[name])}
+
+
+def test_gate_trains_only_the_knn_attention() -> None:
+    base = {k: v.clone() for k, v in load_pretrained("tiny").model.state_dict().items()}
+    result = train(config(knn_train="gate"), documents(2, 80), log=quiet)
+    assert changed(base, result.model.state_dict()) == set()  # every decoder parameter bit-identical
+    fresh = fresh_knn_attention(result.model).state_dict()
+    assert changed(fresh, result.knn_attention.state_dict()) == {"gate_logit", "log_scale"}
+
+
+def test_top_trains_the_layers_from_the_memorizing_layer_up() -> None:
+    base = {k: v.clone() for k, v in load_pretrained("tiny").model.state_dict().items()}
+    result = train(config(knn_train="top"), documents(2, 80), log=quiet)
+    layer = memorizing_layer(MEMORY, result.model.config.n_layer)
+    assert layer == 1
+    moved = changed(base, result.model.state_dict())
+    assert moved and all(name.startswith(f"layers.{layer}.") for name in moved)  # below L: bit-identical
+    assert f"layers.{layer}.self_attn.q_proj.weight" in moved and f"layers.{layer}.mlp.down_proj.weight" in moved
+    assert changed(fresh_knn_attention(result.model).state_dict(), result.knn_attention.state_dict())
+
+
+def test_from_scratch_everything_trains_and_knn_train_is_refused() -> None:
+    result = train(config(init="scratch", steps=2), documents(2, 80), log=quiet)
+    assert result.knn_attention is not None and len(result.losses) == 2
+    with pytest.raises(Exception, match="from scratch everything trains"):
+        config(init="scratch", knn_train="gate")
+
+
+def test_resume_equals_uninterrupted(tmp_path) -> None:
+    cfg = config(knn_train="top", steps=6)
+    docs = documents(3, 70)  # rows switch documents mid-run: data position and kNN memory must resume
+    whole = train(dataclasses.replace(cfg, out_dir=str(tmp_path / "whole")), docs, log=quiet)
+    ckpt = tmp_path / "ckpt"
+    first = train(dataclasses.replace(cfg, out_dir=str(ckpt)), docs, log=quiet, stop_at=3)
+    rest = train(dataclasses.replace(cfg, out_dir=str(ckpt)), docs, resume_from=ckpt, log=quiet)
+    assert first.losses + rest.losses == whole.losses  # bit-identical on CPU
+    assert torch.equal(rest.knn_attention.gate_logit, whole.knn_attention.gate_logit)
+    resumed, reference = load_pretrained(str(ckpt)).model, load_pretrained(str(tmp_path / "whole")).model
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_round_trips_into_eval(tmp_path, capsys) -> None:
+    ckpt = tmp_path / "ckpt"
+    result = train(config(knn_train="gate", out_dir=str(ckpt)), documents(2, 80), log=quiet)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "the cat sat on the mat. " * 8}) + "\n" for _ in range(2)))
+    out = tmp_path / "r.json"
+    code = main(["eval", "--model", str(ckpt), "--data", str(data), "--memory", "memorizing", "--knn-mem-size", "32",
+                 "--knn-top-k", "2", "--quiet", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    r = json.loads(out.read_text())
+    assert (r["memory"], r["knn_mem_size"], r["knn_top_k"], r["knn_backend"], r["knn_layer"]) == (
+        "memorizing", 32, 2, "exact", 1)
+    assert r["gate_trained"] is True and r["mean_gate"] == mean_gate(result.knn_attention)
+    assert r["mean_gate"] == mean_gate(load_knn_attention(ckpt))
+    assert "--knn-layer" in err  # the layer (and the XL part) were taken from the checkpoint
+    code = main(["eval", "--model", str(ckpt), "--data", str(data), "--memory", "memorizing", "--knn-layer", "0",
+                 "--quiet"])
+    assert code == 1 and "--knn-layer 0 differs from checkpoint" in capsys.readouterr().err
+
+
+def test_gate_at_zero_is_the_xl_model_exactly() -> None:
+    model = load_pretrained("tiny").model
+    knn = fresh_knn_attention(model)
+    with torch.no_grad():
+        knn.gate_logit.fill_(-math.inf)  # g = sigmoid(-inf) = 0 exactly
+    docs = documents(3, 90)
+    mem = evaluate_memory(model, docs, MEMORY, boundary_token=0, batch_size=2, knn_attention=knn)
+    xl = evaluate_memory(model, docs, dataclasses.replace(MEMORY, kind="xl"), boundary_token=0, batch_size=2)
+    assert mem["nll"] == xl["nll"] and mem["tokens"] == xl["tokens"]
+    assert mem["mean_gate"] == [0.0] * model.config.n_head
+    live = evaluate_memory(model, docs, MEMORY, boundary_token=0, batch_size=2, knn_attention=fresh_knn_attention(model))
+    assert live["nll"] != xl["nll"]  # a gate above 0 does read the memory
+
+
+def test_scoring_equals_the_eval_path() -> None:
+    model = load_pretrained("tiny").model
+    knn = fresh_knn_attention(model)
+    docs = documents(3, 90)
+    ev = evaluate_memory(model, docs, MEMORY, boundary_token=0, batch_size=2, knn_attention=knn)
+    scores = score_tokens_segments(model, docs, memory=MEMORY, boundary_token=0, batch_size=2, knn_attention=knn)
+    total = sum(float(s.base_logprob.astype("float64").sum()) for s in scores)
+    assert -total / ev["tokens"] == pytest.approx(ev["nll"], rel=1e-12, abs=0)
+    assert sum(len(s.tokens) for s in scores) == ev["tokens"]
+
+
+def test_untrained_gate_is_recorded(tmp_path, capsys) -> None:
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "a b c d e f g " * 10}) + "\n")
+    out = tmp_path / "r.json"
+    code = main(["eval", "--model", "tiny", "--data", str(data), "--memory", "memorizing", "--segment", "16",
+                 "--knn-mem-size", "64", "--quiet", "--json", str(out)])
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["gate_trained"] is False and "untrained" in capsys.readouterr().err
