@@ -158,6 +158,7 @@ class RingBuffer:
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """slots (S, Q, k) -> keys (S, Q, k, d), values (S, Q, k, dv) in `dtype`: one copy of the top-k only."""
+        self._reserve(1)  # an empty buffer has no slot 0 for the invalid entries to point at
         rows = torch.arange(self.streams, device=self.device)[:, None, None]  # (S, 1, 1)
         return self.keys[rows, slots].to(dtype), self.values[rows, slots].to(dtype)
 
