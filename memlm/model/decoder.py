@@ -9,6 +9,9 @@ incremental decoding, a Transformer-XL or compressive memory from memlm.memory, 
 `LMOutput(logits, knn_key, state)` with the updated state. The state decides what each layer attends
 to besides the current segment (`layer_memory`), where the new tokens sit (`positions`) and how the
 layer's new keys and values are kept (`update`). The module itself holds no state between calls.
+A layer's memory can also carry a kNN retrieval (`LayerMemory.knn`: the Memorizing Transformer's layer,
+memlm.memory.memorizing): attention then mixes local attention with attention over the retrieved
+entries by a per-head gate. Every other state leaves it None and the plain path is unchanged.
 
 Shape legend:
     B batch, T tokens in the segment, S memory slots, C n_embd, V vocab,
@@ -21,10 +24,19 @@ import math
 from typing import NamedTuple, Protocol
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from memlm.model.config import ModelConfig
+
+
+class KnnRetrieval(Protocol):
+    """The memorizing layer's kNN memory, as the attention layer sees it (memlm.memory.memorizing)."""
+
+    def attend(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (B, nh, T, hs) queries before rotary -> (attention over the retrieved entries (B, nh, T, hs),
+        gate (B, nh, T) in [0, 1]: 0 exactly where nothing was retrieved)."""
+        ...
 
 
 class LayerMemory(NamedTuple):
@@ -42,6 +54,7 @@ class LayerMemory(NamedTuple):
     # When a memory carries x, attention projects the memory's keys and values from it with the current
     # weights, as Transformer-XL does in training (Dai et al. 2019: k = SG(h) W_k): W_k and W_v then
     # learn from attention to the memory, and the keys are never a step stale. k and v are ignored then.
+    knn: KnnRetrieval | None = None  # the memorizing layer's kNN memory (Wu et al. 2022), or None
 
 
 class DecoderState(Protocol):
@@ -55,7 +68,7 @@ class DecoderState(Protocol):
         """Memory that `layer` attends to before the segment, or None."""
         ...
 
-    def update(self, new_kv: list[LayerMemory]) -> "DecoderState":
+    def update(self, new_kv: list[LayerMemory]) -> DecoderState:
         """Return the state after a segment whose per-layer un-rotated keys/values are `new_kv`."""
         ...
 
@@ -110,7 +123,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, pos: torch.Tensor, memory: LayerMemory | None
     ) -> tuple[torch.Tensor, LayerMemory]:
         """x: (B, T, C), pos: (B, T) -> output (B, T, C) and this segment's un-rotated (k, v)."""
-        B, T, C = x.shape
+        B, T, _ = x.shape
         cfg = self.config
         hs = cfg.head_dim
         q = self.q_proj(x).view(B, T, cfg.n_head, hs)  # (B, T, nh, hs)
@@ -139,6 +152,11 @@ class Attention(nn.Module):
             mem_mask = memory.valid[:, None, :].expand(B, T, S)  # (B, T, S)
             mask = torch.cat([mem_mask, causal.expand(B, T, T)], dim=-1)[:, None]  # (B, 1, T, S+T)
 
+        knn = memory.knn if memory is not None else None
+        # The kNN memory is searched and scored with the query before rotary (its keys are stored
+        # un-rotated): retrieved keys come from arbitrarily far back, where relative rotary angles mean
+        # nothing to the model, and the paper gives the memory no positional signal (KnnRetrieval.attend).
+        q_plain = q.transpose(1, 2) if knn is not None else None  # (B, nh, T, hs)
         cos_q, sin_q = rotary_cos_sin(pos - origin, hs, cfg.rope_theta)  # (B, 1, T, hs)
         cos_k, sin_k = rotary_cos_sin(key_pos - origin, hs, cfg.rope_theta)  # (B, 1, S+T, hs)
         q = apply_rotary(q.transpose(1, 2), cos_q, sin_q)  # (B, nh, T, hs)
@@ -149,6 +167,11 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if knn is not None:
+            # Wu et al. 2022: a learned per-head gate mixes retrieved and local attention.
+            memory_y, gate = knn.attend(q_plain)  # (B, nh, T, hs), (B, nh, T)
+            g = gate[..., None]  # (B, nh, T, 1)
+            y = g * memory_y + (1 - g) * y  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, cfg.n_head * hs)  # (B, T, nh*hs)
         return self.o_proj(y), segment_kv
 
@@ -267,7 +290,7 @@ class KVCache:
         self.max_len = max_len
 
     @classmethod
-    def empty(cls, config: ModelConfig, max_len: int | None = None) -> "KVCache":
+    def empty(cls, config: ModelConfig, max_len: int | None = None) -> KVCache:
         return cls(None, 0, max_len or config.max_seq_len)
 
     def positions(self, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -280,7 +303,7 @@ class KVCache:
     def layer_memory(self, layer: int) -> LayerMemory | None:
         return None if self.layers is None else self.layers[layer]
 
-    def update(self, new_kv: list[LayerMemory]) -> "KVCache":
+    def update(self, new_kv: list[LayerMemory]) -> KVCache:
         seg_len = new_kv[0].k.shape[1]
         if self.layers is None:
             layers = [LayerMemory(m.k.detach(), m.v.detach(), m.pos, m.valid) for m in new_kv]
