@@ -1,4 +1,5 @@
-"""RetrievalService over gRPC: a Searcher (e.g. the on-disk Datastore) behind grpc.aio.
+"""RetrievalService over gRPC: a Searcher (e.g. the on-disk Datastore) behind grpc.aio; beside it, or
+alone, MemoryService: session memories for the Memorizing layer (services/memory_sessions.py).
 
 Concurrent Search calls are micro-batched: the requests that arrive while the index is busy (or
 within `max_wait_s` of each other) are concatenated into ONE `searcher.search` call on ONE worker
@@ -31,6 +32,12 @@ from memlm.retrieval.searcher import (
     first_unsearchable_query,
 )
 from memlm.v1 import retrieval_pb2, tensor_pb2
+from services.memory_sessions import (
+    MEMORY_SERVICE,
+    MemoryOptions,
+    MemoryServicer,
+    MemorySessions,
+)
 from services.server_common import (
     DEFAULT_HOST,
     InvalidRequest,
@@ -320,75 +327,98 @@ class RetrievalServicer:
 
 @dataclass(frozen=True)
 class RetrievalServer:
-    """A started retrieval server and its batcher (tests and benchmarks look at the batcher)."""
+    """A started retrieval server, its batcher and its session memories (tests and benchmarks look at them)."""
 
     running: RunningServer
     """Server, bound port and health."""
-    batcher: SearchBatcher
-    """The micro-batcher in front of the searcher."""
+    batcher: SearchBatcher | None
+    """The micro-batcher in front of the searcher; None on a server without a datastore."""
+    memories: MemorySessions | None = None
+    """The session memories (MemoryService); None when the server hosts none."""
 
 
 async def start_retrieval_server(
     address: str,
-    searcher: Searcher,
+    searcher: Searcher | None,
     *,
     options: ServerOptions = ServerOptions(),
     limits: SearchLimits = SearchLimits(),
     batching: BatchingOptions = BatchingOptions(),
+    memories: MemoryOptions | None = None,
 ) -> RetrievalServer:
-    """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port).
+    """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port), and a
+    MemoryService beside it when `memories` is given.
 
     searcher: the Searcher served (e.g. a Datastore): `search(xq (B, d) float32, k, SearchOptions)`, and
-        `info()`, which GetInfo sends on (read once, here).
-    options: message size, concurrent calls, grace period, TLS, token. limits: largest k and Q per request.
-    batching: micro-batching (see SearchBatcher).
-    Health reports SERVING once this returns (the searcher is already loaded). The batcher's
-    worker thread is released when the server stops (`server.stop` / SIGTERM).
+        `info()`, which GetInfo sends on (read once, here); None = no datastore (then `memories` is needed,
+        and RetrievalService calls are UNIMPLEMENTED).
+    options: message size, concurrent calls, grace period, TLS, token (memory calls are authenticated and
+        budgeted like Search). limits: largest k and Q per request. batching: micro-batching (see SearchBatcher).
+    memories: session limits (services/memory_sessions.py); None = no MemoryService.
+    Health reports SERVING once this returns (the searcher is already loaded). The batcher's worker thread
+    and the sessions are released when the server stops (`server.stop` / SIGTERM).
     """
-    datastore = info_to_proto(searcher.info())
-    if searcher.dim != datastore.dim:
-        raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
-    info = retrieval_pb2.RetrievalServiceGetInfoResponse(
-        datastore=datastore, max_k=limits.max_k, max_queries=limits.max_queries,
-        max_message_bytes=options.max_message_bytes,
-    )
-    batcher = SearchBatcher(searcher, batching)
-    running = await start_server(address, [(SERVICE, RetrievalServicer(batcher, info))], MESSAGE_CLASSES, options)
+    if searcher is None and memories is None:
+        raise ValueError("a retrieval server needs a searcher (a datastore), session memories, or both")
+    services, batcher, sessions = [], None, None
+    if searcher is not None:
+        datastore = info_to_proto(searcher.info())
+        if searcher.dim != datastore.dim:
+            raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
+        info = retrieval_pb2.RetrievalServiceGetInfoResponse(
+            datastore=datastore, max_k=limits.max_k, max_queries=limits.max_queries,
+            max_message_bytes=options.max_message_bytes,
+        )
+        batcher = SearchBatcher(searcher, batching)
+        services.append((SERVICE, RetrievalServicer(batcher, info)))
+    if memories is not None:
+        sessions = MemorySessions(memories)
+        services.append((MEMORY_SERVICE, MemoryServicer(sessions, options.max_message_bytes)))
+    running = await start_server(address, services, MESSAGE_CLASSES, options)
 
     async def release() -> None:
-        batcher.close()  # joins the worker thread once the server has stopped, however it was stopped
+        # Once the server has stopped, however it was stopped: join the worker threads, free the sessions.
+        if batcher is not None:
+            batcher.close()
+        if sessions is not None:
+            await sessions.close()
 
+    if sessions is not None:
+        sessions.start()
     close_when_stopped(running.server, release)
     await running.mark_serving()
-    return RetrievalServer(running, batcher)
+    return RetrievalServer(running, batcher, sessions)
 
 
 async def create_retrieval_server(
     address: str,
-    searcher: Searcher,
+    searcher: Searcher | None,
     *,
     options: ServerOptions = ServerOptions(),
     limits: SearchLimits = SearchLimits(),
     batching: BatchingOptions = BatchingOptions(),
+    memories: MemoryOptions | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """start_retrieval_server, returning (server, bound port)."""
-    started = await start_retrieval_server(address, searcher, options=options, limits=limits, batching=batching)
+    started = await start_retrieval_server(address, searcher, options=options, limits=limits, batching=batching,
+                                           memories=memories)
     return started.running.server, started.running.port
 
 
 async def serve_retrieval(
-    searcher: Searcher,
+    searcher: Searcher | None,
     host: str = DEFAULT_HOST,
     port: int = 0,
     *,
     options: ServerOptions = ServerOptions(),
     limits: SearchLimits = SearchLimits(),
     batching: BatchingOptions = BatchingOptions(),
+    memories: MemoryOptions | None = None,
 ) -> None:
-    """Serve `searcher` until SIGTERM/SIGINT: prints `listening on HOST:PORT` once healthy, then
-    drains in-flight calls on the signal (for up to options.grace_s) and returns. Arguments as for
-    start_retrieval_server."""
+    """Serve `searcher` (and/or session memories) until SIGTERM/SIGINT: prints `listening on HOST:PORT`
+    once healthy, then drains in-flight calls on the signal (for up to options.grace_s) and returns.
+    Arguments as for start_retrieval_server."""
     started = await start_retrieval_server(
-        join_host_port(host, port), searcher, options=options, limits=limits, batching=batching
+        join_host_port(host, port), searcher, options=options, limits=limits, batching=batching, memories=memories
     )
     await run_until_signal(started.running, host, grace_s=options.grace_s)

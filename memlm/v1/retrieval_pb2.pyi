@@ -77,3 +77,117 @@ class RetrievalServiceGetInfoResponse(_message.Message):
     max_queries: int
     max_message_bytes: int
     def __init__(self, datastore: _Optional[_Union[DatastoreInfo, _Mapping]] = ..., max_k: _Optional[int] = ..., max_queries: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class CreateMemoryRequest(_message.Message):
+    __slots__ = ("streams", "dim", "value_dim", "capacity", "idle_timeout_s", "lifetime_s")
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DIM_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_S_FIELD_NUMBER: _ClassVar[int]
+    streams: int
+    dim: int
+    value_dim: int
+    capacity: int
+    idle_timeout_s: float
+    lifetime_s: float
+    def __init__(self, streams: _Optional[int] = ..., dim: _Optional[int] = ..., value_dim: _Optional[int] = ..., capacity: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ..., lifetime_s: _Optional[float] = ...) -> None: ...
+
+class CreateMemoryResponse(_message.Message):
+    __slots__ = ("memory_id", "idle_timeout_s", "storage_dtype")
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    idle_timeout_s: float
+    storage_dtype: _tensor_pb2.DType
+    def __init__(self, memory_id: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., storage_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ...) -> None: ...
+
+class AppendMemoryRequest(_message.Message):
+    __slots__ = ("memory_id", "keys", "values", "valid")
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    keys: _tensor_pb2.Tensor
+    values: _tensor_pb2.Tensor
+    valid: _tensor_pb2.Tensor
+    def __init__(self, memory_id: _Optional[str] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., valid: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class AppendMemoryResponse(_message.Message):
+    __slots__ = ("sizes",)
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    sizes: _tensor_pb2.Tensor
+    def __init__(self, sizes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SearchMemoryRequest(_message.Message):
+    __slots__ = ("memory_id", "queries", "k")
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    queries: _tensor_pb2.Tensor
+    k: int
+    def __init__(self, memory_id: _Optional[str] = ..., queries: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class SearchMemoryResponse(_message.Message):
+    __slots__ = ("keys", "values", "valid")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    keys: _tensor_pb2.Tensor
+    values: _tensor_pb2.Tensor
+    valid: _tensor_pb2.Tensor
+    def __init__(self, keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., valid: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ClearMemoryRequest(_message.Message):
+    __slots__ = ("memory_id", "streams")
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    streams: _tensor_pb2.Tensor
+    def __init__(self, memory_id: _Optional[str] = ..., streams: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ClearMemoryResponse(_message.Message):
+    __slots__ = ("sizes",)
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    sizes: _tensor_pb2.Tensor
+    def __init__(self, sizes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DropMemoryRequest(_message.Message):
+    __slots__ = ("memory_id",)
+    MEMORY_ID_FIELD_NUMBER: _ClassVar[int]
+    memory_id: str
+    def __init__(self, memory_id: _Optional[str] = ...) -> None: ...
+
+class DropMemoryResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMemoryInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMemoryInfoResponse(_message.Message):
+    __slots__ = ("max_sessions", "max_session_entries", "max_total_entries", "default_idle_timeout_s", "max_idle_timeout_s", "max_k", "max_message_bytes", "sessions", "reserved_entries")
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    max_sessions: int
+    max_session_entries: int
+    max_total_entries: int
+    default_idle_timeout_s: float
+    max_idle_timeout_s: float
+    max_k: int
+    max_message_bytes: int
+    sessions: int
+    reserved_entries: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_session_entries: _Optional[int] = ..., max_total_entries: _Optional[int] = ..., default_idle_timeout_s: _Optional[float] = ..., max_idle_timeout_s: _Optional[float] = ..., max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., reserved_entries: _Optional[int] = ...) -> None: ...

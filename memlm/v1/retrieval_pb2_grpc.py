@@ -145,3 +145,323 @@ class RetrievalService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MemoryServiceStub:
+    """Session memories: per-stream FIFO memories of (key, value) vectors that a client creates, appends to,
+    searches, clears and drops (memlm.retrieval.memory_store.KeyValueMemory over the wire). A stream is
+    one (batch row, kv head) of the client's model. Search is maximum inner product; the client
+    L2-normalises keys and queries. Every call is authenticated like Search. A session dies when it is
+    dropped, when it has been idle for its idle timeout, or at its lifetime's end; then its id is
+    NOT_FOUND. Errors: INVALID_ARGUMENT naming the field for a bad request; NOT_FOUND for an unknown or
+    expired memory_id; RESOURCE_EXHAUSTED naming the server limit (and its flag) when a new session does
+    not fit.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateMemory = channel.unary_unary(
+                '/memlm.v1.MemoryService/CreateMemory',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.CreateMemoryRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.CreateMemoryResponse.FromString,
+                _registered_method=True)
+        self.AppendMemory = channel.unary_unary(
+                '/memlm.v1.MemoryService/AppendMemory',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.AppendMemoryRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.AppendMemoryResponse.FromString,
+                _registered_method=True)
+        self.SearchMemory = channel.unary_unary(
+                '/memlm.v1.MemoryService/SearchMemory',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.SearchMemoryRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.SearchMemoryResponse.FromString,
+                _registered_method=True)
+        self.ClearMemory = channel.unary_unary(
+                '/memlm.v1.MemoryService/ClearMemory',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.ClearMemoryRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.ClearMemoryResponse.FromString,
+                _registered_method=True)
+        self.DropMemory = channel.unary_unary(
+                '/memlm.v1.MemoryService/DropMemory',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.DropMemoryRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.DropMemoryResponse.FromString,
+                _registered_method=True)
+        self.GetMemoryInfo = channel.unary_unary(
+                '/memlm.v1.MemoryService/GetMemoryInfo',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.GetMemoryInfoRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.GetMemoryInfoResponse.FromString,
+                _registered_method=True)
+
+
+class MemoryServiceServicer:
+    """Session memories: per-stream FIFO memories of (key, value) vectors that a client creates, appends to,
+    searches, clears and drops (memlm.retrieval.memory_store.KeyValueMemory over the wire). A stream is
+    one (batch row, kv head) of the client's model. Search is maximum inner product; the client
+    L2-normalises keys and queries. Every call is authenticated like Search. A session dies when it is
+    dropped, when it has been idle for its idle timeout, or at its lifetime's end; then its id is
+    NOT_FOUND. Errors: INVALID_ARGUMENT naming the field for a bad request; NOT_FOUND for an unknown or
+    expired memory_id; RESOURCE_EXHAUSTED naming the server limit (and its flag) when a new session does
+    not fit.
+    """
+
+    def CreateMemory(self, request, context):
+        """Opens a session memory of `streams` empty streams, reserving streams * capacity entries. Errors:
+        RESOURCE_EXHAUSTED when the server holds max_sessions sessions, or streams * capacity exceeds
+        max_session_entries, or the entries reserved by all sessions would exceed max_total_entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendMemory(self, request, context):
+        """Appends entries to every stream in time order; a stream over its capacity evicts its oldest
+        entries (FIFO, never a reset).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchMemory(self, request, context):
+        """The top-k entries of each query's own stream, best first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearMemory(self, request, context):
+        """Empties the streams named by a mask (a new document starts in that batch row).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropMemory(self, request, context):
+        """Ends a session and frees its entries; NOT_FOUND when it is already gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMemoryInfo(self, request, context):
+        """The server's session limits and how many sessions and entries are in use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MemoryServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateMemory,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.CreateMemoryRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.CreateMemoryResponse.SerializeToString,
+            ),
+            'AppendMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendMemory,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.AppendMemoryRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.AppendMemoryResponse.SerializeToString,
+            ),
+            'SearchMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchMemory,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.SearchMemoryRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.SearchMemoryResponse.SerializeToString,
+            ),
+            'ClearMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearMemory,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.ClearMemoryRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.ClearMemoryResponse.SerializeToString,
+            ),
+            'DropMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropMemory,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.DropMemoryRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.DropMemoryResponse.SerializeToString,
+            ),
+            'GetMemoryInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMemoryInfo,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.GetMemoryInfoRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.GetMemoryInfoResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'memlm.v1.MemoryService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('memlm.v1.MemoryService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MemoryService:
+    """Session memories: per-stream FIFO memories of (key, value) vectors that a client creates, appends to,
+    searches, clears and drops (memlm.retrieval.memory_store.KeyValueMemory over the wire). A stream is
+    one (batch row, kv head) of the client's model. Search is maximum inner product; the client
+    L2-normalises keys and queries. Every call is authenticated like Search. A session dies when it is
+    dropped, when it has been idle for its idle timeout, or at its lifetime's end; then its id is
+    NOT_FOUND. Errors: INVALID_ARGUMENT naming the field for a bad request; NOT_FOUND for an unknown or
+    expired memory_id; RESOURCE_EXHAUSTED naming the server limit (and its flag) when a new session does
+    not fit.
+    """
+
+    @staticmethod
+    def CreateMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.MemoryService/CreateMemory',
+            memlm_dot_v1_dot_retrieval__pb2.CreateMemoryRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.CreateMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.MemoryService/AppendMemory',
+            memlm_dot_v1_dot_retrieval__pb2.AppendMemoryRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.AppendMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.MemoryService/SearchMemory',
+            memlm_dot_v1_dot_retrieval__pb2.SearchMemoryRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.SearchMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.MemoryService/ClearMemory',
+            memlm_dot_v1_dot_retrieval__pb2.ClearMemoryRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.ClearMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.MemoryService/DropMemory',
+            memlm_dot_v1_dot_retrieval__pb2.DropMemoryRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.DropMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMemoryInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.MemoryService/GetMemoryInfo',
+            memlm_dot_v1_dot_retrieval__pb2.GetMemoryInfoRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.GetMemoryInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
