@@ -155,15 +155,26 @@ def link_tls(args: argparse.Namespace, prefix: str) -> Any:
 
 
 def cmd_serve_retrieval(args: argparse.Namespace) -> None:
-    from datastore import Datastore
+    from services.memory_sessions import memory_options_from_args
     from services.retrieval_server import BatchingOptions, serve_retrieval
 
-    store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
-                           device=None if args.device == "auto" else args.device)
+    try:
+        memories = memory_options_from_args(args)
+    except ValueError as e:
+        raise MemlmError(f"serve retrieval: {e}") from None
+    if args.datastore is None and memories is None:
+        raise MemlmError("serve retrieval needs --datastore DIR, --memories (session memories), or both")
+    store = None
+    if args.datastore is not None:
+        from datastore import Datastore
+
+        store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
+                               device=None if args.device == "auto" else args.device)
     asyncio.run(serve_retrieval(
         store, args.host, args.port,
         options=server_options(args),
         batching=BatchingOptions(micro_batching=not args.no_micro_batching),
+        memories=memories,
     ))
 
 
@@ -328,13 +339,17 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run a gRPC server (prints the address it listens on)")
     ssub = p.add_subparsers(dest="serve_command", required=True, metavar="SERVER")
-    r = ssub.add_parser("retrieval", help="RetrievalService over a datastore")
-    r.add_argument("--datastore", required=True, help="datastore directory")
+    r = ssub.add_parser("retrieval", help="RetrievalService over a datastore, and/or session memories (--memories)")
+    r.add_argument("--datastore", default=None, help="datastore directory (may be left out with --memories)")
     r.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
     r.add_argument("--no-micro-batching", action="store_true", help="one FAISS search per call")
     r.add_argument("--search-backend", default="faiss", choices=["faiss", "torch"],
                    help="faiss index, or exact torch search over the keys on --device")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda: where the search runs")
+    # services.memory_sessions is the one home of the session limits' defaults.
+    from services.memory_sessions import add_memory_options
+
+    add_memory_options(r)
     add_server_security(r)
     r.set_defaults(func=cmd_serve_retrieval)
     ro = ssub.add_parser("router", help="RetrievalService that fans out to shards and merges the top-k")

@@ -262,3 +262,39 @@ def test_memories_with_and_without_a_datastore(loop_thread, searcher):
     # Neither: refused where the server is built.
     with pytest.raises(ValueError, match="needs a searcher"):
         start(loop_thread, memories=None)
+
+
+# ---------------------------------------------------------------------------------------------------- the command line
+
+
+def test_serve_retrieval_memories_only_process(tmp_path):
+    """`memlm serve retrieval --memories` without a datastore: a real process, its limit flags in force."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "memlm", "serve", "retrieval", "--memories", "--max-memory-sessions", "1",
+           "--memory-idle-timeout", "30", "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()  # "listening on HOST:PORT", printed once healthy
+        assert line.startswith("listening on "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        with MemoryClient(line.split()[-1], timeout=20) as client:
+            info = client.info()
+            assert (info.max_sessions, info.default_idle_timeout_s) == (1, 30.0)
+            memory = client(S, D, DV, 4)
+            with pytest.raises(ServiceError, match="--max-memory-sessions"):
+                client(S, D, DV, 4)
+            memory.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    bad = subprocess.run([sys.executable, "-m", "memlm", "serve", "retrieval", "--port", "0"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert bad.returncode != 0 and "needs --datastore DIR, --memories" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
