@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from memlm.errors import MemlmError
 from memlm.eval_command import add_eval_parser
@@ -135,7 +135,7 @@ def server_options(args: argparse.Namespace) -> Any:
     tls, token = server_tls(args), token_from(args)
     try:
         return ServerOptions(tls=tls, token=token, max_concurrent_rpcs=args.max_concurrent_rpcs,
-                             max_open_rpcs=args.max_open_rpcs)
+                             max_open_rpcs=args.max_open_rpcs, grace_s=args.grace)
     except ValueError as e:  # a budget below 1
         raise MemlmError(f"--{str(e).replace('_', '-')}") from None
 
@@ -222,7 +222,9 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn_config(args),
         options=server_options(args),
         limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
-                        segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens),
+                        segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens,
+                        max_forward_tokens=args.max_forward_tokens, max_score_entries=args.max_score_entries,
+                        max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"),
     ))
@@ -334,6 +336,19 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
                    "without the token never take these slots)")
     p.add_argument("--max-open-rpcs", type=int, default=ServerOptions.max_open_rpcs,
                    help="health Watch streams at once, and apart from them health Checks and refused calls at once")
+    p.add_argument("--grace", type=grace_seconds, default=ServerOptions.grace_s, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: refuse new calls, let in-flight ones finish for this long, then cancel them")
+
+
+def grace_seconds(text: str) -> float:
+    """--grace: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -367,6 +382,13 @@ def add_serve_parser(sub: Any) -> None:
     add_options(lm, "kNN-LM defaults of requests", KNN_OPTIONS)
     lm.add_argument("--max-new-tokens", type=int, default=4096, help="largest Generate request")
     lm.add_argument("--max-score-tokens", type=int, default=65536, help="largest Score request, in tokens")
+    from services.lm_requests import LMLimits  # the one home of the limits' defaults
+
+    for name, what in (("max_forward_tokens", "most forward work of one Score: the sum of its windows' lengths"),
+                       ("max_score_entries", "most entries of one Score response: scored tokens x (1 + top_n)"),
+                       ("max_text_chars", "most characters of text in one request"),
+                       ("max_step_tokens", "most input tokens of one forward step (calls take turns step by step)")):
+        lm.add_argument(flag(name), type=positive_int, default=getattr(LMLimits, name), help=what)
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
     add_server_security(lm)
     lm.set_defaults(func=cmd_serve_lm)
@@ -403,8 +425,16 @@ def add_client_parser(sub: Any) -> None:
             c.set_defaults(func=cmd_client_generate)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, as MemlmError's (issue 9): `memlm: error: --port: ...`
+    (argparse printed its usage block first); subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"memlm: error: {message.removeprefix('argument ')}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memlm", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="memlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("fetch", help="fetch a model or corpus into the cache ($MEMLM_CACHE or ~/.cache/memlm)")

@@ -101,10 +101,6 @@ FINISH_REASONS = {
 }
 
 
-TASKS_END_S = 2.0
-"""At exit, how long serve_lm waits for grpc's tasks of cancelled calls to end (they take milliseconds)."""
-
-
 @dataclass(frozen=True)
 class GenerationRecord:
     """How one Generate call ended on the server (for tests and logs)."""
@@ -478,8 +474,3 @@ async def serve_lm(
         started.running, host, grace_s=options.grace_s,
         on_stopped=searcher.close if retrieval is not None else None,  # the RetrievalClient's channel
     )
-    # grpc's own tasks of the calls the drain cancelled end a moment after the server stops; a loop closed
-    # under them prints a CancelledError traceback for each (issue 9). Give them a bounded moment.
-    others = asyncio.all_tasks() - {asyncio.current_task()}
-    if others:
-        await asyncio.wait(others, timeout=TASKS_END_S)

@@ -47,6 +47,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 DEFAULT_HOST = "127.0.0.1"
 """Bind the loopback interface unless the user names another host (issue 4: secure by default)."""
 
+TASKS_END_S = 2.0
+"""At exit, how long run_until_signal waits for grpc's tasks of cancelled calls to end (they take milliseconds)."""
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -391,7 +394,9 @@ async def run_until_signal(
 ) -> None:
     """Mark `running` SERVING, print `listening on HOST:PORT` (one flushed line), wait for a signal,
     then shut down gracefully: health NOT_SERVING, new calls refused, in-flight calls drained for
-    up to grace_s seconds. `on_stopped` runs after the server has stopped (release resources)."""
+    up to grace_s seconds, then cancelled (`serve ... --grace`). `on_stopped` runs after the server has
+    stopped (release resources); then grpc's leftover tasks get up to TASKS_END_S to end, so the caller's
+    asyncio.run closes a quiet loop and the process exits 0 without a traceback (issue 9)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed = []
@@ -410,4 +415,9 @@ async def run_until_signal(
             loop.remove_signal_handler(sig)
         if on_stopped is not None:
             on_stopped()
+    # grpc's own tasks of the calls the drain cancelled end a moment after the server stops; a loop closed
+    # under them prints a CancelledError traceback for each (issue 9). Give them a bounded moment.
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=TASKS_END_S)
     print("stopped", file=sys.stderr, flush=True)

@@ -31,13 +31,13 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def refused_by_argparse(capsys, *argv: str) -> str:
-    """The reason argparse gives (its last line) for refusing `argv`, which must exit 2."""
+    """The reason argparse gives for refusing `argv`, which must exit 2 with one line (no usage block)."""
     with pytest.raises(SystemExit) as info:
         main(list(argv))
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("memlm: error: "), err
+    return err.strip()
 
 
 def assert_one_line(code: int, err: str, message: str) -> None:
@@ -60,13 +60,13 @@ def test_random_bytes_in_a_jsonl_name_the_file_and_line(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, reason", [
-    (["--k", "1000000000"], f"argument --k: at most {MAX_K} neighbours per search, got 1000000000"),
-    (["--k", "0"], "argument --k: must be at least 1, got 0"),
-    (["--nprobe", "0"], "argument --nprobe: must be at least 1, got 0"),
-    (["--context", "0"], "argument --context: must be at least 1, got 0"),
-    (["--stride", "0"], "argument --stride: must be at least 1, got 0"),
-    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
-    (["--batch-size", "two"], "argument --batch-size: expected a whole number, got 'two'"),
+    (["--k", "1000000000"], f"--k: at most {MAX_K} neighbours per search, got 1000000000"),
+    (["--k", "0"], "--k: must be at least 1, got 0"),
+    (["--nprobe", "0"], "--nprobe: must be at least 1, got 0"),
+    (["--context", "0"], "--context: must be at least 1, got 0"),
+    (["--stride", "0"], "--stride: must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+    (["--batch-size", "two"], "--batch-size: expected a whole number, got 'two'"),
 ])
 def test_eval_counts_are_refused_not_defaulted(capsys, text, argv, reason):
     """Before, 0 silently meant the default and --k 10**9 tried to allocate Q * 10**9 results."""
@@ -75,14 +75,14 @@ def test_eval_counts_are_refused_not_defaulted(capsys, text, argv, reason):
 
 @pytest.mark.parametrize("command, reason", [
     (["datastore", "build", "--model", "tiny", "--data", "x.txt", "--out", "o", "--batch-size", "0"],
-     "argument --batch-size: must be at least 1, got 0"),
+     "--batch-size: must be at least 1, got 0"),
     (["datastore", "build", "--model", "tiny", "--data", "x.txt", "--out", "o", "--nprobe", "0"],
-     "argument --nprobe: must be at least 1, got 0"),
+     "--nprobe: must be at least 1, got 0"),
     (["datastore", "build", "--model", "tiny", "--data", "x.txt", "--out", "o", "--context", "0"],
-     "argument --context: must be at least 1, got 0"),
-    (["train", "--data", "x.txt", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
-    (["serve", "lm", "--model", "tiny", "--k", "1000000000"], f"argument --k: at most {MAX_K} neighbours"),
-    (["client", "score", "--address", "h:1", "--knn", "--k", "1000000000", "x"], f"argument --k: at most {MAX_K}"),
+     "--context: must be at least 1, got 0"),
+    (["train", "--data", "x.txt", "--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+    (["serve", "lm", "--model", "tiny", "--k", "1000000000"], f"--k: at most {MAX_K} neighbours"),
+    (["client", "score", "--address", "h:1", "--knn", "--k", "1000000000", "x"], f"--k: at most {MAX_K}"),
 ])
 def test_other_commands_refuse_the_same_counts(capsys, command, reason):
     assert reason in refused_by_argparse(capsys, *command)
@@ -99,7 +99,7 @@ def test_build_datastore_refuses_zero_counts_before_loading(tmp_path, name, valu
 def test_ports_out_of_range_are_refused(capsys, port):
     """Before, 70000 was bound as 70000 - 65536 = 4464."""
     reason = refused_by_argparse(capsys, "serve", "lm", "--model", "tiny", f"--port={port}")
-    assert reason.endswith(f"argument --port: ports are 0 (any free port) to 65535, got {port}")
+    assert reason.endswith(f"--port: ports are 0 (any free port) to 65535, got {port}")
 
 
 def test_json_naming_a_directory_is_refused_before_any_work(capsys, tmp_path, text):
