@@ -130,6 +130,7 @@ def _pass(model: Decoder, docs: Sequence[Sequence[int]], memory: MemoryConfig, s
             else:
                 knn_lp = knn_logprob_from_matches(dist[mask], matches, knn.temperature)  # (n,)
                 cache_sum -= interpolate(base, knn_lp, knn.lmbda).double().sum()
+    cache.store.close()
     data = TuningData(torch.cat(lm_parts), torch.cat(dist_parts), torch.cat(match_parts)) if collect else None
     return {"base_nll_sum": float(base_sum), "cache_nll_sum": float(cache_sum), "tokens": n_tokens,
             "documents": len(stream.docs), "tuning": data}

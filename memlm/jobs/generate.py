@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.jobs.memorizing import check_knn_attention, open_memory
+from memlm.jobs.memorizing import check_knn_attention, close_memory, open_memory
 from memlm.jobs.windows import ShouldStop, check_stop
 from memlm.memory.config import MemoryConfig
-from memlm.model.decoder import Decoder, KVCache
+from memlm.model.decoder import Decoder, DecoderState, KVCache
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
 from memlm.retrieval.searcher import Searcher, search_keys
@@ -116,6 +116,8 @@ class _Opened(NamedTuple):
     memory: MemoryConfig
     knn_attention: KnnAttention | None
     service: KeyValueMemoryFactory | None
+    held: list[DecoderState | None]
+    """The state opened from these (its kNN store is released when generation ends)."""
 
 
 def _as_stop(s: str | Sequence[int]) -> str | tuple[int, ...]:
@@ -200,9 +202,20 @@ def generate(
         raise MemlmError(f"prompt has token ids outside [0, {V})")
     if memory is not None:
         check_knn_attention(memory, knn_attention)
-    opened = None if memory is None else _Opened(memory, knn_attention, service)
-    return _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher, knn,
-                     opened, should_stop)
+    opened = None if memory is None else _Opened(memory, knn_attention, service, [])
+    events = _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher,
+                       knn, opened, should_stop)
+    return events if opened is None else _released(events, opened)
+
+
+def _released(events: Iterator[TokenEvent | GenerationEnd], opened: _Opened) -> Iterator[TokenEvent | GenerationEnd]:
+    """`events`, then (at the end, on an error, or when the caller closes the iterator) the memory's kNN
+    store released (a retrieval-service session is dropped at once, not at its idle timeout)."""
+    try:
+        yield from events
+    finally:
+        for state in opened.held:
+            close_memory(state)
 
 
 def _generate(
@@ -233,6 +246,7 @@ def _generate(
     def encode_segments():
         # The whole prompt, segment by segment, into the memory (never re-encoded afterwards).
         state = open_memory(model, opened.memory, 1, knn_attention=opened.knn_attention, service=opened.service)
+        opened.held.append(state)
         segment = opened.memory.segment
         for lo in range(0, len(tokens), segment):
             check_stop(should_stop)

@@ -164,3 +164,12 @@ def restore_memory(saved: dict, model: Decoder, memory: MemoryConfig, batch_size
         return memory_from_state_dict(saved, model.device, compressor)
     return memory_from_state_dict(saved, model.device, knn_attention=knn_attention,
                                   knn_store=open_knn_store(model, memory, batch_size, service))
+
+
+def close_memory(state: DecoderState | None) -> None:
+    """Release what a memory state holds outside itself: a memorizing state's kNN store (a retrieval-
+    service session, an index); XL and compressive states hold nothing to release."""
+    from memlm.memory.memorizing import MemorizingMemory
+
+    if isinstance(state, MemorizingMemory):
+        state.store.close()

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
-from memlm.jobs.memorizing import open_memory
+from memlm.jobs.memorizing import close_memory, open_memory
 from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
 from memlm.jobs.windows import (
     ShouldStop,
@@ -240,27 +240,30 @@ def score_tokens_segments(
         stream = SegmentStream(docs, rows, segment, boundary_token)
         device = model.device
         state = open_memory(model, memory, rows, compressor=compressor, knn_attention=knn_attention, service=service)
-        with torch.inference_mode():
-            while (batch := stream.next_batch()) is not None:
-                check_stop(should_stop)
-                # Where each row's targets sit in its document: the stream has just advanced every
-                # real row by its number of scored targets.
-                where = stream.position()
-                if state is not None:
-                    state = state.reset_rows(batch.reset.to(device))
-                out = model(batch.inputs.to(device), state)
-                state = out.state
-                slices = _scored_slices(batch, where, runs, prefix_lens)
-                if not slices:
-                    continue
-                # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
-                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-                neighbors = _search_each(searcher, knn, [out.knn_key[r, a:b] for r, _, a, b in slices])
-                for (r, seq, a, b), nb in zip(slices, neighbors):
-                    targets = batch.targets[r, a:b].to(device)  # (n,)
-                    lm_lp = logp[r, a:b]  # (n, V)
-                    greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
-                    parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+        try:
+            with torch.inference_mode():
+                while (batch := stream.next_batch()) is not None:
+                    check_stop(should_stop)
+                    # Where each row's targets sit in its document: the stream has just advanced every
+                    # real row by its number of scored targets.
+                    where = stream.position()
+                    if state is not None:
+                        state = state.reset_rows(batch.reset.to(device))
+                    out = model(batch.inputs.to(device), state)
+                    state = out.state
+                    slices = _scored_slices(batch, where, runs, prefix_lens)
+                    if not slices:
+                        continue
+                    # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
+                    logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
+                    neighbors = _search_each(searcher, knn, [out.knn_key[r, a:b] for r, _, a, b in slices])
+                    for (r, seq, a, b), nb in zip(slices, neighbors):
+                        targets = batch.targets[r, a:b].to(device)  # (n,)
+                        lm_lp = logp[r, a:b]  # (n, V)
+                        greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
+                        parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+        finally:
+            close_memory(state)
     return _assemble(token_seqs, parts, prefix_lens, top_n)
 
 

@@ -196,7 +196,7 @@ def evaluate_memory(
     Returns perplexity, nll (nats/token), tokens, seconds, tokens_per_s, the settings and the attention cost
     (memorizing: also the kNN memory size, top-k, backend, layer and mean gate per head).
     """
-    from memlm.jobs.memorizing import memorizing_record, open_memory
+    from memlm.jobs.memorizing import close_memory, memorizing_record, open_memory
 
     mcfg, segment = memory, memory.segment
     if segment > model.config.max_seq_len:
@@ -215,17 +215,20 @@ def evaluate_memory(
     model.eval()
     synchronize(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        while (batch := stream.next_batch()) is not None:
-            if state is not None:
-                state = state.reset_rows(batch.reset.to(device))
-            out = model(batch.inputs.to(device), state)
-            state = out.state
-            mask = batch.mask.to(device)  # (B, T)
-            logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-            tok_logp = logp.gather(-1, batch.targets.to(device)[..., None])[..., 0]  # (B, T)
-            nll_sum -= tok_logp[mask].double().sum()
-            n_tokens += int(mask.sum())
+    try:
+        with torch.inference_mode():
+            while (batch := stream.next_batch()) is not None:
+                if state is not None:
+                    state = state.reset_rows(batch.reset.to(device))
+                out = model(batch.inputs.to(device), state)
+                state = out.state
+                mask = batch.mask.to(device)  # (B, T)
+                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
+                tok_logp = logp.gather(-1, batch.targets.to(device)[..., None])[..., 0]  # (B, T)
+                nll_sum -= tok_logp[mask].double().sum()
+                n_tokens += int(mask.sum())
+    finally:
+        close_memory(state)
     synchronize(device)
     seconds = time.perf_counter() - t0
     model.train(was_training)

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from memlm.cli import main
+from memlm.errors import MemlmError
+from memlm.jobs.generate import SamplingConfig, generate
 from memlm.jobs.memorizing import fresh_knn_attention
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_memory
@@ -19,6 +21,7 @@ from memlm.jobs.train import TrainConfig, train
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import load_knn_attention, mean_gate
 from memlm.model.weights import load_pretrained
+from memlm.retrieval.memory_store import ExactMemory
 
 MEMORY = MemoryConfig("memorizing", mem_len=8, sink_tokens=0, segment=16, knn_mem_size=48, knn_top_k=4,
                       knn_backend="exact")
@@ -150,3 +153,54 @@ def test_untrained_gate_is_recorded(tmp_path, capsys) -> None:
     assert code == 0
     r = json.loads(out.read_text())
     assert r["gate_trained"] is False and "untrained" in capsys.readouterr().err
+
+
+class CountingMemory(ExactMemory):
+    """An in-process memory standing in for a retrieval-service session: it counts its closes."""
+
+    closed_count = 0
+
+    def close(self) -> None:
+        CountingMemory.closed_count += 1
+        super().close()
+
+
+def counting_factory(streams: int, dim: int, value_dim: int, capacity: int) -> CountingMemory:
+    return CountingMemory(streams, dim, value_dim, capacity)
+
+
+def test_generation_with_the_gate_at_zero_is_xl_generation_and_releases_its_store() -> None:
+    pre = load_pretrained("tiny")
+    model, tok = pre.model, pre.tokenizer
+    knn = fresh_knn_attention(model)
+    with torch.no_grad():
+        knn.gate_logit.fill_(-math.inf)
+    prompt = documents(1, 40)[0]
+    run = {"max_new_tokens": 20, "sampling": SamplingConfig(temperature=0), "boundary_token": 0}
+    xl = list(generate(model, tok, prompt, memory=dataclasses.replace(MEMORY, kind="xl"), **run))
+    service = dataclasses.replace(MEMORY, knn_backend="service")
+    CountingMemory.closed_count = 0
+    mz = list(generate(model, tok, prompt, memory=service, knn_attention=knn, service=counting_factory, **run))
+    assert [e.token_id for e in mz[:-1]] == [e.token_id for e in xl[:-1]]
+    assert [e.logprob for e in mz[:-1]] == [e.logprob for e in xl[:-1]]
+    assert CountingMemory.closed_count == 1
+    events = generate(model, tok, prompt, memory=service, knn_attention=fresh_knn_attention(model),
+                      service=counting_factory, **run)
+    next(events)
+    events.close()  # a caller that stops early (a cancelled Generate) releases the session too
+    assert CountingMemory.closed_count == 2
+
+
+def test_eval_and_scoring_release_their_store() -> None:
+    model = load_pretrained("tiny").model
+    service = dataclasses.replace(MEMORY, knn_backend="service")
+    CountingMemory.closed_count = 0
+    docs = documents(2, 40)
+    ev = evaluate_memory(model, docs, service, boundary_token=0, knn_attention=fresh_knn_attention(model),
+                         service=counting_factory)
+    assert ev["knn_backend"] == "service"
+    score_tokens_segments(model, docs, memory=service, boundary_token=0, knn_attention=fresh_knn_attention(model),
+                          service=counting_factory)
+    assert CountingMemory.closed_count == 2
+    with pytest.raises(MemlmError, match="needs a retrieval service"):
+        evaluate_memory(model, docs, service, boundary_token=0, knn_attention=fresh_knn_attention(model))
