@@ -161,8 +161,8 @@ def test_idle_session_is_dropped_and_then_not_found(loop_thread):
 
 def test_lifetime_ends_a_busy_session(loop_thread):
     with MemoryClient(start(loop_thread), timeout=20, lifetime_s=0.5) as client:
+        start_s = time.monotonic()  # before the session's clock starts on the server
         memory = client(S, D, DV, 8)
-        start_s = time.monotonic()
         with pytest.raises(ServiceError) as e:
             while time.monotonic() - start_s < 5.0:  # busy all along: only the deadline can end it
                 memory.append(*entries(1, 0))
@@ -298,3 +298,61 @@ def test_serve_retrieval_memories_only_process(tmp_path):
                          text=True, timeout=60, check=False)
     assert bad.returncode != 0 and "needs --datastore DIR, --memories" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- the layer
+
+
+def _memorizing_run(model, module, client, x: torch.Tensor, backend: str, capacity: int):
+    """Logits (B, n, V) of 16-token segments of x (B, n) under a memorizing state on `backend`, a new
+    document in row 0 at segment 3, and the kNN sizes at the end."""
+    from memlm.jobs.memorizing import open_memory
+    from memlm.memory.config import MemoryConfig
+
+    config = MemoryConfig(kind="memorizing", mem_len=16, sink_tokens=2, knn_mem_size=capacity, knn_top_k=4,
+                          knn_backend=backend)
+    state = open_memory(model, config, x.shape[0], knn_attention=module, service=client)
+    assert isinstance(state.store, RemoteMemory if backend == "service" else ExactMemory)
+    logits = []
+    with torch.no_grad():
+        for i, s in enumerate(range(0, x.shape[1], 16)):
+            if i == 3:
+                state = state.reset_rows(torch.tensor([True, False]))
+            out = model(x[:, s : s + 16], state)
+            logits.append(out.logits)
+            state = out.state
+    sizes = state.knn_sizes()
+    state.store.close()
+    return torch.cat(logits, dim=1), sizes
+
+
+@pytest.mark.parametrize("capacity", [24, 256])  # 24: FIFO evicts during the run
+def test_memorizing_layer_outputs_are_the_same_with_the_service_backend(client, capacity):
+    """The issue's test: a tiny memorizing model over a few segments (with a document boundary in one row)
+    gives bit-identical logits and memory sizes whether its kNN memory is in-process (exact, the CPU
+    storage dtype) or a session on the retrieval service."""
+    from memlm.memory.memorizing import new_knn_attention
+    from memlm.model.config import ModelConfig
+    from memlm.model.decoder import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name("tiny", n_layer=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    model.eval()
+    module = new_knn_attention(model.config)
+    x = torch.randint(0, 512, (2, 80))  # (B, n)
+    with torch.no_grad():
+        module.gate_logit.fill_(0.0)  # g = 0.5: the retrieved half counts
+    local, local_sizes = _memorizing_run(model, module, client, x, "exact", capacity)
+    remote, remote_sizes = _memorizing_run(model, module, client, x, "service", capacity)
+    assert torch.equal(remote, local)
+    assert torch.equal(remote_sizes, local_sizes) and local_sizes.sum() > 0
+    # The retrieved entries did shape those logits: beside the same run with the gate at 0 exactly, the first
+    # segment (an empty memory) is the same and the later ones are not.
+    with torch.no_grad():
+        module.gate_logit.fill_(-1e4)
+    no_memory, _ = _memorizing_run(model, module, client, x, "exact", capacity)
+    assert torch.equal(no_memory[:, :16], local[:, :16])
+    assert not torch.allclose(no_memory[:, 16:], local[:, 16:], atol=1e-3)
