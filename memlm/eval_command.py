@@ -41,6 +41,10 @@ from memlm.options import (
 
 KNN_ONLY = ("search_backend", "tune_data", "tune_split", "tune_max_tokens", "allow_tune_overlap")
 """Eval flags of kNN-LM besides the kNN option group (refused without --datastore)."""
+KNN_SERVICE, KNN_SERVICE_ENV = "knn-service-", "MEMLM_KNN_SERVICE_TOKEN"
+"""Flag prefix and token variable of the link to a memory service (--knn-backend service)."""
+KNN_SERVICE_FLAGS = ("knn_service", "knn_service_ca", "knn_service_tls_cert", "knn_service_tls_key",
+                     "knn_service_token", "knn_service_token_file")
 CACHE_KNN = ("k", "lmbda", "temperature", *KNN_ONLY[1:])
 """kNN-LM flags the continuous cache takes too (its neighbours, mixture and tuning)."""
 
@@ -70,6 +74,12 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
                      help="tune even on documents that are evaluated too (recorded in the result)")
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
+    # The one definition of a client link's TLS and token flags (memlm.cli imports this module first).
+    from memlm.cli import add_link_security
+
+    p.add_argument("--knn-service", default=None, metavar="HOST:PORT",
+                   help="retrieval service with memory sessions (memlm serve retrieval) for --knn-backend service")
+    add_link_security(p, KNN_SERVICE, "memory service", KNN_SERVICE_ENV)
     cache = p.add_argument_group("continuous cache (Grave et al. 2017; memlm.jobs.continuous_cache)")
     cache.add_argument("--continuous-cache", action="store_true", default=None,
                        help="report the base and the base with a cache of the document's own past (kNN-LM over "
@@ -193,6 +203,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if memory is None or memory.kind != "memorizing" or args.continuous_cache:
+        refuse_given(args, KNN_SERVICE_FLAGS, "needs --memory memorizing --knn-backend service")
     if args.continuous_cache:
         result = run_cache_eval(args, pretrained, evaluation, memory, boundary)
     elif memory is not None:
@@ -242,9 +254,32 @@ def run_memory_eval(args: argparse.Namespace, model: Any, token_docs: list[list[
         if compressor.rate != memory.compress_rate:
             raise MemlmError(f"the checkpoint's compressor has rate {compressor.rate}; pass --compress-rate "
                              f"{compressor.rate}")
+    service = memory_service(args, memory)
     knn_attention, trained = knn_attention_for(args.model, model, memory)
-    return evaluate_memory(model, token_docs, memory, boundary_token=boundary, batch_size=args.batch_size,
-                           compressor=compressor, knn_attention=knn_attention, gate_trained=trained)
+    try:
+        return evaluate_memory(model, token_docs, memory, boundary_token=boundary, batch_size=args.batch_size,
+                               compressor=compressor, knn_attention=knn_attention, gate_trained=trained,
+                               service=service)
+    finally:
+        if service is not None:
+            service.close()
+
+
+def memory_service(args: argparse.Namespace, memory: MemoryConfig) -> Any:
+    """The memory-service client (a KeyValueMemoryFactory) of --knn-backend service, from --knn-service and
+    its TLS and token flags; None for the in-process backends (where --knn-service is refused)."""
+    from memlm.memory.config import resolve_knn_backend
+
+    if memory.kind != "memorizing" or resolve_knn_backend(memory) != "service":
+        refuse_given(args, ("knn_service",), "needs --memory memorizing --knn-backend service")
+        return None
+    if args.knn_service is None:
+        raise MemlmError("--knn-backend service needs --knn-service HOST:PORT (memlm serve retrieval with memory sessions)")
+    from memlm.cli import link_tls, secret
+    from services.memory_client import remote_memory_factory
+
+    return remote_memory_factory(args.knn_service, tls=link_tls(args, KNN_SERVICE),
+                                 token=secret(args, KNN_SERVICE, KNN_SERVICE_ENV))
 
 
 def knn_attention_for(model_arg: str, model: Any, memory: MemoryConfig) -> tuple[Any, bool]:

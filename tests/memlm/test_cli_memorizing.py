@@ -74,3 +74,37 @@ def test_continuous_cache_eval_tunes_on_other_documents(capsys, corpus, tmp_path
     code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--quiet", "--continuous-cache",
                        "--lambda", "auto", "--tune-data", str(corpus))
     assert code == 1 and "shares 4 document(s)" in err
+
+
+def test_memorizing_eval_over_the_retrieval_service_equals_in_process(capsys, corpus, tmp_path) -> None:
+    """--knn-backend service --knn-service: a real retrieval server with memory sessions on port 0."""
+    import asyncio
+    import threading
+
+    from services.memory_sessions import MemoryOptions
+    from services.retrieval_server import create_retrieval_server
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(
+        create_retrieval_server("127.0.0.1:0", None, memories=MemoryOptions()), loop).result(30)
+    try:
+        common = ["eval", "--model", "tiny", "--data", str(corpus), "--quiet", "--memory", "memorizing",
+                  "--segment", "32", "--mem-len", "16", "--knn-mem-size", "64", "--knn-top-k", "4"]
+        results = {}
+        for backend, extra in (("exact", []), ("service", ["--knn-service", f"127.0.0.1:{port}"])):
+            out = tmp_path / f"{backend}.json"
+            code, _, err = run(capsys, *common, "--knn-backend", backend, *extra, "--json", str(out))
+            assert code == 0, err
+            results[backend] = json.loads(out.read_text())
+        assert results["service"]["knn_backend"] == "service"
+        assert results["service"]["nll"] == results["exact"]["nll"]
+        code, _, err = run(capsys, *common, "--knn-backend", "service")
+        assert code == 1 and "needs --knn-service HOST:PORT" in err and err.count("\n") == 1
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--knn-service", "127.0.0.1:1")
+    assert code == 1 and "--knn-service needs --memory memorizing --knn-backend service" in err
