@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.memorizing import (
+    close_memory,
     fresh_knn_attention,
     knn_parameters,
     open_memory,
@@ -437,5 +438,6 @@ class _Run:
         if cfg.out_dir:
             checkpoint = self.save()
             self.log(f"checkpoint written to {checkpoint}")
+        close_memory(self.state)  # the run's kNN store (saved above with the trainer state when local)
         return TrainResult(self.step, losses, rec_losses, self.evals, tokens, checkpoint, self.model, self.compressor,
                            self.knn_attention)

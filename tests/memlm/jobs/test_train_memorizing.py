@@ -204,3 +204,11 @@ def test_eval_and_scoring_release_their_store() -> None:
     assert CountingMemory.closed_count == 2
     with pytest.raises(MemlmError, match="needs a retrieval service"):
         evaluate_memory(model, docs, service, boundary_token=0, knn_attention=fresh_knn_attention(model))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 autocast path of memlm train)")
+def test_gate_training_under_bf16_autocast_on_cuda() -> None:
+    result = train(config(knn_train="gate", device="cuda", steps=3), documents(2, 80), log=quiet)
+    assert all(math.isfinite(x) for x in result.losses)
+    assert changed(fresh_knn_attention(result.model).state_dict(), result.knn_attention.state_dict())
