@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from memlm.memory.config import KNN_BACKENDS, auto_knn_backend
@@ -74,11 +75,12 @@ KeyValueMemoryFactory = Callable[[int, int, int, int], KeyValueMemory]
 def storage_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype an ExactMemory stores keys and values in on `device`.
 
-    CUDA: float16 (half the bytes of the scan; normalised keys lie in [-1, 1], where float16's 11-bit
-    significand is finer than bfloat16's 8). CPU: bfloat16, measured on the 2-core AMD EPYC of this
-    project (avx512_bf16), batched matmul (8, 512, 64) x (8, 64, 4096): bfloat16 11.5 ms, float32 26.6 ms,
-    float16 187 ms (CPU float16 matmul has no fast kernel)."""
-    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+    CUDA: float16 (half the bytes of the torch scan; normalised keys lie in [-1, 1], where float16's 11-bit
+    significand is finer than bfloat16's 8). CPU: float32, the dtype FAISS's scan takes (uses_faiss_scan),
+    which beats the torch scan there even though a bfloat16 matmul is faster than a float32 one on this
+    project's AMD EPYC (avx512_bf16; (8, 512, 64) x (8, 64, 4096): bfloat16 11.5 ms, float32 26.6 ms,
+    float16 187 ms): torch.topk, not the matmul, dominates the torch scan."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def check_entries(memory: KeyValueMemory, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -181,20 +183,74 @@ class RingBuffer:
 
 
 SCORE_BUDGET = 1 << 25
-"""Most (query, slot) scores that exist at once during an exact search (64 MB in bfloat16): the chunk of
+"""Most (query, slot) scores that exist at once during a torch scan (64 MB in float16): the chunk of
 slots scanned per matmul is SCORE_BUDGET // (S * Q), so memory stays bounded at any capacity. Measured
 (S 8, Q 512, d 64, 64K slots, bfloat16, 2 shared cores): 2^23 1.8 s, 2^24 0.78 s, 2^25 0.50 s, 2^26
 0.45 s per search: wide chunks amortise torch.topk, which costs about as much as the matmul."""
 
 
-class ExactMemory:
-    """Exact maximum-inner-product memory in torch on one device (the default up to EXACT_MAX_ENTRIES).
+def uses_faiss_scan(buffer: RingBuffer) -> bool:
+    """Which exact scan serves a buffer: FAISS's brute-force kNN for float32 on the CPU, the torch scan
+    otherwise (GPU). Both are exact. Measured on this project's 2 shared CPU cores (S 8, Q 512, d 64,
+    64K slots, k 32): faiss.knn 1.4-1.9 s vs the torch scan 2.7-3.1 s (bfloat16 or float32) under the
+    same load: FAISS keeps the top-k in a heap that rejects most scores with one comparison, while
+    torch.topk over the score rows costs as much as the matmul that made them."""
+    return buffer.device.type == "cpu" and buffer.dtype == torch.float32
 
-    Keys and values are stored in `dtype` (default `storage_dtype(device)`); scores are the matmul of the
-    queries (cast to that dtype) with a chunk of slots at a time, ranked in that dtype (bfloat16 on CPU:
-    scores of normalised vectors to about 0.004, so near-ties may swap; the layer recomputes the scores
-    it attends with from the gathered keys in the queries' dtype), and only the top-k slots are
-    gathered and copied, once, into the queries' dtype."""
+
+def faiss_top_k(buffer: RingBuffer, q: torch.Tensor, sizes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k slots (S, Q, k) and their validity (S, Q, k) by faiss.knn over each stream's live
+    slots (a view of the float32 ring buffer: nothing is copied)."""
+    import faiss  # a project dependency (faiss-cpu or faiss-gpu); imported where it is used
+
+    S, Q, _ = q.shape
+    slots = torch.full((S, Q, k), -1, dtype=torch.long)  # (S, Q, k)
+    qn = q.numpy()
+    for s in range(S):
+        n = int(sizes[s])
+        if n:
+            xq = np.ascontiguousarray(qn[s])  # (Q, d)
+            _, ids = faiss.knn(xq, buffer.keys[s, :n].numpy(), min(k, n), metric=faiss.METRIC_INNER_PRODUCT)
+            slots[s, :, : min(k, n)] = torch.from_numpy(ids)  # (Q, <=k)
+    valid = slots >= 0  # (S, Q, k)
+    return slots.clamp(min=0), valid
+
+
+def torch_top_k(buffer: RingBuffer, q: torch.Tensor, sizes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k slots (S, Q, k) and their validity (S, Q, k) by chunked batched matmul + torch.topk in
+    the storage dtype, SCORE_BUDGET scores at a time."""
+    S, Q, _ = q.shape
+    n = int(sizes.max())
+    chunk = max(k, SCORE_BUDGET // max(S * Q, 1))
+    cand_s, cand_i = [], []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        scores = torch.bmm(q, buffer.keys[:, lo:hi].transpose(1, 2))  # (S, Q, n) in the storage dtype
+        live = torch.arange(lo, hi, device=buffer.device)[None, :] < sizes[:, None]  # (S, n)
+        scores.masked_fill_(~live[:, None, :], float("-inf"))
+        top_s, top_i = torch.topk(scores, min(k, hi - lo), dim=-1)  # (S, Q, <=k)
+        cand_s.append(top_s)
+        cand_i.append(top_i + lo)
+    slots = torch.zeros(S, Q, k, dtype=torch.long, device=buffer.device)  # (S, Q, k)
+    valid = torch.zeros(S, Q, k, dtype=torch.bool, device=buffer.device)  # (S, Q, k)
+    if cand_s:
+        all_s, all_i = torch.cat(cand_s, dim=-1), torch.cat(cand_i, dim=-1)  # (S, Q, chunks * k)
+        _, pos = torch.topk(all_s, min(k, all_s.shape[-1]), dim=-1)  # (S, Q, k')
+        kk = pos.shape[-1]
+        slots[..., :kk] = all_i.gather(-1, pos)
+        valid[..., :kk] = slots[..., :kk] < sizes[:, None, None]
+    return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+
+class ExactMemory:
+    """Exact maximum-inner-product memory on one device, in torch tensors (the default up to EXACT_MAX_ENTRIES).
+
+    Keys and values are stored in `dtype` (default `storage_dtype(device)`: float32 on CPU, float16 on
+    CUDA) in a RingBuffer on the device. Search is exact: FAISS's brute-force scan over the buffer on the
+    CPU, a chunked matmul + torch.topk on the device otherwise (uses_faiss_scan), ranked in the storage
+    dtype (float16: scores of normalised vectors to about 0.001, so near-ties may swap; the layer
+    recomputes the scores it attends with from the gathered keys). Only the top-k slots are gathered and
+    copied, once, into the queries' dtype."""
 
     def __init__(self, streams: int, dim: int, value_dim: int, capacity: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None) -> None:
@@ -215,35 +271,14 @@ class ExactMemory:
     def search(self, queries: torch.Tensor, k: int) -> Retrieved:
         self._check_open()
         check_queries(self, queries, k)
-        S, Q, _ = queries.shape
         buf = self.buffer
         sizes = buf.sizes()  # (S,)
-        n = int(sizes.max())
         q = queries.detach().to(buf.device, buf.dtype)  # (S, Q, d)
-        chunk = max(k, SCORE_BUDGET // max(S * Q, 1))
-        cand_s, cand_i = [], []
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            scores = torch.bmm(q, buf.keys[:, lo:hi].transpose(1, 2))  # (S, Q, n) in the storage dtype
-            live = torch.arange(lo, hi, device=buf.device)[None, :] < sizes[:, None]  # (S, n)
-            scores.masked_fill_(~live[:, None, :], float("-inf"))
-            s, i = torch.topk(scores, min(k, hi - lo), dim=-1)  # (S, Q, <=k)
-            cand_s.append(s)
-            cand_i.append(i + lo)
-        return self._retrieved(cand_s, cand_i, sizes, queries, k)
-
-    def _retrieved(self, cand_s: list[torch.Tensor], cand_i: list[torch.Tensor], sizes: torch.Tensor,
-                   queries: torch.Tensor, k: int) -> Retrieved:
-        S, Q, _ = queries.shape
-        slots = torch.zeros(S, Q, k, dtype=torch.long, device=self.buffer.device)  # (S, Q, k)
-        valid = torch.zeros(S, Q, k, dtype=torch.bool, device=self.buffer.device)  # (S, Q, k)
-        if cand_s:
-            s, i = torch.cat(cand_s, dim=-1), torch.cat(cand_i, dim=-1)  # (S, Q, chunks * k)
-            top, pos = torch.topk(s, min(k, s.shape[-1]), dim=-1)  # (S, Q, k')
-            slots[..., : top.shape[-1]] = i.gather(-1, pos)
-            valid[..., : top.shape[-1]] = slots[..., : top.shape[-1]] < sizes[:, None, None]
-        slots = torch.where(valid, slots, torch.zeros_like(slots))
-        keys, values = self.buffer.gather(slots, queries.dtype)  # (S, Q, k, d), (S, Q, k, dv)
+        if uses_faiss_scan(buf):
+            slots, valid = faiss_top_k(buf, q, sizes, k)  # (S, Q, k) each
+        else:
+            slots, valid = torch_top_k(buf, q, sizes, k)  # (S, Q, k) each
+        keys, values = buf.gather(slots, queries.dtype)  # (S, Q, k, d), (S, Q, k, dv)
         dev = queries.device
         return Retrieved(keys.to(dev), values.to(dev), valid.to(dev))
 

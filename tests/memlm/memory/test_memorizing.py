@@ -26,6 +26,7 @@ from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.memory.xl import XLMemory
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder, KVCache, LayerMemory, build_model
+from memlm.retrieval import memory_store
 from memlm.retrieval.faiss_memory import FaissMemory
 from memlm.retrieval.memory_store import ExactMemory
 
@@ -193,7 +194,9 @@ def test_a_boundary_in_one_row_clears_only_that_row_and_batched_equals_alone():
     torch.testing.assert_close(both[:1], torch.cat([first, second], dim=1), atol=1e-5, rtol=0)
 
 
-def test_exact_and_faiss_backends_give_the_same_layer_output():
+@pytest.mark.parametrize("scan", ["faiss", "torch"])  # the exact backend's CPU and GPU scans
+def test_exact_and_faiss_backends_give_the_same_layer_output(scan, monkeypatch):
+    monkeypatch.setattr(memory_store, "uses_faiss_scan", lambda buffer: scan == "faiss")
     model = tiny_model()
     x = torch.randint(0, 512, (2, 64))
     module = knn_module(model, 0.0)

@@ -107,8 +107,10 @@ def test_clear_one_stream_leaves_the_others():
     assert held_entries(mem) == [set(range(2, 12)), set(range(6, 12)), set(range(2, 12)), set(range(2, 12))]
 
 
-@pytest.mark.parametrize("budget", [1 << 25, 700])  # 700: many chunks of a few slots each
-def test_exact_top_k_equals_brute_force(budget, monkeypatch):
+@pytest.mark.parametrize(("scan", "budget"), [("faiss", 0), ("torch", 1 << 25), ("torch", 700)])
+def test_exact_top_k_equals_brute_force(scan, budget, monkeypatch):
+    # Both exact scans: FAISS's (float32 on CPU) and torch's (the GPU one; budget 700: many small chunks).
+    monkeypatch.setattr(memory_store, "uses_faiss_scan", lambda buffer: scan == "faiss")
     monkeypatch.setattr(memory_store, "SCORE_BUDGET", budget)
     torch.manual_seed(2)
     S, d, dv, cap, k, Q = 3, 16, 5, 40, 6, 7
@@ -136,12 +138,19 @@ def test_exact_top_k_equals_brute_force(budget, monkeypatch):
         assert bool((scores[:, :-1] >= scores[:, 1:]).all())
 
 
-def test_default_storage_is_reduced_precision_and_keeps_recall():
-    # bfloat16 on CPU ranks scores to about 0.004: the top-k may swap near-ties, not miss neighbours.
+def test_search_of_an_empty_memory_finds_nothing():
+    for dtype in (torch.float32, torch.bfloat16):  # the FAISS scan and the torch scan
+        got = ExactMemory(2, 4, 3, 8, dtype=dtype).search(unit(2, 5, 4), 3)
+        assert got.keys.shape == (2, 5, 3, 4) and got.values.shape == (2, 5, 3, 3) and not bool(got.valid.any())
+
+
+def test_reduced_precision_storage_keeps_recall():
+    # bfloat16 (the torch scan, as float16 on a GPU) ranks scores to about 0.004: the top-k may swap
+    # near-ties, not miss neighbours. The CPU default is float32 (the FAISS scan).
     torch.manual_seed(3)
     S, d, cap, k = 2, 32, 2000, 16
-    mem = open_key_value_memory("exact", S, d, 2, cap, "cpu")
-    assert mem.buffer.dtype == torch.bfloat16
+    assert open_key_value_memory("exact", S, d, 2, cap, "cpu").buffer.dtype == torch.float32
+    mem = ExactMemory(S, d, 2, cap, dtype=torch.bfloat16)
     keys = unit(S, cap, d)
     n = torch.arange(cap, dtype=torch.float32)
     # bfloat16 holds integers exactly only up to 256: the entry number travels as (n // 64, n % 64).
