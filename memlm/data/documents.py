@@ -12,7 +12,7 @@ Specs (`load_documents(spec)`):
   president, president_full, party, sotu_type, title) or "wiki-summaries" (lead summaries of 10,033
   vital Wikipedia articles, meta: doc_id, title, description, topic);
 - "shakespeare": Shakespeare's works, one document a play or poem (meta: doc_id, title, form
-  "play"/"poem", author, source_url; memlm.data.corpora._shakespeare_rows says what a document is);
+  "play"/"poem", genre (First Folio section: comedy, history, tragedy; romance; poem), author, source_url; memlm.data.corpora._shakespeare_rows says what a document is);
 - a local file: `.txt` is ONE document (meta: doc_id = file stem); `.jsonl`, `.json` (JSON lines, or
   one array of objects, which is read whole: big corpora belong in .jsonl) and `.parquet` give one
   document a row, from the `text` field, with the other columns as meta;

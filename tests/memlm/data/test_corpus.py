@@ -180,7 +180,7 @@ def test_numeric_comparison_is_numeric(tmp_path):
     assert [d.text for d in load_documents(str(path), "n=900.0")] == ["a"]
 
 
-@pytest.mark.parametrize("n", range(0, 7))
+@pytest.mark.parametrize("n", range(7))
 def test_slice_iter_equals_list_slicing(n):
     items = list(range(n))
     for start in [None, *range(-8, 9)]:

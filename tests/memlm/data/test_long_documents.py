@@ -216,6 +216,12 @@ def test_shakespeare_works(real_cache):
     scenes = {d.meta["doc_id"]: len(re.findall(r"^(ACT|Act|SCENE|Scene)\b", d.text, re.MULTILINE)) for d in docs}
     assert all(scenes[d.meta["doc_id"]] >= 10 and len(d.text) > 80_000 for d in plays)
     assert all(scenes[d.meta["doc_id"]] == 0 for d in docs if d.meta["form"] == "poem")
+    genres = {g: sorted(d.meta["doc_id"] for d in docs if d.meta["genre"] == g) for g in ("comedy", "history", "tragedy")}
+    assert [len(genres[g]) for g in genres] == [14, 10, 12] and "hamlet" in genres["tragedy"]  # the First Folio
+    assert {d.meta["genre"] for d in docs} == {"comedy", "history", "tragedy", "romance", "poem"}
+    by_genre = list(load_documents("shakespeare:group-by=genre", "form=play"))
+    assert [d.meta["doc_id"] for d in by_genre] == ["comedy", "tragedy", "history", "romance"]  # by first doc_id
+    assert by_genre[0].meta["parts"] == genres["comedy"]
     hamlet = next(d for d in docs if d.meta["doc_id"] == "hamlet")
     assert hamlet.text.startswith("HAMLET, PRINCE OF DENMARK") and "To be, or not to be" in hamlet.text
 
