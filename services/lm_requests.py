@@ -305,8 +305,6 @@ class RequestParser:
             raise InvalidRequest("window_tokens", f"{window}, must be in [1, {self._max_len}] (the model's context)")
         if not 1 <= stride <= window:
             raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
-        if memory is None:
-            self.step_budget(window, "window_tokens")
         knn = self.knn(request)
         if knn is not None and self._windows is not None:
             # The one settings rule (memlm.retrieval.compat): kNN-LM queries must be made like the
@@ -320,7 +318,11 @@ class RequestParser:
                           if item.WhichOneof(_ONEOF[name]) == name], "inputs")
         pairs = [self._score_input(item, f"inputs[{i}]") for i, item in enumerate(request.inputs)]
         self._score_cost(pairs, window, stride, memory, request.top_n)
-        step = window if memory is None else memory.segment
+        if memory is None:  # a window is as long as its input allows: a short input at a long window is short
+            step = min(window, max(len(ctx) + len(cont) for ctx, cont in pairs))
+            self.step_budget(step, "window_tokens")
+        else:
+            step = memory.segment
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
                          stride=stride, knn=knn, top_n=request.top_n, memory=memory,
                          batch_size=self._limits.step_rows(step))

@@ -184,8 +184,10 @@ def test_steps_over_the_budget_are_refused_and_get_info_reports_the_limits(tiny,
                 call(request, timeout=10)
             assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
             assert e.value.details().startswith(f"{field}:") and "max_step_tokens 64" in e.value.details()
-        # Within the budget: a window of 64, and an XL prompt of 100 tokens in segments of 32.
+        # Within the budget: a window of 64; a 50-token input at window 128 (its one window is 50 long);
+        # an XL prompt of 100 tokens in segments of 32.
         stub.Score(score_request([ids(100)], 64, 32), timeout=10)
+        stub.Score(score_request([ids(50)], 128, 64), timeout=10)
         xl = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(100)), max_new_tokens=2,
                                     memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=32))
         assert list(stub.Generate(xl, timeout=10))[-1].HasField("finish")
