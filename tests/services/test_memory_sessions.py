@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memlm.retrieval.memory_store import ExactMemory, open_key_value_memory
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -251,9 +252,16 @@ def test_big_calls_are_split_to_fit_the_messages(loop_thread):
 
 
 def test_memories_with_and_without_a_datastore(loop_thread, searcher):
-    # Memories only: RetrievalService is not there at all.
-    with RetrievalClient(start(loop_thread), timeout=20) as retrieval, pytest.raises(ServiceError, match="UNIMPLEMENTED"):
+    # Memories only: RetrievalService is not there at all; health knows MemoryService alone.
+    address = start(loop_thread)
+    with RetrievalClient(address, timeout=20) as retrieval, pytest.raises(ServiceError, match="UNIMPLEMENTED"):
         retrieval.search(np.zeros((1, 4), np.float32), 1)
+    health = health_pb2_grpc.HealthStub(open_channel(address, None, 1 << 20))
+    check = health_pb2.HealthCheckRequest
+    assert health.Check(check(service="memlm.v1.MemoryService"), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        health.Check(check(service="memlm.v1.RetrievalService"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     # A datastore and memories on one server.
     address = start(loop_thread, searcher=searcher)
     with RetrievalClient(address, timeout=20) as retrieval, remote_memory_factory(address, timeout=20) as factory:
