@@ -80,7 +80,8 @@ def open_knn_store(model: Decoder, memory: MemoryConfig, batch_size: int, servic
     cfg = model.config
     backend = resolve_knn_backend(memory)
     if backend == "service" and service is None:
-        raise MemlmError("--knn-backend service needs a retrieval service (memlm serve lm --retrieval HOST:PORT)")
+        raise MemlmError("--knn-backend service needs a memory service: memlm eval --knn-service HOST:PORT (a "
+                         "server passes its client in; memlm train keeps its kNN memory in process: exact or faiss)")
     streams = batch_size * cfg.n_kv_head
     return open_key_value_memory(backend, streams, cfg.head_dim, cfg.head_dim, memory.knn_mem_size, model.device,
                                  service)

@@ -77,6 +77,11 @@ def test_top_trains_the_layers_from_the_memorizing_layer_up() -> None:
     assert changed(fresh_knn_attention(result.model).state_dict(), result.knn_attention.state_dict())
 
 
+def test_training_refuses_the_service_backend() -> None:
+    with pytest.raises(MemlmError, match="memlm train keeps its kNN memory in process"):
+        train(config(memory=dataclasses.replace(MEMORY, knn_backend="service")), documents(2, 40), log=quiet)
+
+
 def test_from_scratch_everything_trains_and_knn_train_is_refused() -> None:
     result = train(config(init="scratch", steps=2), documents(2, 80), log=quiet)
     assert result.knn_attention is not None and len(result.losses) == 2
@@ -117,6 +122,12 @@ def test_checkpoint_round_trips_into_eval(tmp_path, capsys) -> None:
     code = main(["eval", "--model", str(ckpt), "--data", str(data), "--memory", "memorizing", "--knn-layer", "0",
                  "--quiet"])
     assert code == 1 and "--knn-layer 0 differs from checkpoint" in capsys.readouterr().err
+    # Memory 0: the same checkpoint with its XL memory alone (the gate-trained decoder is the base model).
+    code = main(["eval", "--model", str(ckpt), "--data", str(data), "--memory", "xl", "--quiet", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    xl = json.loads(out.read_text())
+    assert (xl["memory"], xl["mem_len"], xl["segment"]) == ("xl", MEMORY.mem_len, MEMORY.segment)
+    assert "mean_gate" not in xl
 
 
 def test_gate_at_zero_is_the_xl_model_exactly() -> None:
@@ -202,7 +213,7 @@ def test_eval_and_scoring_release_their_store() -> None:
     score_tokens_segments(model, docs, memory=service, boundary_token=0, knn_attention=fresh_knn_attention(model),
                           service=counting_factory)
     assert CountingMemory.closed_count == 2
-    with pytest.raises(MemlmError, match="needs a retrieval service"):
+    with pytest.raises(MemlmError, match="needs a memory service"):
         evaluate_memory(model, docs, service, boundary_token=0, knn_attention=fresh_knn_attention(model))
 
 
