@@ -81,3 +81,34 @@ def test_factory_opens_faiss_and_says_where_it_runs():
     m = open_key_value_memory("faiss", 2, 4, 4, 8, "cpu")
     assert isinstance(m, FaissMemory)
     assert gpu_note().startswith("faiss-cpu")
+
+
+def test_ivf_trains_on_its_stream_and_keeps_fifo_and_top_k():
+    # 4 lists, all probed: an IVF search is then exact, so it must equal the exact backend, before the
+    # quantizer is trained (exact over the buffer), after (the index), across evictions and a clear.
+    S, d, cap, k = 2, 8, 300, 5
+    exact = ExactMemory(S, d, 2, cap, dtype=torch.float32)
+    ivf = FaissMemory(S, d, 2, cap, factory="IVF4,Flat", nprobe=4)
+    assert ivf.train_size == 4 * 39
+    trained = []
+    for step, T in enumerate((60, 60, 90, 200, 40)):
+        feed([exact, ivf], (T,), S, d, seed=10 + step)
+        if step == 3:
+            for m in (exact, ivf):
+                m.clear(torch.tensor([False, True]))
+        trained.append([index.is_trained for index in ivf.indexes])
+        queries = unit(S, 6, d)
+        a, b = exact.search(queries, k), ivf.search(queries, k)
+        assert torch.equal(a.valid, b.valid) and ivf.sizes().tolist() == exact.sizes().tolist()
+        torch.testing.assert_close(b.values[b.valid], a.values[a.valid])
+    assert trained[0] == [False, False] and trained[-1] == [True, True]
+    assert held(ivf) == held(exact)
+
+
+def test_default_factory_is_flat_in_the_exact_range_and_ivf_beyond():
+    from memlm.memory.config import EXACT_MAX_ENTRIES
+    from memlm.retrieval.faiss_memory import FLAT_FACTORY, default_factory
+
+    assert default_factory(65536) == FLAT_FACTORY
+    assert default_factory(EXACT_MAX_ENTRIES + 1).startswith("IVF")
+    assert default_factory(1 << 20) == "IVF4096,Flat"
