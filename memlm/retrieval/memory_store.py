@@ -9,8 +9,8 @@ Every backend keeps FIFO order: a stream over `capacity` evicts its oldest entri
 never resets itself (lucidrains' implementation wipes a full memory; issue 10). Search is maximum inner
 product; the caller L2-normalises keys and queries, so it is cosine similarity.
 
-Backends: `ExactMemory` here (torch on the memory's device: a ring buffer, chunked matmul and an exact
-two-stage top-k), `FaissMemory` (memlm.retrieval.faiss_memory) and `RemoteMemory` on the retrieval
+Backends: `ExactMemory` here (a ring buffer of torch tensors on the memory's device, searched exactly:
+FAISS's brute-force scan on the CPU, chunked matmul + torch.topk on a GPU), `FaissMemory` (memlm.retrieval.faiss_memory) and `RemoteMemory` on the retrieval
 service (services/memory_client.py; the library never imports services/, the caller passes a factory).
 
 Shape legend: S streams, T entries appended per stream, Q queries per stream, k neighbours, d key
@@ -185,7 +185,7 @@ class RingBuffer:
 SCORE_BUDGET = 1 << 25
 """Most (query, slot) scores that exist at once during a torch scan (64 MB in float16): the chunk of
 slots scanned per matmul is SCORE_BUDGET // (S * Q), so memory stays bounded at any capacity. Measured
-(S 8, Q 512, d 64, 64K slots, bfloat16, 2 shared cores): 2^23 1.8 s, 2^24 0.78 s, 2^25 0.50 s, 2^26
+on CPU (S 8, Q 512, d 64, 64K slots, bfloat16, 2 shared cores): 2^23 1.8 s, 2^24 0.78 s, 2^25 0.50 s, 2^26
 0.45 s per search: wide chunks amortise torch.topk, which costs about as much as the matmul."""
 
 
