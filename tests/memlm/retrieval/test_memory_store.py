@@ -215,3 +215,23 @@ def test_factory_and_backend_rules():
         memorizing_layer(MemoryConfig(kind="memorizing", knn_layer=2), 2)
     with pytest.raises(ValueError, match="knn_backend"):
         MemoryConfig(kind="memorizing", knn_backend="hnsw")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the torch scan in float16)")
+def test_gpu_memory_is_float16_and_agrees_with_the_cpu_oracle():
+    torch.manual_seed(6)
+    S, d, cap, k = 4, 64, 5000, 32
+    mem = open_key_value_memory("exact", S, d, 2, cap, "cuda")
+    assert mem.buffer.dtype == torch.float16 and not memory_store.uses_faiss_scan(mem.buffer)
+    keys = unit(S, cap + 300, d)  # 300 over capacity: the first 300 are evicted
+    n = torch.arange(cap + 300, dtype=torch.float32)
+    values = torch.stack([n // 64, n % 64], dim=-1).expand(S, cap + 300, 2)  # float16-exact entry numbers
+    mem.append(keys.cuda(), values.cuda(), torch.ones(S, cap + 300, dtype=torch.bool, device="cuda"))
+    queries = unit(S, 64, d)
+    got = mem.search(queries.cuda(), k)
+    assert got.keys.device.type == "cuda" and got.keys.dtype == torch.float32
+    ids = (got.values[..., 0] * 64 + got.values[..., 1]).long().cpu()  # (S, Q, k)
+    assert int(ids.min()) >= 300  # nothing evicted is found
+    want = torch.topk(queries @ keys[:, 300:].transpose(1, 2), k, dim=-1).indices + 300  # (S, Q, k)
+    hits = sum(len(set(ids[s, q].tolist()) & set(want[s, q].tolist())) for s in range(S) for q in range(64))
+    assert hits / (S * 64 * k) >= 0.95
