@@ -224,7 +224,8 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
                         segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens,
                         max_forward_tokens=args.max_forward_tokens, max_score_entries=args.max_score_entries,
-                        max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens),
+                        max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens,
+                        knn_layer=memory.knn_layer, knn_mem_size=memory.knn_mem_size, knn_top_k=memory.knn_top_k),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"),
     ))

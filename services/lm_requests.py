@@ -30,13 +30,14 @@ import grpc
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WindowConfig, window_cost
-from memlm.memory.config import MemoryConfig
+from memlm.memory.config import EXACT_MAX_ENTRIES, MemoryConfig
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.server_common import InvalidRequest
 
 SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
+"""What every server serves; MEMORY_MODE_MEMORIZING besides with a memorizing checkpoint's KnnAttention."""
 DEFAULT_MEMORY_MODE = lm_pb2.MEMORY_MODE_NONE
 """What MEMORY_MODE_UNSPECIFIED means (GetInfo.default_memory_mode)."""
 OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
@@ -75,6 +76,18 @@ class LMLimits:
     """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
     max_memory_tokens: int = 65536
     """Largest memory_tokens or sink_tokens a request may ask for."""
+    knn_layer: int | None = MemoryConfig.knn_layer
+    """MEMORY_MODE_MEMORIZING: the memorizing layer, the one its KnnAttention was trained at (a checkpoint's
+    settings); None = memlm.memory.config.memorizing_layer's default (three quarters up)."""
+    knn_mem_size: int = MemoryConfig.knn_mem_size
+    """MEMORY_MODE_MEMORIZING kNN memory entries per (sequence, kv head) where a request leaves it unset."""
+    knn_top_k: int = MemoryConfig.knn_top_k
+    """MEMORY_MODE_MEMORIZING pairs retrieved per query and head where a request leaves it unset."""
+    max_knn_mem_size: int = EXACT_MAX_ENTRIES
+    """Largest knn_mem_size a request may ask for: up to it the memory is the exact in-process one
+    (memlm.memory.config.resolve_knn_backend); it grows with the sequence, never past its tokens."""
+    max_knn_top_k: int = 256
+    """Largest knn_top_k a request may ask for."""
     max_forward_tokens: int = 1 << 18
     """Most forward work one ScoreRequest may cost: the sum over all its windows of their length in tokens
     (MEMORY_MODE_XL: boundary + context + continuation of each input, every position runs once). The
@@ -114,7 +127,7 @@ class ScoreArgs:
     top_n: int
     """Alternatives returned per token."""
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL memory (its segment included), or None for sliding windows."""
+    """MEMORY_MODE_XL / MEMORIZING memory (its segment included), or None for sliding windows."""
     batch_size: int
     """Windows (sliding windows) or sequences side by side (XL) per forward step: LMLimits.step_rows."""
 
@@ -134,7 +147,7 @@ class GenerateArgs:
     knn: KNNLMConfig | None
     """kNN-LM settings, or None for the base LM."""
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL memory (its segment included), or None for a KV cache."""
+    """MEMORY_MODE_XL / MEMORIZING memory (its segment included), or None for a KV cache."""
 
 
 _ONEOF = {"context_text": "context", "text": "continuation"}
@@ -153,12 +166,13 @@ class RequestParser:
     (context, stride) the searcher's keys were made with, which a Score request's unset window takes and
     which a kNN-LM Score request's given window must equal (memlm.retrieval.compat's rule for an
     artifact's settings; None: WindowConfig's defaults). piece_bytes: the UTF-8 length of each token id's
-    text as responses carry it; max_response_bytes: the largest message the server may send.
+    text as responses carry it; max_response_bytes: the largest message the server may send;
+    memorizing: whether MEMORY_MODE_MEMORIZING is served (the server holds a KnnAttention).
     """
 
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
                  knn_defaults: KNNLMConfig, has_searcher: bool, piece_bytes: list[int], max_response_bytes: int,
-                 datastore_windows: tuple[int, int] | None = None) -> None:
+                 datastore_windows: tuple[int, int] | None = None, memorizing: bool = False) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
         self._longest_piece = max(piece_bytes, default=0)
@@ -171,9 +185,31 @@ class RequestParser:
         self._windows = datastore_windows
         self.default_memory = lm_pb2.MemoryOptions(
             segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
-            sink_tokens=limits.sink_tokens,
+            sink_tokens=limits.sink_tokens, knn_mem_size=limits.knn_mem_size, knn_top_k=limits.knn_top_k,
         )
-        """The sizes a MEMORY_MODE_XL request leaves unset take (GetInfo.default_memory)."""
+        """The sizes a MEMORY_MODE_XL / MEMORIZING request leaves unset take (GetInfo.default_memory)."""
+        self.memory_modes = SUPPORTED_MEMORY_MODES + ((lm_pb2.MEMORY_MODE_MEMORIZING,) if memorizing else ())
+        """The memory modes served (GetInfo.memory_modes)."""
+
+    def info_response(self, *, model: str, model_fingerprint: str,
+                      knn_layer: int | None) -> lm_pb2.LanguageModelServiceGetInfoResponse:
+        """GetInfo's answer (without the datastore): the model, the limits, the memory modes and defaults;
+        knn_layer: the memorizing layer when MEMORIZING is served."""
+        limits = self._limits
+        response = lm_pb2.LanguageModelServiceGetInfoResponse(
+            model=model, model_fingerprint=model_fingerprint, tokenizer_fingerprint=self._tokenizer.fingerprint,
+            vocab_size=self._vocab, context_length=self._max_len, memory_modes=self.memory_modes,
+            default_memory_mode=DEFAULT_MEMORY_MODE, default_memory=self.default_memory,
+            max_memory_tokens=limits.max_memory_tokens, max_score_tokens=limits.max_score_tokens,
+            max_score_batch=limits.max_score_batch, max_new_tokens=limits.max_new_tokens,
+            max_message_bytes=self._max_response_bytes, max_forward_tokens=limits.max_forward_tokens,
+            max_score_entries=limits.max_score_entries, max_text_chars=limits.max_text_chars,
+            max_step_tokens=limits.max_step_tokens, max_knn_mem_size=limits.max_knn_mem_size,
+            max_knn_top_k=limits.max_knn_top_k,
+        )
+        if knn_layer is not None:
+            response.knn_layer = knn_layer
+        return response
 
     def ids(self, ids, field: str) -> list[int]:
         out = list(ids)
@@ -207,11 +243,13 @@ class RequestParser:
             mode = DEFAULT_MEMORY_MODE
         if mode not in lm_pb2.MemoryMode.values():
             raise InvalidRequest("memory_mode", f"unknown value {mode}")
-        if mode not in SUPPORTED_MEMORY_MODES:
-            supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in SUPPORTED_MEMORY_MODES)
+        if mode not in self.memory_modes:
+            supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in self.memory_modes)
+            why = " (MEMORIZING needs a server started with a memorizing checkpoint)" \
+                if mode == lm_pb2.MEMORY_MODE_MEMORIZING else ""
             raise InvalidRequest(
                 "memory_mode",
-                f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported})",
+                f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported}){why}",
                 grpc.StatusCode.UNIMPLEMENTED,
             )
         if mode == lm_pb2.MEMORY_MODE_NONE:
@@ -221,17 +259,22 @@ class RequestParser:
         if not 1 <= segment <= self._max_len:
             raise InvalidRequest("memory.segment_tokens",
                                  f"{segment}, must be in [1, {self._max_len}] (the model's context)")
+        limits = self._limits
         sizes = {}
-        for name in ("memory_tokens", "sink_tokens"):
+        for name, low, high in (("memory_tokens", 0, limits.max_memory_tokens), ("sink_tokens", 0, limits.max_memory_tokens),
+                                ("knn_mem_size", 1, limits.max_knn_mem_size), ("knn_top_k", 1, limits.max_knn_top_k)):
             value = getattr(o, name) if o.HasField(name) else getattr(d, name)
-            if value < 0:
-                raise InvalidRequest(f"memory.{name}", f"{value}, must be >= 0")
-            if value > self._limits.max_memory_tokens:
-                raise InvalidRequest(f"memory.{name}", f"{value}, at most {self._limits.max_memory_tokens}",
-                                     OUT_OF_RANGE)
+            if value < low:
+                raise InvalidRequest(f"memory.{name}", f"{value}, must be >= {low}")
+            if value > high:
+                raise InvalidRequest(f"memory.{name}", f"{value}, at most {high}", OUT_OF_RANGE)
             sizes[name] = value
         self.step_budget(segment, "memory.segment_tokens")
-        return MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"], segment=segment)
+        xl = MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"], segment=segment)
+        if mode == lm_pb2.MEMORY_MODE_XL:
+            return xl
+        return replace(xl, kind="memorizing", knn_layer=limits.knn_layer, knn_mem_size=sizes["knn_mem_size"],
+                       knn_top_k=sizes["knn_top_k"])
 
     def step_budget(self, tokens: int, field: str, what: str = "") -> None:
         """Refuse one forward pass of more than max_step_tokens input tokens (it cannot be split)."""

@@ -72,10 +72,13 @@ class ModelTurns:
         self._cond = threading.Condition()
         self._holder: object | None = None
         self._waiting: deque[object] = deque()
+        self.entries = 0
+        """Jobs that asked for the turn so far (for tests and logs)."""
 
     def acquire(self, who: object, stop: ShouldStop) -> bool:
         """Wait for the turn; False (not holding it) when stop() says the caller gave up first."""
         with self._cond:
+            self.entries += 1
             if self._holder is None and not self._waiting:
                 self._holder = who
                 return True

@@ -24,9 +24,11 @@ NOT_SERVING until the model and the searcher are loaded.
 Memory modes: MEMORY_MODE_NONE (sliding windows; a KV cache with a sliding window for Generate) and
 MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.jobs.scoring.score_tokens_segments`, which
 scores as `memlm eval --memory xl` does, and for Generate an XLMemory as the decoder state, so generation
-runs past the context without re-encoding). kNN-LM combines with both. MEMORY_MODE_COMPRESSIVE,
-MEMORY_MODE_MEMORIZING and MEMORY_MODE_SPALM answer UNIMPLEMENTED (they need trained parameters or a
-per-document memory the service does not keep yet).
+runs past the context without re-encoding). MEMORY_MODE_MEMORIZING (Wu et al. 2022) on a server loaded with
+a KnnAttention (a `memlm train --memory memorizing` checkpoint's knn_attention.pt): the same library calls
+with a memorizing memory, each sequence's kNN memory its own, in process, dropped when the call ends. kNN-LM
+combines with all of them. MEMORY_MODE_COMPRESSIVE and MEMORY_MODE_SPALM answer UNIMPLEMENTED (they need
+trained parameters the service does not load yet), and so does MEMORIZING without a KnnAttention.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -49,8 +52,11 @@ from memlm.jobs.generate import (
     TokenEvent,
     generate,
 )
+from memlm.jobs.memorizing import saved_knn_attention
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.windows import WorkStopped
+from memlm.memory.config import MemoryConfig, memorizing_layer
+from memlm.memory.memorizing import KnnAttention
 from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
@@ -59,8 +65,6 @@ from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.lm_requests import (
-    DEFAULT_MEMORY_MODE,
-    SUPPORTED_MEMORY_MODES,
     LMLimits,
     RequestParser,
     encode_score,
@@ -132,8 +136,10 @@ class LanguageModelServicer:
 
     # -- setup --------------------------------------------------------------------------------------
 
-    def load(self, pretrained: Pretrained, searcher: Searcher | None = None) -> None:
-        """Attach the model (memlm.model.pretrained.Pretrained) and optionally a Searcher (kNN-LM).
+    def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
+             knn_attention: KnnAttention | None = None) -> None:
+        """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM) and a
+        KnnAttention (MEMORY_MODE_MEMORIZING; refused when made for other heads).
 
         Refuses a datastore (searcher.info()) made with another model or tokenizer (its keys would be
         meaningless for this model, its values other tokens), keys of another dimension, or another
@@ -147,6 +153,15 @@ class LanguageModelServicer:
             info = searcher.info()
             check_searcher(info, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,
                            dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
+        knn_layer = None
+        if knn_attention is not None:
+            try:  # made for these heads, at a layer the model has
+                knn_attention.check_model(model.config)
+                knn_layer = memorizing_layer(MemoryConfig("memorizing", knn_layer=self._limits.knn_layer),
+                                             model.config.n_layer)
+            except ValueError as e:
+                raise MemlmError(str(e)) from None
+        self._knn_attention = knn_attention
         self._model = model
         self._tokenizer = tokenizer
         self._searcher = searcher
@@ -160,26 +175,10 @@ class LanguageModelServicer:
                                      has_searcher=searcher is not None,
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
-                                     datastore_windows=(info.context, info.stride) if info is not None else None)
-        response = lm_pb2.LanguageModelServiceGetInfoResponse(
-            model=self._model_name,
-            model_fingerprint=pretrained.fingerprint,
-            tokenizer_fingerprint=tokenizer.fingerprint,
-            vocab_size=vocab,
-            context_length=model.config.max_seq_len,
-            memory_modes=SUPPORTED_MEMORY_MODES,
-            default_memory_mode=DEFAULT_MEMORY_MODE,
-            default_memory=self._parser.default_memory,
-            max_memory_tokens=self._limits.max_memory_tokens,
-            max_score_tokens=self._limits.max_score_tokens,
-            max_score_batch=self._limits.max_score_batch,
-            max_new_tokens=self._limits.max_new_tokens,
-            max_message_bytes=self._max_message_bytes,
-            max_forward_tokens=self._limits.max_forward_tokens,
-            max_score_entries=self._limits.max_score_entries,
-            max_text_chars=self._limits.max_text_chars,
-            max_step_tokens=self._limits.max_step_tokens,
-        )
+                                     datastore_windows=(info.context, info.stride) if info is not None else None,
+                                     memorizing=knn_attention is not None)
+        response = self._parser.info_response(model=self._model_name, model_fingerprint=pretrained.fingerprint,
+                                              knn_layer=knn_layer)
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
         self._info = response
@@ -190,6 +189,10 @@ class LanguageModelServicer:
         step (its calls were cancelled when the drain's grace ran out), queued work is dropped."""
         self._closing.set()
         self.scheduler.close()
+
+    def _knn_attention_for(self, memory: MemoryConfig | None) -> KnnAttention | None:
+        """The KnnAttention a request's memory takes: the server's for MEMORIZING, none otherwise."""
+        return self._knn_attention if memory is not None and memory.kind == "memorizing" else None
 
     def _searcher_for(self, gate: StepGate, stop: CallStop) -> Searcher | None:
         """The searcher of one call: a remote one ends by the caller's deadline or cancel (for_caller) and
@@ -203,6 +206,13 @@ class LanguageModelServicer:
     async def _require_loaded(self, context) -> None:
         if not self._loaded:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
+
+    async def _refuse_knn_while_down(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, context) -> None:
+        """A kNN-LM call while the retrieval link is down fails at once, not after queueing for the model
+        and running its first step (issue 9.2: fast failure); the breaker still guards every search."""
+        if request.knn.enabled and isinstance(self._searcher, RetrievalClient) and self._searcher.link_up is False:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"retrieval service {self._searcher.address}: retrieval "
+                                                             "link down (the channel cannot connect); failing fast")
 
     async def _call_library(self, context, stop: CallStop, gate: StepGate, fn: Callable, *args) -> Any:
         """Run fn with the model's turn (passed on at gate's polls); searcher and library errors become
@@ -226,6 +236,7 @@ class LanguageModelServicer:
 
     async def Score(self, request: lm_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
+        await self._refuse_knn_while_down(request, context)
         stop = CallStop(context, self._closing)
         gate = self.scheduler.gate(stop)
 
@@ -243,6 +254,7 @@ class LanguageModelServicer:
                     self._model, args.token_seqs, memory=args.memory,
                     contexts=args.contexts, boundary_token=self._boundary, searcher=searcher, knn=args.knn,
                     top_n=args.top_n, batch_size=args.batch_size, should_stop=gate,
+                    knn_attention=self._knn_attention_for(args.memory),
                 )
             return lm_pb2.ScoreResponse(results=[encode_score(s, self._pieces) for s in scores])
 
@@ -253,6 +265,7 @@ class LanguageModelServicer:
 
     async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
+        await self._refuse_knn_while_down(request, context)
         stop = CallStop(context, self._closing)
         gate = self.scheduler.gate(stop)
 
@@ -264,6 +277,7 @@ class LanguageModelServicer:
                 eos_id=self._tokenizer.eos_id,
                 searcher=self._searcher_for(gate, stop) if args.knn is not None else None,
                 knn=args.knn, memory=args.memory, should_stop=gate,
+                knn_attention=self._knn_attention_for(args.memory),
             ))
 
         # Validates; the prompt runs at the first next().
@@ -378,6 +392,7 @@ async def start_lm_server(
     knn_defaults: KNNLMConfig = KNNLMConfig(),
     options: ServerOptions = ServerOptions(),
     limits: LMLimits = LMLimits(),
+    knn_attention: KnnAttention | None = None,
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
@@ -385,12 +400,14 @@ async def start_lm_server(
     searcher: a Searcher for kNN-LM (Datastore or RetrievalClient), or None (kNN-LM requests then get
         FAILED_PRECONDITION); its info() is checked against the model and sent on in GetInfo.
     knn_defaults: k, lambda, temperature, nprobe, exact re-rank used where a request leaves them unset.
+    knn_attention: the memorizing layer's parameters: MEMORY_MODE_MEMORIZING is served with it (at
+        limits.knn_layer), not without.
     Health reports SERVING once this returns. The model thread is released when the server stops.
     """
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     try:
         # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention)
     except BaseException:
         await started.running.server.stop(None)
         raise
@@ -465,7 +482,9 @@ async def serve_lm(
             open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
             retrieval_tls=retrieval_tls, retrieval_token=retrieval_token,
         )
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher)
+        # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
+        knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention)
     except BaseException:
         await started.running.server.stop(None)
         raise

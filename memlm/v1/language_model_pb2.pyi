@@ -41,14 +41,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MemoryOptions(_message.Message):
-    __slots__ = ("segment_tokens", "memory_tokens", "sink_tokens")
+    __slots__ = ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k")
     SEGMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KNN_MEM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KNN_TOP_K_FIELD_NUMBER: _ClassVar[int]
     segment_tokens: int
     memory_tokens: int
     sink_tokens: int
-    def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
+    knn_mem_size: int
+    knn_top_k: int
+    def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., knn_mem_size: _Optional[int] = ..., knn_top_k: _Optional[int] = ...) -> None: ...
 
 class KnnOptions(_message.Message):
     __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe")
@@ -241,7 +245,7 @@ class LanguageModelServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LanguageModelServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens", "max_forward_tokens", "max_score_entries", "max_text_chars", "max_step_tokens")
+    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens", "max_forward_tokens", "max_score_entries", "max_text_chars", "max_step_tokens", "max_knn_mem_size", "max_knn_top_k", "knn_layer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +264,9 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     MAX_SCORE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_KNN_MEM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_KNN_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    KNN_LAYER_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -278,4 +285,7 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     max_score_entries: int
     max_text_chars: int
     max_step_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_score_entries: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_step_tokens: _Optional[int] = ...) -> None: ...
+    max_knn_mem_size: int
+    max_knn_top_k: int
+    knn_layer: int
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_score_entries: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_knn_mem_size: _Optional[int] = ..., max_knn_top_k: _Optional[int] = ..., knn_layer: _Optional[int] = ...) -> None: ...

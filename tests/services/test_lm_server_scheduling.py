@@ -24,7 +24,7 @@ from memlm.v1 import language_model_pb2_grpc as lm_grpc
 from services.lm_requests import LMLimits
 from services.lm_scheduler import POLL_S, ModelTurns, StepGate
 from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient
+from services.retrieval_client import RetrievalClient, connect_retrieval
 from services.retrieval_server import create_retrieval_server
 
 LONG, WINDOW, STRIDE = 4000, 256, 2
@@ -246,4 +246,36 @@ def test_a_remote_search_does_not_hold_the_model(tiny, index, module_loop, serve
         assert servicer.scheduler.turns.waiting() == 0
     finally:
         gated.release.set()
+        link.close()
+
+
+def test_knn_calls_fail_at_once_while_the_retrieval_link_is_down(tiny, index, module_loop, lm):
+    # Before: a kNN Score queued for the model and ran its first forward step before its search failed.
+    server, port = module_loop.run(create_retrieval_server("127.0.0.1:0", index))
+    link = connect_retrieval(f"127.0.0.1:{port}", tls=None, token=None)  # watched, as serve lm's link
+    try:
+        address, servicer = start(module_loop, tiny, link, max_step_tokens=1024)
+        knn = score_request([ids(60)], 48, 24, knn=lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5,
+                                                                     temperature=5.0))
+        turns = servicer.scheduler.turns
+        with grpc.insecure_channel(address) as channel:
+            stub = lm_grpc.LanguageModelServiceStub(channel)
+            stub.Score(knn, timeout=30)
+            module_loop.run(server.stop(None))
+            deadline = time.monotonic() + 10
+            while link.link_up is not False and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert link.link_up is False
+            busy = stub.Score.future(score_request([ids(LONG)], WINDOW, STRIDE), timeout=120)  # the model is busy
+            time.sleep(0.2)
+            entries = turns.entries
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(knn, timeout=30)
+            assert time.monotonic() - t0 < 0.5
+            assert turns.entries == entries  # refused before it asked for the model
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "link down" in e.value.details()
+            assert not busy.done()
+            busy.cancel()
+    finally:
         link.close()

@@ -1,0 +1,109 @@
+"""MEMORY_MODE_MEMORIZING on the LM server (issue 10): Score and Generate equal the library's memorizing
+scoring and generation (memlm.jobs.scoring.score_tokens_segments, memlm.jobs.generate.generate with a
+memorizing MemoryConfig and the same KnnAttention), bit for bit; the request's knn sizes are bounded;
+a server without a KnnAttention answers UNIMPLEMENTED.
+
+Real servers on port 0 over the tiny model (2 layers: the memorizing layer is 1) with a KnnAttention
+whose gates are open (logit 0: g = 0.5), so the retrieved pairs change the scores (checked against XL).
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from memlm.jobs.scoring import score_tokens_segments
+from memlm.memory.config import MemoryConfig
+from memlm.memory.memorizing import new_knn_attention
+from memlm.model.tokenizer import document_boundary
+from memlm.v1 import language_model_pb2 as lm_pb2
+from memlm.v1 import language_model_pb2_grpc as lm_grpc
+from services.lm_requests import LMLimits
+from services.lm_server import start_lm_server
+
+MEMORY = MemoryConfig("memorizing", mem_len=16, sink_tokens=2, segment=16, knn_layer=1, knn_mem_size=48, knn_top_k=4)
+"""What the requests below ask for (knn_mem_size 48 < the inputs' length: FIFO eviction happens)."""
+OPTIONS = lm_pb2.MemoryOptions(segment_tokens=16, memory_tokens=16, sink_tokens=2, knn_mem_size=48, knn_top_k=4)
+LIMITS = LMLimits(knn_layer=1, max_knn_top_k=8)
+
+
+def ids(n: int, salt: int = 0) -> list[int]:
+    return [(5 * i + salt) % 200 + 3 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def knn_attention(tiny):
+    module = new_knn_attention(tiny.model.config)
+    with torch.no_grad():
+        module.gate_logit.zero_()  # g = 0.5 in every head
+    return module
+
+
+@pytest.fixture(scope="module")
+def stub(tiny, knn_attention, module_loop):
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=LIMITS, knn_attention=knn_attention))
+    module_loop.servers.append(started.running.server)
+    with grpc.insecure_channel(f"127.0.0.1:{started.running.port}") as channel:
+        yield lm_grpc.LanguageModelServiceStub(channel)
+
+
+def score(stub, seqs, mode=lm_pb2.MEMORY_MODE_MEMORIZING, options=OPTIONS) -> list[np.ndarray]:
+    response = stub.Score(lm_pb2.ScoreRequest(
+        inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=s)) for s in seqs], memory_mode=mode,
+        memory=options), timeout=60)
+    return [np.array([t.logprob for t in r.tokens], dtype=np.float32) for r in response.results]
+
+
+def test_get_info_reports_memorizing(stub):
+    info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
+    assert lm_pb2.MEMORY_MODE_MEMORIZING in info.memory_modes and info.knn_layer == 1
+    assert (info.default_memory.knn_mem_size, info.default_memory.knn_top_k) == (LIMITS.knn_mem_size, LIMITS.knn_top_k)
+    assert (info.max_knn_mem_size, info.max_knn_top_k) == (LIMITS.max_knn_mem_size, 8)
+
+
+def test_score_equals_the_library_and_differs_from_xl(tiny, knn_attention, stub):
+    seqs = [ids(120, salt=1), ids(70, salt=2), ids(9, salt=3)]
+    got = score(stub, seqs)
+    rows = LIMITS.step_rows(MEMORY.segment)
+    library = score_tokens_segments(tiny.model, seqs, memory=MEMORY, boundary_token=document_boundary(tiny.tokenizer),
+                                    batch_size=rows, knn_attention=knn_attention)
+    for g, s in zip(got, library):
+        np.testing.assert_array_equal(g, s.logprob)
+    xl = score(stub, seqs, lm_pb2.MEMORY_MODE_XL)
+    assert not np.array_equal(got[0], xl[0])  # the retrieved pairs count
+    # The segment before the first retrieval has no past to retrieve: equal to XL there.
+    np.testing.assert_array_equal(got[0][:MEMORY.segment - 1], xl[0][:MEMORY.segment - 1])
+
+
+def test_generate_equals_the_library(tiny, knn_attention, stub):
+    prompt = ids(60, salt=4)
+    request = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=prompt), max_new_tokens=12,
+                                     sampling=lm_pb2.SamplingOptions(temperature=0.0),
+                                     memory_mode=lm_pb2.MEMORY_MODE_MEMORIZING, memory=OPTIONS)
+    served = [t.token_id for r in stub.Generate(request, timeout=60) if r.HasField("delta") for t in r.delta.tokens]
+    events = generate(tiny.model, tiny.tokenizer, prompt, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
+                      boundary_token=document_boundary(tiny.tokenizer), eos_id=tiny.tokenizer.eos_id, memory=MEMORY,
+                      knn_attention=knn_attention)
+    assert served == [e.token_id for e in events if isinstance(e, TokenEvent)] and served
+
+
+@pytest.mark.parametrize("options, code, start", [
+    (lm_pb2.MemoryOptions(knn_top_k=9), grpc.StatusCode.OUT_OF_RANGE, "memory.knn_top_k: 9, at most 8"),
+    (lm_pb2.MemoryOptions(knn_mem_size=0), grpc.StatusCode.INVALID_ARGUMENT, "memory.knn_mem_size: 0, must be >= 1"),
+    (lm_pb2.MemoryOptions(knn_mem_size=LIMITS.max_knn_mem_size + 1), grpc.StatusCode.OUT_OF_RANGE,
+     "memory.knn_mem_size:"),
+])
+def test_knn_sizes_are_bounded(stub, options, code, start):
+    with pytest.raises(grpc.RpcError) as e:
+        score(stub, [ids(20)], options=options)
+    assert e.value.code() == code and e.value.details().startswith(start), e.value.details()
+
+
+def test_a_server_without_knn_attention_answers_unimplemented(servers):
+    with grpc.insecure_channel(servers["plain"]) as channel, pytest.raises(grpc.RpcError) as e:
+        score(lm_grpc.LanguageModelServiceStub(channel), [ids(20)])
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert e.value.details().startswith("memory_mode:") and "memorizing checkpoint" in e.value.details()
