@@ -35,6 +35,8 @@ from memlm.train_command import add_train_parser
 
 SERVE_MEMORY = ("segment", "mem_len", "sink_tokens")
 """The memory options a LanguageModelService request carries (MemoryOptions), for `serve lm` and `client`."""
+CLIENT_KNN_MEMORY = ("knn_mem_size", "knn_top_k")
+"""The memorizing options a request carries (MemoryOptions; the layer is the server's checkpoint's)."""
 CLIENT_KNN = ("k", "lmbda", "temperature", "nprobe")
 """The kNN options a request carries (KnnRequest; exact re-rank is the server's setting)."""
 
@@ -249,10 +251,13 @@ def memory_request(args: argparse.Namespace) -> dict[str, Any]:
     from services.lm_client import MemoryRequest
 
     if args.kind in (None, "none"):
-        refuse_given(args, SERVE_MEMORY, "needs --memory xl")
+        refuse_given(args, SERVE_MEMORY + CLIENT_KNN_MEMORY, "needs --memory xl or memorizing")
         return {}
+    if args.kind != "memorizing":
+        refuse_given(args, CLIENT_KNN_MEMORY, "needs --memory memorizing")
     return {"memory_mode": args.kind,
-            "memory": MemoryRequest(segment_tokens=args.segment, memory_tokens=args.mem_len, sink_tokens=args.sink_tokens)}
+            "memory": MemoryRequest(segment_tokens=args.segment, memory_tokens=args.mem_len, sink_tokens=args.sink_tokens,
+                                    knn_mem_size=args.knn_mem_size, knn_top_k=args.knn_top_k)}
 
 
 def cmd_client_score(args: argparse.Namespace) -> None:
@@ -405,8 +410,8 @@ def add_client_parser(sub: Any) -> None:
         c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
         add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)
-        add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY),
-                    choices={"kind": ("none", "xl")})
+        add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY, *CLIENT_KNN_MEMORY),
+                    choices={"kind": ("none", "xl", "memorizing")})
         if name == "score":
             c.add_argument("text", nargs="+", help="texts to score")
             c.add_argument("--prefix", action="append", help="text each text continues (its loglikelihood given it)")

@@ -42,7 +42,8 @@ FINISH_NAMES = {
 
 @dataclass(frozen=True)
 class MemoryRequest:
-    """Segment and memory sizes for memory mode "xl", in tokens; None fields take the server's defaults."""
+    """Segment and memory sizes for memory modes "xl" and "memorizing", in tokens; None fields take the
+    server's defaults."""
 
     segment_tokens: int | None = None
     """Segment length (Score) or prompt-encoding segment length (Generate), 1 <= it <= the context."""
@@ -50,10 +51,14 @@ class MemoryRequest:
     """Memory length: states per layer kept from earlier segments."""
     sink_tokens: int | None = None
     """The sequence's first tokens that stay attended for the whole sequence (attention sinks)."""
+    knn_mem_size: int | None = None
+    """"memorizing": kNN memory entries per (sequence, kv head), the oldest evicted beyond."""
+    knn_top_k: int | None = None
+    """"memorizing": (key, value) pairs retrieved per query token and head."""
 
     def to_proto(self) -> lm_pb2.MemoryOptions:
         o = lm_pb2.MemoryOptions()
-        for name in ("segment_tokens", "memory_tokens", "sink_tokens"):
+        for name in ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k"):
             value = getattr(self, name)
             if value is not None:
                 setattr(o, name, value)

@@ -96,7 +96,7 @@ class LMLimits:
     """Most entries one ScoreResponse may hold: scored tokens x (1 + top_n); bounds the server's memory."""
     max_text_chars: int = 1 << 20
     """Most characters of text in one request, all its text fields together (Tokenize's texts, Score's
-    texts and contexts, a Generate prompt): tokenizing is work on the model thread too."""
+    texts and contexts, a Generate prompt): tokenizing is work with the model's turn too."""
     max_step_tokens: int = 1024
     """Most input tokens of one forward step (a Score batch: windows or segment rows x their length; a
     Generate prompt's encoding; a segment). Concurrent calls interleave step by step, so this bounds how long
@@ -261,7 +261,8 @@ class RequestParser:
                                  f"{segment}, must be in [1, {self._max_len}] (the model's context)")
         limits = self._limits
         sizes = {}
-        for name, low, high in (("memory_tokens", 0, limits.max_memory_tokens), ("sink_tokens", 0, limits.max_memory_tokens),
+        for name, low, high in (("memory_tokens", 0, limits.max_memory_tokens),
+                                ("sink_tokens", 0, limits.max_memory_tokens),
                                 ("knn_mem_size", 1, limits.max_knn_mem_size), ("knn_top_k", 1, limits.max_knn_top_k)):
             value = getattr(o, name) if o.HasField(name) else getattr(d, name)
             if value < low:

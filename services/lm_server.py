@@ -116,7 +116,8 @@ class GenerationRecord:
 
 
 class LanguageModelServicer:
-    """Validate, run on the model thread, encode. Before `load` every call answers UNAVAILABLE."""
+    """Validate, run with the model's turn (services.lm_scheduler), encode. Before `load` every call answers
+    UNAVAILABLE."""
 
     def __init__(self, *, model_name: str, knn_defaults: KNNLMConfig, limits: LMLimits, max_message_bytes: int,
                  max_calls: int):
@@ -238,7 +239,7 @@ class LanguageModelServicer:
         await self._require_loaded(context)
         await self._refuse_knn_while_down(request, context)
         stop = CallStop(context, self._closing)
-        gate = self.scheduler.gate(stop)
+        gate = self.scheduler.gate(stop, context.peer())
 
         def work():
             args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
@@ -260,14 +261,14 @@ class LanguageModelServicer:
 
         try:
             return await self._call_library(context, stop, gate, work)
-        finally:  # cancelled, aborted or done: a step still running on the model thread stops after itself
+        finally:  # cancelled, aborted or done: a step still running stops after itself
             stop.set()
 
     async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
         await self._refuse_knn_while_down(request, context)
         stop = CallStop(context, self._closing)
-        gate = self.scheduler.gate(stop)
+        gate = self.scheduler.gate(stop, context.peer())
 
         def start():
             args = self._parser.generate(request)
@@ -344,7 +345,7 @@ class LanguageModelServicer:
             return lm_pb2.TokenizeResponse(results=results)
 
         stop = CallStop(context, self._closing)
-        return await self._call_library(context, stop, self.scheduler.gate(stop), work)
+        return await self._call_library(context, stop, self.scheduler.gate(stop, context.peer()), work)
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
@@ -362,7 +363,7 @@ class LMServer:
     running: RunningServer
     """Server, bound port and health."""
     servicer: LanguageModelServicer
-    """The servicer (model thread, limits, generation records)."""
+    """The servicer (model scheduler, limits, generation records)."""
 
 
 async def bind_lm_server(address: str, *, model_name: str, knn_defaults: KNNLMConfig, options: ServerOptions,
@@ -402,7 +403,7 @@ async def start_lm_server(
     knn_defaults: k, lambda, temperature, nprobe, exact re-rank used where a request leaves them unset.
     knn_attention: the memorizing layer's parameters: MEMORY_MODE_MEMORIZING is served with it (at
         limits.knn_layer), not without.
-    Health reports SERVING once this returns. The model thread is released when the server stops.
+    Health reports SERVING once this returns. The model's workers are released when the server stops.
     """
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     try:

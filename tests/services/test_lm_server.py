@@ -182,6 +182,9 @@ class ExpiringContext:
     def cancelled(self) -> bool:
         return False
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
     def time_remaining(self) -> float:
         self.checks_left -= 1
         return 10.0 if self.checks_left >= 0 else 0.0

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.memory.config import MemoryConfig
@@ -43,10 +44,15 @@ def knn_attention(tiny):
 
 
 @pytest.fixture(scope="module")
-def stub(tiny, knn_attention, module_loop):
+def address(tiny, knn_attention, module_loop) -> str:
     started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=LIMITS, knn_attention=knn_attention))
     module_loop.servers.append(started.running.server)
-    with grpc.insecure_channel(f"127.0.0.1:{started.running.port}") as channel:
+    return f"127.0.0.1:{started.running.port}"
+
+
+@pytest.fixture(scope="module")
+def stub(address):
+    with grpc.insecure_channel(address) as channel:
         yield lm_grpc.LanguageModelServiceStub(channel)
 
 
@@ -107,3 +113,23 @@ def test_a_server_without_knn_attention_answers_unimplemented(servers):
         score(lm_grpc.LanguageModelServiceStub(channel), [ids(20)])
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert e.value.details().startswith("memory_mode:") and "memorizing checkpoint" in e.value.details()
+
+
+
+def test_the_client_and_memlm_client_flags_ask_for_memorizing(address, stub):
+    # `memlm client score --memory memorizing --knn-mem-size 48 --knn-top-k 4 ...` sends what OPTIONS says.
+    from memlm.cli import build_parser, memory_request
+    from services.lm_client import LanguageModelClient
+
+    args = build_parser().parse_args(["client", "score", "--address", address, "--memory", "memorizing",
+                                      "--segment", "16", "--mem-len", "16", "--sink-tokens", "2",
+                                      "--knn-mem-size", "48", "--knn-top-k", "4", "text"])
+    request = memory_request(args)
+    assert request["memory_mode"] == "memorizing" and request["memory"].to_proto() == OPTIONS
+    seqs = [ids(90, salt=5)]
+    with LanguageModelClient(address, timeout=60) as client:
+        (result,) = client.score(seqs, **request)
+    np.testing.assert_array_equal(np.array([t.logprob for t in result.tokens], dtype=np.float32), score(stub, seqs)[0])
+    xl = build_parser().parse_args(["client", "score", "--address", address, "--memory", "xl", "--knn-top-k", "4", "t"])
+    with pytest.raises(MemlmError, match="--knn-top-k needs --memory memorizing"):
+        memory_request(xl)

@@ -61,10 +61,10 @@ def lm(tiny, module_loop):
         yield lm_grpc.LanguageModelServiceStub(channel), servicer
 
 
-def test_turns_pass_round_robin_and_a_stopped_waiter_leaves():
-    turns = ModelTurns()
+def test_turns_rotate_among_equals_and_a_stopped_waiter_leaves():
+    turns = ModelTurns(clock=lambda: 0.0)  # no time passes: every client is charged equally (0)
     never = lambda: False
-    a, b, c = (StepGate(turns, never) for _ in range(3))
+    a, b, c = (StepGate(turns, never, turns.tenant(name)) for name in "abc")
     ran: list[str] = []
     assert a.enter()
 
@@ -88,7 +88,7 @@ def test_turns_pass_round_robin_and_a_stopped_waiter_leaves():
     assert a() is False and a.holding  # nobody waits: a keeps the turn
 
     stopped = threading.Event()
-    d = StepGate(turns, stopped.is_set)
+    d = StepGate(turns, stopped.is_set, turns.tenant("d"))
     result: list[bool] = []
     waiter = threading.Thread(target=lambda: result.append(d.enter()))
     waiter.start()
@@ -97,6 +97,44 @@ def test_turns_pass_round_robin_and_a_stopped_waiter_leaves():
     waiter.join(5)
     assert result == [False] and turns.waiting() == 0 and not d.holding
     a.leave()
+
+
+def test_each_client_gets_equal_model_time_whatever_its_step_size():
+    # Client "big" takes 4 s a step, "small" 1 s (a fake clock): small runs 4 steps per big one, so each
+    # holds the model as long; round-robin by steps would have given big 4x the time.
+    now = [0.0]
+    turns = ModelTurns(clock=lambda: now[0])
+    ran: list[str] = []
+
+    go = threading.Event()
+
+    def client(name: str, cost: float, steps: int, started: threading.Event) -> None:
+        gate = StepGate(turns, lambda: False, turns.tenant(name))
+        started.set()
+        assert gate.enter()
+        go.wait(5)
+        for _ in range(steps):
+            ran.append(name)
+            now[0] += cost  # the step runs with the turn held
+            gate()  # its boundary
+        gate.leave()
+
+    big_in, small_in = threading.Event(), threading.Event()
+    big = threading.Thread(target=client, args=("big", 4.0, 3, big_in))
+    big.start()
+    assert big_in.wait(5)
+    deadline = time.monotonic() + 5
+    while turns.entries < 1 and time.monotonic() < deadline:  # big holds the turn
+        time.sleep(0.001)
+    small = threading.Thread(target=client, args=("small", 1.0, 12, small_in))
+    small.start()
+    while turns.waiting() < 1 and time.monotonic() < deadline:  # small queued behind it
+        time.sleep(0.001)
+    go.set()
+    for t in (big, small):
+        t.join(10)
+    # big's first step began before small came; then 4 small steps per big step.
+    assert "".join(n[0] for n in ran) == "b" + "ssssb" * 2 + "ssss", ran
 
 
 def test_a_small_score_does_not_wait_for_a_long_one(tiny, lm):
