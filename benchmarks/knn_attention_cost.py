@@ -12,7 +12,8 @@ memlm.memory.config.memorizing_layer (layer 6 of 8), top-k 32:
    this process, so it shares the CPU; services/memory_sessions.py) vs in-process exact, at 4K,
    evaluation tokens/s.
 Memories are filled before timing with random unit keys (a full memory costs what it costs whatever it
-holds); each configuration is timed --repeats times, interleaved, and the median is reported.
+holds). The configurations compared run interleaved, step by step (segment by segment), so that the
+load of a shared machine hits them alike; a ratio is the median of the adjacent pairs' ratios.
 
     python benchmarks/knn_attention_cost.py [--steps 3] [--eval-segments 4] [--repeats 3] [--threads N]
 
@@ -73,33 +74,61 @@ def tokens(n_segments: int):
     return torch.randint(0, MODEL.vocab_size, (n_segments, 1, SEGMENT + 1), generator=g)  # (n, B, T+1)
 
 
-def time_train(model, knn, state, steps: int) -> float:
-    """Seconds per training step (after one untimed step), carrying the state from step to step."""
-    params = list(model.parameters()) + (list(knn.parameters()) if knn is not None else [])
-    opt = torch.optim.AdamW(params, lr=1e-4)
+def time_train(model, lanes: dict[str, tuple], steps: int) -> dict[str, list[float]]:
+    """Seconds of each lane's training steps, the lanes' steps interleaved (lane A step, lane B step, ...)
+    so that a change of machine load hits all of them alike; one untimed step each first. A lane is
+    (state, knn_attention or None); each carries its state from step to step and has its own AdamW."""
     data = tokens(steps + 1)
-    times = []
+    opts, states, times = {}, {}, {name: [] for name in lanes}
+    for name, (state, knn) in lanes.items():
+        params = list(model.parameters()) + (list(knn.parameters()) if knn is not None else [])
+        opts[name], states[name] = torch.optim.AdamW(params, lr=1e-6), state
     for i in range(steps + 1):
-        t0 = time.perf_counter()
-        out = model(data[i, :, :-1], state)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), data[i, :, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = out.state
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        for name in lanes:
+            t0 = time.perf_counter()
+            out = model(data[i, :, :-1], states[name])
+            loss = F.cross_entropy(out.logits.flatten(0, 1), data[i, :, 1:].flatten())
+            loss.backward()
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+            states[name] = out.state
+            if i > 0:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 @torch.inference_mode()
-def time_eval(model, state, segments: int) -> float:
-    """Evaluation tokens/s over `segments` segments (after one untimed segment)."""
+def time_eval(model, lanes: dict[str, object], segments: int) -> dict[str, list[float]]:
+    """Seconds of each lane's evaluation segments (a lane: its memory state), interleaved segment by
+    segment, after one untimed segment each."""
     data = tokens(segments + 1)
-    state = model(data[0, :, :-1], state).state
-    t0 = time.perf_counter()
-    for i in range(1, segments + 1):
-        state = model(data[i, :, :-1], state).state
-    return segments * SEGMENT / (time.perf_counter() - t0)
+    states, times = dict(lanes), {name: [] for name in lanes}
+    for i in range(segments + 1):
+        for name in lanes:
+            t0 = time.perf_counter()
+            states[name] = model(data[i, :, :-1], states[name]).state
+            if i > 0:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+@torch.no_grad()
+def time_search(store, rounds: int) -> float:
+    """Median seconds of one segment's kNN search alone: B * nh * T unit queries, top-32, in `store`."""
+    g = torch.Generator().manual_seed(2)
+    G = MODEL.n_head // MODEL.n_kv_head
+    q = F.normalize(torch.randn(store.streams, G * SEGMENT, store.dim, generator=g), dim=-1)  # (S, Q, d)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        store.search(q, 32)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
+    """Median over rounds of times[name] / times[base] (each round's two runs were adjacent in time)."""
+    return statistics.median(a / b for a, b in zip(times[name], times[base]))
 
 
 def service_factory():
@@ -127,8 +156,8 @@ def service_factory():
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="timed training steps per configuration and repeat")
-    p.add_argument("--eval-segments", type=int, default=4, help="timed evaluation segments per configuration")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median reported)")
+    p.add_argument("--eval-segments", type=int, default=4, help="timed evaluation segments per configuration and repeat")
+    p.add_argument("--repeats", type=int, default=3, help="repeats (rounds = steps x repeats; medians reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
@@ -140,41 +169,40 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     model = random_model(MODEL, 0, "cpu", torch.float32)
     knn = fresh_knn_attention(model)
-    train = {"xl": [], "64K": []}
-    evals = {"xl": [], "4K": [], "64K": []}
-    for _ in range(args.repeats):
-        model.train()
-        train["xl"].append(time_train(model, None, xl_state(model, True), args.steps))
-        state, store = filled_state(model, memory_config(65536), knn, True)
-        train["64K"].append(time_train(model, knn, state, args.steps))
+    rounds = args.steps * args.repeats
+    model.train()
+    state, store = filled_state(model, memory_config(65536), knn, True)
+    tr = time_train(model, {"xl": (xl_state(model, True), None), "64K": (state, knn)}, rounds)
+    search = time_search(store, rounds)
+    store.close()
+    print(f"train step  xl only {statistics.median(tr['xl']) * 1e3:8.1f} ms | kNN 64K exact "
+          f"{statistics.median(tr['64K']) * 1e3:8.1f} ms | ratio {paired_ratio(tr, '64K', 'xl'):.3f}x "
+          "(goal <= 1.1x; lucidrains 1.15x)")
+    print(f"            of which the 64K exact search alone (one segment's queries, {SEGMENT * MODEL.n_head} per row): "
+          f"{search * 1e3:.1f} ms")
+    model.eval()
+    lanes, stores = {"xl": xl_state(model, False)}, []
+    for name, size in (("4K", 4096), ("64K", 65536)):
+        lanes[name], store = filled_state(model, memory_config(size), knn, False)
+        stores.append(store)
+    ev = time_eval(model, lanes, args.eval_segments * args.repeats)
+    for store in stores:
         store.close()
-        model.eval()
-        evals["xl"].append(time_eval(model, xl_state(model, False), args.eval_segments))
-        for name, size in (("4K", 4096), ("64K", 65536)):
-            state, store = filled_state(model, memory_config(size), knn, False)
-            evals[name].append(time_eval(model, state, args.eval_segments))
-            store.close()
-    med = {k: statistics.median(v) for k, v in train.items()}
-    print(f"train step  xl only {med['xl'] * 1e3:8.1f} ms | kNN 64K exact {med['64K'] * 1e3:8.1f} ms | "
-          f"ratio {med['64K'] / med['xl']:.3f}x (goal <= 1.1x; lucidrains 1.15x)")
-    ev = {k: statistics.median(v) for k, v in evals.items()}
-    print(f"eval tok/s  xl only {ev['xl']:8.0f} | kNN 4K {ev['4K']:8.0f} ({ev['4K'] / ev['xl']:.3f}x) | "
-          f"kNN 64K {ev['64K']:8.0f} ({ev['64K'] / ev['xl']:.3f}x)")
-    factory, server = service_factory()
+    tps = {name: SEGMENT / statistics.median(t) for name, t in ev.items()}
+    print(f"eval tok/s  xl only {tps['xl']:8.0f} | kNN 4K {tps['4K']:8.0f} ({1 / paired_ratio(ev, '4K', 'xl'):.3f}x) | "
+          f"kNN 64K {tps['64K']:8.0f} ({1 / paired_ratio(ev, '64K', 'xl'):.3f}x)")
+    factory, stop_server = service_factory()
     if factory is not None:
-        remote, local = [], []
-        for _ in range(args.repeats):
-            state, store = filled_state(model, memory_config(4096, "service"), knn, False, factory)
-            remote.append(time_eval(model, state, args.eval_segments))
-            store.close()
-            state, store = filled_state(model, memory_config(4096), knn, False)
-            local.append(time_eval(model, state, args.eval_segments))
-            store.close()
-        r, loc = statistics.median(remote), statistics.median(local)
-        print(f"service     kNN 4K in-process {loc:8.0f} tok/s | retrieval service {r:8.0f} tok/s | "
-              f"ratio {r / loc:.3f}x")
+        remote, remote_store = filled_state(model, memory_config(4096, "service"), knn, False, factory)
+        local, local_store = filled_state(model, memory_config(4096), knn, False)
+        sv = time_eval(model, {"service": remote, "local": local}, args.eval_segments * args.repeats)
+        remote_store.close()
+        local_store.close()
+        print(f"service     kNN 4K in-process {SEGMENT / statistics.median(sv['local']):8.0f} tok/s | retrieval "
+              f"service {SEGMENT / statistics.median(sv['service']):8.0f} tok/s | ratio "
+              f"{1 / paired_ratio(sv, 'service', 'local'):.3f}x")
         factory.close()
-        server()
+        stop_server()
     print(f"# load after {os.getloadavg()[0]:.2f}")
 
 
