@@ -133,3 +133,52 @@ def test_the_client_and_memlm_client_flags_ask_for_memorizing(address, stub):
     xl = build_parser().parse_args(["client", "score", "--address", address, "--memory", "xl", "--knn-top-k", "4", "t"])
     with pytest.raises(MemlmError, match="--knn-top-k needs --memory memorizing"):
         memory_request(xl)
+
+
+def test_serve_lm_with_a_memorizing_checkpoint_serves_its_layer_and_sizes(tmp_path):
+    # A real `memlm train --memory memorizing` checkpoint and a real `memlm serve lm --model DIR` process:
+    # MEMORIZING is served at the checkpoint's layer with its sizes as defaults, and a Score equals the
+    # library's over the same weights and KnnAttention.
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from memlm.memory.memorizing import load_knn_attention
+    from memlm.model.checkpoint import read_settings
+    from memlm.model.weights import load_pretrained
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out, text = tmp_path / "ckpt", tmp_path / "doc.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 60)  # ~4K tokens
+    train = ["train", "--model", "tiny", "--init", "scratch", "--data", str(text), "--max-train-tokens", "3000", "--memory", "memorizing", "--segment", "32", "--mem-len", "32",
+             "--knn-mem-size", "96", "--knn-top-k", "4", "--knn-layer", "0", "--steps", "2", "--batch-size", "1",
+             "--eval-every", "1000", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run([sys.executable, "-m", "memlm", *train], cwd=repo, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "memlm", "serve", "lm", "--model", str(out), "--port", "0"],
+                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert lines and lines[0].startswith("listening on "), (lines, proc.poll())
+        with grpc.insecure_channel(lines[0].split()[-1]) as channel:
+            stub = lm_grpc.LanguageModelServiceStub(channel)
+            info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
+            seqs = [ids(150, salt=6)]
+            got = score(stub, seqs, options=lm_pb2.MemoryOptions())  # the checkpoint's sizes
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert lm_pb2.MEMORY_MODE_MEMORIZING in info.memory_modes and info.knn_layer == 0
+    assert (info.default_memory.segment_tokens, info.default_memory.knn_mem_size, info.default_memory.knn_top_k) == (
+        32, 96, 4)
+    pre = load_pretrained(str(out))
+    memory = read_settings(out).memory
+    (library,) = score_tokens_segments(pre.model, seqs, memory=memory, boundary_token=document_boundary(pre.tokenizer),
+                                       batch_size=LMLimits().step_rows(memory.segment),
+                                       knn_attention=load_knn_attention(out))
+    np.testing.assert_array_equal(got[0], library.logprob)
