@@ -381,7 +381,8 @@ def print_result(result: dict[str, Any]) -> None:
     """A short human summary on stdout; the JSON file has everything."""
     for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "lambda", "temperature",
                 "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
-                "knnlm_speed_ratio", "recall_at_k", "recall_at_10",
+                "knnlm_speed_ratio", "recall_at_k", "recall_at_10", "cache_size", "knn_mem_size", "knn_top_k",
+                "knn_backend", "knn_layer", "gate_trained",
                 "attention_span", "seconds"):
         if key in result:
             value = result[key]
