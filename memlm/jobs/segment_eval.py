@@ -2,7 +2,7 @@
 with training.
 
 A document is cut into consecutive segments of S tokens; each segment is run once, attending to the
-memory left by the earlier segments of its document (none / XL / compressive, memlm.memory), so every
+memory left by the earlier segments of its document (none / XL / compressive / memorizing, memlm.memory), so every
 token is scored exactly once at the cost of one segment plus the memory, instead of re-encoding a
 sliding window per scored token (the Transformer-XL paper's evaluation speedup).
 

@@ -1,4 +1,4 @@
-"""`memlm train`: segment-recurrent training with a Transformer-XL or compressive memory.
+"""`memlm train`: segment-recurrent training with a Transformer-XL, compressive or memorizing memory.
 
 Long documents are read in order, segment after segment, with the memory carried across segments
 (truncated backpropagation through time: the memory is stored detached, so gradients stay inside the
@@ -12,6 +12,12 @@ Modes:
   is trained, by the attention-reconstruction loss (Rae et al. 2019).
 With a compressive memory the reconstruction loss always trains the compressor (it is the only loss
 that reaches it); the language-modelling loss trains the model.
+- memorizing (Wu et al. 2022, issue 10): the KnnAttention module (memlm.memory.memorizing: per-head gate
+  and scale) trains beside the model, whose memory state holds the document's kNN memory; from scratch
+  everything trains, a pretrained model fine-tunes the gate alone (--knn-train gate: the decoder is
+  frozen and stays bit-identical) or the gate and the blocks from the memorizing layer up (top). The
+  module is saved beside the checkpoint (knn_attention.pt), the kNN memory's contents with the trainer
+  state (exact resume; memlm.jobs.memorizing).
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr, gradient-norm clipping,
 bfloat16 autocast on CUDA, periodic segment-recurrent evaluation, checkpoints (memlm.model.checkpoint) that
