@@ -13,6 +13,7 @@ Shape legend: B batch rows, nkv key/value heads, hs head size, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,14 @@ def open_knn_store(model: Decoder, memory: MemoryConfig, batch_size: int, servic
     streams = batch_size * cfg.n_kv_head
     return open_key_value_memory(backend, streams, cfg.head_dim, cfg.head_dim, memory.knn_mem_size, model.device,
                                  service)
+
+
+def recorded_memory(memory: MemoryConfig, n_layer: int) -> MemoryConfig:
+    """The memory a checkpoint's settings.json records: a memorizing memory with its layer resolved
+    (memorizing_layer), so that the file says which layer was trained whatever the default becomes."""
+    if memory.kind != "memorizing":
+        return memory
+    return dataclasses.replace(memory, knn_layer=memorizing_layer(memory, n_layer))
 
 
 def resolved_knn_train(memory: MemoryConfig, init: str, knn_train: str | None) -> str:

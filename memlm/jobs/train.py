@@ -49,6 +49,7 @@ from memlm.jobs.memorizing import (
     fresh_knn_attention,
     knn_parameters,
     open_memory,
+    recorded_memory,
     resolved_knn_train,
     restore_memory,
     save_knn_attention,
@@ -413,7 +414,8 @@ class _Run:
                 save_knn_attention(self.knn_attention, tmp)
 
         return str(save_checkpoint(cfg.out_dir, model, self.tokenizer, extra, write_files=write,
-                                   settings=TextSettings(boundary_token=self.boundary, memory=cfg.memory)))
+                                   settings=TextSettings(boundary_token=self.boundary, memory=recorded_memory(
+                                       cfg.memory, model.config.n_layer))))
 
     def run(self, train_docs: Sequence[Sequence[int]], eval_docs: Sequence[Sequence[int]] | None,
             stop_at: int | None) -> TrainResult:

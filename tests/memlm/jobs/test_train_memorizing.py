@@ -20,6 +20,7 @@ from memlm.jobs.segment_eval import evaluate_memory
 from memlm.jobs.train import TrainConfig, train
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import load_knn_attention, mean_gate
+from memlm.model.checkpoint import read_settings
 from memlm.model.weights import load_pretrained
 from memlm.retrieval.memory_store import ExactMemory
 
@@ -118,7 +119,8 @@ def test_checkpoint_round_trips_into_eval(tmp_path, capsys) -> None:
         "memorizing", 32, 2, "exact", 1)
     assert r["gate_trained"] is True and r["mean_gate"] == mean_gate(result.knn_attention)
     assert r["mean_gate"] == mean_gate(load_knn_attention(ckpt))
-    assert "--knn-layer" in err  # the layer (and the XL part) were taken from the checkpoint
+    assert "--knn-layer 1" in err  # the layer (resolved in settings.json) and the XL part come from the checkpoint
+    assert read_settings(ckpt).memory == dataclasses.replace(MEMORY, knn_layer=1)
     code = main(["eval", "--model", str(ckpt), "--data", str(data), "--memory", "memorizing", "--knn-layer", "0",
                  "--quiet"])
     assert code == 1 and "--knn-layer 0 differs from checkpoint" in capsys.readouterr().err
