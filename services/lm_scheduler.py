@@ -38,6 +38,7 @@ import numpy as np
 
 from memlm.jobs.windows import ShouldStop, WorkStopped
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
+from services.retrieval_client import RetrievalClient, for_caller
 
 T = TypeVar("T")
 
@@ -252,6 +253,16 @@ class TurnFreeSearcher:
             return self._inner.search(xq, k, options)
 
 
+def call_searcher(searcher: Searcher | None, gate: StepGate, stop: CallStop) -> Searcher | None:
+    """The searcher of one call: a remote one ends by the caller's deadline or cancel (for_caller) and
+    waits without the model's turn (issue 9.2); an in-process one searches on the cores the steps use,
+    so its search is part of the step."""
+    caller = for_caller(searcher, stop.deadline, stop)
+    if isinstance(searcher, RetrievalClient):
+        return TurnFreeSearcher(caller, gate)
+    return caller
+
+
 class ModelScheduler:
     """Worker threads for calls' library work, one step on the model at a time (ModelTurns).
 
@@ -279,6 +290,10 @@ class ModelScheduler:
                 gate.leave()
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, job)
+
+    async def run_free(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on a worker without the turn (tokenizing, encoding: CPU work, but no model step)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def submit(self, fn: Callable[[], object]) -> None:
         """Run fn on a worker without the turn (freeing a finished call's state uses no model step)."""

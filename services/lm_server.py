@@ -64,22 +64,17 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
-from services.lm_requests import (
-    LMLimits,
-    RequestParser,
-    encode_score,
-)
+from services.lm_requests import LMLimits, RequestParser, encode_score
 from services.lm_scheduler import (
     CallStop,
     ModelScheduler,
     SerialIterator,
     StepGate,
-    TurnFreeSearcher,
+    call_searcher,
 )
 from services.retrieval_client import (
     RetrievalClient,
     connect_retrieval,
-    for_caller,
     report_knn_health,
 )
 from services.retrieval_server import info_to_proto
@@ -195,15 +190,6 @@ class LanguageModelServicer:
         """The KnnAttention a request's memory takes: the server's for MEMORIZING, none otherwise."""
         return self._knn_attention if memory is not None and memory.kind == "memorizing" else None
 
-    def _searcher_for(self, gate: StepGate, stop: CallStop) -> Searcher | None:
-        """The searcher of one call: a remote one ends by the caller's deadline or cancel (for_caller) and
-        waits without the model's turn (issue 9.2); an in-process one searches on the cores the steps use,
-        so its search is part of the step."""
-        searcher = for_caller(self._searcher, stop.deadline, stop)
-        if isinstance(self._searcher, RetrievalClient):
-            return TurnFreeSearcher(searcher, gate)
-        return searcher
-
     async def _require_loaded(self, context) -> None:
         if not self._loaded:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
@@ -240,10 +226,12 @@ class LanguageModelServicer:
         await self._refuse_knn_while_down(request, context)
         stop = CallStop(context, self._closing)
         gate = self.scheduler.gate(stop, context.peer())
+        # Tokenizing (up to max_text_chars) and encoding the response are work too, but not the model's:
+        # on a worker, off the event loop and without the turn.
+        args = await self.scheduler.run_free(self._parser.score, request)
 
         def work():
-            args = self._parser.score(request)  # tokenizing long texts is work too: off the event loop
-            searcher = self._searcher_for(gate, stop) if args.knn is not None else None
+            searcher = call_searcher(self._searcher, gate, stop) if args.knn is not None else None
             if args.memory is None:
                 scores = score_tokens(
                     self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
@@ -257,10 +245,12 @@ class LanguageModelServicer:
                     top_n=args.top_n, batch_size=args.batch_size, should_stop=gate,
                     knn_attention=self._knn_attention_for(args.memory),
                 )
-            return lm_pb2.ScoreResponse(results=[encode_score(s, self._pieces) for s in scores])
+            return scores
 
         try:
-            return await self._call_library(context, stop, gate, work)
+            scores = await self._call_library(context, stop, gate, work)
+            return await self.scheduler.run_free(
+                lambda: lm_pb2.ScoreResponse(results=[encode_score(s, self._pieces) for s in scores]))
         finally:  # cancelled, aborted or done: a step still running stops after itself
             stop.set()
 
@@ -270,13 +260,14 @@ class LanguageModelServicer:
         stop = CallStop(context, self._closing)
         gate = self.scheduler.gate(stop, context.peer())
 
+        args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
+
         def start():
-            args = self._parser.generate(request)
             return SerialIterator(generate(
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id,
-                searcher=self._searcher_for(gate, stop) if args.knn is not None else None,
+                searcher=call_searcher(self._searcher, gate, stop) if args.knn is not None else None,
                 knn=args.knn, memory=args.memory, should_stop=gate,
                 knn_attention=self._knn_attention_for(args.memory),
             ))
@@ -344,8 +335,7 @@ class LanguageModelServicer:
                 results.append(lm_pb2.TokenizedText(ids=ids, pieces=[self._pieces[i] for i in ids]))
             return lm_pb2.TokenizeResponse(results=results)
 
-        stop = CallStop(context, self._closing)
-        return await self._call_library(context, stop, self.scheduler.gate(stop, context.peer()), work)
+        return await self.scheduler.run_free(work)  # no model work: never waits for the turn
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
