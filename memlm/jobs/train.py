@@ -337,8 +337,9 @@ class _Run:
                                     position=saved["data_position"] if saved is not None else None)
         # reproject: Transformer-XL computes the memory's keys and values with the current weights, so that
         # W_k and W_v learn from attention to the memory (memlm.memory.xl.XLMemory explains what breaks without).
+        # --knn-train gate freezes every W_k and W_v: cached keys are the same keys, for less work.
         self.state = open_memory(self.model, cfg.memory, cfg.batch_size, compressor=self.compressor,
-                                 knn_attention=self.knn_attention, reproject=True)
+                                 knn_attention=self.knn_attention, reproject=cfg.trains != "gate")
         if saved is not None:
             self.opt.load_state_dict(saved["optimizer"])
             if saved["memory"] is not None:
