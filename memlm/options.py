@@ -1,4 +1,5 @@
-"""Command-line option groups, each defined once: kNN-LM, memory, windows (issue 8, item 6).
+"""Command-line option groups, each defined once: kNN-LM, memory, windows (issue 8, item 6), and the
+memorizing layer's options inside the memory group plus `--knn-train` for `memlm train` (issue 10).
 
 Each option has one flag, one type and one help text, and is attached by name to the subcommands it
 applies to (`memlm eval`, `serve lm`, `train`, `client score/generate`, `datastore build`). Parsers keep
