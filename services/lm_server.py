@@ -4,8 +4,8 @@ The servicer is thin (STYLE.md 14): it validates a request into library argument
 `memlm.jobs.scoring.score_tokens` / `memlm.jobs.generate.generate` and encodes the result. Model work runs
 ONE forward step at a time (services.lm_scheduler): torch is not async, and one step at a time keeps the
 model's memory and the CPU cores to one computation. Each call's work runs on a worker thread of its own
-and takes turns on the model step by step (round-robin), so a small Score waits for one step of each call
-ahead of it, never for all of a long one. Generate advances its token iterator one step per job, so
+and takes turns on the model step by step, each client (connection) getting an equal share of model time,
+so a small Score waits for the step in progress and its fair share, never for all of a long call. Generate advances its token iterator one step per job, so
 concurrent generations and Score calls interleave token by token, and a generation whose client went
 away (cancelled, deadline passed, connection lost) stops after the token in progress: the handler
 stops asking for the next one.
