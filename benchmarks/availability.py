@@ -16,6 +16,11 @@ retrieval`) are child processes; the datastore is a small Flat one over SOTU spe
 with the same model at the step's window, cached under ~/.cache/memlm/bench/ (never committed). SmolLM2
 by default; a random model only with --synthetic, and then the output says so. No assertions.
 
+What bounds the ratio: a forward step is not preemptible, so a small call that arrives during a maximal
+step waits for it (the model's turns give each client an equal share of model time, services.lm_scheduler).
+The server therefore runs with --max-step-tokens 256 (about 0.5 s of SmolLM2 on 2 cores) by default;
+`--max-step-tokens 1024` measures serve lm's default step (about 4x longer).
+
     python benchmarks/availability.py [--synthetic] [--model NAME] [--phase-s 12] [--rounds 3] [--clients 8]
         [--max-step-tokens 256] [--ds-tokens 4096]
 """
