@@ -196,9 +196,7 @@ class CompressiveMemory(XLMemory):
     def _parts(self, layer: int) -> list[LayerMemory]:
         parts = super()._parts(layer)
         if self.cmem is not None and self.cmem[layer].k.shape[1] > 0:
-            # [sink; cmem; mem]: insert the compressed memory before the memory.
-            has_mem = self.mem is not None and self.mem[layer].k.shape[1] > 0
-            parts.insert(len(parts) - 1 if has_mem else len(parts), self.cmem[layer])
+            parts.insert(0, self.cmem[layer])  # [cmem; mem]: the compressed memory is the older part
         return parts
 
     def update(self, new_kv: list[LayerMemory]) -> "CompressiveMemory":

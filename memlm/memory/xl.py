@@ -138,22 +138,47 @@ class XLMemory:
         steps = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
         return self.next_pos.to(device)[:, None] + steps[None, :]  # (B, T)
 
-    def _parts(self, layer: int) -> list[LayerMemory]:
-        parts = []
+    def _sink_part(self, layer: int) -> LayerMemory | None:
         if self.sink is not None and self.sink[layer].k.shape[1] > 0 and bool(self.sink[layer].valid.any()):
-            parts.append(self.sink[layer])
+            return self.sink[layer]
+        return None
+
+    def _parts(self, layer: int) -> list[LayerMemory]:
+        """The slots after the sinks, oldest first (XL: the memory; compressive adds its cmem before it)."""
         if self.mem is not None and self.mem[layer].k.shape[1] > 0:
-            parts.append(self.mem[layer])
-        return parts
+            return [self.mem[layer]]
+        return []
 
     def layer_memory(self, layer: int) -> LayerMemory | None:
-        parts = self._parts(layer)
-        if not parts:
+        sink, parts = self._sink_part(layer), self._parts(layer)
+        if sink is None and not parts:
             return None  # lets attention take the plain causal fast path
-        out = parts[0]
+        out = parts[0] if parts else None
         for p in parts[1:]:
-            out = _concat(out, p)  # (B, S, ...) in the order [sink; cmem; mem]
-        return out
+            out = _concat(out, p)  # (B, S, ...) in the order [cmem; mem]
+        if sink is None:
+            return out
+        sink = sink._replace(pos=self._sink_positions(sink, out))
+        return sink if out is None else _concat(sink, out)  # (B, N + S, ...) in the order [sink; cmem; mem]
+
+    def _sink_positions(self, sink: LayerMemory, rest: LayerMemory | None) -> torch.Tensor:
+        """(B, N) positions the sinks take in attention: right before the oldest slot that follows them.
+
+        StreamingLLM (Xiao et al. 2023, section 3.2) gives the sinks positions within the cache, not in the
+        text: a sink kept at its true position 0 is, deep into a document, further from the query than any
+        distance the model was trained on, and SmolLM2's loss climbs from 3.4 to 7 nats past ~13K tokens
+        (segment 512, memory 512, issue 10). Re-based, the sinks sit just before the memory, so every
+        distance stays within sinks + memory + segment. While the memory has not slid past them
+        (max with the true position) they keep their true positions, so short documents are unchanged."""
+        N = sink.pos.shape[1]
+        if rest is None or rest.pos.shape[1] == 0:
+            first = self.next_pos.to(sink.pos.device)  # (B,) the segment follows the sinks directly
+        else:
+            big = torch.finfo(torch.float32).max
+            oldest = torch.where(rest.valid, rest.pos.float(), torch.full_like(rest.pos.float(), big)).amin(dim=1)  # (B,)
+            first = torch.where(rest.valid.any(dim=1), oldest, self.next_pos.to(oldest.device))  # (B,)
+        slot = torch.arange(N, device=sink.pos.device, dtype=torch.float32)  # (N,)
+        return torch.maximum(sink.pos.float(), first[:, None] - N + slot[None, :])  # (B, N)
 
     def update(self, new_kv: list[LayerMemory]) -> "XLMemory":
         sink, fifo_new, T = self._split_segment(new_kv)

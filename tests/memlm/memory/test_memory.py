@@ -125,7 +125,8 @@ class FixedMemory:
 @pytest.mark.parametrize("sinks", [0, 3])
 def test_eviction_matches_hand_built_memory(sinks):
     # In a one-layer model a token's key and value depend only on the token, so the oracle memory for
-    # segment [s, s+T) is: the sink tokens [0, N) plus the last mem_len tokens before s (not in the sinks).
+    # segment [s, s+T) is: the sink tokens [0, N) plus the last mem_len tokens before s (not in the sinks),
+    # the sinks at StreamingLLM's positions within the cache: right before the oldest memory slot.
     model = tiny_model(1)
     seg, mem_len, n = 8, 12, 56
     x = torch.randint(0, 512, (1, n))
@@ -134,7 +135,10 @@ def test_eviction_matches_hand_built_memory(sinks):
     for s in range(0, n, seg):
         slots = sorted(set(range(min(sinks, s))) | set(range(max(sinks, s - mem_len), s)))
         idx = torch.tensor(slots, dtype=torch.long)
-        mem = LayerMemory(kv.k[:, idx], kv.v[:, idx], kv.pos[:, idx], torch.ones(1, len(slots), dtype=torch.bool))
+        first = max(sinks, s - mem_len) if s > sinks else s  # oldest memory slot (or the segment)
+        pos = torch.tensor([[float(max(i, first - min(sinks, s) + i)) if i < min(sinks, s) else float(i)
+                             for i in slots]])  # (1, S)
+        mem = LayerMemory(kv.k[:, idx], kv.v[:, idx], pos, torch.ones(1, len(slots), dtype=torch.bool))
         want = model(x[:, s : s + seg], FixedMemory(mem if slots else None, s)).logits
         torch.testing.assert_close(got[:, s : s + seg], want, atol=ATOL, rtol=0)
 
@@ -184,7 +188,9 @@ def test_xl_fifo_keeps_the_most_recent_states_in_order_and_never_resets():
         assert m.k[0, m.valid[0], 0, 0].tolist() == expected  # contents travel with positions
         assert mem.sink[0].pos[0].tolist() == [0, 1] and bool(mem.sink[0].valid.all())
         lm = mem.layer_memory(0)
-        assert lm.pos[0, lm.valid[0]].tolist() == [0, 1, *expected]  # [sink; mem]
+        # [sink; mem], the sinks right before the oldest memory slot (StreamingLLM's cache positions)
+        assert lm.pos[0, lm.valid[0]].tolist() == [expected[0] - 2, expected[0] - 1, *expected]
+        assert lm.k[0, lm.valid[0], 0, 0].tolist()[:2] == [0, 1]  # the sinks' contents are the first tokens
     assert mem.positions(2, 3, torch.device("cpu"))[0].tolist() == [42, 43, 44]
 
 
@@ -428,3 +434,23 @@ def test_compressor_space_must_match_the_memory():
     comp = Compressor(cfg, rate=4, space="x")
     h = torch.randn(2, 8, cfg.n_embd)
     torch.testing.assert_close(comp.compress_x(0, h), h.view(2, 2, 4, cfg.n_embd).mean(2), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["xl", "compressive"])
+def test_sink_distance_stays_within_the_cache_deep_into_a_document(kind):
+    # Issue 10: sinks kept at their true positions sat ~13K tokens from the query deep into a SOTU
+    # president's speeches, beyond anything SmolLM2 was trained on (loss 3.4 -> 7 nats). Every slot the
+    # segment attends to must lie within sinks + memory (+ compressed span) of the segment start.
+    if kind == "xl":
+        mem = XLMemory.empty(2, mem_len=10, sink_tokens=2)
+        span = 2 + 10
+    else:
+        mem = CompressiveMemory.empty(2, 6, 4, rate=2, compress_fn="mean", sink_tokens=2)
+        span = 2 + 6 + 4 * 2
+    for step in range(50):  # 300 tokens, far past the memory
+        mem = mem.update(fake_kv(6 * step, 6))
+        lm = mem.layer_memory(0)
+        start = mem.positions(2, 1, torch.device("cpu"))[:, 0]  # (B,)
+        distance = start[:, None] - lm.pos  # (B, S)
+        assert float(distance[lm.valid].max()) <= span
+        assert float(distance[lm.valid].min()) >= 1
