@@ -161,12 +161,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
+        import faiss  # the exact CPU scan runs in FAISS's OpenMP pool (memlm.retrieval.memory_store)
+
         torch.set_num_threads(args.threads)
+        faiss.omp_set_num_threads(args.threads)
     print(f"# python benchmarks/knn_attention_cost.py --steps {args.steps} --eval-segments {args.eval_segments} "
           f"--repeats {args.repeats}" + (f" --threads {args.threads}" if args.threads else ""))
     print("# RANDOM MODEL (speed only): dim 512, 8 layers, 8 heads x 64, vocab 20000, segment 512, batch 1, "
           f"kNN layer {memorizing_layer(memory_config(1), MODEL.n_layer)}, top-k 32, XL memory 512, CPU, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+          f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
     model = random_model(MODEL, 0, "cpu", torch.float32)
     knn = fresh_knn_attention(model)
     rounds = args.steps * args.repeats
