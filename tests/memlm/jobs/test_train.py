@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
+from conftest import phrase_documents as documents
 
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import evaluate_segments
@@ -16,25 +16,6 @@ from memlm.model.checkpoint import TextSettings, read_extra, read_settings
 from memlm.model.config import ModelConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained, random_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: 2 threads on 2 shared cores are many times slower than 1.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def documents(n_docs: int, length: int, seed: int = 0) -> list[list[int]]:
-    """Learnable byte documents: each repeats a random 12-token phrase, so memory of the phrase helps."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        phrase = [rng.randrange(97, 123) for _ in range(12)]
-        docs.append((phrase * (length // 12 + 1))[:length])
-    return docs
 
 
 def quiet(_line: str) -> None:

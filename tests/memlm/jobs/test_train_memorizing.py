@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 
 import pytest
 import torch
+from conftest import phrase_documents as documents
 
 from memlm.cli import main
 from memlm.errors import MemlmError
@@ -26,24 +26,6 @@ from memlm.retrieval.memory_store import ExactMemory
 
 MEMORY = MemoryConfig("memorizing", mem_len=8, sink_tokens=0, segment=16, knn_mem_size=48, knn_top_k=4,
                       knn_backend="exact")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def documents(n_docs: int, length: int, seed: int = 0) -> list[list[int]]:
-    """Byte documents that repeat a random 12-token phrase (the memory has something to find)."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        phrase = [rng.randrange(97, 123) for _ in range(12)]
-        docs.append((phrase * (length // 12 + 1))[:length])
-    return docs
 
 
 def config(**kw) -> TrainConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import sharp_tiny_model as tiny_model
 import torch.nn.functional as F
 
 from memlm.memory.config import MemoryConfig
@@ -25,21 +26,12 @@ from memlm.memory.memorizing import (
 from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.memory.xl import XLMemory
 from memlm.model.config import ModelConfig
-from memlm.model.decoder import Decoder, KVCache, LayerMemory, build_model
+from memlm.model.decoder import Decoder, KVCache, LayerMemory
 from memlm.retrieval import memory_store
 from memlm.retrieval.faiss_memory import FaissMemory
 from memlm.retrieval.memory_store import ExactMemory
 
 ZERO_GATE, ONE_GATE = -1e4, 1e4  # sigmoid gives exactly 0.0 and 1.0 in float32
-
-
-def tiny_model(n_layer: int = 2, seed: int = 0) -> Decoder:
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig.from_name("tiny", n_layer=n_layer))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else None
-    return model.eval()
 
 
 def knn_module(model: Decoder, gate_logit: float = 0.0) -> KnnAttention:

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import sharp_tiny_model as tiny_model
 
 from memlm.jobs.segment_eval import SegmentStream, evaluate_segments
 from memlm.jobs.windows import WindowConfig, score_documents
@@ -21,20 +22,10 @@ from memlm.memory.reconstruction import attention_reconstruction_loss, capture_q
 from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.memory.xl import XLMemory, push_fifo
 from memlm.model.config import ModelConfig
-from memlm.model.decoder import Decoder, KVCache, LayerMemory, build_model
+from memlm.model.decoder import Decoder, KVCache, LayerMemory
 
 
 ATOL = 1e-4  # logits are O(10) with the 0.2 init; float32 rounding differs by summation order
-
-
-def tiny_model(n_layer: int = 2, seed: int = 0) -> Decoder:
-    torch.manual_seed(seed)
-    # Larger init than the default 0.02 so attention is far from uniform and mistakes show up.
-    model = build_model(ModelConfig.from_name("tiny", n_layer=n_layer))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else None
-    return model.eval()
 
 
 def run_segments(model: Decoder, x: torch.Tensor, seg: int, state) -> tuple[torch.Tensor, object]:
