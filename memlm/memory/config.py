@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-MemoryKind = Literal["none", "xl", "compressive", "memorizing"]
+MemoryKind = Literal["none", "xl", "compressive", "memorizing", "spalm"]
 CompressFn = Literal["max", "mean", "conv"]
-MEMORY_KINDS: tuple[str, ...] = ("none", "xl", "compressive", "memorizing")
+MEMORY_KINDS: tuple[str, ...] = ("none", "xl", "compressive", "memorizing", "spalm")
 COMPRESS_FNS: tuple[str, ...] = ("max", "mean", "conv")
 KNN_BACKENDS: tuple[str, ...] = ("auto", "exact", "faiss", "service")
 EXACT_MAX_ENTRIES = 262144
@@ -50,7 +50,9 @@ class MemoryConfig:
 
     kind: str = "xl"
     """"none" (each segment alone), "xl" (Transformer-XL), "compressive" (Compressive Transformer) or
-    "memorizing" (the XL memory in every layer plus kNN attention at `memorizing_layer`)."""
+    "memorizing" (the XL memory in every layer plus kNN attention at `memorizing_layer`) or "spalm" (the
+    XL memory in every layer plus the SPALM head over a kNN datastore, memlm.memory.spalm: the decoder's
+    state is the XL memory; the head and the datastore are passed beside it)."""
     mem_len: int = 1024
     """Memory slots: the last mem_len states of earlier segments."""
     cmem_len: int = 0

@@ -42,7 +42,7 @@ def new_memory(
         return None
     if config.kind == "compressive" and config.compress_fn == "conv" and compressor is not None:
         reproject = reproject or compressor.space == "x"
-    if config.kind == "xl":
+    if config.kind in ("xl", "spalm"):  # SPALM's short-term memory is the XL memory (memlm.memory.spalm)
         return XLMemory.empty(batch_size, config.mem_len, sink_tokens=config.sink_tokens, device=device,
                               reproject=reproject)
     return CompressiveMemory.empty(
