@@ -18,7 +18,7 @@ from pathlib import Path
 import _common
 import torch
 
-from datastore import BuildSettings, Provenance, build_from_tokens
+from datastore import BuildSettings, BuildSource, build_from_tokens
 from memlm.jobs.windows import WindowConfig, score_documents
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     forward_s = time.perf_counter() - t0
 
     with tempfile.TemporaryDirectory() as tmp:
-        prov = Provenance(name, pre.fingerprint, pre.tokenizer.fingerprint, f"{args.data} [{args.split}]", "bench", bos)
+        prov = BuildSource(name, pre.fingerprint, pre.tokenizer.fingerprint, f"{args.data} [{args.split}]", "bench", bos)
         t0 = time.perf_counter()
         build_from_tokens(model, docs, Path(tmp) / "ds", prov,
                           BuildSettings(window=window, index_factory=args.index), progress=False)

@@ -61,7 +61,7 @@ def _datastore_dir(bench: _common.BenchModel, args: argparse.Namespace, n: int, 
 def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> tuple[Path, bool]:
     """(the cached benchmark datastore, whether its tokens are random), built first when missing
     (resumable, like any build)."""
-    from datastore import BuildSettings, Provenance, build_from_tokens
+    from datastore import BuildSettings, BuildSource, build_from_tokens
     from datastore.index import default_nlist, default_pq_m
     from memlm.data.documents import corpus_fingerprint
     from memlm.jobs.windows import WindowConfig
@@ -72,7 +72,7 @@ def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> tup
     out = _datastore_dir(bench, args, n, factory, random_tokens)
     if not (out / "manifest.json").exists():
         fingerprint = "random-tokens" if random_tokens else corpus_fingerprint(args.data, DS_SPLIT)
-        prov = Provenance(bench.name, bench.pre.fingerprint, bench.pre.tokenizer.fingerprint,
+        prov = BuildSource(bench.name, bench.pre.fingerprint, bench.pre.tokenizer.fingerprint,
                           f"{args.data} [{DS_SPLIT}]", fingerprint, bench.boundary)
         t0 = time.perf_counter()
         settings = BuildSettings(window=WindowConfig(args.context, args.stride, args.batch_size), index_factory=factory)

@@ -5,16 +5,16 @@ Files in data-flow order: manifest.py (what a datastore directory says about its
 datastore.py (open + search: the Searcher seam), commands.py (the typed CLI entry points).
 """
 
-from datastore.build import BuildSettings, Provenance, build_from_tokens
+from datastore.build import BuildSettings, BuildSource, build_from_tokens
 from datastore.commands import build_datastore, datastore_info
 from datastore.datastore import Datastore
 from datastore.manifest import Manifest
 
 __all__ = [
     "BuildSettings",
+    "BuildSource",
     "Datastore",
     "Manifest",
-    "Provenance",
     "build_datastore",
     "build_from_tokens",
     "datastore_info",

@@ -1,8 +1,9 @@
 """Build a datastore in named, resumable stages with files in between.
 
     tokenize  documents -> .build/tokens.i32 + .build/doc_offsets.i64
-    encode    the decoder over the windows of memlm.jobs.windows -> .build/shards/keys-*.f16, values-*.i32
-    merge     shards -> keys.f16 (N, d) float16 + values.i32 (N,) int32
+    encode    the decoder over the windows of memlm.jobs.windows -> .build/shards/keys-*.f16, values-*.i32,
+              docs-*.i32, positions-*.i32 (each entry's document and next-token position: its provenance)
+    merge     shards -> keys.f16 (N, d) float16 + values.i32, docs.i32, positions.i32 (N,) int32
     train     a seeded sample of the keys -> .build/trained.faiss (empty, trained index)
     add       the keys in chunks, in order -> index.faiss
     manifest  checksums of every file + settings -> manifest.json (its presence marks a finished build)
@@ -18,7 +19,7 @@ build in progress; resuming with different settings is refused.
 Keys come from `memlm.jobs.windows.score_documents`, the loop that perplexity evaluation uses, so each key
 sees exactly the left context that evaluation gives its token.
 
-Shape legend: n scored tokens of a window, N keys in all, d key dimension.
+Shape legend: n scored tokens of a window, N keys in all, d key dimension, D documents.
 """
 
 from __future__ import annotations
@@ -42,16 +43,21 @@ from tqdm import tqdm
 import memlm
 from datastore import index as index_lib
 from datastore.manifest import (
+    DOCS_NAME,
     INDEX_NAME,
     KEYS_NAME,
     MANIFEST_NAME,
+    POSITIONS_NAME,
     VALUES_NAME,
     FileEntry,
     Manifest,
 )
 from datastore.shards import (
     KEY_DTYPE,
+    PROVENANCE_DTYPE,
     VALUE_DTYPE,
+    ShardArrays,
+    ShardPaths,
     complete_shards,
     merge_shards,
     read_array,
@@ -61,12 +67,12 @@ from datastore.shards import (
 )
 from memlm.errors import MemlmError
 from memlm.files import PARTIAL_SUFFIX, atomic_write, sha256_file
-from memlm.jobs.windows import WindowConfig, plan_windows, score_documents
+from memlm.jobs.windows import ScoredTokens, WindowConfig, plan_windows, score_documents
 from memlm.model.decoder import Decoder
 
 WORK_DIR = ".build"
 """Scratch directory of a build in progress, removed when the manifest is written."""
-DATA_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME)
+DATA_FILES = (KEYS_NAME, VALUES_NAME, DOCS_NAME, POSITIONS_NAME, INDEX_NAME)
 
 Documents = Union[Iterable[list[int]], Callable[[], Iterable[list[int]]]]
 """Token ids per document, or a function returning them (called only when the tokenize stage runs,
@@ -74,7 +80,7 @@ so a resumed build does not read the corpus again)."""
 
 
 @dataclass(frozen=True)
-class Provenance:
+class BuildSource:
     """What a datastore is built from; stored in its manifest and checked when it is opened."""
 
     model_name: str
@@ -119,7 +125,7 @@ def build_from_tokens(
     model: Decoder,
     documents: Documents,
     out: Path,
-    provenance: Provenance,
+    source: BuildSource,
     settings: BuildSettings = BuildSettings(),
     *,
     overwrite: bool = False,
@@ -138,10 +144,10 @@ def build_from_tokens(
     _prepare_out_dir(out, overwrite, log)
     work = out / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
-    identity = _identity(model, provenance, settings)
+    identity = _identity(model, source, settings)
     _check_identity(work, identity, out)
-    tokens, offsets = _stage_tokens(documents, settings, work, provenance, progress)
-    keys, encode_seconds = _stage_keys(model, tokens, offsets, settings, provenance, out, work, progress, log)
+    tokens, offsets = _stage_tokens(documents, settings, work, source, progress)
+    keys, encode_seconds = _stage_keys(model, tokens, offsets, settings, source, out, work, progress, log)
     factory, nprobe = _stage_index(keys, settings, out, work, progress, log)
     files = {name: FileEntry(bytes=(out / name).stat().st_size, sha256=sha256_file(out / name, remember=False))
              for name in DATA_FILES}
@@ -164,11 +170,12 @@ def build_from_tokens(
     n_total, dim = keys.shape
     manifest = Manifest(
         n=n_total, dim=dim, key_layer=model.config.key_description,
-        model_name=provenance.model_name, model_fingerprint=provenance.model_fingerprint,
-        tokenizer_fingerprint=provenance.tokenizer_fingerprint, corpus=provenance.corpus,
-        corpus_fingerprint=provenance.corpus_fingerprint, index_factory=factory, metric="l2",
+        model_name=source.model_name, model_fingerprint=source.model_fingerprint,
+        tokenizer_fingerprint=source.tokenizer_fingerprint, corpus=source.corpus,
+        corpus_fingerprint=source.corpus_fingerprint, index_factory=factory, metric="l2",
         nprobe=int(nprobe), context=settings.window.context, stride=settings.window.stride,
-        boundary_token=provenance.boundary_token, sink_tokens=0, files=files, build=build,
+        boundary_token=source.boundary_token, sink_tokens=0, files=files, build=build,
+        documents=int(offsets.shape[0] - 1),
     )
     atomic_write(out / MANIFEST_NAME, manifest.to_json(), durable=True)
     shutil.rmtree(work)
@@ -176,7 +183,7 @@ def build_from_tokens(
     return out
 
 
-def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, provenance: Provenance,
+def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, source: BuildSource,
                   progress: bool) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1: token ids (N,) int32 and document offsets (docs + 1,) int64, written once, then read back."""
     offsets_path = work / "doc_offsets.i64"
@@ -186,28 +193,52 @@ def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, pro
     tokens = read_array(tokens_path, VALUE_DTYPE)  # (N,)
     offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (docs + 1,)
     if tokens.shape[0] == 0:
-        raise MemlmError(f"the corpus {provenance.corpus} gave no tokens; nothing to build")
+        raise MemlmError(f"the corpus {source.corpus} gave no tokens; nothing to build")
     return tokens, offsets
 
 
 def _stage_keys(model: Decoder, tokens: np.ndarray, offsets: np.ndarray, settings: BuildSettings,
-                provenance: Provenance, out: Path, work: Path, progress: bool,
+                source: BuildSource, out: Path, work: Path, progress: bool,
                 log: Callable[[str], None]) -> tuple[np.ndarray, float | None]:
     """Stage 2: encode in shards and merge them into keys (N, d) float16 and values (N,) int32 in `out`.
     Returns the keys (a memmap) and the encoding time of this run (None when already done)."""
     dim, n_total = model.config.n_embd, int(tokens.shape[0])
     encode_seconds = None
-    if not (out / KEYS_NAME).exists() or not (out / VALUES_NAME).exists():
+    merged = ShardPaths(out / KEYS_NAME, out / VALUES_NAME, out / DOCS_NAME, out / POSITIONS_NAME)
+    if not all(path.exists() for path in merged):
         shards_dir = work / "shards"
         shards_dir.mkdir(exist_ok=True)
-        encode_seconds = _stage_encode(model, tokens, offsets, settings, provenance.boundary_token,
+        encode_seconds = _stage_encode(model, tokens, offsets, settings, source.boundary_token,
                                        shards_dir, progress, log)
         n_shards = complete_shards(shards_dir)
-        n_merged = merge_shards(shards_dir, n_shards, dim, out / KEYS_NAME, out / VALUES_NAME)
+        n_merged = merge_shards(shards_dir, n_shards, dim, merged)
         if n_merged != n_total:
             raise RuntimeError(f"encoded {n_merged} keys for {n_total} tokens")
+        _check_provenance(tokens, offsets, merged)
         shutil.rmtree(shards_dir)
     return read_array(out / KEYS_NAME, KEY_DTYPE, width=dim), encode_seconds  # (N, d)
+
+
+def entry_positions(scored: ScoredTokens) -> np.ndarray:
+    """The provenance positions (n,) int32 of a window's entries (manifest.POSITIONS_NAME): the
+    boundary token is position 0, so the target document[j] (ScoredTokens.positions j) is at j + 1."""
+    return (scored.positions.numpy() + 1).astype(PROVENANCE_DTYPE)  # (n,)
+
+
+def _check_provenance(tokens: np.ndarray, offsets: np.ndarray, merged: ShardPaths) -> None:
+    """Every entry's value is the token its document and position name: values[i] ==
+    tokens[offsets[docs[i]] + positions[i] - 1]. One gather over N, against a bookkeeping slip."""
+    values = read_array(merged.values, VALUE_DTYPE)  # (N,)
+    docs = read_array(merged.docs, PROVENANCE_DTYPE)  # (N,)
+    positions = read_array(merged.positions, PROVENANCE_DTYPE)  # (N,)
+    lengths = np.diff(offsets)  # (D,)
+    inside = (docs >= 0) & (docs < lengths.shape[0])
+    inside &= (positions >= 1) & (positions <= lengths[np.where(inside, docs, 0)])
+    where = offsets[np.where(inside, docs, 0)] + positions - 1  # (N,)
+    bad = np.flatnonzero(~inside | (tokens[np.where(inside, where, 0)] != values))
+    if bad.size:
+        raise RuntimeError(f"entry {bad[0]}: document {docs[bad[0]]} position {positions[bad[0]]} does not "
+                           f"hold its value {values[bad[0]]}")
 
 
 def _stage_index(keys: np.ndarray, settings: BuildSettings, out: Path, work: Path, progress: bool,
@@ -266,10 +297,10 @@ def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> 
                 (out / name).unlink(missing_ok=True)
 
 
-def _identity(model: Decoder, provenance: Provenance, settings: BuildSettings) -> dict:
+def _identity(model: Decoder, source: BuildSource, settings: BuildSettings) -> dict:
     """Everything that changes the bytes of keys, values or index: a resumed build must match it."""
     return {
-        "provenance": dataclasses.asdict(provenance),
+        "provenance": dataclasses.asdict(source),  # the key of builds before BuildSource was named so
         "settings": dataclasses.asdict(settings),
         "key_layer": model.config.key_description,
         "dim": model.config.n_embd,
@@ -349,7 +380,7 @@ def _stage_encode(
     done = complete_shards(shards_dir)
     if done >= n_shards:
         return 0.0
-    done_rows = sum(shard_paths(shards_dir, s)[1].stat().st_size // VALUE_DTYPE.itemsize for s in range(done))
+    done_rows = sum(shard_paths(shards_dir, s).values.stat().st_size // VALUE_DTYPE.itemsize for s in range(done))
     if done:
         log(f"resuming the encoding at shard {done} of {n_shards} ({done_rows} of {tokens.shape[0]} keys done)")
 
@@ -360,9 +391,8 @@ def _stage_encode(
     windows_per_shard = settings.shard_batches * window.batch_size
     stream = score_documents(model, docs(), window, boundary_token, with_logprobs=False,
                              skip_batches=done * settings.shard_batches)
-    keys: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    shard, in_shard = done, 0
+    parts: list[ShardArrays] = []
+    shard = done
     t0 = time.perf_counter()
     with tqdm(total=int(tokens.shape[0]), initial=done_rows, desc="encode", unit="tok", file=sys.stderr,
               disable=not progress, smoothing=0.1) as bar:
@@ -372,16 +402,21 @@ def _stage_encode(
                 raise MemlmError(
                     f"keys of document {scored.doc} overflow float16; the model's key activations are too large"
                 )
-            keys.append(k16.cpu().numpy())
-            values.append(scored.targets.numpy().astype(VALUE_DTYPE))
-            in_shard += 1
-            bar.update(scored.targets.shape[0])
-            if in_shard == windows_per_shard:
-                write_shard(shards_dir, shard, np.concatenate(keys), np.concatenate(values))
-                keys, values, shard, in_shard = [], [], shard + 1, 0
-        if keys:
-            write_shard(shards_dir, shard, np.concatenate(keys), np.concatenate(values))
+            n = scored.targets.shape[0]
+            parts.append(ShardArrays(k16.cpu().numpy(), scored.targets.numpy().astype(VALUE_DTYPE),
+                                     np.full(n, scored.doc, dtype=PROVENANCE_DTYPE), entry_positions(scored)))
+            bar.update(n)
+            if len(parts) == windows_per_shard:
+                write_shard(shards_dir, shard, _concatenate(parts))
+                parts, shard = [], shard + 1
+        if parts:
+            write_shard(shards_dir, shard, _concatenate(parts))
             shard += 1
     if shard != n_shards:
         raise RuntimeError(f"wrote {shard} shards, planned {n_shards}")
     return time.perf_counter() - t0
+
+
+def _concatenate(parts: list[ShardArrays]) -> ShardArrays:
+    """Windows' arrays -> one shard's, field by field."""
+    return ShardArrays(*(np.concatenate(column) for column in zip(*parts)))

@@ -11,7 +11,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from datastore.build import BuildSettings, Provenance, build_from_tokens
+from datastore.build import BuildSettings, BuildSource, build_from_tokens
 from datastore.datastore import Datastore
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
@@ -70,7 +70,7 @@ def build_datastore(
     defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context, stride)
     context, stride = defaults.context, defaults.stride
     boundary = document_boundary(tokenizer)
-    provenance = Provenance(
+    source = BuildSource(
         model_name=model,
         model_fingerprint=pretrained.fingerprint,
         tokenizer_fingerprint=tokenizer.fingerprint,
@@ -90,9 +90,9 @@ def build_datastore(
         return tokenize_documents(load_documents(data, split), tokenizer, max_tokens)
 
     if num_shards == 1:
-        return build_from_tokens(pretrained.model, documents, Path(out), provenance, settings,
+        return build_from_tokens(pretrained.model, documents, Path(out), source, settings,
                                  overwrite=overwrite, progress=progress)
-    return _build_shards(pretrained.model, list(documents()), Path(out), provenance, settings, num_shards,
+    return _build_shards(pretrained.model, list(documents()), Path(out), source, settings, num_shards,
                          overwrite, progress)
 
 
@@ -113,7 +113,7 @@ def split_documents(token_docs: list[list[int]], num_shards: int) -> list[list[l
     return groups
 
 
-def _build_shards(model, token_docs: list[list[int]], out: Path, provenance: Provenance, settings: BuildSettings,
+def _build_shards(model, token_docs: list[list[int]], out: Path, source: BuildSource, settings: BuildSettings,
                   num_shards: int, overwrite: bool, progress: bool) -> Path:
     groups = split_documents(token_docs, num_shards)
     if any(not any(group) for group in groups):
@@ -127,9 +127,9 @@ def _build_shards(model, token_docs: list[list[int]], out: Path, provenance: Pro
             print(f"shard {i}: {directory} already built", file=sys.stderr)
             continue
         shard_provenance = dataclasses.replace(
-            provenance,
-            corpus=f"{provenance.corpus} shard {i} of {num_shards}",
-            corpus_fingerprint=hashlib.sha256(f"{provenance.corpus_fingerprint}:{i}/{num_shards}".encode()).hexdigest(),
+            source,
+            corpus=f"{source.corpus} shard {i} of {num_shards}",
+            corpus_fingerprint=hashlib.sha256(f"{source.corpus_fingerprint}:{i}/{num_shards}".encode()).hexdigest(),
         )
         build_from_tokens(model, group, directory, shard_provenance, settings, overwrite=overwrite, progress=progress)
     print("serve the shards in this order behind one router: "
@@ -159,6 +159,9 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
         f"corpus        {m.corpus} (fingerprint {m.corpus_fingerprint[:16]})",
         f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}, "
         f"sink tokens {m.sink_tokens}",
+        "provenance    " + (f"{m.n:,} entries from {m.documents:,} documents (docs.i32, positions.i32; the "
+                             "boundary token is position 0)" if m.has_provenance
+                             else f"none (format {m.format_version}): rebuild for the SPALM leakage guard"),
         f"files         {size / 2**20:.1f} MiB: "
         + ", ".join(f"{name} {e.bytes / 2**20:.1f} MiB" for name, e in sorted(m.files.items())),
         f"format        version {m.format_version}",

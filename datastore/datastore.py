@@ -19,8 +19,15 @@ import numpy as np
 import torch
 
 from datastore import index as index_lib
-from datastore.manifest import INDEX_NAME, KEYS_NAME, VALUES_NAME, Manifest
-from datastore.shards import KEY_DTYPE, VALUE_DTYPE, read_array
+from datastore.manifest import (
+    DOCS_NAME,
+    INDEX_NAME,
+    KEYS_NAME,
+    POSITIONS_NAME,
+    VALUES_NAME,
+    Manifest,
+)
+from datastore.shards import KEY_DTYPE, PROVENANCE_DTYPE, VALUE_DTYPE, read_array
 from memlm.errors import MemlmError
 from memlm.files import sha256_file
 from memlm.model.device import resolve_device
@@ -29,6 +36,7 @@ from memlm.retrieval.searcher import (
     MAX_K,
     MAX_QUERY_ABS,
     Neighbors,
+    Provenance,
     SearcherInfo,
     SearchOptions,
     first_unsearchable_query,
@@ -39,15 +47,17 @@ RERANK_ROWS = 1 << 22
 
 
 class Datastore:
-    """A finished datastore directory: manifest, keys (N, d) float16, values (N,) int32, FAISS index."""
+    """A finished datastore directory: manifest, keys (N, d) float16, values (N,) int32, FAISS index, and
+    (format 3) each entry's provenance, docs and positions (N,) int32."""
 
     def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, keys: np.ndarray, values: np.ndarray,
-                 exact: TorchExactSearcher | None = None):
+                 provenance: Provenance | None = None, exact: TorchExactSearcher | None = None):
         self.path = path
         self.manifest = manifest
         self.index = index  # CPU index, or its clone on all GPUs
         self.keys = keys  # (N, d) float16 read-only memmap
         self.values = values  # (N,) int32 read-only memmap
+        self.entry_provenance = provenance  # docs, positions (N,) int32 read-only memmaps; None in format 2
         self.exact = exact  # TorchExactSearcher when opened with backend="torch", else None
         self.on_gpu = _is_gpu(index)
         self._gpu_nprobe = manifest.nprobe
@@ -93,6 +103,7 @@ class Datastore:
         if keys.shape[0] != manifest.n or values.shape[0] != manifest.n:
             raise MemlmError(f"datastore {path} has {keys.shape[0]} keys and {values.shape[0]} values, "
                              f"the manifest says {manifest.n}; rebuild it")
+        provenance = _read_provenance(path, manifest)
         index = index_lib.read_index(path / INDEX_NAME, mmap=mmap)
         if index.ntotal != manifest.n or index.d != manifest.dim:
             raise MemlmError(f"the index of {path} holds {index.ntotal} keys of dimension {index.d}, "
@@ -106,7 +117,7 @@ class Datastore:
                     _set_gpu_nprobe(index, manifest.nprobe)
         elif backend != "torch":
             raise MemlmError(f"search backend must be faiss or torch, got {backend!r}")
-        store = cls(path, manifest, index, keys, values)
+        store = cls(path, manifest, index, keys, values, provenance)
         if backend == "torch":
             store.exact = store.exact_searcher(device)
         return store
@@ -157,6 +168,32 @@ class Datastore:
         values = np.where(missing, -1, self.values[np.where(missing, 0, ids)]).astype(np.int32)  # (Q, k)
         return Neighbors(distances, ids.astype(np.int64), values)
 
+    def provenance(self, ids: np.ndarray) -> Provenance:
+        """Document and next-token position of each entry in `ids` (memlm.retrieval.searcher.Provenance).
+
+        ids: (Q, k) int64 datastore rows, -1 for a missing neighbour (as Neighbors.ids).
+        Returns docs and positions (Q, k) int32, -1 where the id is -1.
+        """
+        if self.entry_provenance is None:
+            m = self.manifest
+            raise MemlmError(
+                f"datastore {self.path} has format version {m.format_version}, without each entry's document and "
+                f"position; rebuild it for provenance: memlm datastore build --model {m.model_name} --data DATA "
+                f"[--split SPLIT] --context {m.context} --stride {m.stride} --out {self.path} --overwrite "
+                f"(its corpus was {m.corpus})")
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise MemlmError(f"ids must be a (Q, k) integer array, got shape {ids.shape} of {ids.dtype}")
+        bad = (ids < -1) | (ids >= self.manifest.n)  # (Q, k)
+        if bad.any():
+            raise MemlmError(f"ids must be -1 or rows 0 to {self.manifest.n - 1} of the datastore, got "
+                             f"{int(ids[bad][0])}")
+        missing = ids < 0  # (Q, k)
+        rows = np.where(missing, 0, ids)  # (Q, k)
+        docs = np.where(missing, -1, self.entry_provenance.docs[rows]).astype(np.int32)  # (Q, k)
+        positions = np.where(missing, -1, self.entry_provenance.positions[rows]).astype(np.int32)  # (Q, k)
+        return Provenance(docs, positions)
+
     def info(self) -> SearcherInfo:
         """The manifest's description of this datastore (the Searcher seam; gRPC GetInfo sends it on)."""
         return _searcher_info(self.manifest)
@@ -169,6 +206,18 @@ class Datastore:
         torch_device = resolve_device(device or "auto")
         keys = torch.from_numpy(np.array(self.keys)).to(torch_device)  # (N, d) float16, a copy of the memmap
         return TorchExactSearcher(keys, self.values, info=self.info())
+
+
+def _read_provenance(path: Path, manifest: Manifest) -> Provenance | None:
+    """docs and positions (N,) int32 memmaps of a format-3 datastore; None for format 2 (no provenance)."""
+    if not manifest.has_provenance:
+        return None
+    docs = read_array(path / DOCS_NAME, PROVENANCE_DTYPE)  # (N,)
+    positions = read_array(path / POSITIONS_NAME, PROVENANCE_DTYPE)  # (N,)
+    if docs.shape[0] != manifest.n or positions.shape[0] != manifest.n:
+        raise MemlmError(f"datastore {path} has {docs.shape[0]} document ids and {positions.shape[0]} positions, "
+                         f"the manifest says {manifest.n}; rebuild it")
+    return Provenance(docs, positions)
 
 
 def _searcher_info(m: Manifest) -> SearcherInfo:

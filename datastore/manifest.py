@@ -16,14 +16,27 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-FORMAT_VERSION = 2
-"""2: the text layout is recorded in full (sink_tokens beside context, stride and boundary_token, issue 8).
-A version-1 manifest lacks it and is refused as an older format (rebuild), not as a damaged one."""
+FORMAT_VERSION = 3
+"""3: every entry's provenance, docs.i32 and positions.i32, and the number of documents (issue 11).
+2: the text layout is recorded in full (sink_tokens beside context, stride and boundary_token, issue 8).
+A version-2 datastore still opens and searches (kNN-LM needs no provenance); asking it for provenance is
+refused with the rebuild command (Datastore.provenance). A version-1 manifest is refused as an older
+format (rebuild), not as a damaged one."""
+READABLE_VERSIONS = (2, FORMAT_VERSION)
+"""Format versions this memlm opens."""
 MANIFEST_NAME = "manifest.json"
 KEYS_NAME = "keys.f16"
 """(N, d) float16, row-major, little-endian, no header: np.memmap(path, "<f2", "r", shape=(N, d))."""
 VALUES_NAME = "values.i32"
 """(N,) int32 little-endian next-token ids (int32: SmolLM2's 49152 ids overflow int16)."""
+DOCS_NAME = "docs.i32"
+"""(N,) int32 little-endian: entry i's document, its index in the build's corpus order (the documents as
+the builder read them, after --max-tokens, empty ones counted too: 0 .. documents - 1). Non-decreasing."""
+POSITIONS_NAME = "positions.i32"
+"""(N,) int32 little-endian: the position of entry i's next token (values[i]) in its document, where the
+document boundary token is position 0 and the document's j-th token (0-based) is position j + 1, i.e. the
+index in the model's input [boundary, *document]. So values[i] == document[positions[i] - 1] and entry i's
+key is the decoder's state at input index positions[i] - 1 (memlm.retrieval.searcher.Provenance)."""
 INDEX_NAME = "index.faiss"
 """The FAISS index over the keys (faiss.write_index format); row i of the index is row i of the keys."""
 
@@ -72,12 +85,19 @@ class Manifest:
     """Checksums of every data file in the directory, by file name."""
     build: dict[str, Any] = field(default_factory=dict)
     """Build settings and facts (batch size, dtype, device, shard size, timings, versions)."""
+    documents: int = 0
+    """Documents the build read (ids in docs.i32 are below it; empty documents count); 0 in format 2."""
     format_version: int = FORMAT_VERSION
     """Version of this directory layout."""
     key_dtype: str = "float16"
     """Dtype of keys.f16."""
     value_dtype: str = "int32"
     """Dtype of values.i32."""
+
+    @property
+    def has_provenance(self) -> bool:
+        """Whether docs.i32 and positions.i32 exist (format 3 on)."""
+        return self.format_version >= 3
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -94,22 +114,23 @@ class Manifest:
             raise MemlmError(f"{source} holds a JSON {type(raw).__name__}, not an object; the datastore is "
                              "damaged, rebuild it")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise MemlmError(
-                f"{source} has datastore format version {version}, this memlm reads version {FORMAT_VERSION}; "
-                "rebuild the datastore with this memlm"
+                f"{source} has datastore format version {version}, this memlm reads version {FORMAT_VERSION} "
+                f"(and {READABLE_VERSIONS[0]}, without provenance); rebuild the datastore with this memlm"
             )
         known = {f.name: f.type for f in dataclasses.fields(cls)}
-        missing = sorted(set(known) - set(raw) - {"build"})
+        optional = {"build"} | ({"documents"} if version == 2 else set())
+        missing = sorted(set(known) - set(raw) - optional)
         if missing:
             raise MemlmError(f"{source} lacks {', '.join(missing)}; the datastore is damaged, rebuild it")
         raw = {k: v for k, v in raw.items() if k in known}
         for name, type_name in known.items():
             if name in raw and name != "files":
                 _check_type(raw[name], _FIELD_TYPES[type_name], name, source)
-        raw["files"] = _file_entries(raw["files"], source)
-        for name in ("n", "dim", "nprobe", "context", "stride"):
-            if raw[name] < (0 if name == "n" else 1):
+        raw["files"] = _file_entries(raw["files"], required_files(version), source)
+        for name in ("n", "dim", "nprobe", "context", "stride", "documents"):
+            if name in raw and raw[name] < (1 if name in ("dim", "nprobe", "context", "stride") else 0):
                 raise MemlmError(f"{source}: {name} is {raw[name]}; the datastore is damaged, rebuild it")
         return cls(**raw)
 
@@ -124,8 +145,15 @@ class Manifest:
         return cls.from_json(path.read_text(), str(path))
 
 
-REQUIRED_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME)
-"""Files every datastore has; each must have its entry in `Manifest.files`."""
+PROVENANCE_FILES = (DOCS_NAME, POSITIONS_NAME)
+"""The per-entry provenance arrays, from format 3 on."""
+REQUIRED_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME, *PROVENANCE_FILES)
+"""Files every datastore of this format has; each must have its entry in `Manifest.files`."""
+
+
+def required_files(version: int) -> tuple[str, ...]:
+    """The files a datastore of format `version` has (format 2 had no provenance)."""
+    return REQUIRED_FILES if version >= 3 else (KEYS_NAME, VALUES_NAME, INDEX_NAME)
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "dict[str, Any]": dict,
                                                    "dict[str, FileEntry]": dict}
 """JSON types of the manifest's fields, by their annotation."""
@@ -142,8 +170,8 @@ def _check_type(value: Any, expected: type | tuple[type, ...], name: str, source
 _JSON_NAMES = {"int": "integer", "str": "string", "dict": "object"}
 
 
-def _file_entries(files: Any, source: str) -> dict[str, FileEntry]:
-    """`files` of a manifest: {name: {"bytes": int, "sha256": str}}, holding every REQUIRED_FILES entry."""
+def _file_entries(files: Any, required: tuple[str, ...], source: str) -> dict[str, FileEntry]:
+    """`files` of a manifest: {name: {"bytes": int, "sha256": str}}, holding an entry for each `required`."""
     _check_type(files, dict, "files", source)
     entries = {}
     for name, entry in files.items():
@@ -154,7 +182,7 @@ def _file_entries(files: Any, source: str) -> dict[str, FileEntry]:
         _check_type(entry["bytes"], int, f"files.{name}.bytes", source)
         _check_type(entry["sha256"], str, f"files.{name}.sha256", source)
         entries[name] = FileEntry(bytes=entry["bytes"], sha256=entry["sha256"])
-    absent = [name for name in REQUIRED_FILES if name not in entries]
+    absent = [name for name in required if name not in entries]
     if absent:
         raise MemlmError(f"{source}: files has no entry for {', '.join(absent)}, so it could not be checked; "
                          "the datastore is damaged, rebuild it")

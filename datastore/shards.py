@@ -3,7 +3,7 @@
 Every file of a build is written through memlm.files' atomic writes (temporary name, fsync, rename,
 fsync of the folder), so a file with its final name is always complete: a killed build leaves at
 most a stray `*.partial` (memlm.files.PARTIAL_SUFFIX), which the next run overwrites. A shard is
-complete when both its key and its value file exist.
+complete when all its files (keys, values, docs, positions) exist.
 
 Shape legend: n rows of one shard, N rows in all, d key dimension.
 """
@@ -11,7 +11,7 @@ Shape legend: n rows of one shard, N rows in all, d key dimension.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,8 @@ from memlm.files import atomic_open, atomic_write
 
 KEY_DTYPE = np.dtype("<f2")
 VALUE_DTYPE = np.dtype("<i4")
+PROVENANCE_DTYPE = np.dtype("<i4")
+"""Document indices and positions (int32: 2**31 documents or tokens per document are far off)."""
 
 
 def write_array(path: Path, array: np.ndarray, dtype: np.dtype) -> None:
@@ -42,18 +44,41 @@ def read_array(path: Path, dtype: np.dtype, width: int | None = None, mmap: bool
     return np.fromfile(path, dtype=dtype).reshape(shape)
 
 
-def shard_paths(directory: Path, shard: int) -> tuple[Path, Path]:
-    """Key and value file of shard number `shard`."""
-    return directory / f"keys-{shard:06d}.f16", directory / f"values-{shard:06d}.i32"
+class ShardArrays(NamedTuple):
+    """The arrays of a shard (or, merged, of a datastore): one row per datastore entry."""
+
+    keys: np.ndarray  # (n, d) float16
+    values: np.ndarray  # (n,) int32 next-token ids
+    docs: np.ndarray  # (n,) int32 document index (memlm.retrieval.searcher.Provenance)
+    positions: np.ndarray  # (n,) int32 position of the next token in its document (boundary = 0)
 
 
-def write_shard(directory: Path, shard: int, keys: np.ndarray, values: np.ndarray) -> None:
-    """keys (n, d) float16, values (n,) int32 -> one complete shard (value file renamed last)."""
-    if keys.shape[0] != values.shape[0]:
-        raise ValueError(f"shard {shard}: {keys.shape[0]} keys but {values.shape[0]} values")
-    key_path, value_path = shard_paths(directory, shard)
-    write_array(key_path, keys, KEY_DTYPE)
-    write_array(value_path, values, VALUE_DTYPE)
+class ShardPaths(NamedTuple):
+    """The files of one shard, or the merged files of a datastore, field by field as ShardArrays."""
+
+    keys: Path
+    values: Path
+    docs: Path
+    positions: Path
+
+
+ARRAY_DTYPES = ShardArrays(KEY_DTYPE, VALUE_DTYPE, PROVENANCE_DTYPE, PROVENANCE_DTYPE)
+"""The on-disk dtype of each array, field by field."""
+
+
+def shard_paths(directory: Path, shard: int) -> ShardPaths:
+    """The files of shard number `shard`."""
+    return ShardPaths(directory / f"keys-{shard:06d}.f16", directory / f"values-{shard:06d}.i32",
+                      directory / f"docs-{shard:06d}.i32", directory / f"positions-{shard:06d}.i32")
+
+
+def write_shard(directory: Path, shard: int, arrays: ShardArrays) -> None:
+    """One shard: every array with n rows, each file written atomically; complete once all exist."""
+    rows = {name: array.shape[0] for name, array in zip(ShardArrays._fields, arrays)}
+    if len(set(rows.values())) != 1:
+        raise ValueError(f"shard {shard}: arrays of different lengths {rows}")
+    for path, array, dtype in zip(shard_paths(directory, shard), arrays, ARRAY_DTYPES):
+        write_array(path, array, dtype)
 
 
 def complete_shards(directory: Path) -> int:
@@ -64,25 +89,18 @@ def complete_shards(directory: Path) -> int:
     return count
 
 
-def merge_shards(directory: Path, n_shards: int, dim: int, keys_out: Path, values_out: Path) -> int:
-    """Concatenate shards 0..n_shards-1 into one key file (N, d) and one value file (N,); returns N.
+def merge_shards(directory: Path, n_shards: int, dim: int, out: ShardPaths) -> int:
+    """Concatenate shards 0..n_shards-1 into one file per array (keys (N, d), the others (N,)); returns N.
 
     One memmap per array keeps `Datastore.keys[ids]` a plain fancy index, and costs one sequential
     copy (seconds per GB), which is small next to encoding the keys.
     """
-    n_total = 0
-    with atomic_open(keys_out, durable=True) as fk:
-        for shard in range(n_shards):
-            key_path, _ = shard_paths(directory, shard)
-            for block in _file_blocks(key_path):
-                fk.write(block)
-            n_total += key_path.stat().st_size // (KEY_DTYPE.itemsize * dim)
-    with atomic_open(values_out, durable=True) as fv:
-        for shard in range(n_shards):
-            _, value_path = shard_paths(directory, shard)
-            for block in _file_blocks(value_path):
-                fv.write(block)
-    return n_total
+    for field_index, out_path in enumerate(out):
+        with atomic_open(out_path, durable=True) as f:
+            for shard in range(n_shards):
+                for block in _file_blocks(shard_paths(directory, shard)[field_index]):
+                    f.write(block)
+    return out.keys.stat().st_size // (KEY_DTYPE.itemsize * dim)
 
 
 def _file_blocks(path: Path, block: int = 1 << 24) -> Iterator[bytes]:

@@ -50,6 +50,20 @@ class Neighbors(NamedTuple):
     values: np.ndarray  # (Q, k) int32, the next token stored with each key
 
 
+class Provenance(NamedTuple):
+    """Where retrieved datastore entries come from (`datastore.Datastore.provenance(ids)`), for the SPALM
+    leakage guard (memlm.retrieval.leakage), RetoMaton successors and attribution (DESIGN.md, provenance).
+
+    A position counts the document boundary token as position 0: the document's tokens t_0, t_1, ...
+    are at positions 1, 2, ..., i.e. a position is the index in the model's input [boundary, *document].
+    An entry's position is that of its next token (its value), so the entry made from the query at input
+    index i has position i + 1. Missing neighbours (id -1) have document -1 and position -1.
+    """
+
+    docs: np.ndarray  # (Q, k) int32, index of the entry's document in the datastore build's corpus order
+    positions: np.ndarray  # (Q, k) int32, position of the entry's next token in its document (boundary = 0)
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """Per-call search settings. Every Searcher accepts all of them; an option that does not apply to its

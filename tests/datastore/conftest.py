@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from datastore import BuildSettings, Provenance, build_from_tokens
+from datastore import BuildSettings, BuildSource, build_from_tokens
 from memlm.jobs.windows import WindowConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
@@ -16,7 +16,7 @@ from memlm.model.decoder import build_model
 VOCAB = 64
 BOS = 1
 WINDOW = WindowConfig(context=48, stride=24, batch_size=4)
-PROVENANCE = Provenance(
+PROVENANCE = BuildSource(
     model_name="tiny-test", model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64,
     corpus="random tokens", corpus_fingerprint="c" * 64, boundary_token=BOS,
 )

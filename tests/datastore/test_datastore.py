@@ -108,7 +108,7 @@ def test_fingerprint_mismatch_is_refused(built, which):
         check_searcher(info, **{**ours, f"{which}_fingerprint": "0" * 64})
 
 
-@pytest.mark.parametrize("name", ["keys.f16", "values.i32", "index.faiss"])
+@pytest.mark.parametrize("name", ["keys.f16", "values.i32", "docs.i32", "positions.i32", "index.faiss"])
 def test_corrupted_file_is_refused(tmp_path, built, name):
     copy = tmp_path / "copy"
     shutil.copytree(built, copy)

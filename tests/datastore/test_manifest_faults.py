@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from datastore import Datastore
-from datastore.manifest import INDEX_NAME, KEYS_NAME, MANIFEST_NAME, VALUES_NAME
+from datastore.manifest import (
+    DOCS_NAME,
+    INDEX_NAME,
+    KEYS_NAME,
+    MANIFEST_NAME,
+    POSITIONS_NAME,
+    VALUES_NAME,
+)
 from memlm.cli import main
 from memlm.errors import MemlmError
 from memlm.retrieval.searcher import MAX_K, MAX_QUERY_ABS, SearchOptions
@@ -64,6 +71,10 @@ def with_field(name: str, value):
     (without_file(KEYS_NAME), f"files has no entry for {KEYS_NAME}"),
     (without_file(VALUES_NAME), f"files has no entry for {VALUES_NAME}"),
     (without_file(INDEX_NAME), f"files has no entry for {INDEX_NAME}"),
+    (without_file(DOCS_NAME), f"files has no entry for {DOCS_NAME}"),
+    (without_file(POSITIONS_NAME), f"files has no entry for {POSITIONS_NAME}"),
+    (with_field("documents", -1), "documents is -1"),
+    (lambda raw: {k: v for k, v in raw.items() if k != "documents"}, "lacks documents"),
     (lambda raw: {**raw, "files": {**raw["files"], KEYS_NAME: {"bytes": "many"}}}, "must hold bytes and sha256"),
 ])
 def test_a_damaged_manifest_is_refused_in_one_line(capsys, store_copy, change, message):
@@ -194,5 +205,6 @@ def test_a_first_wave_manifest_is_refused_as_an_older_format(store_copy):
     del raw["sink_tokens"]
     raw["format_version"] = 1
     path.write_text(json.dumps(raw))
-    with pytest.raises(MemlmError, match="format version 1, this memlm reads version 2; rebuild"):
+    with pytest.raises(MemlmError, match=r"format version 1, this memlm reads version 3 \(and 2, without "
+                                         r"provenance\); rebuild"):
         Datastore.open(store_copy)

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from datastore import BuildSettings, Datastore, Provenance, build_from_tokens
+from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from memlm.data.corpora import is_fetched
 from memlm.data.documents import corpus_fingerprint, load_documents, tokenize_documents
 from memlm.jobs.knnlm_eval import evaluate_knnlm
@@ -87,7 +87,7 @@ def test_knnlm_datastore_lowers_perplexity_on_held_apart_speeches(smollm2, tmp_p
     assert store_ids and eval_ids and not store_ids & eval_ids, (store_ids, eval_ids)
     assert sum(map(len, store_docs)) == DATASTORE_TOKENS and sum(map(len, eval_docs)) == EVAL_TOKENS
 
-    provenance = Provenance(MODEL, smollm2.fingerprint, tokenizer.fingerprint, f"{CORPUS} [{DATASTORE_SPLIT}]",
+    provenance = BuildSource(MODEL, smollm2.fingerprint, tokenizer.fingerprint, f"{CORPUS} [{DATASTORE_SPLIT}]",
                             corpus_fingerprint(CORPUS, DATASTORE_SPLIT), boundary)
     out = build_from_tokens(model, store_docs, tmp_path / "ds", provenance,
                             BuildSettings(window=KNN_WINDOW, index_factory="Flat"), progress=False,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from datastore import BuildSettings, Datastore, Provenance, build_from_tokens
+from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from memlm.jobs.windows import WindowConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
@@ -20,7 +20,7 @@ from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
 
 VOCAB = 64
-PROVENANCE = Provenance(
+PROVENANCE = BuildSource(
     model_name="tiny-test", model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64,
     corpus="random tokens", corpus_fingerprint="c" * 64, boundary_token=1,
 )
