@@ -1,12 +1,14 @@
 """`memlm eval`: which evaluation the flags ask for, the settings it takes from artifacts, and its result.
 
-Four modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
+Five modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
 - sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
   options, lambda/T tuned on --tune-data that must share no document with the evaluation data);
 - segments alone (--memory none --segment S, or --segment S alone): each S-token segment scored with no
   memory at all;
 - segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`
   checkpoint with its knn_attention.pt, or any model with a fresh, untrained gate, which the result says);
+- SPALM (--memory spalm --datastore DIR [--k K], Yogatama et al. 2021: the XL memory plus the datastore's
+  retrieved tokens mixed in by a learned gate; memlm.jobs.spalm_command);
 - the continuous cache (--continuous-cache --cache-size M, Grave et al. 2017: kNN-LM over the document's
   own past, over --memory none or xl; --k, --lambda, --knn-temperature, tuned on --tune-data).
 Settings recorded by an artifact follow one rule (memlm.retrieval.compat): a datastore's context and
@@ -24,6 +26,7 @@ from typing import Any
 from memlm.errors import MemlmError
 from memlm.files import check_writable_file
 from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
+from memlm.jobs.spalm_command import run_spalm_eval, wants_spalm
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
@@ -191,7 +194,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     dtype = resolve_dtype(args.dtype, device)
     pretrained = load_pretrained(args.model, device=device, dtype=dtype)
     boundary = document_boundary(pretrained.tokenizer)
-    memory = memory_for(args, checkpoint_settings(args.model, boundary))
+    settings = checkpoint_settings(args.model, boundary)
+    spalm = wants_spalm(args, settings)  # --memory spalm: memlm.jobs.spalm_command (issue 11)
+    memory = None if spalm else memory_for(args, settings)
     evaluation = load_tokens(pretrained.tokenizer, args.data, args.split, args.max_tokens)
     header = {
         "model": args.model,
@@ -205,7 +210,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     }
     if memory is None or memory.kind != "memorizing" or args.continuous_cache:
         refuse_given(args, KNN_SERVICE_FLAGS, "needs --memory memorizing --knn-backend service")
-    if args.continuous_cache:
+    if spalm:
+        result = run_spalm_eval(args, pretrained, evaluation, boundary, settings)
+    elif args.continuous_cache:
         result = run_cache_eval(args, pretrained, evaluation, memory, boundary)
     elif memory is not None:
         result = run_memory_eval(args, pretrained.model, evaluation.token_docs, memory, boundary, device)
@@ -382,7 +389,8 @@ def print_result(result: dict[str, Any]) -> None:
     for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "lambda", "temperature",
                 "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
                 "knnlm_speed_ratio", "recall_at_k", "recall_at_10", "cache_size", "knn_mem_size", "knn_top_k",
-                "knn_backend", "knn_layer", "gate_trained",
+                "knn_backend", "knn_layer", "gate_trained", "gate_mean", "memory_weight_mean", "neighbour_rate",
+                "head_trained",
                 "attention_span", "seconds"):
         if key in result:
             value = result[key]

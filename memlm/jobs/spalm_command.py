@@ -1,0 +1,138 @@
+"""The command-line side of SPALM (issue 11): `memlm eval --memory spalm --datastore DIR` and the settings
+`memlm train --memory spalm` takes.
+
+Settings follow the one rule of memlm.retrieval.compat: a SPALM checkpoint's memory (segment, memory
+size, sinks) is taken when left unset and refused when given differently; the datastore must fit the
+model through `check_searcher`, with the fingerprint of the model whose keys the head was trained
+against (training changes the decoder's own fingerprint, the datastore's keys stay fixed). Flags that
+do not apply (windows, kNN-LM's lambda and temperature, tuning, other memories' options) are refused in
+one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memlm.errors import MemlmError
+from memlm.memory.config import MemoryConfig
+from memlm.options import (
+    KNN_OPTIONS,
+    MEMORIZING_ONLY,
+    MEMORY_OPTIONS,
+    WINDOW_OPTIONS,
+    given,
+    refuse_given,
+)
+
+SPALM_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
+"""The memory options of SPALM (its short-term memory is the XL memory)."""
+SPALM_KNN = ("k", "nprobe", "exact_rerank")
+"""The kNN options SPALM takes: neighbours per token and how the datastore is searched."""
+SPALM_DEFAULT_K = 8
+"""Neighbours per token when --k is unset. SPALM reads k embeddings per token (a (k, C) gather and
+attention), not a distribution over k entries as kNN-LM (KNNLMConfig.k = 1024), so a handful suffices."""
+
+
+def wants_spalm(args: argparse.Namespace, settings: Any) -> bool:
+    """--memory spalm, or a SPALM checkpoint (settings.json) evaluated with --memory unset."""
+    if args.kind == "spalm":
+        return True
+    return args.kind is None and settings is not None and settings.memory.kind == "spalm"
+
+
+def spalm_memory_config(args: argparse.Namespace, settings: Any) -> MemoryConfig:
+    """The XL part of a SPALM run from the flags; a SPALM checkpoint's recorded values where unset."""
+    from memlm.retrieval.compat import adopt, say_taken
+
+    refuse_given(args, [d for d in MEMORY_OPTIONS if d not in SPALM_MEMORY], "applies to other memories, not --memory spalm")
+    mem = given(args, MEMORY_OPTIONS)
+    values: dict[str, Any] = {"kind": "spalm"}
+    if settings is not None and settings.memory.kind == "spalm":
+        taken: list[str] = []
+        artifact = f"checkpoint {args.model}"
+        for dest in SPALM_MEMORY[1:]:
+            values[dest] = adopt(MEMORY_OPTIONS[dest].flag, mem.get(dest), getattr(settings.memory, dest), artifact, taken)
+        say_taken(taken, artifact)
+    else:
+        values.update({d: mem[d] for d in SPALM_MEMORY[1:] if d in mem})
+    try:
+        return MemoryConfig(**values)
+    except ValueError as e:
+        raise MemlmError(str(e)) from None
+
+
+def spalm_k(args: argparse.Namespace) -> int:
+    """--k, or SPALM_DEFAULT_K."""
+    return args.k if args.k is not None else SPALM_DEFAULT_K
+
+
+def spalm_head_for(model_arg: str, model: Any, fingerprint: str) -> tuple[Any, str, bool]:
+    """(head, fingerprint of the keys' model, trained): a `memlm train --memory spalm` checkpoint's
+    spalm_head.pt, else a fresh head (gate near 1: the base model), said on stderr and recorded."""
+    from memlm.memory.spalm import SpalmHead, load_spalm_head
+
+    saved = load_spalm_head(model_arg, model.device) if Path(model_arg).is_dir() else None
+    if saved is not None:
+        head, keys_fingerprint = saved
+        try:
+            head.check_model(model.config.n_embd)
+        except ValueError as e:
+            raise MemlmError(f"{model_arg}: {e}") from None
+        return head, keys_fingerprint, True
+    print(f"{model_arg} has no trained SPALM head (memlm train --memory spalm): a fresh gate is used, untrained "
+          "(recorded as head_trained false)", file=sys.stderr)
+    return SpalmHead(model.config.n_embd).to(model.device), fingerprint, False
+
+
+def open_spalm_datastore(directory: str, pretrained: Any, keys_fingerprint: str, boundary: int,
+                         search_backend: str | None) -> Any:
+    """The datastore, checked against the model (compat.check_searcher: the keys' model fingerprint, the
+    tokenizer, the key layer and width, the boundary token; no windows: SPALM runs segment by segment)."""
+    from datastore import Datastore
+    from memlm.retrieval.compat import check_searcher
+
+    model = pretrained.model
+    store = Datastore.open(Path(directory), backend=search_backend or "faiss", device=str(model.device))
+    check_searcher(store.info(), model_fingerprint=keys_fingerprint, tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
+    return store
+
+
+def datastore_token_counts(store: Any, vocab_size: int) -> np.ndarray:
+    """(V,) occurrences of each next token in the datastore (its corpus' counts, for the gate report)."""
+    return np.bincount(np.asarray(store.values, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+
+
+def refuse_non_spalm_eval_flags(args: argparse.Namespace) -> None:
+    """The eval flags that do not apply to SPALM, one line each; --datastore is required."""
+    if args.datastore is None:
+        raise MemlmError("--memory spalm needs --datastore DIR (its long-term memory)")
+    refuse_given(args, WINDOW_OPTIONS, "does not apply with --memory spalm (it runs segment by segment: --segment)")
+    refuse_given(args, [d for d in KNN_OPTIONS if d not in SPALM_KNN],
+                 "is kNN-LM's interpolation; --memory spalm mixes by its learned gate")
+    refuse_given(args, ("tune_data", "continuous_cache", *MEMORIZING_ONLY), "does not apply with --memory spalm")
+
+
+def run_spalm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, boundary: int, settings: Any) -> dict:
+    """`memlm eval --memory spalm --datastore DIR [--k K]`: memlm.jobs.spalm.evaluate_spalm with the XL
+    memory of the flags (or the checkpoint's) and the checkpoint's head (or a fresh one)."""
+    from memlm.jobs.spalm import evaluate_spalm
+    from memlm.options import knn_config
+
+    refuse_non_spalm_eval_flags(args)
+    memory = spalm_memory_config(args, settings)
+    model = pretrained.model
+    head, keys_fingerprint, trained = spalm_head_for(args.model, model, pretrained.fingerprint)
+    store = open_spalm_datastore(args.datastore, pretrained, keys_fingerprint, boundary, args.search_backend)
+    options = knn_config(args).search_options
+    result = evaluate_spalm(model, head, evaluation.token_docs, memory, store, spalm_k(args), boundary_token=boundary,
+                            token_counts=datastore_token_counts(store, model.config.vocab_size),
+                            batch_size=args.batch_size, options=options, head_trained=trained)
+    info = store.info()
+    return {**result, "index": info.index, "datastore_size": info.n, "nprobe": options.nprobe,
+            "exact_rerank": options.exact_rerank}
