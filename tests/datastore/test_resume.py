@@ -1,5 +1,6 @@
 """A build killed with SIGKILL at random moments and run again equals an uninterrupted build:
-byte-identical keys and values, and the same search results (issue 3, "Resumable and idempotent")."""
+byte-identical keys, values and provenance (docs, positions; issue 11), and the same search results
+(issue 3, "Resumable and idempotent")."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from datastore import Datastore
-from datastore.manifest import KEYS_NAME, VALUES_NAME
+from datastore.manifest import DOCS_NAME, KEYS_NAME, POSITIONS_NAME, VALUES_NAME
 
 WORKER = Path(__file__).with_name("build_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def test_sigkill_at_random_moments_then_resume_is_byte_identical(tmp_path):
         finish(start(resumed))
     assert kills >= 1  # at least one build really was interrupted
 
-    for name in (KEYS_NAME, VALUES_NAME):
+    for name in (KEYS_NAME, VALUES_NAME, DOCS_NAME, POSITIONS_NAME):
         assert (resumed / name).read_bytes() == (reference / name).read_bytes(), name
     a, b = Datastore.open(reference), Datastore.open(resumed)
     xq = np.asarray(a.keys[::37], dtype=np.float32)
@@ -65,4 +66,6 @@ def test_sigkill_at_random_moments_then_resume_is_byte_identical(tmp_path):
     np.testing.assert_array_equal(na.ids, nb.ids)
     np.testing.assert_array_equal(na.distances, nb.distances)
     np.testing.assert_array_equal(na.values, nb.values)
+    np.testing.assert_array_equal(a.provenance(na.ids).docs, b.provenance(nb.ids).docs)
+    np.testing.assert_array_equal(a.provenance(na.ids).positions, b.provenance(nb.ids).positions)
     assert a.manifest.files == b.manifest.files  # index bytes identical too (same checksums)
