@@ -225,20 +225,24 @@ def entry_positions(scored: ScoredTokens) -> np.ndarray:
     return (scored.positions.numpy() + 1).astype(PROVENANCE_DTYPE)  # (n,)
 
 
-def _check_provenance(tokens: np.ndarray, offsets: np.ndarray, merged: ShardPaths) -> None:
+def _check_provenance(tokens: np.ndarray, offsets: np.ndarray, merged: ShardPaths, block: int = 1 << 22) -> None:
     """Every entry's value is the token its document and position name: values[i] ==
-    tokens[offsets[docs[i]] + positions[i] - 1]. One gather over N, against a bookkeeping slip."""
+    tokens[offsets[docs[i]] + positions[i] - 1]. One pass over N in blocks, against a bookkeeping slip."""
     values = read_array(merged.values, VALUE_DTYPE)  # (N,)
     docs = read_array(merged.docs, PROVENANCE_DTYPE)  # (N,)
     positions = read_array(merged.positions, PROVENANCE_DTYPE)  # (N,)
     lengths = np.diff(offsets)  # (D,)
-    inside = (docs >= 0) & (docs < lengths.shape[0])
-    inside &= (positions >= 1) & (positions <= lengths[np.where(inside, docs, 0)])
-    where = offsets[np.where(inside, docs, 0)] + positions - 1  # (N,)
-    bad = np.flatnonzero(~inside | (tokens[np.where(inside, where, 0)] != values))
-    if bad.size:
-        raise RuntimeError(f"entry {bad[0]}: document {docs[bad[0]]} position {positions[bad[0]]} does not "
-                           f"hold its value {values[bad[0]]}")
+    for lo in range(0, values.shape[0], block):
+        d, p = np.asarray(docs[lo : lo + block], np.int64), np.asarray(positions[lo : lo + block], np.int64)  # (b,)
+        inside = (d >= 0) & (d < lengths.shape[0])
+        d = np.where(inside, d, 0)
+        inside &= (p >= 1) & (p <= lengths[d])
+        where = np.where(inside, offsets[d] + p - 1, 0)  # (b,)
+        bad = np.flatnonzero(~inside | (tokens[where] != values[lo : lo + block]))
+        if bad.size:
+            i = lo + int(bad[0])
+            raise RuntimeError(f"entry {i}: document {docs[i]} position {positions[i]} does not hold its value "
+                               f"{values[i]}")
 
 
 def _stage_index(keys: np.ndarray, settings: BuildSettings, out: Path, work: Path, progress: bool,

@@ -142,3 +142,24 @@ def test_a_format_2_datastore_searches_but_refuses_provenance(built, tmp_path):
                                          "rebuild it for provenance: memlm datastore build --model tiny-test"):
         store.provenance(a.ids)
     assert "provenance    none (format 2): rebuild" in datastore_info(old, verify=True)
+
+
+def test_the_build_check_finds_an_entry_whose_position_is_off(tmp_path):
+    """datastore.build._check_provenance, the build's last look: off by one position is caught."""
+    from datastore.build import _check_provenance
+    from datastore.shards import ARRAY_DTYPES, ShardPaths, write_array
+
+    tokens = np.array([7, 8, 9, 5, 6], dtype=np.int32)  # documents [7, 8, 9], [], [5, 6]
+    offsets = np.array([0, 3, 3, 5], dtype=np.int64)
+    paths = ShardPaths(*(tmp_path / name for name in ("k", "v", "d", "p")))
+    write_array(paths.keys, np.zeros((5, 2)), ARRAY_DTYPES.keys)
+    write_array(paths.values, tokens, ARRAY_DTYPES.values)
+    write_array(paths.docs, [0, 0, 0, 2, 2], ARRAY_DTYPES.docs)
+    write_array(paths.positions, [1, 2, 3, 1, 2], ARRAY_DTYPES.positions)
+    _check_provenance(tokens, offsets, paths, block=2)  # right: passes
+    for name, wrong in (("positions", [1, 2, 3, 2, 2]), ("positions", [1, 2, 3, 1, 3]), ("docs", [0, 0, 0, 1, 2])):
+        write_array(getattr(paths, name), wrong, getattr(ARRAY_DTYPES, name))
+        with pytest.raises(RuntimeError, match="entry 3: document|entry 4: document"):
+            _check_provenance(tokens, offsets, paths, block=2)
+        write_array(paths.docs, [0, 0, 0, 2, 2], ARRAY_DTYPES.docs)
+        write_array(paths.positions, [1, 2, 3, 1, 2], ARRAY_DTYPES.positions)
