@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
+    KNN_OPTIONS,
     KNN_TRAIN_OPTIONS,
     MEMORY_OPTIONS,
     add_options,
@@ -31,8 +33,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         log_every=args.log_every, seed=args.seed, device=args.device, data=args.data,
         train_split=args.split, eval_split=args.eval_split, max_train_tokens=args.max_train_tokens,
         max_eval_tokens=args.max_eval_tokens, knn_train=args.knn_train,
+        datastore=args.datastore, spalm_k=args.k, freeze_embeddings=bool(args.freeze_embeddings),
     )
-    result = train(config, resume_from=args.resume)
+    store = open_spalm_train_datastore(config)  # --memory spalm: memlm.jobs.spalm_train (issue 11)
+    result = train(config, resume_from=args.resume, searcher=store)
     summary = {
         "step": result.step,
         "tokens": result.tokens,
@@ -41,6 +45,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         "checkpoint": result.checkpoint,
     }
     print(json.dumps(summary, indent=2, default=str))
+
+
+def open_spalm_train_datastore(config: Any) -> Any:
+    """The datastore of a SPALM run (config.datastore), opened here: the library takes it as a Searcher."""
+    if config.memory.kind != "spalm":
+        return None
+    from datastore import Datastore
+
+    return Datastore.open(Path(config.datastore), device=None if config.device == "auto" else config.device)
 
 
 def add_train_parser(sub: Any) -> None:
@@ -57,6 +70,11 @@ def add_train_parser(sub: Any) -> None:
     add_options(p, f"memory carried across segments (default --memory {MemoryConfig.kind}; the segment is the "
                 "truncated-backpropagation unit)", MEMORY_OPTIONS)
     add_options(p, "memorizing fine-tuning (--memory memorizing --init pretrained)", KNN_TRAIN_OPTIONS)
+    spalm = p.add_argument_group("SPALM (--memory spalm --init pretrained: Yogatama et al. 2021)")
+    spalm.add_argument("--datastore", default=None, help="datastore directory: SPALM's long-term memory")
+    add_options(p, "SPALM neighbours (--memory spalm)", KNN_OPTIONS, ("k",))
+    spalm.add_argument("--freeze-embeddings", action="store_true", default=None,
+                       help="train the SPALM gate only, not the output embedding W")
     p.add_argument("--compressor-only", action="store_true", help="freeze the model, train the conv compressor")
     p.add_argument("--batch-size", type=positive_int, default=4, help="independent document streams")
     p.add_argument("--steps", type=int, default=200)

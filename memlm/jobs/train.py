@@ -127,6 +127,13 @@ class TrainConfig:
     """Memorizing fine-tuning (init "pretrained"): "gate" (only the KnnAttention parameters) or "top" (and
     the decoder blocks from the memorizing layer up); None: memlm.jobs.memorizing.DEFAULT_KNN_TRAIN. Must be
     None otherwise (from scratch everything trains)."""
+    datastore: str | None = None
+    """SPALM (memory kind "spalm", memlm.jobs.spalm_train): the datastore directory, recorded; the command
+    line opens it and passes it to `train`. Required by SPALM, refused otherwise."""
+    spalm_k: int | None = None
+    """SPALM: neighbours per token; None: memlm.jobs.spalm_command.SPALM_DEFAULT_K."""
+    freeze_embeddings: bool = False
+    """SPALM: train the head only (w_g, b), not the output embedding W."""
 
     def __post_init__(self) -> None:
         if self.init not in ("scratch", "pretrained"):
@@ -138,6 +145,10 @@ class TrainConfig:
         if self.batch_size < 1 or self.steps < 0:
             raise MemlmError("batch_size must be >= 1, steps >= 0")
         resolved_knn_train(self.memory, self.init, self.knn_train)  # refuses a knn_train that does not apply
+        if self.memory.kind == "spalm" or self.datastore is not None or self.spalm_k is not None or self.freeze_embeddings:
+            from memlm.jobs.spalm_train import check_spalm_train
+
+            check_spalm_train(self.memory, self.init, self.datastore, self.spalm_k, self.freeze_embeddings)
 
     @property
     def trains(self) -> str:
@@ -243,6 +254,7 @@ def train(
     resume_from: str | Path | None = None,
     log: Callable[[str], None] | None = None,
     stop_at: int | None = None,
+    searcher: Any = None,
 ) -> TrainResult:
     """Train per `config`; token lists (one per document) may be given instead of config.data.
 
@@ -252,9 +264,17 @@ def train(
     log: called with one line per progress report (default: stderr).
     stop_at: stop after this global step (checkpoint written as at the end) although the schedule runs
         to config.steps: a time-boxed piece of a longer run, to be continued with resume_from.
+    searcher: SPALM only (required there): the opened datastore of config.datastore
+        (memlm.jobs.spalm_train.SpalmDatastore; the library never opens a datastore itself).
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    run = _Run(config, Path(resume_from) if resume_from is not None else None, log)
+    resume = Path(resume_from) if resume_from is not None else None
+    if config.memory.kind == "spalm":
+        from memlm.jobs.spalm_train import SpalmRun
+
+        run: _Run = SpalmRun(config, resume, log, searcher)
+    else:
+        run = _Run(config, resume, log)
     if train_docs is None:
         train_docs, corpus_eval = _load_data(config, run.tokenizer)
         eval_docs = eval_docs if eval_docs is not None else corpus_eval
@@ -272,7 +292,7 @@ def _model_for(config: TrainConfig, resume_from: Path | None, device: torch.devi
     if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
         raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
     saved = TrainConfig.from_dict(extra["train_config"])
-    for name in ("memory", "batch_size", "compressor_only", "knn_train"):
+    for name in ("memory", "batch_size", "compressor_only", "knn_train", "datastore", "spalm_k", "freeze_embeddings"):
         if getattr(saved, name) != getattr(config, name):
             raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
     state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)
@@ -288,6 +308,7 @@ class _Run:
         self.config, self.resume_from, self.log = config, resume_from, log
         self.device = resolve_device(config.device)
         pre, self.trainer_state = _model_for(config, resume_from, self.device)
+        self.fingerprint = pre.fingerprint  # of the weights loaded (SPALM checks its datastore's keys against it)
         self.model, self.tokenizer = pre.model, pre.tokenizer
         if config.init == "scratch" and resume_from is None:
             self.model = random_model(self.model.config, config.seed, self.device, torch.float32)
@@ -408,6 +429,7 @@ class _Run:
         def write(tmp: Path) -> None:
             torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "data_position": self.stream.position(),
                         "memory": None if self.state is None else self.state.state_dict()}, tmp / TRAINER_FILE)
+            self.write_modules(tmp)
             if compressor is not None:
                 torch.save({"state_dict": compressor.state_dict(), "rate": compressor.rate, "space": compressor.space,
                             "model_config": json.dumps(model.config.to_dict())}, tmp / COMPRESSOR_FILE)
@@ -417,6 +439,9 @@ class _Run:
         return str(save_checkpoint(cfg.out_dir, model, self.tokenizer, extra, write_files=write,
                                    settings=TextSettings(boundary_token=self.boundary, memory=recorded_memory(
                                        cfg.memory, model.config.n_layer))))
+
+    def write_modules(self, tmp: Path) -> None:
+        """Learned modules beside the decoder that a subclass saves into the checkpoint (SPALM's head)."""
 
     def run(self, train_docs: Sequence[Sequence[int]], eval_docs: Sequence[Sequence[int]] | None,
             stop_at: int | None) -> TrainResult:

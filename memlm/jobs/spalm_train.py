@@ -1,0 +1,202 @@
+"""`memlm train --memory spalm --datastore DIR`: fine-tune SPALM (Yogatama et al. 2021; issue 11).
+
+The segments, XL memory, schedule, clipping, checkpoints and resume are memlm.jobs.train's (`SpalmRun` is
+its `_Run` with another step). What trains: the head (w_g, b) and the output embedding W (the input
+embedding too when tied) unless --freeze-embeddings; every other decoder weight is frozen and stays
+bit-identical, and the datastore's keys are fixed (the paper keeps the keys of the pretrained model).
+Per segment, one batched search of the scored positions' kNN keys, as in evaluation (memlm.jobs.spalm).
+
+Leakage guard: when the training text is the datastore's corpus (the same corpus fingerprint: content
+and split), a query's nearest entries are its own position's and its neighbours' (their values are the
+answer, or tokens right next to it), and the gate would learn to copy them. Every neighbour from the
+query's document within `leakage_window` positions is dropped (memlm.retrieval.leakage.exclude_nearby,
+with the datastore's provenance; a datastore without provenance is refused with its rebuild command).
+The head is saved beside the checkpoint (spalm_head.pt) with the fingerprint of the model whose keys the
+datastore holds, which `memlm eval --memory spalm` checks the datastore against.
+
+Shape legend: B rows, T segment length, V vocab, Q searched positions, k neighbours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from memlm.errors import MemlmError
+from memlm.jobs.segment_eval import SegmentBatch
+from memlm.jobs.spalm import evaluate_spalm
+from memlm.jobs.train import TrainConfig, _Run
+from memlm.memory.config import MemoryConfig
+from memlm.memory.spalm import (
+    NeighborsFilter,
+    SpalmHead,
+    load_spalm_head,
+    save_spalm_head,
+    spalm_forward,
+)
+from memlm.retrieval.leakage import exclude_nearby
+from memlm.retrieval.searcher import Neighbors, Provenance, SearcherInfo, SearchOptions
+
+
+class SpalmDatastore(Protocol):
+    """What SPALM training reads from its datastore: a Searcher with each entry's provenance and values
+    (datastore.Datastore answers it)."""
+
+    values: Any  # (N,) int32 next tokens
+
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors: ...
+
+    def info(self) -> SearcherInfo: ...
+
+    def provenance(self, ids: np.ndarray) -> Provenance: ...
+
+
+def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k: int | None,
+                      freeze_embeddings: bool) -> None:
+    """The TrainConfig fields of SPALM: a datastore with --memory spalm (and only there), a pretrained model."""
+    if memory.kind != "spalm":
+        raise MemlmError(f"--datastore, --k and --freeze-embeddings apply to --memory spalm only, not {memory.kind}")
+    if datastore is None:
+        raise MemlmError("--memory spalm needs --datastore DIR (its long-term memory)")
+    if init != "pretrained":
+        raise MemlmError("--memory spalm fine-tunes the model whose keys the datastore holds: pass --init pretrained")
+    if k is not None and k < 1:
+        raise MemlmError(f"--k must be at least 1, got {k}")
+
+
+def leakage_window(info: SearcherInfo) -> int:
+    """How near (in positions) an entry of the query's own document leaks: the datastore's window length,
+    the farthest an entry's key can have seen the query's answer from (keys see `context` tokens back)."""
+    return info.context
+
+
+def leakage_filter(store: SpalmDatastore, query_docs: torch.Tensor, query_positions: torch.Tensor,
+                   window: int) -> NeighborsFilter:
+    """The guard of one segment: its searched positions' documents and positions (Q,) (datastore order,
+    boundary = position 0) bound to exclude_nearby over the store's provenance."""
+
+    def guard(nb: Neighbors) -> Neighbors:
+        return exclude_nearby(nb, store.provenance(nb.ids), query_docs, query_positions, window)
+
+    return guard
+
+
+def batch_provenance(batch: SegmentBatch, row_doc: Sequence[int], row_end: Sequence[int],
+                     doc_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(docs, positions) (Q,) of a segment's scored targets, row-major: row r's document in datastore order
+    (doc_ids[stream index]) and each target's index in [boundary, *document] (the stream's row_offset
+    after the batch is the end of the row's inputs: target t of a row with n scored is at end - n + t + 1)."""
+    mask = batch.mask  # (B, T)
+    B, T = mask.shape
+    n = mask.sum(dim=1)  # (B,)
+    docs = torch.tensor([doc_ids[d] if d >= 0 else -1 for d in row_doc], dtype=torch.long)  # (B,)
+    start = torch.tensor(list(row_end), dtype=torch.long) - n  # (B,)
+    pos = start[:, None] + torch.arange(T)[None, :] + 1  # (B, T)
+    return docs[:, None].expand(B, T)[mask], pos[mask]  # (Q,), (Q,)
+
+
+class SpalmRun(_Run):
+    """memlm.jobs.train's run with the SPALM head: its step, its evaluation and spalm_head.pt."""
+
+    def __init__(self, config: TrainConfig, resume_from: Path | None, log: Callable[[str], None],
+                 store: SpalmDatastore | None) -> None:
+        from memlm.jobs.spalm_command import SPALM_DEFAULT_K
+        from memlm.retrieval.compat import check_searcher
+
+        if store is None:
+            raise MemlmError("--memory spalm needs its datastore opened (memlm train --datastore DIR)")
+        super().__init__(config, resume_from, log)
+        self.store, self.k = store, config.spalm_k or SPALM_DEFAULT_K
+        self.head, self.keys_fingerprint = self._head()
+        info = store.info()
+        check_searcher(info, model_fingerprint=self.keys_fingerprint, tokenizer_fingerprint=self.tokenizer.fingerprint,
+                       dim=self.model.config.n_embd, key_layer=self.model.config.key_description,
+                       boundary_token=self.boundary)
+        self.model.requires_grad_(False)  # the decoder is frozen but for W; the keys are the datastore's
+        self.model.lm_head.weight.requires_grad_(not config.freeze_embeddings)
+        self.opt = self._spalm_optimizer()
+        self.guarded = self._guarded(info)
+        self.window = leakage_window(info)
+        if self.guarded:
+            store.provenance(np.full((1, 1), -1, dtype=np.int64))  # refuses a datastore without provenance now
+        log(f"spalm: k {self.k}, {'frozen' if config.freeze_embeddings else 'trained'} embeddings, leakage guard "
+            f"{'on (window ' + str(self.window) + ')' if self.guarded else 'off: the training text is not the datastore corpus'}")
+
+    def _head(self) -> tuple[SpalmHead, str]:
+        if self.resume_from is None:
+            return SpalmHead(self.model.config.n_embd).to(self.device), self.fingerprint
+        saved = load_spalm_head(self.resume_from, self.device)
+        if saved is None:
+            raise MemlmError(f"{self.resume_from} has no SPALM head (spalm_head.pt)")
+        return saved
+
+    def _guarded(self, info: SearcherInfo) -> bool:
+        """Whether the training text is the datastore's corpus (config.data and train_split fingerprint)."""
+        from memlm.data.documents import corpus_fingerprint
+
+        cfg = self.config
+        return cfg.data is not None and corpus_fingerprint(cfg.data, cfg.train_split) == info.corpus_fingerprint
+
+    def _spalm_optimizer(self) -> torch.optim.AdamW:
+        cfg = self.config
+        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "weight_decay": cfg.weight_decay},
+                  # The gate's w_g and b are never decayed (decay would pull the gate to 0.5).
+                  {"params": list(self.head.parameters()), "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas)
+
+    def _start(self, train_docs: Sequence[Sequence[int]]) -> None:
+        super()._start(train_docs)
+        # Datastore document order counts empty documents (datastore.manifest); the stream skips them.
+        self.doc_ids = [i for i, d in enumerate(train_docs) if len(d) > 0]
+
+    def _train_step(self) -> tuple[float, float, int]:
+        """One optimizer step of SPALM on the next batch: (LM loss, 0.0, tokens scored)."""
+        from memlm.jobs.train import lr_at
+
+        cfg, device, model = self.config, self.device, self.model
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, cfg)
+        batch = self.stream.next_batch()
+        assert batch is not None  # loop=True never runs dry
+        guard = None
+        if self.guarded:
+            docs, positions = batch_provenance(batch, self.stream.row_doc, self.stream.row_offset, self.doc_ids)
+            guard = leakage_filter(self.store, docs, positions, self.window)
+        inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))  # (B, T) each
+        state = self.state.reset_rows(batch.reset.to(device))
+        autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                    else contextlib.nullcontext())
+        with autocast:
+            out = spalm_forward(model, self.head, inputs, state, self.store, self.k, mask, neighbors_filter=guard)
+        loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
+        loss.backward()
+        if cfg.grad_clip > 0:
+            for grp in self.clip_groups:
+                torch.nn.utils.clip_grad_norm_(grp, cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.state = out.state
+        self.step += 1
+        return float(loss.detach()), 0.0, int(batch.mask.sum())
+
+    def evaluate(self, eval_docs: Sequence[Sequence[int]] | None) -> None:
+        if not eval_docs:
+            return
+        counts = np.bincount(np.asarray(self.store.values, dtype=np.int64), minlength=self.model.config.vocab_size)
+        r = evaluate_spalm(self.model, self.head, eval_docs, self.config.memory, self.store, self.k,
+                           boundary_token=self.boundary, token_counts=counts[: self.model.config.vocab_size],
+                           batch_size=self.config.batch_size)
+        self.model.train()
+        r["step"] = self.step
+        self.evals.append(r)
+        self.log(f"eval step {self.step}: perplexity {r['perplexity']:.3f}, gate {r['gate_mean']:.3f} over "
+                 f"{r['tokens']} tokens")
+
+    def write_modules(self, tmp: Path) -> None:
+        save_spalm_head(self.head, tmp, self.keys_fingerprint)
