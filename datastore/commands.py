@@ -159,8 +159,8 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
         f"corpus        {m.corpus} (fingerprint {m.corpus_fingerprint[:16]})",
         f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}, "
         f"sink tokens {m.sink_tokens}",
-        "provenance    " + (f"{m.n:,} entries from {m.documents:,} documents (docs.i32, positions.i32; the "
-                             "boundary token is position 0)" if m.has_provenance
+        "provenance    " + (f"{m.n:,} entries from {m.documents:,} document{'' if m.documents == 1 else 's'} "
+                             "(docs.i32, positions.i32; the boundary token is position 0)" if m.has_provenance
                              else f"none (format {m.format_version}): rebuild for the SPALM leakage guard"),
         f"files         {size / 2**20:.1f} MiB: "
         + ", ".join(f"{name} {e.bytes / 2**20:.1f} MiB" for name, e in sorted(m.files.items())),
