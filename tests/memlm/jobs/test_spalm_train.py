@@ -118,3 +118,26 @@ def test_the_leakage_guard_drops_exactly_the_own_documents_nearby_entries(built)
                 else:
                     assert kept.ids[q, j] == nb.ids[q, j] and kept.values[q, j] == nb.values[q, j]
     assert leaked_before > 0  # the own-document neighbours were there to drop
+
+
+def test_a_resumed_spalm_run_equals_an_uninterrupted_one(built):
+    from memlm.jobs.train import TrainConfig, train
+    from memlm.memory.config import MemoryConfig
+
+    tmp, corpus, store_dir = built
+    store = Datastore.open(store_dir)
+    memory = MemoryConfig(kind="spalm", segment=16, mem_len=16, sink_tokens=2)
+
+    def config(out):
+        return TrainConfig(model="tiny", init="pretrained", memory=memory, batch_size=2, steps=3, lr=0.05,
+                           warmup_steps=1, out_dir=str(out), data=str(corpus), train_split="year<2000",
+                           eval_split="year>=2000", datastore=str(store_dir), spalm_k=4, log_every=0)
+
+    whole = train(config(tmp / "whole"), searcher=store, log=lambda _line: None)
+    assert [e["step"] for e in whole.evals] == [3] and "gate_mean" in whole.evals[0]
+    train(config(tmp / "part"), searcher=store, stop_at=1, log=lambda _line: None)
+    train(config(tmp / "rest"), searcher=store, resume_from=tmp / "part", log=lambda _line: None)
+    a, b = load_spalm_head(tmp / "whole")[0], load_spalm_head(tmp / "rest")[0]
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    wa, wb = (load_checkpoint(tmp / d).model.lm_head.weight for d in ("whole", "rest"))
+    assert torch.equal(wa, wb) and not torch.equal(wa, load_pretrained("tiny").model.lm_head.weight)
