@@ -200,7 +200,8 @@ def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, sou
 def _stage_keys(model: Decoder, tokens: np.ndarray, offsets: np.ndarray, settings: BuildSettings,
                 source: BuildSource, out: Path, work: Path, progress: bool,
                 log: Callable[[str], None]) -> tuple[np.ndarray, float | None]:
-    """Stage 2: encode in shards and merge them into keys (N, d) float16 and values (N,) int32 in `out`.
+    """Stage 2: encode in shards and merge them into keys (N, d) float16 and values, docs, positions (N,)
+    int32 in `out`, then check the values against the documents and positions (_check_provenance).
     Returns the keys (a memmap) and the encoding time of this run (None when already done)."""
     dim, n_total = model.config.n_embd, int(tokens.shape[0])
     encode_seconds = None

@@ -24,6 +24,8 @@ refused with the rebuild command (Datastore.provenance). A version-1 manifest is
 format (rebuild), not as a damaged one."""
 READABLE_VERSIONS = (2, FORMAT_VERSION)
 """Format versions this memlm opens."""
+PROVENANCE_VERSION = 3
+"""The first format version with docs.i32 and positions.i32."""
 MANIFEST_NAME = "manifest.json"
 KEYS_NAME = "keys.f16"
 """(N, d) float16, row-major, little-endian, no header: np.memmap(path, "<f2", "r", shape=(N, d))."""
@@ -97,7 +99,7 @@ class Manifest:
     @property
     def has_provenance(self) -> bool:
         """Whether docs.i32 and positions.i32 exist (format 3 on)."""
-        return self.format_version >= 3
+        return self.format_version >= PROVENANCE_VERSION
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -120,7 +122,7 @@ class Manifest:
                 f"(and {READABLE_VERSIONS[0]}, without provenance); rebuild the datastore with this memlm"
             )
         known = {f.name: f.type for f in dataclasses.fields(cls)}
-        optional = {"build"} | ({"documents"} if version == 2 else set())
+        optional = {"build"} | ({"documents"} if version < PROVENANCE_VERSION else set())
         missing = sorted(set(known) - set(raw) - optional)
         if missing:
             raise MemlmError(f"{source} lacks {', '.join(missing)}; the datastore is damaged, rebuild it")
@@ -153,7 +155,7 @@ REQUIRED_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME, *PROVENANCE_FILES)
 
 def required_files(version: int) -> tuple[str, ...]:
     """The files a datastore of format `version` has (format 2 had no provenance)."""
-    return REQUIRED_FILES if version >= 3 else (KEYS_NAME, VALUES_NAME, INDEX_NAME)
+    return REQUIRED_FILES if version >= PROVENANCE_VERSION else (KEYS_NAME, VALUES_NAME, INDEX_NAME)
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "dict[str, Any]": dict,
                                                    "dict[str, FileEntry]": dict}
 """JSON types of the manifest's fields, by their annotation."""

@@ -10,8 +10,9 @@ Shape legend: n rows of one shard, N rows in all, d key dimension.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
