@@ -18,6 +18,9 @@ that reaches it); the language-modelling loss trains the model.
   frozen and stays bit-identical) or the gate and the blocks from the memorizing layer up (top). The
   module is saved beside the checkpoint (knn_attention.pt), the kNN memory's contents with the trainer
   state (exact resume; memlm.jobs.memorizing).
+- SPALM (Yogatama et al. 2021, issue 11; memory kind "spalm", memlm.jobs.spalm_train): the XL memory plus
+  the SPALM head over a datastore that the caller opens and passes in (`searcher`); the head and the
+  output embedding train, the rest of the decoder is frozen; spalm_head.pt beside the checkpoint.
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr, gradient-norm clipping,
 bfloat16 autocast on CUDA, periodic segment-recurrent evaluation, checkpoints (memlm.model.checkpoint) that
