@@ -22,31 +22,6 @@ torch.set_num_threads(1)
 SMOLLM2_SKIP = "SmolLM2 weights not fetched; run: memlm fetch smollm2-135m"
 
 
-def sharp_tiny_model(n_layer: int = 2, seed: int = 0):
-    """The tiny preset with weights drawn at std 0.2 (not the default 0.02), so that attention is far from
-    uniform and a wrong memory shows in the logits."""
-    from memlm.model.config import ModelConfig
-    from memlm.model.decoder import build_model
-
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig.from_name("tiny", n_layer=n_layer))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else None
-    return model.eval()
-
-
-def phrase_documents(n_docs: int, length: int, seed: int = 0) -> list[list[int]]:
-    """Learnable byte documents: each repeats a random 12-token phrase, so memory of the phrase helps."""
-    import random
-
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        phrase = [rng.randrange(97, 123) for _ in range(12)]
-        docs.append((phrase * (length // 12 + 1))[:length])
-    return docs
-
 
 def smollm2_path() -> Path:
     """The cached SmolLM2 GGUF, or skip the calling test when it has not been fetched.

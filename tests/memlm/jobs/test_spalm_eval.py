@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import phrase_documents, sharp_tiny_model
+from tiny_models import phrase_documents, sharp_tiny_model
 
 from memlm.cli import main
 from memlm.jobs.segment_eval import evaluate_memory

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import phrase_documents as documents
+from tiny_models import phrase_documents as documents
 
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import evaluate_segments

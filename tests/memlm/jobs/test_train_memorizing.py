@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import phrase_documents as documents
+from tiny_models import phrase_documents as documents
 
 from memlm.cli import main
 from memlm.errors import MemlmError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import sharp_tiny_model as tiny_model
+from tiny_models import sharp_tiny_model as tiny_model
 import torch.nn.functional as F
 
 from memlm.memory.config import MemoryConfig

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import sharp_tiny_model as tiny_model
+from tiny_models import sharp_tiny_model as tiny_model
 
 from memlm.jobs.segment_eval import SegmentStream, evaluate_segments
 from memlm.jobs.windows import WindowConfig, score_documents

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import phrase_documents, sharp_tiny_model
+from tiny_models import phrase_documents, sharp_tiny_model
 
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import MemoryConfig

@@ -1,0 +1,32 @@
+"""Small helpers shared by the model, memory and training tests (a module of its own: every `conftest`
+of the tree shares that one module name, so helpers imported from it resolve to whichever loaded first)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sharp_tiny_model(n_layer: int = 2, seed: int = 0):
+    """The tiny preset with weights drawn at std 0.2 (not the default 0.02), so that attention is far from
+    uniform and a wrong memory shows in the logits."""
+    from memlm.model.config import ModelConfig
+    from memlm.model.decoder import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig.from_name("tiny", n_layer=n_layer))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    return model.eval()
+
+
+def phrase_documents(n_docs: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Learnable byte documents: each repeats a random 12-token phrase, so memory of the phrase helps."""
+    import random
+
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        phrase = [rng.randrange(97, 123) for _ in range(12)]
+        docs.append((phrase * (length // 12 + 1))[:length])
+    return docs
