@@ -8,7 +8,7 @@ Five modes, chosen from the flags, each refusing in one line a flag that does no
 - segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`
   checkpoint with its knn_attention.pt, or any model with a fresh, untrained gate, which the result says);
 - SPALM (--memory spalm --datastore DIR [--k K], Yogatama et al. 2021: the XL memory plus the datastore's
-  retrieved tokens mixed in by a learned gate; memlm.jobs.spalm_command);
+  retrieved tokens mixed in by a learned gate; memlm.spalm_command);
 - the continuous cache (--continuous-cache --cache-size M, Grave et al. 2017: kNN-LM over the document's
   own past, over --memory none or xl; --k, --lambda, --knn-temperature, tuned on --tune-data).
 Settings recorded by an artifact follow one rule (memlm.retrieval.compat): a datastore's context and
@@ -26,7 +26,7 @@ from typing import Any
 from memlm.errors import MemlmError
 from memlm.files import check_writable_file
 from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
-from memlm.jobs.spalm_command import run_spalm_eval, wants_spalm
+from memlm.spalm_command import run_spalm_eval, wants_spalm
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
@@ -77,8 +77,8 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
                      help="tune even on documents that are evaluated too (recorded in the result)")
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
-    # The one definition of a client link's TLS and token flags (memlm.cli imports this module first).
-    from memlm.cli import add_link_security
+    # The one definition of a client link's TLS and token flags: memlm.link_options.
+    from memlm.link_options import add_link_security
 
     p.add_argument("--knn-service", default=None, metavar="HOST:PORT",
                    help="retrieval service with memory sessions (memlm serve retrieval) for --knn-backend service")
@@ -195,7 +195,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     pretrained = load_pretrained(args.model, device=device, dtype=dtype)
     boundary = document_boundary(pretrained.tokenizer)
     settings = checkpoint_settings(args.model, boundary)
-    spalm = wants_spalm(args, settings)  # --memory spalm: memlm.jobs.spalm_command (issue 11)
+    spalm = wants_spalm(args, settings)  # --memory spalm: memlm.spalm_command (issue 11)
     memory = None if spalm else memory_for(args, settings)
     evaluation = load_tokens(pretrained.tokenizer, args.data, args.split, args.max_tokens)
     header = {
@@ -282,7 +282,7 @@ def memory_service(args: argparse.Namespace, memory: MemoryConfig) -> Any:
         return None
     if args.knn_service is None:
         raise MemlmError("--knn-backend service needs --knn-service HOST:PORT (memlm serve retrieval with memory sessions)")
-    from memlm.cli import link_tls, secret
+    from memlm.link_options import link_tls, secret
     from services.memory_client import remote_memory_factory
 
     return remote_memory_factory(args.knn_service, tls=link_tls(args, KNN_SERVICE),

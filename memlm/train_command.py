@@ -35,8 +35,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         max_eval_tokens=args.max_eval_tokens, knn_train=args.knn_train,
         datastore=args.datastore, spalm_k=args.k, freeze_embeddings=bool(args.freeze_embeddings),
     )
-    store = open_spalm_train_datastore(config)  # --memory spalm: memlm.jobs.spalm_train (issue 11)
-    result = train(config, resume_from=args.resume, searcher=store)
+    if config.memory.kind == "spalm":  # issue 11: SPALM's run takes the opened datastore
+        from memlm.jobs.spalm_train import train_spalm
+
+        result = train_spalm(config, open_spalm_train_datastore(config), resume_from=args.resume)
+    else:
+        result = train(config, resume_from=args.resume)
     summary = {
         "step": result.step,
         "tokens": result.tokens,

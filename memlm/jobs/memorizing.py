@@ -3,7 +3,7 @@ for any MemoryConfig, which parameters a memorizing run trains, and what its res
 
 Training, evaluation, scoring, generation and the benchmark all open their memory here
 (`open_memory`), so that a memorizing state is built one way: a kNN memory store (memlm.retrieval.
-memory_store.open_key_value_memory) of one stream per (batch row, kv head), keys and values of the head
+memory_factory.open_key_value_memory) of one stream per (batch row, kv head), keys and values of the head
 size, `knn_mem_size` entries each, on the model's device, with the backend `resolve_knn_backend` picks
 (or a retrieval-service factory the command line or a server passes in: the library never imports
 services/).
@@ -76,7 +76,7 @@ def open_memory(
 def open_knn_store(model: Decoder, memory: MemoryConfig, batch_size: int, service: KeyValueMemoryFactory | None) -> Any:
     """The empty kNN memory of a memorizing state: one stream per (row, kv head) (GQA: each query head
     searches its kv head's stream), head-size keys and values, knn_mem_size entries per stream."""
-    from memlm.retrieval.memory_store import open_key_value_memory
+    from memlm.retrieval.memory_factory import open_key_value_memory
 
     cfg = model.config
     backend = resolve_knn_backend(memory)

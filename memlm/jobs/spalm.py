@@ -133,3 +133,16 @@ def evaluate_spalm(
         "seconds": seconds, "tokens_per_s": n_tokens / seconds if seconds > 0 else float("inf"),
         **attention_cost(mcfg, mcfg.segment, model.config.n_layer),
     }
+
+
+def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k: int | None,
+                      freeze_embeddings: bool) -> None:
+    """The TrainConfig fields of SPALM: a datastore with --memory spalm (and only there), a pretrained model."""
+    if memory.kind != "spalm":
+        raise MemlmError(f"--datastore, --k and --freeze-embeddings apply to --memory spalm only, not {memory.kind}")
+    if datastore is None:
+        raise MemlmError("--memory spalm needs --datastore DIR (its long-term memory)")
+    if init != "pretrained":
+        raise MemlmError("--memory spalm fine-tunes the model whose keys the datastore holds: pass --init pretrained")
+    if k is not None and k < 1:
+        raise MemlmError(f"--k must be at least 1, got {k}")

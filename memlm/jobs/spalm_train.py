@@ -32,7 +32,6 @@ from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import SegmentBatch
 from memlm.jobs.spalm import evaluate_spalm
 from memlm.jobs.train import TrainConfig, _Run
-from memlm.memory.config import MemoryConfig
 from memlm.memory.spalm import (
     NeighborsFilter,
     SpalmHead,
@@ -55,19 +54,6 @@ class SpalmDatastore(Protocol):
     def info(self) -> SearcherInfo: ...
 
     def provenance(self, ids: np.ndarray) -> Provenance: ...
-
-
-def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k: int | None,
-                      freeze_embeddings: bool) -> None:
-    """The TrainConfig fields of SPALM: a datastore with --memory spalm (and only there), a pretrained model."""
-    if memory.kind != "spalm":
-        raise MemlmError(f"--datastore, --k and --freeze-embeddings apply to --memory spalm only, not {memory.kind}")
-    if datastore is None:
-        raise MemlmError("--memory spalm needs --datastore DIR (its long-term memory)")
-    if init != "pretrained":
-        raise MemlmError("--memory spalm fine-tunes the model whose keys the datastore holds: pass --init pretrained")
-    if k is not None and k < 1:
-        raise MemlmError(f"--k must be at least 1, got {k}")
 
 
 def leakage_window(info: SearcherInfo) -> int:
@@ -106,7 +92,7 @@ class SpalmRun(_Run):
 
     def __init__(self, config: TrainConfig, resume_from: Path | None, log: Callable[[str], None],
                  store: SpalmDatastore | None) -> None:
-        from memlm.jobs.spalm_command import SPALM_DEFAULT_K
+        from memlm.memory.spalm import SPALM_DEFAULT_K
         from memlm.retrieval.compat import check_searcher
 
         if store is None:
@@ -200,3 +186,22 @@ class SpalmRun(_Run):
 
     def write_modules(self, tmp: Path) -> None:
         save_spalm_head(self.head, tmp, self.keys_fingerprint)
+
+
+def train_spalm(
+    config: TrainConfig,
+    searcher: SpalmDatastore,
+    train_docs: Sequence[Sequence[int]] | None = None,
+    eval_docs: Sequence[Sequence[int]] | None = None,
+    resume_from: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+    stop_at: int | None = None,
+) -> Any:
+    """memlm.jobs.train.train for --memory spalm (the same arguments): the run with SPALM's step over
+    `searcher`, the opened datastore of config.datastore (the library never opens a datastore itself)."""
+    from memlm.jobs.train import train
+
+    if searcher is None:
+        raise MemlmError("--memory spalm needs its opened datastore (memlm train opens --datastore)")
+    return train(config, train_docs, eval_docs, resume_from, log, stop_at,
+                 make_run=lambda cfg, resume, run_log: SpalmRun(cfg, resume, run_log, searcher))

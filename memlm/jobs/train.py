@@ -134,7 +134,7 @@ class TrainConfig:
     """SPALM (memory kind "spalm", memlm.jobs.spalm_train): the datastore directory, recorded; the command
     line opens it and passes it to `train`. Required by SPALM, refused otherwise."""
     spalm_k: int | None = None
-    """SPALM: neighbours per token; None: memlm.jobs.spalm_command.SPALM_DEFAULT_K."""
+    """SPALM: neighbours per token; None: memlm.memory.spalm.SPALM_DEFAULT_K."""
     freeze_embeddings: bool = False
     """SPALM: train the head only (w_g, b), not the output embedding W."""
 
@@ -149,7 +149,7 @@ class TrainConfig:
             raise MemlmError("batch_size must be >= 1, steps >= 0")
         resolved_knn_train(self.memory, self.init, self.knn_train)  # refuses a knn_train that does not apply
         if self.memory.kind == "spalm" or self.datastore is not None or self.spalm_k is not None or self.freeze_embeddings:
-            from memlm.jobs.spalm_train import check_spalm_train
+            from memlm.jobs.spalm import check_spalm_train
 
             check_spalm_train(self.memory, self.init, self.datastore, self.spalm_k, self.freeze_embeddings)
 
@@ -257,7 +257,7 @@ def train(
     resume_from: str | Path | None = None,
     log: Callable[[str], None] | None = None,
     stop_at: int | None = None,
-    searcher: Any = None,
+    make_run: Callable[[TrainConfig, Path | None, Callable[[str], None]], _Run] | None = None,
 ) -> TrainResult:
     """Train per `config`; token lists (one per document) may be given instead of config.data.
 
@@ -267,17 +267,14 @@ def train(
     log: called with one line per progress report (default: stderr).
     stop_at: stop after this global step (checkpoint written as at the end) although the schedule runs
         to config.steps: a time-boxed piece of a longer run, to be continued with resume_from.
-    searcher: SPALM only (required there): the opened datastore of config.datastore
-        (memlm.jobs.spalm_train.SpalmDatastore; the library never opens a datastore itself).
+    make_run: builds the run in place of this module's (memlm.jobs.spalm_train.train_spalm passes SPALM's,
+        which needs the opened datastore: the library never opens a datastore itself).
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     resume = Path(resume_from) if resume_from is not None else None
-    if config.memory.kind == "spalm":
-        from memlm.jobs.spalm_train import SpalmRun
-
-        run: _Run = SpalmRun(config, resume, log, searcher)
-    else:
-        run = _Run(config, resume, log)
+    if config.memory.kind == "spalm" and make_run is None:
+        raise MemlmError("--memory spalm trains through memlm.jobs.spalm_train.train_spalm (it takes the datastore)")
+    run = (make_run or _Run)(config, resume, log)
     if train_docs is None:
         train_docs, corpus_eval = _load_data(config, run.tokenizer)
         eval_docs = eval_docs if eval_docs is not None else corpus_eval

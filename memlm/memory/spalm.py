@@ -34,6 +34,11 @@ from torch import nn
 from memlm.model.decoder import Decoder, DecoderState
 from memlm.retrieval.searcher import Neighbors, Searcher, SearchOptions, search_keys
 
+SPALM_DEFAULT_K = 8
+"""Neighbours per token when --k is unset. SPALM reads k embeddings per token (a (k, C) gather and
+attention), not a distribution over k entries as kNN-LM (KNNLMConfig.k = 1024), so a handful suffices."""
+
+
 SPALM_HEAD_FILE = "spalm_head.pt"
 """The SpalmHead parameters beside a checkpoint (memlm.model.checkpoint layout)."""
 GATE_BIAS_INIT = 4.0

@@ -25,7 +25,6 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from memlm.memory.config import KNN_BACKENDS, auto_knn_backend
 
 
 class Retrieved(NamedTuple):
@@ -303,25 +302,3 @@ class ExactMemory:
         if d.get("backend") != "exact":
             raise ValueError(f"not an exact key/value memory's state: backend {d.get('backend')!r}")
         self.buffer.load_state_dict(d)
-
-
-def open_key_value_memory(
-    backend: str, streams: int, dim: int, value_dim: int, capacity: int, device: torch.device | str,
-    service: KeyValueMemoryFactory | None = None,
-) -> KeyValueMemory:
-    """The one way to open a kNN memory: backend "exact", "faiss", "service" (needs `service`, the factory
-    the CLI or a server passes in) or "auto" (memlm.memory.config.auto_knn_backend decides by capacity)."""
-    if backend not in KNN_BACKENDS:
-        raise ValueError(f"knn backend must be one of {KNN_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = auto_knn_backend(capacity)
-    if backend == "exact":
-        return ExactMemory(streams, dim, value_dim, capacity, device)
-    if backend == "faiss":
-        # faiss is imported only when asked for.
-        from memlm.retrieval.faiss_memory import FaissMemory
-
-        return FaissMemory(streams, dim, value_dim, capacity, device)
-    if service is None:
-        raise ValueError("knn backend 'service' needs a memory factory from the retrieval service client")
-    return service(streams, dim, value_dim, capacity)

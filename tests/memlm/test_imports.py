@@ -74,7 +74,7 @@ def test_no_import_cycle() -> None:
     assert find_cycle(graph) is None
 
 
-COMMAND_LINE = {"memlm.cli", "memlm.eval_command"}
+COMMAND_LINE = {"memlm.cli", "memlm.eval_command", "memlm.train_command", "memlm.spalm_command", "memlm.link_options"}
 """The command line wires datastores and servers into the library; it alone may import them."""
 
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memlm.retrieval.memory_store import ExactMemory, open_key_value_memory
+from memlm.retrieval.memory_factory import open_key_value_memory
+from memlm.retrieval.memory_store import ExactMemory
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.memory_client import MemoryClient, RemoteMemory, remote_memory_factory
 from services.memory_sessions import MemoryOptions, torch_to_tensor

@@ -121,7 +121,8 @@ def test_the_leakage_guard_drops_exactly_the_own_documents_nearby_entries(built)
 
 
 def test_a_resumed_spalm_run_equals_an_uninterrupted_one(built):
-    from memlm.jobs.train import TrainConfig, train
+    from memlm.jobs.spalm_train import train_spalm
+    from memlm.jobs.train import TrainConfig
     from memlm.memory.config import MemoryConfig
 
     tmp, corpus, store_dir = built
@@ -133,10 +134,10 @@ def test_a_resumed_spalm_run_equals_an_uninterrupted_one(built):
                            warmup_steps=1, out_dir=str(out), data=str(corpus), train_split="year<2000",
                            eval_split="year>=2000", datastore=str(store_dir), spalm_k=4, log_every=0)
 
-    whole = train(config(tmp / "whole"), searcher=store, log=lambda _line: None)
+    whole = train_spalm(config(tmp / "whole"), store, log=lambda _line: None)
     assert [e["step"] for e in whole.evals] == [3] and "gate_mean" in whole.evals[0]
-    train(config(tmp / "part"), searcher=store, stop_at=1, log=lambda _line: None)
-    train(config(tmp / "rest"), searcher=store, resume_from=tmp / "part", log=lambda _line: None)
+    train_spalm(config(tmp / "part"), store, stop_at=1, log=lambda _line: None)
+    train_spalm(config(tmp / "rest"), store, resume_from=tmp / "part", log=lambda _line: None)
     a, b = load_spalm_head(tmp / "whole")[0], load_spalm_head(tmp / "rest")[0]
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     wa, wb = (load_checkpoint(tmp / d).model.lm_head.weight for d in ("whole", "rest"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from memlm.retrieval.faiss_memory import FaissMemory, gpu_note
-from memlm.retrieval.memory_store import ExactMemory, open_key_value_memory
+from memlm.retrieval.memory_factory import open_key_value_memory
+from memlm.retrieval.memory_store import ExactMemory
 
 
 def unit(*shape: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ from memlm.memory.config import (
     resolve_knn_backend,
 )
 from memlm.retrieval import memory_store
-from memlm.retrieval.memory_store import ExactMemory, open_key_value_memory
+from memlm.retrieval.memory_factory import open_key_value_memory
+from memlm.retrieval.memory_store import ExactMemory
 
 
 def unit(*shape: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 
 from memlm.errors import MemlmError
 from memlm.memory.config import MemoryConfig
+from memlm.memory.spalm import SPALM_DEFAULT_K
 from memlm.options import (
     KNN_OPTIONS,
     MEMORIZING_ONLY,
@@ -33,9 +34,6 @@ SPALM_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
 """The memory options of SPALM (its short-term memory is the XL memory)."""
 SPALM_KNN = ("k", "nprobe", "exact_rerank")
 """The kNN options SPALM takes: neighbours per token and how the datastore is searched."""
-SPALM_DEFAULT_K = 8
-"""Neighbours per token when --k is unset. SPALM reads k embeddings per token (a (k, C) gather and
-attention), not a distribution over k entries as kNN-LM (KNNLMConfig.k = 1024), so a handful suffices."""
 
 
 def wants_spalm(args: argparse.Namespace, settings: Any) -> bool:
