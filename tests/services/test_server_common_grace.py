@@ -2,7 +2,8 @@
 refuses new calls, lets in-flight ones finish for up to the grace, then cancels the rest, waits for grpc's
 leftover tasks and exits 0 without a traceback. A real `memlm serve lm` process over the tiny model.
 
-The short Score is 4,000 tokens at window 256, stride 8 (about 500 one-window steps, under a second alone);
+The short Score is 4,000 tokens at window 256, stride 32 (about 125 one-window steps, a fraction of a second
+alone, so that it ends inside the grace even on a loaded machine);
 the long one is stride 1 (about 4,000 steps, several seconds), sharing the model step by step with the short.
 """
 
@@ -57,7 +58,7 @@ def test_sigterm_lets_in_flight_calls_finish_within_the_grace_then_cancels_and_e
             stub = lm_grpc.LanguageModelServiceStub(channel)
             stub.Score(score(stride=128), timeout=30)  # warm
             long_call = stub.Score.future(score(stride=1), timeout=120)
-            short_call = stub.Score.future(score(stride=8), timeout=120)
+            short_call = stub.Score.future(score(stride=32), timeout=120)
             time.sleep(0.3)  # both under way
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
