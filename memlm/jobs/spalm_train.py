@@ -19,7 +19,6 @@ Shape legend: B rows, T segment length, V vocab, Q searched positions, k neighbo
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -143,22 +142,15 @@ class SpalmRun(_Run):
 
     def _train_step(self) -> tuple[float, float, int]:
         """One optimizer step of SPALM on the next batch: (LM loss, 0.0, tokens scored)."""
-        from memlm.jobs.train import lr_at
-
         cfg, device, model = self.config, self.device, self.model
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, cfg)
-        batch = self.stream.next_batch()
-        assert batch is not None  # loop=True never runs dry
+        batch = self._begin_step()
         guard = None
         if self.guarded:
             docs, positions = batch_provenance(batch, self.stream.row_doc, self.stream.row_offset, self.doc_ids)
             guard = leakage_filter(self.store, docs, positions, self.window)
         inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))  # (B, T) each
         state = self.state.reset_rows(batch.reset.to(device))
-        autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                    else contextlib.nullcontext())
-        with autocast:
+        with self._autocast():
             out = spalm_forward(model, self.head, inputs, state, self.store, self.k, mask, neighbors_filter=guard)
         loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
         loss.backward()

@@ -375,19 +375,28 @@ class _Run:
         self.clip_groups = [grp for grp in ([p for p in trainable if id(p) not in compressor_ids],
                                             [p for p in trainable if id(p) in compressor_ids]) if grp]
 
+    def _begin_step(self) -> Any:
+        """Set this step's learning rate and take the next batch (a SegmentBatch; the stream loops)."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, self.config)
+        batch = self.stream.next_batch()
+        assert batch is not None  # loop=True never runs dry
+        return batch
+
+    def _autocast(self) -> Any:
+        """bf16 autocast on CUDA; nothing on CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _train_step(self) -> tuple[float, float, int]:
         """One optimizer step on the next batch: (LM loss, reconstruction loss, tokens scored)."""
         cfg, device, model = self.config, self.device, self.model
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, cfg)
-        batch = self.stream.next_batch()
-        assert batch is not None  # loop=True never runs dry
+        batch = self._begin_step()
         inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))  # (B, T) each
         state = self.state.reset_rows(batch.reset.to(device)) if self.state is not None else None
         compressing = cfg.memory.kind == "compressive"
-        autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                    else contextlib.nullcontext())
-        with autocast, (capture_queries(model) if compressing else contextlib.nullcontext([])) as queries:
+        with self._autocast(), (capture_queries(model) if compressing else contextlib.nullcontext([])) as queries:
             out = model(inputs, state)
         lm_loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
         rec = torch.zeros((), device=device)
