@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from memlm.errors import MemlmError
 from memlm.memory.config import MemoryConfig
@@ -101,11 +100,6 @@ def open_spalm_datastore(directory: str, pretrained: Any, keys_fingerprint: str,
     return store
 
 
-def datastore_token_counts(store: Any, vocab_size: int) -> np.ndarray:
-    """(V,) occurrences of each next token in the datastore (its corpus' counts, for the gate report)."""
-    return np.bincount(np.asarray(store.values, dtype=np.int64), minlength=vocab_size)[:vocab_size]
-
-
 def refuse_non_spalm_eval_flags(args: argparse.Namespace) -> None:
     """The eval flags that do not apply to SPALM, one line each; --datastore is required."""
     if args.datastore is None:
@@ -119,7 +113,7 @@ def refuse_non_spalm_eval_flags(args: argparse.Namespace) -> None:
 def run_spalm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, boundary: int, settings: Any) -> dict:
     """`memlm eval --memory spalm --datastore DIR [--k K]`: memlm.jobs.spalm.evaluate_spalm with the XL
     memory of the flags (or the checkpoint's) and the checkpoint's head (or a fresh one)."""
-    from memlm.jobs.spalm import evaluate_spalm
+    from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
     from memlm.options import knn_config
 
     refuse_non_spalm_eval_flags(args)

@@ -146,3 +146,8 @@ def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k:
         raise MemlmError("--memory spalm fine-tunes the model whose keys the datastore holds: pass --init pretrained")
     if k is not None and k < 1:
         raise MemlmError(f"--k must be at least 1, got {k}")
+
+
+def datastore_token_counts(store: Any, vocab_size: int) -> np.ndarray:
+    """(V,) occurrences of each next token in the datastore (its corpus' counts, for the gate report)."""
+    return np.bincount(np.asarray(store.values, dtype=np.int64), minlength=vocab_size)[:vocab_size]

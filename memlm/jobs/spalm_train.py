@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import SegmentBatch
-from memlm.jobs.spalm import evaluate_spalm
+from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
 from memlm.jobs.train import TrainConfig, _Run
 from memlm.memory.spalm import (
     NeighborsFilter,
@@ -142,7 +142,7 @@ class SpalmRun(_Run):
 
     def _train_step(self) -> tuple[float, float, int]:
         """One optimizer step of SPALM on the next batch: (LM loss, 0.0, tokens scored)."""
-        cfg, device, model = self.config, self.device, self.model
+        device, model = self.device, self.model
         batch = self._begin_step()
         guard = None
         if self.guarded:
@@ -153,11 +153,7 @@ class SpalmRun(_Run):
         with self._autocast():
             out = spalm_forward(model, self.head, inputs, state, self.store, self.k, mask, neighbors_filter=guard)
         loss = F.cross_entropy(out.logits.float()[mask], targets[mask])  # mean over scored tokens
-        loss.backward()
-        if cfg.grad_clip > 0:
-            for grp in self.clip_groups:
-                torch.nn.utils.clip_grad_norm_(grp, cfg.grad_clip)
-        self.opt.step()
+        self._optimize(loss)
         self.opt.zero_grad(set_to_none=True)
         self.state = out.state
         self.step += 1
@@ -166,9 +162,9 @@ class SpalmRun(_Run):
     def evaluate(self, eval_docs: Sequence[Sequence[int]] | None) -> None:
         if not eval_docs:
             return
-        counts = np.bincount(np.asarray(self.store.values, dtype=np.int64), minlength=self.model.config.vocab_size)
+        counts = datastore_token_counts(self.store, self.model.config.vocab_size)
         r = evaluate_spalm(self.model, self.head, eval_docs, self.config.memory, self.store, self.k,
-                           boundary_token=self.boundary, token_counts=counts[: self.model.config.vocab_size],
+                           boundary_token=self.boundary, token_counts=counts,
                            batch_size=self.config.batch_size)
         self.model.train()
         r["step"] = self.step

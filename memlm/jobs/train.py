@@ -389,6 +389,15 @@ class _Run:
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _optimize(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss`, clip each clip group on its own norm, take the optimizer step (the caller
+        zeroes the gradients)."""
+        loss.backward()
+        if self.config.grad_clip > 0:
+            for grp in self.clip_groups:
+                torch.nn.utils.clip_grad_norm_(grp, self.config.grad_clip)
+        self.opt.step()
+
     def _train_step(self) -> tuple[float, float, int]:
         """One optimizer step on the next batch: (LM loss, reconstruction loss, tokens scored)."""
         cfg, device, model = self.config, self.device, self.model
@@ -405,11 +414,7 @@ class _Run:
         loss = ((0.0 if cfg.compressor_only else lm_loss)
                 + cfg.reconstruction_weight * (rec if self.compressor is not None else 0.0))
         if torch.is_tensor(loss) and loss.requires_grad:
-            loss.backward()
-            if cfg.grad_clip > 0:
-                for grp in self.clip_groups:
-                    torch.nn.utils.clip_grad_norm_(grp, cfg.grad_clip)
-            self.opt.step()
+            self._optimize(loss)
         self.opt.zero_grad(set_to_none=True)
         self.state = out.state
         self.step += 1
