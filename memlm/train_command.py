@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         log_every=args.log_every, seed=args.seed, device=args.device, data=args.data,
         train_split=args.split, eval_split=args.eval_split, max_train_tokens=args.max_train_tokens,
         max_eval_tokens=args.max_eval_tokens, knn_train=args.knn_train,
-        datastore=args.datastore, spalm_k=args.k, freeze_embeddings=bool(args.freeze_embeddings),
+        datastore=args.datastore, spalm_k=args.k, freeze_embeddings=bool(args.freeze_embeddings), head_lr=args.head_lr,
     )
     if config.memory.kind == "spalm":  # issue 11: SPALM's run takes the opened datastore
         from memlm.jobs.spalm_train import train_spalm
@@ -84,6 +84,9 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--head-lr", type=float, default=None,
+                   help="peak learning rate of the memory's gate (--memory spalm: w_g, b; memorizing: the kNN "
+                        "attention's gate and scale), same schedule scaled by HEAD_LR/LR (default: --lr)")
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)

@@ -106,11 +106,13 @@ class SpalmRun(_Run):
         self.model.requires_grad_(False)  # the decoder is frozen but for W; the keys are the datastore's
         self.model.lm_head.weight.requires_grad_(not config.freeze_embeddings)
         self.opt = self._spalm_optimizer()
+        self.head_ids = {id(p) for p in self.head.parameters()}  # on --head-lr (TrainConfig.lr_scale)
         self.guarded = self._guarded(info)
         self.window = leakage_window(info)
         if self.guarded:
             store.provenance(np.full((1, 1), -1, dtype=np.int64))  # refuses a datastore without provenance now
-        log(f"spalm: k {self.k}, {'frozen' if config.freeze_embeddings else 'trained'} embeddings, leakage guard "
+        log(f"spalm: k {self.k}, {'frozen' if config.freeze_embeddings else 'trained'} embeddings, head lr "
+            f"{config.lr * config.lr_scale(True):.3g}, leakage guard "
             f"{'on (window ' + str(self.window) + ')' if self.guarded else 'off: the training text is not the datastore corpus'}")
 
     def _head(self) -> tuple[SpalmHead, str]:

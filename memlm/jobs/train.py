@@ -5,22 +5,15 @@ Long documents are read in order, segment after segment, with the memory carried
 segment, as in Dai et al. 2019). Batch rows are independent document streams (memlm.jobs.segment_eval).
 
 Modes:
-- from scratch on a preset ("tiny", "small"), seeded random init;
-- from pretrained weights (anything memlm.model.weights.load_pretrained accepts: "smollm2-135m", a .gguf,
-  a Hugging Face directory, a memlm checkpoint);
-- compressor only: the model is frozen and only the learned Conv1d compressor (memlm.memory.compressive.Compressor)
-  is trained, by the attention-reconstruction loss (Rae et al. 2019).
-With a compressive memory the reconstruction loss always trains the compressor (it is the only loss
-that reaches it); the language-modelling loss trains the model.
-- memorizing (Wu et al. 2022, issue 10): the KnnAttention module (memlm.memory.memorizing: per-head gate
-  and scale) trains beside the model, whose memory state holds the document's kNN memory; from scratch
-  everything trains, a pretrained model fine-tunes the gate alone (--knn-train gate: the decoder is
-  frozen and stays bit-identical) or the gate and the blocks from the memorizing layer up (top). The
-  module is saved beside the checkpoint (knn_attention.pt), the kNN memory's contents with the trainer
-  state (exact resume; memlm.jobs.memorizing).
-- SPALM (Yogatama et al. 2021, issue 11; memory kind "spalm", memlm.jobs.spalm_train): the XL memory plus
-  the SPALM head over a datastore that the caller opens and passes in (`searcher`); the head and the
-  output embedding train, the rest of the decoder is frozen; spalm_head.pt beside the checkpoint.
+- from scratch on a preset ("tiny", "small"), seeded random init; or from pretrained weights (anything
+  memlm.model.weights.load_pretrained accepts: "smollm2-135m", a .gguf, a HF directory, a checkpoint);
+- compressor only: the model is frozen and only the Conv1d compressor (memlm.memory.compressive) trains, by
+  the attention-reconstruction loss (Rae et al. 2019), which always trains it with a compressive memory;
+- memorizing (Wu et al. 2022, issue 10): KnnAttention (per-head gate and scale) trains beside the model;
+  fine-tuning trains the gate alone (--knn-train gate, the decoder bit-identical) or also the blocks from
+  the memorizing layer up (top); knn_attention.pt beside the checkpoint (memlm.jobs.memorizing);
+- SPALM (Yogatama et al. 2021, issue 11; memlm.jobs.spalm_train): the XL memory plus the SPALM head over a
+  datastore that the caller opens and passes in; the head, W and optionally the top blocks train.
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr, gradient-norm clipping,
 bfloat16 autocast on CUDA, periodic segment-recurrent evaluation, checkpoints (memlm.model.checkpoint) that
@@ -137,6 +130,10 @@ class TrainConfig:
     """SPALM: neighbours per token; None: memlm.memory.spalm.SPALM_DEFAULT_K."""
     freeze_embeddings: bool = False
     """SPALM: train the head only (w_g, b), not the output embedding W."""
+    head_lr: float | None = None
+    """Peak learning rate of the memory's gate (SPALM's w_g, b; the memorizing layer's KnnAttention), on the
+    same schedule scaled by head_lr / lr; None: lr. A gate starting saturated (sigmoid(4)) barely moves at
+    an lr made for W (2e-4) in a few hundred steps. Only with --memory spalm or memorizing."""
 
     def __post_init__(self) -> None:
         if self.init not in ("scratch", "pretrained"):
@@ -148,6 +145,8 @@ class TrainConfig:
         if self.batch_size < 1 or self.steps < 0:
             raise MemlmError("batch_size must be >= 1, steps >= 0")
         resolved_knn_train(self.memory, self.init, self.knn_train)  # refuses a knn_train that does not apply
+        if self.head_lr is not None and (self.memory.kind not in ("spalm", "memorizing") or min(self.head_lr, self.lr) <= 0):
+            raise MemlmError(f"--head-lr (> 0, with --lr > 0) applies to --memory spalm or memorizing, not {self.memory.kind}")
         if self.memory.kind == "spalm" or self.datastore is not None or self.spalm_k is not None or self.freeze_embeddings:
             from memlm.jobs.spalm import check_spalm_train
 
@@ -157,6 +156,10 @@ class TrainConfig:
     def trains(self) -> str:
         """What the LM loss trains: memlm.jobs.memorizing.TRAIN_ALL, "gate" or "top" (resolved_knn_train)."""
         return resolved_knn_train(self.memory, self.init, self.knn_train)
+
+    def lr_scale(self, head: bool) -> float:
+        """The factor on lr_at of a parameter group: head_lr / lr for the memory's gate (head), else 1."""
+        return self.head_lr / self.lr if head and self.head_lr is not None else 1.0
 
     @property
     def segment(self) -> int:
@@ -321,6 +324,7 @@ class _Run:
         # The one document-boundary rule (issue 8): train, eval, the datastore builder and the server agree.
         self.boundary = document_boundary(self.tokenizer)
         self.opt = _optimizer(self.model, self.compressor, self.knn_attention, config)
+        self.head_ids = {id(p) for p in knn_parameters(self.knn_attention)}  # the gate's, on head_lr (a subclass sets its own)
         self.evals: list[dict[str, Any]] = []
         self.step = 0
 
@@ -377,8 +381,8 @@ class _Run:
 
     def _begin_step(self) -> Any:
         """Set this step's learning rate and take the next batch (a SegmentBatch; the stream loops)."""
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, self.config)
+        for g in self.opt.param_groups:  # a group is all gate or none (_optimizer, SpalmRun)
+            g["lr"] = lr_at(self.step, self.config) * self.config.lr_scale(id(g["params"][0]) in self.head_ids)
         batch = self.stream.next_batch()
         assert batch is not None  # loop=True never runs dry
         return batch

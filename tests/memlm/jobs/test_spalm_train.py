@@ -142,3 +142,73 @@ def test_a_resumed_spalm_run_equals_an_uninterrupted_one(built):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     wa, wb = (load_checkpoint(tmp / d).model.lm_head.weight for d in ("whole", "rest"))
     assert torch.equal(wa, wb) and not torch.equal(wa, load_pretrained("tiny").model.lm_head.weight)
+
+
+def first_step_size(before: torch.Tensor, after: torch.Tensor) -> float:
+    """The largest change of one parameter tensor: AdamW's first step moves every entry with a gradient by
+    lr * g / (|g| + eps) ~ lr (plus lr * decay * value where decayed), so it reads the group's lr."""
+    return float((after.detach().float() - before.detach().float()).abs().max())
+
+
+@pytest.mark.parametrize("head_lr", [None, 0.05])
+def test_head_lr_sets_the_gates_step_and_leaves_ws(built, head_lr):
+    from memlm.jobs.spalm_train import train_spalm
+    from memlm.jobs.train import TrainConfig
+    from memlm.memory.config import MemoryConfig
+    from memlm.memory.spalm import SpalmHead
+
+    tmp, corpus, store_dir = built
+    memory = MemoryConfig(kind="spalm", segment=16, mem_len=16, sink_tokens=2)
+    cfg = TrainConfig(model="tiny", init="pretrained", memory=memory, batch_size=2, steps=1, lr=1e-3, warmup_steps=0,
+                      data=str(corpus), train_split="year<2000", datastore=str(store_dir), spalm_k=4, log_every=0,
+                      head_lr=head_lr, out_dir=str(tmp / f"head-lr-{head_lr}"))
+    lines: list[str] = []
+    result = train_spalm(cfg, Datastore.open(store_dir), log=lines.append)
+    head = load_spalm_head(tmp / f"head-lr-{head_lr}")[0]
+    fresh = SpalmHead(head.n_embd)
+    want = head_lr if head_lr is not None else cfg.lr
+    assert first_step_size(fresh.bias, head.bias) == pytest.approx(want, rel=1e-3)  # undecayed: exactly lr
+    assert first_step_size(fresh.w_g, head.w_g) == pytest.approx(want, rel=1e-3)
+    w0 = load_pretrained("tiny").model.lm_head.weight
+    assert first_step_size(w0, result.model.lm_head.weight) == pytest.approx(cfg.lr, rel=0.05)  # W stays on --lr
+    assert any(f"head lr {want:.3g}" in line for line in lines)
+    extra = json.loads((tmp / f"head-lr-{head_lr}" / "extra.json").read_text())
+    assert extra["train_config"]["head_lr"] == head_lr  # recorded with the checkpoint
+
+
+def test_head_lr_also_drives_the_memorizing_gate_and_nothing_else():
+    from tiny_models import phrase_documents
+
+    from memlm.jobs.memorizing import fresh_knn_attention
+    from memlm.jobs.train import TrainConfig, train
+    from memlm.memory.config import MemoryConfig
+
+    memory = MemoryConfig("memorizing", mem_len=8, sink_tokens=0, segment=16, knn_mem_size=48, knn_top_k=4,
+                          knn_backend="exact")
+    # Two steps at a constant rate: the first segment's kNN memory is empty, so the gate's gradient is 0
+    # there and the second step is the same for both runs up to the gate's learning rate.
+    results = {head_lr: train(TrainConfig(model="tiny", init="pretrained", memory=memory, batch_size=2, steps=2,
+                                          lr=1e-3, min_lr=1e-3, warmup_steps=0, log_every=0, device="cpu",
+                                          knn_train="top", head_lr=head_lr), phrase_documents(2, 80),
+                              log=lambda _line: None)
+               for head_lr in (None, 0.05)}
+    fresh = fresh_knn_attention(results[None].model).state_dict()
+    default, fast = (results[h].knn_attention.state_dict() for h in (None, 0.05))
+    for name in fresh:  # Adam's step is linear in its learning rate: 50 times as far
+        ratio = first_step_size(fresh[name], fast[name]) / first_step_size(fresh[name], default[name])
+        assert ratio == pytest.approx(0.05 / 1e-3, rel=1e-3), name
+    base = load_pretrained("tiny").model.state_dict()
+    blocks = {h: results[h].model.state_dict() for h in results}
+    assert any(not torch.equal(base[n], blocks[None][n]) for n in base)  # the top blocks trained...
+    assert all(torch.equal(blocks[None][n], blocks[0.05][n]) for n in base)  # ...on --lr, bit for bit
+
+
+def test_head_lr_is_refused_where_no_gate_trains(capsys, built):
+    from memlm.errors import MemlmError
+    from memlm.jobs.train import TrainConfig
+
+    with pytest.raises(MemlmError, match="--head-lr .* applies to --memory spalm or memorizing, not xl"):
+        TrainConfig(model="tiny", head_lr=0.01)
+    tmp, corpus, store = built
+    code, _, err = run(capsys, *train_args(corpus, store, tmp / "neg", "--head-lr", "0"))
+    assert code == 1 and "--head-lr (> 0" in err and err.count("\n") == 1, err
