@@ -13,6 +13,8 @@ model thread, and stops advancing it when the client goes away).
   memory instead: the prompt is encoded in segments of `memory.segment` tokens, then each new token is one
   step that attends to the sinks and the last mem_len states, so generation runs past the model's
   context without ever re-encoding (what the Score rpc's MEMORY_MODE_XL does, token by token).
+  A memory whose output head is not the decoder's (SPALM, issue 11: memory kind "spalm") passes a
+  `segment_step` that makes the next-token logits instead (memlm.jobs.spalm_scoring.spalm_step).
 - kNN-LM (Khandelwal et al. 2020) mixes the full next-token distribution:
   log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) over the vocabulary, with
   p_kNN from the k neighbours of the last position's key (`knn_log_distribution`).
@@ -29,7 +31,7 @@ Shape legend: T prompt tokens, V vocab, C key width.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -54,6 +56,9 @@ REPLACEMENT = "\ufffd"
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 FINISH_EOS = "eos"
+SegmentStep = Callable[[Decoder, torch.Tensor, DecoderState], tuple[torch.Tensor, DecoderState]]
+"""(model, idx (1, T), memory state) -> (the last position's next-token logits (V,), the new state): the
+forward of a memory with its own output head (SPALM: memlm.jobs.spalm_scoring.spalm_step)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class _Opened(NamedTuple):
     service: KeyValueMemoryFactory | None
     held: list[DecoderState | None]
     """The state opened from these (its kNN store is released when generation ends)."""
+    step: SegmentStep | None = None
+    """The forward that makes the logits of the last prompt segment and of every decode step; None: the decoder's."""
 
 
 def _as_stop(s: str | Sequence[int]) -> str | tuple[int, ...]:
@@ -163,6 +170,7 @@ def generate(
     should_stop: ShouldStop | None = None,
     knn_attention: KnnAttention | None = None,
     service: KeyValueMemoryFactory | None = None,
+    segment_step: SegmentStep | None = None,
 ) -> Iterator[TokenEvent | GenerationEnd]:
     """Continue `prompt_ids`, yielding TokenEvents then exactly one GenerationEnd.
 
@@ -182,6 +190,8 @@ def generate(
         and the retrieval-service memory factory (knn_backend "service"). Every decode step appends its
         token's keys and values to the kNN memory, so later steps retrieve them (the memory of the whole
         prompt and continuation, FIFO at knn_mem_size).
+    segment_step: memory.kind "spalm" (required there, refused elsewhere): the SPALM head's forward
+        (memlm.jobs.spalm_scoring.spalm_step), run on the last prompt segment and on every decode step.
     """
     if max_new_tokens < 1:
         raise MemlmError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -202,7 +212,12 @@ def generate(
         raise MemlmError(f"prompt has token ids outside [0, {V})")
     if memory is not None:
         check_knn_attention(memory, knn_attention)
-    opened = None if memory is None else _Opened(memory, knn_attention, service, [])
+    if (memory is not None and memory.kind == "spalm") != (segment_step is not None):
+        raise MemlmError("memory spalm generates with its segment_step (memlm.jobs.spalm_scoring.spalm_step), "
+                         "and only it takes one")
+    if segment_step is not None and searcher is not None:
+        raise MemlmError("kNN-LM interpolation does not combine with memory spalm (it mixes by its gate)")
+    opened = None if memory is None else _Opened(memory, knn_attention, service, [], segment_step)
     events = _generate(model, tokenizer, prefix, len(prompt_ids), max_new_tokens, sampling, stops, eos_id, searcher,
                        knn, opened, should_stop)
     return events if opened is None else _released(events, opened)
@@ -251,6 +266,9 @@ def _generate(
         for lo in range(0, len(tokens), segment):
             check_stop(should_stop)
             idx = torch.tensor([tokens[lo : lo + segment]], dtype=torch.long, device=device)  # (1, T)
+            if opened.step is not None and lo + segment >= len(tokens):  # the last segment's logits are read
+                logits, state = opened.step(model, idx, state)  # (V,)
+                return logits, None, state
             out = model(idx, state=state, logits_from=idx.shape[1] - 1)
             state = out.state
         return out.logits[0, -1], out.knn_key[0, -1], state  # (V,), (C,)
@@ -283,6 +301,9 @@ def _generate(
         with torch.inference_mode():
             if opened is None and cache.length + 1 > max_len:
                 logits, key, cache = encode_window()
+            elif opened is not None and opened.step is not None:
+                step = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
+                logits, cache = opened.step(model, step, cache)  # (V,)
             else:
                 step = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
                 out = model(step, state=cache)
