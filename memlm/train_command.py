@@ -34,6 +34,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         train_split=args.split, eval_split=args.eval_split, max_train_tokens=args.max_train_tokens,
         max_eval_tokens=args.max_eval_tokens, knn_train=args.knn_train,
         datastore=args.datastore, spalm_k=args.k, freeze_embeddings=bool(args.freeze_embeddings), head_lr=args.head_lr,
+        spalm_train_top=args.spalm_train_top,
     )
     if config.memory.kind == "spalm":  # issue 11: SPALM's run takes the opened datastore
         from memlm.jobs.spalm_train import train_spalm
@@ -79,6 +80,9 @@ def add_train_parser(sub: Any) -> None:
     add_options(p, "SPALM neighbours (--memory spalm)", KNN_OPTIONS, ("k",))
     spalm.add_argument("--freeze-embeddings", action="store_true", default=None,
                        help="train the SPALM gate only, not the output embedding W")
+    spalm.add_argument("--spalm-train-top", type=positive_int, default=None, metavar="N",
+                       help="also train the top N decoder blocks and the final norm, only what lies after the "
+                            "datastore's key layer (that layer's block: its feed-forward; default: none)")
     p.add_argument("--compressor-only", action="store_true", help="freeze the model, train the conv compressor")
     p.add_argument("--batch-size", type=positive_int, default=4, help="independent document streams")
     p.add_argument("--steps", type=int, default=200)

@@ -28,6 +28,7 @@ from memlm.jobs.memorizing import open_memory
 from memlm.jobs.segment_eval import SegmentStream, attention_cost
 from memlm.memory.config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
+from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
 from memlm.retrieval.searcher import Searcher, SearchOptions
@@ -136,10 +137,14 @@ def evaluate_spalm(
 
 
 def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k: int | None,
-                      freeze_embeddings: bool) -> None:
-    """The TrainConfig fields of SPALM: a datastore with --memory spalm (and only there), a pretrained model."""
+                      freeze_embeddings: bool, train_top: int | None = None) -> None:
+    """The TrainConfig fields of SPALM: a datastore with --memory spalm (and only there), a pretrained model.
+    train_top is checked against the model's key layer where the model is loaded (spalm_trainable)."""
     if memory.kind != "spalm":
-        raise MemlmError(f"--datastore, --k and --freeze-embeddings apply to --memory spalm only, not {memory.kind}")
+        raise MemlmError(f"--datastore, --k, --freeze-embeddings and --spalm-train-top apply to --memory spalm only, "
+                         f"not {memory.kind}")
+    if train_top is not None and train_top < 1:
+        raise MemlmError(f"--spalm-train-top must be at least 1, got {train_top}")
     if datastore is None:
         raise MemlmError("--memory spalm needs --datastore DIR (its long-term memory)")
     if init != "pretrained":
@@ -151,3 +156,35 @@ def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k:
 def datastore_token_counts(store: Any, vocab_size: int) -> np.ndarray:
     """(V,) occurrences of each next token in the datastore (its corpus' counts, for the gate report)."""
     return np.bincount(np.asarray(store.values, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+
+
+def spalm_trainable(config: ModelConfig, train_top: int | None) -> tuple[str, ...]:
+    """Name prefixes of the decoder parameters that `--spalm-train-top N` trains besides W (lm_head).
+
+    The datastore's keys are the pretrained model's; a query key must stay that model's key, so only what
+    lies after the key layer may train: of the top N blocks and the final norm, the key layer's own block
+    trains its feed-forward only (its attention and norms make the key: ModelConfig.key_description), and
+    N reaching below the key layer is refused (one line). With tied embeddings, training W moves the input
+    embedding too, hence every key: --freeze-embeddings keeps the keys exact (issue 11, "the keys stay fixed").
+    """
+    if train_top is None:
+        return ()
+    key = config.key_layer_index if config.knn_key == "ffn_input" else config.n_layer  # final_hidden: after all
+    most = config.n_layer - key
+    if train_top > most:
+        raise MemlmError(f"--spalm-train-top {train_top} would change the datastore's keys ({config.key_description}): "
+                         f"at most {most} for this model (the key layer's block trains its feed-forward only)")
+    lowest = config.n_layer - train_top
+    blocks = [f"layers.{i}." for i in range(lowest, config.n_layer) if i != key]
+    return ("norm.", *blocks, *([f"layers.{key}.mlp."] if lowest <= key else []))
+
+
+def select_spalm_trainable(model: Decoder, train_top: int | None, freeze_embeddings: bool) -> tuple[str, ...]:
+    """Freeze the decoder but for W (unless freeze_embeddings) and spalm_trainable's parameters; returns those
+    name prefixes. Frozen parameters get no gradient, so they stay bit-identical through training."""
+    trained = spalm_trainable(model.config, train_top)
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(trained))
+    model.lm_head.weight.requires_grad_(not freeze_embeddings)  # W (the input embedding too when tied)
+    return trained

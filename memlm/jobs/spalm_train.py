@@ -1,9 +1,11 @@
 """`memlm train --memory spalm --datastore DIR`: fine-tune SPALM (Yogatama et al. 2021; issue 11).
 
 The segments, XL memory, schedule, clipping, checkpoints and resume are memlm.jobs.train's (`SpalmRun` is
-its `_Run` with another step). What trains: the head (w_g, b) and the output embedding W (the input
-embedding too when tied) unless --freeze-embeddings; every other decoder weight is frozen and stays
-bit-identical, and the datastore's keys are fixed (the paper keeps the keys of the pretrained model).
+its `_Run` with another step). What trains: the head (w_g, b, at --head-lr) and the output embedding W (the input
+embedding too when tied) unless --freeze-embeddings, and with --spalm-train-top N what of the top N blocks
+and the final norm lies after the key layer (memlm.jobs.spalm.spalm_trainable); every other decoder weight
+is frozen and stays bit-identical, and the datastore's keys are fixed (the paper keeps the keys of the
+pretrained model; with tied embeddings a trained W moves the query keys a little, --freeze-embeddings not).
 Per segment, one batched search of the scored positions' kNN keys, as in evaluation (memlm.jobs.spalm).
 
 Leakage guard: when the training text is the datastore's corpus (the same corpus fingerprint: content
@@ -29,7 +31,11 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import SegmentBatch
-from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
+from memlm.jobs.spalm import (
+    datastore_token_counts,
+    evaluate_spalm,
+    select_spalm_trainable,
+)
 from memlm.jobs.train import TrainConfig, _Run
 from memlm.memory.spalm import (
     NeighborsFilter,
@@ -103,15 +109,17 @@ class SpalmRun(_Run):
         check_searcher(info, model_fingerprint=self.keys_fingerprint, tokenizer_fingerprint=self.tokenizer.fingerprint,
                        dim=self.model.config.n_embd, key_layer=self.model.config.key_description,
                        boundary_token=self.boundary)
-        self.model.requires_grad_(False)  # the decoder is frozen but for W; the keys are the datastore's
-        self.model.lm_head.weight.requires_grad_(not config.freeze_embeddings)
+        # The decoder is frozen but for W and what --spalm-train-top N allows above the key layer: the query
+        # keys stay the pretrained model's, as the datastore's are (spalm_trainable says why).
+        trained = select_spalm_trainable(self.model, config.spalm_train_top, config.freeze_embeddings)
         self.opt = self._spalm_optimizer()
         self.head_ids = {id(p) for p in self.head.parameters()}  # on --head-lr (TrainConfig.lr_scale)
         self.guarded = self._guarded(info)
         self.window = leakage_window(info)
         if self.guarded:
             store.provenance(np.full((1, 1), -1, dtype=np.int64))  # refuses a datastore without provenance now
-        log(f"spalm: k {self.k}, {'frozen' if config.freeze_embeddings else 'trained'} embeddings, head lr "
+        log(f"spalm: k {self.k}, {'frozen' if config.freeze_embeddings else 'trained'} embeddings, "
+            f"trained blocks {' '.join(t.rstrip('.') for t in trained) or 'none'}, head lr "
             f"{config.lr * config.lr_scale(True):.3g}, leakage guard "
             f"{'on (window ' + str(self.window) + ')' if self.guarded else 'off: the training text is not the datastore corpus'}")
 
@@ -132,8 +140,11 @@ class SpalmRun(_Run):
 
     def _spalm_optimizer(self) -> torch.optim.AdamW:
         cfg = self.config
-        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "weight_decay": cfg.weight_decay},
-                  # The gate's w_g and b are never decayed (decay would pull the gate to 0.5).
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Matrices decay, norm gains do not (memlm.jobs.train._optimizer's split); the gate's w_g and b are
+        # never decayed (decay would pull the gate to 0.5).
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
                   {"params": list(self.head.parameters()), "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas)
 

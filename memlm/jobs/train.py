@@ -130,6 +130,9 @@ class TrainConfig:
     """SPALM: neighbours per token; None: memlm.memory.spalm.SPALM_DEFAULT_K."""
     freeze_embeddings: bool = False
     """SPALM: train the head only (w_g, b), not the output embedding W."""
+    spalm_train_top: int | None = None
+    """SPALM: also train the top N decoder blocks and the final norm, as far as the keys allow (memlm.jobs.spalm.
+    spalm_trainable: nothing that makes the datastore's key); None: none."""
     head_lr: float | None = None
     """Peak learning rate of the memory's gate (SPALM's w_g, b; the memorizing layer's KnnAttention), on the
     same schedule scaled by head_lr / lr; None: lr. A gate starting saturated (sigmoid(4)) barely moves at
@@ -147,10 +150,10 @@ class TrainConfig:
         resolved_knn_train(self.memory, self.init, self.knn_train)  # refuses a knn_train that does not apply
         if self.head_lr is not None and (self.memory.kind not in ("spalm", "memorizing") or min(self.head_lr, self.lr) <= 0):
             raise MemlmError(f"--head-lr (> 0, with --lr > 0) applies to --memory spalm or memorizing, not {self.memory.kind}")
-        if self.memory.kind == "spalm" or self.datastore is not None or self.spalm_k is not None or self.freeze_embeddings:
+        if self.memory.kind == "spalm" or (self.datastore, self.spalm_k, self.spalm_train_top) != (None,) * 3 or self.freeze_embeddings:
             from memlm.jobs.spalm import check_spalm_train
 
-            check_spalm_train(self.memory, self.init, self.datastore, self.spalm_k, self.freeze_embeddings)
+            check_spalm_train(self.memory, self.init, self.datastore, self.spalm_k, self.freeze_embeddings, self.spalm_train_top)
 
     @property
     def trains(self) -> str:
@@ -295,7 +298,8 @@ def _model_for(config: TrainConfig, resume_from: Path | None, device: torch.devi
     if "train_config" not in extra or not (resume_from / TRAINER_FILE).is_file():
         raise MemlmError(f"{resume_from} is not a checkpoint of memlm train (no trainer state)")
     saved = TrainConfig.from_dict(extra["train_config"])
-    for name in ("memory", "batch_size", "compressor_only", "knn_train", "datastore", "spalm_k", "freeze_embeddings"):
+    for name in ("memory", "batch_size", "compressor_only", "knn_train", "datastore", "spalm_k", "freeze_embeddings",
+                 "spalm_train_top"):
         if getattr(saved, name) != getattr(config, name):
             raise MemlmError(f"cannot resume: checkpoint has {name}={getattr(saved, name)}, run asks {getattr(config, name)}")
     state = torch.load(resume_from / TRAINER_FILE, map_location=device, weights_only=True)

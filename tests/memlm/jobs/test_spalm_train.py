@@ -212,3 +212,24 @@ def test_head_lr_is_refused_where_no_gate_trains(capsys, built):
     tmp, corpus, store = built
     code, _, err = run(capsys, *train_args(corpus, store, tmp / "neg", "--head-lr", "0"))
     assert code == 1 and "--head-lr (> 0" in err and err.count("\n") == 1, err
+
+
+def test_spalm_train_top_trains_what_lies_after_the_key_and_the_keys_stay(capsys, built):
+    tmp, corpus, store = built
+    out = tmp / "top"
+    code, _, err = run(capsys, *train_args(corpus, store, out, "--spalm-train-top", "1", "--freeze-embeddings"))
+    assert code == 0, err
+    assert "trained blocks norm layers.1.mlp" in err  # tiny: 2 layers, the key is layer 1's feed-forward input
+    base, trained = load_pretrained("tiny").model, load_checkpoint(out).model
+    before, after = base.state_dict(), trained.state_dict()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved == {"norm.weight", *(n for n in before if n.startswith("layers.1.mlp."))}
+    idx = torch.tensor([list(range(5, 37))])  # (1, 32)
+    with torch.no_grad():  # the query keys are still the datastore's model's, bit for bit
+        assert torch.equal(base(idx, None).knn_key, trained(idx, None).knn_key)
+        assert not torch.equal(base(idx, None).logits, trained(idx, None).logits)
+    assert json.loads((out / "extra.json").read_text())["train_config"]["spalm_train_top"] == 1
+
+    code, _, err = run(capsys, *train_args(corpus, store, tmp / "top2", "--spalm-train-top", "2"))
+    assert code == 1 and "--spalm-train-top 2 would change the datastore's keys (ffn_input.1): at most 1" in err, err
+    assert err.count("\n") == 1

@@ -142,3 +142,62 @@ def test_gradients_reach_w_g_b_and_W_but_not_the_keys(setup):
     z.sum().backward()
     rows = set(W.grad.abs().sum(-1).nonzero()[:, 0].tolist())
     assert rows == {5, 7, 9, 3, 4, 11, 12, 13, 14}
+
+
+def keyed_model(knn_key_layer: int, knn_key: str = "ffn_input"):
+    """A 4-layer sharp tiny model whose kNN key is the feed-forward input of `knn_key_layer` (or final_hidden)."""
+    from memlm.model.config import ModelConfig
+    from memlm.model.decoder import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name("tiny", n_layer=4, knn_key_layer=knn_key_layer, knn_key=knn_key))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    return model
+
+
+@pytest.mark.parametrize(("key_layer", "top", "blocks"), [
+    (-1, 1, {"layers.3.mlp."}),  # the default key (the last block's feed-forward input): its MLP only
+    (1, 2, {"layers.2.", "layers.3."}),
+    (1, 3, {"layers.1.mlp.", "layers.2.", "layers.3."}),
+])
+def test_gradients_reach_w_g_b_W_and_the_top_blocks_after_the_key_and_nothing_else(key_layer, top, blocks):
+    from memlm.jobs.spalm import select_spalm_trainable
+
+    model = keyed_model(key_layer)
+    store_docs = phrase_documents(4, 96, seed=1)
+    searcher = exact_searcher_over_documents(model, store_docs, WindowConfig(context=32, stride=16), BOUNDARY)
+    trained = select_spalm_trainable(model, top, freeze_embeddings=False)
+    assert set(trained) == {"norm.", *blocks}
+    head = SpalmHead(model.config.n_embd)
+    with torch.no_grad():
+        head.w_g.normal_(0, 0.1)
+    idx = torch.tensor(phrase_documents(2, 16, seed=1))  # (B, 16)
+    state = new_memory(MemoryConfig(kind="spalm", mem_len=16, sink_tokens=0), 2)
+    for seg in (idx, idx):  # the second segment attends to the first's memory: the trained blocks' k/v too
+        out = spalm_forward(model, head, seg, state, searcher, K, torch.ones_like(seg, dtype=torch.bool))
+        state = out.state
+    out.logits.logsumexp(-1).sum().backward()
+    reached = {n for n, p in model.named_parameters() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+    assert reached == {n for n, _ in model.named_parameters() if n.startswith(trained)} | {"lm_head.weight"}
+    assert bool(head.w_g.grad.abs().sum() > 0) and float(head.bias.grad.abs()) > 0
+
+
+@pytest.mark.parametrize("key_layer", [-1, 1])
+def test_what_trains_never_makes_the_key_and_one_more_block_would(key_layer):
+    from memlm.errors import MemlmError
+    from memlm.jobs.spalm import select_spalm_trainable, spalm_trainable
+
+    model = keyed_model(key_layer)
+    idx = torch.tensor(phrase_documents(2, 16, seed=1))  # (B, 16)
+    most = model.config.n_layer - model.config.key_layer_index
+    select_spalm_trainable(model, most, freeze_embeddings=True)
+    assert not model(idx, None).knn_key.requires_grad  # the key is a function of frozen weights only
+    key = model.config.key_layer_index
+    model.layers[key].post_attention_layernorm.requires_grad_(True)  # the rest of the key layer's block...
+    assert model(idx, None).knn_key.requires_grad  # ...makes the key: the rule is tight
+    with pytest.raises(MemlmError, match=f"--spalm-train-top {most + 1} would change the datastore's keys"):
+        spalm_trainable(model.config, most + 1)
+    with pytest.raises(MemlmError, match="at most 0"):  # final_hidden keys: nothing after them but W
+        spalm_trainable(keyed_model(-1, "final_hidden").config, 1)
