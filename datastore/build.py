@@ -1,6 +1,7 @@
 """Build a datastore in named, resumable stages with files in between.
 
-    tokenize  documents -> .build/tokens.i32 + .build/doc_offsets.i64
+    tokenize  documents -> .build/tokens.i32 + .build/doc_offsets.i64 + .build/documents.jsonl (the
+              documents table: id, fingerprint, tokens, metadata; datastore.documents)
     encode    the decoder over the windows of memlm.jobs.windows -> .build/shards/keys-*.f16, values-*.i32,
               docs-*.i32, positions-*.i32 (each entry's document and next-token position: its provenance)
     merge     shards -> keys.f16 (N, d) float16 + values.i32, docs.i32, positions.i32 (N,) int32
@@ -42,8 +43,16 @@ from tqdm import tqdm
 
 import memlm
 from datastore import index as index_lib
+from datastore.documents import (
+    DocumentRecord,
+    SourceDocument,
+    as_source,
+    new_records,
+    write_documents,
+)
 from datastore.manifest import (
     DOCS_NAME,
+    DOCUMENTS_NAME,
     INDEX_NAME,
     KEYS_NAME,
     MANIFEST_NAME,
@@ -66,17 +75,19 @@ from datastore.shards import (
     write_shard,
 )
 from memlm.errors import MemlmError
-from memlm.files import PARTIAL_SUFFIX, atomic_write, sha256_file
+from memlm.files import PARTIAL_SUFFIX, atomic_path, atomic_write, sha256_file
 from memlm.jobs.windows import ScoredTokens, WindowConfig, plan_windows, score_documents
 from memlm.model.decoder import Decoder
 
 WORK_DIR = ".build"
 """Scratch directory of a build in progress, removed when the manifest is written."""
-DATA_FILES = (KEYS_NAME, VALUES_NAME, DOCS_NAME, POSITIONS_NAME, INDEX_NAME)
+DATA_FILES = (KEYS_NAME, VALUES_NAME, DOCS_NAME, POSITIONS_NAME, INDEX_NAME, DOCUMENTS_NAME)
 
-Documents = Union[Iterable[list[int]], Callable[[], Iterable[list[int]]]]
-"""Token ids per document, or a function returning them (called only when the tokenize stage runs,
-so a resumed build does not read the corpus again)."""
+Document = Union[list[int], SourceDocument]
+Documents = Union[Iterable[Document], Callable[[], Iterable[Document]]]
+"""Documents as token ids or as SourceDocument (ids, text fingerprint, metadata: what the documents table
+records), or a function returning them (called only when the tokenize stage runs, so a resumed build does
+not read the corpus again). Bare ids get datastore.documents.token_fingerprint and no metadata."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +160,10 @@ def build_from_tokens(
     tokens, offsets = _stage_tokens(documents, settings, work, source, progress)
     keys, encode_seconds = _stage_keys(model, tokens, offsets, settings, source, out, work, progress, log)
     factory, nprobe = _stage_index(keys, settings, out, work, progress, log)
-    files = {name: FileEntry(bytes=(out / name).stat().st_size, sha256=sha256_file(out / name, remember=False))
-             for name in DATA_FILES}
+    if not (out / DOCUMENTS_NAME).exists():
+        with atomic_path(out / DOCUMENTS_NAME, durable=True) as tmp:
+            shutil.copyfile(work / DOCUMENTS_NAME, tmp)
+    files = {name: file_entry(out, name) for name in DATA_FILES}
     build = {
         "batch_size": settings.window.batch_size,
         "shard_batches": settings.shard_batches,
@@ -183,13 +196,21 @@ def build_from_tokens(
     return out
 
 
+def file_entry(directory: Path, name: str) -> FileEntry:
+    """The manifest entry of file `name` in `directory`: size, SHA-256 (read now, never cached) and name."""
+    path = directory / name
+    return FileEntry(bytes=path.stat().st_size, sha256=sha256_file(path, remember=False), name=name)
+
+
 def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, source: BuildSource,
-                  progress: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Stage 1: token ids (N,) int32 and document offsets (docs + 1,) int64, written once, then read back."""
+                  progress: bool, existing: tuple[DocumentRecord, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 1: token ids (N,) int32 and document offsets (docs + 1,) int64, written once, then read back;
+    beside them work/documents.jsonl, the records of these documents, numbered after `existing` (an add)."""
     offsets_path = work / "doc_offsets.i64"
     tokens_path = work / "tokens.i32"
     if not offsets_path.exists():
-        _stage_tokenize(documents, settings.max_tokens, tokens_path, offsets_path, progress)
+        _stage_tokenize(documents, settings.max_tokens, tokens_path, offsets_path, work / DOCUMENTS_NAME,
+                        existing, progress)
     tokens = read_array(tokens_path, VALUE_DTYPE)  # (N,)
     offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (docs + 1,)
     if tokens.shape[0] == 0:
@@ -341,27 +362,33 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def _stage_tokenize(
-    documents: Documents, max_tokens: int | None, tokens_path: Path, offsets_path: Path, progress: bool
+    documents: Documents, max_tokens: int | None, tokens_path: Path, offsets_path: Path, documents_path: Path,
+    existing: tuple[DocumentRecord, ...], progress: bool,
 ) -> None:
-    """Concatenate the documents' token ids (int32) and their start offsets into two files."""
+    """Concatenate the documents' token ids (int32) and their start offsets into two files, and write their
+    records (datastore.documents.new_records after `existing`)."""
     docs = documents() if callable(documents) else documents
     chunks: list[np.ndarray] = []
     offsets = [0]
+    described: list[tuple[str, int, dict]] = []
     total = 0
     with tqdm(desc="tokenize", unit="tok", file=sys.stderr, disable=not progress) as bar:
-        for doc in docs:
+        for item in docs:
             if max_tokens is not None and total >= max_tokens:
                 break
-            ids = np.asarray(doc, dtype=np.int64)
+            doc = as_source(item)
+            ids = np.asarray(doc.ids, dtype=np.int64)
             if max_tokens is not None:
                 ids = ids[: max_tokens - total]
             if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
                 raise MemlmError(f"document {len(offsets) - 1} holds token ids outside int32")
             chunks.append(ids.astype(VALUE_DTYPE))
+            described.append((doc.fingerprint, int(ids.size), doc.meta))
             total += ids.size
             offsets.append(total)
             bar.update(ids.size)
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=VALUE_DTYPE)
+    write_documents(documents_path, new_records(described, existing))
     write_array(tokens_path, tokens, VALUE_DTYPE)
     write_array(offsets_path, np.asarray(offsets, dtype=np.int64), np.dtype("<i8"))  # renamed last: stage done
 

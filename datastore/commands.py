@@ -9,10 +9,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from datastore.build import BuildSettings, BuildSource, build_from_tokens
 from datastore.datastore import Datastore
+from datastore.documents import (
+    SourceDocument,
+    describe,
+    select,
+    source_documents,
+    summary,
+)
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
 from memlm.jobs.windows import WindowConfig
@@ -49,11 +57,7 @@ def build_datastore(
     num_shards: > 1 writes that many datastores `out/shard-00-of-NN`, ... over contiguous runs of
         documents with about equal token counts, for `memlm serve router` (shard order = id order).
     """
-    from memlm.data.documents import (
-        corpus_fingerprint,
-        load_documents,
-        tokenize_documents,
-    )
+    from memlm.data.documents import corpus_fingerprint, load_documents
 
     # 0 once silently meant "the default" for some of these (issue 9, finding 6): every count is >= 1.
     for name, value in (("--shards", num_shards), ("--batch-size", batch_size), ("--nprobe", nprobe),
@@ -86,37 +90,50 @@ def build_datastore(
         shard_batches=shard_batches,
     )
 
-    def documents():  # read and tokenized only when the tokenize stage runs
-        return tokenize_documents(load_documents(data, split), tokenizer, max_tokens)
+    def documents():  # read and tokenized only when the tokenize stage runs (it applies max_tokens)
+        return source_documents(load_documents(data, split), tokenizer)
 
     if num_shards == 1:
         return build_from_tokens(pretrained.model, documents, Path(out), source, settings,
                                  overwrite=overwrite, progress=progress)
-    return _build_shards(pretrained.model, list(documents()), Path(out), source, settings, num_shards,
+    return _build_shards(pretrained.model, _cut(documents(), max_tokens), Path(out), source, settings, num_shards,
                          overwrite, progress)
+
+
+def _cut(docs: Iterable[SourceDocument], max_tokens: int | None) -> list[SourceDocument]:
+    """The documents a build with --max-tokens reads: whole ones, then the last one cut (as the tokenize
+    stage does for one datastore)."""
+    out, left = [], max_tokens
+    for doc in docs:
+        if left is not None and left <= 0:
+            break
+        ids = doc.ids if left is None else doc.ids[:left]
+        out.append(doc._replace(ids=ids))
+        left = None if left is None else left - len(ids)
+    return out
 
 
 def shard_dir(out: Path, shard: int, num_shards: int) -> Path:
     return out / f"shard-{shard:02d}-of-{num_shards:02d}"
 
 
-def split_documents(token_docs: list[list[int]], num_shards: int) -> list[list[list[int]]]:
+def split_documents(docs: list[SourceDocument], num_shards: int) -> list[list[SourceDocument]]:
     """Contiguous runs of documents with about total/num_shards tokens each (documents stay whole)."""
-    total = sum(len(d) for d in token_docs)
-    groups: list[list[list[int]]] = [[] for _ in range(num_shards)]
+    total = sum(len(d.ids) for d in docs)
+    groups: list[list[SourceDocument]] = [[] for _ in range(num_shards)]
     seen = 0
-    for doc in token_docs:
+    for doc in docs:
         # the shard whose token range holds this document's middle token
-        shard = min(num_shards - 1, (seen + len(doc) // 2) * num_shards // max(total, 1))
+        shard = min(num_shards - 1, (seen + len(doc.ids) // 2) * num_shards // max(total, 1))
         groups[shard].append(doc)
-        seen += len(doc)
+        seen += len(doc.ids)
     return groups
 
 
-def _build_shards(model, token_docs: list[list[int]], out: Path, source: BuildSource, settings: BuildSettings,
+def _build_shards(model, docs: list[SourceDocument], out: Path, source: BuildSource, settings: BuildSettings,
                   num_shards: int, overwrite: bool, progress: bool) -> Path:
-    groups = split_documents(token_docs, num_shards)
-    if any(not any(group) for group in groups):
+    groups = split_documents(docs, num_shards)
+    if any(not any(d.ids for d in group) for group in groups):
         raise MemlmError(f"the corpus has too few documents for {num_shards} shards; use fewer --shards")
     dirs = [shard_dir(out, i, num_shards) for i in range(num_shards)]
     finished = [(d / "manifest.json").is_file() for d in dirs]
@@ -159,12 +176,14 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
         f"corpus        {m.corpus} (fingerprint {m.corpus_fingerprint[:16]})",
         f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}, "
         f"sink tokens {m.sink_tokens}",
+        "documents     " + (summary(Datastore.documents_of(Path(directory), m)) if m.has_documents
+                             else f"no table (format {m.format_version}): rebuild for memlm datastore docs"),
         "provenance    " + (f"{m.n:,} entries from {m.documents:,} document{'' if m.documents == 1 else 's'} "
                              "(docs.i32, positions.i32; the boundary token is position 0)" if m.has_provenance
                              else f"none (format {m.format_version}): rebuild for the SPALM leakage guard"),
         f"files         {size / 2**20:.1f} MiB: "
         + ", ".join(f"{name} {e.bytes / 2**20:.1f} MiB" for name, e in sorted(m.files.items())),
-        f"format        version {m.format_version}",
+        f"format        version {m.format_version}, generation {m.generation}",
         "verified      " + ("files, sizes, checksums, arrays and index match the manifest" if verify
                             else "no: files were not checked (memlm datastore info --verify checks them)"),
     ]
@@ -174,4 +193,12 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["build_datastore", "datastore_info", "Datastore"]
+def datastore_docs(directory: Path, where: str | None = None) -> str:
+    """The documents of a datastore, one line each (index, doc_id, tokens, metadata as JSON), those whose
+    metadata pass `where` (a --split expression over the metadata, datastore.documents.select)."""
+    m = Manifest.read(Path(directory))
+    records = select(Datastore.documents_of(Path(directory), m), where)
+    return "\n".join(["index\tdoc_id\ttokens\tmeta", *map(describe, records)])
+
+
+__all__ = ["Datastore", "build_datastore", "datastore_docs", "datastore_info"]

@@ -19,8 +19,11 @@ import numpy as np
 import torch
 
 from datastore import index as index_lib
+from datastore.documents import DocumentRecord, read_documents
 from datastore.manifest import (
     DOCS_NAME,
+    DOCUMENTS_NAME,
+    DOCUMENTS_VERSION,
     INDEX_NAME,
     KEYS_NAME,
     POSITIONS_NAME,
@@ -61,6 +64,7 @@ class Datastore:
         self.exact = exact  # TorchExactSearcher when opened with backend="torch", else None
         self.on_gpu = _is_gpu(index)
         self._gpu_nprobe = manifest.nprobe
+        self._documents: tuple[DocumentRecord, ...] | None = None
 
     @classmethod
     def open(
@@ -83,10 +87,10 @@ class Datastore:
         """
         path = Path(directory)
         manifest = Manifest.read(path)
-        for name, entry in manifest.files.items():
-            file = path / name
+        for role in manifest.files:
+            entry, file = manifest.files[role], path / manifest.file_name(role)
             if not file.is_file():
-                raise MemlmError(f"datastore {path} lacks {name}; the datastore is damaged, rebuild it")
+                raise MemlmError(f"datastore {path} lacks {file.name}; the datastore is damaged, rebuild it")
             size = file.stat().st_size
             if size != entry.bytes:
                 raise MemlmError(
@@ -98,13 +102,13 @@ class Datastore:
                     f"{file} fails its checksum (sha256 differs from manifest.json); the file is damaged or "
                     "was changed, rebuild the datastore"
                 )
-        keys = read_array(path / KEYS_NAME, KEY_DTYPE, width=manifest.dim)
-        values = read_array(path / VALUES_NAME, VALUE_DTYPE)
+        keys = read_array(path / manifest.file_name(KEYS_NAME), KEY_DTYPE, width=manifest.dim)
+        values = read_array(path / manifest.file_name(VALUES_NAME), VALUE_DTYPE)
         if keys.shape[0] != manifest.n or values.shape[0] != manifest.n:
             raise MemlmError(f"datastore {path} has {keys.shape[0]} keys and {values.shape[0]} values, "
                              f"the manifest says {manifest.n}; rebuild it")
         provenance = _read_provenance(path, manifest)
-        index = index_lib.read_index(path / INDEX_NAME, mmap=mmap)
+        index = index_lib.read_index(path / manifest.file_name(INDEX_NAME), mmap=mmap)
         if index.ntotal != manifest.n or index.d != manifest.dim:
             raise MemlmError(f"the index of {path} holds {index.ntotal} keys of dimension {index.d}, "
                              f"the manifest says {manifest.n} of {manifest.dim}; rebuild it")
@@ -176,11 +180,8 @@ class Datastore:
         """
         if self.entry_provenance is None:
             m = self.manifest
-            raise MemlmError(
-                f"datastore {self.path} has format version {m.format_version}, without each entry's document and "
-                f"position; rebuild it for provenance: memlm datastore build --model {m.model_name} --data DATA "
-                f"[--split SPLIT] --context {m.context} --stride {m.stride} --out {self.path} --overwrite "
-                f"(its corpus was {m.corpus})")
+            raise MemlmError(f"datastore {self.path} has format version {m.format_version}, without each entry's "
+                             f"document and position; rebuild it for provenance: {_rebuild_command(self.path, m)}")
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise MemlmError(f"ids must be a (Q, k) integer array, got shape {ids.shape} of {ids.dtype}")
@@ -193,6 +194,27 @@ class Datastore:
         docs = np.where(missing, -1, self.entry_provenance.docs[rows]).astype(np.int32)  # (Q, k)
         positions = np.where(missing, -1, self.entry_provenance.positions[rows]).astype(np.int32)  # (Q, k)
         return Provenance(docs, positions)
+
+    def documents(self) -> tuple[DocumentRecord, ...]:
+        """The documents table (datastore.documents.DocumentRecord): record i is the document whose entries
+        have docs.i32 value i, with its doc_id, fingerprint, tokens, metadata and whether it was removed.
+        Read from documents.jsonl at the first call (checked against the manifest when opened)."""
+        if self._documents is None:
+            self._documents = self.documents_of(self.path, self.manifest)
+        return self._documents
+
+    @staticmethod
+    def documents_of(path: Path, m: Manifest) -> tuple[DocumentRecord, ...]:
+        """The documents table of the datastore in `path` whose manifest is `m` (what documents() returns),
+        without opening the rest; refused in one line for a format that predates it."""
+        if not m.has_documents:
+            raise MemlmError(f"datastore {path} has format version {m.format_version}, which predates the documents "
+                             f"table (format {DOCUMENTS_VERSION}); rebuild it: {_rebuild_command(path, m)}")
+        records = read_documents(Path(path) / m.file_name(DOCUMENTS_NAME))
+        if len(records) != m.documents:
+            raise MemlmError(f"datastore {path} lists {len(records)} documents, the manifest says {m.documents}; "
+                             "the datastore is damaged, rebuild it")
+        return records
 
     def info(self) -> SearcherInfo:
         """The manifest's description of this datastore (the Searcher seam; gRPC GetInfo sends it on)."""
@@ -208,12 +230,18 @@ class Datastore:
         return TorchExactSearcher(keys, self.values, info=self.info())
 
 
+def _rebuild_command(path: Path, m: Manifest) -> str:
+    """The command that rebuilds the datastore in `path` with this memlm (for refusals of older formats)."""
+    return (f"memlm datastore build --model {m.model_name} --data DATA [--split SPLIT] --context {m.context} "
+            f"--stride {m.stride} --out {path} --overwrite (its corpus was {m.corpus})")
+
+
 def _read_provenance(path: Path, manifest: Manifest) -> Provenance | None:
     """docs and positions (N,) int32 memmaps of a format-3 datastore; None for format 2 (no provenance)."""
     if not manifest.has_provenance:
         return None
-    docs = read_array(path / DOCS_NAME, PROVENANCE_DTYPE)  # (N,)
-    positions = read_array(path / POSITIONS_NAME, PROVENANCE_DTYPE)  # (N,)
+    docs = read_array(path / manifest.file_name(DOCS_NAME), PROVENANCE_DTYPE)  # (N,)
+    positions = read_array(path / manifest.file_name(POSITIONS_NAME), PROVENANCE_DTYPE)  # (N,)
     if docs.shape[0] != manifest.n or positions.shape[0] != manifest.n:
         raise MemlmError(f"datastore {path} has {docs.shape[0]} document ids and {positions.shape[0]} positions, "
                          f"the manifest says {manifest.n}; rebuild it")

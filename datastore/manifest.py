@@ -16,16 +16,22 @@ from typing import Any
 
 from memlm.errors import MemlmError
 
-FORMAT_VERSION = 3
-"""3: every entry's provenance, docs.i32 and positions.i32, and the number of documents (issue 11).
+FORMAT_VERSION = 4
+"""4: the documents table, documents.jsonl (datastore.documents.DocumentRecord: id, fingerprint, tokens,
+metadata of every document), and generations: `generation` counts the commits of add/remove/compact, and
+each file entry names the file that holds it (`FileEntry.name`), so a new generation writes new files
+and commits by renaming one manifest (issue 14).
+3: every entry's provenance, docs.i32 and positions.i32, and the number of documents (issue 11).
 2: the text layout is recorded in full (sink_tokens beside context, stride and boundary_token, issue 8).
 A version-2 datastore still opens and searches (kNN-LM needs no provenance); asking it for provenance is
 refused with the rebuild command (Datastore.provenance). A version-1 manifest is refused as an older
 format (rebuild), not as a damaged one."""
-READABLE_VERSIONS = (2, FORMAT_VERSION)
+READABLE_VERSIONS = (2, 3, FORMAT_VERSION)
 """Format versions this memlm opens."""
 PROVENANCE_VERSION = 3
 """The first format version with docs.i32 and positions.i32."""
+DOCUMENTS_VERSION = 4
+"""The first format version with the documents table (documents.jsonl), generations and named file entries."""
 MANIFEST_NAME = "manifest.json"
 KEYS_NAME = "keys.f16"
 """(N, d) float16, row-major, little-endian, no header: np.memmap(path, "<f2", "r", shape=(N, d))."""
@@ -41,6 +47,9 @@ index in the model's input [boundary, *document]. So values[i] == document[posit
 key is the decoder's state at input index positions[i] - 1 (memlm.retrieval.searcher.Provenance)."""
 INDEX_NAME = "index.faiss"
 """The FAISS index over the keys (faiss.write_index format); row i of the index is row i of the keys."""
+DOCUMENTS_NAME = "documents.jsonl"
+"""One JSON object a document, in document-index order (the values of docs.i32):
+datastore.documents.DocumentRecord field for field (format 4 on)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,10 @@ class FileEntry:
     """File size in bytes."""
     sha256: str
     """Hex SHA-256 of the whole file."""
+    name: str = ""
+    """The file in the datastore directory that holds this role (`Manifest.files` is keyed by role, e.g.
+    "keys.f16"); a later generation's file carries its generation ("keys.g000002.f16"). "" in formats 2-3,
+    where the role is the file's name."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,10 @@ class Manifest:
     build: dict[str, Any] = field(default_factory=dict)
     """Build settings and facts (batch size, dtype, device, shard size, timings, versions)."""
     documents: int = 0
-    """Documents the build read (ids in docs.i32 are below it; empty documents count); 0 in format 2."""
+    """Documents in the datastore (ids in docs.i32 are below it; empty and removed documents count); 0 in
+    format 2."""
+    generation: int = 0
+    """0 as built; each `memlm datastore add`, `remove` and `compact` commits the next one (format 4)."""
     format_version: int = FORMAT_VERSION
     """Version of this directory layout."""
     key_dtype: str = "float16"
@@ -100,6 +116,15 @@ class Manifest:
     def has_provenance(self) -> bool:
         """Whether docs.i32 and positions.i32 exist (format 3 on)."""
         return self.format_version >= PROVENANCE_VERSION
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether the documents table documents.jsonl exists (format 4 on)."""
+        return self.format_version >= DOCUMENTS_VERSION
+
+    def file_name(self, role: str) -> str:
+        """The file in the directory that holds `role` (a *_NAME constant) in this generation."""
+        return self.files[role].name or role
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -119,10 +144,12 @@ class Manifest:
         if version not in READABLE_VERSIONS:
             raise MemlmError(
                 f"{source} has datastore format version {version}, this memlm reads version {FORMAT_VERSION} "
-                f"(and {READABLE_VERSIONS[0]}, without provenance); rebuild the datastore with this memlm"
+                "(and 3, without the documents table; 2, without provenance either); rebuild the datastore with "
+                "this memlm"
             )
         known = {f.name: f.type for f in dataclasses.fields(cls)}
-        optional = {"build"} | ({"documents"} if version < PROVENANCE_VERSION else set())
+        optional = ({"build"} | ({"documents"} if version < PROVENANCE_VERSION else set())
+                    | ({"generation"} if version < DOCUMENTS_VERSION else set()))
         missing = sorted(set(known) - set(raw) - optional)
         if missing:
             raise MemlmError(f"{source} lacks {', '.join(missing)}; the datastore is damaged, rebuild it")
@@ -130,8 +157,8 @@ class Manifest:
         for name, type_name in known.items():
             if name in raw and name != "files":
                 _check_type(raw[name], _FIELD_TYPES[type_name], name, source)
-        raw["files"] = _file_entries(raw["files"], required_files(version), source)
-        for name in ("n", "dim", "nprobe", "context", "stride", "documents"):
+        raw["files"] = _file_entries(raw["files"], required_files(version), version >= DOCUMENTS_VERSION, source)
+        for name in ("n", "dim", "nprobe", "context", "stride", "documents", "generation"):
             if name in raw and raw[name] < (1 if name in ("dim", "nprobe", "context", "stride") else 0):
                 raise MemlmError(f"{source}: {name} is {raw[name]}; the datastore is damaged, rebuild it")
         return cls(**raw)
@@ -149,13 +176,25 @@ class Manifest:
 
 PROVENANCE_FILES = (DOCS_NAME, POSITIONS_NAME)
 """The per-entry provenance arrays, from format 3 on."""
-REQUIRED_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME, *PROVENANCE_FILES)
+REQUIRED_FILES = (KEYS_NAME, VALUES_NAME, INDEX_NAME, *PROVENANCE_FILES, DOCUMENTS_NAME)
 """Files every datastore of this format has; each must have its entry in `Manifest.files`."""
 
 
 def required_files(version: int) -> tuple[str, ...]:
-    """The files a datastore of format `version` has (format 2 had no provenance)."""
-    return REQUIRED_FILES if version >= PROVENANCE_VERSION else (KEYS_NAME, VALUES_NAME, INDEX_NAME)
+    """The files a datastore of format `version` has (format 2 had no provenance, 3 no documents table)."""
+    if version >= DOCUMENTS_VERSION:
+        return REQUIRED_FILES
+    return (KEYS_NAME, VALUES_NAME, INDEX_NAME, *(PROVENANCE_FILES if version >= PROVENANCE_VERSION else ()))
+
+
+def generation_file(role: str, generation: int) -> str:
+    """The file name a generation writes for `role`: the role itself for generation 0 (what a build
+    writes), else the role with the generation before its suffix ("keys.g000002.f16"), so a new
+    generation never overwrites a file the committed one names (a reader of it keeps working)."""
+    if generation == 0:
+        return role
+    stem, dot, suffix = role.rpartition(".")
+    return f"{stem}.g{generation:06d}{dot}{suffix}"
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "str": str, "dict[str, Any]": dict,
                                                    "dict[str, FileEntry]": dict}
 """JSON types of the manifest's fields, by their annotation."""
@@ -172,18 +211,26 @@ def _check_type(value: Any, expected: type | tuple[type, ...], name: str, source
 _JSON_NAMES = {"int": "integer", "str": "string", "dict": "object"}
 
 
-def _file_entries(files: Any, required: tuple[str, ...], source: str) -> dict[str, FileEntry]:
-    """`files` of a manifest: {name: {"bytes": int, "sha256": str}}, holding an entry for each `required`."""
+def _file_entries(files: Any, required: tuple[str, ...], named: bool, source: str) -> dict[str, FileEntry]:
+    """`files` of a manifest: {role: {"bytes": int, "sha256": str[, "name": str]}}, holding an entry for each
+    `required` role; `named` (format 4): every entry names its file, a plain name inside the directory."""
     _check_type(files, dict, "files", source)
     entries = {}
+    fields = {"bytes", "sha256", "name"} if named else {"bytes", "sha256"}
     for name, entry in files.items():
         _check_type(entry, dict, f"files.{name}", source)
-        if set(entry) != {"bytes", "sha256"}:
-            raise MemlmError(f"{source}: files.{name} must hold bytes and sha256, has {', '.join(sorted(entry)) or 'nothing'}; "
-                             "the datastore is damaged, rebuild it")
+        if set(entry) != fields:
+            raise MemlmError(f"{source}: files.{name} must hold {', '.join(sorted(fields))}, has "
+                             f"{', '.join(sorted(entry)) or 'nothing'}; the datastore is damaged, rebuild it")
         _check_type(entry["bytes"], int, f"files.{name}.bytes", source)
         _check_type(entry["sha256"], str, f"files.{name}.sha256", source)
-        entries[name] = FileEntry(bytes=entry["bytes"], sha256=entry["sha256"])
+        file = entry.get("name", "")
+        if named:
+            _check_type(file, str, f"files.{name}.name", source)
+            if not file or Path(file).name != file or file in (".", ".."):
+                raise MemlmError(f"{source}: files.{name}.name is {file!r}, not a file name inside the datastore; "
+                                 "the datastore is damaged, rebuild it")
+        entries[name] = FileEntry(bytes=entry["bytes"], sha256=entry["sha256"], name=file)
     absent = [name for name in required if name not in entries]
     if absent:
         raise MemlmError(f"{source}: files has no entry for {', '.join(absent)}, so it could not be checked; "

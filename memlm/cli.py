@@ -84,6 +84,12 @@ def cmd_datastore_info(directory: str, verify: bool) -> None:
     print(datastore_info(Path(directory), verify=verify))
 
 
+def cmd_datastore_docs(directory: str, where: str | None) -> None:
+    from datastore import datastore_docs
+
+    print(datastore_docs(Path(directory), where))
+
+
 # ---------------------------------------------------------------------------------------------------
 # serve and client
 
@@ -270,6 +276,11 @@ def add_datastore_parser(sub: Any) -> None:
     i.add_argument("--verify", action="store_true", help="check every file as opening the datastore does "
                    "(sizes, SHA-256, arrays, index); without it nothing is verified")
     i.set_defaults(func=lambda a: cmd_datastore_info(a.directory, a.verify))
+    d = dsub.add_parser("docs", help="list a datastore's documents (index, doc_id, tokens, metadata)")
+    d.add_argument("directory")
+    d.add_argument("--where", default=None, help="documents whose metadata pass this --split expression, "
+                   "e.g. 'president=Lincoln' or 'year>=1990[:5]'")
+    d.set_defaults(func=lambda a: cmd_datastore_docs(a.directory, a.where))
 
 
 def add_server_security(p: argparse.ArgumentParser) -> None:

@@ -42,14 +42,15 @@ def test_manifest_describes_the_datastore(built, tiny_model):
     assert (m.model_fingerprint, m.tokenizer_fingerprint, m.corpus_fingerprint) == (
         PROVENANCE.model_fingerprint, PROVENANCE.tokenizer_fingerprint, PROVENANCE.corpus_fingerprint)
     assert (m.index_factory, m.metric, m.nprobe, m.context, m.stride) == ("IVF16,Flat", "l2", 4, 48, 24)
-    assert set(m.files) == {"keys.f16", "values.i32", "docs.i32", "positions.i32", "index.faiss"}
+    assert set(m.files) == {"keys.f16", "values.i32", "docs.i32", "positions.i32", "index.faiss", "documents.jsonl"}
     assert m.files["keys.f16"].bytes == 1483 * m.dim * 2
     assert m.files["docs.i32"].bytes == m.files["positions.i32"].bytes == 1483 * 4
-    assert (m.format_version, m.documents, m.has_provenance) == (3, 6, True)  # the empty document counts
+    assert (m.format_version, m.documents, m.has_provenance, m.generation) == (4, 6, True, 0)  # the empty document counts
     assert Manifest.from_json(m.to_json()) == m
     text = datastore_info(built)
     assert "1,483 keys" in text and "IVF16,Flat" in text
-    assert "provenance    1,483 entries from 6 documents" in text and "format        version 3" in text
+    assert "provenance    1,483 entries from 6 documents" in text and "format        version 4, generation 0" in text
+    assert "documents     6 documents, 1,483 tokens; no metadata" in text
 
 
 def test_shard_size_does_not_change_the_keys(tmp_path, tiny_model, docs, built):

@@ -75,7 +75,7 @@ def with_field(name: str, value):
     (without_file(POSITIONS_NAME), f"files has no entry for {POSITIONS_NAME}"),
     (with_field("documents", -1), "documents is -1"),
     (lambda raw: {k: v for k, v in raw.items() if k != "documents"}, "lacks documents"),
-    (lambda raw: {**raw, "files": {**raw["files"], KEYS_NAME: {"bytes": "many"}}}, "must hold bytes and sha256"),
+    (lambda raw: {**raw, "files": {**raw["files"], KEYS_NAME: {"bytes": "many"}}}, "must hold bytes, name, sha256"),
 ])
 def test_a_damaged_manifest_is_refused_in_one_line(capsys, store_copy, change, message):
     edit_manifest(store_copy, change)
@@ -205,6 +205,6 @@ def test_a_first_wave_manifest_is_refused_as_an_older_format(store_copy):
     del raw["sink_tokens"]
     raw["format_version"] = 1
     path.write_text(json.dumps(raw))
-    with pytest.raises(MemlmError, match=r"format version 1, this memlm reads version 3 \(and 2, without "
-                                         r"provenance\); rebuild"):
+    with pytest.raises(MemlmError, match=r"format version 1, this memlm reads version 4 \(and 3, without "
+                                         r"the documents table; 2, without provenance either\); rebuild"):
         Datastore.open(store_copy)

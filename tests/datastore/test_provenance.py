@@ -20,7 +20,7 @@ from datastore import (
     build_from_tokens,
     datastore_info,
 )
-from datastore.manifest import DOCS_NAME, MANIFEST_NAME, POSITIONS_NAME
+from datastore.manifest import DOCS_NAME, DOCUMENTS_NAME, MANIFEST_NAME, POSITIONS_NAME
 from memlm.errors import MemlmError
 from memlm.jobs.windows import score_documents
 from memlm.model.tokenizer import Tokenizer
@@ -120,12 +120,15 @@ def test_the_guard_removes_each_query_own_entry_from_a_real_search(built):
 
 
 def as_format_2(directory: Path) -> None:
-    """Rewrite a datastore as a format-2 build wrote it: no docs/positions files, no documents count."""
+    """Rewrite a datastore as a format-2 build wrote it: no docs/positions files, no documents count (and
+    none of format 4's: documents table, generation, file names)."""
     raw = json.loads((directory / MANIFEST_NAME).read_text())
-    for name in (DOCS_NAME, POSITIONS_NAME):
+    for name in (DOCS_NAME, POSITIONS_NAME, DOCUMENTS_NAME):
         del raw["files"][name]
         (directory / name).unlink()
-    del raw["documents"]
+    for entry in raw["files"].values():
+        del entry["name"]
+    del raw["documents"], raw["generation"]
     raw["format_version"] = 2
     (directory / MANIFEST_NAME).write_text(json.dumps(raw))
 

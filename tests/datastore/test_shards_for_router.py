@@ -7,16 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from datastore import Datastore, build_datastore
+from datastore import Datastore, SourceDocument, build_datastore
 from datastore.commands import shard_dir, split_documents
 from memlm.errors import MemlmError
 
 
 def test_split_documents_is_contiguous_and_balanced():
-    docs = [[1] * n for n in (50, 10, 300, 40, 40, 60, 200, 100)]
+    docs = [SourceDocument([1] * n, f"f{i}", {}) for i, n in enumerate((50, 10, 300, 40, 40, 60, 200, 100))]
     groups = split_documents(docs, 3)
     assert [d for g in groups for d in g] == docs  # contiguous, in order, nothing lost
-    sizes = [sum(len(d) for d in g) for g in groups]
+    sizes = [sum(len(d.ids) for d in g) for g in groups]
     assert max(sizes) - min(sizes) <= 300  # documents stay whole: balance is up to one document
 
 
