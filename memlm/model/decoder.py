@@ -21,6 +21,7 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import NamedTuple, Protocol
 
 import torch
@@ -57,6 +58,20 @@ class LayerMemory(NamedTuple):
     knn: KnnRetrieval | None = None  # the memorizing layer's kNN memory (Wu et al. 2022), or None
 
 
+class CachedAttention(ABC):
+    """One layer's view of a preallocated KV cache for one forward pass (memlm.engine.kv_cache).
+
+    Attention hands it the segment's projections; it applies rotary at the tokens' positions, writes
+    the rotated keys and values into the cache (rotary is applied once per key, when it is written),
+    and attends over each row's cached slots. The cache is written in place: a state that yields one
+    is used for exactly one forward pass (issue 12)."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (B, nh, T, hs), k, v: (B, nkv, T, hs), all before rotary -> attention output (B, nh, T, hs)."""
+        ...
+
+
 class DecoderState(Protocol):
     """A memory policy: KV cache, Transformer-XL memory, compressive memory, ..."""
 
@@ -64,8 +79,9 @@ class DecoderState(Protocol):
         """Absolute positions of the next segment's tokens, (B, T) float32."""
         ...
 
-    def layer_memory(self, layer: int) -> LayerMemory | None:
-        """Memory that `layer` attends to before the segment, or None."""
+    def layer_memory(self, layer: int) -> LayerMemory | CachedAttention | None:
+        """Memory that `layer` attends to before the segment, or None; or the layer's view of a
+        preallocated KV cache, which then does the attention itself (CachedAttention)."""
         ...
 
     def update(self, new_kv: list[LayerMemory]) -> DecoderState:
@@ -93,9 +109,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(input_dtype)
 
 
+def rotary_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+    """The rotary frequencies theta^(-2i/hs), (hs/2,) float32: the one definition (also memlm.engine)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rotary_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """pos: (B, S) float positions -> cos, sin of shape (B, 1, S, hs), float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    inv_freq = rotary_inv_freq(head_dim, theta, pos.device)  # (hs/2,)
     angles = pos.float()[..., None] * inv_freq  # (B, S, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, S, hs), HF "rotate_half" layout
     return angles.cos()[:, None], angles.sin()[:, None]
@@ -120,7 +141,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * hs, config.n_embd, bias=False)
 
     def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, memory: LayerMemory | None
+        self, x: torch.Tensor, pos: torch.Tensor, memory: LayerMemory | CachedAttention | None
     ) -> tuple[torch.Tensor, LayerMemory]:
         """x: (B, T, C), pos: (B, T) -> output (B, T, C) and this segment's un-rotated (k, v)."""
         B, T, _ = x.shape
@@ -130,6 +151,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, cfg.n_kv_head, hs)  # (B, T, nkv, hs)
         v = self.v_proj(x).view(B, T, cfg.n_kv_head, hs)  # (B, T, nkv, hs)
         segment_kv = LayerMemory(k, v, pos, torch.ones(B, T, dtype=torch.bool, device=x.device), x)
+        if isinstance(memory, CachedAttention):
+            # The engine's preallocated cache (issue 12): rotary, cache writes and masking are its own.
+            y = memory.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, hs)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, cfg.n_head * hs)), segment_kv
         if memory is not None and memory.x is not None:
             S = memory.x.shape[1]
             mx = memory.x.to(x.dtype)  # (B, S, C)
@@ -198,7 +223,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, memory: LayerMemory | None
+        self, x: torch.Tensor, pos: torch.Tensor, memory: LayerMemory | CachedAttention | None
     ) -> tuple[torch.Tensor, torch.Tensor, LayerMemory]:
         """x: (B, T, C) -> new x (B, T, C), feed-forward input (B, T, C), this segment's (k, v)."""
         attn_out, segment_kv = self.self_attn(self.input_layernorm(x), pos, memory)

@@ -1,0 +1,220 @@
+"""A preallocated KV cache with per-row lengths, for the decoding engine (issue 12).
+
+Every row of the running batch owns one row of the cache: per layer, keys and values (R, nkv, L, hs)
+allocated once, and `slot_pos` (R, L) int64, the position each slot holds (-1: empty). A forward pass
+gets a `StepView` (a DecoderState): its `CachedAttention` per layer rotates the new queries and keys,
+writes the keys *already rotated* with the values into their slots, and attends over the row's slots
+with a mask built once per step from `slot_pos`. Rotary is applied once per key, when it is written,
+never again to every cached key at every step (what memlm.model.decoder.KVCache does).
+
+Slots: positions below `sink` (the attention sinks of an XL memory, Xiao et al. 2023) keep slots
+[0, sink); every later position p lives in the ring slot sink + (p - sink) % ring. Without a memory
+sink = 0 and ring = the row's capacity, so slots never wrap. With the XL memory (Dai et al. 2019) the
+ring holds mem_len + segment positions: a query at p in a segment starting at s attends to the sinks,
+to positions [s - mem_len, s) and causally within its segment (memlm.memory.xl's semantics, with the
+memory as a window over the ring, never copied); for a generated token s = p. The sinks take positions
+right before the oldest memory slot (XLMemory._sink_positions, StreamingLLM section 3.2): their keys are
+written rotated at their true positions, and the shift is applied to the query instead, q R(-delta),
+since R(a)q . R(b)k depends on b - a only.
+
+Exact positions far past the context: positions are int64 (exact), and the rotary angle
+p * inv_freq is formed in float64 and reduced modulo 2 pi before rounding to float32 (`rotary_at`), from
+the integer position of every token at every step, never accumulated. The float32 angle is then within
+one float32 ulp of the true angle in [0, 2 pi) at any position below 2^40 (float64 keeps 2^-52 of the
+product), where a float32 product at position 10^6 is off by up to 0.03 rad and the scores drift.
+
+Shape legend: R cache rows, L slots per row, B rows in a step, T tokens per row in the step,
+nh query heads, nkv key/value heads, g = nh / nkv, hs head size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from memlm.model.config import ModelConfig
+from memlm.model.decoder import (
+    CachedAttention,
+    LayerMemory,
+    apply_rotary,
+    rotary_inv_freq,
+)
+
+TWO_PI = 2.0 * math.pi
+
+
+def rotary_at(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos: (B, T) int64 positions -> cos, sin (B, 1, T, hs) float32, the angles reduced exactly.
+
+    The product is taken in float64 and reduced mod 2 pi before the float32 rounding (module docstring)."""
+    angles = torch.remainder(pos.double()[..., None] * inv_freq.double(), TWO_PI).float()  # (B, T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, hs), the "rotate_half" layout of the decoder
+    return angles.cos()[:, None], angles.sin()[:, None]  # (B, 1, T, hs) each
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How many rows the cache has and how a row's slots are laid out."""
+
+    rows: int
+    """R: rows (requests decoded at once)."""
+    sink: int
+    """Slots [0, sink) hold the first `sink` positions for good (XL sinks); 0 without a memory."""
+    ring: int
+    """Ring slots after the sinks; without a memory, the most positions a row holds (no wrap)."""
+    mem_len: int | None
+    """XL memory: a query sees positions [s - mem_len, s) of earlier segments; None: every cached one."""
+    segment: int | None
+    """XL memory: prompt tokens attend in segments of this many tokens (the memory's segment); None."""
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.ring < 1 or self.sink < 0:
+            raise ValueError(f"a cache needs rows >= 1, ring >= 1 and sink >= 0, got {self}")
+        if (self.mem_len is None) != (self.segment is None):
+            raise ValueError("mem_len and segment go together (the XL memory) or are both None")
+        if self.mem_len is not None and self.ring < self.mem_len + self.segment:
+            raise ValueError(f"an XL ring needs mem_len + segment = {self.mem_len + self.segment} slots, got {self.ring}")
+
+    @property
+    def slots(self) -> int:
+        """L: slots per row."""
+        return self.sink + self.ring
+
+    @property
+    def wraps(self) -> bool:
+        """True when positions reuse ring slots (the XL memory); False: a row is full at `ring` tokens."""
+        return self.mem_len is not None
+
+
+class RowCache:
+    """The cache tensors. Rows are cleared when a request takes them (`clear_row`); views write into them."""
+
+    def __init__(self, config: ModelConfig, layout: CacheLayout, device: torch.device, dtype: torch.dtype) -> None:
+        R, L, nkv, hs = layout.rows, layout.slots, config.n_kv_head, config.head_dim
+        self.config = config
+        self.layout = layout
+        self.k = [torch.zeros(R, nkv, L, hs, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(R, nkv, L, hs, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.slot_pos = torch.full((R, L), -1, dtype=torch.long, device=device)  # (R, L)
+        self.inv_freq = rotary_inv_freq(config.head_dim, config.rope_theta, device)  # (hs/2,)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_pos.device
+
+    def clear_row(self, row: int) -> None:
+        """Forget everything row `row` holds (a new request, or a sliding window re-encoded)."""
+        self.slot_pos[row] = -1
+
+    def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slots (same shape) of int64 positions `pos` (module docstring)."""
+        sink, ring = self.layout.sink, self.layout.ring
+        return torch.where(pos < sink, pos, sink + torch.remainder(pos - sink, ring))
+
+    def view(self, rows: list[int], pos: torch.Tensor, real: torch.Tensor, window: torch.Tensor) -> StepView:
+        """The DecoderState of one forward pass over cache rows `rows` (B,), sorted.
+
+        pos: (B, T) int64 on the host, the position of every token; real: (B, T) bool, False for padding (not written,
+        output ignored); window: (B, T) int64, the start s of each token's attention segment (XL memory;
+        ignored without one). Writes slot_pos for the real tokens now: the step's keys are visible to
+        the masks of every layer."""
+        return StepView(self, rows, pos, real, window)
+
+
+def _sink_shift(layout: CacheLayout, window: torch.Tensor) -> torch.Tensor:
+    """(B, T) int64: how far past their true positions the sinks sit for queries with segment start `window`.
+
+    memlm.memory.xl.XLMemory._sink_positions: the sinks sit right before the oldest memory slot, or right
+    before the segment when the memory is empty, never before their true positions. The memory before s
+    holds the non-sink positions [max(sink, s - mem_len), s): it is empty when mem_len is 0 or s <= sink."""
+    s, N, M = window, layout.sink, layout.mem_len
+    first = s if M == 0 else torch.where(s > N, torch.clamp(s - M, min=N), s)  # (B, T)
+    return torch.clamp(first - N, min=0)
+
+
+class StepView:
+    """One forward pass over some cache rows: a DecoderState whose layers are CachedAttention views."""
+
+    def __init__(self, cache: RowCache, rows: list[int], pos: torch.Tensor, real: torch.Tensor,
+                 window: torch.Tensor) -> None:
+        layout, device = cache.layout, cache.device
+        B, T = pos.shape
+        # Slots in use: a position p never sits beyond slot p, so no row of this step uses more than this
+        # (read from the host's positions: no device synchronisation).
+        self.width = min(layout.slots, int(pos.max()) + 1)
+        self.cache = cache
+        self.pos = pos.to(device)  # (B, T) int64
+        lo, hi = rows[0], rows[-1] + 1
+        # Rows next to each other are a view of the cache (no copy); others are gathered once per layer.
+        self.rows = slice(lo, hi) if hi - lo == len(rows) else torch.tensor(rows, device=device)
+        row_index = torch.tensor(rows, device=device)[:, None].expand(B, T)  # (B, T)
+        real = real.to(device)
+        self.write_rows, self.write_slots = row_index[real], cache.slot_of(self.pos)[real]  # (n,), (n,)
+        self.real = real
+        cache.slot_pos[self.write_rows, self.write_slots] = self.pos[real]
+        self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (B, 1, T, hs) each
+        self.mask = self._mask(window.to(device))  # (B, 1, T, width)
+        self.shift = None
+        if layout.sink > 0 and self.width > 0:
+            shift = _sink_shift(layout, window.to(device))  # (B, T)
+            self.shift = rotary_at(-shift, cache.inv_freq)  # rotates the queries back by the shift
+
+    def _mask(self, window: torch.Tensor) -> torch.Tensor:
+        """(B, 1, T, width) bool: the slots each query attends to."""
+        layout = self.cache.layout
+        sp = self._rows_of(self.cache.slot_pos)[:, : self.width]  # (B, width)
+        seen = (sp[:, None, :] >= 0) & (sp[:, None, :] <= self.pos[..., None])  # (B, T, width)
+        if layout.mem_len is not None:
+            lo = (window - layout.mem_len)[..., None]  # (B, T, 1)
+            seen &= (sp[:, None, :] < layout.sink) | (sp[:, None, :] >= lo)
+        return seen[:, None]  # (B, 1, T, width)
+
+    def _rows_of(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.rows)
+
+    # -- DecoderState --
+    def positions(self, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+        return self.pos.float()  # (B, T): only the segment's LayerMemory records them; attention uses int64
+
+    def layer_memory(self, layer: int) -> CachedAttention:
+        return _LayerView(self, layer)
+
+    def update(self, new_kv: list[LayerMemory]) -> StepView:
+        return self  # the cache was written in place by the layers' views
+
+
+class _LayerView(CachedAttention):
+    def __init__(self, step: StepView, layer: int) -> None:
+        self.step = step
+        self.layer = layer
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        step, cache = self.step, self.step.cache
+        B, nh, T, hs = q.shape
+        nkv = k.shape[1]
+        q = apply_rotary(q, step.cos, step.sin)  # (B, nh, T, hs)
+        k = apply_rotary(k, step.cos, step.sin)  # (B, nkv, T, hs)
+        kc, vc = cache.k[self.layer], cache.v[self.layer]
+        # Only the real tokens are written: (n, nkv, hs) rows picked from (B, T, nkv, hs).
+        kc[step.write_rows, :, step.write_slots] = k.transpose(1, 2)[step.real].to(kc.dtype)
+        vc[step.write_rows, :, step.write_slots] = v.transpose(1, 2)[step.real].to(vc.dtype)
+        keys = step._rows_of(kc)[:, :, : step.width]  # (B, nkv, width, hs)
+        values = step._rows_of(vc)[:, :, : step.width]  # (B, nkv, width, hs)
+
+        # Grouped-query attention without repeating keys: query head h reads kv head h // g (HF layout).
+        g = nh // nkv
+        qg = q.reshape(B, nkv, g * T, hs)  # (B, nkv, g*T, hs)
+        scale = 1.0 / math.sqrt(hs)
+        scores = (qg @ keys.transpose(-1, -2)).float() * scale  # (B, nkv, g*T, width)
+        N = min(cache.layout.sink, step.width)
+        if step.shift is not None and N > 0:
+            qs = apply_rotary(q, *step.shift).reshape(B, nkv, g * T, hs)  # (B, nkv, g*T, hs)
+            sink_scores = (qs @ keys[:, :, :N].transpose(-1, -2)).float() * scale  # (B, nkv, g*T, N)
+            scores = torch.cat([sink_scores, scores[..., N:]], dim=-1)  # (B, nkv, g*T, width)
+        mask = step.mask[:, :, None].expand(B, 1, g, T, step.width).reshape(B, 1, g * T, step.width)
+        scores = scores.masked_fill(~mask, float("-inf"))  # (B, nkv, g*T, width)
+        weights = scores.softmax(dim=-1).to(values.dtype)  # (B, nkv, g*T, width)
+        y = weights @ values  # (B, nkv, g*T, hs)
+        return y.reshape(B, nh, T, hs)  # (B, nh, T, hs)
