@@ -1,0 +1,343 @@
+"""The decoding engine: continuous batching over a preallocated KV cache (issue 12).
+
+Requests wait in a bounded queue and are admitted into the running batch between steps, each into a
+free cache row. One `step`:
+1. ends cancelled requests and those past their deadline (their rows are free for this step's admissions);
+2. admits waiting requests into free rows;
+3. prefills: rows with more than one token to feed get chunks of their prompt, at most
+   EngineConfig.prefill_chunk tokens over all rows per step (so a long prompt never stalls the running
+   batch), in one left-padded forward pass (padding is never written to the cache);
+4. decodes: every row with exactly one token to feed (its last token) in one (B, 1) forward pass;
+5. chooses the next token of every row whose prompt is done, at once (memlm.engine.sampling: one kNN-LM
+   search for all of them), and emits TokenEvents; finished rows emit their GenerationEnd and leave.
+Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
+deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
+memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
+row attends to its sinks and last mem_len states, so it generates past the model's context.
+
+Work runs where `step` is called: in the caller's thread (a handle's `events()` steps the engine while
+no engine thread runs; memlm generate) or in the engine's own thread (`start`, for a server, whose
+handlers only submit, iterate and cancel). GPU: positions, masks and the cache stay on the device; the
+host reads the chosen tokens once per step (memlm.engine.sampling).
+
+Shape legend: B rows in a forward pass, T tokens per row, V vocab, C key width.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from memlm.engine.kv_cache import CacheLayout, RowCache
+from memlm.engine.requests import (
+    FINISH_CANCELLED,
+    FINISH_DEADLINE,
+    EngineConfig,
+    EngineFull,
+    Event,
+    GenerationRequest,
+    RequestHandle,
+)
+from memlm.engine.rows import Row, window_starts
+from memlm.engine.sampling import choose_tokens
+from memlm.errors import MemlmError
+
+# The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
+from memlm.jobs.generate import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationEnd,
+    _as_stop,
+    _flush,
+    _match_stop,
+)
+from memlm.model.decoder import Decoder
+from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.searcher import Searcher
+
+_log = logging.getLogger(__name__)
+STEP_TIME_DECAY = 0.9
+"""Weight of the past in the running mean of a step's wall time (the retry hint's unit)."""
+FIRST_STEP_GUESS_S = 0.05
+"""The retry hint's step time before any step was measured."""
+
+
+def cache_layout(config: EngineConfig, max_seq_len: int) -> CacheLayout:
+    """The cache rows for `config`: a plain cache of row_capacity positions, or an XL ring of
+    sinks + mem_len + segment slots (memlm.engine.kv_cache)."""
+    xl = config.xl
+    if xl is None:
+        return CacheLayout(config.max_batch, 0, config.row_capacity or max_seq_len, None, None)
+    return CacheLayout(config.max_batch, xl.sink_tokens, xl.mem_len + xl.segment, xl.mem_len, xl.segment)
+
+
+class Engine:
+    """The running batch of one model. submit() from any thread; step() from one thread at a time."""
+
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
+                 searcher: Searcher | None = None) -> None:
+        """config None: EngineConfig's defaults. searcher: the datastore of config.knn (both or neither)."""
+        config = config or EngineConfig()
+        if (searcher is None) != (config.knn is None):
+            raise MemlmError("kNN-LM generation needs both a searcher and EngineConfig.knn")
+        xl = config.xl
+        if xl is not None and xl.segment > model.config.max_seq_len:
+            raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {xl.segment}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.searcher = searcher
+        self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
+        self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
+        self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
+        self._rows: dict[int, Row] = {}  # cache row -> its request
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards _waiting and the admission bounds
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.step_time_s = FIRST_STEP_GUESS_S
+        self.steps = 0
+
+    # -- admission ------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue `request`; EngineFull (with a retry hint) when the queue or the tokens in flight are full."""
+        V = self.model.config.vocab_size
+        if any(not 0 <= i < V for i in request.prefix):
+            raise MemlmError(f"prompt has token ids outside [0, {V})")
+        for s in request.stop_sequences:
+            _as_stop(s)
+        with self._lock:
+            if len(self._waiting) >= self.config.max_queue:
+                raise EngineFull("queue", self._retry_hint())
+            if self._in_flight() + request.tokens_in_flight > self.config.max_tokens_in_flight:
+                raise EngineFull("tokens_in_flight", self._retry_hint())
+            pump = None if self._thread is not None else self.step
+            handle = RequestHandle(next(self._ids), request, pump, self._notify)
+            deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
+            self._waiting.append((handle, deadline))
+            self._wake.notify()
+        return handle
+
+    def _in_flight(self) -> int:
+        return (sum(h.request.tokens_in_flight for h, _ in self._waiting)
+                + sum(r.handle.request.tokens_in_flight for r in self._rows.values()))
+
+    def _retry_hint(self) -> float:
+        """Seconds until a row is likely free: the soonest-finishing running request's steps left x step time."""
+        left = [r.steps_left for r in self._rows.values()]
+        return max(1, min(left, default=1)) * self.step_time_s
+
+    def _notify(self) -> None:
+        with self._lock:
+            self._wake.notify()
+
+    @property
+    def busy(self) -> bool:
+        """Requests are running or waiting."""
+        return bool(self._rows) or bool(self._waiting)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one step (see the module docstring); returns whether work remains. An error inside the
+        forward pass or the search ends every running request with it (each handle raises it)."""
+        start = time.perf_counter()
+        try:
+            self._end_cancelled()
+            self._admit()
+            if self._rows:
+                with torch.inference_mode():
+                    self._forward_and_choose()
+        except Exception as e:  # the requests of this batch cannot continue; the engine can
+            for row in list(self._rows.values()):
+                row.handle.put(e)
+                self._release(row)
+            raise
+        if self._rows:
+            elapsed = time.perf_counter() - start
+            self.step_time_s = STEP_TIME_DECAY * self.step_time_s + (1 - STEP_TIME_DECAY) * elapsed
+            self.steps += 1
+        return self.busy
+
+    def _end_cancelled(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            kept: deque[tuple[RequestHandle, float | None]] = deque()
+            for handle, deadline in self._waiting:
+                reason = _ended(handle, deadline, now)
+                if reason is None:
+                    kept.append((handle, deadline))
+                else:
+                    handle.put(_end_event(reason, "", len(handle.request.prompt_ids), 0, ""))
+            self._waiting = kept
+        for row in list(self._rows.values()):
+            reason = _ended(row.handle, row.deadline, now)
+            if reason is not None:
+                self._finish(row, reason)
+
+    def _admit(self) -> None:
+        with self._lock:
+            free = [i for i in range(self.config.max_batch) if i not in self._rows]
+            while free and self._waiting:
+                handle, deadline = self._waiting.popleft()
+                slot = free.pop(0)
+                self.cache.clear_row(slot)
+                self._rows[slot] = Row.start(handle, slot, deadline, self.cache.layout, self.model.device)
+
+    def _forward_and_choose(self) -> None:
+        ready: list[Row] = []
+        logits: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        prefilling = self._prefill_plan()
+        if prefilling:
+            out_logits, out_keys, done = self._run(prefilling)
+            for (row, _), lg, key, d in zip(prefilling, out_logits, out_keys, done):
+                if d:
+                    ready.append(row), logits.append(lg), keys.append(key)
+        touched = {row.slot for row, _ in prefilling}
+        decoding = [(r, 1) for s, r in sorted(self._rows.items()) if s not in touched and r.to_feed == 1]
+        if decoding:
+            out_logits, out_keys, _ = self._run(decoding)
+            ready += [r for r, _ in decoding]
+            logits.append(out_logits), keys.append(out_keys)
+        if not ready:
+            return
+        choices = choose_tokens(
+            torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits]),  # (B, V)
+            torch.cat([k.reshape(-1, k.shape[-1]) for k in keys]),  # (B, C)
+            [r.handle.request.sampling for r in ready], [r.generator for r in ready],
+            self.decodable, self.searcher, self.config.knn,
+        )
+        for row, token, lp, base in zip(ready, *choices):
+            self._advance(row, token, lp, base)
+
+    def _prefill_plan(self) -> list[tuple[Row, int]]:
+        """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""
+        budget, segment = self.config.prefill_chunk, self.cache.layout.segment
+        plan = []
+        for row in sorted(self._rows.values(), key=lambda r: r.handle.request_id):
+            if budget == 0:
+                break
+            if row.to_feed > 1:
+                n = min(row.to_feed, budget)
+                if segment is not None:  # a chunk stays in one segment: the XL ring holds one segment past the memory
+                    n = min(n, segment - row.cached % segment)
+                plan.append((row, n))
+                budget -= n
+        return sorted(plan, key=lambda p: p[0].slot)
+
+    def _run(self, plan: Sequence[tuple[Row, int]]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
+        Returns the last position's logits (B, V) and kNN keys (B, C) and, per row, whether it has fed
+        everything it had (its logits are the next token's)."""
+        T = max(n for _, n in plan)
+        B = len(plan)
+        idx = torch.zeros(B, T, dtype=torch.long)  # (B, T) on the host, copied once
+        pos = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+        real = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
+        window = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+        for i, (row, n) in enumerate(plan):
+            feed, positions = row.feed(n)
+            idx[i, T - n:] = torch.tensor(feed)
+            pos[i, :] = positions[-1]  # padding queries: the last real position (attend to real slots only)
+            pos[i, T - n:] = torch.tensor(positions)
+            real[i, T - n:] = True
+            window[i] = window_starts(pos[i], row.first_generated_pos, self.cache.layout.segment)
+        view = self.cache.view([row.slot for row, _ in plan], pos, real, window)
+        out = self.model(idx.to(self.model.device), state=view, logits_from=T - 1)
+        for row, n in plan:
+            row.fed += n
+        return out.logits[:, -1], out.knn_key[:, -1], [row.to_feed == 0 for row, _ in plan]  # (B, V), (B, C)
+
+    # -- one token ------------------------------------------------------------------------------
+    def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None:
+        """memlm.jobs.generate's loop body for one row: eos, the event, stops, length, sliding."""
+        request = row.handle.request
+        if request.eos_id is not None and token == request.eos_id:
+            self._finish(row, FINISH_EOS)
+            return
+        event = row.append(token, logprob, base_logprob, self.tokenizer)
+        row.handle.put(event)
+        matched = _match_stop(row.stops, row.generated, row.stable, row.checked, self.tokenizer)
+        row.checked = len(row.stable)
+        if matched is not None:
+            self._finish(row, FINISH_STOP, matched)
+        elif len(row.generated) == request.max_new_tokens:
+            self._finish(row, FINISH_LENGTH)
+        elif not self.cache.layout.wraps and row.cached + 1 > self.cache.layout.ring:
+            self.cache.clear_row(row.slot)
+            row.slide(max(1, self.cache.layout.ring // 2))
+
+    def _finish(self, row: Row, reason: str, stop_sequence: str = "") -> None:
+        tail = _flush(self.tokenizer, row.generated, row.emitted)
+        row.handle.put(_end_event(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence))
+        self._release(row)
+
+    def _release(self, row: Row) -> None:
+        self._rows.pop(row.slot, None)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Step in a thread of the engine's own from now on (handles submitted later wait on their queue)."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="memlm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread after its current step (running requests stay where they are)."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        thread.join()
+        self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not (self._rows or self._waiting):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - step delivered it to every request it ended; the next ones run
+                _log.warning("engine step failed, its requests ended with the error: %s", e)
+
+
+def _ended(handle: RequestHandle, deadline: float | None, now: float) -> str | None:
+    if handle.cancelled:
+        return FINISH_CANCELLED
+    if deadline is not None and now >= deadline:
+        return FINISH_DEADLINE
+    return None
+
+
+def _end_event(reason: str, tail: str, prompt_tokens: int, completion_tokens: int, stop_sequence: str) -> Event:
+    return GenerationEnd(reason, tail, prompt_tokens, completion_tokens, stop_sequence)
+
+
+def run_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[list[Event]]:
+    """Submit `requests` (waiting for room when the engine is full) and step until each has ended;
+    every request's events in submission order. For the command line and benchmarks."""
+    handles: list[RequestHandle] = []
+    for request in requests:
+        while True:
+            try:
+                handles.append(engine.submit(request))
+                break
+            except EngineFull:
+                if not engine.step():
+                    raise
+    return [list(h.events()) for h in handles]

@@ -1,0 +1,157 @@
+"""What the decoding engine takes and gives: its settings, a request, the handle a caller holds, "full".
+
+A caller (memlm generate, later the Generate and Score rpcs) submits a `GenerationRequest` and gets a
+`RequestHandle`: it iterates the request's events (memlm.jobs.generate's TokenEvent, then one
+GenerationEnd; the same types as one-sequence generation) and may cancel it. Admission is bounded
+(queue length, tokens in flight); beyond, `submit` raises `EngineFull` with a retry hint, which a
+server turns into RESOURCE_EXHAUSTED (issue 12).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from memlm.errors import MemlmError
+from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.memory.config import MemoryConfig
+from memlm.retrieval.knnlm import KNNLMConfig
+
+DEFAULT_SAMPLING = SamplingConfig()
+"""A request's sampling when it names none: SamplingConfig's defaults."""
+FINISH_CANCELLED = "cancelled"
+"""GenerationEnd.reason of a request cancelled by its caller (its slot is freed before the next step)."""
+FINISH_DEADLINE = "deadline"
+"""GenerationEnd.reason of a request still running when its timeout passed."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The running batch, its cache, admission bounds, and the model's memory and kNN-LM mode."""
+
+    max_batch: int = 8
+    """Rows of the running batch (requests decoded together); the KV cache has this many rows."""
+    row_capacity: int | None = None
+    """Without a memory: positions one row's cache holds (None: the model's max_seq_len). A row that
+    reaches it slides as memlm.jobs.generate does: the last half of it is encoded again into the row."""
+    prefill_chunk: int = 256
+    """Most prompt tokens prefilled per step over all rows: a long prompt is prefilled over several
+    steps while the running batch keeps decoding (chunked prefill)."""
+    max_queue: int = 64
+    """Requests waiting for a row; one more is refused (EngineFull)."""
+    max_tokens_in_flight: int = 1 << 20
+    """Sum of prompt + max_new_tokens over running and waiting requests; beyond, refused (EngineFull)."""
+    memory: MemoryConfig | None = None
+    """kind "xl" (with its sinks, mem_len and segment): each row carries an XL memory, so generation runs
+    past the context; None or kind "none": a plain KV cache."""
+    knn: KNNLMConfig | None = None
+    """kNN-LM mixture (with a Searcher given to the engine): one batched search per step; None: off."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 1:
+            raise MemlmError("max_batch, prefill_chunk and max_tokens_in_flight must be >= 1, max_queue >= 0")
+        if self.row_capacity is not None and self.row_capacity < 2:
+            raise MemlmError(f"row_capacity must be >= 2, got {self.row_capacity}")
+        if self.memory is not None and self.memory.kind not in ("none", "xl"):
+            raise MemlmError(f"the engine serves --memory none or xl, not {self.memory.kind}")
+        if self.knn is not None and self.knn.needs_tuning:
+            raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
+
+    @property
+    def xl(self) -> MemoryConfig | None:
+        """The XL memory, or None for a plain KV cache."""
+        return self.memory if self.memory is not None and self.memory.kind == "xl" else None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One continuation to generate."""
+
+    prompt_ids: tuple[int, ...]
+    """Prompt token ids in [0, V); may be empty when boundary_token is given."""
+    max_new_tokens: int
+    """Most tokens generated (>= 1)."""
+    sampling: SamplingConfig = DEFAULT_SAMPLING
+    """Greedy (temperature 0) or sampled; a seed makes the tokens reproducible whatever the batch holds."""
+    stop_sequences: tuple[str | tuple[int, ...], ...] = ()
+    """Strings (matched on the generated text) or token-id sequences; generation ends after a match."""
+    boundary_token: int | None = None
+    """Prepended to the prompt (memlm.model.tokenizer.document_boundary); None: the prompt as is."""
+    eos_id: int | None = None
+    """Generation ends (reason "eos") when this token is drawn; None: never."""
+    timeout_s: float | None = None
+    """Seconds from submission after which the request ends with reason "deadline"; None: no deadline."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise MemlmError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.prompt_ids and self.boundary_token is None:
+            raise MemlmError("empty prompt and no boundary token: nothing to condition on")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise MemlmError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def prefix(self) -> list[int]:
+        """What the model reads before generating: [boundary, *prompt]."""
+        return ([self.boundary_token] if self.boundary_token is not None else []) + [int(i) for i in self.prompt_ids]
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """What the request counts against EngineConfig.max_tokens_in_flight."""
+        return len(self.prefix) + self.max_new_tokens
+
+
+class EngineFull(MemlmError):
+    """Admission refused: the queue or the tokens in flight are at their bound. Retry after retry_after_s."""
+
+    def __init__(self, what: str, retry_after_s: float) -> None:
+        super().__init__(f"engine full ({what}); retry in {retry_after_s:.2f} s")
+        self.what = what
+        """"queue" or "tokens_in_flight": the bound that was reached."""
+        self.retry_after_s = retry_after_s
+        """When a row is likely free: the soonest-finishing running request's remaining steps x step time."""
+
+
+Event = TokenEvent | GenerationEnd
+
+
+class RequestHandle:
+    """A submitted request: its events as the engine makes them, and cancellation (thread-safe)."""
+
+    def __init__(self, request_id: int, request: GenerationRequest, pump: Callable[[], bool] | None,
+                 wake: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self.request = request
+        self._queue: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._pump = pump  # steps the engine in the caller's thread when no engine thread runs
+        self._wake = wake  # tells a waiting engine thread that there is something to do
+
+    def cancel(self) -> None:
+        """Ask the engine to end this request; it ends (reason "cancelled") before the next step runs."""
+        self._cancelled.set()
+        self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def put(self, event: Event | BaseException) -> None:
+        """For the engine: deliver one event (or the error that ended the request)."""
+        self._queue.put(event)
+
+    def events(self, timeout_s: float | None = None) -> Iterator[Event]:
+        """TokenEvents then one GenerationEnd. Without an engine thread, the engine is stepped here.
+        timeout_s bounds each wait for an event with an engine thread (queue.Empty when it passes)."""
+        while True:
+            while self._pump is not None and self._queue.empty():
+                if not self._pump() and self._queue.empty():
+                    raise RuntimeError(f"request {self.request_id}: the engine is idle and the request has not ended")
+            event = self._queue.get(timeout=timeout_s)
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if isinstance(event, GenerationEnd):
+                return

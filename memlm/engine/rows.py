@@ -1,0 +1,120 @@
+"""One request in the running batch: what it has read, what it still has to feed, what it generated.
+
+Positions: tokens[base] sits at position 0 of the row's cache (base > 0 after a sliding window without
+a memory); tokens[:fed] are in the cache; the rest is fed by later steps (prompt chunks, then the last
+generated token). Text deltas follow memlm.jobs.generate: the generated ids are decoded as a whole and
+only the new complete suffix is emitted (a trailing U+FFFD waits for the bytes that complete it).
+
+Shape legend: T tokens of a row in one forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from memlm.engine.kv_cache import CacheLayout
+from memlm.engine.requests import RequestHandle
+from memlm.jobs.generate import REPLACEMENT, TokenEvent, _as_stop
+from memlm.model.tokenizer import Tokenizer
+
+
+def fresh_seed() -> int:
+    """A random seed for a request that gave none (memlm.jobs.generate draws its own the same way)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def window_starts(pos: torch.Tensor, first_generated: int, segment: int | None) -> torch.Tensor:
+    """pos: (T,) int64 positions of a row's tokens -> (T,) the start of each one's attention segment.
+
+    XL memory (memlm.jobs.generate's semantics): the prompt is read in segments of `segment` tokens from
+    position 0, each generated token is a segment of its own. Without a memory: zeros (unused)."""
+    if segment is None:
+        return torch.zeros_like(pos)
+    return torch.where(pos < first_generated, torch.div(pos, segment, rounding_mode="floor") * segment, pos)
+
+
+@dataclass
+class Row:
+    """The engine's bookkeeping of one running request (host-side Python values only)."""
+
+    handle: RequestHandle
+    slot: int
+    """Its cache row."""
+    deadline: float | None
+    """time.monotonic() after which it ends with reason "deadline"; None: never."""
+    generator: torch.Generator
+    """The request's own sampler (seeded), on the model's device."""
+    stops: list[str | tuple[int, ...]]
+    tokens: list[int]
+    """Everything the row has read or will read: [boundary, *prompt, *generated]."""
+    n_prefix: int
+    """Tokens before the first generated one."""
+    base: int = 0
+    fed: int = 0
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""
+    """Text already given out in deltas."""
+    stable: str = ""
+    """The decoded continuation without a trailing incomplete character."""
+    checked: int = 0
+    """Length of the text already searched for stop strings."""
+
+    @classmethod
+    def start(cls, handle: RequestHandle, slot: int, deadline: float | None, layout: CacheLayout,
+              device: torch.device) -> Row:
+        request = handle.request
+        seed = request.sampling.seed if request.sampling.seed is not None else fresh_seed()
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        prefix = request.prefix
+        # Without a memory a prompt longer than the row keeps its last `ring` tokens (as generate's window).
+        base = 0 if layout.wraps else max(0, len(prefix) - layout.ring)
+        return cls(handle, slot, deadline, generator, [_as_stop(s) for s in request.stop_sequences], prefix,
+                   len(prefix), base=base, fed=base)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.handle.request.prompt_ids)
+
+    @property
+    def to_feed(self) -> int:
+        """Tokens not yet in the cache."""
+        return len(self.tokens) - self.fed
+
+    @property
+    def cached(self) -> int:
+        """Positions the row's cache holds."""
+        return self.fed - self.base
+
+    @property
+    def first_generated_pos(self) -> int:
+        """Position of the first generated token (window_starts)."""
+        return self.n_prefix - self.base
+
+    @property
+    def steps_left(self) -> int:
+        """At most this many more tokens before the request ends (the retry hint)."""
+        return self.handle.request.max_new_tokens - len(self.generated)
+
+    def feed(self, n: int) -> tuple[list[int], list[int]]:
+        """The next n tokens to feed and their positions (the caller advances `fed` after the pass)."""
+        lo = self.fed
+        return self.tokens[lo : lo + n], list(range(lo - self.base, lo - self.base + n))
+
+    def slide(self, keep: int) -> None:
+        """The cache was cleared: the last `keep` tokens are fed again from position 0."""
+        self.base = len(self.tokens) - keep
+        self.fed = self.base
+
+    def append(self, token: int, logprob: float, base_logprob: float, tokenizer: Tokenizer) -> TokenEvent:
+        """Take the chosen token; its event with the new complete text."""
+        self.generated.append(token)
+        self.tokens.append(token)
+        text = tokenizer.decode(self.generated)
+        self.stable = text.rstrip(REPLACEMENT)
+        delta = self.stable[len(self.emitted):] if self.stable.startswith(self.emitted) else ""
+        self.emitted += delta
+        return TokenEvent(token, tokenizer.decode([token]), delta, logprob, base_logprob)
