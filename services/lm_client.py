@@ -42,8 +42,8 @@ FINISH_NAMES = {
 
 @dataclass(frozen=True)
 class MemoryRequest:
-    """Segment and memory sizes for memory modes "xl" and "memorizing", in tokens; None fields take the
-    server's defaults."""
+    """Segment and memory sizes for memory modes "xl", "memorizing" and "spalm", in tokens; None fields take
+    the server's defaults."""
 
     segment_tokens: int | None = None
     """Segment length (Score) or prompt-encoding segment length (Generate), 1 <= it <= the context."""
@@ -92,6 +92,25 @@ class KnnRequest:
 
 
 @dataclass(frozen=True)
+class SpalmRequest:
+    """Memory mode "spalm"'s datastore search for one request, sent in KnnOptions with enabled false (SPALM
+    mixes the retrieved tokens by its learned gate, not by kNN-LM's lambda); None fields: the server's."""
+
+    k: int | None = None
+    """Neighbours per token (the server's default: memlm.memory.spalm.SPALM_DEFAULT_K)."""
+    nprobe: int | None = None
+    """IVF lists probed per search."""
+
+    def to_proto(self) -> lm_pb2.KnnOptions:
+        o = lm_pb2.KnnOptions(enabled=False)
+        if self.k is not None:
+            o.k = self.k
+        if self.nprobe is not None:
+            o.nprobe = self.nprobe
+        return o
+
+
+@dataclass(frozen=True)
 class Alternative:
     """A likely token at a scored position."""
 
@@ -119,6 +138,8 @@ class ScoredToken:
     """The most likely token under the final distribution."""
     alternatives: tuple[Alternative, ...]
     """top_n most likely tokens, most likely first."""
+    gate: float | None = None
+    """Memory mode "spalm": the gate g_t (the hidden state's weight; 1 - g_t the retrieved tokens'); else None."""
 
 
 @dataclass(frozen=True)
@@ -227,15 +248,17 @@ class LanguageModelClient(ServiceClient):
         stride_tokens: int | None = None,
         memory_mode: str | None = None,
         memory: MemoryRequest | None = None,
+        spalm: SpalmRequest | None = None,
     ) -> list[ScoreResult]:
         """Score texts or token-id sequences (continuations), optionally each after a context.
 
         knn: None = base LM only; KnnRequest() = kNN-LM with the server's defaults.
         memory_mode: "none" (sliding windows: window_tokens, stride_tokens), "xl" (segments with a
         Transformer-XL memory: memory), ...; None = the server's default.
-        memory: sizes for "xl"; None = the server's defaults.
+        memory: sizes for "xl"; None = the server's defaults. spalm: "spalm"'s search (not with knn).
         """
         request = lm_pb2.ScoreRequest(top_n=top_n, memory_mode=_memory_mode(memory_mode))
+        _set_search(request, knn, spalm)
         if memory is not None:
             request.memory.CopyFrom(memory.to_proto())
         if contexts is not None and len(contexts) != len(inputs):
@@ -251,8 +274,6 @@ class LanguageModelClient(ServiceClient):
                 entry.context_text = ctx
             elif ctx is not None:
                 entry.context_token_ids.ids.extend(int(t) for t in ctx)
-        if knn is not None:
-            request.knn.CopyFrom(knn.to_proto())
         if window_tokens is not None:
             request.window_tokens = window_tokens
         if stride_tokens is not None:
@@ -273,6 +294,7 @@ class LanguageModelClient(ServiceClient):
         knn: KnnRequest | None = None,
         memory_mode: str | None = None,
         memory: MemoryRequest | None = None,
+        spalm: SpalmRequest | None = None,
     ) -> Iterator[TextDelta | Finish]:
         """Stream a continuation: TextDelta events, then one Finish. Closing the iterator early cancels
         the call (the server stops generating). temperature None = the server's default (1.0).
@@ -290,8 +312,7 @@ class LanguageModelClient(ServiceClient):
         for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
             if value is not None:
                 setattr(request.sampling, name, value)
-        if knn is not None:
-            request.knn.CopyFrom(knn.to_proto())
+        _set_search(request, knn, spalm)
         return self._stream(request)
 
     def _stream(self, request: lm_pb2.GenerateRequest) -> Iterator[TextDelta | Finish]:
@@ -314,11 +335,21 @@ class LanguageModelClient(ServiceClient):
             call.cancel()  # no-op when the stream ended; stops the server's work when we left early
 
 
+def _set_search(request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KnnRequest | None,
+                spalm: SpalmRequest | None) -> None:
+    """The request's KnnOptions: kNN-LM's (enabled) or SPALM's search (enabled false), not both."""
+    if knn is not None and spalm is not None:
+        raise MemlmError("kNN-LM interpolation does not combine with memory mode spalm (it mixes by its gate)")
+    if knn is not None or spalm is not None:
+        request.knn.CopyFrom((knn or spalm).to_proto())
+
+
 def _score_result(r: lm_pb2.SequenceScore) -> ScoreResult:
     tokens = tuple(
         ScoredToken(
             t.token_id, t.text, t.logprob, t.base_logprob, t.is_greedy,
             tuple(Alternative(a.token_id, a.text, a.logprob) for a in t.alternatives),
+            t.gate if t.HasField("gate") else None,
         )
         for t in r.tokens
     )
@@ -340,6 +371,7 @@ def main_score(
     stride_tokens: int | None = None,
     memory_mode: str | None = None,
     memory: MemoryRequest | None = None,
+    spalm: SpalmRequest | None = None,
     per_token: bool = False,
     tls: ClientTls | None = None,
     token: str | None = None,
@@ -352,7 +384,7 @@ def main_score(
     out = out if out is not None else sys.stdout
     with LanguageModelClient(address, tls=tls, token=token, timeout=timeout) as client:
         results = client.score(texts, contexts=contexts, knn=knn, top_n=top_n, window_tokens=window_tokens,
-                               stride_tokens=stride_tokens, memory_mode=memory_mode, memory=memory)
+                               stride_tokens=stride_tokens, memory_mode=memory_mode, memory=memory, spalm=spalm)
     header = f"{'#':>3} {'tokens':>7} {'logprob':>12} {'ppl':>10}"
     header += f" {'base ppl':>10}" if knn is not None else ""
     print(header + "  greedy  text", file=out)
@@ -364,8 +396,9 @@ def main_score(
         if per_token:
             for t in r.tokens:
                 alts = "  ".join(f"{a.text!r}:{a.logprob:.2f}" for a in t.alternatives)
+                gate = f" gate {t.gate:.3f}" if t.gate is not None else ""
                 print(f"      {t.token_id:>6} {t.text!r:<14} {t.logprob:>9.3f} {t.base_logprob:>9.3f} "
-                      f"{'*' if t.is_greedy else ' '} {alts}", file=out)
+                      f"{'*' if t.is_greedy else ' '}{gate} {alts}", file=out)
     return results
 
 
@@ -382,6 +415,7 @@ def main_generate(
     knn: KnnRequest | None = None,
     memory_mode: str | None = None,
     memory: MemoryRequest | None = None,
+    spalm: SpalmRequest | None = None,
     tls: ClientTls | None = None,
     token: str | None = None,
     timeout: float | None = 300.0,
@@ -397,7 +431,7 @@ def main_generate(
         print(prompt, end="", file=out, flush=True)
         for event in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=stop, knn=knn, memory_mode=memory_mode,
-                                     memory=memory):
+                                     memory=memory, spalm=spalm):
             if isinstance(event, TextDelta):
                 print(event.text, end="", file=out, flush=True)
             else:

@@ -3,7 +3,8 @@
 Every check raises `InvalidRequest(field, message, code)`, which `services.server_common` turns into a
 status whose message starts with the field's name: INVALID_ARGUMENT for a value outside its domain,
 OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
-on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve. Nothing
+on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve (naming what
+it lacks). Nothing
 here runs the model; the servicer (services.lm_server) runs what the parser returns, and `encode_score`
 turns the library's scores into the response.
 
@@ -26,6 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 import grpc
+import numpy as np
 
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.scoring import SequenceScore
@@ -34,10 +36,12 @@ from memlm.memory.config import EXACT_MAX_ENTRIES, MemoryConfig
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_spalm import SpalmSearch, check_search, parse_spalm_search
 from services.server_common import InvalidRequest
 
 SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
-"""What every server serves; MEMORY_MODE_MEMORIZING besides with a memorizing checkpoint's KnnAttention."""
+"""What every server serves; MEMORY_MODE_MEMORIZING besides with a memorizing checkpoint's KnnAttention,
+MEMORY_MODE_SPALM with a SPALM checkpoint's head and a kNN source."""
 DEFAULT_MEMORY_MODE = lm_pb2.MEMORY_MODE_NONE
 """What MEMORY_MODE_UNSPECIFIED means (GetInfo.default_memory_mode)."""
 OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
@@ -127,7 +131,9 @@ class ScoreArgs:
     top_n: int
     """Alternatives returned per token."""
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL / MEMORIZING memory (its segment included), or None for sliding windows."""
+    """MEMORY_MODE_XL / MEMORIZING / SPALM memory (its segment included), or None for sliding windows."""
+    spalm: SpalmSearch | None
+    """MEMORY_MODE_SPALM's search, None in the other modes."""
     batch_size: int
     """Windows (sliding windows) or sequences side by side (XL) per forward step: LMLimits.step_rows."""
 
@@ -147,7 +153,9 @@ class GenerateArgs:
     knn: KNNLMConfig | None
     """kNN-LM settings, or None for the base LM."""
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL / MEMORIZING memory (its segment included), or None for a KV cache."""
+    """MEMORY_MODE_XL / MEMORIZING / SPALM memory (its segment included), or None for a KV cache."""
+    spalm: SpalmSearch | None
+    """MEMORY_MODE_SPALM's search, None in the other modes."""
 
 
 _ONEOF = {"context_text": "context", "text": "continuation"}
@@ -161,18 +169,20 @@ def _finite(x: float) -> bool:
 class RequestParser:
     """Checks requests against one loaded model and the server's limits.
 
-    vocab: valid token ids are [0, vocab); max_len: the model's context in tokens; has_searcher: whether
-    kNN-LM can be served; knn_defaults: what a request's unset kNN fields take; datastore_windows: the
+    vocab: valid token ids are [0, vocab); max_len: the model's context in tokens; knn_refusal: why kNN-LM
+    is not served (FAILED_PRECONDITION; services.lm_spalm.knn_refusal), None: it is; knn_defaults: what a request's unset kNN fields take; datastore_windows: the
     (context, stride) the searcher's keys were made with, which a Score request's unset window takes and
     which a kNN-LM Score request's given window must equal (memlm.retrieval.compat's rule for an
     artifact's settings; None: WindowConfig's defaults). piece_bytes: the UTF-8 length of each token id's
     text as responses carry it; max_response_bytes: the largest message the server may send;
-    memorizing: whether MEMORY_MODE_MEMORIZING is served (the server holds a KnnAttention).
+    memorizing: whether MEMORY_MODE_MEMORIZING is served (the server holds a KnnAttention). spalm_missing:
+    what the server lacks to serve MEMORY_MODE_SPALM (a SPALM head, a kNN source); empty: served.
     """
 
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
-                 knn_defaults: KNNLMConfig, has_searcher: bool, piece_bytes: list[int], max_response_bytes: int,
-                 datastore_windows: tuple[int, int] | None = None, memorizing: bool = False) -> None:
+                 knn_defaults: KNNLMConfig, knn_refusal: str | None, piece_bytes: list[int], max_response_bytes: int,
+                 datastore_windows: tuple[int, int] | None = None, memorizing: bool = False,
+                 spalm_missing: tuple[str, ...]) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
         self._longest_piece = max(piece_bytes, default=0)
@@ -181,14 +191,16 @@ class RequestParser:
         self._max_len = max_len
         self._limits = limits
         self._knn_defaults = knn_defaults
-        self._has_searcher = has_searcher
+        self._knn_refusal = knn_refusal
+        self._spalm_missing = spalm_missing
         self._windows = datastore_windows
         self.default_memory = lm_pb2.MemoryOptions(
             segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
             sink_tokens=limits.sink_tokens, knn_mem_size=limits.knn_mem_size, knn_top_k=limits.knn_top_k,
         )
         """The sizes a MEMORY_MODE_XL / MEMORIZING request leaves unset take (GetInfo.default_memory)."""
-        self.memory_modes = SUPPORTED_MEMORY_MODES + ((lm_pb2.MEMORY_MODE_MEMORIZING,) if memorizing else ())
+        self.memory_modes = SUPPORTED_MEMORY_MODES + ((lm_pb2.MEMORY_MODE_MEMORIZING,) if memorizing else ()) + (
+            () if spalm_missing else (lm_pb2.MEMORY_MODE_SPALM,))
         """The memory modes served (GetInfo.memory_modes)."""
 
     def info_response(self, *, model: str, model_fingerprint: str,
@@ -245,8 +257,8 @@ class RequestParser:
             raise InvalidRequest("memory_mode", f"unknown value {mode}")
         if mode not in self.memory_modes:
             supported = ", ".join(lm_pb2.MemoryMode.Name(m) for m in self.memory_modes)
-            why = " (MEMORIZING needs a server started with a memorizing checkpoint)" \
-                if mode == lm_pb2.MEMORY_MODE_MEMORIZING else ""
+            why = {lm_pb2.MEMORY_MODE_MEMORIZING: " (MEMORIZING needs a server started with a memorizing checkpoint)",
+                   lm_pb2.MEMORY_MODE_SPALM: f" (SPALM needs {' and '.join(self._spalm_missing)})"}.get(mode, "")
             raise InvalidRequest(
                 "memory_mode",
                 f"{lm_pb2.MemoryMode.Name(mode)} is not served by this server (supported: {supported}){why}",
@@ -274,6 +286,8 @@ class RequestParser:
         xl = MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"], segment=segment)
         if mode == lm_pb2.MEMORY_MODE_XL:
             return xl
+        if mode == lm_pb2.MEMORY_MODE_SPALM:  # the XL memory is SPALM's short-term memory
+            return replace(xl, kind="spalm")
         return replace(xl, kind="memorizing", knn_layer=limits.knn_layer, knn_mem_size=sizes["knn_mem_size"],
                        knn_top_k=sizes["knn_top_k"])
 
@@ -283,15 +297,19 @@ class RequestParser:
             raise InvalidRequest(field, f"{what}{tokens} tokens in one forward step, at most max_step_tokens "
                                         f"{self._limits.max_step_tokens}", OUT_OF_RANGE)
 
+    def spalm(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest,
+              memory: MemoryConfig | None) -> SpalmSearch | None:
+        """MEMORY_MODE_SPALM's search (services.lm_spalm.parse_spalm_search), None in other modes."""
+        if memory is None or memory.kind != "spalm":
+            return None
+        return parse_spalm_search(request.knn, self._knn_defaults, self._limits.max_k)
+
     def knn(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest) -> KNNLMConfig | None:
         if not request.HasField("knn") or not request.knn.enabled:
             return None
         o = request.knn
-        if not self._has_searcher:
-            raise InvalidRequest(
-                "knn.enabled", "this server has no datastore; start it with --datastore or --retrieval",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
+        if self._knn_refusal is not None:
+            raise InvalidRequest("knn.enabled", self._knn_refusal, grpc.StatusCode.FAILED_PRECONDITION)
         d = self._knn_defaults
         lmbda = o.lambda_weight if o.HasField("lambda_weight") else d.lmbda
         temperature = o.temperature if o.HasField("temperature") else d.temperature
@@ -301,12 +319,7 @@ class RequestParser:
             raise InvalidRequest("knn.lambda_weight", f"{lmbda}, must be in [0, 1]")
         if temperature is None or not (_finite(temperature) and temperature > 0):
             raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
-        if k < 1:
-            raise InvalidRequest("knn.k", f"{k}, must be >= 1")
-        if k > self._limits.max_k:
-            raise InvalidRequest("knn.k", f"{k}, at most {self._limits.max_k}", OUT_OF_RANGE)
-        if nprobe is not None and nprobe < 1:
-            raise InvalidRequest("knn.nprobe", f"{nprobe}, must be >= 1")
+        check_search(k, nprobe, self._limits.max_k)
         return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
 
     def _score_input(self, item: lm_pb2.ScoreInput, field: str) -> tuple[list[int], list[int]]:
@@ -349,6 +362,7 @@ class RequestParser:
             raise InvalidRequest("window_tokens", f"{window}, must be in [1, {self._max_len}] (the model's context)")
         if not 1 <= stride <= window:
             raise InvalidRequest("stride_tokens", f"{stride}, must be in [1, window_tokens = {window}]")
+        spalm = self.spalm(request, memory)
         knn = self.knn(request)
         if knn is not None and self._windows is not None:
             # The one settings rule (memlm.retrieval.compat): kNN-LM queries must be made like the
@@ -368,7 +382,7 @@ class RequestParser:
         else:
             step = memory.segment
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
-                         stride=stride, knn=knn, top_n=request.top_n, memory=memory,
+                         stride=stride, knn=knn, top_n=request.top_n, memory=memory, spalm=spalm,
                          batch_size=self._limits.step_rows(step))
 
     def _score_cost(self, pairs: list[tuple[list[int], list[int]]], window: int, stride: int,
@@ -433,8 +447,10 @@ class RequestParser:
             if 1 + len(prompt) + request.max_new_tokens > self._max_len:
                 self.step_budget(max(1, self._max_len // 2), "max_new_tokens",
                                  "a generation past the model's context re-encodes ")
+        spalm = self.spalm(request, memory)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
-                            stop_sequences=list(request.stop_sequences), knn=self.knn(request), memory=memory)
+                            stop_sequences=list(request.stop_sequences), knn=self.knn(request), memory=memory,
+                            spalm=spalm)
 
     @staticmethod
     def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:
@@ -450,8 +466,9 @@ class RequestParser:
         return SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
 
 
-def encode_score(s: SequenceScore, pieces: list[str]) -> lm_pb2.SequenceScore:
-    """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load)."""
+def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None = None) -> lm_pb2.SequenceScore:
+    """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load);
+    gates: (n,) MEMORY_MODE_SPALM's gate of each scored token, or None."""
     tokens = []
     for j, t in enumerate(s.tokens.tolist()):
         alternatives = [
@@ -461,6 +478,7 @@ def encode_score(s: SequenceScore, pieces: list[str]) -> lm_pb2.SequenceScore:
         tokens.append(lm_pb2.TokenScore(
             token_id=t, text=pieces[t], logprob=float(s.logprob[j]), base_logprob=float(s.base_logprob[j]),
             is_greedy=bool(s.greedy[j]), alternatives=alternatives,
+            gate=float(gates[j]) if gates is not None else None,
         ))
     return lm_pb2.SequenceScore(
         tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,

@@ -27,8 +27,9 @@ scores as `memlm eval --memory xl` does, and for Generate an XLMemory as the dec
 runs past the context without re-encoding). MEMORY_MODE_MEMORIZING (Wu et al. 2022) on a server loaded with
 a KnnAttention (a `memlm train --memory memorizing` checkpoint's knn_attention.pt): the same library calls
 with a memorizing memory, each sequence's kNN memory its own, in process, dropped when the call ends. kNN-LM
-combines with all of them. MEMORY_MODE_COMPRESSIVE and MEMORY_MODE_SPALM answer UNIMPLEMENTED (they need
-trained parameters the service does not load yet), and so does MEMORIZING without a KnnAttention.
+combines with all of them but SPALM. MEMORY_MODE_SPALM (Yogatama et al. 2021; services.lm_spalm) with a SPALM
+checkpoint's head and a searcher: memlm.jobs.spalm_scoring, one search per segment or decode step (a remote one
+without the turn). Unserved modes (COMPRESSIVE always: no trained compressor) answer UNIMPLEMENTED, naming why.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from memlm.jobs.generate import (
 )
 from memlm.jobs.memorizing import saved_knn_attention
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
+from memlm.jobs.spalm_scoring import score_spalm, spalm_step
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
@@ -64,6 +66,7 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
+from services import lm_spalm
 from services.lm_requests import LMLimits, RequestParser, encode_score
 from services.lm_scheduler import (
     CallStop,
@@ -133,21 +136,22 @@ class LanguageModelServicer:
     # -- setup --------------------------------------------------------------------------------------
 
     def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
-             knn_attention: KnnAttention | None = None) -> None:
-        """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM) and a
-        KnnAttention (MEMORY_MODE_MEMORIZING; refused when made for other heads).
+             knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None) -> None:
+        """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM), a KnnAttention
+        (MEMORY_MODE_MEMORIZING; refused when made for other heads) and a SPALM head (MEMORY_MODE_SPALM).
 
-        Refuses a datastore (searcher.info()) made with another model or tokenizer (its keys would be
-        meaningless for this model, its values other tokens), keys of another dimension, or another
-        document-boundary token than the one this server prepends (its keys saw other text). May block:
-        a RetrievalClient asks its server.
+        Refuses a datastore (searcher.info()) made with another model (with a SPALM head: than its keys'
+        model) or tokenizer (its keys would be meaningless for this model, its values other tokens), keys of
+        another dimension, or another document-boundary token than the one this server prepends (its keys
+        saw other text). May block: a RetrievalClient asks its server.
         """
         model, tokenizer = pretrained.model, pretrained.tokenizer
         boundary = document_boundary(tokenizer)
         info = None
+        keys_model = lm_spalm.keys_fingerprint(spalm, pretrained.fingerprint, model.config.n_embd)
         if searcher is not None:
             info = searcher.info()
-            check_searcher(info, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,
+            check_searcher(info, model_fingerprint=keys_model, tokenizer_fingerprint=tokenizer.fingerprint,
                            dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
         knn_layer = None
         if knn_attention is not None:
@@ -158,6 +162,7 @@ class LanguageModelServicer:
             except ValueError as e:
                 raise MemlmError(str(e)) from None
         self._knn_attention = knn_attention
+        self._spalm = spalm
         self._model = model
         self._tokenizer = tokenizer
         self._searcher = searcher
@@ -168,7 +173,8 @@ class LanguageModelServicer:
         self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
         self._parser = RequestParser(tokenizer=tokenizer, vocab=vocab, max_len=model.config.max_seq_len,
                                      limits=self._limits, knn_defaults=self._knn_defaults,
-                                     has_searcher=searcher is not None,
+                                     knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
+                                     spalm_missing=lm_spalm.spalm_missing(spalm, searcher is not None),
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
@@ -197,7 +203,8 @@ class LanguageModelServicer:
     async def _refuse_knn_while_down(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, context) -> None:
         """A kNN-LM call while the retrieval link is down fails at once, not after queueing for the model
         and running its first step (issue 9.2: fast failure); the breaker still guards every search."""
-        if request.knn.enabled and isinstance(self._searcher, RetrievalClient) and self._searcher.link_up is False:
+        searches = request.knn.enabled or request.memory_mode == lm_pb2.MEMORY_MODE_SPALM
+        if searches and isinstance(self._searcher, RetrievalClient) and self._searcher.link_up is False:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"retrieval service {self._searcher.address}: retrieval "
                                                              "link down (the channel cannot connect); failing fast")
 
@@ -230,27 +237,28 @@ class LanguageModelServicer:
         # on a worker, off the event loop and without the turn.
         args = await self.scheduler.run_free(self._parser.score, request)
 
-        def work():
-            searcher = call_searcher(self._searcher, gate, stop) if args.knn is not None else None
+        def work():  # -> (scores, the SPALM gates of each sequence or None)
+            searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+            if args.spalm is not None:
+                return score_spalm(
+                    self._model, self._spalm.head, args.token_seqs, memory=args.memory, searcher=searcher,
+                    k=args.spalm.k, options=args.spalm.options, boundary_token=self._boundary, contexts=args.contexts,
+                    top_n=args.top_n, batch_size=args.batch_size, should_stop=gate)
             if args.memory is None:
-                scores = score_tokens(
+                return score_tokens(
                     self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
                     boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                    batch_size=args.batch_size, should_stop=gate,
-                )
-            else:
-                scores = score_tokens_segments(
-                    self._model, args.token_seqs, memory=args.memory,
-                    contexts=args.contexts, boundary_token=self._boundary, searcher=searcher, knn=args.knn,
-                    top_n=args.top_n, batch_size=args.batch_size, should_stop=gate,
-                    knn_attention=self._knn_attention_for(args.memory),
-                )
-            return scores
+                    batch_size=args.batch_size, should_stop=gate), None
+            return score_tokens_segments(
+                self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
+                boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
+                batch_size=args.batch_size, should_stop=gate, knn_attention=self._knn_attention_for(args.memory)), None
 
         try:
-            scores = await self._call_library(context, stop, gate, work)
-            return await self.scheduler.run_free(
-                lambda: lm_pb2.ScoreResponse(results=[encode_score(s, self._pieces) for s in scores]))
+            scores, gates = await self._call_library(context, stop, gate, work)
+            gates = gates if gates is not None else [None] * len(scores)
+            return await self.scheduler.run_free(lambda: lm_pb2.ScoreResponse(
+                results=[encode_score(s, self._pieces, g) for s, g in zip(scores, gates)]))
         finally:  # cancelled, aborted or done: a step still running stops after itself
             stop.set()
 
@@ -263,13 +271,14 @@ class LanguageModelServicer:
         args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
 
         def start():
+            searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
             return SerialIterator(generate(
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
-                eos_id=self._tokenizer.eos_id,
-                searcher=call_searcher(self._searcher, gate, stop) if args.knn is not None else None,
-                knn=args.knn, memory=args.memory, should_stop=gate,
-                knn_attention=self._knn_attention_for(args.memory),
+                eos_id=self._tokenizer.eos_id, searcher=searcher if args.knn else None,
+                knn=args.knn, memory=args.memory, should_stop=gate, knn_attention=self._knn_attention_for(args.memory),
+                segment_step=spalm_step(self._spalm.head, searcher, args.spalm.k, args.spalm.options)
+                if args.spalm else None,
             ))
 
         # Validates; the prompt runs at the first next().
@@ -384,6 +393,7 @@ async def start_lm_server(
     options: ServerOptions = ServerOptions(),
     limits: LMLimits = LMLimits(),
     knn_attention: KnnAttention | None = None,
+    spalm: lm_spalm.SpalmCheckpoint | None = None,
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
@@ -393,12 +403,13 @@ async def start_lm_server(
     knn_defaults: k, lambda, temperature, nprobe, exact re-rank used where a request leaves them unset.
     knn_attention: the memorizing layer's parameters: MEMORY_MODE_MEMORIZING is served with it (at
         limits.knn_layer), not without.
+    spalm: a SPALM head: MEMORY_MODE_SPALM is served with it and a searcher (checked against its keys' model).
     Health reports SERVING once this returns. The model's workers are released when the server stops.
     """
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     try:
         # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm)
     except BaseException:
         await started.running.server.stop(None)
         raise
@@ -475,7 +486,9 @@ async def serve_lm(
         )
         # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention)
+        # A `memlm train --memory spalm` checkpoint's head serves MEMORY_MODE_SPALM (with the searcher).
+        spalm = lm_spalm.saved_spalm(model, pretrained.model.device)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm)
     except BaseException:
         await started.running.server.stop(None)
         raise

@@ -109,20 +109,22 @@ class TokenAlternative(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenScore(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "base_logprob", "is_greedy", "alternatives")
+    __slots__ = ("token_id", "text", "logprob", "base_logprob", "is_greedy", "alternatives", "gate")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     BASE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     IS_GREEDY_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: float
     base_logprob: float
     is_greedy: bool
     alternatives: _containers.RepeatedCompositeFieldContainer[TokenAlternative]
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ...) -> None: ...
+    gate: float
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ..., gate: _Optional[float] = ...) -> None: ...
 
 class SequenceScore(_message.Message):
     __slots__ = ("tokens", "total_logprob", "base_total_logprob", "perplexity", "is_greedy", "context_tokens")
