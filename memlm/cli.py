@@ -204,6 +204,11 @@ def knn_request(args: argparse.Namespace) -> Any:
     """The request's kNN-LM options (None fields: the server's defaults); kNN flags without --knn are refused."""
     from services.lm_client import KnnRequest
 
+    if args.kind == "spalm":  # --k and --nprobe set SPALM's own search (memory_request)
+        if args.knn:
+            raise MemlmError("--knn does not combine with --memory spalm (it mixes by its learned gate)")
+        refuse_given(args, ("lmbda", "temperature"), "is kNN-LM's interpolation; --memory spalm mixes by its gate")
+        return None
     if not args.knn:
         refuse_given(args, CLIENT_KNN, "needs --knn")
         return None
@@ -215,14 +220,15 @@ def knn_request(args: argparse.Namespace) -> Any:
 
 def memory_request(args: argparse.Namespace) -> dict[str, Any]:
     """memory_mode= and memory= keyword arguments of the client calls (server defaults when unset)."""
-    from services.lm_client import MemoryRequest
+    from services.lm_client import MemoryRequest, SpalmRequest
 
     if args.kind in (None, "none"):
-        refuse_given(args, SERVE_MEMORY + CLIENT_KNN_MEMORY, "needs --memory xl or memorizing")
+        refuse_given(args, SERVE_MEMORY + CLIENT_KNN_MEMORY, "needs --memory xl, memorizing or spalm")
         return {}
     if args.kind != "memorizing":
         refuse_given(args, CLIENT_KNN_MEMORY, "needs --memory memorizing")
-    return {"memory_mode": args.kind,
+    spalm = {"spalm": SpalmRequest(k=args.k, nprobe=args.nprobe)} if args.kind == "spalm" else {}
+    return {"memory_mode": args.kind, **spalm,
             "memory": MemoryRequest(segment_tokens=args.segment, memory_tokens=args.mem_len, sink_tokens=args.sink_tokens,
                                     knn_mem_size=args.knn_mem_size, knn_top_k=args.knn_top_k)}
 
@@ -366,7 +372,7 @@ def add_client_parser(sub: Any) -> None:
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
         add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)
         add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY, *CLIENT_KNN_MEMORY),
-                    choices={"kind": ("none", "xl", "memorizing")})
+                    choices={"kind": ("none", "xl", "memorizing", "spalm")})
         if name == "score":
             c.add_argument("text", nargs="+", help="texts to score")
             c.add_argument("--prefix", action="append", help="text each text continues (its loglikelihood given it)")
