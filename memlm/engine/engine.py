@@ -105,6 +105,7 @@ class Engine:
         self._stopping = False
         self.step_time_s = FIRST_STEP_GUESS_S
         self.steps = 0
+        """Steps that ran the model (for tests and benchmarks)."""
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -152,7 +153,8 @@ class Engine:
         try:
             self._end_cancelled()
             self._admit()
-            if self._rows:
+            ran = bool(self._rows)
+            if ran:
                 with torch.inference_mode():
                     self._forward_and_choose()
         except Exception as e:  # the requests of this batch cannot continue; the engine can
@@ -160,7 +162,7 @@ class Engine:
                 row.handle.put(e)
                 self._release(row)
             raise
-        if self._rows:
+        if ran:
             elapsed = time.perf_counter() - start
             self.step_time_s = STEP_TIME_DECAY * self.step_time_s + (1 - STEP_TIME_DECAY) * elapsed
             self.steps += 1
