@@ -268,3 +268,55 @@ def test_memlm_client_asks_for_spalm(address, stub):
                            (["--knn"], "--knn does not combine with --memory spalm")):
         with pytest.raises(MemlmError, match=message):
             knn_request(build_parser().parse_args(argv[:-1] + extra + ["text"]))
+
+
+def test_serve_lm_with_a_spalm_checkpoint_serves_its_head_over_the_datastore(tmp_path):
+    # A real `memlm train --memory spalm` checkpoint and a real `memlm serve lm --model DIR --datastore DIR`
+    # process: SPALM is served with the checkpoint's memory sizes as defaults, the datastore passes the check
+    # against the head's keys' model (the checkpoint's own fingerprint differs: W trained), and a Score
+    # equals the library's over the same weights, head and datastore.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from datastore import Datastore
+    from memlm.cli import main
+    from memlm.memory.spalm import load_spalm_head
+    from memlm.model.checkpoint import load_checkpoint, read_settings
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    corpus, store, out = tmp_path / "corpus.jsonl", tmp_path / "store", tmp_path / "ckpt"
+    rows = [{"text": f"Speech number {i}: the state of the union is strong and growing.", "year": 1990 + i}
+            for i in range(12)]
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["datastore", "build", "--model", "tiny", "--data", str(corpus), "--split", "year<2000", "--out",
+                 str(store), "--context", "64", "--stride", "32", "--index", "Flat", "--quiet"]) == 0
+    assert main(["train", "--model", "tiny", "--init", "pretrained", "--memory", "spalm", "--datastore", str(store),
+                 "--data", str(corpus), "--split", "year<2000", "--steps", "2", "--warmup-steps", "0", "--lr", "0.05",
+                 "--segment", "32", "--mem-len", "32", "--batch-size", "2", "--k", "4", "--out", str(out)]) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "memlm", "serve", "lm", "--model", str(out), "--datastore",
+                             str(store), "--port", "0"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert lines and lines[0].startswith("listening on "), (lines, proc.poll())
+        with grpc.insecure_channel(lines[0].split()[-1]) as channel:
+            stub = lm_grpc.LanguageModelServiceStub(channel)
+            info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
+            seqs = [ids(100, salt=10)]
+            got = stub.Score(lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=seqs[0]))],
+                                                 memory_mode=lm_pb2.MEMORY_MODE_SPALM), timeout=60)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert lm_pb2.MEMORY_MODE_SPALM in info.memory_modes and info.default_memory.segment_tokens == 32
+    pre, (head, keys) = load_checkpoint(out), load_spalm_head(out)
+    assert keys != pre.fingerprint == info.model_fingerprint and info.datastore.model_fingerprint == keys
+    memory = read_settings(out).memory
+    expected = score_spalm(pre.model, head, seqs, memory=memory, searcher=Datastore.open(store), k=SPALM_DEFAULT_K,
+                           boundary_token=document_boundary(pre.tokenizer), batch_size=LMLimits().step_rows(32))
+    np.testing.assert_array_equal(logprobs(got)[0], expected.scores[0].logprob)
