@@ -8,7 +8,8 @@ Five modes, chosen from the flags, each refusing in one line a flag that does no
 - segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`
   checkpoint with its knn_attention.pt, or any model with a fresh, untrained gate, which the result says);
 - SPALM (--memory spalm --datastore DIR [--k K], Yogatama et al. 2021: the XL memory plus the datastore's
-  retrieved tokens mixed in by a learned gate; memlm.spalm_command);
+  retrieved tokens mixed in by a learned gate; memlm.spalm_command), optionally interpolated with kNN-LM
+  over the same search (--lambda, --knn-temperature, --knn-k, tuned on --tune-data);
 - the continuous cache (--continuous-cache --cache-size M, Grave et al. 2017: kNN-LM over the document's
   own past, over --memory none or xl; --k, --lambda, --knn-temperature, tuned on --tune-data).
 Settings recorded by an artifact follow one rule (memlm.retrieval.compat): a datastore's context and
@@ -26,7 +27,6 @@ from typing import Any
 from memlm.errors import MemlmError
 from memlm.files import check_writable_file
 from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
-from memlm.spalm_command import run_spalm_eval, wants_spalm
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
@@ -41,6 +41,7 @@ from memlm.options import (
     refuse_given,
     refuse_unless_memorizing,
 )
+from memlm.spalm_command import add_spalm_eval_options, run_spalm_eval, wants_spalm
 
 KNN_ONLY = ("search_backend", "tune_data", "tune_split", "tune_max_tokens", "allow_tune_overlap")
 """Eval flags of kNN-LM besides the kNN option group (refused without --datastore)."""
@@ -77,6 +78,7 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
                      help="tune even on documents that are evaluated too (recorded in the result)")
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
+    add_spalm_eval_options(p)
     # The one definition of a client link's TLS and token flags: memlm.link_options.
     from memlm.link_options import add_link_security
 
@@ -196,6 +198,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     boundary = document_boundary(pretrained.tokenizer)
     settings = checkpoint_settings(args.model, boundary)
     spalm = wants_spalm(args, settings)  # --memory spalm: memlm.spalm_command (issue 11)
+    if not spalm:
+        refuse_given(args, ("knn_k",), "applies to --memory spalm (SPALM + kNN-LM) only; kNN-LM alone takes --k")
     memory = None if spalm else memory_for(args, settings)
     evaluation = load_tokens(pretrained.tokenizer, args.data, args.split, args.max_tokens)
     header = {
@@ -211,7 +215,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if memory is None or memory.kind != "memorizing" or args.continuous_cache:
         refuse_given(args, KNN_SERVICE_FLAGS, "needs --memory memorizing --knn-backend service")
     if spalm:
-        result = run_spalm_eval(args, pretrained, evaluation, boundary, settings)
+        result = run_spalm_eval(args, pretrained, evaluation, boundary, settings, tuning_tokens)
     elif args.continuous_cache:
         result = run_cache_eval(args, pretrained, evaluation, memory, boundary)
     elif memory is not None:
@@ -390,7 +394,7 @@ def print_result(result: dict[str, Any]) -> None:
                 "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
                 "knnlm_speed_ratio", "recall_at_k", "recall_at_10", "cache_size", "knn_mem_size", "knn_top_k",
                 "knn_backend", "knn_layer", "gate_trained", "gate_mean", "memory_weight_mean", "neighbour_rate",
-                "head_trained",
+                "head_trained", "spalm_perplexity", "knn_k", "knn_hit_rate",
                 "attention_span", "seconds"):
         if key in result:
             value = result[key]

@@ -5,17 +5,22 @@ Settings follow the one rule of memlm.retrieval.compat: a SPALM checkpoint's mem
 size, sinks) is taken when left unset and refused when given differently; the datastore must fit the
 model through `check_searcher`, with the fingerprint of the model whose keys the head was trained
 against (training changes the decoder's own fingerprint, the datastore's keys stay fixed). Flags that
-do not apply (windows, kNN-LM's lambda and temperature, tuning, other memories' options) are refused in
-one line.
+do not apply (windows, other memories' options) are refused in one line.
+
+SPALM + kNN-LM (the issue's "SPALM and SPALM + kNN-LM interpolation, side by side"): --lambda,
+--knn-temperature (numbers, or auto: tuned on --tune-data by kNN-LM's grid search, the overlap with the
+evaluation documents refused as for kNN-LM) and --knn-k (kNN-LM's neighbours; --k stays SPALM's) turn on
+p = (1 - lambda) p_SPALM + lambda p_kNN over the same search (memlm.jobs.spalm.evaluate_spalm).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
 
 from memlm.errors import MemlmError
 from memlm.memory.config import MemoryConfig
@@ -31,8 +36,31 @@ from memlm.options import (
 
 SPALM_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
 """The memory options of SPALM (its short-term memory is the XL memory)."""
-SPALM_KNN = ("k", "nprobe", "exact_rerank")
-"""The kNN options SPALM takes: neighbours per token and how the datastore is searched."""
+SPALM_KNN = ("k", "nprobe", "exact_rerank", "lmbda", "temperature")
+"""The kNN options SPALM takes: neighbours per token, how the datastore is searched, and kNN-LM's mixture."""
+INTERPOLATION = ("lmbda", "temperature", "knn_k")
+"""Any of these given: SPALM + kNN-LM (the others take KNNLMConfig's defaults)."""
+
+
+def add_spalm_eval_options(parser: argparse.ArgumentParser) -> None:
+    """`memlm eval`'s SPALM-only flag: kNN-LM's neighbours in SPALM + kNN-LM (--k is SPALM's there)."""
+    from memlm.options import neighbours
+    from memlm.retrieval.knnlm import KNNLMConfig
+
+    group = parser.add_argument_group("SPALM + kNN-LM (--memory spalm with --lambda / --knn-temperature)")
+    group.add_argument("--knn-k", type=neighbours, default=None, metavar="K",
+                       help=f"kNN-LM's neighbours, read from SPALM's one search of max(--k, K) (default {KNNLMConfig().k})")
+
+
+def spalm_knn_config(args: argparse.Namespace) -> Any:
+    """The KNNLMConfig of SPALM + kNN-LM (k: --knn-k), or None when none of INTERPOLATION is given."""
+    from memlm.options import knn_config
+    from memlm.retrieval.knnlm import KNNLMConfig
+
+    if all(getattr(args, d, None) is None for d in INTERPOLATION):
+        return None
+    knn = knn_config(args, allow_auto=True)  # its k is SPALM's --k: replaced by kNN-LM's own
+    return dataclasses.replace(knn, k=args.knn_k if args.knn_k is not None else KNNLMConfig().k)
 
 
 def wants_spalm(args: argparse.Namespace, settings: Any) -> bool:
@@ -105,26 +133,38 @@ def refuse_non_spalm_eval_flags(args: argparse.Namespace) -> None:
     if args.datastore is None:
         raise MemlmError("--memory spalm needs --datastore DIR (its long-term memory)")
     refuse_given(args, WINDOW_OPTIONS, "does not apply with --memory spalm (it runs segment by segment: --segment)")
-    refuse_given(args, [d for d in KNN_OPTIONS if d not in SPALM_KNN],
-                 "is kNN-LM's interpolation; --memory spalm mixes by its learned gate")
-    refuse_given(args, ("tune_data", "continuous_cache", *MEMORIZING_ONLY), "does not apply with --memory spalm")
+    refuse_given(args, [d for d in KNN_OPTIONS if d not in SPALM_KNN], "does not apply with --memory spalm")
+    refuse_given(args, ("continuous_cache", *MEMORIZING_ONLY), "does not apply with --memory spalm")
+    if spalm_knn_config(args) is None:
+        refuse_given(args, ("tune_data",), "tunes SPALM + kNN-LM: give --lambda auto or --knn-temperature auto")
 
 
-def run_spalm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, boundary: int, settings: Any) -> dict:
-    """`memlm eval --memory spalm --datastore DIR [--k K]`: memlm.jobs.spalm.evaluate_spalm with the XL
-    memory of the flags (or the checkpoint's) and the checkpoint's head (or a fresh one)."""
-    from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
+def run_spalm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, boundary: int, settings: Any,
+                   tuning_tokens: Callable[[argparse.Namespace, Any, Any], tuple[Any, dict]]) -> dict:
+    """`memlm eval --memory spalm --datastore DIR [--k K]` (+ kNN-LM: [--lambda L] [--knn-temperature T]
+    [--knn-k K'] [--tune-data ...]): memlm.jobs.spalm.evaluate_spalm with the XL memory of the flags (or the
+    checkpoint's) and the checkpoint's head (or a fresh one). tuning_tokens: memlm.eval_command's (the tuning
+    documents, refused where they overlap the evaluation's), called once the flags are checked."""
+    from memlm.jobs.spalm import (
+        datastore_token_counts,
+        evaluate_spalm,
+        require_tuning_docs,
+    )
     from memlm.options import knn_config
 
     refuse_non_spalm_eval_flags(args)
+    knn = spalm_knn_config(args)
+    tune_docs, tune_record = tuning_tokens(args, pretrained.tokenizer, evaluation)
+    require_tuning_docs(knn, tune_docs)
     memory = spalm_memory_config(args, settings)
     model = pretrained.model
     head, keys_fingerprint, trained = spalm_head_for(args.model, model, pretrained.fingerprint)
     store = open_spalm_datastore(args.datastore, pretrained, keys_fingerprint, boundary, args.search_backend)
-    options = knn_config(args).search_options
+    options = knn_config(args, allow_auto=True).search_options  # lambda and T are spalm_knn_config's
     result = evaluate_spalm(model, head, evaluation.token_docs, memory, store, spalm_k(args), boundary_token=boundary,
                             token_counts=datastore_token_counts(store, model.config.vocab_size),
-                            batch_size=args.batch_size, options=options, head_trained=trained)
+                            batch_size=args.batch_size, options=options, head_trained=trained, knn=knn,
+                            tune_docs=tune_docs)
     info = store.info()
-    return {**result, "index": info.index, "datastore_size": info.n, "nprobe": options.nprobe,
+    return {**result, **tune_record, "index": info.index, "datastore_size": info.n, "nprobe": options.nprobe,
             "exact_rerank": options.exact_rerank}

@@ -108,6 +108,9 @@ class SpalmOutput(NamedTuple):
     gate: torch.Tensor  # (B, T) g_t (1 where no neighbour, and at positions not searched)
     state: DecoderState | None
     has_neighbours: torch.Tensor  # (B, T) bool
+    # The segment's search (after the filter): rows the searched positions, row-major; search_k columns,
+    # nearest first, of which the head read the first k (kNN-LM reads them all: memlm.jobs.spalm).
+    neighbors: Neighbors | None = None  # (Q, search_k) arrays
 
 
 NeighborsFilter = Callable[[Neighbors], Neighbors]
@@ -131,24 +134,32 @@ def final_hidden(model: Decoder, idx: torch.Tensor, state: DecoderState | None) 
 def spalm_forward(
     model: Decoder, head: SpalmHead, idx: torch.Tensor, state: DecoderState | None, searcher: Searcher, k: int,
     search_mask: torch.Tensor, options: SearchOptions | None = None, neighbors_filter: NeighborsFilter | None = None,
+    search_k: int | None = None,
 ) -> SpalmOutput:
     """One segment of SPALM: the decoder with its (XL) memory, ONE batched search of the kNN keys of the
     positions in search_mask (B, T) bool, and the head over the retrieved tokens.
 
     idx: (B, T) token ids. Retrieval is not differentiable: the keys are detached (search_keys) and the
-    datastore's keys are fixed; gradients reach h (the decoder), W and the head."""
+    datastore's keys are fixed; gradients reach h (the decoder), W and the head.
+    search_k: neighbours searched per position (>= k; None: k), returned in SpalmOutput.neighbors; the
+    head reads the k nearest of them (a search's rows are sorted), so SPALM + kNN-LM searches once."""
+    search_k = k if search_k is None else search_k
+    if search_k < k:
+        raise ValueError(f"search_k {search_k} is less than the head's k {k}")
     h, key, new_state = final_hidden(model, idx, state)  # (B, T, C) each
     B, T = idx.shape
     tokens = torch.full((B, T, k), -1, dtype=torch.long, device=h.device)  # (B, T, k)
     flat = search_mask.to(h.device).reshape(-1)  # (B*T,)
+    nb = Neighbors(np.zeros((0, search_k), np.float32), np.zeros((0, search_k), np.int64),
+                   np.zeros((0, search_k), np.int32))  # (0, search_k): nothing searched
     if bool(flat.any()):
-        nb = search_keys(searcher, key.reshape(B * T, -1)[flat], k, options)  # (Q, k) arrays
+        nb = search_keys(searcher, key.reshape(B * T, -1)[flat], search_k, options)  # (Q, search_k) arrays
         if neighbors_filter is not None:
             nb = neighbors_filter(nb)
-        found = torch.from_numpy(np.where(nb.ids >= 0, nb.values, -1).astype(np.int64)).to(h.device)  # (Q, k)
+        found = np.where(nb.ids[:, :k] >= 0, nb.values[:, :k], -1).astype(np.int64)  # (Q, k)
         tokens = tokens.reshape(B * T, k)
-        tokens[flat] = found
+        tokens[flat] = torch.from_numpy(found).to(h.device)
         tokens = tokens.reshape(B, T, k)  # (B, T, k)
     valid = tokens >= 0  # (B, T, k)
     z, g = head(h, tokens, valid, model.lm_head.weight)  # (B, T, C), (B, T)
-    return SpalmOutput(model.lm_head(z), g, new_state, valid.any(dim=-1))  # logits (B, T, V)
+    return SpalmOutput(model.lm_head(z), g, new_state, valid.any(dim=-1), nb)  # logits (B, T, V)

@@ -102,7 +102,7 @@ def test_memlm_eval_memory_spalm_end_to_end(capsys, tmp_path):
     assert xl["tokens"] == result["tokens"] and xl["nll"] != result["nll"]
     assert abs(xl["nll"] - result["nll"]) < 0.5
 
-    for flags, message in ((["--lambda", "0.5"], "--lambda is kNN-LM's interpolation"),
+    for flags, message in ((["--tune-data", str(corpus)], "--tune-data tunes SPALM + kNN-LM: give --lambda auto"),
                            (["--context", "64"], "--context does not apply with --memory spalm"),
                            (["--knn-top-k", "4"], "--knn-top-k does not apply with --memory spalm")):
         code, _, err = run(capsys, *common, "--memory", "spalm", "--datastore", str(store), *flags)
