@@ -66,7 +66,7 @@ class LMLimits:
     max_top_n: int = 20
     """Largest ScoreRequest.top_n."""
     max_k: int = 4096
-    """Largest kNN-LM k."""
+    """Largest knn.k: kNN-LM's neighbours, or MEMORY_MODE_SPALM's per token."""
     max_stop_sequences: int = 16
     """Most stop sequences in one GenerateRequest."""
     score_batch_size: int = 4

@@ -201,7 +201,7 @@ class LanguageModelServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
 
     async def _refuse_knn_while_down(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, context) -> None:
-        """A kNN-LM call while the retrieval link is down fails at once, not after queueing for the model
+        """A kNN-LM or SPALM call while the retrieval link is down fails at once, not after queueing for the model
         and running its first step (issue 9.2: fast failure); the breaker still guards every search."""
         searches = request.knn.enabled or request.memory_mode == lm_pb2.MEMORY_MODE_SPALM
         if searches and isinstance(self._searcher, RetrievalClient) and self._searcher.link_up is False:
