@@ -64,7 +64,10 @@ def open_memory(
     reproject: see memlm.memory.xl.XLMemory (True in training).
     """
     from memlm.memory.state import new_memory
+    from memlm.model.pretrained import require_decoder
 
+    if memory.kind != "none":  # a transformers model (issue 13) serves kNN-LM and plain generation only
+        require_decoder(model, f"--memory {memory.kind}")
     check_knn_attention(memory, knn_attention)
     device = model.device
     if memory.kind != "memorizing":
@@ -144,8 +147,9 @@ def knn_parameters(knn_attention: KnnAttention | None) -> list[torch.nn.Paramete
 def fresh_knn_attention(model: Decoder) -> KnnAttention:
     """A new KnnAttention for `model` on its device (gate near 0: fine-tuning starts at the base model)."""
     from memlm.memory.memorizing import new_knn_attention
+    from memlm.model.pretrained import require_decoder
 
-    return new_knn_attention(model.config).to(model.device)
+    return new_knn_attention(require_decoder(model, "--memory memorizing").config).to(model.device)
 
 
 def saved_knn_attention(directory: str | Path, device: torch.device | str) -> KnnAttention | None:

@@ -31,7 +31,8 @@ from memlm.files import atomic_path, cache_dir, download_wheel, extract_member, 
 from memlm.model.checkpoint import load_checkpoint
 from memlm.model.config import PRESETS, ModelConfig, canonical_name
 from memlm.model.decoder import Decoder
-from memlm.model.pretrained import Pretrained, model_from_state_dict
+from memlm.model.hf_model import HF_PREFIX, load_hf_causal_lm
+from memlm.model.pretrained import Pretrained, files_fingerprint, model_from_state_dict
 from memlm.model.tokenizer import Tokenizer
 
 
@@ -280,10 +281,15 @@ def load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, name: 
 # -- Hugging Face directories ---------------------------------------------------------------------
 
 
+DECODER_MODEL_TYPE = "llama"
+"""The Hugging Face model_type memlm's decoder loads; directories of any other type load with transformers
+(memlm.model.hf_model), as does any source given as hf:SOURCE."""
+
+
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     """ModelConfig from a Hugging Face Llama config.json (transformers 4.x and 5.x spellings)."""
     model_type = cfg.get("model_type")
-    if model_type != "llama":
+    if model_type != DECODER_MODEL_TYPE:
         raise MemlmError(f"{source}: model_type {model_type!r} is not supported; memlm runs Llama models")
     rope = cfg.get("rope_parameters") or {}  # transformers 5 moves rope_theta here
     scaling = cfg.get("rope_scaling") or {}
@@ -326,25 +332,45 @@ def load_hf_dir(directory: Path, device: str | torch.device, dtype: torch.dtype)
                 continue  # recomputed, not a weight (older transformers saved it)
             state[key.removeprefix("model.")] = tensor
     model = model_from_state_dict(config, state, device, dtype, source)
-    digests = [sha256_file(f) for f in files]
-    fingerprint = digests[0] if len(digests) == 1 else hashlib.sha256(
-        "".join(f"{f.name}:{d}\n" for f, d in zip(files, digests)).encode()).hexdigest()
-    return Pretrained(model, Tokenizer.from_dir(directory), fingerprint)
+    return Pretrained(model, Tokenizer.from_dir(directory), files_fingerprint(files))
+
+
+def _hf_model_type(directory: Path) -> str | None:
+    """model_type of a Hugging Face directory's config.json; None when it has none (or is a memlm checkpoint)."""
+    try:
+        meta = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # not an HF directory: load_pretrained's own checks say what it is
+    return None if meta.get("format") == "memlm-checkpoint" else meta.get("model_type")
 
 
 # -- the one entry point --------------------------------------------------------------------------
 
 
 def load_pretrained(
-    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    key_module: str | None = None,
 ) -> Pretrained:
     """Load a model and its tokenizer from a preset name or a path.
 
     Accepted: "smollm2-135m" (the fetched GGUF), "tiny" / "small" (random weights, seed 0; "tiny" uses
     the byte tokenizer, "small" SmolLM2's), a .gguf file, a Hugging Face Llama directory, or a memlm
-    checkpoint directory (memlm.model.checkpoint).
+    checkpoint directory (memlm.model.checkpoint) load into memlm's decoder. A Hugging Face directory of
+    another model_type, or anything given as hf:SOURCE (directory, .gguf, hub id), loads with
+    transformers (memlm.model.hf_model, issue 13), whose kNN key module `key_module` overrides.
     """
-    name = fetch_name(str(name_or_path))
+    text = str(name_or_path)
+    if text.startswith(HF_PREFIX):
+        source = Path(text.removeprefix(HF_PREFIX)).expanduser()
+        gguf = tokenizer_from_gguf(source) if source.is_file() and source.suffix == ".gguf" else None
+        return load_hf_causal_lm(text.removeprefix(HF_PREFIX), device, dtype, key_module, gguf)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and _hf_model_type(path) not in (None, DECODER_MODEL_TYPE):
+        return load_hf_causal_lm(str(path), device, dtype, key_module)
+    if key_module is not None:
+        raise MemlmError("--key-module applies to models run through transformers (hf:SOURCE); memlm's decoder's "
+                         "kNN key is the last block's feed-forward input")
+    name = fetch_name(text)
     if name in FETCHABLE:
         path = model_path(name)
         if not path.is_file():
@@ -368,7 +394,6 @@ def load_pretrained(
         model = random_model(config, RANDOM_SEED, device, dtype)
         return Pretrained(model, tokenizer, random_fingerprint(config, RANDOM_SEED))
 
-    path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, device, dtype)
     if path.is_dir() and (path / "config.json").is_file():
