@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from memlm.errors import MemlmError
 from memlm.link_options import add_link_security, add_token_options, link_tls, secret
 from memlm.eval_command import add_eval_parser
+from memlm.generate_command import add_generate_parser
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
@@ -409,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: cmd_fetch(a.name))
 
     add_eval_parser(sub)
+    add_generate_parser(sub)
     add_datastore_parser(sub)
     add_serve_parser(sub)
     add_client_parser(sub)

@@ -74,7 +74,8 @@ def test_no_import_cycle() -> None:
     assert find_cycle(graph) is None
 
 
-COMMAND_LINE = {"memlm.cli", "memlm.eval_command", "memlm.train_command", "memlm.spalm_command", "memlm.link_options"}
+COMMAND_LINE = {"memlm.cli", "memlm.eval_command", "memlm.train_command", "memlm.spalm_command", "memlm.link_options",
+                "memlm.generate_command"}
 """The command line wires datastores and servers into the library; it alone may import them."""
 
 

@@ -1,0 +1,195 @@
+"""`memlm generate`: continue one or more prompts through the decoding engine (memlm.engine, issue 12).
+
+    memlm generate --model M [--datastore DIR | --retrieval ADDR] [--lambda L --knn-temperature T --k K]
+        [--memory none|xl --segment S --mem-len M --sink-tokens N] [--max-new-tokens N]
+        [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT] PROMPT...
+
+All prompts run as one continuous batch (each its own request: its own sampler, seeded by --seed, so a
+prompt yields the same tokens alone or among others). Prints each continuation and the tokens/s; --json
+writes every token with its log-probabilities (final and base LM). kNN-LM needs a datastore (local,
+searched in process) or a retrieval service; both are checked against the model (fingerprints, key
+layer, boundary token) before generating. The option groups are memlm.options' (kNN, memory); the
+sampling group is defined here once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import MemlmError
+from memlm.files import check_writable_file
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.link_options import add_link_security, link_tls, secret
+from memlm.memory.config import MemoryConfig
+from memlm.options import (
+    KNN_OPTIONS,
+    MEMORY_OPTIONS,
+    Option,
+    add_options,
+    given,
+    knn_config,
+    memory_config,
+    positive_int,
+    refuse_given,
+)
+
+GENERATE_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
+"""The memory options the engine serves (--memory none or xl and the XL memory's sizes)."""
+DEFAULT_MAX_NEW_TOKENS = 64
+"""Tokens generated per prompt when --max-new-tokens is not given."""
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+_S = SamplingConfig()
+SAMPLING_OPTIONS = {o.dest: o for o in (
+    Option("--sampling-temperature", "sampling_temperature", non_negative_float, "sampling temperature; 0 = greedy",
+           _S.temperature),
+    Option("--top-k", "top_k", positive_int, "sample among the k most likely tokens only", "no limit"),
+    Option("--top-p", "top_p", float, "nucleus sampling: the smallest set of tokens of total probability >= p",
+           "1"),
+    Option("--seed", "seed", int, "seed of every prompt's sampler (reproducible whatever the batch)", "random"),
+)}
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """SamplingConfig from the sampling options given (the rest: its defaults). --sampling-temperature's
+    dest is prefixed: --knn-temperature's dest is "temperature"."""
+    return SamplingConfig(**{dest.removeprefix("sampling_"): v for dest, v in given(args, SAMPLING_OPTIONS).items()})
+
+
+def add_generate_parser(sub: Any) -> None:
+    from memlm.engine.requests import EngineConfig
+
+    p = sub.add_parser("generate", help="continue prompts through the decoding engine (one continuous batch)")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt texts (one request each)")
+    p.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"tokens generated per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--stop", action="append", default=None, help="stop sequence (repeat for several)")
+    p.add_argument("--json", default=None, help="write tokens and log-probabilities as JSON to this path")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--max-batch", type=positive_int, default=None,
+                        help="rows decoded together (default: one per prompt)")
+    engine.add_argument("--prefill-chunk", type=positive_int, default=None,
+                        help=f"prompt tokens prefilled per step (default {EngineConfig.prefill_chunk})")
+    add_options(p, "sampling", SAMPLING_OPTIONS)
+    add_options(p, "kNN-LM", KNN_OPTIONS)
+    knn = p.add_argument_group("kNN-LM datastore")
+    knn.add_argument("--datastore", default=None, help="datastore directory (searched in this process)")
+    knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
+    add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
+    add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": ("none", "xl")})
+    p.set_defaults(func=cmd_generate)
+
+
+def memory_from(args: argparse.Namespace) -> MemoryConfig | None:
+    """--memory xl and its sizes (MemoryConfig's defaults for the rest); None: the plain KV cache."""
+    if args.kind in (None, "none"):
+        refuse_given(args, GENERATE_MEMORY[1:], "needs --memory xl")
+        return None
+    return memory_config(args, MemoryConfig())
+
+
+def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
+    """The datastore or retrieval link of --datastore / --retrieval, checked against the model; None without."""
+    from memlm.model.tokenizer import document_boundary
+    from memlm.retrieval.compat import check_searcher
+
+    if args.datastore and args.retrieval:
+        raise MemlmError("give --datastore DIR or --retrieval HOST:PORT, not both")
+    if args.datastore:
+        from datastore import Datastore
+
+        searcher = Datastore.open(Path(args.datastore), device=str(pretrained.model.device))
+    elif args.retrieval:
+        from services.retrieval_client import RetrievalClient
+
+        searcher = RetrievalClient(args.retrieval, tls=link_tls(args, "retrieval-"),
+                                   token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"))
+    else:
+        refuse_given(args, KNN_OPTIONS, "needs --datastore or --retrieval")
+        return None
+    model, tokenizer = pretrained.model, pretrained.tokenizer
+    check_searcher(searcher.info(), model_fingerprint=pretrained.fingerprint,
+                   tokenizer_fingerprint=tokenizer.fingerprint, dim=model.config.n_embd,
+                   key_layer=model.config.key_description, boundary_token=document_boundary(tokenizer))
+    return searcher
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from memlm.engine.engine import Engine, run_all
+    from memlm.engine.requests import EngineConfig, GenerationRequest
+    from memlm.jobs.evaluate import write_json
+    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
+
+    if args.json:
+        check_writable_file(args.json, "--json")
+    memory = memory_from(args)
+    sampling = sampling_config(args)
+    knn = knn_config(args) if (args.datastore or args.retrieval) else None
+    device = resolve_device(args.device)
+    pretrained = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
+    searcher = open_searcher(args, pretrained)
+    tokenizer = pretrained.tokenizer
+    config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory, knn=knn)
+    if args.prefill_chunk is not None:
+        config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
+    engine = Engine(pretrained.model, tokenizer, config, searcher)
+    boundary = document_boundary(tokenizer)
+    requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling,
+                                  tuple(args.stop or ()), boundary, tokenizer.eos_id) for p in args.prompts]
+    start = time.perf_counter()
+    try:
+        results = run_all(engine, requests)
+    finally:
+        if args.retrieval:
+            searcher.close()  # the RetrievalClient's channel
+    seconds = time.perf_counter() - start
+    report = generation_report(args, results, seconds)
+    for i, r in enumerate(report["results"]):
+        print(f"--- [{i}] {r['finish_reason']}, {r['completion_tokens']} tokens")
+        print(r["prompt"] + r["text"])
+    print(f"{report['completion_tokens']} tokens in {seconds:.2f} s: {report['tokens_per_s']:.1f} tokens/s "
+          f"({len(requests)} prompts, batch {config.max_batch})")
+    if args.json:
+        write_json(report, args.json)
+
+
+def generation_report(args: argparse.Namespace, results: list[list[Any]], seconds: float) -> dict[str, Any]:
+    """What --json writes: every prompt's tokens, texts and log-probs (nats), and the run's settings."""
+    out = []
+    for prompt, events in zip(args.prompts, results):
+        toks = [e for e in events if isinstance(e, TokenEvent)]
+        end = events[-1]
+        out.append({
+            "prompt": prompt, "text": "".join(e.text_delta for e in events),
+            "tokens": [e.token_id for e in toks], "token_texts": [e.text for e in toks],
+            "logprobs": [e.logprob for e in toks], "base_logprobs": [e.base_logprob for e in toks],
+            "finish_reason": end.reason, "stop_sequence": end.stop_sequence,
+            "prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+        })
+    total = sum(r["completion_tokens"] for r in out)
+    return {
+        "model": args.model, "results": out, "completion_tokens": total, "seconds": seconds,
+        "tokens_per_s": total / seconds if seconds > 0 else 0.0,
+        "settings": {"max_new_tokens": args.max_new_tokens, "stop": args.stop or [],
+                     **{k: getattr(args, k) for k in (*SAMPLING_OPTIONS, *KNN_OPTIONS, *GENERATE_MEMORY)},
+                     "datastore": args.datastore, "retrieval": args.retrieval},
+    }

@@ -1,0 +1,83 @@
+"""`memlm generate`: prompts as one batch through the engine, --json tokens and log-probs, kNN-LM over a
+built datastore, XL memory, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.cli import main
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.model.tokenizer import document_boundary
+from memlm.model.weights import load_pretrained
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's usage errors (exit 2, one line: memlm.cli.OneLineErrors)
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def engine_tokens(prompts: list[str], n: int, sampling: SamplingConfig) -> list[list[int]]:
+    tiny = load_pretrained("tiny")
+    tok = tiny.tokenizer
+    reqs = [GenerationRequest(tuple(tok.encode(p)), n, sampling, boundary_token=document_boundary(tok),
+                              eos_id=tok.eos_id) for p in prompts]
+    results = run_all(Engine(tiny.model, tok, EngineConfig(max_batch=1)), reqs)
+    return [[e.token_id for e in events if isinstance(e, TokenEvent)] for events in results]
+
+
+def test_prompts_run_as_one_batch_and_json_has_tokens_and_logprobs(capsys, tmp_path) -> None:
+    out_json = tmp_path / "g.json"
+    prompts = ["hello world", "the cat sat", "x"]
+    code, out, err = run(capsys, "generate", "--model", "tiny", "--max-new-tokens", "9", "--sampling-temperature",
+                         "0.8", "--seed", "11", "--json", str(out_json), *prompts)
+    assert code == 0, err
+    assert "tokens/s" in out and out.count("--- [") == 3 and "batch 3" in out
+    result = json.loads(out_json.read_text())
+    got = [r["tokens"] for r in result["results"]]
+    # One at a time through the engine with the same seed: the same tokens as the batch of three.
+    assert got == engine_tokens(prompts, 9, SamplingConfig(temperature=0.8, seed=11))
+    for r in result["results"]:
+        assert len(r["logprobs"]) == len(r["tokens"]) == r["completion_tokens"] == 9
+        assert all(lp <= 0 for lp in r["logprobs"]) and r["logprobs"] == r["base_logprobs"]
+        assert r["finish_reason"] == "length"
+    assert result["settings"]["seed"] == 11 and result["tokens_per_s"] > 0
+
+
+def test_knn_lm_over_a_built_datastore_and_xl_memory(capsys, tmp_path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"Speech {i}: the union is strong."}) for i in range(6)) + "\n")
+    store = tmp_path / "store"
+    code, _, err = run(capsys, "datastore", "build", "--model", "tiny", "--data", str(corpus), "--out", str(store),
+                       "--context", "64", "--stride", "32", "--quiet")
+    assert code == 0, err
+    out_json = tmp_path / "knn.json"
+    code, out, err = run(capsys, "generate", "--model", "tiny", "--datastore", str(store), "--k", "8", "--lambda",
+                         "0.9", "--knn-temperature", "1", "--sampling-temperature", "0", "--max-new-tokens", "6",
+                         "--json", str(out_json), "Speech", "the union")
+    assert code == 0, err
+    results = json.loads(out_json.read_text())["results"]
+    assert all(r["logprobs"] != r["base_logprobs"] for r in results)  # the mixture, not the base LM
+    code, out, err = run(capsys, "generate", "--model", "tiny", "--memory", "xl", "--segment", "4", "--mem-len", "8",
+                         "--max-new-tokens", "30", "--sampling-temperature", "0", "a long prompt past one segment")
+    assert code == 0, err
+    assert "30 tokens" in out
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--segment", "8"], "--segment needs --memory xl"),
+    (["--k", "8"], "--k needs --datastore or --retrieval"),
+    (["--datastore", "a", "--retrieval", "b:1"], "not both"),
+    (["--memory", "compressive"], "invalid choice"),
+    (["--top-p", "1.5", "--sampling-temperature", "1"], "top_p must be in (0, 1]"),
+])
+def test_refusals_are_one_line(capsys, flags, message) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny", *flags, "hello")
+    assert code in (1, 2) and message in err and err.count("\n") == 1, err
