@@ -8,11 +8,15 @@ is frozen and stays bit-identical, and the datastore's keys are fixed (the paper
 pretrained model; with tied embeddings a trained W moves the query keys a little, --freeze-embeddings not).
 Per segment, one batched search of the scored positions' kNN keys, as in evaluation (memlm.jobs.spalm).
 
-Leakage guard: when the training text is the datastore's corpus (the same corpus fingerprint: content
-and split), a query's nearest entries are its own position's and its neighbours' (their values are the
-answer, or tokens right next to it), and the gate would learn to copy them. Every neighbour from the
-query's document within `leakage_window` positions is dropped (memlm.retrieval.leakage.exclude_nearby,
-with the datastore's provenance; a datastore without provenance is refused with its rebuild command).
+Leakage guard: when a training document is itself in the datastore, a query's nearest entries are its
+own position's and its neighbours' (their values are the answer, or tokens right next to it), and the
+gate would learn to copy them. Every neighbour from the query's document within `leakage_window`
+positions is dropped (memlm.retrieval.leakage.exclude_nearby, with the datastore's provenance; a
+datastore without provenance is refused with its rebuild command). Which datastore document a training
+document is goes by identity: its text's fingerprint against the datastore's documents table
+(leakage.document_indices; every copy of a text held twice is guarded), so a split written differently
+that selects the same documents keeps the guard on. A datastore older than the table falls back to the
+corpus fingerprint (the same corpus and split: document i is datastore document i), said in the log.
 The head is saved beside the checkpoint (spalm_head.pt) with the fingerprint of the model whose keys the
 datastore holds, which `memlm eval --memory spalm` checks the datastore against.
 
@@ -44,7 +48,7 @@ from memlm.memory.spalm import (
     save_spalm_head,
     spalm_forward,
 )
-from memlm.retrieval.leakage import exclude_nearby
+from memlm.retrieval.leakage import copy_level, document_indices, exclude_nearby
 from memlm.retrieval.searcher import Neighbors, Provenance, SearcherInfo, SearchOptions
 
 
@@ -59,6 +63,21 @@ class SpalmDatastore(Protocol):
     def info(self) -> SearcherInfo: ...
 
     def provenance(self, ids: np.ndarray) -> Provenance: ...
+
+    def documents(self) -> Sequence[Any]:
+        """The documents table in index order, records with a `fingerprint` (datastore.DocumentRecord);
+        raises MemlmError for a datastore format that predates it."""
+        ...
+
+
+def datastore_fingerprints(store: SpalmDatastore) -> list[str] | None:
+    """The fingerprint of each datastore document in index order, or None for a datastore whose format
+    predates the documents table (datastore.Datastore.documents refuses those in one line)."""
+    try:
+        records = store.documents()
+    except MemlmError:  # the only refusal of documents() once opened: the format predates the table
+        return None
+    return [r.fingerprint for r in records]
 
 
 def leakage_window(info: SearcherInfo) -> int:
@@ -114,14 +133,10 @@ class SpalmRun(_Run):
         trained = select_spalm_trainable(self.model, config.spalm_train_top, config.freeze_embeddings)
         self.opt = self._spalm_optimizer()
         self.head_ids = {id(p) for p in self.head.parameters()}  # on --head-lr (TrainConfig.lr_scale)
-        self.guarded = self._guarded(info)
         self.window = leakage_window(info)
-        if self.guarded:
-            store.provenance(np.full((1, 1), -1, dtype=np.int64))  # refuses a datastore without provenance now
         log(f"spalm: k {self.k}, {'frozen' if config.freeze_embeddings else 'trained'} embeddings, "
             f"trained blocks {' '.join(t.rstrip('.') for t in trained) or 'none'}, head lr "
-            f"{config.lr * config.lr_scale(True):.3g}, leakage guard "
-            f"{'on (window ' + str(self.window) + ')' if self.guarded else 'off: the training text is not the datastore corpus'}")
+            f"{config.lr * config.lr_scale(True):.3g}")
 
     def _head(self) -> tuple[SpalmHead, str]:
         if self.resume_from is None:
@@ -131,12 +146,22 @@ class SpalmRun(_Run):
             raise MemlmError(f"{self.resume_from} has no SPALM head (spalm_head.pt)")
         return saved
 
-    def _guarded(self, info: SearcherInfo) -> bool:
-        """Whether the training text is the datastore's corpus (config.data and train_split fingerprint)."""
-        from memlm.data.documents import corpus_fingerprint
+    def _document_indices(self, stream_docs: Sequence[Sequence[int]]) -> tuple[list[list[int]], str]:
+        """Each training document's datastore document indices (leakage.document_indices) and how they
+        were found, for the log line. stream_docs: the non-empty training documents, in stream order."""
+        from memlm.data.documents import corpus_fingerprint, load_tokenized
 
-        cfg = self.config
-        return cfg.data is not None and corpus_fingerprint(cfg.data, cfg.train_split) == info.corpus_fingerprint
+        cfg, table = self.config, datastore_fingerprints(self.store)
+        if table is None:  # an older datastore: document i of the same corpus and split is its document i
+            same = cfg.data is not None and corpus_fingerprint(cfg.data, cfg.train_split) == self.store.info().corpus_fingerprint
+            return ([[i] for i, d in enumerate(self.train_docs) if len(d) > 0] if same else [[] for _ in stream_docs],
+                    "by corpus fingerprint (the datastore predates the documents table; rebuild it to match documents)")
+        # The fingerprints are over the texts: tokenize the corpus again and check it gave these documents.
+        corpus = load_tokenized(cfg.data, cfg.train_split, self.tokenizer, cfg.max_train_tokens) if cfg.data else None
+        if corpus is None or corpus.token_docs != [list(d) for d in stream_docs]:
+            return [[] for _ in stream_docs], "the training documents are token lists, not --data's texts: none to match"
+        found = document_indices(table, corpus.fingerprints)
+        return found, f"{sum(1 for f in found if f)} of {len(found)} training documents in the datastore, by fingerprint"
 
     def _spalm_optimizer(self) -> torch.optim.AdamW:
         cfg = self.config
@@ -150,17 +175,18 @@ class SpalmRun(_Run):
 
     def _start(self, train_docs: Sequence[Sequence[int]]) -> None:
         super()._start(train_docs)
-        # Datastore document order counts empty documents (datastore.manifest); the stream skips them.
-        self.doc_ids = [i for i, d in enumerate(train_docs) if len(d) > 0]
+        self.train_docs = train_docs  # the stream skips empty documents; datastore document order counts them
+        self.doc_ids, how = self._document_indices([d for d in train_docs if len(d) > 0])  # by stream index
+        self.guarded = any(self.doc_ids)
+        if self.guarded:
+            self.store.provenance(np.full((1, 1), -1, dtype=np.int64))  # refuses a datastore without provenance now
+        self.log(f"spalm: leakage guard {'on (window ' + str(self.window) + ')' if self.guarded else 'off'}: {how}")
 
     def _train_step(self) -> tuple[float, float, int]:
         """One optimizer step of SPALM on the next batch: (LM loss, 0.0, tokens scored)."""
         device, model = self.device, self.model
         batch = self._begin_step()
-        guard = None
-        if self.guarded:
-            docs, positions = batch_provenance(batch, self.stream.row_doc, self.stream.row_offset, self.doc_ids)
-            guard = leakage_filter(self.store, docs, positions, self.window)
+        guard = self._guard(batch) if self.guarded else None
         inputs, targets, mask = (t.to(device) for t in (batch.inputs, batch.targets, batch.mask))  # (B, T) each
         state = self.state.reset_rows(batch.reset.to(device))
         with self._autocast():
@@ -171,6 +197,22 @@ class SpalmRun(_Run):
         self.state = out.state
         self.step += 1
         return float(loss.detach()), 0.0, int(batch.mask.sum())
+
+    def _guard(self, batch: SegmentBatch) -> NeighborsFilter:
+        """The leakage guard of one batch: one exclude_nearby pass per datastore copy of its documents."""
+        levels = max(len(d) for d in self.doc_ids)
+        passes = []
+        for level in range(levels):
+            docs, positions = batch_provenance(batch, self.stream.row_doc, self.stream.row_offset,
+                                               copy_level(self.doc_ids, level))
+            passes.append(leakage_filter(self.store, docs, positions, self.window))
+
+        def guard(nb: Neighbors) -> Neighbors:
+            for one in passes:
+                nb = one(nb)
+            return nb
+
+        return guard
 
     def evaluate(self, eval_docs: Sequence[Sequence[int]] | None) -> None:
         if not eval_docs:

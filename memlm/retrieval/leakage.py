@@ -8,12 +8,20 @@ document and its position is within `window` of the query's position. Positions 
 memlm.retrieval.searcher.Provenance: the boundary token is position 0, and a query's position is that of
 the token it predicts (input index i predicts position i + 1), the same convention as the entries'.
 
-Library side: this takes a Provenance (from `datastore.Datastore.provenance`), never a datastore.
+Which datastore document a query's text is goes by document identity (`document_indices`): the
+fingerprint of its text (memlm.data.documents.document_fingerprint) against the datastore's documents
+table, so the same speech selected by a differently written split, or from another copy of the corpus
+file, is still recognised (a corpus fingerprint names the selection, not the documents).
+
+Library side: this takes a Provenance (from `datastore.Datastore.provenance`) and fingerprints (from
+`datastore.Datastore.documents`), never a datastore.
 
 Shape legend: Q queries, k neighbours.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -59,3 +67,21 @@ def exclude_nearby(
         np.where(leak, -1, neighbors.ids).astype(neighbors.ids.dtype),
         np.where(leak, -1, neighbors.values).astype(neighbors.values.dtype),
     )
+
+
+def document_indices(datastore_fingerprints: Sequence[str], fingerprints: Sequence[str]) -> list[list[int]]:
+    """For each document of `fingerprints`, the indices (the datastore's document order, the provenance's
+    doc index) of the datastore documents with the same fingerprint, in increasing order: one for a
+    document the datastore holds once, more for a text it holds several copies of, none where absent
+    (such a query's document is -1 for exclude_nearby: nothing of it is masked).
+    datastore_fingerprints: the datastore's documents table, record i's fingerprint at i."""
+    where: dict[str, list[int]] = {}
+    for index, fingerprint in enumerate(datastore_fingerprints):
+        where.setdefault(fingerprint, []).append(index)
+    return [list(where.get(f, ())) for f in fingerprints]
+
+
+def copy_level(indices: Sequence[Sequence[int]], level: int) -> list[int]:
+    """The `level`-th datastore copy of each document (document_indices' lists), -1 where it has fewer:
+    the query documents of one exclude_nearby pass (one pass per copy level masks every copy)."""
+    return [d[level] if level < len(d) else -1 for d in indices]

@@ -233,3 +233,66 @@ def test_spalm_train_top_trains_what_lies_after_the_key_and_the_keys_stay(capsys
     code, _, err = run(capsys, *train_args(corpus, store, tmp / "top2", "--spalm-train-top", "2"))
     assert code == 1 and "--spalm-train-top 2 would change the datastore's keys (ffn_input.1): at most 1" in err, err
     assert err.count("\n") == 1
+
+
+def spalm_run(built, split, store=None):
+    """A SpalmRun over the built datastore (or `store`) started on `split` of the corpus; its log lines."""
+    from memlm.data.documents import load_documents, tokenize_documents
+    from memlm.jobs.spalm_train import SpalmRun
+    from memlm.jobs.train import TrainConfig
+    from memlm.memory.config import MemoryConfig
+
+    _tmp, corpus, store_dir = built
+    cfg = TrainConfig(model="tiny", init="pretrained", memory=MemoryConfig(kind="spalm", segment=16, mem_len=16),
+                      batch_size=2, steps=1, data=str(corpus), train_split=split, datastore=str(store_dir), spalm_k=4)
+    lines: list[str] = []
+    run = SpalmRun(cfg, None, lines.append, store or Datastore.open(store_dir))
+    run._start(list(tokenize_documents(load_documents(str(corpus), split), run.tokenizer)))
+    return run, lines
+
+
+def test_the_guard_goes_by_document_identity_not_the_split_expression(built):
+    from memlm.data.documents import corpus_fingerprint
+    from memlm.retrieval.leakage import copy_level
+
+    _tmp, corpus, store_dir = built
+    store = Datastore.open(store_dir)
+    # The same ten speeches, written as another split: the corpus fingerprint differs, the documents do not.
+    assert corpus_fingerprint(str(corpus), "[0:10]") != store.info().corpus_fingerprint
+    run, lines = spalm_run(built, "[0:10]")
+    assert run.guarded and "leakage guard on (window 64): 10 of 10 training documents in the datastore" in lines[-1]
+    years = [r.meta["year"] for r in store.documents()]
+    assert [years[d[0]] for d in run.doc_ids] == list(range(1990, 2000))  # each speech found as itself
+    # Two speeches the datastore does not hold: -1, nothing of theirs is masked; the rest still guarded.
+    run, lines = spalm_run(built, "year<2002")
+    assert copy_level(run.doc_ids, 0) == [*range(10), -1, -1] and "10 of 12" in lines[-1]
+    run, lines = spalm_run(built, "year>=2000")
+    assert not run.guarded and "leakage guard off: 0 of 2" in lines[-1]
+
+
+def test_a_datastore_without_the_documents_table_falls_back_to_the_corpus_fingerprint(built):
+    from memlm.errors import MemlmError
+
+    class OlderFormat:
+        """The datastore as a format-3 one answers: no documents table."""
+
+        def __init__(self, store):
+            self.store, self.values = store, store.values
+
+        def search(self, xq, k, options=None):
+            return self.store.search(xq, k, options)
+
+        def info(self):
+            return self.store.info()
+
+        def provenance(self, ids):
+            return self.store.provenance(ids)
+
+        def documents(self):
+            raise MemlmError("datastore x has format version 3, which predates the documents table")
+
+    store = OlderFormat(Datastore.open(built[2]))
+    run, lines = spalm_run(built, "year<2000", store)
+    assert run.guarded and run.doc_ids == [[i] for i in range(10)] and "by corpus fingerprint" in lines[-1]
+    run, lines = spalm_run(built, "[0:10]", store)  # today's rule: another split expression turns it off
+    assert not run.guarded and "leakage guard off: by corpus fingerprint" in lines[-1]

@@ -80,3 +80,31 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="provenance.positions has shape"):
         exclude_nearby(neighbors, Provenance(provenance.docs, provenance.positions[:, :2]), query_docs,
                        query_positions, 1)
+
+
+def test_document_indices_find_every_copy_and_nothing_for_absent_documents():
+    from memlm.retrieval.leakage import copy_level, document_indices
+
+    table = ["a", "b", "a", "c", "a"]  # the datastore holds text "a" three times
+    found = document_indices(table, ["c", "x", "a", "b"])
+    assert found == [[3], [], [0, 2, 4], [1]]
+    assert [copy_level(found, level) for level in range(3)] == [[3, -1, 0, 1], [-1, -1, 2, -1], [-1, -1, 4, -1]]
+
+
+def test_one_pass_per_copy_masks_every_copy_and_an_absent_document_nothing():
+    from memlm.retrieval.leakage import copy_level
+
+    nb, prov, _docs, positions = random_case(3)
+    indices = [[0, 2] if i % 3 == 0 else [] for i in range(nb.ids.shape[0])]  # (Q,) copies 0 and 2, or absent
+    out = nb
+    for level in range(2):
+        out = exclude_nearby(out, prov, torch.tensor(copy_level(indices, level)), positions, 4)
+    for q in range(nb.ids.shape[0]):
+        for j in range(nb.ids.shape[1]):
+            leak = (nb.ids[q, j] >= 0 and int(prov.docs[q, j]) in indices[q]
+                    and abs(int(prov.positions[q, j]) - int(positions[q])) <= 4)
+            assert (out.ids[q, j] == -1) == (leak or nb.ids[q, j] == -1)
+    absent = [q for q in range(len(indices)) if not indices[q]]
+    assert np.array_equal(out.ids[absent], nb.ids[absent])  # -1: nothing of an absent document is masked
+    assert any(int(prov.docs[q, j]) == 2 and out.ids[q, j] == -1 for q in range(0, len(indices), 3)
+               for j in range(nb.ids.shape[1]))  # the second copy's entries were there to mask
