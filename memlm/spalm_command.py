@@ -38,8 +38,8 @@ SPALM_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
 """The memory options of SPALM (its short-term memory is the XL memory)."""
 SPALM_KNN = ("k", "nprobe", "exact_rerank", "lmbda", "temperature")
 """The kNN options SPALM takes: neighbours per token, how the datastore is searched, and kNN-LM's mixture."""
-INTERPOLATION = ("lmbda", "temperature", "knn_k")
-"""Any of these given: SPALM + kNN-LM (the others take KNNLMConfig's defaults)."""
+INTERPOLATION = ("lmbda", "temperature")
+"""Either given: SPALM + kNN-LM (the other, and --knn-k, take KNNLMConfig's defaults)."""
 
 
 def add_spalm_eval_options(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +136,7 @@ def refuse_non_spalm_eval_flags(args: argparse.Namespace) -> None:
     refuse_given(args, [d for d in KNN_OPTIONS if d not in SPALM_KNN], "does not apply with --memory spalm")
     refuse_given(args, ("continuous_cache", *MEMORIZING_ONLY), "does not apply with --memory spalm")
     if spalm_knn_config(args) is None:
+        refuse_given(args, ("knn_k",), "is kNN-LM's in SPALM + kNN-LM: give --lambda (and --knn-temperature)")
         refuse_given(args, ("tune_data",), "tunes SPALM + kNN-LM: give --lambda auto or --knn-temperature auto")
 
 

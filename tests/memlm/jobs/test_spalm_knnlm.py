@@ -146,7 +146,8 @@ def test_memlm_eval_spalm_with_knnlm_end_to_end(capsys, tmp_path):
 
     for flags, message in ((["--lambda", "auto", "--tune-data", str(corpus), "--tune-split", "year>=2003"],
                             "shares 1 document(s) with the evaluation data"),
-                           (["--lambda", "auto"], "need --tune-data")):
+                           (["--lambda", "auto"], "need --tune-data"),
+                           (["--knn-k", "8"], "--knn-k is kNN-LM's in SPALM + kNN-LM: give --lambda")):
         code, _, err = run(capsys, *common, *flags)
         assert code == 1 and message in err and err.count("\n") == 1, err
     code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--datastore", str(store),
