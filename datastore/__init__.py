@@ -6,7 +6,7 @@ datastore.py (open + search: the Searcher seam), commands.py (the typed CLI entr
 """
 
 from datastore.build import BuildSettings, BuildSource, build_from_tokens
-from datastore.commands import build_datastore, datastore_docs, datastore_info
+from datastore.commands import add_to_datastore, build_datastore, datastore_docs, datastore_info
 from datastore.datastore import Datastore
 from datastore.documents import DocumentRecord, SourceDocument
 from datastore.manifest import Manifest
@@ -18,6 +18,7 @@ __all__ = [
     "DocumentRecord",
     "Manifest",
     "SourceDocument",
+    "add_to_datastore",
     "build_datastore",
     "build_from_tokens",
     "datastore_docs",

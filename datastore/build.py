@@ -50,6 +50,7 @@ from datastore.documents import (
     new_records,
     write_documents,
 )
+from datastore.generations import WORK_DIR as GENERATION_WORK_DIR
 from datastore.manifest import (
     DOCS_NAME,
     DOCUMENTS_NAME,
@@ -60,6 +61,7 @@ from datastore.manifest import (
     VALUES_NAME,
     FileEntry,
     Manifest,
+    file_generation,
 )
 from datastore.shards import (
     KEY_DTYPE,
@@ -305,22 +307,31 @@ def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> 
             )
         log(f"overwriting the datastore in {out}")
         (out / MANIFEST_NAME).unlink()  # first: a half-deleted datastore must not look finished
-        for name in DATA_FILES:
-            (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / WORK_DIR, ignore_errors=True)
+        _remove_data_files(out)
     if out.is_dir():
-        ours = {MANIFEST_NAME, WORK_DIR, *DATA_FILES}
-        ours |= {name + PARTIAL_SUFFIX for name in ours}
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
         if foreign:
             raise MemlmError(
                 f"--out {out} holds files that are not a memlm datastore's ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''}); pass an empty or new directory"
             )
         if overwrite and (out / WORK_DIR).exists():
-            shutil.rmtree(out / WORK_DIR)  # --overwrite also discards a build in progress
-            for name in DATA_FILES:
-                (out / name).unlink(missing_ok=True)
+            _remove_data_files(out)  # --overwrite also discards a build in progress
+
+
+def _is_ours(name: str) -> bool:
+    """A file a datastore directory holds: the manifest, scratch, or a data file of any generation."""
+    base = name.removesuffix(PARTIAL_SUFFIX)
+    return base in (MANIFEST_NAME, WORK_DIR, GENERATION_WORK_DIR) or file_generation(base) is not None
+
+
+def _remove_data_files(out: Path) -> None:
+    """Delete every data file (all generations) and all scratch; the manifest must already be gone."""
+    for p in out.iterdir():
+        if file_generation(p.name.removesuffix(PARTIAL_SUFFIX)) is not None:
+            p.unlink()
+    for scratch in (WORK_DIR, GENERATION_WORK_DIR):
+        shutil.rmtree(out / scratch, ignore_errors=True)
 
 
 def _identity(model: Decoder, source: BuildSource, settings: BuildSettings) -> dict:

@@ -193,6 +193,32 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
     return "\n".join(lines)
 
 
+def add_to_datastore(directory: Path, data: str, split: str | None = None, model: str | None = None,
+                     device: str = "auto", dtype: str | None = None, progress: bool = True) -> int:
+    """`memlm datastore add`: encode the documents of `data` [split] that `directory` does not hold yet with
+    its model (model: None = the manifest's; another one is refused unless its fingerprints match) and
+    windows, and commit them as the next generation (datastore.add). Returns the documents added."""
+    from datastore.add import add_documents
+    from memlm.data.documents import corpus_fingerprint, load_documents
+    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
+
+    m = Manifest.read(Path(directory))
+    name = model or m.model_name
+    torch_device = resolve_device(device)
+    pretrained = load_pretrained(name, device=torch_device,
+                                 dtype=resolve_dtype(dtype or m.build.get("model_dtype", "auto"), torch_device))
+    tokenizer = pretrained.tokenizer
+    source = BuildSource(
+        model_name=name, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,
+        corpus=data if split is None else f"{data} [{split}]", corpus_fingerprint=corpus_fingerprint(data, split),
+        boundary_token=int(document_boundary(tokenizer)),
+    )
+    return add_documents(pretrained.model, lambda: source_documents(load_documents(data, split), tokenizer),
+                         Path(directory), source, progress=progress)
+
+
 def datastore_docs(directory: Path, where: str | None = None) -> str:
     """The documents of a datastore, one line each (index, doc_id, tokens, metadata as JSON), those whose
     metadata pass `where` (a --split expression over the metadata, datastore.documents.select)."""
@@ -201,4 +227,4 @@ def datastore_docs(directory: Path, where: str | None = None) -> str:
     return "\n".join(["index\tdoc_id\ttokens\tmeta", *map(describe, records)])
 
 
-__all__ = ["Datastore", "build_datastore", "datastore_docs", "datastore_info"]
+__all__ = ["Datastore", "add_to_datastore", "build_datastore", "datastore_docs", "datastore_info"]

@@ -40,6 +40,7 @@ from memlm.retrieval.searcher import (
     MAX_QUERY_ABS,
     Neighbors,
     Provenance,
+    Searcher,
     SearcherInfo,
     SearchOptions,
     first_unsearchable_query,
@@ -54,14 +55,16 @@ class Datastore:
     (format 3) each entry's provenance, docs and positions (N,) int32."""
 
     def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, keys: np.ndarray, values: np.ndarray,
-                 provenance: Provenance | None = None, exact: TorchExactSearcher | None = None):
+                 provenance: Provenance | None = None, exact: Searcher | None = None,
+                 live: index_lib.LiveRows | None = None):
         self.path = path
         self.manifest = manifest
         self.index = index  # CPU index, or its clone on all GPUs
         self.keys = keys  # (N, d) float16 read-only memmap
         self.values = values  # (N,) int32 read-only memmap
         self.entry_provenance = provenance  # docs, positions (N,) int32 read-only memmaps; None in format 2
-        self.exact = exact  # TorchExactSearcher when opened with backend="torch", else None
+        self.exact = exact  # the exact torch searcher when opened with backend="torch", else None
+        self.live = live  # rows not of removed documents (issue 14); None when none were removed
         self.on_gpu = _is_gpu(index)
         self._gpu_nprobe = manifest.nprobe
         self._documents: tuple[DocumentRecord, ...] | None = None
@@ -112,8 +115,13 @@ class Datastore:
         if index.ntotal != manifest.n or index.d != manifest.dim:
             raise MemlmError(f"the index of {path} holds {index.ntotal} keys of dimension {index.d}, "
                              f"the manifest says {manifest.n} of {manifest.dim}; rebuild it")
+        documents = cls.documents_of(path, manifest) if manifest.has_documents else None
+        live = _live_rows(documents, provenance)
+        if live is not None and backend == "faiss":
+            index_lib.check_selectable(index)
         if backend == "faiss":
-            if device != "cpu" and not mmap and index_lib.gpu_count() > 0:
+            if device != "cpu" and not mmap and index_lib.gpu_count() > 0 and live is None:
+                # (GPU indexes take no ID selector: a datastore with removed documents searches on the CPU.)
                 # GPU indexes are not thread-safe: the retrieval server searches on one worker thread.
                 gpu_index = index_lib.to_gpus(index, manifest.n, lambda message: None)
                 if gpu_index is not None:
@@ -121,7 +129,8 @@ class Datastore:
                     _set_gpu_nprobe(index, manifest.nprobe)
         elif backend != "torch":
             raise MemlmError(f"search backend must be faiss or torch, got {backend!r}")
-        store = cls(path, manifest, index, keys, values, provenance)
+        store = cls(path, manifest, index, keys, values, provenance, live=live)
+        store._documents = documents
         if backend == "torch":
             store.exact = store.exact_searcher(device)
         return store
@@ -162,7 +171,7 @@ class Datastore:
                 self._gpu_nprobe = nprobe
             params = None
         else:
-            params = index_lib.search_params(self.index, nprobe)
+            params = index_lib.search_params(self.index, nprobe, self.live)
         distances, ids = self.index.search(xq, k, params=params)  # (Q, k), (Q, k)
         missing = ids < 0
         distances = np.where(missing, np.float32(np.inf), distances).astype(np.float32)  # faiss pads with FLT_MAX
@@ -220,14 +229,53 @@ class Datastore:
         """The manifest's description of this datastore (the Searcher seam; gRPC GetInfo sends it on)."""
         return _searcher_info(self.manifest)
 
-    def exact_searcher(self, device: str | None = None) -> TorchExactSearcher:
-        """A TorchExactSearcher over a copy of all float16 keys on `device` (default: cuda when available):
-        the ground truth for recall@k. The caller decides whether N * d * 2 bytes fit."""
+    def exact_searcher(self, device: str | None = None) -> Searcher:
+        """A TorchExactSearcher over a copy of all live float16 keys on `device` (default: cuda when
+        available): the ground truth for recall@k, and the torch backend. The caller decides whether
+        N * d * 2 bytes fit. Rows of removed documents are not copied; ids are datastore rows all the same."""
         if self.exact is not None:
             return self.exact
         torch_device = resolve_device(device or "auto")
-        keys = torch.from_numpy(np.array(self.keys)).to(torch_device)  # (N, d) float16, a copy of the memmap
-        return TorchExactSearcher(keys, self.values, info=self.info())
+        if self.live is None:
+            keys = torch.from_numpy(np.array(self.keys)).to(torch_device)  # (N, d) float16, a copy of the memmap
+            return TorchExactSearcher(keys, self.values, info=self.info())
+        rows = np.flatnonzero(self.live.live)  # (L,) live datastore rows, ascending
+        keys = torch.from_numpy(np.asarray(self.keys[rows])).to(torch_device)  # (L, d) float16
+        return RowsSearcher(TorchExactSearcher(keys, np.asarray(self.values[rows]), info=self.info()), rows,
+                            self.info())
+
+
+class RowsSearcher:
+    """A searcher over some rows of a datastore (its live ones) answering with datastore row ids."""
+
+    def __init__(self, inner: Searcher, rows: np.ndarray, info: SearcherInfo):
+        self.inner = inner
+        self.rows = rows  # (L,) int64: inner row j is datastore row rows[j]
+        self._info = info
+
+    @property
+    def dim(self) -> int:
+        return self.inner.dim
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def info(self) -> SearcherInfo:
+        return self._info
+
+    def search(self, xq: Any, k: int, options: SearchOptions | None = None) -> Neighbors:
+        nb = self.inner.search(xq, k, options)
+        ids = np.where(nb.ids >= 0, self.rows[np.maximum(nb.ids, 0)], -1)  # (Q, k) datastore rows
+        return Neighbors(nb.distances, ids.astype(np.int64), nb.values)
+
+
+def _live_rows(documents: tuple[DocumentRecord, ...] | None, provenance: Provenance | None
+               ) -> index_lib.LiveRows | None:
+    """The rows of documents not removed, or None when no document is removed (every row is live)."""
+    removed = [r.index for r in documents or () if r.removed]
+    if not removed:
+        return None
+    return index_lib.LiveRows(~np.isin(np.asarray(provenance.docs), removed))  # (N,)
 
 
 def _rebuild_command(path: Path, m: Manifest) -> str:

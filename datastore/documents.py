@@ -107,8 +107,9 @@ def source_documents(docs: Iterable[Document], tokenizer: Any) -> Iterator[Sourc
 def new_records(documents: Iterable[tuple[str, int, dict]], existing: Sequence[DocumentRecord]
                 ) -> list[DocumentRecord]:
     """Records for new documents (fingerprint, tokens, meta) appended after `existing`: indices continue,
-    and a fingerprint already held gets the next copy number in its doc_id."""
-    copies = collections.Counter(r.fingerprint for r in existing)
+    and a fingerprint already held by a live (not removed) record gets the next copy number in its doc_id
+    (a removed document gives its id back: added again, it has the id it had)."""
+    copies = collections.Counter(r.fingerprint for r in existing if not r.removed)
     out = []
     for i, (fingerprint, tokens, meta) in enumerate(documents, len(existing)):
         copies[fingerprint] += 1
@@ -123,8 +124,9 @@ def write_documents(path: Path, records: Sequence[DocumentRecord]) -> None:
     atomic_write(path, "".join(r.to_json() + "\n" for r in records), durable=True)
 
 
-def read_documents(path: Path) -> tuple[DocumentRecord, ...]:
-    """documents.jsonl -> records, checked to be in index order 0, 1, ..."""
+def read_documents(path: Path, first: int = 0) -> tuple[DocumentRecord, ...]:
+    """documents.jsonl -> records, checked to be in index order first, first + 1, ... (an add's new ones
+    start after the datastore's)."""
     records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -135,8 +137,8 @@ def read_documents(path: Path) -> tuple[DocumentRecord, ...]:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise MemlmError(f"{path}:{lineno} is not a document record ({type(e).__name__}: {e}); the "
                                  "datastore is damaged, rebuild it") from None
-            if record.index != lineno - 1:
-                raise MemlmError(f"{path}:{lineno} holds document {record.index}, expected {lineno - 1}; the "
+            if record.index != first + lineno - 1:
+                raise MemlmError(f"{path}:{lineno} holds document {record.index}, expected {first + lineno - 1}; the "
                                  "datastore is damaged, rebuild it")
             records.append(record)
     return tuple(records)

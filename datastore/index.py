@@ -151,8 +151,9 @@ def train_index(
 def add_keys(
     index: faiss.Index, keys: np.ndarray, chunk: int, log: Callable[[str], None], progress: bool = True
 ) -> faiss.Index:
-    """Add keys (N, d) float16 in chunks of `chunk` rows, in order (index row i = key row i)."""
-    n = keys.shape[0]
+    """Add keys (N, d) float16 in chunks of `chunk` rows, in order, after the index's rows (index row
+    start + i = key row i, start = index.ntotal before: 0 for a build, the datastore's N for an add)."""
+    n, start = keys.shape[0], index.ntotal
     gpu = to_gpus(index, n, log)
     target = gpu if gpu is not None else index
     with tqdm(total=n, desc="add to index", unit="key", file=sys.stderr, disable=not progress) as bar:
@@ -162,8 +163,8 @@ def add_keys(
             bar.update(x.shape[0])
     if gpu is not None:
         index = faiss.index_gpu_to_cpu(gpu)
-    if index.ntotal != n:
-        raise RuntimeError(f"index holds {index.ntotal} keys after adding {n}")
+    if index.ntotal != start + n:
+        raise RuntimeError(f"index holds {index.ntotal} keys after adding {n} to {start}")
     return index
 
 
@@ -179,11 +180,42 @@ def read_index(path: Path, mmap: bool = False) -> faiss.Index:
     return faiss.read_index(str(path), flags)
 
 
-def search_params(index: faiss.Index, nprobe: int | None) -> faiss.SearchParameters | None:
-    """Per-call search parameters (thread-safe: the index itself is never changed)."""
-    if nprobe is None or faiss.try_extract_index_ivf(index) is None:
+class LiveRows:
+    """The rows a search may return: a bitmap over the index's N rows (bit i set: row i is live), as a
+    FAISS ID selector. Removed documents' rows are cleared (issue 14): every search of the index carries
+    it in its parameters, so FAISS itself never returns them and a top-k holds k live rows, exactly as an
+    index without them (no over-fetch and filter)."""
+
+    def __init__(self, live: np.ndarray):
+        """live: (N,) bool."""
+        self.live = np.ascontiguousarray(live, dtype=bool)  # (N,)
+        self.bitmap = np.packbits(self.live, bitorder="little")  # (ceil(N / 8),) uint8, FAISS's bit order
+        self.selector = faiss.IDSelectorBitmap(self.live.shape[0], faiss.swig_ptr(self.bitmap))
+
+
+def check_selectable(index: faiss.Index) -> None:
+    """Refuse an index whose search takes no ID selector (a plain PQ index), so removal cannot hide rows."""
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
+    if faiss.try_extract_index_ivf(inner) is None and not isinstance(inner, (faiss.IndexFlat, faiss.IndexHNSW)):
+        raise MemlmError(f"the index ({type(inner).__name__}) takes no ID selector, so removed documents cannot be "
+                         "hidden from its searches; run memlm datastore compact DIR to drop them")
+
+
+def search_params(index: faiss.Index, nprobe: int | None, live: LiveRows | None = None) -> faiss.SearchParameters | None:
+    """Per-call search parameters (thread-safe: the index itself is never changed): nprobe for IVF indexes,
+    and the live rows' selector when the datastore has removed documents (check_selectable first)."""
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
+    ivf = faiss.try_extract_index_ivf(inner)
+    if live is None and (nprobe is None or ivf is None):
         return None
-    params = faiss.SearchParametersIVF(nprobe=int(nprobe))
+    if ivf is not None:
+        params = faiss.SearchParametersIVF(nprobe=int(nprobe if nprobe is not None else ivf.nprobe))
+    elif isinstance(inner, faiss.IndexHNSW):
+        params = faiss.SearchParametersHNSW()
+    else:
+        params = faiss.SearchParameters()
+    if live is not None:
+        params.sel = live.selector
     if isinstance(index, faiss.IndexPreTransform):  # e.g. "OPQ64,IVF4096,PQ64": parameters nest
         outer = faiss.SearchParametersPreTransform()
         outer.index_params = params

@@ -187,6 +187,24 @@ def required_files(version: int) -> tuple[str, ...]:
     return (KEYS_NAME, VALUES_NAME, INDEX_NAME, *(PROVENANCE_FILES if version >= PROVENANCE_VERSION else ()))
 
 
+DATA_ROLES = (KEYS_NAME, VALUES_NAME, DOCS_NAME, POSITIONS_NAME, INDEX_NAME, DOCUMENTS_NAME)
+"""Every data file a datastore of this format has, by role (the keys of `Manifest.files`)."""
+
+
+def file_generation(name: str) -> int | None:
+    """The generation whose `generation_file` is `name` (0 for a role's own name), None for a file that is
+    no datastore data file."""
+    for role in DATA_ROLES:
+        stem, _, suffix = role.rpartition(".")
+        if name == role:
+            return 0
+        if name.startswith(f"{stem}.g") and name.endswith(f".{suffix}"):
+            digits = name[len(stem) + 2 : -len(suffix) - 1]
+            if len(digits) == 6 and digits.isdigit():
+                return int(digits)
+    return None
+
+
 def generation_file(role: str, generation: int) -> str:
     """The file name a generation writes for `role`: the role itself for generation 0 (what a build
     writes), else the role with the generation before its suffix ("keys.g000002.f16"), so a new

@@ -160,3 +160,24 @@ def test_a_changed_table_fails_its_checksum(text_store, tmp_path):
     table.write_text(table.read_text().replace('"Bush"', '"Hush"'))
     with pytest.raises(MemlmError, match="documents.jsonl fails its checksum"):
         Datastore.open(copy)
+
+
+def test_remove_add_compact_from_the_command_line(capsys, text_store, corpus, tmp_path):
+    """Bush's speeches out (by metadata), back in from the corpus (the copy of a text once), compacted."""
+    directory = Path(shutil.copytree(text_store, tmp_path / "cli"))
+    code, _, err = run_cli(capsys, "datastore", "remove", str(directory), "--where", "president=Bush")
+    assert code == 0 and "removed 3 documents (" in err and "generation 1 committed" in err
+    _, out, _ = run_cli(capsys, "datastore", "docs", str(directory), "--where", "president=Bush")
+    assert all(line.endswith("REMOVED") for line in out.strip().splitlines()[1:])
+    code, _, err = run_cli(capsys, "datastore", "add", str(directory), "--data", str(corpus), "--quiet")
+    assert code == 0 and "skipped 3 documents already in" in err  # Clinton, Obama, and the copy of speech one
+    store = Datastore.open(directory)
+    live = [r for r in store.documents() if not r.removed]
+    assert sorted(r.meta["title"] for r in live) == ["empty", "one", "three", "two"]
+    code, _, err = run_cli(capsys, "datastore", "compact", str(directory), "--quiet")
+    assert code == 0 and "generation 3 committed" in err
+    store = Datastore.open(directory)
+    assert [r.meta["title"] for r in store.documents()] == ["two", "three", "one", "empty"]
+    assert [r.index for r in store.documents()] == [0, 1, 2, 3] and store.manifest.generation == 3
+    code, _, err = run_cli(capsys, "datastore", "remove", str(directory), "--doc-id", "nope")
+    assert code == 1 and err.count("\n") == 1 and "--doc-id nope is not a document of it" in err
