@@ -99,7 +99,7 @@ def server_options(args: argparse.Namespace) -> Any:
 
 def cmd_serve_retrieval(args: argparse.Namespace) -> None:
     from services.memory_sessions import memory_options_from_args
-    from services.retrieval_server import BatchingOptions, serve_retrieval
+    from services.retrieval_server import BatchingOptions, GenerationWatch, serve_retrieval
 
     try:
         memories = memory_options_from_args(args)
@@ -107,17 +107,18 @@ def cmd_serve_retrieval(args: argparse.Namespace) -> None:
         raise MemlmError(f"serve retrieval: {e}") from None
     if args.datastore is None and memories is None:
         raise MemlmError("serve retrieval needs --datastore DIR, --memories (session memories), or both")
-    store = None
-    if args.datastore is not None:
-        from datastore import Datastore
+    store = watch = None
+    if args.datastore is not None:  # served generation by generation (issue 14: add/remove/compact while serving)
+        from datastore.live import LiveDatastore, OpenOptions
 
-        store = Datastore.open(Path(args.datastore), mmap=args.mmap, backend=args.search_backend,
-                               device=None if args.device == "auto" else args.device)
+        store = LiveDatastore(Path(args.datastore), OpenOptions(mmap=args.mmap, backend=args.search_backend,
+                                                                device=None if args.device == "auto" else args.device))
+        watch = GenerationWatch(store.refresh, lambda: store.generation)
     asyncio.run(serve_retrieval(
         store, args.host, args.port,
         options=server_options(args),
         batching=BatchingOptions(micro_batching=not args.no_micro_batching),
-        memories=memories,
+        memories=memories, watch=watch,
     ))
 
 

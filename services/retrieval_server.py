@@ -17,6 +17,8 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -302,17 +304,31 @@ class SearchBatcher:
 # Servicer and server
 
 
+@dataclass(frozen=True)
+class GenerationWatch:
+    """Follow the committed generations of the datastore served (datastore.live.LiveDatastore, issue 14):
+    every poll_s seconds `refresh` runs on a helper thread; it opens a newer generation while searches go
+    on and then switches the searcher to it. GetInfo reports `generation()`."""
+
+    refresh: Callable[[], bool]
+    """Opens the committed generation when it is newer and switches to it; True when it switched."""
+    generation: Callable[[], int]
+    """The generation the searcher answers from now."""
+    poll_s: float = 2.0
+    """Seconds between two looks at the manifest: a commit is served within about this long."""
+
+
 class RetrievalServicer:
     """Thin servicer: validate, hand to the batcher, encode."""
 
-    def __init__(self, batcher: SearchBatcher, info: retrieval_pb2.RetrievalServiceGetInfoResponse):
+    def __init__(self, batcher: SearchBatcher, info: Callable[[], retrieval_pb2.RetrievalServiceGetInfoResponse]):
         self._batcher = batcher
-        self._info = info  # the datastore and the limits every request is checked against
+        self._info = info  # the datastore now and the limits every request is checked against
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         self._batcher.arriving += 1
         try:
-            parsed = parse_search_request(request, self._info)
+            parsed = parse_search_request(request, self._info())
         finally:
             self._batcher.arriving -= 1
         try:
@@ -322,7 +338,38 @@ class RetrievalServicer:
         return neighbors_to_response(nb)
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
-        return self._info
+        return self._info()
+
+
+def server_info(searcher: Searcher, limits: SearchLimits, max_message_bytes: int,
+                watch: GenerationWatch | None) -> Callable[[], retrieval_pb2.RetrievalServiceGetInfoResponse]:
+    """GetInfo's answer for the generation served now, built again only when the generation changes."""
+    built: list[retrieval_pb2.RetrievalServiceGetInfoResponse] = []
+
+    def info() -> retrieval_pb2.RetrievalServiceGetInfoResponse:
+        generation = watch.generation() if watch is not None else 0
+        if not built or built[0].generation != generation:
+            datastore = info_to_proto(searcher.info())
+            if searcher.dim != datastore.dim:
+                raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
+            built[:] = [retrieval_pb2.RetrievalServiceGetInfoResponse(
+                datastore=datastore, max_k=limits.max_k, max_queries=limits.max_queries,
+                max_message_bytes=max_message_bytes, generation=generation)]
+        return built[0]
+
+    return info
+
+
+async def follow_generations(watch: GenerationWatch, log: Callable[[str], None]) -> None:
+    """Poll until cancelled (the server stopping): refresh on the loop's default executor, never on the
+    search thread, so searches are not held up while a generation loads."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(watch.poll_s)
+        try:
+            await loop.run_in_executor(None, watch.refresh)
+        except Exception as e:  # noqa: BLE001 -- a failed look must not stop the following ones
+            log(f"looking for a new datastore generation failed: {type(e).__name__}: {e}")
 
 
 @dataclass(frozen=True)
@@ -345,30 +392,30 @@ async def start_retrieval_server(
     limits: SearchLimits = SearchLimits(),
     batching: BatchingOptions = BatchingOptions(),
     memories: MemoryOptions | None = None,
+    watch: GenerationWatch | None = None,
 ) -> RetrievalServer:
     """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port), and a
     MemoryService beside it when `memories` is given.
 
     searcher: the Searcher served (e.g. a Datastore): `search(xq (B, d) float32, k, SearchOptions)`, and
-        `info()`, which GetInfo sends on (read once, here); None = no datastore (then `memories` is needed,
+        `info()`, which GetInfo sends on (read here, and again when the watched generation changes); None = no datastore (then `memories` is needed,
         and RetrievalService calls are UNIMPLEMENTED).
     options: message size, concurrent calls, grace period, TLS, token (memory calls are authenticated and
         budgeted like Search). limits: largest k and Q per request. batching: micro-batching (see SearchBatcher).
     memories: session limits (services/memory_sessions.py); None = no MemoryService.
+    watch: follow the datastore's generations (GenerationWatch; GetInfo reports the one served); None: the
+        searcher never changes (GetInfo reports generation 0).
     Health reports SERVING once this returns (the searcher is already loaded). The batcher's worker thread
     and the sessions are released when the server stops (`server.stop` / SIGTERM).
     """
     if searcher is None and memories is None:
         raise ValueError("a retrieval server needs a searcher (a datastore), session memories, or both")
+    if watch is not None and searcher is None:
+        raise ValueError("a generation watch needs the searcher it refreshes")
     services, batcher, sessions = [], None, None
     if searcher is not None:
-        datastore = info_to_proto(searcher.info())
-        if searcher.dim != datastore.dim:
-            raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
-        info = retrieval_pb2.RetrievalServiceGetInfoResponse(
-            datastore=datastore, max_k=limits.max_k, max_queries=limits.max_queries,
-            max_message_bytes=options.max_message_bytes,
-        )
+        info = server_info(searcher, limits, options.max_message_bytes, watch)
+        info()  # checks the searcher now, before the server starts
         batcher = SearchBatcher(searcher, batching)
         services.append((SERVICE, RetrievalServicer(batcher, info)))
     if memories is not None:
@@ -376,8 +423,15 @@ async def start_retrieval_server(
         services.append((MEMORY_SERVICE, MemoryServicer(sessions, options.max_message_bytes)))
     running = await start_server(address, services, MESSAGE_CLASSES, options)
 
+    follower = None
+    if watch is not None:
+        follower = asyncio.get_running_loop().create_task(
+            follow_generations(watch, lambda m: print(m, file=sys.stderr, flush=True)))
+
     async def release() -> None:
         # Once the server has stopped, however it was stopped: join the worker threads, free the sessions.
+        if follower is not None:
+            follower.cancel()
         if batcher is not None:
             batcher.close()
         if sessions is not None:
@@ -398,10 +452,11 @@ async def create_retrieval_server(
     limits: SearchLimits = SearchLimits(),
     batching: BatchingOptions = BatchingOptions(),
     memories: MemoryOptions | None = None,
+    watch: GenerationWatch | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """start_retrieval_server, returning (server, bound port)."""
     started = await start_retrieval_server(address, searcher, options=options, limits=limits, batching=batching,
-                                           memories=memories)
+                                           memories=memories, watch=watch)
     return started.running.server, started.running.port
 
 
@@ -414,11 +469,13 @@ async def serve_retrieval(
     limits: SearchLimits = SearchLimits(),
     batching: BatchingOptions = BatchingOptions(),
     memories: MemoryOptions | None = None,
+    watch: GenerationWatch | None = None,
 ) -> None:
     """Serve `searcher` (and/or session memories) until SIGTERM/SIGINT: prints `listening on HOST:PORT`
     once healthy, then drains in-flight calls on the signal (for up to options.grace_s) and returns.
     Arguments as for start_retrieval_server."""
     started = await start_retrieval_server(
-        join_host_port(host, port), searcher, options=options, limits=limits, batching=batching, memories=memories
+        join_host_port(host, port), searcher, options=options, limits=limits, batching=batching, memories=memories,
+        watch=watch,
     )
     await run_until_signal(started.running, host, grace_s=options.grace_s)

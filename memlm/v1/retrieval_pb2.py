@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from memlm.v1 import tensor_pb2 as memlm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"\x89\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerank\"v\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\" \n\x1eRetrievalServiceGetInfoRequest\"\xb1\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\"\x8c\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\"\xb0\x01\n\x13\x43reateMemoryRequest\x12\x0f\n\x07streams\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\tvalue_dim\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x1b\n\x0eidle_timeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nlifetime_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_idle_timeout_sB\r\n\x0b_lifetime_s\"i\n\x14\x43reateMemoryResponse\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x16\n\x0eidle_timeout_s\x18\x02 \x01(\x01\x12&\n\rstorage_dtype\x18\x03 \x01(\x0e\x32\x0f.memlm.v1.DType\"\x8b\x01\n\x13\x41ppendMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x1e\n\x04keys\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x04 \x01(\x0b\x32\x10.memlm.v1.Tensor\"7\n\x14\x41ppendMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"V\n\x13SearchMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07queries\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x03 \x01(\x05\"y\n\x14SearchMemoryResponse\x12\x1e\n\x04keys\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\"J\n\x12\x43learMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07streams\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\"6\n\x13\x43learMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"&\n\x11\x44ropMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x14\n\x12\x44ropMemoryResponse\"\x16\n\x14GetMemoryInfoRequest\"\xf7\x01\n\x15GetMemoryInfoResponse\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x1b\n\x13max_session_entries\x18\x02 \x01(\x03\x12\x19\n\x11max_total_entries\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65\x66\x61ult_idle_timeout_s\x18\x04 \x01(\x01\x12\x1a\n\x12max_idle_timeout_s\x18\x05 \x01(\x01\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x10\n\x08sessions\x18\x08 \x01(\x05\x12\x18\n\x10reserved_entries\x18\t \x01(\x03\x32\xaf\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponse2\xe3\x03\n\rMemoryService\x12M\n\x0c\x43reateMemory\x12\x1d.memlm.v1.CreateMemoryRequest\x1a\x1e.memlm.v1.CreateMemoryResponse\x12M\n\x0c\x41ppendMemory\x12\x1d.memlm.v1.AppendMemoryRequest\x1a\x1e.memlm.v1.AppendMemoryResponse\x12M\n\x0cSearchMemory\x12\x1d.memlm.v1.SearchMemoryRequest\x1a\x1e.memlm.v1.SearchMemoryResponse\x12J\n\x0b\x43learMemory\x12\x1c.memlm.v1.ClearMemoryRequest\x1a\x1d.memlm.v1.ClearMemoryResponse\x12G\n\nDropMemory\x12\x1b.memlm.v1.DropMemoryRequest\x1a\x1c.memlm.v1.DropMemoryResponse\x12P\n\rGetMemoryInfo\x12\x1e.memlm.v1.GetMemoryInfoRequest\x1a\x1f.memlm.v1.GetMemoryInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"\x89\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerank\"v\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\" \n\x1eRetrievalServiceGetInfoRequest\"\xb1\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\"\xa0\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"\xb0\x01\n\x13\x43reateMemoryRequest\x12\x0f\n\x07streams\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\tvalue_dim\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x1b\n\x0eidle_timeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nlifetime_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_idle_timeout_sB\r\n\x0b_lifetime_s\"i\n\x14\x43reateMemoryResponse\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x16\n\x0eidle_timeout_s\x18\x02 \x01(\x01\x12&\n\rstorage_dtype\x18\x03 \x01(\x0e\x32\x0f.memlm.v1.DType\"\x8b\x01\n\x13\x41ppendMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x1e\n\x04keys\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x04 \x01(\x0b\x32\x10.memlm.v1.Tensor\"7\n\x14\x41ppendMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"V\n\x13SearchMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07queries\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x03 \x01(\x05\"y\n\x14SearchMemoryResponse\x12\x1e\n\x04keys\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\"J\n\x12\x43learMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07streams\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\"6\n\x13\x43learMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"&\n\x11\x44ropMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x14\n\x12\x44ropMemoryResponse\"\x16\n\x14GetMemoryInfoRequest\"\xf7\x01\n\x15GetMemoryInfoResponse\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x1b\n\x13max_session_entries\x18\x02 \x01(\x03\x12\x19\n\x11max_total_entries\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65\x66\x61ult_idle_timeout_s\x18\x04 \x01(\x01\x12\x1a\n\x12max_idle_timeout_s\x18\x05 \x01(\x01\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x10\n\x08sessions\x18\x08 \x01(\x05\x12\x18\n\x10reserved_entries\x18\t \x01(\x03\x32\xaf\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponse2\xe3\x03\n\rMemoryService\x12M\n\x0c\x43reateMemory\x12\x1d.memlm.v1.CreateMemoryRequest\x1a\x1e.memlm.v1.CreateMemoryResponse\x12M\n\x0c\x41ppendMemory\x12\x1d.memlm.v1.AppendMemoryRequest\x1a\x1e.memlm.v1.AppendMemoryResponse\x12M\n\x0cSearchMemory\x12\x1d.memlm.v1.SearchMemoryRequest\x1a\x1e.memlm.v1.SearchMemoryResponse\x12J\n\x0b\x43learMemory\x12\x1c.memlm.v1.ClearMemoryRequest\x1a\x1d.memlm.v1.ClearMemoryResponse\x12G\n\nDropMemory\x12\x1b.memlm.v1.DropMemoryRequest\x1a\x1c.memlm.v1.DropMemoryResponse\x12P\n\rGetMemoryInfo\x12\x1e.memlm.v1.GetMemoryInfoRequest\x1a\x1f.memlm.v1.GetMemoryInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,33 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATASTOREINFO']._serialized_start=356
   _globals['_DATASTOREINFO']._serialized_end=661
   _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=664
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=804
-  _globals['_CREATEMEMORYREQUEST']._serialized_start=807
-  _globals['_CREATEMEMORYREQUEST']._serialized_end=983
-  _globals['_CREATEMEMORYRESPONSE']._serialized_start=985
-  _globals['_CREATEMEMORYRESPONSE']._serialized_end=1090
-  _globals['_APPENDMEMORYREQUEST']._serialized_start=1093
-  _globals['_APPENDMEMORYREQUEST']._serialized_end=1232
-  _globals['_APPENDMEMORYRESPONSE']._serialized_start=1234
-  _globals['_APPENDMEMORYRESPONSE']._serialized_end=1289
-  _globals['_SEARCHMEMORYREQUEST']._serialized_start=1291
-  _globals['_SEARCHMEMORYREQUEST']._serialized_end=1377
-  _globals['_SEARCHMEMORYRESPONSE']._serialized_start=1379
-  _globals['_SEARCHMEMORYRESPONSE']._serialized_end=1500
-  _globals['_CLEARMEMORYREQUEST']._serialized_start=1502
-  _globals['_CLEARMEMORYREQUEST']._serialized_end=1576
-  _globals['_CLEARMEMORYRESPONSE']._serialized_start=1578
-  _globals['_CLEARMEMORYRESPONSE']._serialized_end=1632
-  _globals['_DROPMEMORYREQUEST']._serialized_start=1634
-  _globals['_DROPMEMORYREQUEST']._serialized_end=1672
-  _globals['_DROPMEMORYRESPONSE']._serialized_start=1674
-  _globals['_DROPMEMORYRESPONSE']._serialized_end=1694
-  _globals['_GETMEMORYINFOREQUEST']._serialized_start=1696
-  _globals['_GETMEMORYINFOREQUEST']._serialized_end=1718
-  _globals['_GETMEMORYINFORESPONSE']._serialized_start=1721
-  _globals['_GETMEMORYINFORESPONSE']._serialized_end=1968
-  _globals['_RETRIEVALSERVICE']._serialized_start=1971
-  _globals['_RETRIEVALSERVICE']._serialized_end=2146
-  _globals['_MEMORYSERVICE']._serialized_start=2149
-  _globals['_MEMORYSERVICE']._serialized_end=2632
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=824
+  _globals['_CREATEMEMORYREQUEST']._serialized_start=827
+  _globals['_CREATEMEMORYREQUEST']._serialized_end=1003
+  _globals['_CREATEMEMORYRESPONSE']._serialized_start=1005
+  _globals['_CREATEMEMORYRESPONSE']._serialized_end=1110
+  _globals['_APPENDMEMORYREQUEST']._serialized_start=1113
+  _globals['_APPENDMEMORYREQUEST']._serialized_end=1252
+  _globals['_APPENDMEMORYRESPONSE']._serialized_start=1254
+  _globals['_APPENDMEMORYRESPONSE']._serialized_end=1309
+  _globals['_SEARCHMEMORYREQUEST']._serialized_start=1311
+  _globals['_SEARCHMEMORYREQUEST']._serialized_end=1397
+  _globals['_SEARCHMEMORYRESPONSE']._serialized_start=1399
+  _globals['_SEARCHMEMORYRESPONSE']._serialized_end=1520
+  _globals['_CLEARMEMORYREQUEST']._serialized_start=1522
+  _globals['_CLEARMEMORYREQUEST']._serialized_end=1596
+  _globals['_CLEARMEMORYRESPONSE']._serialized_start=1598
+  _globals['_CLEARMEMORYRESPONSE']._serialized_end=1652
+  _globals['_DROPMEMORYREQUEST']._serialized_start=1654
+  _globals['_DROPMEMORYREQUEST']._serialized_end=1692
+  _globals['_DROPMEMORYRESPONSE']._serialized_start=1694
+  _globals['_DROPMEMORYRESPONSE']._serialized_end=1714
+  _globals['_GETMEMORYINFOREQUEST']._serialized_start=1716
+  _globals['_GETMEMORYINFOREQUEST']._serialized_end=1738
+  _globals['_GETMEMORYINFORESPONSE']._serialized_start=1741
+  _globals['_GETMEMORYINFORESPONSE']._serialized_end=1988
+  _globals['_RETRIEVALSERVICE']._serialized_start=1991
+  _globals['_RETRIEVALSERVICE']._serialized_end=2166
+  _globals['_MEMORYSERVICE']._serialized_start=2169
+  _globals['_MEMORYSERVICE']._serialized_end=2652
 # @@protoc_insertion_point(module_scope)

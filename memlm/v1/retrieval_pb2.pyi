@@ -67,16 +67,18 @@ class DatastoreInfo(_message.Message):
     def __init__(self, n: _Optional[int] = ..., dim: _Optional[int] = ..., index: _Optional[str] = ..., metric: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., nprobe: _Optional[int] = ..., key_layer: _Optional[str] = ..., model_name: _Optional[str] = ..., corpus: _Optional[str] = ..., corpus_fingerprint: _Optional[str] = ..., context: _Optional[int] = ..., stride: _Optional[int] = ..., boundary_token: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
 
 class RetrievalServiceGetInfoResponse(_message.Message):
-    __slots__ = ("datastore", "max_k", "max_queries", "max_message_bytes")
+    __slots__ = ("datastore", "max_k", "max_queries", "max_message_bytes", "generation")
     DATASTORE_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     datastore: DatastoreInfo
     max_k: int
     max_queries: int
     max_message_bytes: int
-    def __init__(self, datastore: _Optional[_Union[DatastoreInfo, _Mapping]] = ..., max_k: _Optional[int] = ..., max_queries: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, datastore: _Optional[_Union[DatastoreInfo, _Mapping]] = ..., max_k: _Optional[int] = ..., max_queries: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class CreateMemoryRequest(_message.Message):
     __slots__ = ("streams", "dim", "value_dim", "capacity", "idle_timeout_s", "lifetime_s")

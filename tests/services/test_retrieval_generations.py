@@ -1,0 +1,119 @@
+"""Live generations (issue 14, part 4): a retrieval server searched in a loop while `add`, `remove` and
+`compact` commit generations 1, 2 and 3 of its datastore answers every call (0 errors), each answer is
+the one of the generation it was served from (A, or A + B), and GetInfo then reports the new generation."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
+from datastore.add import add_documents
+from datastore.live import LiveDatastore
+from datastore.removal import compact, remove_documents
+from memlm.jobs.windows import WindowConfig
+from memlm.model.config import ModelConfig
+from memlm.model.decoder import build_model
+from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+from services.retrieval_server import GenerationWatch, start_retrieval_server
+from services.tensors import from_tensor, to_tensor
+
+SOURCE = BuildSource(model_name="tiny-test", model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64,
+                     corpus="random tokens", corpus_fingerprint="c" * 64, boundary_token=1)
+SETTINGS = BuildSettings(window=WindowConfig(context=48, stride=24, batch_size=1), index_factory="Flat")
+QUIET = {"progress": False, "log": lambda m: None}
+K = 6
+
+
+def model():
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_name("tiny", vocab_size=64)).eval()
+
+
+def documents(seed: int, sizes) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 64, size=n).tolist() for n in sizes]
+
+
+DOCS_A, DOCS_B = documents(0, (300, 120, 80)), documents(1, (150, 90))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Datastores A and A + B built at once: the answers of generations 0, 2, 3 and of generation 1."""
+    root = tmp_path_factory.mktemp("gen")
+    a = build_from_tokens(model(), DOCS_A, root / "a", SOURCE, SETTINGS, **QUIET)
+    ab = build_from_tokens(model(), DOCS_A + DOCS_B, root / "ab", SOURCE, SETTINGS, **QUIET)
+    return a, ab
+
+
+def answer(response: retrieval_pb2.SearchResponse) -> tuple[np.ndarray, ...]:
+    return tuple(from_tensor(t, name) for t, name in ((response.distances, "d"), (response.ids, "i"),
+                                                       (response.values, "v")))
+
+
+def test_a_server_switches_generations_without_failing_a_call(references, tmp_path):
+    a_dir, ab_dir = references
+    a, ab = Datastore.open(a_dir), Datastore.open(ab_dir)
+    xq = np.asarray(ab.keys[::11], dtype=np.float32)  # (Q, d), B's keys among them
+    want = {name: tuple(np.asarray(x) for x in store.search(xq, K)) for name, store in (("A", a), ("A+B", ab))}
+    directory = shutil.copytree(a_dir, tmp_path / "served")
+    logs: list[str] = []
+    result = asyncio.run(_serve_while_changing(directory, xq, logs))
+    assert result["errors"] == [] and result["calls"] > 20
+    served = [name for got in result["answers"] for name, w in want.items()
+              if all(np.array_equal(g, x) for g, x in zip(got, w))]
+    assert len(served) == len(result["answers"])  # every answer is one generation's, bit for bit
+    assert "A+B" in served and served[-1] == "A"  # B was served, then removed
+    assert result["generations"] == [1, 2, 3] and result["n"] == [len(ab), len(ab), len(a)]
+    assert any("now serving generation 3" in line for line in logs)
+
+
+async def _serve_while_changing(directory, xq: np.ndarray, logs: list[str]) -> dict:
+    live = LiveDatastore(directory, log=logs.append)
+    watch = GenerationWatch(live.refresh, lambda: live.generation, poll_s=0.05)
+    started = await start_retrieval_server("127.0.0.1:0", live, watch=watch)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{started.running.port}")
+    stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+    request = retrieval_pb2.SearchRequest(queries=to_tensor(xq), k=K)
+    stop, out = asyncio.Event(), {"errors": [], "answers": [], "calls": 0, "generations": [], "n": []}
+
+    async def search_loop() -> None:
+        while not stop.is_set():
+            try:
+                out["answers"].append(answer(await stub.Search(request, timeout=30)))
+            except grpc.aio.AioRpcError as e:
+                out["errors"].append(e.code())
+            out["calls"] += 1
+
+    async def reach(generation: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while (info := await stub.GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest())).generation != generation:
+            assert loop.time() < deadline, f"still generation {info.generation}"
+            await asyncio.sleep(0.02)
+        out["generations"].append(info.generation)
+        out["n"].append(info.datastore.n)
+        await asyncio.sleep(0.2)  # searches on the new generation
+
+    loops = [asyncio.create_task(search_loop()) for _ in range(3)]
+    try:
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(add_documents, model(), DOCS_B, directory, SOURCE, **QUIET)
+        await reach(1)
+        ids = [r.doc_id for r in live.current.documents()[len(DOCS_A):]]
+        await asyncio.to_thread(remove_documents, directory, ids, log=lambda m: None)
+        await reach(2)
+        await asyncio.to_thread(compact, directory, **QUIET)
+        await reach(3)
+    finally:
+        stop.set()
+        await asyncio.gather(*loops)
+        await channel.close()
+        await started.running.server.stop(None)
+    return out
