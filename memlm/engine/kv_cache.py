@@ -43,6 +43,8 @@ from memlm.model.decoder import (
 )
 
 TWO_PI = 2.0 * math.pi
+INITIAL_SLOTS = 256
+"""Slots per row allocated at first (RowCache.reserve grows them)."""
 
 
 def rotary_at(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +94,35 @@ class RowCache:
     """The cache tensors. Rows are cleared when a request takes them (`clear_row`); views write into them."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout, device: torch.device, dtype: torch.dtype) -> None:
-        R, L, nkv, hs = layout.rows, layout.slots, config.n_kv_head, config.head_dim
         self.config = config
         self.layout = layout
-        self.k = [torch.zeros(R, nkv, L, hs, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(R, nkv, L, hs, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.slot_pos = torch.full((R, L), -1, dtype=torch.long, device=device)  # (R, L)
+        self.k: list[torch.Tensor] = []  # per layer (R, nkv, allocated, hs)
+        self.v: list[torch.Tensor] = []
+        self.slot_pos = torch.full((layout.rows, layout.slots), -1, dtype=torch.long, device=device)  # (R, L)
         self.inv_freq = rotary_inv_freq(config.head_dim, config.rope_theta, device)  # (hs/2,)
+        self.allocated = 0
+        """Slots allocated per row so far: grown by doubling up to layout.slots as rows get longer, never per
+        token, so a 32-row cache of an 8192-token model does not zero 12 GB up front."""
+        self._dtype = dtype
+        self.reserve(min(layout.slots, INITIAL_SLOTS))
+
+    def reserve(self, slots: int) -> None:
+        """Make at least `slots` slots per row exist (doubling; zeros, so unwritten slots hold finite values)."""
+        if slots <= self.allocated:
+            return
+        new = min(self.layout.slots, max(slots, 2 * self.allocated))
+        R, nkv, hs = self.layout.rows, self.config.n_kv_head, self.config.head_dim
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            t = torch.zeros(R, nkv, new, hs, device=self.device, dtype=self._dtype)  # (R, nkv, new, hs)
+            if old is not None:
+                t[:, :, : old.shape[2]] = old
+            return t
+
+        layers = range(self.config.n_layer)
+        self.k = [grown(self.k[i] if self.k else None) for i in layers]
+        self.v = [grown(self.v[i] if self.v else None) for i in layers]
+        self.allocated = new
 
     @property
     def device(self) -> torch.device:
@@ -144,16 +168,20 @@ class StepView:
         # Slots in use: a position p never sits beyond slot p, so no row of this step uses more than this
         # (read from the host's positions: no device synchronisation).
         self.width = min(layout.slots, int(pos.max()) + 1)
+        cache.reserve(self.width)
         self.cache = cache
         self.pos = pos.to(device)  # (B, T) int64
         lo, hi = rows[0], rows[-1] + 1
         # Rows next to each other are a view of the cache (no copy); others are gathered once per layer.
         self.rows = slice(lo, hi) if hi - lo == len(rows) else torch.tensor(rows, device=device)
-        row_index = torch.tensor(rows, device=device)[:, None].expand(B, T)  # (B, T)
-        real = real.to(device)
-        self.write_rows, self.write_slots = row_index[real], cache.slot_of(self.pos)[real]  # (n,), (n,)
-        self.real = real
-        cache.slot_pos[self.write_rows, self.write_slots] = self.pos[real]
+        # Which (row, slot) each real token goes to, picked on the host (a boolean index on the device
+        # would wait for it): (n,) each, and the tokens' flat indices into (B * T).
+        pos_cpu, real_cpu = pos.cpu(), real.cpu()
+        row_index = torch.tensor(rows)[:, None].expand(B, T)  # (B, T)
+        self.write_rows = row_index[real_cpu].to(device)  # (n,)
+        self.write_slots = cache.slot_of(pos_cpu)[real_cpu].to(device)  # (n,)
+        self.write_tokens = real_cpu.reshape(-1).nonzero()[:, 0].to(device)  # (n,) into B * T
+        cache.slot_pos[self.write_rows, self.write_slots] = pos_cpu[real_cpu].to(device)
         self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (B, 1, T, hs) each
         self.mask = self._mask(window.to(device))  # (B, 1, T, width)
         self.shift = None
@@ -185,6 +213,12 @@ class StepView:
         return self  # the cache was written in place by the layers' views
 
 
+def _tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x: (B, nkv, T, hs) -> the tokens `index` of the flattened (B * T), (n, nkv, hs)."""
+    B, nkv, T, hs = x.shape
+    return x.transpose(1, 2).reshape(B * T, nkv, hs).index_select(0, index)  # (n, nkv, hs)
+
+
 class _LayerView(CachedAttention):
     def __init__(self, step: StepView, layer: int) -> None:
         self.step = step
@@ -198,8 +232,8 @@ class _LayerView(CachedAttention):
         k = apply_rotary(k, step.cos, step.sin)  # (B, nkv, T, hs)
         kc, vc = cache.k[self.layer], cache.v[self.layer]
         # Only the real tokens are written: (n, nkv, hs) rows picked from (B, T, nkv, hs).
-        kc[step.write_rows, :, step.write_slots] = k.transpose(1, 2)[step.real].to(kc.dtype)
-        vc[step.write_rows, :, step.write_slots] = v.transpose(1, 2)[step.real].to(vc.dtype)
+        kc[step.write_rows, :, step.write_slots] = _tokens(k, step.write_tokens).to(kc.dtype)
+        vc[step.write_rows, :, step.write_slots] = _tokens(v, step.write_tokens).to(vc.dtype)
         keys = step._rows_of(kc)[:, :, : step.width]  # (B, nkv, width, hs)
         values = step._rows_of(vc)[:, :, : step.width]  # (B, nkv, width, hs)
 

@@ -1,0 +1,276 @@
+"""Decoding speed of the engine (issue 12), every figure a ratio of two sides measured in this one run on
+the same weights, device and dtype:
+
+1. cached decoding vs full recomputation, batch 1, --new-tokens (512) greedy tokens: the engine's steps
+   are all timed; full recomputation (one forward over the whole sequence per token, logits of the last
+   position only) is timed at the same sampled steps (every --recompute-every-th, 1 = all of them), and
+   BOTH sides' totals are integrated from those same sampled steps (the engine's measured total is
+   printed beside its sampled estimate): no side is extrapolated alone (goal >= 10x on CPU);
+2. batch-1 decode tokens/s vs transformers' `generate` with its KV cache, greedy, same prompt and
+   length (goal >= 1.0x);
+3. aggregate tokens/s at 1, 8 and 32 concurrent streams through the engine vs the same requests one
+   after another (goal >= 4x at 8 on CPU) and vs transformers' static batched `generate` at the same
+   batch (goal >= 1.0x);
+4. kNN-LM decoding vs base decoding at batch 8 (goal >= 0.8x): one search per step for all rows, over a
+   datastore of the model's own keys (--datastore DIR, or an in-memory exact one over --knn-tokens
+   SOTU tokens, default; its size is printed).
+Prompts are real SOTU text (--prompt-tokens each, from different speeches). SmolLM2 by default; a random
+model only with --synthetic (the output then says so). With --peak-gbs (the card's memory bandwidth) the
+batch-1 decode bandwidth utilisation is printed: bytes of weights and KV cache read per step / step time.
+
+    python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
+        [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import _common
+import numpy as np
+import torch
+from forward_throughput import hf_twin
+
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.model.device import synchronize
+from memlm.retrieval.knnlm import KNNLMConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="preset or path (default smollm2-135m)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=512, help="tokens of the cached vs recomputation figure")
+    p.add_argument("--recompute-every", type=int, default=32, help="full recomputation timed every N-th step")
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens of the batch-1 figure vs transformers")
+    p.add_argument("--streams", default="1,8,32", help="concurrent streams of the aggregate figure")
+    p.add_argument("--stream-tokens", type=int, default=32, help="new tokens per stream")
+    p.add_argument("--knn-batch", type=int, default=8)
+    p.add_argument("--knn-tokens", type=int, default=4096, help="datastore size when --datastore is not given")
+    p.add_argument("--datastore", default=None, help="a built datastore for the kNN-LM figure")
+    p.add_argument("--repeats", type=int, default=1, help="alternating runs per side (median)")
+    p.add_argument("--peak-gbs", type=float, default=None, help="the device's memory bandwidth, GB/s")
+    _common.add_synthetic_flag(p)
+    return p.parse_args()
+
+
+def prompts(bench: _common.BenchModel, n: int, length: int, synthetic: bool) -> list[tuple[int, ...]]:
+    """n prompts of `length` tokens: the starts of different SOTU speeches (random tokens if synthetic)."""
+    docs, _ = _common.load_tokens(bench, "sotu", None, n * max(length, 64) * 40, synthetic)
+    docs = [d for d in docs if len(d) >= length]
+    if len(docs) < n:
+        docs = [d[i : i + length] for d in docs for i in range(0, len(d) - length, length)]
+    step = max(1, len(docs) // n)
+    return [tuple(docs[i * step][:length]) for i in range(n)]
+
+
+def timed(fn, device: torch.device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def engine_requests(bench, ps, n: int) -> list[GenerationRequest]:
+    return [GenerationRequest(p, n, GREEDY, boundary_token=bench.boundary) for p in ps]
+
+
+def generated(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def cached_vs_recomputation(bench, prompt, args, device) -> dict:
+    """Figure 1: every engine step timed; full recomputation timed at the sampled steps."""
+    model = bench.pre.model
+    engine = Engine(model, bench.pre.tokenizer, EngineConfig(max_batch=1, row_capacity=args.prompt_tokens
+                                                             + args.new_tokens + 1))
+    handle = engine.submit(engine_requests(bench, [prompt], args.new_tokens)[0])
+    step_s = []
+    while engine.busy:
+        step_s.append(timed(engine.step, device))
+    tokens = generated(handle.events())
+    prefix = [bench.boundary, *prompt]
+    sampled = sorted(set(range(0, args.new_tokens, args.recompute_every)) | {args.new_tokens - 1})
+    full_s, agree = [], 0
+    with torch.inference_mode():
+        for i in sampled:
+            seq = torch.tensor([prefix + tokens[:i]], device=device)  # (1, T): what step i reads
+            out = []
+            full_s.append(timed(lambda seq=seq, out=out: out.append(model(seq, logits_from=seq.shape[1] - 1)), device))
+            agree += int(out[0].logits[0, -1, : bench.pre.tokenizer.vocab_size].argmax()) == tokens[i]
+    steps = np.arange(args.new_tokens)
+    full_total = float(np.interp(steps, sampled, full_s).sum())
+    cached_sampled = float(np.interp(steps, sampled, [step_s[i] for i in sampled]).sum())
+    return {"cached_measured_s": sum(step_s), "cached_sampled_s": cached_sampled, "full_sampled_s": full_total,
+            "samples": len(sampled), "agree": agree, "step_s": step_s}
+
+
+def hf_generate(hf, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' greedy generate with its KV cache, exactly n new tokens (no early stop)."""
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+
+
+def alternate(sides: dict, repeats: int, device) -> dict[str, float]:
+    """Median wall seconds of each side, the sides run alternately `repeats` times (main warms both up once)."""
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(repeats):
+        for k, fn in sides.items():
+            times[k].append(timed(fn, device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def batch1_vs_transformers(bench, hf, prompt, args, device) -> dict:
+    """Figure 2: one stream, decode_tokens greedy tokens, the engine vs hf.generate."""
+    model, tok = bench.pre.model, bench.pre.tokenizer
+    req = engine_requests(bench, [prompt], args.decode_tokens)
+    ids = torch.tensor([[bench.boundary, *prompt]], device=device)  # (1, T)
+    out = {}
+
+    def ours():
+        out["ours"] = generated(run_all(Engine(model, tok, EngineConfig(max_batch=1)), req)[0])
+
+    def theirs():
+        with torch.inference_mode():
+            out["hf"] = hf_generate(hf, ids, args.decode_tokens)[0, ids.shape[1]:].tolist()
+
+    secs = alternate({"engine": ours, "transformers": theirs}, args.repeats, device)
+    same = sum(a == b for a, b in zip(out["ours"], out["hf"]))
+    return {**secs, "same_tokens": same}
+
+
+def aggregate(bench, hf, ps, streams: int, args, device) -> dict:
+    """Figure 3 at `streams`: the engine's batch vs the same requests one at a time vs hf static batch."""
+    model, tok = bench.pre.model, bench.pre.tokenizer
+    reqs = engine_requests(bench, ps[:streams], args.stream_tokens)
+    ids = torch.tensor([[bench.boundary, *p] for p in ps[:streams]], device=device)  # (S, T), equal lengths
+
+    def batched():
+        run_all(Engine(model, tok, EngineConfig(max_batch=streams)), reqs)
+
+    def one_by_one():
+        run_all(Engine(model, tok, EngineConfig(max_batch=1)), reqs)
+
+    def hf_static():
+        with torch.inference_mode():
+            hf_generate(hf, ids, args.stream_tokens)
+
+    sides = {"engine": batched, "sequential": one_by_one, "transformers": hf_static}
+    if streams == 1:
+        del sides["sequential"]  # the same thing as the engine's batch of one
+    return alternate(sides, args.repeats, device)
+
+
+def knn_searcher(bench, args, device):
+    """(searcher, description): --datastore, or the model's keys over --knn-tokens SOTU tokens, exact."""
+    from memlm.retrieval.exact import TorchExactSearcher
+
+    if args.datastore:
+        from datastore import Datastore
+
+        store = Datastore.open(args.datastore)
+        return store, f"{args.datastore} ({store.info().n} entries, {store.info().index})"
+    docs, _ = _common.load_tokens(bench, "sotu", "year>=1990", args.knn_tokens, args.synthetic, seed=5)
+    keys, values = [], []
+    with torch.inference_mode():
+        for d in docs:
+            for lo in range(0, len(d) - 1, 1024):
+                chunk = [bench.boundary, *d[lo : lo + 1024]]
+                keys.append(bench.pre.model(torch.tensor([chunk[:-1]], device=device)).knn_key[0].float())  # (n, C)
+                values.append(torch.tensor(chunk[1:]))
+    searcher = TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy())
+    return searcher, f"in-memory exact search over {len(searcher)} SOTU keys of the model (k {KNNLMConfig().k})"
+
+
+def knn_vs_base(bench, ps, args, device) -> tuple[dict, str]:
+    """Figure 4: the same knn_batch streams with and without kNN-LM (KNNLMConfig's defaults)."""
+    model, tok = bench.pre.model, bench.pre.tokenizer
+    searcher, what = knn_searcher(bench, args, device)
+    reqs = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens)
+    knn = EngineConfig(max_batch=args.knn_batch, knn=KNNLMConfig())
+    sides = {
+        "base": lambda: run_all(Engine(model, tok, EngineConfig(max_batch=args.knn_batch)), reqs),
+        "knn": lambda: run_all(Engine(model, tok, knn, searcher), reqs),
+    }
+    return alternate(sides, args.repeats, device), what
+
+
+def bandwidth(bench, step_s: float, positions: int) -> float:
+    """Bytes one batch-1 decode step reads: every weight once (tied ones once) + the cache's keys and values."""
+    model = bench.pre.model
+    c = model.config
+    itemsize = model.dtype.itemsize
+    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    cache = 2 * c.n_layer * c.n_kv_head * c.head_dim * positions * itemsize
+    return (weights + cache) / step_s / 1e9
+
+
+def report(args, bench, fig1, fig2, fig3, fig4, knn_what) -> None:
+    n = args.new_tokens
+    print(f"1. cached vs full recomputation, batch 1, {n} new tokens after {args.prompt_tokens} prompt tokens")
+    print(f"   engine: {fig1['cached_measured_s']:.2f} s measured over all {n} steps "
+          f"({fig1['cached_sampled_s']:.2f} s integrated from the {fig1['samples']} sampled steps)")
+    print(f"   full recomputation: {fig1['full_sampled_s']:.2f} s integrated from the same {fig1['samples']} steps "
+          f"(argmax agrees with the engine's token at {fig1['agree']}/{fig1['samples']})")
+    print(f"   ratio {fig1['full_sampled_s'] / fig1['cached_sampled_s']:.1f}x (same samples both sides; "
+          f"{fig1['full_sampled_s'] / fig1['cached_measured_s']:.1f}x against the measured engine total; goal >= 10)")
+    t = args.decode_tokens
+    e, h = t / fig2["engine"], t / fig2["transformers"]
+    print(f"2. batch-1 decode, {t} tokens: engine {e:.1f} tokens/s, transformers generate (KV cache) {h:.1f} "
+          f"tokens/s, ratio {e / h:.2f}x (goal >= 1.0; {fig2['same_tokens']}/{t} tokens identical)")
+    print(f"3. aggregate tokens/s, {args.stream_tokens} new tokens per stream")
+    for streams, secs in fig3.items():
+        total = streams * args.stream_tokens
+        line = f"   {streams:>3} streams: engine {total / secs['engine']:.1f}"
+        if "sequential" in secs:
+            line += (f", one after another {total / secs['sequential']:.1f} "
+                     f"({secs['sequential'] / secs['engine']:.2f}x)")
+        line += (f", transformers static batch {total / secs['transformers']:.1f} "
+                 f"({secs['transformers'] / secs['engine']:.2f}x)")
+        print(line)
+    print("      goals: >= 4x one-after-another at 8 streams, >= 1.0x transformers")
+    kt = args.knn_batch * args.stream_tokens
+    print(f"4. kNN-LM vs base at batch {args.knn_batch} ({knn_what}): base {kt / fig4['base']:.1f} tokens/s, "
+          f"kNN-LM {kt / fig4['knn']:.1f} tokens/s, ratio {fig4['base'] / fig4['knn']:.2f}x (goal >= 0.8)")
+    if args.peak_gbs:
+        step = statistics.median(fig1["step_s"][1:])
+        gbs = bandwidth(bench, step, args.prompt_tokens + n // 2)
+        print(f"5. batch-1 decode bandwidth: {gbs:.0f} GB/s of {args.peak_gbs:.0f} GB/s "
+              f"({100 * gbs / args.peak_gbs:.1f}%), median step {1e3 * step:.2f} ms")
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    bench = _common.load_model(args.model, args.synthetic, synthetic_model="small", device=args.device, dtype=dtype)
+    streams = [int(s) for s in args.streams.split(",")]
+    ps = prompts(bench, max(streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
+    _common.synthetic_banner(bench.synthetic)
+    print(f"model {bench.name}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
+          f"{args.repeats} alternating run(s) per side (median), after one warm-up of both")
+    hf = hf_twin(bench.pre.model)
+    warm = engine_requests(bench, ps[:2], 4)  # one-time costs (allocator, kernels, generation config) out of the timings
+    run_all(Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=2)), warm)
+    with torch.inference_mode():
+        hf_generate(hf, torch.tensor([[bench.boundary, *p] for p in ps[:2]], device=device), 4)
+    t0 = time.perf_counter()
+    fig1 = cached_vs_recomputation(bench, ps[0], args, device)
+    fig2 = batch1_vs_transformers(bench, hf, ps[0], args, device)
+    fig3 = {s: aggregate(bench, hf, ps, s, args, device) for s in streams}
+    fig4, knn_what = knn_vs_base(bench, ps, args, device)
+    report(args, bench, fig1, fig2, fig3, fig4, knn_what)
+    print(f"(whole run {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
