@@ -9,22 +9,27 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from memlm.errors import MemlmError
+from memlm.jobs.pointer_walk import walk
 from memlm.jobs.windows import ScoredTokens, WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
+from memlm.retrieval.adaptive import AdaptiveConfig, distribution_features
 from memlm.retrieval.knnlm import (
+    NEG_INF,
     KNNLMConfig,
     interpolate,
     knn_logprob_from_matches,
     knn_target_logprob,
 )
+from memlm.retrieval.pointers import PointerConfig, PointerSource
 from memlm.retrieval.searcher import Searcher, SearchOptions
 
 
@@ -33,12 +38,12 @@ class _Timer:
         self.device = device
         self.seconds = 0.0
 
-    def __enter__(self) -> "_Timer":
+    def __enter__(self) -> _Timer:
         self._sync()
         self._t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._sync()
         self.seconds += time.perf_counter() - self._t0
 
@@ -196,16 +201,70 @@ EXACT_RECALL_MAX_BYTES = 8 << 30
 
 
 class _Pass(NamedTuple):
-    """Sums and timings of one kNN-LM pass over the evaluation documents."""
+    """Sums, counts and timings of one kNN-LM pass over the evaluation documents."""
 
     base_nll: float  # float64 sums, window by window, as evaluate_perplexity
     knn_nll: float
     tokens: int
     hits: int  # tokens whose target is among the neighbours
-    forward_seconds: float
-    search_seconds: float
-    interpolate_seconds: float
+    searches: int  # tokens searched (a search is one query row)
+    skipped: int  # tokens the adaptive gate kept on the base distribution
+    stream_searches: int  # searches at the first token of a pointer stream
+    seconds: dict[str, float]  # forward, search, interpolate, pointer, gate
     sample: list[np.ndarray]  # up to recall_queries evaluation keys (d,), a seeded uniform sample
+
+
+class Retrieval(NamedTuple):
+    """How a pass retrieves: every token (both None), some (adaptive), by pointers, or both."""
+
+    pointers: PointerConfig | None = None
+    source: PointerSource | None = None
+    adaptive: AdaptiveConfig | None = None
+
+
+class _Timers:
+    def __init__(self, device: torch.device) -> None:
+        cpu = torch.device("cpu")
+        self.forward, self.search, self.mix = _Timer(device), _Timer(cpu), _Timer(cpu)
+        self.walk, self.gate = _Timer(cpu), _Timer(cpu)
+        self.walk_search = 0.0  # search time spent inside the walk (counted as search, not as pointer time)
+
+    def seconds(self) -> dict[str, float]:
+        return {"forward": self.forward.seconds, "search": self.search.seconds, "interpolate": self.mix.seconds,
+                "pointer": self.walk.seconds - self.walk_search, "gate": self.gate.seconds}
+
+
+def _group_knn(group: list[ScoredTokens], xq: np.ndarray, targets: torch.Tensor, searcher: Searcher,
+               knn_config: KNNLMConfig, temperature: float, how: Retrieval, timers: _Timers
+               ) -> tuple[torch.Tensor, np.ndarray, int, int]:
+    """log p_kNN of the group's targets (Q,), which tokens keep the base (Q,) bool, searches, stream searches."""
+    allowed = None
+    if how.adaptive is not None:
+        with timers.gate:
+            distribution = torch.cat([s.features for s in group])  # (Q, 5)
+            allowed = how.adaptive.allowed(distribution, torch.cat([s.keys for s in group])).numpy()  # (Q,)
+    k, options = knn_config.k, knn_config.search_options
+    if how.pointers is not None:
+        docs = np.concatenate([np.full(s.targets.shape[0], s.doc) for s in group])  # (Q,)
+        before = timers.search.seconds
+        with timers.walk:
+            walked = walk(xq, targets.numpy(), docs, searcher, k, options, temperature, how.pointers, how.source,
+                          allowed, timers.search)
+        timers.walk_search += timers.search.seconds - before
+        return walked.knn_logprob, walked.skipped, int(walked.searched.sum()), walked.stream_searches
+    if allowed is None:
+        with timers.search:
+            nb = searcher.search(xq, k, options)
+        with timers.mix:
+            return knn_target_logprob(nb, targets, temperature), np.zeros(xq.shape[0], bool), xq.shape[0], 0
+    rows = np.flatnonzero(allowed)  # (q,)
+    knn = torch.full((xq.shape[0],), NEG_INF)  # (Q,)
+    if rows.size:
+        with timers.search:
+            nb = searcher.search(xq[rows], k, options)
+        with timers.mix:
+            knn[torch.from_numpy(rows)] = knn_target_logprob(nb, targets[rows], temperature)
+    return knn, ~allowed, int(rows.size), 0
 
 
 def _knn_pass(
@@ -220,28 +279,36 @@ def _knn_pass(
     recall_queries: int,
     search_tokens: int,
     progress: bool,
+    how: Retrieval,
 ) -> _Pass:
-    """One pass: forward (timed), one search per group of windows (timed), interpolation (timed)."""
-    forward, search, mix = _Timer(model.device), _Timer(torch.device("cpu")), _Timer(torch.device("cpu"))
+    """One pass: forward (timed), searches per group of windows (timed), interpolation (timed); with
+    pointers the group is walked (memlm.jobs.pointer_walk), with a gate only the tokens it lets search."""
+    timers = _Timers(model.device)
     base_nll = knn_nll = 0.0
-    scored = hits = seen = 0
+    scored = hits = seen = searches = skipped = first = 0
     rng = np.random.default_rng(0)
     sample: list[np.ndarray] = []
-    stream = _timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True), forward)
+    features = distribution_features if how.adaptive is not None else None
+    stream = _timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True,
+                                    lm_features=features), timers.forward)
+    group_tokens = search_tokens if how.pointers is None else how.pointers.streams * how.pointers.stream_tokens
     total = sum(len(d) for d in token_docs)
     with tqdm(total=total, desc="eval kNN-LM", unit="tok", file=sys.stderr, disable=not progress) as bar:
-        for group in _groups(stream, search_tokens):
+        for group in _groups(stream, group_tokens):
             xq, targets = _queries(group)  # (Q, d), (Q,)
-            with search:
-                nb = searcher.search(xq, knn_config.k, knn_config.search_options)
-            with mix:
-                knn = knn_target_logprob(nb, targets, temperature)  # (Q,)
+            knn, base_only, n_search, n_first = _group_knn(group, xq, targets, searcher, knn_config, temperature,
+                                                           how, timers)
+            searches, first, skipped = searches + n_search, first + n_first, skipped + int(base_only.sum())
+            with timers.mix:
                 hits += int(torch.isfinite(knn).sum())
+                keep_base = torch.from_numpy(base_only)  # (Q,)
                 lo = 0
                 for s in group:  # per window, summed exactly like evaluate_perplexity
                     n = s.targets.shape[0]
                     base_nll -= s.lm_logprob.double().sum().item()
-                    knn_nll -= interpolate(s.lm_logprob, knn[lo : lo + n], lmbda).double().sum().item()
+                    mixed = interpolate(s.lm_logprob, knn[lo : lo + n], lmbda)  # (n,)
+                    mixed = torch.where(keep_base[lo : lo + n], s.lm_logprob, mixed)  # skipped: lambda 0
+                    knn_nll -= mixed.double().sum().item()
                     lo += n
             scored += xq.shape[0]
             for row in xq:  # reservoir sampling (Algorithm R)
@@ -253,14 +320,16 @@ def _knn_pass(
                         sample[j] = row
                 seen += 1
             bar.update(xq.shape[0])
-    return _Pass(base_nll, knn_nll, scored, hits, forward.seconds, search.seconds, mix.seconds, sample)
+    return _Pass(base_nll, knn_nll, scored, hits, searches, skipped, first, timers.seconds(), sample)
 
 
 def _pass_result(run: _Pass) -> dict[str, Any]:
-    """Perplexities, hit rate and speeds of one pass (the kNN-LM overhead is its search + interpolation)."""
-    scored, forward = run.tokens, run.forward_seconds
+    """Perplexities, hit rate, searches and speeds of one pass (the kNN-LM overhead is everything but the
+    forward: search, interpolation, the pointer walk and the gate)."""
+    scored, sec = run.tokens, run.seconds
+    forward = sec["forward"]
     base_ppl, knn_ppl = math.exp(run.base_nll / scored), math.exp(run.knn_nll / scored)
-    total = forward + run.search_seconds + run.interpolate_seconds
+    total = sum(sec.values())
     return {
         "tokens": scored,
         "base_nll": run.base_nll,
@@ -270,9 +339,14 @@ def _pass_result(run: _Pass) -> dict[str, Any]:
         "perplexity": knn_ppl,
         "relative_change": knn_ppl / base_ppl - 1.0,
         "knn_hit_rate": run.hits / scored,
+        "searches": run.searches,
+        "searches_saved": scored - run.searches,
+        "searches_saved_fraction": (scored - run.searches) / scored,
         "forward_seconds": forward,
-        "search_seconds": run.search_seconds,
-        "interpolate_seconds": run.interpolate_seconds,
+        "search_seconds": sec["search"],
+        "interpolate_seconds": sec["interpolate"],
+        "pointer_seconds": sec["pointer"],
+        "gate_seconds": sec["gate"],
         "base_tokens_per_s": scored / forward if forward > 0 else float("inf"),
         "knnlm_tokens_per_s": scored / total if total > 0 else float("inf"),
         "knnlm_speed_ratio": forward / total if total > 0 else 1.0,
@@ -292,6 +366,7 @@ def evaluate_knnlm(
     recall_queries: int = 256,
     search_tokens: int = 1024,
     progress: bool = True,
+    retrieval: Retrieval | None = None,
 ) -> dict[str, Any]:
     """Base and kNN-LM perplexity of `model` on `token_docs`, side by side.
 
@@ -304,14 +379,23 @@ def evaluate_knnlm(
         knows whether the keys fit in memory); None: recall is not measured.
     recall_queries: evaluation keys (seeded random sample) on which recall@k is measured; 0: skip.
     search_tokens: scored tokens gathered per search call (bigger batches search faster).
+    retrieval: fewer searches (issue 15; None: a search for every token): RetoMaton pointers (retrieval.pointers with retrieval.source, the
+        datastore's successors, values and keys) and/or adaptive retrieval (retrieval.adaptive, a fitted gate
+        and its threshold); lambda and T are tuned (when auto) with a search for every tuning token.
 
     Returns a dict: tokens, base_nll, knnlm_nll, base_perplexity, knnlm_perplexity, perplexity (= kNN-LM),
     relative_change (knnlm / base - 1), lambda, temperature, tuned, tune_tokens, tune_base_perplexity,
     tune_knnlm_perplexity, k, exact_rerank, nprobe, knn_hit_rate (share of tokens with the target among
     the neighbours), forward_seconds, search_seconds, interpolate_seconds, base_tokens_per_s,
-    knnlm_tokens_per_s, knnlm_speed_ratio, index, datastore_size (from searcher.info()), and with an
+    knnlm_tokens_per_s, knnlm_speed_ratio, index, datastore_size (from searcher.info()), searches (query
+    rows searched), searches_saved (tokens - searches), searches_saved_fraction, pointer_seconds and
+    gate_seconds (0 without them); with pointers min_pointers, pointer_tokens (tokens scored from pointers
+    alone) and stream_searches; with a gate adaptive_threshold and adaptive_skipped; and with an
     exact_searcher recall_at_k, recall_at_10, recall_k, recall_queries.
     """
+    retrieval = retrieval or Retrieval()
+    if (retrieval.pointers is None) != (retrieval.source is None):
+        raise ValueError("RetoMaton pointers need both a PointerConfig and a PointerSource")
     if knn_config.needs_tuning and not tune_docs:
         raise MemlmError("--lambda auto / --temperature auto need a tuning split (--tune-data); "
                          "they are never tuned on the evaluation split")
@@ -329,7 +413,7 @@ def evaluate_knnlm(
     assert lmbda is not None and temperature is not None
 
     run = _knn_pass(model, token_docs, searcher, window_config, knn_config, boundary_token, lmbda, temperature,
-                    recall_queries, search_tokens, progress)
+                    recall_queries, search_tokens, progress, retrieval)
     assert run.tokens == total, f"scored {run.tokens} tokens of {total}"
     info = searcher.info()
     result.update(_pass_result(run), k=knn_config.k, exact_rerank=knn_config.exact_rerank, nprobe=knn_config.nprobe,
@@ -337,6 +421,12 @@ def evaluate_knnlm(
                   datastore_size=info.n)
     result["lambda"] = lmbda
     result["temperature"] = temperature
+    if retrieval.pointers is not None:
+        result.update(min_pointers=retrieval.pointers.min_pointers, stream_searches=run.stream_searches,
+                      pointer_tokens=run.tokens - run.searches - run.skipped,
+                      pointer_distances="exact" if retrieval.source.keys is not None else "carried")
+    if retrieval.adaptive is not None:
+        result.update(adaptive_threshold=retrieval.adaptive.threshold, adaptive_skipped=run.skipped)
     if exact_searcher is not None and run.sample:
         result.update(_recall(searcher, exact_searcher, np.stack(run.sample), knn_config))
     return result

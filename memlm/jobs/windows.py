@@ -121,6 +121,12 @@ class ScoredTokens(NamedTuple):
     lm_logprob: torch.Tensor  # (n,) float32 log p_LM(target | context), empty when logprobs were not asked
     greedy: torch.Tensor  # (n,) bool, target == argmax of the LM distribution (empty likewise)
     keys: torch.Tensor  # (n, C) kNN-LM keys in the model's dtype, on the model's device
+    features: torch.Tensor | None = None  # (n, F) float32 CPU, lm_features of the log-probs; None unless asked
+
+
+LMFeatures = Callable[[torch.Tensor], torch.Tensor]
+"""(n, V) float32 log-probabilities -> (n, F) float32 per-token statistics (adaptive retrieval's gate,
+memlm.retrieval.adaptive.distribution_features), computed while the batch's log-probabilities exist."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ def score_documents(
     boundary_token: int,
     with_logprobs: bool = True,
     skip_batches: int = 0,
+    lm_features: LMFeatures | None = None,
 ) -> Iterator[ScoredTokens]:
     """Run the decoder over sliding windows of each document and yield what each window scores.
 
@@ -162,6 +169,7 @@ def score_documents(
     with_logprobs: False skips the output head entirely (datastore building needs only keys).
     skip_batches: plan but do not run the first batches (a resumed datastore build): the batches
         after them are composed exactly as in a full run, so their floats are identical too.
+    lm_features: also give each token these statistics of its log-probabilities (needs with_logprobs).
     Full-vocabulary log-probabilities exist for one batch at a time only: (B, T, V) floats.
     """
     check_window(config.context, config.stride, model.config.max_seq_len)
@@ -175,11 +183,11 @@ def score_documents(
             pending.append((window, sequence))
             if len(pending) == config.batch_size:
                 if batch_index >= skip_batches:
-                    yield from _score_batch(model, pending, with_logprobs)
+                    yield from _score_batch(model, pending, with_logprobs, lm_features)
                 batch_index += 1
                 pending = []
     if pending and batch_index >= skip_batches:
-        yield from _score_batch(model, pending, with_logprobs)
+        yield from _score_batch(model, pending, with_logprobs, lm_features)
 
 
 class WindowOutput(NamedTuple):
@@ -230,15 +238,18 @@ def forward_windows(
 
 @torch.inference_mode()
 def _score_batch(
-    model: Decoder, batch: list[tuple[Window, torch.Tensor]], with_logprobs: bool
+    model: Decoder, batch: list[tuple[Window, torch.Tensor]], with_logprobs: bool,
+    lm_features: LMFeatures | None = None,
 ) -> Iterator[ScoredTokens]:
     for o in forward_windows(model, batch, with_logprobs):
+        features = None
         if with_logprobs:
             logprobs, greedy = o.log_probs()  # (n, V), (n,)
             lm_logprob = logprobs.gather(1, o.targets.to(logprobs.device)[:, None])[:, 0].cpu()  # (n,)
             greedy = greedy.cpu()
+            features = lm_features(logprobs).float().cpu() if lm_features is not None else None  # (n, F)
         else:
             lm_logprob = torch.empty(0)
             greedy = torch.empty(0, dtype=torch.bool)
         positions = torch.arange(o.window.score_from, o.window.end)  # (n,)
-        yield ScoredTokens(o.window.doc, positions, o.targets, lm_logprob, greedy, o.keys)
+        yield ScoredTokens(o.window.doc, positions, o.targets, lm_logprob, greedy, o.keys, features)

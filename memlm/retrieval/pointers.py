@@ -1,0 +1,182 @@
+"""RetoMaton pointers (Alon et al. 2022, "Neuro-Symbolic Language Modeling with Automaton-augmented
+Retrieval", neulab/knn-transformers retomaton.py): the datastore is a sequence, so the neighbours of step
+t point to their successor entries, which are the candidates of step t+1; a search is made only when
+fewer than a minimum of those pointers survive.
+
+An entry's successor is the entry of the same document at position + 1 (memlm.retrieval.searcher.
+Provenance); the last entry of a document has none (-1), so a pointer never crosses a document boundary.
+`successors` derives them from any Provenance lookup (`datastore.Datastore.provenance`); this module never
+imports `datastore`.
+
+One step of the walk (`follow`) for S streams at once, vectorised over streams and neighbours:
+1. a neighbour of step t survives when its value is the token that actually came next (the target of
+   step t) and it has a successor (retomaton.py: `vals_at_knns == label`);
+2. the survivors' successors are step t+1's candidates; their distances to step t+1's query are
+   recomputed exactly from the stored float16 keys when the source holds them (retomaton.py reconstructs
+   the pointed keys for the same purpose), else each carries its predecessor's distance (a remote
+   searcher gives no keys; the walk then ranks pointers by how near their chain started);
+3. rows with fewer than `min_pointers` candidates are searched instead (`needs_search`). Unlike
+   retomaton.py, which concatenates the pointers to the fresh search results, a searched row keeps the k
+   nearest only: pointers that are not among them are farther than the k-th neighbour, which kNN-LM
+   would drop, and so a minimum above k is plain kNN-LM exactly (issue 15).
+
+Shape legend: N datastore entries, S streams walked together, w candidates per stream (<= k), d key
+dimension, M candidates over all streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from memlm.errors import MemlmError
+from memlm.retrieval.searcher import Neighbors, Provenance
+
+ProvenanceLookup = Callable[[np.ndarray], Provenance]
+"""ids (Q, k) int64 -> their Provenance (Q, k): `datastore.Datastore.provenance`, or any equal lookup."""
+
+LOOKUP_ROWS = 1 << 20
+"""Entries whose provenance is read per lookup call while deriving successors."""
+
+
+class Successors(NamedTuple):
+    """Each datastore entry's successor, derived once from the provenance."""
+
+    next_ids: np.ndarray  # (N,) int64, the entry of the same document at position + 1, -1 at a document's end
+    contiguous: bool  # rows are in (document, position) order: a successor, where there is one, is id + 1
+
+
+def successors(lookup: ProvenanceLookup, n: int) -> Successors:
+    """The successor of each of the n entries, from their documents and positions.
+
+    The builder writes a document's entries as consecutive rows in position order, so the successor is
+    usually id + 1; that is checked, never assumed: whatever the row order, the successor is found by
+    sorting the entries by (document, position), and an entry whose next one in that order is not the
+    same document at position + 1 (a document's end, or a gap) has none.
+    """
+    if n == 0:
+        return Successors(np.zeros(0, dtype=np.int64), True)
+    docs = np.empty(n, dtype=np.int64)
+    positions = np.empty(n, dtype=np.int64)
+    for lo in range(0, n, LOOKUP_ROWS):
+        ids = np.arange(lo, min(n, lo + LOOKUP_ROWS), dtype=np.int64)[None, :]  # (1, r)
+        prov = lookup(ids)
+        docs[lo : lo + ids.shape[1]] = prov.docs[0]
+        positions[lo : lo + ids.shape[1]] = prov.positions[0]
+    if (docs < 0).any():
+        raise MemlmError("the datastore's provenance has entries without a document; rebuild the datastore")
+    order = np.lexsort((positions, docs))  # (N,) rows by (document, position)
+    nxt = np.full(n, -1, dtype=np.int64)
+    follows = (docs[order[1:]] == docs[order[:-1]]) & (positions[order[1:]] == positions[order[:-1]] + 1)  # (N-1,)
+    nxt[order[:-1][follows]] = order[1:][follows]
+    return Successors(nxt, bool(np.array_equal(order, np.arange(n))))
+
+
+@dataclass(frozen=True)
+class PointerConfig:
+    """RetoMaton's walk in kNN-LM evaluation (`memlm eval --pointers --min-pointers N`)."""
+
+    min_pointers: int = 1
+    """Search when fewer candidates than this survive; above k every token is searched (plain kNN-LM)."""
+    stream_tokens: int = 128
+    """Tokens walked per stream. Streams (runs of one document, cut at this length) are walked in lockstep
+    so that the searches of one step are one batched call; each stream's first token is searched (at most
+    1/stream_tokens of the tokens, reported as stream_searches)."""
+    streams: int = 64
+    """Streams walked together (one search call per step holds every stream that needs it)."""
+
+    def __post_init__(self) -> None:
+        if self.min_pointers < 1:
+            raise MemlmError(f"--min-pointers must be at least 1, got {self.min_pointers}")
+        if self.stream_tokens < 1 or self.streams < 1:
+            raise MemlmError("stream_tokens and streams must be at least 1")
+
+
+@dataclass(frozen=True)
+class PointerSource:
+    """What the walk reads from the datastore besides searches (the command line fills it in)."""
+
+    next_ids: np.ndarray
+    """(N,) int64 successors (`successors(...).next_ids`)."""
+    values: np.ndarray
+    """(N,) int32 stored next tokens (the datastore's values)."""
+    keys: np.ndarray | None
+    """(N, d) float16 stored keys for exact pointer distances; None: pointers carry their predecessor's."""
+
+    def __post_init__(self) -> None:
+        n = self.next_ids.shape[0]
+        if self.values.shape != (n,):
+            raise ValueError(f"values must have shape ({n},), got {self.values.shape}")
+        if self.keys is not None and self.keys.shape[0] != n:
+            raise ValueError(f"keys must have {n} rows, got {self.keys.shape[0]}")
+
+
+def empty_candidates(rows: int) -> Neighbors:
+    """Candidate sets with nothing in them: (rows, 1) missing neighbours."""
+    return Neighbors(np.full((rows, 1), np.inf, np.float32), np.full((rows, 1), -1, np.int64),
+                     np.full((rows, 1), -1, np.int32))
+
+
+def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: PointerSource) -> Neighbors:
+    """Step t+1's pointer candidates from step t's candidates `prev` (S, w) and the tokens that came next
+    `prev_targets` (S,): the successors of the neighbours whose value was that token, nearest first,
+    padded with missing entries (id -1, value -1, distance inf) to the longest row.
+
+    xq: (S, d) float32 queries of step t+1 (distances are recomputed from source.keys when it has them).
+    """
+    ids = prev.ids  # (S, w)
+    nxt = source.next_ids[np.maximum(ids, 0)]  # (S, w)
+    alive = (ids >= 0) & (prev.values == prev_targets[:, None]) & (nxt >= 0)  # (S, w)
+    width = max(1, int(alive.sum(axis=1).max(initial=0)))
+    order = np.argsort(~alive, axis=1, kind="stable")[:, :width]  # (S, w') survivors first, in prev's order
+    keep = np.take_along_axis(alive, order, axis=1)  # (S, w')
+    new_ids = np.where(keep, np.take_along_axis(nxt, order, axis=1), -1)  # (S, w')
+    values = np.where(keep, source.values[np.maximum(new_ids, 0)], -1).astype(np.int32)  # (S, w')
+    if source.keys is None:
+        dist = np.where(keep, np.take_along_axis(prev.distances, order, axis=1), np.inf).astype(np.float32)
+    else:
+        dist = _exact_distances(xq, new_ids, keep, source.keys)  # (S, w')
+    resort = np.argsort(dist, axis=1, kind="stable")  # (S, w') nearest first, as a search returns them
+    return Neighbors(np.take_along_axis(dist, resort, axis=1), np.take_along_axis(new_ids, resort, axis=1),
+                     np.take_along_axis(values, resort, axis=1))
+
+
+def _exact_distances(xq: np.ndarray, ids: np.ndarray, keep: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Squared L2 (float32) between each stream's query (S, d) and its kept candidates' float16 keys
+    (S, w), inf elsewhere: one gather of the M kept keys and one batched reduction."""
+    rows, cols = np.nonzero(keep)  # (M,), (M,)
+    out = np.full(ids.shape, np.inf, dtype=np.float32)  # (S, w)
+    if rows.size:
+        flat = ids[rows, cols]  # (M,)
+        order = np.argsort(flat, kind="stable")  # sorted gather: sequential-ish reads of a memmap
+        gathered = np.empty((flat.size, keys.shape[1]), dtype=np.float16)  # (M, d)
+        gathered[order] = keys[flat[order]]
+        diff = torch.from_numpy(gathered).float() - torch.from_numpy(xq)[torch.from_numpy(rows)]  # (M, d)
+        out[rows, cols] = diff.pow(2).sum(dim=1).numpy()  # (M,)
+    return out
+
+
+def needs_search(candidates: Neighbors, min_pointers: int) -> np.ndarray:
+    """(S,) bool: rows with fewer than min_pointers candidates, which a search replaces."""
+    return (candidates.ids >= 0).sum(axis=1) < min_pointers
+
+
+def merge_rows(candidates: Neighbors, rows: np.ndarray, searched: Neighbors) -> Neighbors:
+    """`candidates` (S, w) with the rows `rows` (s,) replaced by `searched` (s, k), padded to one width."""
+    width = max(candidates.ids.shape[1], searched.ids.shape[1])
+    out = [_pad(a, width, fill) for a, fill in zip(candidates, (np.inf, -1, -1))]  # (S, width) each
+    for o, s, fill in zip(out, searched, (np.inf, -1, -1)):
+        o[rows] = _pad(s, width, fill)
+    return Neighbors(*out)
+
+
+def _pad(a: np.ndarray, width: int, fill: float) -> np.ndarray:
+    if a.shape[1] == width:
+        return a.copy()
+    out = np.full((a.shape[0], width), fill, dtype=a.dtype)  # (S, width)
+    out[:, : a.shape[1]] = a
+    return out
