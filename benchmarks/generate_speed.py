@@ -62,6 +62,22 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def load_bench(args: argparse.Namespace, dtype: torch.dtype) -> _common.BenchModel:
+    """SmolLM2 (or --model); with --synthetic and SmolLM2 not fetched, random weights of SmolLM2's shape and the
+    byte tokenizer (a GPU machine, where the 94 MB GGUF cannot travel: same shapes, same work per token)."""
+    from memlm.model.config import SMOLLM2_135M, ModelConfig
+    from memlm.model.pretrained import Pretrained
+    from memlm.model.tokenizer import Tokenizer, document_boundary
+    from memlm.model.weights import model_path, random_fingerprint, random_model
+
+    if args.model is None and args.synthetic and not model_path(_common.REAL_MODEL).is_file():
+        config = ModelConfig.from_name(SMOLLM2_135M)
+        tok = Tokenizer.byte_level()
+        pre = Pretrained(random_model(config, 0, args.device, dtype), tok, random_fingerprint(config, 0))
+        return _common.BenchModel(pre, f"random weights of {SMOLLM2_135M}'s shape", document_boundary(tok), True)
+    return _common.load_model(args.model, args.synthetic, synthetic_model="small", device=args.device, dtype=dtype)
+
+
 def prompts(bench: _common.BenchModel, n: int, length: int, synthetic: bool) -> list[tuple[int, ...]]:
     """n prompts of `length` tokens: the starts of different SOTU speeches (random tokens if synthetic)."""
     docs, _ = _common.load_tokens(bench, "sotu", None, n * max(length, 64) * 40, synthetic)
@@ -252,7 +268,7 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    bench = _common.load_model(args.model, args.synthetic, synthetic_model="small", device=args.device, dtype=dtype)
+    bench = load_bench(args, dtype)
     streams = [int(s) for s in args.streams.split(",")]
     ps = prompts(bench, max(streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
     _common.synthetic_banner(bench.synthetic)

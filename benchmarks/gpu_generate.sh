@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The decoding engine's figures on a CUDA GPU (issue 12): benchmarks/generate_speed.py in bfloat16 on the GPU,
+# the same four ratios as on the CPU plus the batch-1 decode bandwidth utilisation (bytes of weights and KV
+# cache read per step over the step time, against the card's memory bandwidth).
+#
+#   bash benchmarks/gpu_generate.sh [generate_speed.py flags...]     e.g. --streams 1,8,32,128
+#
+# Install: nothing from a registry (the lent H200 machine reaches none). Its image holds torch, transformers,
+# tokenizers and numpy (/work/.library/device/KINDS.md); memlm runs from this tree (PYTHONPATH), and wheels of
+# what the image lacks are taken from ./.wheels when carried there (gguf, to read SmolLM2's GGUF).
+# Weights: SmolLM2 when $MEMLM_CACHE holds the fetched GGUF; else (the 94 MB GGUF is over what travels to that
+# machine) random weights of SmolLM2's shape, --synthetic, and the output says so: the same shapes and the same
+# work per token, so the speed figures hold, the tokens mean nothing.
+# PEAK_GBS: the card's memory bandwidth in GB/s (default 4800, an H200's HBM3e).
+# Status: written, not run in the session that wrote it (issue 12: no GPU was lent to it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ -d .wheels ]; then
+  "$PY" -m pip install --quiet --no-index --find-links .wheels gguf
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+flags=()
+if ! "$PY" -c "from memlm.model.weights import model_path; import sys; sys.exit(not model_path('smollm2-135m').is_file())"; then
+  flags+=(--synthetic)
+fi
+out=${OUT:-/tmp}
+"$PY" benchmarks/generate_speed.py --device cuda --dtype bfloat16 --peak-gbs "${PEAK_GBS:-4800}" \
+  --repeats 3 "${flags[@]}" "$@" 2>&1 | tee "$out/generate_speed_gpu.txt"
