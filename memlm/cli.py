@@ -19,6 +19,7 @@ from memlm.datastore_command import add_datastore_parser
 from memlm.errors import MemlmError
 from memlm.link_options import add_link_security, add_token_options, link_tls, secret
 from memlm.eval_command import add_eval_parser
+from memlm.gate_command import add_train_gate_parser
 from memlm.generate_command import add_generate_parser
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
@@ -357,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_client_parser(sub)
     add_train_parser(sub)
+    add_train_gate_parser(sub)
     return parser
 
 

@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
+from memlm.fewer_searches_command import fewer_searches, shared_documents
 from memlm.files import check_writable_file
 from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
+    FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORIZING_ONLY,
     MEMORY_OPTIONS,
@@ -77,6 +79,7 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
     knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
                      help="tune even on documents that are evaluated too (recorded in the result)")
+    add_options(p, "fewer kNN-LM searches (with --datastore; issue 15)", FEWER_SEARCHES_OPTIONS)
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
     add_spalm_eval_options(p)
     # The one definition of a client link's TLS and token flags: memlm.link_options.
@@ -214,6 +217,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     }
     if memory is None or memory.kind != "memorizing" or args.continuous_cache:
         refuse_given(args, KNN_SERVICE_FLAGS, "needs --memory memorizing --knn-backend service")
+    if spalm or args.continuous_cache or args.datastore is None:
+        refuse_given(args, FEWER_SEARCHES_OPTIONS, "applies to kNN-LM evaluation (--datastore) only")
     if spalm:
         result = run_spalm_eval(args, pretrained, evaluation, boundary, settings, tuning_tokens)
     elif args.continuous_cache:
@@ -347,7 +352,7 @@ def tuning_tokens(args: argparse.Namespace, tokenizer: Any, evaluation: Any) -> 
     if args.tune_data is None:
         return None, {}
     tune = load_tokens(tokenizer, args.tune_data, args.tune_split, args.tune_max_tokens)
-    shared = set(tune.fingerprints) & set(evaluation.fingerprints)
+    shared = shared_documents(tune.fingerprints, evaluation)
     if shared and not args.allow_tune_overlap:
         raise MemlmError(
             f"--tune-data {args.tune_data} --tune-split {args.tune_split!r} shares {len(shared)} document(s) with "
@@ -383,9 +388,10 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     else:
         print(f"recall@k not reported: the {key_bytes / 2**30:.1f} GiB of keys exceed the "
               f"{EXACT_RECALL_MAX_BYTES / 2**30:.0f} GiB an exact searcher may copy", file=sys.stderr)
+    retrieval, record = fewer_searches(args, store, evaluation, pretrained.fingerprint, model.config.key_description)
     result = evaluate_knnlm(model, evaluation.token_docs, store, window, knn, boundary, tune_docs=tune_docs,
-                            exact_searcher=exact, progress=not args.quiet)
-    return {**result, **tune_record}
+                            exact_searcher=exact, progress=not args.quiet, retrieval=retrieval)
+    return {**result, **tune_record, **record}
 
 
 def print_result(result: dict[str, Any]) -> None:
@@ -394,7 +400,7 @@ def print_result(result: dict[str, Any]) -> None:
                 "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
                 "knnlm_speed_ratio", "recall_at_k", "recall_at_10", "cache_size", "knn_mem_size", "knn_top_k",
                 "knn_backend", "knn_layer", "gate_trained", "gate_mean", "memory_weight_mean", "neighbour_rate",
-                "head_trained", "spalm_perplexity", "knn_k", "knn_hit_rate",
+                "head_trained", "spalm_perplexity", "knn_k", "knn_hit_rate", "searches", "searches_saved",
                 "attention_span", "seconds"):
         if key in result:
             value = result[key]

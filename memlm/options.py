@@ -22,6 +22,7 @@ from memlm.jobs.memorizing import DEFAULT_KNN_TRAIN, KNN_TRAIN_MODES
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig
 from memlm.retrieval.searcher import MAX_K
 
 AUTO = "auto"
@@ -131,6 +132,31 @@ KNN_TRAIN_OPTIONS = {o.dest: o for o in (
            "or top (those and the decoder layers from --knn-layer up); from scratch everything trains", DEFAULT_KNN_TRAIN,
            KNN_TRAIN_MODES),
 )}
+def fraction(text: str) -> float:
+    """A number in [0, 1] (--adaptive-threshold, a probability; --adaptive-fraction is checked below 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+_P = PointerConfig()
+FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
+    Option("--pointers", "pointers", None, "RetoMaton (Alon et al. 2022): follow the neighbours' successor entries "
+           "and search only when fewer than --min-pointers survive"),
+    Option("--min-pointers", "min_pointers", positive_int, "with --pointers: search when fewer pointers survive "
+           "(above --k: a search for every token)", _P.min_pointers),
+    Option("--adaptive-gate", "adaptive_gate", str, "adaptive retrieval (He et al. 2021): a gate directory from "
+           "memlm train-gate, fitted on documents that are not evaluated"),
+    Option("--adaptive-threshold", "adaptive_threshold", fraction, "with --adaptive-gate: search when the gate's "
+           "score is at least this (0: always)"),
+    Option("--adaptive-fraction", "adaptive_fraction", fraction, "with --adaptive-gate: skip about this fraction "
+           "of the searches (the threshold at that quantile of the gate's scores on its tuning split)"),
+)}
+"""Fewer searches (issue 15): named the same in memlm eval and, later, generate and the LM service."""
 WINDOW_OPTIONS = {o.dest: o for o in (
     Option("--context", "context", positive_int, "sliding-window length in tokens (at most the model's)", _W.context),
     Option("--stride", "stride", positive_int, "tokens between window starts", "context/2"),
@@ -188,7 +214,7 @@ def refuse_unless_memorizing(args: argparse.Namespace, kind: str) -> None:
 
 def flag(dest: str) -> str:
     """The flag of an option by its dest: the group tables' flags, else the argparse spelling."""
-    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, KNN_TRAIN_OPTIONS):
+    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, KNN_TRAIN_OPTIONS, FEWER_SEARCHES_OPTIONS):
         if dest in table:
             return table[dest].flag
     return "--" + dest.replace("_", "-")

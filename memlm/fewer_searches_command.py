@@ -1,0 +1,75 @@
+"""Command-line glue of fewer kNN-LM searches (issue 15): from `memlm eval`'s --pointers/--min-pointers and
+--adaptive-gate/--adaptive-threshold/--adaptive-fraction (memlm.options.FEWER_SEARCHES_OPTIONS) to the
+library's memlm.jobs.knnlm_eval.Retrieval, with the datastore's successors, values and keys (RetoMaton)
+and a fitted gate (adaptive retrieval) checked against the model and the evaluation documents.
+
+The one overlap rule (`shared_documents`) lives here, below memlm.eval_command, which uses it for tuning
+splits too: a gate fitted on a document that is evaluated is refused, as a tuning split sharing one is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from memlm.errors import MemlmError
+from memlm.jobs.knnlm_eval import Retrieval
+from memlm.options import refuse_given
+from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
+from memlm.retrieval.pointers import PointerConfig, PointerSource, successors
+
+
+def shared_documents(fingerprints: Iterable[str], evaluation: Any) -> set[str]:
+    """The documents (by fingerprint, memlm.data.documents.document_fingerprint) of `fingerprints` that
+    `evaluation` (a TokenizedCorpus) also holds: the one overlap rule of tuning splits and fitted gates."""
+    return set(fingerprints) & set(evaluation.fingerprints)
+
+
+def fewer_searches(args: argparse.Namespace, store: Any, evaluation: Any, model_fingerprint: str,
+                   key_layer: str) -> tuple[Retrieval, dict[str, Any]]:
+    """The Retrieval the flags ask for over the opened datastore `store` (a datastore.Datastore), and what
+    the result records about it (the gate's directory and the settings it was fitted with)."""
+    if not args.pointers:
+        refuse_given(args, ("min_pointers",), "needs --pointers")
+    if args.adaptive_gate is None:
+        refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")
+    pointers = source = adaptive = None
+    record: dict[str, Any] = {}
+    if args.pointers:
+        pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers)
+        found = successors(store.provenance, len(store))
+        if not found.contiguous:
+            print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
+        source = PointerSource(found.next_ids, store.values, store.keys)
+    if args.adaptive_gate is not None:
+        adaptive = open_gate(args, evaluation, model_fingerprint, key_layer)
+        s = adaptive.settings
+        record.update(adaptive_gate=args.adaptive_gate, gate_k=s.k, gate_temperature=s.temperature,
+                      gate_tune_data=s.tune_data, gate_tokens=s.tokens, gate_accuracy=s.accuracy)
+        if args.adaptive_fraction is not None:
+            record["adaptive_fraction"] = args.adaptive_fraction
+    return Retrieval(pointers, source, adaptive), record
+
+
+def open_gate(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str) -> AdaptiveConfig:
+    """The gate of --adaptive-gate with the threshold of --adaptive-threshold or --adaptive-fraction (one of
+    them), refused when fitted for another model or on a document that is evaluated."""
+    if (args.adaptive_threshold is None) == (args.adaptive_fraction is None):
+        raise MemlmError("--adaptive-gate needs one of --adaptive-threshold X or --adaptive-fraction F")
+    gate, settings = load_gate(Path(args.adaptive_gate))
+    if settings.model_fingerprint != model_fingerprint or settings.key_layer != key_layer:
+        raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted for another model or key layer "
+                         f"({settings.key_layer}); fit one for this model with memlm train-gate")
+    shared = shared_documents(settings.fitted_documents, evaluation)
+    if shared:
+        raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted on {len(shared)} document(s) of the "
+                         f"evaluation data (--split {args.split!r}): the gate must never see evaluation tokens; "
+                         "fit it on a disjoint split")
+    if args.adaptive_fraction is not None:
+        threshold = threshold_for_fraction(settings, args.adaptive_fraction)
+    else:
+        threshold = args.adaptive_threshold
+    return AdaptiveConfig(gate, settings, threshold)

@@ -1,0 +1,91 @@
+"""`memlm train-gate`, library side: fit adaptive retrieval's gate (memlm.retrieval.adaptive) on a tuning
+split, in one pass of the LM and the searcher over it.
+
+The pass gives, per tuning token, the gate's inputs (distribution features and key), log p_LM(target) and
+its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_eval.tune), and the
+label is p_kNN(target) > p_LM(target) at that T. A separate command from `memlm train` because nothing of
+the LM trains and it needs a datastore; evaluation refuses a gate fitted on any evaluated document
+(GateSettings.fitted_documents, checked by the command line where the gate is opened).
+
+Shape legend: n tuning tokens, k neighbours, F gate features, d key dimension.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from memlm.errors import MemlmError
+from memlm.jobs.knnlm_eval import TuningData, tune
+from memlm.jobs.windows import WindowConfig, score_documents
+from memlm.model.decoder import Decoder
+from memlm.retrieval.adaptive import (
+    GateConfig,
+    GateSettings,
+    RetrievalGate,
+    distribution_features,
+    fit_gate,
+    gate_inputs,
+    score_quantiles,
+)
+from memlm.retrieval.knnlm import KNNLMConfig, knn_logprob_from_matches
+from memlm.retrieval.searcher import Searcher
+
+
+class GateData(NamedTuple):
+    """What one pass over the tuning split gives."""
+
+    tuning: TuningData  # log p_LM, distances (n, k), matches (n, k)
+    inputs: torch.Tensor  # (n, F) float32 gate inputs
+
+
+def collect_gate_data(model: Decoder, token_docs: Sequence[list[int]], searcher: Searcher, window: WindowConfig,
+                      knn: KNNLMConfig, boundary_token: int, use_key: bool, progress: bool = True) -> GateData:
+    """One forward and one search per group of windows over the tuning documents."""
+    lm, dist, match, inputs = [], [], [], []
+    total = sum(len(d) for d in token_docs)
+    stream = score_documents(model, token_docs, window, boundary_token, with_logprobs=True,
+                             lm_features=distribution_features)
+    with tqdm(total=total, desc="train-gate: collect", unit="tok", file=sys.stderr, disable=not progress) as bar:
+        for s in stream:
+            xq = s.keys.float().cpu().numpy()  # (n, d)
+            nb = searcher.search(xq, knn.k, knn.search_options)
+            lm.append(s.lm_logprob.float())
+            dist.append(torch.from_numpy(nb.distances.astype(np.float32)))
+            match.append(torch.from_numpy(nb.values.astype(np.int64)) == s.targets[:, None])
+            inputs.append(gate_inputs(s.features, s.keys, use_key))
+            bar.update(xq.shape[0])
+    if not lm:
+        raise MemlmError("the tuning split has no tokens; pass another --split")
+    return GateData(TuningData(torch.cat(lm), torch.cat(dist), torch.cat(match)), torch.cat(inputs))
+
+
+def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Sequence[str], searcher: Searcher,
+               window: WindowConfig, knn: KNNLMConfig, boundary_token: int, config: GateConfig, *,
+               model_fingerprint: str, tune_data: str, progress: bool = True) -> tuple[RetrievalGate, GateSettings]:
+    """Fit the gate on `token_docs` (whose document fingerprints are `fingerprints`, recorded so that no
+    evaluation of them uses it). knn: k and search options; lambda/T None are tuned on the same pass."""
+    data = collect_gate_data(model, token_docs, searcher, window, knn, boundary_token, config.use_key, progress)
+    lmbda, temperature = knn.lmbda, knn.temperature
+    if knn.needs_tuning:
+        tuned = tune(data.tuning, fixed_lmbda=knn.lmbda, fixed_temperature=knn.temperature)
+        lmbda, temperature = tuned.lmbda, tuned.temperature
+    knn_lp = knn_logprob_from_matches(data.tuning.distances, data.tuning.matches, temperature)  # (n,)
+    helps = knn_lp > data.tuning.lm_logprob  # (n,) p_kNN > p_LM: the mixture beats the base at any lambda
+    gate = fit_gate(data.inputs, helps, config)
+    scores = gate.scores(data.inputs)  # (n,)
+    info = searcher.info()
+    settings = GateSettings(
+        model_fingerprint=model_fingerprint, key_layer=model.config.key_description,
+        datastore_corpus_fingerprint=info.corpus_fingerprint, k=knn.k, temperature=float(temperature),
+        lmbda=float(lmbda), config=config, n_features=int(data.inputs.shape[1]),
+        fitted_documents=tuple(fingerprints), tune_data=tune_data, tokens=int(helps.shape[0]),
+        positive_rate=float(helps.float().mean()), accuracy=float(((scores >= 0.5) == helps).float().mean()),
+        score_quantiles=score_quantiles(scores),
+    )
+    return gate, settings
