@@ -16,12 +16,15 @@ import faiss
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import PROVENANCE, make_model  # noqa: E402
-from lifecycle_docs import DOCS_B  # noqa: E402
+from conftest import PROVENANCE, make_model
+from lifecycle_docs import DOCS_B
 
-from datastore import Datastore  # noqa: E402
-from datastore import generations, removal  # noqa: E402
-from datastore.add import add_documents  # noqa: E402
+from datastore import (
+    Datastore,
+    generations,
+    removal,
+)
+from datastore.add import add_documents
 
 
 def slowed(function, delay: float):

@@ -22,7 +22,13 @@ from lifecycle_docs import DOCS_A, DOCS_B, WINDOW_1
 
 from datastore import BuildSettings, Datastore, build_from_tokens
 from datastore.add import add_documents
-from datastore.manifest import DOCS_NAME, KEYS_NAME, POSITIONS_NAME, VALUES_NAME, Manifest
+from datastore.manifest import (
+    DOCS_NAME,
+    KEYS_NAME,
+    POSITIONS_NAME,
+    VALUES_NAME,
+    Manifest,
+)
 from datastore.removal import compact, remove_documents
 from memlm.errors import MemlmError
 from memlm.retrieval.searcher import SearchOptions
