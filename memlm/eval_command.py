@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
-from memlm.fewer_searches_command import fewer_searches, shared_documents
+from memlm.fewer_searches_command import fewer_searches, gate_for, shared_documents
 from memlm.files import check_writable_file
 from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
 from memlm.memory.config import MemoryConfig
@@ -374,6 +374,7 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     tune_docs, tune_record = tuning_tokens(args, pretrained.tokenizer, evaluation)
     if knn.needs_tuning and tune_docs is None:
         raise MemlmError("--lambda auto / --knn-temperature auto need --tune-data (never tuned on the evaluation split)")
+    adaptive, gate_record = gate_for(args, evaluation, pretrained.fingerprint, model.config.key_description)
     store = Datastore.open(Path(args.datastore), backend=args.search_backend or "faiss", device=str(model.device))
     info = store.info()
     window = window_config(args, model.config.max_seq_len, recorded=info)
@@ -388,10 +389,10 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     else:
         print(f"recall@k not reported: the {key_bytes / 2**30:.1f} GiB of keys exceed the "
               f"{EXACT_RECALL_MAX_BYTES / 2**30:.0f} GiB an exact searcher may copy", file=sys.stderr)
-    retrieval, record = fewer_searches(args, store, evaluation, pretrained.fingerprint, model.config.key_description)
+    retrieval = fewer_searches(args, store, adaptive)
     result = evaluate_knnlm(model, evaluation.token_docs, store, window, knn, boundary, tune_docs=tune_docs,
                             exact_searcher=exact, progress=not args.quiet, retrieval=retrieval)
-    return {**result, **tune_record, **record}
+    return {**result, **tune_record, **gate_record}
 
 
 def print_result(result: dict[str, Any]) -> None:

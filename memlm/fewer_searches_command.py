@@ -28,30 +28,34 @@ def shared_documents(fingerprints: Iterable[str], evaluation: Any) -> set[str]:
     return set(fingerprints) & set(evaluation.fingerprints)
 
 
-def fewer_searches(args: argparse.Namespace, store: Any, evaluation: Any, model_fingerprint: str,
-                   key_layer: str) -> tuple[Retrieval, dict[str, Any]]:
-    """The Retrieval the flags ask for over the opened datastore `store` (a datastore.Datastore), and what
-    the result records about it (the gate's directory and the settings it was fitted with)."""
+def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfig | None) -> Retrieval:
+    """The Retrieval the flags ask for over the opened datastore `store` (a datastore.Datastore): RetoMaton
+    pointers over its successors, values and keys, and the gate from `gate_for`."""
+    if not args.pointers:
+        return Retrieval(adaptive=adaptive)
+    pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers)
+    found = successors(store.provenance, len(store))
+    if not found.contiguous:
+        print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
+    return Retrieval(pointers, PointerSource(found.next_ids, store.values, store.keys), adaptive)
+
+
+def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str
+             ) -> tuple[AdaptiveConfig | None, dict[str, Any]]:
+    """The gate of --adaptive-gate (None without it) and what the result records about it; this and the
+    refusals of flags given without theirs come before any datastore is opened."""
     if not args.pointers:
         refuse_given(args, ("min_pointers",), "needs --pointers")
     if args.adaptive_gate is None:
         refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")
-    pointers = source = adaptive = None
-    record: dict[str, Any] = {}
-    if args.pointers:
-        pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers)
-        found = successors(store.provenance, len(store))
-        if not found.contiguous:
-            print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
-        source = PointerSource(found.next_ids, store.values, store.keys)
-    if args.adaptive_gate is not None:
-        adaptive = open_gate(args, evaluation, model_fingerprint, key_layer)
-        s = adaptive.settings
-        record.update(adaptive_gate=args.adaptive_gate, gate_k=s.k, gate_temperature=s.temperature,
-                      gate_tune_data=s.tune_data, gate_tokens=s.tokens, gate_accuracy=s.accuracy)
-        if args.adaptive_fraction is not None:
-            record["adaptive_fraction"] = args.adaptive_fraction
-    return Retrieval(pointers, source, adaptive), record
+        return None, {}
+    adaptive = open_gate(args, evaluation, model_fingerprint, key_layer)
+    s = adaptive.settings
+    record = {"adaptive_gate": args.adaptive_gate, "gate_k": s.k, "gate_temperature": s.temperature,
+              "gate_tune_data": s.tune_data, "gate_tokens": s.tokens, "gate_accuracy": s.accuracy}
+    if args.adaptive_fraction is not None:
+        record["adaptive_fraction"] = args.adaptive_fraction
+    return adaptive, record
 
 
 def open_gate(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str) -> AdaptiveConfig:

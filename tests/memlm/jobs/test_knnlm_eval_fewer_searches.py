@@ -1,0 +1,94 @@
+"""`memlm eval --datastore` with fewer searches (issue 15): --pointers --min-pointers N, `memlm train-gate` and
+--adaptive-gate with --adaptive-threshold / --adaptive-fraction, end to end through the command line on a
+built datastore; a gate fitted on an evaluated document is refused (the same overlap rule as tuning), and
+every flag that does not apply is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    """Speeches that repeat sentences across years, a datastore of the early ones and a gate fitted on two."""
+    tmp = tmp_path_factory.mktemp("fewer")
+    corpus = tmp / "corpus.jsonl"
+    sentences = ["the state of the union is strong and growing.", "we will build roads and schools for all.",
+                 "our soldiers serve with honour abroad.", "taxes are lower and wages are higher."]
+    rows = [{"text": " ".join(f"In {1990 + i}, {sentences[(i + j) % 4]}" for j in range(6)), "year": 1990 + i}
+            for i in range(12)]
+    corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    store, gate = tmp / "store", tmp / "gate"
+    assert main(["datastore", "build", "--model", "tiny", "--data", str(corpus), "--split", "year<1996", "--out",
+                 str(store), "--context", "64", "--stride", "32", "--quiet"]) == 0
+    assert main(["train-gate", "--model", "tiny", "--datastore", str(store), "--data", str(corpus), "--split",
+                 "1996<=year<=1997", "--k", "8", "--knn-temperature", "10", "--steps", "50", "--out", str(gate),
+                 "--quiet"]) == 0
+    return corpus, store, gate
+
+
+def evaluate(capsys, tmp_path, setting, *flags):
+    corpus, store, _ = setting
+    out = tmp_path / "result.json"
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1998",
+                       "--datastore", str(store), "--k", "8", "--lambda", "0.5", "--knn-temperature", "10", "--quiet",
+                       "--json", str(out), *flags)
+    assert code == 0, err
+    return json.loads(out.read_text())
+
+
+def test_pointers_and_gate_combine_and_report_searches(capsys, tmp_path, setting):
+    _, _, gate = setting
+    plain = evaluate(capsys, tmp_path, setting)
+    assert plain["searches"] == plain["tokens"] and plain["searches_saved"] == 0
+    pointers = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "2")
+    assert pointers["min_pointers"] == 2 and pointers["pointer_distances"] == "exact"
+    assert pointers["searches_saved"] > 0 and pointers["searches"] + pointers["searches_saved"] == pointers["tokens"]
+    assert pointers["base_perplexity"] == plain["base_perplexity"]
+    everything = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "9")  # above --k
+    assert everything["knnlm_nll"] == pytest.approx(plain["knnlm_nll"], rel=1e-6) and everything["searches_saved"] == 0
+    both = evaluate(capsys, tmp_path, setting, "--pointers", "--adaptive-gate", str(gate), "--adaptive-fraction", "0.5")
+    assert both["adaptive_fraction"] == 0.5 and both["adaptive_gate"] == str(gate)
+    assert both["searches"] < pointers["searches"] and both["adaptive_skipped"] > 0
+    always = evaluate(capsys, tmp_path, setting, "--adaptive-gate", str(gate), "--adaptive-threshold", "0")
+    assert always["knnlm_nll"] == plain["knnlm_nll"] and always["searches_saved"] == 0
+
+
+def test_a_gate_fitted_on_an_evaluated_document_is_refused(capsys, setting):
+    corpus, store, gate = setting
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1997",
+                       "--datastore", str(store), "--k", "8", "--adaptive-gate", str(gate), "--adaptive-fraction",
+                       "0.5", "--quiet")
+    assert code == 1 and err.count("\n") == 1
+    assert "fitted on 1 document(s) of the evaluation data" in err and "never see evaluation tokens" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-pointers", "3"], "--min-pointers needs --pointers"),
+    (["--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
+    (["--adaptive-gate", "GATE"], "needs one of --adaptive-threshold X or --adaptive-fraction F"),
+    (["--adaptive-gate", "GATE", "--adaptive-threshold", "0.5", "--adaptive-fraction", "0.5"], "needs one of"),
+    (["--adaptive-gate", "GATE", "--adaptive-fraction", "1"], "--adaptive-fraction must be in [0, 1)"),
+])
+def test_flags_that_do_not_apply_are_refused_in_one_line(capsys, setting, flags, message):
+    corpus, store, gate = setting
+    flags = [str(gate) if f == "GATE" else f for f in flags]
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1998",
+                       "--datastore", str(store), "--k", "8", "--quiet", *flags)
+    assert code == 1 and err.count("\n") == 1 and message in err, err
+
+
+def test_fewer_searches_need_a_datastore(capsys, setting):
+    corpus, _, _ = setting
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--pointers", "--quiet")
+    assert code == 1 and "--pointers applies to kNN-LM evaluation (--datastore) only" in err
