@@ -97,41 +97,42 @@ def add_documents(
     plan = {"corpus": source.corpus, "corpus_fingerprint": source.corpus_fingerprint, "shard_batches": shard_batches}
     committed = Manifest.read(directory)
     check_same_encoder(committed, model, source, directory)
-    m, work = generations.begin(directory, "add", plan, log)
-    records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
-    settings = add_settings(m, shard_batches)
-    offsets_path = work / "doc_offsets.i64"
-    if not offsets_path.exists():
-        live = {r.fingerprint for r in records if not r.removed}
-        fresh = _new_only(documents, live, directory, log)
-        build_lib._stage_tokenize(fresh, None, work / "tokens.i32", offsets_path, work / DOCUMENTS_NAME,
-                                  records, progress)
-    tokens = read_array(work / "tokens.i32", VALUE_DTYPE)  # (n,)
-    if tokens.shape[0] == 0:
-        generations.remove_uncommitted(directory, m)
-        shutil.rmtree(work, ignore_errors=True)
-        log(f"nothing to add to {directory}: no new document with tokens")
-        return 0
-    offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (D_new + 1,)
-    new_keys, _ = build_lib._stage_keys(model, tokens, offsets, settings, source, work, work, progress, log)  # (n, d)
-    written = _stage_merge(directory, m, work, records)
-    index_name = generations.next_file(m, INDEX_NAME)
-    if not (directory / index_name).exists():
-        index = index_lib.read_index(directory / m.file_name(INDEX_NAME))
-        index = index_lib.add_keys(index, new_keys, settings.add_chunk, log, progress)
-        index_lib.write_index(index, directory / index_name)
-    written[INDEX_NAME] = index_name
-    added = len(read_documents(work / DOCUMENTS_NAME, m.documents))
-    change = {"op": "add", "documents": added, "entries": int(tokens.shape[0]), "corpus": source.corpus,
-              "seconds": round(time.perf_counter() - started, 3)}
-    new = dataclasses.replace(
-        m, n=m.n + int(tokens.shape[0]), documents=m.documents + added, generation=m.generation + 1,
-        files=generations.named_files(directory, m, written), corpus=f"{m.corpus} + {source.corpus}",
-        corpus_fingerprint=hashlib.sha256(f"{m.corpus_fingerprint}\n+{source.corpus_fingerprint}".encode()).hexdigest(),
-        build={**m.build, "last_change": change},
-    )
-    generations.commit(directory, m, new, log)
-    return added
+    with generations.exclusive(directory):
+        m, work = generations.begin(directory, "add", plan, log)
+        records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
+        settings = add_settings(m, shard_batches)
+        offsets_path = work / "doc_offsets.i64"
+        if not offsets_path.exists():
+            live = {r.fingerprint for r in records if not r.removed}
+            fresh = _new_only(documents, live, directory, log)
+            build_lib._stage_tokenize(fresh, None, work / "tokens.i32", offsets_path, work / DOCUMENTS_NAME,
+                                      records, progress)
+        tokens = read_array(work / "tokens.i32", VALUE_DTYPE)  # (n,)
+        if tokens.shape[0] == 0:
+            generations.remove_uncommitted(directory, m)
+            shutil.rmtree(work, ignore_errors=True)
+            log(f"nothing to add to {directory}: no new document with tokens")
+            return 0
+        offsets = read_array(offsets_path, np.dtype("<i8"), mmap=False)  # (D_new + 1,)
+        new_keys, _ = build_lib._stage_keys(model, tokens, offsets, settings, source, work, work, progress, log)  # (n, d)
+        written = _stage_merge(directory, m, work, records)
+        index_name = generations.next_file(m, INDEX_NAME)
+        if not (directory / index_name).exists():
+            index = index_lib.read_index(directory / m.file_name(INDEX_NAME))
+            index = index_lib.add_keys(index, new_keys, settings.add_chunk, log, progress)
+            index_lib.write_index(index, directory / index_name)
+        written[INDEX_NAME] = index_name
+        added = len(read_documents(work / DOCUMENTS_NAME, m.documents))
+        change = {"op": "add", "documents": added, "entries": int(tokens.shape[0]), "corpus": source.corpus,
+                  "seconds": round(time.perf_counter() - started, 3)}
+        new = dataclasses.replace(
+            m, n=m.n + int(tokens.shape[0]), documents=m.documents + added, generation=m.generation + 1,
+            files=generations.named_files(directory, m, written), corpus=f"{m.corpus} + {source.corpus}",
+            corpus_fingerprint=hashlib.sha256(f"{m.corpus_fingerprint}\n+{source.corpus_fingerprint}".encode()).hexdigest(),
+            build={**m.build, "last_change": change},
+        )
+        generations.commit(directory, m, new, log)
+        return added
 
 
 def _new_only(documents: Documents, live: set[str], directory: Path, log: Callable[[str], None]) -> Iterator[Document]:

@@ -50,6 +50,7 @@ from datastore.documents import (
     new_records,
     write_documents,
 )
+from datastore.generations import LOCK_NAME as GENERATION_LOCK
 from datastore.generations import WORK_DIR as GENERATION_WORK_DIR
 from datastore.manifest import (
     DOCS_NAME,
@@ -322,7 +323,7 @@ def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> 
 def _is_ours(name: str) -> bool:
     """A file a datastore directory holds: the manifest, scratch, or a data file of any generation."""
     base = name.removesuffix(PARTIAL_SUFFIX)
-    return base in (MANIFEST_NAME, WORK_DIR, GENERATION_WORK_DIR) or file_generation(base) is not None
+    return base in (MANIFEST_NAME, WORK_DIR, GENERATION_WORK_DIR, GENERATION_LOCK) or file_generation(base) is not None
 
 
 def _remove_data_files(out: Path) -> None:

@@ -181,8 +181,9 @@ def summary(records: Sequence[DocumentRecord]) -> str:
             parts.append(f"{name} {min(values)}..{max(values)}")
         else:
             parts.append(f"{name} ({len(set(map(str, values)))} distinct)")
+    gone = sum(r.tokens for r in records if r.removed)
     text = (f"{len(live):,} document{'' if len(live) == 1 else 's'}, {sum(r.tokens for r in live):,} tokens"
-            + (f", {removed:,} removed (compact frees them)" if removed else ""))
+            + (f"; {removed:,} removed ({gone:,} entries never returned; compact frees them)" if removed else ""))
     return text + ("; metadata: " + ", ".join(parts) if parts else "; no metadata")
 
 

@@ -15,9 +15,11 @@ server answer from the old generation until it has loaded the new one (services/
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from datastore.manifest import (
@@ -34,12 +36,27 @@ from memlm.files import PARTIAL_SUFFIX, atomic_write, sha256_file
 WORK_DIR = ".generation"
 """Scratch of a change in progress (removed when its manifest is committed)."""
 PLAN_NAME = "plan.json"
+LOCK_NAME = ".generation.lock"
+"""Held (flock) by the one change running: two at once would both write generation g + 1."""
+
+
+@contextlib.contextmanager
+def exclusive(directory: Path) -> Iterator[None]:
+    """Hold the datastore's change lock for the block, or refuse at once when another change holds it.
+    The kernel drops a flock with its process, so a killed change never leaves the datastore locked."""
+    with open(Path(directory) / LOCK_NAME, "a") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MemlmError(f"another add, remove or compact of {directory} is running; run this one when it "
+                             "has finished") from None
+        yield  # the lock goes with the file's closing
 
 
 def begin(directory: Path, op: str, plan: dict, log: Callable[[str], None]) -> tuple[Manifest, Path]:
     """Start (or resume) change `op` of the datastore in `directory`; returns its committed manifest and the
     scratch folder. The plan (op, its arguments, the base generation) decides whether earlier scratch is
-    this change's, to resume, or another's, to discard."""
+    this change's, to resume, or another's, to discard. Call it inside `exclusive(directory)`."""
     directory = Path(directory)
     m = Manifest.read(directory)
     if m.format_version < DOCUMENTS_VERSION:

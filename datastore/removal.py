@@ -41,7 +41,13 @@ from datastore.manifest import (
     VALUES_NAME,
     Manifest,
 )
-from datastore.shards import KEY_DTYPE, PROVENANCE_DTYPE, VALUE_DTYPE, read_array, write_array
+from datastore.shards import (
+    KEY_DTYPE,
+    PROVENANCE_DTYPE,
+    VALUE_DTYPE,
+    read_array,
+    write_array,
+)
 from memlm.errors import MemlmError
 from memlm.files import atomic_open
 
@@ -75,21 +81,22 @@ def remove_documents(directory: Path, doc_ids: Sequence[str] | None = None, wher
         log(f"nothing to remove from {directory}: no live document passes --where {where}")
         return []
     plan = {"doc_ids": None if doc_ids is None else list(doc_ids), "where": where}
-    m, _ = generations.begin(directory, "remove", plan, log)
-    records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
-    chosen = chosen_documents(records, doc_ids, where, directory)
-    marked = {r.index for r in chosen}
-    new_records = [dataclasses.replace(r, removed=True) if r.index in marked else r for r in records]
-    name = generations.next_file(m, DOCUMENTS_NAME)
-    write_documents(directory / name, new_records)
-    entries = sum(r.tokens for r in chosen)
-    change = {"op": "remove", "documents": len(chosen), "entries": entries}
-    new = dataclasses.replace(m, generation=m.generation + 1, build={**m.build, "last_change": change},
-                              files=generations.named_files(directory, m, {DOCUMENTS_NAME: name}))
-    generations.commit(directory, m, new, log)
-    log(f"removed {len(chosen)} document{'' if len(chosen) == 1 else 's'} ({entries:,} entries) from {directory}; "
-        "they are no longer retrieved, memlm datastore compact frees their space")
-    return chosen
+    with generations.exclusive(directory):
+        m, _ = generations.begin(directory, "remove", plan, log)
+        records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
+        chosen = chosen_documents(records, doc_ids, where, directory)
+        marked = {r.index for r in chosen}
+        new_records = [dataclasses.replace(r, removed=True) if r.index in marked else r for r in records]
+        name = generations.next_file(m, DOCUMENTS_NAME)
+        write_documents(directory / name, new_records)
+        entries = sum(r.tokens for r in chosen)
+        change = {"op": "remove", "documents": len(chosen), "entries": entries}
+        new = dataclasses.replace(m, generation=m.generation + 1, build={**m.build, "last_change": change},
+                                  files=generations.named_files(directory, m, {DOCUMENTS_NAME: name}))
+        generations.commit(directory, m, new, log)
+        log(f"removed {len(chosen)} document{'' if len(chosen) == 1 else 's'} ({entries:,} entries) from {directory}; "
+            "they are no longer retrieved, memlm datastore compact frees their space")
+        return chosen
 
 
 def compact(directory: Path, *, progress: bool = True, log: Callable[[str], None] = build_lib._log) -> int:
@@ -100,38 +107,39 @@ def compact(directory: Path, *, progress: bool = True, log: Callable[[str], None
     if not any(r.removed for r in Datastore.documents_of(directory, Manifest.read(directory))):
         log(f"nothing to compact in {directory}: no removed document")
         return 0
-    m, _ = generations.begin(directory, "compact", {}, log)
-    records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
-    removed = np.array([r.index for r in records if r.removed], dtype=np.int64)
-    docs = read_array(directory / m.file_name(DOCS_NAME), PROVENANCE_DTYPE)  # (N,)
-    rows = np.flatnonzero(~np.isin(np.asarray(docs), removed))  # (L,) live rows, in order
-    renumber = np.cumsum([not r.removed for r in records]) - 1  # (D,) old index -> new index (live ones)
-    written = {}
-    for role, dtype, width in ((KEYS_NAME, KEY_DTYPE, m.dim), (VALUES_NAME, VALUE_DTYPE, None),
-                               (POSITIONS_NAME, PROVENANCE_DTYPE, None)):
-        written[role] = _write_rows(directory, m, role, dtype, width, rows)
-    written[DOCS_NAME] = name = generations.next_file(m, DOCS_NAME)
-    if not (directory / name).exists():
-        write_array(directory / name, renumber[np.asarray(docs)[rows]], PROVENANCE_DTYPE)  # (L,)
-    written[DOCUMENTS_NAME] = name = generations.next_file(m, DOCUMENTS_NAME)
-    if not (directory / name).exists():
-        kept = [dataclasses.replace(r, index=int(renumber[r.index])) for r in records if not r.removed]
-        write_documents(directory / name, kept)
-    written[INDEX_NAME] = name = generations.next_file(m, INDEX_NAME)
-    if not (directory / name).exists():
-        index = index_lib.read_index(directory / m.file_name(INDEX_NAME))
-        trained = faiss.clone_index(index)
-        trained.reset()  # the trained quantizer and codebooks stay; the codes go
-        keys = read_array(directory / written[KEYS_NAME], KEY_DTYPE, width=m.dim)  # (L, d)
-        index_lib.write_index(index_lib.add_keys(trained, keys, 65536, log, progress), directory / name)
-    n_dropped = m.n - int(rows.shape[0])
-    change = {"op": "compact", "documents": int(removed.size), "entries": n_dropped,
-              "seconds": round(time.perf_counter() - started, 3)}
-    new = dataclasses.replace(m, n=int(rows.shape[0]), documents=len(records) - int(removed.size),
-                              generation=m.generation + 1, files=generations.named_files(directory, m, written),
-                              build={**m.build, "last_change": change})
-    generations.commit(directory, m, new, log, keep_previous=False)
-    return n_dropped
+    with generations.exclusive(directory):
+        m, _ = generations.begin(directory, "compact", {}, log)
+        records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
+        removed = np.array([r.index for r in records if r.removed], dtype=np.int64)
+        docs = read_array(directory / m.file_name(DOCS_NAME), PROVENANCE_DTYPE)  # (N,)
+        rows = np.flatnonzero(~np.isin(np.asarray(docs), removed))  # (L,) live rows, in order
+        renumber = np.cumsum([not r.removed for r in records]) - 1  # (D,) old index -> new index (live ones)
+        written = {}
+        for role, dtype, width in ((KEYS_NAME, KEY_DTYPE, m.dim), (VALUES_NAME, VALUE_DTYPE, None),
+                                   (POSITIONS_NAME, PROVENANCE_DTYPE, None)):
+            written[role] = _write_rows(directory, m, role, dtype, width, rows)
+        written[DOCS_NAME] = name = generations.next_file(m, DOCS_NAME)
+        if not (directory / name).exists():
+            write_array(directory / name, renumber[np.asarray(docs)[rows]], PROVENANCE_DTYPE)  # (L,)
+        written[DOCUMENTS_NAME] = name = generations.next_file(m, DOCUMENTS_NAME)
+        if not (directory / name).exists():
+            kept = [dataclasses.replace(r, index=int(renumber[r.index])) for r in records if not r.removed]
+            write_documents(directory / name, kept)
+        written[INDEX_NAME] = name = generations.next_file(m, INDEX_NAME)
+        if not (directory / name).exists():
+            index = index_lib.read_index(directory / m.file_name(INDEX_NAME))
+            trained = faiss.clone_index(index)
+            trained.reset()  # the trained quantizer and codebooks stay; the codes go
+            keys = read_array(directory / written[KEYS_NAME], KEY_DTYPE, width=m.dim)  # (L, d)
+            index_lib.write_index(index_lib.add_keys(trained, keys, 65536, log, progress), directory / name)
+        n_dropped = m.n - int(rows.shape[0])
+        change = {"op": "compact", "documents": int(removed.size), "entries": n_dropped,
+                  "seconds": round(time.perf_counter() - started, 3)}
+        new = dataclasses.replace(m, n=int(rows.shape[0]), documents=len(records) - int(removed.size),
+                                  generation=m.generation + 1, files=generations.named_files(directory, m, written),
+                                  build={**m.build, "last_change": change})
+        generations.commit(directory, m, new, log, keep_previous=False)
+        return n_dropped
 
 
 def _write_rows(directory: Path, m: Manifest, role: str, dtype: np.dtype, width: int | None, rows: np.ndarray) -> str:

@@ -169,6 +169,10 @@ def test_remove_add_compact_from_the_command_line(capsys, text_store, corpus, tm
     assert code == 0 and "removed 3 documents (" in err and "generation 1 committed" in err
     _, out, _ = run_cli(capsys, "datastore", "docs", str(directory), "--where", "president=Bush")
     assert all(line.endswith("REMOVED") for line in out.strip().splitlines()[1:])
+    _, out, _ = run_cli(capsys, "datastore", "info", str(directory))
+    bush = sum(r.tokens for r in Datastore.open(text_store).documents() if r.meta["president"] == "Bush")
+    assert f"documents     2 documents, {200 - bush} tokens; 3 removed ({bush} entries never returned" in out
+    assert "format        version 4, generation 1" in out
     code, _, err = run_cli(capsys, "datastore", "add", str(directory), "--data", str(corpus), "--quiet")
     assert code == 0 and "skipped 3 documents already in" in err  # Clinton, Obama, and the copy of speech one
     store = Datastore.open(directory)

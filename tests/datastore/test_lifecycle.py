@@ -20,7 +20,7 @@ import pytest
 from conftest import PROVENANCE, make_model
 from lifecycle_docs import DOCS_A, DOCS_B, WINDOW_1
 
-from datastore import BuildSettings, Datastore, build_from_tokens
+from datastore import BuildSettings, Datastore, build_from_tokens, generations
 from datastore.add import add_documents
 from datastore.manifest import (
     DOCS_NAME,
@@ -163,7 +163,7 @@ def test_compaction_leaves_a_alone(stores, removed):
     gone, a = Datastore.open(removed), Datastore.open(stores["a"])
     assert table(gone) == table(a) and len(gone) == len(a) and gone.manifest.generation == 2
     assert_same_search(gone, a, all_keys(a), 10)
-    names = sorted(p.name for p in removed.iterdir())
+    names = sorted(p.name for p in removed.iterdir() if p.name != generations.LOCK_NAME)
     assert names == sorted(["manifest.json", *(gone.manifest.file_name(r) for r in gone.manifest.files)])
     assert all(".g000002." in n for n in names if n not in ("manifest.json",))  # B's keys are gone from disk
 
@@ -177,6 +177,13 @@ def test_remove_refusals_and_re_adding(stores, removed):
     add_documents(make_model(), DOCS_B[:1], removed, PROVENANCE, **QUIET)  # opted back in
     back = Datastore.open(removed).documents()[-1]
     assert back.doc_id == records[len(DOCS_A)].doc_id and not back.removed  # the id it had
+
+
+def test_one_change_at_a_time(removed):
+    with generations.exclusive(removed):
+        with pytest.raises(MemlmError, match="another add, remove or compact of .* is running"):
+            compact(removed, **QUIET)
+    assert compact(removed, **QUIET) > 0  # the lock went with its holder
 
 
 # ---------------------------------------------------------------------------------------------------
