@@ -117,3 +117,43 @@ async def _serve_while_changing(directory, xq: np.ndarray, logs: list[str]) -> d
         await channel.close()
         await started.running.server.stop(None)
     return out
+
+
+def test_a_removed_document_is_not_returned_through_the_router(references, tmp_path):
+    """Removal keeps every row number (rows are hidden, not renumbered), so a router over live shards needs
+    no restart: once the shard serves the new generation, the removed rows never come back through it."""
+    a_dir, ab_dir = references
+    shard_dirs = [shutil.copytree(a_dir, tmp_path / "s0"), shutil.copytree(ab_dir, tmp_path / "s1")]
+    asyncio.run(_route_after_removal(shard_dirs))
+
+
+async def _route_after_removal(shard_dirs) -> None:
+    from services.router import start_router_server
+
+    lives = [LiveDatastore(d, log=lambda m: None) for d in shard_dirs]
+    shards = [await start_retrieval_server("127.0.0.1:0", live, watch=GenerationWatch(
+        live.refresh, lambda live=live: live.generation, poll_s=0.05)) for live in lives]
+    router = await start_router_server("127.0.0.1:0", [f"127.0.0.1:{s.running.port}" for s in shards])
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+    try:
+        offset = len(lives[0])
+        victim = lives[1].current.documents()[0]  # shard 1's first document
+        rows = offset + np.flatnonzero(np.asarray(lives[1].current.entry_provenance.docs) == victim.index)
+        xq = np.concatenate([np.asarray(live.current.keys, dtype=np.float32) for live in lives])  # every key
+        request = retrieval_pb2.SearchRequest(queries=to_tensor(xq), k=K)
+        before = answer(await stub.Search(request, timeout=30))[1]
+        assert np.isin(before, rows).any()  # its rows were being returned
+        await asyncio.to_thread(remove_documents, shard_dirs[1], [victim.doc_id], log=lambda m: None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while lives[1].generation != 1:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.02)
+        after = answer(await stub.Search(request, timeout=30))[1]
+        assert not np.isin(after, rows).any() and (after >= 0).all()  # never returned, k still filled
+    finally:
+        await channel.close()
+        await router.server.stop(None)
+        for s in shards:
+            await s.running.server.stop(None)
