@@ -1,6 +1,8 @@
 """Datastore.open(dir).search(xq, k): a finished datastore answering the Searcher seam.
 
-Opening checks the files against the manifest (sizes and, unless told not to, checksums). Whether the
+Opening checks the files against the manifest (sizes and, unless told not to, checksums). From format 4 a
+datastore has generations (datastore.generations): the manifest names each role's file, and the documents
+table (`documents()`) marks removed documents, whose entries no search returns (datastore.removal). Whether the
 datastore fits the model in use (keys from another model live in another space; values from another
 tokenizer are other tokens) is one check over `info()`, memlm.retrieval.compat.check_searcher, the same
 for a local datastore and a remote one. Keys and values are read-only memmaps; the index is loaded or
@@ -152,6 +154,8 @@ class Datastore:
             so distances are exact even with a compressed (PQ/SQ) index (kNN-LM paper: 16.65 -> 16.12 ppl).
         k: 1 to memlm.retrieval.searcher.MAX_K; every query finite with coordinates within MAX_QUERY_ABS.
         Returns Neighbors with (Q, k) arrays; missing neighbours (k > N) have id -1, value -1, distance inf.
+        Entries of removed documents (memlm datastore remove) are never returned: FAISS searches carry the
+        live rows as an ID selector (self.live), so k counts live entries only and padding starts after them.
         """
         options = options or SearchOptions()
         xq = _as_queries(xq, self.dim)  # (Q, d) float32
