@@ -6,7 +6,12 @@ datastore.py (open + search: the Searcher seam), commands.py (the typed CLI entr
 """
 
 from datastore.build import BuildSettings, BuildSource, build_from_tokens
-from datastore.commands import add_to_datastore, build_datastore, datastore_docs, datastore_info
+from datastore.commands import (
+    add_to_datastore,
+    build_datastore,
+    datastore_docs,
+    datastore_info,
+)
 from datastore.datastore import Datastore
 from datastore.documents import DocumentRecord, SourceDocument
 from datastore.manifest import Manifest

@@ -37,6 +37,7 @@ from datastore import index as index_lib
 from datastore.build import BuildSettings, BuildSource, Document, Documents
 from datastore.documents import as_source, read_documents, write_documents
 from datastore.manifest import (
+    DATA_ROLES,
     DOCS_NAME,
     DOCUMENTS_NAME,
     INDEX_NAME,
@@ -98,7 +99,7 @@ def add_documents(
     committed = Manifest.read(directory)
     check_same_encoder(committed, model, source, directory)
     with generations.exclusive(directory):
-        m, work = generations.begin(directory, "add", plan, log)
+        m, work = generations.begin(directory, "add", plan, DATA_ROLES, log)
         records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
         settings = add_settings(m, shard_batches)
         offsets_path = work / "doc_offsets.i64"

@@ -53,15 +53,23 @@ def exclusive(directory: Path) -> Iterator[None]:
         yield  # the lock goes with the file's closing
 
 
-def begin(directory: Path, op: str, plan: dict, log: Callable[[str], None]) -> tuple[Manifest, Path]:
+def begin(directory: Path, op: str, plan: dict, reads: tuple[str, ...], log: Callable[[str], None]
+          ) -> tuple[Manifest, Path]:
     """Start (or resume) change `op` of the datastore in `directory`; returns its committed manifest and the
     scratch folder. The plan (op, its arguments, the base generation) decides whether earlier scratch is
-    this change's, to resume, or another's, to discard. Call it inside `exclusive(directory)`."""
+    this change's, to resume, or another's, to discard. The committed files of the roles in `reads` (what
+    the change copies into the next generation) are checked against their checksums first: a damaged file
+    must not pass into a generation with fresh checksums. Call it inside `exclusive(directory)`."""
     directory = Path(directory)
     m = Manifest.read(directory)
     if m.format_version < DOCUMENTS_VERSION:
         raise MemlmError(f"datastore {directory} has format version {m.format_version}, which predates "
                          f"generations (format {DOCUMENTS_VERSION}); rebuild it with this memlm to {op} documents")
+    for role in reads:
+        path, entry = directory / m.file_name(role), m.files[role]
+        if not path.is_file() or path.stat().st_size != entry.bytes or sha256_file(path, remember=False) != entry.sha256:
+            raise MemlmError(f"{path} is missing or fails its size or checksum (manifest.json); the datastore is "
+                             f"damaged, rebuild it (nothing was changed)")
     work = directory / WORK_DIR
     want = {"op": op, "base_generation": m.generation, **plan}
     path = work / PLAN_NAME

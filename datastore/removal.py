@@ -33,6 +33,7 @@ from datastore import index as index_lib
 from datastore.datastore import Datastore
 from datastore.documents import DocumentRecord, read_documents, select, write_documents
 from datastore.manifest import (
+    DATA_ROLES,
     DOCS_NAME,
     DOCUMENTS_NAME,
     INDEX_NAME,
@@ -82,7 +83,7 @@ def remove_documents(directory: Path, doc_ids: Sequence[str] | None = None, wher
         return []
     plan = {"doc_ids": None if doc_ids is None else list(doc_ids), "where": where}
     with generations.exclusive(directory):
-        m, _ = generations.begin(directory, "remove", plan, log)
+        m, _ = generations.begin(directory, "remove", plan, (DOCUMENTS_NAME,), log)
         records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
         chosen = chosen_documents(records, doc_ids, where, directory)
         marked = {r.index for r in chosen}
@@ -108,7 +109,7 @@ def compact(directory: Path, *, progress: bool = True, log: Callable[[str], None
         log(f"nothing to compact in {directory}: no removed document")
         return 0
     with generations.exclusive(directory):
-        m, _ = generations.begin(directory, "compact", {}, log)
+        m, _ = generations.begin(directory, "compact", {}, DATA_ROLES, log)
         records = read_documents(directory / m.file_name(DOCUMENTS_NAME))
         removed = np.array([r.index for r in records if r.removed], dtype=np.int64)
         docs = read_array(directory / m.file_name(DOCS_NAME), PROVENANCE_DTYPE)  # (N,)

@@ -179,6 +179,18 @@ def test_remove_refusals_and_re_adding(stores, removed):
     assert back.doc_id == records[len(DOCS_A)].doc_id and not back.removed  # the id it had
 
 
+@pytest.mark.parametrize("change", [
+    lambda d: add_documents(make_model(), DOCS_B, d, PROVENANCE, **QUIET),
+    lambda d: compact(d, **QUIET),
+])
+def test_a_damaged_file_is_not_carried_into_a_new_generation(removed, change):
+    keys = removed / Manifest.read(removed).file_name(KEYS_NAME)
+    keys.write_bytes(bytes([keys.read_bytes()[0] ^ 1]) + keys.read_bytes()[1:])
+    with pytest.raises(MemlmError, match="fails its size or checksum .* damaged, rebuild it \\(nothing was changed\\)"):
+        change(removed)
+    assert Manifest.read(removed).generation == 1
+
+
 def test_one_change_at_a_time(removed):
     with generations.exclusive(removed):
         with pytest.raises(MemlmError, match="another add, remove or compact of .* is running"):
