@@ -96,8 +96,8 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def engine_requests(bench, ps, n: int) -> list[GenerationRequest]:
-    return [GenerationRequest(p, n, GREEDY, boundary_token=bench.boundary) for p in ps]
+def engine_requests(bench, ps, n: int, knn: KNNLMConfig | None = None) -> list[GenerationRequest]:
+    return [GenerationRequest(p, n, GREEDY, boundary_token=bench.boundary, knn=knn) for p in ps]
 
 
 def generated(events) -> list[int]:
@@ -211,11 +211,12 @@ def knn_vs_base(bench, ps, args, device) -> tuple[dict, str]:
     """Figure 4: the same knn_batch streams with and without kNN-LM (KNNLMConfig's defaults)."""
     model, tok = bench.pre.model, bench.pre.tokenizer
     searcher, what = knn_searcher(bench, args, device)
-    reqs = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens)
-    knn = EngineConfig(max_batch=args.knn_batch, knn=KNNLMConfig())
+    base = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens)
+    knn = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens, KNNLMConfig())
+    config = EngineConfig(max_batch=args.knn_batch)
     sides = {
-        "base": lambda: run_all(Engine(model, tok, EngineConfig(max_batch=args.knn_batch)), reqs),
-        "knn": lambda: run_all(Engine(model, tok, knn, searcher), reqs),
+        "base": lambda: run_all(Engine(model, tok, config), base),
+        "knn": lambda: run_all(Engine(model, tok, config, searcher), knn),
     }
     return alternate(sides, args.repeats, device), what
 

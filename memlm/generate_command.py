@@ -148,13 +148,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     pretrained = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
     searcher = open_searcher(args, pretrained)
     tokenizer = pretrained.tokenizer
-    config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory, knn=knn)
+    config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory)
     if args.prefill_chunk is not None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
     engine = Engine(pretrained.model, tokenizer, config, searcher)
     boundary = document_boundary(tokenizer)
-    requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling,
-                                  tuple(args.stop or ()), boundary, tokenizer.eos_id) for p in args.prompts]
+    requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),
+                                  boundary, tokenizer.eos_id, knn=knn) for p in args.prompts]
     start = time.perf_counter()
     try:
         results = run_all(engine, requests)

@@ -9,7 +9,9 @@ free cache row. One `step`:
    batch), in one left-padded forward pass (padding is never written to the cache);
 4. decodes: every row with exactly one token to feed (its last token) in one (B, 1) forward pass;
 5. chooses the next token of every row whose prompt is done, at once (memlm.engine.sampling: one kNN-LM
-   search for all of them), and emits TokenEvents; finished rows emit their GenerationEnd and leave.
+   search for all the rows that use it, each with its own k, lambda and temperature), and emits
+   TokenEvents; finished rows emit their GenerationEnd and leave. A failed search ends only the rows that
+   searched (they get its error); the others go on.
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
 deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
@@ -45,7 +47,7 @@ from memlm.engine.requests import (
     RequestHandle,
 )
 from memlm.engine.rows import Row, window_starts
-from memlm.engine.sampling import choose_tokens
+from memlm.engine.sampling import choose_tokens, search_rows
 from memlm.errors import MemlmError
 
 # The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
@@ -83,10 +85,8 @@ class Engine:
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  searcher: Searcher | None = None) -> None:
-        """config None: EngineConfig's defaults. searcher: the datastore of config.knn (both or neither)."""
+        """config None: EngineConfig's defaults. searcher: the datastore of the requests with kNN-LM."""
         config = config or EngineConfig()
-        if (searcher is None) != (config.knn is None):
-            raise MemlmError("kNN-LM generation needs both a searcher and EngineConfig.knn")
         xl = config.xl
         if xl is not None and xl.segment > model.config.max_seq_len:
             raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {xl.segment}")
@@ -115,6 +115,8 @@ class Engine:
             raise MemlmError(f"prompt has token ids outside [0, {V})")
         for s in request.stop_sequences:
             _as_stop(s)
+        if request.knn is not None and self.searcher is None:
+            raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
         with self._lock:
             if len(self._waiting) >= self.config.max_queue:
                 raise EngineFull("queue", self._retry_hint())
@@ -195,28 +197,45 @@ class Engine:
 
     def _forward_and_choose(self) -> None:
         ready: list[Row] = []
-        logits: list[torch.Tensor] = []
-        keys: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []  # (b, V) blocks
+        keys: list[torch.Tensor] = []  # (b, C) blocks
         prefilling = self._prefill_plan()
         if prefilling:
             out_logits, out_keys, done = self._run(prefilling)
-            for (row, _), lg, key, d in zip(prefilling, out_logits, out_keys, done):
-                if d:
-                    ready.append(row), logits.append(lg), keys.append(key)
+            index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
+            ready += [prefilling[i][0] for i in index]
+            logits.append(out_logits[index])
+            keys.append(out_keys[index])
         touched = {row.slot for row, _ in prefilling}
         decoding = [(r, 1) for s, r in sorted(self._rows.items()) if s not in touched and r.to_feed == 1]
         if decoding:
             out_logits, out_keys, _ = self._run(decoding)
             ready += [r for r, _ in decoding]
-            logits.append(out_logits), keys.append(out_keys)
+            logits.append(out_logits)
+            keys.append(out_keys)
+        if ready:
+            self._choose(ready, torch.cat(logits), torch.cat(keys))  # (B, V), (B, C)
+
+    def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
+        """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
+        with its error and the others go on (a retrieval fault never stalls the rest of the batch)."""
+        knn = [r.handle.request.knn for r in ready]
+        neighbors: list = [None] * len(ready)
+        if any(c is not None for c in knn):
+            try:
+                neighbors = search_rows(self.searcher, keys, knn)
+            except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
+                for row, c in zip(ready, knn):
+                    if c is not None:
+                        row.handle.put(e)
+                        self._release(row)
+                keep = [i for i, c in enumerate(knn) if c is None]
+                ready, logits = [ready[i] for i in keep], logits[keep]
+                knn = neighbors = [None] * len(keep)
         if not ready:
             return
-        choices = choose_tokens(
-            torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits]),  # (B, V)
-            torch.cat([k.reshape(-1, k.shape[-1]) for k in keys]),  # (B, C)
-            [r.handle.request.sampling for r in ready], [r.generator for r in ready],
-            self.decodable, self.searcher, self.config.knn,
-        )
+        choices = choose_tokens(logits, [r.handle.request.sampling for r in ready], [r.generator for r in ready],
+                                self.decodable, knn, neighbors)
         for row, token, lp, base in zip(ready, *choices):
             self._advance(row, token, lp, base)
 
@@ -283,7 +302,8 @@ class Engine:
         self._release(row)
 
     def _release(self, row: Row) -> None:
-        self._rows.pop(row.slot, None)
+        with self._lock:  # submit() reads the rows (tokens in flight, the retry hint) from other threads
+            self._rows.pop(row.slot, None)
 
     # -- the engine thread ----------------------------------------------------------------------
     def start(self) -> None:

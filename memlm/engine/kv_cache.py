@@ -183,7 +183,10 @@ class StepView:
         self.write_tokens = real_cpu.reshape(-1).nonzero()[:, 0].to(device)  # (n,) into B * T
         cache.slot_pos[self.write_rows, self.write_slots] = pos_cpu[real_cpu].to(device)
         self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (B, 1, T, hs) each
-        self.mask = self._mask(window.to(device))  # (B, 1, T, width)
+        # The mask once per step for every layer, laid out as the grouped queries (B, 1, g*T, width).
+        g = cache.config.n_head // cache.config.n_kv_head
+        seen = self._mask(window.to(device))  # (B, 1, T, width)
+        self.hidden = ~seen[:, :, None].expand(B, 1, g, T, self.width).reshape(B, 1, g * T, self.width)
         self.shift = None
         if layout.sink > 0 and self.width > 0:
             shift = _sink_shift(layout, window.to(device))  # (B, T)
@@ -247,8 +250,7 @@ class _LayerView(CachedAttention):
             qs = apply_rotary(q, *step.shift).reshape(B, nkv, g * T, hs)  # (B, nkv, g*T, hs)
             sink_scores = (qs @ keys[:, :, :N].transpose(-1, -2)).float() * scale  # (B, nkv, g*T, N)
             scores = torch.cat([sink_scores, scores[..., N:]], dim=-1)  # (B, nkv, g*T, width)
-        mask = step.mask[:, :, None].expand(B, 1, g, T, step.width).reshape(B, 1, g * T, step.width)
-        scores = scores.masked_fill(~mask, float("-inf"))  # (B, nkv, g*T, width)
+        scores = scores.masked_fill(step.hidden, float("-inf"))  # (B, nkv, g*T, width)
         weights = scores.softmax(dim=-1).to(values.dtype)  # (B, nkv, g*T, width)
         y = weights @ values  # (B, nkv, g*T, hs)
         return y.reshape(B, nh, T, hs)  # (B, nh, T, hs)

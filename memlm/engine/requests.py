@@ -4,7 +4,8 @@ A caller (memlm generate, later the Generate and Score rpcs) submits a `Generati
 `RequestHandle`: it iterates the request's events (memlm.jobs.generate's TokenEvent, then one
 GenerationEnd; the same types as one-sequence generation) and may cancel it. Admission is bounded
 (queue length, tokens in flight); beyond, `submit` raises `EngineFull` with a retry hint, which a
-server turns into RESOURCE_EXHAUSTED (issue 12).
+server turns into RESOURCE_EXHAUSTED (issue 12). A request that fails (its search, say) gets the error
+from its events(); the other requests of the batch go on.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ class EngineConfig:
     memory: MemoryConfig | None = None
     """kind "xl" (with its sinks, mem_len and segment): each row carries an XL memory, so generation runs
     past the context; None or kind "none": a plain KV cache."""
-    knn: KNNLMConfig | None = None
-    """kNN-LM mixture (with a Searcher given to the engine): one batched search per step; None: off."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 1:
@@ -56,8 +55,6 @@ class EngineConfig:
             raise MemlmError(f"row_capacity must be >= 2, got {self.row_capacity}")
         if self.memory is not None and self.memory.kind not in ("none", "xl"):
             raise MemlmError(f"the engine serves --memory none or xl, not {self.memory.kind}")
-        if self.knn is not None and self.knn.needs_tuning:
-            raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
 
     @property
     def xl(self) -> MemoryConfig | None:
@@ -83,6 +80,9 @@ class GenerationRequest:
     """Generation ends (reason "eos") when this token is drawn; None: never."""
     timeout_s: float | None = None
     """Seconds from submission after which the request ends with reason "deadline"; None: no deadline."""
+    knn: KNNLMConfig | None = None
+    """kNN-LM mixture over the engine's Searcher (its k, lambda and temperature; requests with different
+    settings share one search per step, of the largest k); None: the base LM."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -91,6 +91,8 @@ class GenerationRequest:
             raise MemlmError("empty prompt and no boundary token: nothing to condition on")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise MemlmError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.knn is not None and self.knn.needs_tuning:
+            raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
 
     @property
     def prefix(self) -> list[int]:
@@ -141,6 +143,16 @@ class RequestHandle:
     def put(self, event: Event | BaseException) -> None:
         """For the engine: deliver one event (or the error that ended the request)."""
         self._queue.put(event)
+
+    def ready(self) -> list[Event]:
+        """The events delivered so far and not yet taken, without waiting or stepping (for a poller)."""
+        out: list[Event] = []
+        while not self._queue.empty():
+            event = self._queue.get()
+            if isinstance(event, BaseException):
+                raise event
+            out.append(event)
+        return out
 
     def events(self, timeout_s: float | None = None) -> Iterator[Event]:
         """TokenEvents then one GenerationEnd. Without an engine thread, the engine is stepped here.

@@ -1,13 +1,16 @@
-"""The next token of every ready row at once: log-softmax, kNN-LM (one search for all rows), sampling.
+"""The next token of every ready row at once: log-softmax, kNN-LM mixture per row, sampling.
 
 The rules are memlm.jobs.generate's (`_next_token`): kNN-LM mixes the full distribution
 log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) (Khandelwal et al. 2020);
 temperature 0 is greedy; otherwise top-k then top-p (`filter_logits`) then one draw from the request's
 own torch.Generator, so a seeded request draws the same tokens whatever else is in the batch; ids beyond
-the tokenizer's vocabulary are never drawn. Rows are batched; only the draws loop over rows (each needs
-its own generator). The chosen ids and their log-probs come back to the host in one transfer per step.
+the tokenizer's vocabulary are never drawn. Rows are batched; only the kNN mixtures and the draws loop
+over rows (each has its own settings and generator). The neighbours come from one search per step for
+every kNN row (`search_rows`, of the largest k asked: a row that asked fewer keeps its nearest k,
+exactly what a search of its own k returns, results being sorted by distance). The chosen ids and their
+log-probs come back to the host in one transfer per step.
 
-Shape legend: B ready rows, V vocab, C key width, k neighbours.
+Shape legend: B ready rows, Q rows with kNN-LM, V vocab, C key width, k neighbours.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from memlm.jobs.generate import SamplingConfig, filter_logits
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
-from memlm.retrieval.searcher import Searcher, search_keys
+from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
 
 class Choices(NamedTuple):
@@ -33,18 +36,34 @@ class Choices(NamedTuple):
     """Its log-probability under the base LM alone, nats."""
 
 
+def search_rows(searcher: Searcher, keys: torch.Tensor, knn: Sequence[KNNLMConfig | None]) -> list[Neighbors | None]:
+    """The neighbours of every row with kNN-LM: keys (B, C) -> per row Neighbors (1, its k), None for rows
+    without. One search per distinct set of search options (nprobe, re-ranking): one per step in practice."""
+    out: list[Neighbors | None] = [None] * len(knn)
+    for options in {c.search_options for c in knn if c is not None}:
+        rows = [i for i, c in enumerate(knn) if c is not None and c.search_options == options]
+        k = max(knn[i].k for i in rows)
+        nb = search_keys(searcher, keys[rows], k, options)  # (Q, k)
+        for q, i in enumerate(rows):
+            out[i] = Neighbors(*(a[q : q + 1, : knn[i].k] for a in nb))  # (1, k_i): the row's nearest k_i
+    return out
+
+
 def choose_tokens(
-    logits: torch.Tensor, keys: torch.Tensor, sampling: Sequence[SamplingConfig],
-    generators: Sequence[torch.Generator], decodable: int, searcher: Searcher | None, knn: KNNLMConfig | None,
+    logits: torch.Tensor, sampling: Sequence[SamplingConfig], generators: Sequence[torch.Generator],
+    decodable: int, knn: Sequence[KNNLMConfig | None], neighbors: Sequence[Neighbors | None],
 ) -> Choices:
-    """logits: (B, V), keys: (B, C) of the rows' last positions; one SamplingConfig and generator per row."""
+    """logits: (B, V) of the rows' last positions; per row its sampling, generator, kNN settings and
+    neighbours (search_rows; None for a row without kNN-LM)."""
     V = logits.shape[-1]
     lm_lp = F.log_softmax(logits.float(), dim=-1)  # (B, V)
     final_lp = lm_lp
-    if searcher is not None:
-        nb = search_keys(searcher, keys, knn.k, knn.search_options)  # (B, k): one search for every row
-        knn_lp = knn_log_distribution(nb, V, knn.temperature).to(logits.device)  # (B, V)
-        final_lp = interpolate(lm_lp, knn_lp, knn.lmbda)  # (B, V)
+    if any(nb is not None for nb in neighbors):
+        final_lp = lm_lp.clone()
+        for i, (c, nb) in enumerate(zip(knn, neighbors)):
+            if nb is not None:
+                knn_lp = knn_log_distribution(nb, V, c.temperature).to(logits.device)  # (1, V)
+                final_lp[i] = interpolate(lm_lp[i : i + 1], knn_lp, c.lmbda)[0]  # (V,)
     choice = final_lp
     if decodable < V:
         choice = final_lp.clone()

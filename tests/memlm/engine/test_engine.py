@@ -189,25 +189,17 @@ def test_chunked_prefill_keeps_the_batch_decoding(model) -> None:
     engine = Engine(model, TOK, EngineConfig(max_batch=2, prefill_chunk=16))
     running = engine.submit(request("running", 40))
     engine.step()
-    iter_ready(running)
+    running.ready()
     long = engine.submit(request("p" * 199, 5))
     made, first_token = [], []
     for _ in range(13):  # ceil(200 / 16) steps of prefill
         engine.step()
-        made.append(len(iter_ready(running)))
-        first_token.append(len(iter_ready(long)))
+        made.append(len(running.ready()))
+        first_token.append(len(long.ready()))
     assert made == [1] * 13
     assert first_token == [0] * 12 + [1]  # its prompt took 13 steps; its first token came with the last
     rest = tokens(long.events())
     assert len(rest) == 4  # one token was drained above; the other four come as it decodes
-
-
-def iter_ready(handle):
-    """The events already delivered to a handle, without stepping."""
-    out = []
-    while not handle._queue.empty():
-        out.append(handle._queue.get())
-    return out
 
 
 def test_engine_thread_serves_concurrent_callers(model) -> None:
@@ -237,7 +229,7 @@ def test_refusals(model) -> None:
         EngineConfig(memory=MemoryConfig(kind="compressive"))
     with pytest.raises(MemlmError, match="max_new_tokens"):
         request("x", 0)
-    with pytest.raises(MemlmError, match="searcher"):
-        Engine(model, TOK, EngineConfig(knn=KNNLMConfig()))
+    with pytest.raises(MemlmError, match="no searcher"):
+        Engine(model, TOK).submit(request("x", 3, knn=KNNLMConfig()))
     with pytest.raises(MemlmError, match="fixed lambda"):
-        EngineConfig(knn=KNNLMConfig(lmbda=None))
+        request("x", 3, knn=KNNLMConfig(lmbda=None))
