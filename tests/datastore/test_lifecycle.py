@@ -17,6 +17,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pytest
+import torch
 from conftest import PROVENANCE, make_model
 from lifecycle_docs import DOCS_A, DOCS_B, WINDOW_1
 
@@ -142,6 +143,16 @@ def test_removing_b_answers_as_a_alone(stores, removed):
     np.testing.assert_array_equal(exact_gone.ids, exact_a.ids)  # recall's ground truth sees A only
     torch_store = Datastore.open(removed, backend="torch", device="cpu")
     np.testing.assert_array_equal(torch_store.search(xq, 10).ids, exact_a.ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the torch backend on CUDA needs a GPU")
+def test_the_torch_backend_on_cuda_never_returns_removed_rows(stores, removed):
+    gone = Datastore.open(removed, backend="torch", device="cuda")
+    xq = all_keys(gone)
+    got, want = gone.search(xq, 10), Datastore.open(stores["a"]).exact_searcher("cpu").search(xq, 10)
+    assert not np.isin(gone.provenance(got.ids).docs, range(len(DOCS_A), len(DOCS_A) + len(DOCS_B))).any()
+    np.testing.assert_allclose(got.distances, want.distances, rtol=1e-4, atol=1e-4)  # GPU matmul rounding
+    assert (got.ids == want.ids).mean() > 0.99  # the same rows but for near-ties
 
 
 def test_removed_ivf_rows_are_never_returned(stores, tmp_path):
