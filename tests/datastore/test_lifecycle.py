@@ -203,9 +203,8 @@ def test_a_damaged_file_is_not_carried_into_a_new_generation(removed, change):
 
 
 def test_one_change_at_a_time(removed):
-    with generations.exclusive(removed):
-        with pytest.raises(MemlmError, match="another add, remove or compact of .* is running"):
-            compact(removed, **QUIET)
+    with generations.exclusive(removed), pytest.raises(MemlmError, match="another add, remove or compact of .* is running"):
+        compact(removed, **QUIET)
     assert compact(removed, **QUIET) > 0  # the lock went with its holder
 
 
