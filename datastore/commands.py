@@ -44,6 +44,7 @@ def build_datastore(
     shard_batches: int = 64,
     progress: bool = True,
     num_shards: int = 1,
+    key_module: str | None = None,
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
@@ -56,6 +57,7 @@ def build_datastore(
     `out` is an error unless overwrite.
     num_shards: > 1 writes that many datastores `out/shard-00-of-NN`, ... over contiguous runs of
         documents with about equal token counts, for `memlm serve router` (shard order = id order).
+    key_module: the kNN key's module of a model run through transformers (memlm.model.hf_model; None: its rule).
     """
     from memlm.data.documents import corpus_fingerprint, load_documents
 
@@ -69,7 +71,8 @@ def build_datastore(
     from memlm.model.weights import load_pretrained
 
     torch_device = resolve_device(device)
-    pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device))
+    pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device),
+                                 key_module=key_module)
     tokenizer = pretrained.tokenizer
     defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context, stride)
     context, stride = defaults.context, defaults.stride

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from memlm.model.hf_model import KEY_MODULE_HELP
 from memlm.options import WINDOW_OPTIONS, add_options, positive_int
 
 
@@ -19,7 +20,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         model=args.model, data=args.data, out=Path(args.out), split=args.split, max_tokens=args.max_tokens,
         index=args.index, context=args.context, stride=args.stride, batch_size=args.batch_size,
         device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
-        progress=not args.quiet, num_shards=args.shards,
+        progress=not args.quiet, num_shards=args.shards, key_module=args.key_module,
     )
     print(out)
 
@@ -61,6 +62,7 @@ def add_datastore_parser(sub: Any) -> None:
     dsub = p.add_subparsers(dest="datastore_command", required=True, metavar="ACTION")
     b = dsub.add_parser("build", help="corpus -> (key, next token) pairs -> FAISS index; resumable (run it again)")
     b.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
+    b.add_argument("--key-module", default=None, metavar="PATH", help=KEY_MODULE_HELP)
     b.add_argument("--data", required=True, help="fetched corpus name or a .txt/.jsonl/.json/.parquet file")
     b.add_argument("--out", required=True, help="datastore directory to write")
     b.add_argument("--split", default=None, help="documents to use (see memlm eval --help)")

@@ -29,6 +29,7 @@ from memlm.fewer_searches_command import fewer_searches, gate_for, shared_docume
 from memlm.files import check_writable_file
 from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
 from memlm.memory.config import MemoryConfig
+from memlm.model.hf_model import KEY_MODULE_HELP
 from memlm.options import (
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
@@ -59,6 +60,7 @@ def add_eval_parser(sub: Any) -> None:
     p = sub.add_parser("eval", help="perplexity of a model (optionally with kNN-LM or a memory) on a corpus split")
     p.add_argument("--model", required=True, help="preset (smollm2-135m-instruct-q4_1 alias smollm2-135m, tiny, "
                    "small), .gguf file, HF or memlm checkpoint dir")
+    p.add_argument("--key-module", default=None, metavar="PATH", help=KEY_MODULE_HELP)
     p.add_argument("--data", required=True, help="fetched corpus name (sotu, wiki-summaries) or a .txt/.jsonl/.json/.parquet file")
     p.add_argument("--split", default=None, help='documents to use, e.g. "year>=2001", "[0:10]", "year<2001[-5:]"')
     p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens evaluated")
@@ -197,7 +199,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         check_writable_file(args.json, "--json")  # before minutes of work, not after
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    pretrained = load_pretrained(args.model, device=device, dtype=dtype)
+    pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module)
     boundary = document_boundary(pretrained.tokenizer)
     settings = checkpoint_settings(args.model, boundary)
     spalm = wants_spalm(args, settings)  # --memory spalm: memlm.spalm_command (issue 11)

@@ -48,6 +48,10 @@ from memlm.model.tokenizer import Tokenizer
 HF_PREFIX = "hf:"
 """`--model hf:SOURCE` loads SOURCE (a directory, a .gguf file or a hub id) with transformers."""
 
+KEY_MODULE_HELP = ("dotted path of the module whose input is the kNN key, for a model run through transformers "
+                   "(default: the last block's feed-forward module, memlm.model.hf_model.find_key_module)")
+"""Help of --key-module, wherever a command loads a model (datastore build, eval)."""
+
 FEED_FORWARD_NAME = re.compile(r"mlp|ffn|feed_?forward|moe", re.IGNORECASE)
 """Names of a block's feed-forward child, across architectures (rule 2 of find_key_module)."""
 

@@ -155,6 +155,22 @@ def test_key_module_override_and_its_errors(hf_dirs):
         load_pretrained("tiny", key_module="layers.1.mlp")
 
 
+def test_key_module_flag_of_datastore_build_and_eval(capsys, tmp_path, hf_dirs):
+    """--key-module is recorded in the manifest, and eval with the same flag uses the datastore; without
+    it the model's key is another module's and the datastore is refused in one line."""
+    model, data, store = hf_dirs["gpt2"], corpus(tmp_path), tmp_path / "store"
+    window = ["--context", CONTEXT, "--stride", CONTEXT // 2]
+    code, _, err = run(capsys, "datastore", "build", "--model", model, "--key-module", "transformer.h.0.mlp",
+                       "--data", data, "--out", store, *window, "--quiet")
+    assert code == 0, err
+    assert json.loads((store / "manifest.json").read_text())["key_layer"] == "input:transformer.h.0.mlp"
+    code, _, err = run(capsys, "eval", "--model", model, "--key-module", "transformer.h.0.mlp", "--data", data,
+                       "--datastore", store, "--lambda", "0.5", *window, "--quiet")
+    assert code == 0, err
+    code, _, err = run(capsys, "eval", "--model", model, "--data", data, "--datastore", store, *window, "--quiet")
+    assert code == 1 and "input:transformer.h.0.mlp" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_datastore_knnlm_lambda_zero_and_generation(capsys, tmp_path, hf_dirs, arch):
     """Each architecture builds a datastore and evaluates kNN-LM through the CLI; lambda 0 is the model's
