@@ -132,7 +132,8 @@ def compact(directory: Path, *, progress: bool = True, log: Callable[[str], None
             trained = faiss.clone_index(index)
             trained.reset()  # the trained quantizer and codebooks stay; the codes go
             keys = read_array(directory / written[KEYS_NAME], KEY_DTYPE, width=m.dim)  # (L, d)
-            index_lib.write_index(index_lib.add_keys(trained, keys, 65536, log, progress), directory / name)
+            chunk = build_lib.BuildSettings.add_chunk  # the build's chunk size: one place
+            index_lib.write_index(index_lib.add_keys(trained, keys, chunk, log, progress), directory / name)
         n_dropped = m.n - int(rows.shape[0])
         change = {"op": "compact", "documents": int(removed.size), "entries": n_dropped,
                   "seconds": round(time.perf_counter() - started, 3)}
