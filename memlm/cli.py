@@ -170,7 +170,9 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                         segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens,
                         max_forward_tokens=args.max_forward_tokens, max_score_entries=args.max_score_entries,
                         max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens,
-                        knn_layer=memory.knn_layer, knn_mem_size=memory.knn_mem_size, knn_top_k=memory.knn_top_k),
+                        knn_layer=memory.knn_layer, knn_mem_size=memory.knn_mem_size, knn_top_k=memory.knn_top_k,
+                        max_batch=args.max_batch, max_queue=args.max_queue,
+                        max_tokens_in_flight=args.max_tokens_in_flight),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"),
     ))
@@ -306,7 +308,10 @@ def add_serve_parser(sub: Any) -> None:
     for name, what in (("max_forward_tokens", "most forward work of one Score: the sum of its windows' lengths"),
                        ("max_score_entries", "most entries of one Score response: scored tokens x (1 + top_n)"),
                        ("max_text_chars", "most characters of text in one request"),
-                       ("max_step_tokens", "most input tokens of one forward step (calls take turns step by step)")):
+                       ("max_step_tokens", "most input tokens of one forward step (calls take turns step by step)"),
+                       ("max_batch", "Generate calls decoded together in one engine step"),
+                       ("max_queue", "Generate calls waiting for a row (more: RESOURCE_EXHAUSTED, retry-after-ms)"),
+                       ("max_tokens_in_flight", "prompt + max_new_tokens over all Generate calls (more: refused)")):
         lm.add_argument(flag(name), type=positive_int, default=getattr(LMLimits, name), help=what)
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
     add_server_security(lm)

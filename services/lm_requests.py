@@ -12,13 +12,14 @@ Every request's cost is bounded here, before any work (issue 9): the characters 
 tokenizing (`max_text_chars`), a Score's forward work (`max_forward_tokens`: the sum over its windows of
 their length, priced in closed form by memlm.jobs.windows.window_cost) and its response (`max_score_entries`,
 and an upper bound of its bytes against the server's message limit). A Generate's work is bounded by its
-prompt (`max_score_tokens`) and `max_new_tokens`.
+prompt (`max_score_tokens`) and `max_new_tokens`, and admission to the engine's batches by `max_batch`,
+`max_queue` and `max_tokens_in_flight` (services.lm_engine).
 
 Every forward STEP is bounded too (`max_step_tokens`): the model's turn passes between steps
 (services.lm_scheduler), so one step is the longest a call waits for the call ahead of it and the longest a
 cancelled call keeps the model. A Score step holds `step_rows` windows (segments) of at most
-`max_step_tokens` tokens together; a window, segment or Generate prompt encoding longer than one step is
-refused, since the library cannot split one forward pass.
+`max_step_tokens` tokens together; a window or segment longer than one step is refused, since the library
+cannot split one forward pass. A Generate prompt is prefilled by the engine in chunks of max_step_tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
+from memlm.engine.requests import EngineConfig
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WindowConfig, window_cost
@@ -107,6 +109,13 @@ class LMLimits:
     a call waits for each call ahead of it and how long a cancelled call keeps the model: about 2 s for
     SmolLM2-135M on 2 CPU cores (~480 tokens/s), milliseconds on a GPU. The default admits the default
     1024-token window; MEMORY_MODE_XL memory states are attended besides (they are no inputs)."""
+
+    max_batch: int = EngineConfig.max_batch
+    """Generate calls decoded together in one engine step (rows of one running batch, services.lm_engine)."""
+    max_queue: int = EngineConfig.max_queue
+    """Generate calls waiting for a row of a batch; one more is refused with RESOURCE_EXHAUSTED and a retry hint."""
+    max_tokens_in_flight: int = EngineConfig.max_tokens_in_flight
+    """Prompt + max_new_tokens summed over every running and waiting Generate call; beyond, RESOURCE_EXHAUSTED."""
 
     def step_rows(self, tokens: int) -> int:
         """Windows (or segment rows) of `tokens` tokens per forward step: score_batch_size, fewer when
@@ -217,7 +226,8 @@ class RequestParser:
             max_message_bytes=self._max_response_bytes, max_forward_tokens=limits.max_forward_tokens,
             max_score_entries=limits.max_score_entries, max_text_chars=limits.max_text_chars,
             max_step_tokens=limits.max_step_tokens, max_knn_mem_size=limits.max_knn_mem_size,
-            max_knn_top_k=limits.max_knn_top_k,
+            max_knn_top_k=limits.max_knn_top_k, max_batch=limits.max_batch, max_queue=limits.max_queue,
+            max_tokens_in_flight=limits.max_tokens_in_flight,
         )
         if knn_layer is not None:
             response.knn_layer = knn_layer
@@ -439,14 +449,10 @@ class RequestParser:
         for j, stop in enumerate(request.stop_sequences):
             if not stop:
                 raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
+        # No step budget for the prompt: MEMORY_MODE_NONE and XL run on the engine, which prefills a prompt
+        # (and a sliding window's re-encoding) in chunks of at most max_step_tokens (services.lm_engine);
+        # the other modes encode by segments, which memory() bounds.
         memory = self.memory(request)
-        if memory is None:
-            # The KV cache encodes the whole prompt (up to the context) in one forward pass, and re-encodes
-            # half the context when a generation passes it (memlm.jobs.generate).
-            self.step_budget(min(1 + len(prompt), self._max_len), "prompt", "MEMORY_MODE_NONE encodes the prompt: ")
-            if 1 + len(prompt) + request.max_new_tokens > self._max_len:
-                self.step_budget(max(1, self._max_len // 2), "max_new_tokens",
-                                 "a generation past the model's context re-encodes ")
         spalm = self.spalm(request, memory)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
                             stop_sequences=list(request.stop_sequences), knn=self.knn(request), memory=memory,

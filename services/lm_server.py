@@ -1,14 +1,16 @@
 """LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
 
 The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm_requests), runs
-`memlm.jobs.scoring.score_tokens` / `memlm.jobs.generate.generate` and encodes the result. Model work runs
-ONE forward step at a time (services.lm_scheduler): torch is not async, and one step at a time keeps the
-model's memory and the CPU cores to one computation. Each call's work runs on a worker thread of its own
-and takes turns on the model step by step, each client (connection) getting an equal share of model time,
-so a small Score waits for the step in progress and its fair share, never for all of a long call. Generate advances its token iterator one step per job, so
-concurrent generations and Score calls interleave token by token, and a generation whose client went
-away (cancelled, deadline passed, connection lost) stops after the token in progress: the handler
-stops asking for the next one.
+the library and encodes the result. Model work runs ONE forward step at a time (services.lm_scheduler): torch
+is not async, and one step at a time keeps the model's memory and the CPU cores to one computation. Score
+calls run on worker threads and take turns on the model step by step, each client (connection) getting an
+equal share of model time, so a small Score waits for the step in progress and its fair share, never for all
+of a long call. Generate with MEMORY_MODE_NONE or XL (with or without kNN-LM) is a request in a running
+batch of the decoding engine (services.lm_engine, issue 12): every step decodes all such calls at once,
+the batch taking the model's turn like one more client; a cancelled call's row is free before the next
+step; admission is bounded (max_batch, max_queue, max_tokens_in_flight) and refused with RESOURCE_EXHAUSTED
+and a retry hint (trailing metadata retry-after-ms). MEMORY_MODE_MEMORIZING and SPALM Generate (states the
+engine does not hold) run as today: a one-sequence iterator advanced one step per turn.
 
 Bounded work (issue 9): every request's cost, and every step's, is checked before any work
 (services.lm_requests), and every call hands its library work a `CallStop` (through its StepGate), polled
@@ -21,21 +23,20 @@ kNN-LM uses whatever Searcher the server was given: an in-process datastore (`--
 RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). Health stays
 NOT_SERVING until the model and the searcher are loaded.
 
-Memory modes: MEMORY_MODE_NONE (sliding windows; a KV cache with a sliding window for Generate) and
-MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.jobs.scoring.score_tokens_segments`, which
-scores as `memlm eval --memory xl` does, and for Generate an XLMemory as the decoder state, so generation
-runs past the context without re-encoding). MEMORY_MODE_MEMORIZING (Wu et al. 2022) on a server loaded with
-a KnnAttention (a `memlm train --memory memorizing` checkpoint's knn_attention.pt): the same library calls
-with a memorizing memory, each sequence's kNN memory its own, in process, dropped when the call ends. kNN-LM
-combines with all of them but SPALM. MEMORY_MODE_SPALM (Yogatama et al. 2021; services.lm_spalm) with a SPALM
-checkpoint's head and a searcher: memlm.jobs.spalm_scoring, one search per segment or decode step (a remote one
-without the turn). Unserved modes (COMPRESSIVE always: no trained compressor) answer UNIMPLEMENTED, naming why.
+Memory modes: MEMORY_MODE_NONE (sliding windows; the engine's KV cache, which slides, for Generate),
+MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.jobs.scoring.score_tokens_segments`, as
+`memlm eval --memory xl` scores; the engine's XL rows for Generate, past the context without re-encoding).
+MEMORY_MODE_MEMORIZING (Wu et al. 2022) on a server loaded with a KnnAttention (a `memlm train --memory
+memorizing` checkpoint's knn_attention.pt): the same library calls with a memorizing memory, each sequence's
+its own. kNN-LM combines with all of them but SPALM. MEMORY_MODE_SPALM (Yogatama et al. 2021; services.lm_spalm)
+with a SPALM checkpoint's head and a searcher: memlm.jobs.spalm_scoring. Unserved modes answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,15 +45,9 @@ from typing import Any
 import grpc
 import torch
 
+from memlm.engine.requests import GenerationRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import (
-    FINISH_EOS,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    GenerationEnd,
-    TokenEvent,
-    generate,
-)
+from memlm.jobs.generate import GenerationEnd, TokenEvent, generate
 from memlm.jobs.memorizing import saved_knn_attention
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.spalm_scoring import score_spalm, spalm_step
@@ -67,6 +62,15 @@ from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services import lm_spalm
+from services.lm_engine import (
+    EngineLimits,
+    EnginePool,
+    GenerationRecord,
+    LaneKey,
+    end_responses,
+    stream_generation,
+    token_response,
+)
 from services.lm_requests import LMLimits, RequestParser, encode_score
 from services.lm_scheduler import (
     CallStop,
@@ -96,21 +100,6 @@ from services.server_common import (
 
 SERVICE = lm_pb2.DESCRIPTOR.services_by_name["LanguageModelService"]
 MESSAGE_CLASSES = message_classes_of(lm_pb2, retrieval_pb2, tensor_pb2)
-FINISH_REASONS = {
-    FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
-    FINISH_STOP: lm_pb2.FINISH_REASON_STOP_SEQUENCE,
-    FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
-}
-
-
-@dataclass(frozen=True)
-class GenerationRecord:
-    """How one Generate call ended on the server (for tests and logs)."""
-
-    completion_tokens: int
-    """Tokens generated before the call ended."""
-    outcome: str
-    """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
 
 
 class LanguageModelServicer:
@@ -184,12 +173,19 @@ class LanguageModelServicer:
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
         self._info = response
+        self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
+            max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
+            max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
+        ), self.scheduler.turns)
+        """The running Generate batches (services.lm_engine)."""
         self._loaded = True
 
     def close(self) -> None:
         """Release the model's workers (after the server stopped): work still running stops within one
         step (its calls were cancelled when the drain's grace ran out), queued work is dropped."""
         self._closing.set()
+        if self._loaded:
+            self.engines.close()
         self.scheduler.close()
 
     def _knn_attention_for(self, memory: MemoryConfig | None) -> KnnAttention | None:
@@ -269,6 +265,16 @@ class LanguageModelServicer:
         gate = self.scheduler.gate(stop, context.peer())
 
         args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
+        if args.memory is None or args.memory.kind == "xl":  # the engine's states: one running batch
+            stop.set()  # the gate and stop above are the one-sequence path's
+            engine_request = GenerationRequest(
+                tuple(args.prompt), args.max_new_tokens, args.sampling, tuple(args.stop_sequences),
+                boundary_token=self._boundary, eos_id=self._tokenizer.eos_id, knn=args.knn,
+                timeout_s=None if stop.deadline is None else max(1e-6, stop.deadline - time.monotonic()))
+            async for response in stream_generation(self.engines, LaneKey(args.memory), engine_request,
+                                                    stop.deadline, context, self._record):
+                yield response
+            return
 
         def start():
             searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
@@ -297,19 +303,12 @@ class LanguageModelServicer:
                 event = await self._call_library(context, stop, gate, next, events)
                 if isinstance(event, TokenEvent):
                     produced += 1
-                    token = lm_pb2.GeneratedToken(
-                        token_id=event.token_id, text=event.text, logprob=event.logprob, base_logprob=event.base_logprob
-                    )
-                    yield lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta, tokens=[token]))
+                    yield token_response(event)
                     continue
                 assert isinstance(event, GenerationEnd)
-                if event.text_delta:
-                    yield lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta))
                 outcome = event.reason
-                yield lm_pb2.GenerateResponse(finish=lm_pb2.GenerateFinish(
-                    reason=FINISH_REASONS[event.reason], prompt_tokens=event.prompt_tokens,
-                    completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence,
-                ))
+                for response in end_responses(event):
+                    yield response
                 return
         except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
             outcome = "cancelled" if stop.expired() else "error"  # a step stopped at the deadline is no error

@@ -44,6 +44,12 @@ from services.retrieval_server import info_from_proto
 from services.server_common import ServerOptions, ServiceError
 
 
+def assert_logprobs_close(got: list[float], want: list[float]) -> None:
+    """Engine log-probs against the one-sequence path's: float32 rounding of another cache layout only."""
+    assert len(got) == len(want)
+    assert all(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6) for g, w in zip(got, want)), (got, want)
+
+
 def client(address: str) -> LanguageModelClient:
     return LanguageModelClient(address, timeout=60)
 
@@ -122,8 +128,12 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
                            boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=servers["knn"]))
     with client(servers["remote"]) as c:
         got = list(c.generate(prompt, max_new_tokens=6, temperature=0.0, knn=KnnRequest()))
-    pairs = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
-    assert [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids] == pairs
+    # Generate runs on the engine (services.lm_engine): its KV cache attends over preallocated slots, so
+    # keys and log-probs round differently from the one-sequence path's (measured: 3.6e-7 relative);
+    # the tokens are the same.
+    served = [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids]
+    assert [t for t, _ in served] == [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert_logprobs_close([lp for _, lp in served], [e.logprob for e in events if isinstance(e, TokenEvent)])
 
 
 def test_stop_sequence_stops(tiny, servers):
@@ -328,7 +338,9 @@ def test_generate_xl_equals_library(tiny, servers):
         with client(servers["plain"]) as c:
             got = list(c.generate(prompt, max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k,
                                   seed=sampling.seed, memory_mode="xl", memory=XL))
-        assert [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids] == want
+        served = [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids]
+        assert [t for t, _ in served] == [t for t, _ in want]  # the engine's XL rows (logprobs: see above)
+        assert_logprobs_close([lp for _, lp in served], [lp for _, lp in want])
         assert isinstance(got[-1], Finish) and got[-1].completion_tokens == len(want)
 
 

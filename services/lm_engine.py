@@ -1,0 +1,400 @@
+"""The LM server's Generate on the decoding engine (issue 12 part 3): one running batch per setting.
+
+Every Generate call with MEMORY_MODE_NONE or MEMORY_MODE_XL (with or without kNN-LM) is a request in a
+running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or
+pass their deadline, and every step decodes all of them in one forward pass (with kNN-LM: one batched
+search for every ready kNN-LM row, each with its own k, lambda and temperature, memlm.engine.sampling).
+The engine takes one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory: every
+MEMORY_MODE_NONE call shares one batch, every XL call with the same sizes another; at most MAX_LANES lanes
+live at once (an idle one is closed to make room; none idle: RESOURCE_EXHAUSTED).
+
+Model turns (services.lm_scheduler): each lane's thread takes the model's turn like any call, as a
+tenant of its own ("engine:<lane>"), for one engine step at a time, and passes it on at every step
+boundary when Score calls wait; the fair share of model time among Generate calls is now the batch
+itself (every row gets one token per step). A remote kNN search gives the turn away while it waits
+(TurnFreeSearcher, issue 9.2) and ends when every caller in the batch gave up or the latest deadline of
+the batch passed (services.retrieval_client.for_caller); a failing search ends the kNN-LM rows of that
+step with the retrieval service's status, never the other rows (memlm.engine) nor other lanes' calls.
+
+Admission is bounded (LMLimits.max_batch rows per batch, max_queue waiting per batch, max_tokens_in_flight
+prompt + max_new_tokens over every Generate call of the server, all in GetInfo): beyond, the call is refused
+with RESOURCE_EXHAUSTED whose message ends "retry after N ms" and whose trailing metadata carries
+`retry-after-ms: N` (RETRY_AFTER_KEY): when a row is likely free (the soonest-finishing request's steps left
+x the batch's mean step time, memlm.engine).
+
+Events travel from the lane's thread to the call's event loop: after every step the lane takes each
+handle's ready events (RequestHandle.ready) and puts them on the call's asyncio queue
+(loop.call_soon_threadsafe), so a stream carries each token as it is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from memlm.engine.engine import Engine
+from memlm.engine.requests import (
+    EngineConfig,
+    EngineFull,
+    Event,
+    GenerationRequest,
+    RequestHandle,
+)
+from memlm.errors import MemlmError
+from memlm.jobs.generate import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationEnd,
+    TokenEvent,
+)
+from memlm.jobs.windows import WorkStopped
+from memlm.memory.config import MemoryConfig
+from memlm.model.decoder import Decoder
+from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
+from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_scheduler import ModelTurns, StepGate, TurnFreeSearcher
+from services.retrieval_client import RetrievalClient, for_caller
+from services.server_common import ServiceError
+
+_log = logging.getLogger(__name__)
+MAX_LANES = 4
+"""Batches (distinct memory settings) running at once; one more setting closes an idle batch or is refused."""
+FINISH_REASONS = {
+    FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
+    FINISH_STOP: lm_pb2.FINISH_REASON_STOP_SEQUENCE,
+    FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
+}
+"""How a generation that ran to its end finished, on the wire (cancelled / deadline ends are statuses)."""
+RETRY_AFTER_KEY = "retry-after-ms"
+"""Trailing metadata key of a RESOURCE_EXHAUSTED Generate: milliseconds after which a retry is likely admitted."""
+
+
+@dataclass(frozen=True)
+class LaneKey:
+    """What one engine batch is made for: its rows' memory (kNN-LM settings are per request)."""
+
+    memory: MemoryConfig | None
+    """MEMORY_MODE_XL's sizes (kind "xl"), None for MEMORY_MODE_NONE (a plain KV cache)."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The server's admission bounds for Generate (LMLimits' fields, as the engine takes them)."""
+
+    max_batch: int
+    """Rows decoded together in one step of one batch."""
+    max_queue: int
+    """Calls waiting for a row of one batch."""
+    max_tokens_in_flight: int
+    """Prompt + max_new_tokens summed over every running and waiting Generate call of the server."""
+    prefill_chunk: int
+    """Prompt tokens prefilled per step over all rows (LMLimits.max_step_tokens: a step stays bounded)."""
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """How one Generate call ended on the server (for tests and logs)."""
+
+    completion_tokens: int
+    """Tokens generated before the call ended."""
+    outcome: str
+    """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
+
+
+class Stream:
+    """One Generate call in a lane: its engine handle, and its events on the call's event loop."""
+
+    def __init__(self, handle: RequestHandle, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
+        self.handle = handle
+        self.deadline = deadline
+        """time.monotonic() of the call's deadline, None: none (the batch's search waits for the latest)."""
+        self.produced = 0
+        """Tokens delivered so far (the retry hint counts the steps left from it)."""
+        self._loop = loop
+        self._queue: asyncio.Queue[list[Event] | BaseException] = asyncio.Queue()
+        self._buffer: deque[Event] = deque()
+
+    def deliver(self, item: list[Event] | BaseException) -> None:
+        """From the lane's thread: hand events (or the error that ended the request) to the call."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the call's loop is closed: nobody listens any more
+            pass
+
+    async def next_event(self) -> Event:
+        """The next TokenEvent or the GenerationEnd; the request's error when it failed."""
+        while not self._buffer:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            self._buffer.extend(item)
+        return self._buffer.popleft()
+
+
+class BatchSearcher:
+    """The engine's searcher in a server: one batched search per step for every row of a lane. A remote
+    one gives the model's turn away while it waits and ends when every caller of the batch gave up, the
+    batch's latest deadline passed or the server closes."""
+
+    def __init__(self, inner: Searcher, lane: Lane) -> None:
+        self._inner = inner
+        self._lane = lane
+
+    @property
+    def dim(self) -> int:
+        return self._inner.dim
+
+    def info(self) -> SearcherInfo:
+        return self._inner.info()
+
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
+        lane = self._lane
+        bounded = for_caller(self._inner, lane.latest_deadline(), lane.abandoned)
+        if isinstance(self._inner, RetrievalClient):
+            return TurnFreeSearcher(bounded, lane.gate).search(xq, k, options)
+        return bounded.search(xq, k, options)
+
+
+class Lane:
+    """One engine batch (one LaneKey), stepped by a thread of its own with the model's turn."""
+
+    def __init__(self, key: LaneKey, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None,
+                 limits: EngineLimits, turns: ModelTurns, name: str) -> None:
+        self.key = key
+        self._closed = threading.Event()
+        self.gate = StepGate(turns, self._closed.is_set, turns.tenant(f"engine:{name}"))
+        """This batch's place on the model's turns."""
+        self._streams: dict[int, Stream] = {}  # request id -> stream, until its end is delivered
+        self._lock = threading.Condition()
+        config = EngineConfig(max_batch=limits.max_batch, prefill_chunk=limits.prefill_chunk,
+                              max_queue=limits.max_queue, max_tokens_in_flight=limits.max_tokens_in_flight,
+                              memory=key.memory)
+        self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None)
+        self._thread = threading.Thread(target=self._run, name=f"memlm-engine-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side ----------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, deadline: float | None) -> Stream:
+        """Queue one call (EngineFull when this batch's queue is full)."""
+        with self._lock:
+            handle = self.engine.submit(request)
+            stream = Stream(handle, loop, deadline)
+            self._streams[handle.request_id] = stream
+            self._lock.notify_all()
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        """End a call's request before the next step (its row is free for that step's admissions)."""
+        stream.handle.cancel()
+        with self._lock:
+            self._lock.notify_all()
+
+    def streams(self) -> list[Stream]:
+        with self._lock:
+            return list(self._streams.values())
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._streams and not self.engine.busy
+
+    def _searching(self) -> list[Stream]:
+        return [s for s in self.streams() if s.handle.request.knn is not None]
+
+    def latest_deadline(self) -> float | None:
+        """The latest deadline of the batch's kNN-LM calls (None when one has none): how long its search may wait."""
+        deadlines = [s.deadline for s in self._searching()]
+        return None if not deadlines or None in deadlines else max(deadlines)
+
+    def abandoned(self) -> bool:
+        """Every kNN-LM caller of the batch gave up (or the server closes): its search may stop."""
+        return self._closed.is_set() or all(s.handle.cancelled for s in self._searching())
+
+    def close(self) -> None:
+        """Stop the thread after its step in progress (the server stopped; its calls were cancelled)."""
+        self._closed.set()
+        with self._lock:
+            self._lock.notify_all()
+        self._thread.join()
+
+    # -- the lane's thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closed.is_set() or self.engine.busy)
+            if self._closed.is_set() or not self.gate.enter():
+                return
+            try:
+                while self.engine.busy:
+                    try:
+                        self.engine.step()
+                    except Exception as e:  # noqa: BLE001 - step gave it to every row it ended; the next ones run
+                        _log.warning("engine step failed, its requests ended with the error: %s", e)
+                    self._deliver()
+                    if self.gate():  # passes the turn when Score calls wait; True: closing
+                        break
+            finally:
+                self.gate.leave()
+            self._deliver()
+
+    def _deliver(self) -> None:
+        for stream in self.streams():
+            try:
+                events = stream.handle.ready()
+            except BaseException as e:  # noqa: BLE001 - the request's error, for its caller
+                self._forget(stream)
+                stream.deliver(e)
+                continue
+            if not events:
+                continue
+            stream.produced += sum(isinstance(e, TokenEvent) for e in events)
+            if isinstance(events[-1], GenerationEnd):
+                self._forget(stream)
+            stream.deliver(events)
+
+    def _forget(self, stream: Stream) -> None:
+        with self._lock:
+            self._streams.pop(stream.handle.request_id, None)
+
+
+class EnginePool:
+    """The server's lanes: the batch of a call's settings (made on first use), the server-wide admission
+    bound on tokens in flight, and the retry hint."""
+
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None, limits: EngineLimits,
+                 turns: ModelTurns) -> None:
+        self._model, self._tokenizer, self._searcher = model, tokenizer, searcher
+        self.limits = limits
+        self._turns = turns
+        self._lanes: dict[LaneKey, Lane] = {}
+        self._lock = threading.Lock()
+        self._made = 0
+
+    def submit(self, key: LaneKey, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               deadline: float | None) -> tuple[Lane, Stream]:
+        """The call's lane and stream; EngineFull (with its retry hint) when the server is full."""
+        with self._lock:
+            streams = [s for lane in self._lanes.values() for s in lane.streams()]
+            tokens = sum(s.handle.request.tokens_in_flight for s in streams)
+            if tokens + request.tokens_in_flight > self.limits.max_tokens_in_flight:
+                raise EngineFull("tokens_in_flight", self._retry_hint(streams))
+            lane = self._lanes.get(key) or self._new_lane(key, streams)
+            return lane, lane.submit(request, loop, deadline)
+
+    def _new_lane(self, key: LaneKey, streams: list[Stream]) -> Lane:
+        if len(self._lanes) >= MAX_LANES:
+            idle = next((k for k, lane in self._lanes.items() if lane.idle), None)
+            if idle is None:
+                raise EngineFull(f"{MAX_LANES} batches of other settings", self._retry_hint(streams))
+            self._lanes.pop(idle).close()
+        self._made += 1
+        lane = Lane(key, self._model, self._tokenizer, self._searcher, self.limits, self._turns, str(self._made))
+        self._lanes[key] = lane
+        return lane
+
+    def _retry_hint(self, streams: list[Stream]) -> float:
+        """Seconds until some call is likely done: its tokens left x the slowest batch's mean step time."""
+        step_s = max((lane.engine.step_time_s for lane in self._lanes.values()), default=0.05)
+        left = [s.handle.request.max_new_tokens - s.produced for s in streams]
+        return max(1, min(left, default=1)) * step_s
+
+    def lanes(self) -> list[Lane]:
+        with self._lock:
+            return list(self._lanes.values())
+
+    def close(self) -> None:
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close()
+
+
+def retry_after_ms(e: EngineFull) -> int:
+    """EngineFull's hint in whole milliseconds (at least 1)."""
+    return max(1, round(e.retry_after_s * 1000))
+
+
+
+def token_response(event: TokenEvent) -> lm_pb2.GenerateResponse:
+    token = lm_pb2.GeneratedToken(token_id=event.token_id, text=event.text, logprob=event.logprob,
+                                  base_logprob=event.base_logprob)
+    return lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta, tokens=[token]))
+
+
+def end_responses(event: GenerationEnd) -> list[lm_pb2.GenerateResponse]:
+    """The last text delta (if any) and the finish message of a generation that ran to its end."""
+    out = [lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta))] if event.text_delta else []
+    return out + [lm_pb2.GenerateResponse(finish=lm_pb2.GenerateFinish(
+        reason=FINISH_REASONS[event.reason], prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence))]
+
+
+async def _next_event(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> Event:
+    """The stream's next event; the error that ended its request as a status (the server keeps serving)."""
+    try:
+        return await stream.next_event()
+    except ServiceError as e:  # the remote retrieval service failed: pass its code on
+        await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
+    except WorkStopped:  # the batch's search stopped: every caller gave up, its deadline passed or the server closes
+        if deadline is not None and time.monotonic() >= deadline:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
+        await context.abort(grpc.StatusCode.CANCELLED, "the work was stopped")
+    except MemlmError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationRequest, deadline: float | None,
+                            context: grpc.aio.ServicerContext, record: Callable[[GenerationRecord], None],
+                            ) -> AsyncIterator[lm_pb2.GenerateResponse]:
+    """One Generate call through the engine: submit, stream each token as made, end.
+
+    Refused with RESOURCE_EXHAUSTED (retry hint in the message and RETRY_AFTER_KEY) when the server is full.
+    record(GenerationRecord) is called once the call ends. The call's request is cancelled when the handler ends
+    for any reason, so its row is free before the next step."""
+    try:
+        lane, stream = await asyncio.to_thread(pool.submit, key, request, asyncio.get_running_loop(), deadline)
+    except EngineFull as e:
+        ms = retry_after_ms(e)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e.what} at its bound "
+                            f"(see GetInfo max_batch / max_queue / max_tokens_in_flight); retry after {ms} ms",
+                            trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
+    produced, outcome = 0, "cancelled"
+    try:
+        while True:
+            # Between tokens: a cancelled call never gets here (its await is cancelled); a call whose
+            # deadline passed is ended here even if grpc has not cancelled it yet.
+            if context.cancelled():
+                return
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                break  # to the DEADLINE_EXCEEDED below
+            event = await _next_event(stream, context, deadline)
+            if isinstance(event, TokenEvent):
+                produced += 1
+                yield token_response(event)
+                continue
+            if event.reason not in FINISH_REASONS:  # the engine's deadline (or a cancel): no finish message
+                break
+            outcome = event.reason
+            for response in end_responses(event):
+                yield response
+            return
+    except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
+        outcome = "cancelled" if deadline is not None and time.monotonic() >= deadline else "error"
+        raise
+    finally:
+        lane.cancel(stream)  # a no-op for a request that ended; otherwise its row is free before the next step
+        record(GenerationRecord(produced, outcome))
+    # Ending the stream normally here would tell a client whose own timer has not fired yet that the
+    # generation finished (status OK, no finish message).
+    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed after {produced} generated tokens")

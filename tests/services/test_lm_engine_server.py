@@ -1,0 +1,178 @@
+"""Generate on the decoding engine (services.lm_engine, issue 12 part 3): one running batch, bounded admission.
+
+Real servers on port 0 over the tiny model. Oracles: the same call alone on the same server (the engine's
+rows are independent: a request yields the tokens it yields alone, greedy and seeded) and
+memlm.jobs.generate in process (kNN-LM through a real retrieval server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import grpc
+import pytest
+
+from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from memlm.model.tokenizer import document_boundary
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.v1 import language_model_pb2 as lm_pb2
+from memlm.v1 import language_model_pb2_grpc as lm_grpc
+from services.lm_engine import RETRY_AFTER_KEY
+from services.lm_requests import LMLimits
+from services.lm_server import start_lm_server
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+
+FAST_S = 2.0
+"""What "at once" means here: far under a long generation, far over one step (milliseconds)."""
+
+
+def ids(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + salt) % 250 + 1 for i in range(n)]  # ids the tiny tokenizer knows
+
+
+def start(module_loop, tiny, searcher=None, **limits):
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, searcher,
+                                              limits=dataclasses.replace(LMLimits(max_new_tokens=100_000), **limits)))
+    module_loop.servers.append(started.running.server)
+    return f"127.0.0.1:{started.running.port}", started.servicer
+
+
+def request(prompt: list[int], n: int, sampling: lm_pb2.SamplingOptions | None = None, **kw) -> lm_pb2.GenerateRequest:
+    return lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=prompt), max_new_tokens=n,
+                                  sampling=sampling or lm_pb2.SamplingOptions(temperature=0.0), **kw)
+
+
+def tokens(responses) -> list[tuple[int, float]]:
+    return [(t.token_id, t.logprob) for r in responses if r.HasField("delta") for t in r.delta.tokens]
+
+
+def run_concurrently(stub, requests: list[lm_pb2.GenerateRequest]) -> list[list]:
+    out: list[list | None] = [None] * len(requests)
+    go = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        go.wait(10)
+        out[i] = list(stub.Generate(requests[i], timeout=120))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(o is not None for o in out)
+    return out
+
+
+def test_concurrent_generations_share_steps_and_each_equals_itself_alone(tiny, module_loop):
+    address, servicer = start(module_loop, tiny, max_batch=8)
+    seeded = lm_pb2.SamplingOptions(temperature=0.9, top_k=40, seed=11)
+    xl = {"memory_mode": lm_pb2.MEMORY_MODE_XL,
+          "memory": lm_pb2.MemoryOptions(segment_tokens=16, memory_tokens=24, sink_tokens=2)}
+    requests = [request(ids(5 + 9 * i, salt=i), 20 + 7 * i, seeded if i % 2 else None) for i in range(6)]
+    requests += [request(ids(40, salt=9), 30, **xl), request(ids(3, salt=8), 25, seeded, **xl)]
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        alone = [list(stub.Generate(r, timeout=60)) for r in requests]
+        steps_before = {id(lane): lane.engine.steps for lane in servicer.engines.lanes()}
+        together = run_concurrently(stub, requests)
+    for a, t in zip(alone, together):
+        assert [tok for tok, _ in tokens(t)] == [tok for tok, _ in tokens(a)]
+        for (_, lp_t), (_, lp_a) in zip(tokens(t), tokens(a)):
+            assert abs(lp_t - lp_a) <= 1e-5 * max(1.0, abs(lp_a))  # batched rows: float32 rounding only
+        assert t[-1].finish == a[-1].finish
+    lanes = servicer.engines.lanes()
+    assert len(lanes) == 2  # NONE and this XL setting: one batch each
+    steps = sum(lane.engine.steps - steps_before[id(lane)] for lane in lanes)
+    generated = sum(r.max_new_tokens for r in requests)
+    assert steps < generated / 2, (steps, generated)  # the calls shared forward steps
+
+
+def test_a_cancelled_call_frees_its_row_at_once_and_a_full_server_says_when_to_retry(tiny, module_loop):
+    address, servicer = start(module_loop, tiny, max_batch=1, max_queue=1)
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        # Greedy from "The quick" runs thousands of tokens without the tiny model's end-of-text
+        # (test_lm_server.test_cancelled_generate_stops_work).
+        first = stub.Generate(request(tiny.tokenizer.encode("The quick"), 100_000), timeout=120)
+        assert next(first).HasField("delta")  # running in the one row
+        second = stub.Generate(request(ids(8, salt=3), 5), timeout=120)  # waits for the row
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request(ids(8, salt=5), 5), timeout=30))  # the queue is full
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        hint = dict(e.value.trailing_metadata())[RETRY_AFTER_KEY]
+        assert int(hint) >= 1 and f"retry after {hint} ms" in e.value.details()
+        assert "queue" in e.value.details()
+        t0 = time.monotonic()
+        first.cancel()
+        assert next(second).HasField("delta")  # the row was freed for it
+        assert time.monotonic() - t0 < FAST_S
+        assert list(second)[-1].finish.completion_tokens == 5
+    (lane,) = servicer.engines.lanes()
+    deadline = time.monotonic() + FAST_S
+    while not lane.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lane.idle  # nothing left running or waiting
+
+
+def test_tokens_in_flight_bound_and_get_info(tiny, module_loop):
+    address, _ = start(module_loop, tiny, max_batch=3, max_queue=5, max_tokens_in_flight=300)
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
+        assert (info.max_batch, info.max_queue, info.max_tokens_in_flight) == (3, 5, 300)
+        quick = tiny.tokenizer.encode("The quick")  # no end-of-text for thousands of greedy tokens
+        running = stub.Generate(request(quick, 250), timeout=60)  # 1 + len(quick) + 250 tokens in flight
+        assert next(running).HasField("delta")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request(ids(10), 100), timeout=30))  # 111 more: over 300
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_in_flight" in e.value.details()
+        assert int(dict(e.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 1
+        assert list(stub.Generate(request(ids(10), 20), timeout=30))[-1].finish.completion_tokens == 20  # fits
+        running.cancel()
+
+
+class CountingSearcher:
+    """The test index, counting the rows of every search the retrieval server runs."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.queries: list[int] = []
+
+    @property
+    def dim(self) -> int:
+        return self._inner.dim
+
+    def info(self):
+        return self._inner.info()
+
+    def search(self, xq, k, options=None):
+        self.queries.append(len(xq))
+        return self._inner.search(xq, k, options)
+
+
+def test_knn_generations_through_the_retrieval_service_search_once_per_step(tiny, index, module_loop):
+    counting = CountingSearcher(index)
+    retrieval = f"127.0.0.1:{module_loop.start(create_retrieval_server, '127.0.0.1:0', counting)}"
+    link = RetrievalClient(retrieval)
+    try:
+        knn = lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5, temperature=5.0)
+        address, servicer = start(module_loop, tiny, link, max_batch=4)
+        prompts = [ids(6 + 5 * i, salt=i) for i in range(4)]
+        with grpc.insecure_channel(address) as channel:
+            together = run_concurrently(lm_grpc.LanguageModelServiceStub(channel),
+                                        [request(p, 12, knn=knn) for p in prompts])
+        (lane,) = servicer.engines.lanes()
+        assert len(counting.queries) == lane.engine.steps  # one search per engine step, every ready row in it
+        assert max(counting.queries) > 1 and sum(counting.queries) == sum(g[-1].finish.completion_tokens for g in together)
+        tok = tiny.tokenizer
+        config = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)  # = knn above
+        for p, got in zip(prompts, together):
+            events = generate(tiny.model, tok, p, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
+                              boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=config)
+            assert [t for t, _ in tokens(got)] == [e.token_id for e in events if isinstance(e, TokenEvent)]
+    finally:
+        link.close()
