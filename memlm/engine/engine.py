@@ -88,6 +88,9 @@ class Engine:
         """config None: EngineConfig's defaults. searcher: the datastore of the requests with kNN-LM."""
         config = config or EngineConfig()
         xl = config.xl
+        if config.row_capacity is not None and config.row_capacity > model.config.max_seq_len:
+            raise MemlmError(f"row_capacity {config.row_capacity} is over the model's context "
+                             f"{model.config.max_seq_len}; generate past it with --memory xl")
         if xl is not None and xl.segment > model.config.max_seq_len:
             raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {xl.segment}")
         self.model = model
