@@ -14,7 +14,7 @@ import faiss
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import PROVENANCE, WINDOW, make_docs, make_model  # noqa: E402
+from store_helpers import PROVENANCE, WINDOW, make_docs, make_model  # noqa: E402
 
 from datastore import BuildSettings, build_from_tokens  # noqa: E402
 

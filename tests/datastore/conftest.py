@@ -1,35 +1,14 @@
-"""Shared fixtures: a tiny random model, random token documents, and a small finished datastore."""
+"""Shared fixtures: a tiny random model, random token documents, and a small finished datastore (the pieces
+themselves live in store_helpers.py, which tests import by name)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
+from store_helpers import PROVENANCE, WINDOW, make_docs, make_model
 
-from datastore import BuildSettings, BuildSource, build_from_tokens
-from memlm.jobs.windows import WindowConfig
-from memlm.model.config import ModelConfig
-from memlm.model.decoder import build_model
-
-VOCAB = 64
-BOS = 1
-WINDOW = WindowConfig(context=48, stride=24, batch_size=4)
-PROVENANCE = BuildSource(
-    model_name="tiny-test", model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64,
-    corpus="random tokens", corpus_fingerprint="c" * 64, boundary_token=BOS,
-)
-
-
-def make_model(seed: int = 0):
-    torch.manual_seed(seed)
-    return build_model(ModelConfig.from_name("tiny", vocab_size=VOCAB)).eval()
-
-
-def make_docs(seed: int = 0, sizes=(400, 90, 0, 700, 33, 260)) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, VOCAB, size=n).tolist() for n in sizes]
+from datastore import BuildSettings, build_from_tokens
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 from memlm.jobs.windows import WindowConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import make_docs
+from store_helpers import make_docs
 
 ALL = make_docs(seed=3, sizes=(300, 90, 0, 200, 33, 150, 120))
 DOCS_A, DOCS_B = ALL[:4], ALL[4:]

@@ -16,8 +16,8 @@ import faiss
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import PROVENANCE, make_model
 from lifecycle_docs import DOCS_B
+from store_helpers import PROVENANCE, make_model
 
 from datastore import (
     Datastore,

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import PROVENANCE, WINDOW
+from store_helpers import PROVENANCE, WINDOW
 
 from datastore import (
     BuildSettings,

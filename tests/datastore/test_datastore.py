@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import BOS, PROVENANCE, WINDOW
+from store_helpers import BOS, PROVENANCE, WINDOW
 
 from datastore import BuildSettings, Datastore, build_from_tokens
 from memlm.errors import MemlmError

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PROVENANCE, WINDOW
+from store_helpers import PROVENANCE, WINDOW
 
 from datastore import (
     BuildSettings,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import PROVENANCE, WINDOW
+from store_helpers import PROVENANCE, WINDOW
 
 from datastore import Datastore
 from memlm.jobs.evaluate import evaluate_perplexity

@@ -18,8 +18,8 @@ import faiss
 import numpy as np
 import pytest
 import torch
-from conftest import PROVENANCE, make_model
 from lifecycle_docs import DOCS_A, DOCS_B, WINDOW_1
+from store_helpers import PROVENANCE, make_model
 
 from datastore import BuildSettings, Datastore, build_from_tokens, generations
 from datastore.add import add_documents

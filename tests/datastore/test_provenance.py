@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BOS, PROVENANCE, WINDOW
+from store_helpers import BOS, PROVENANCE, WINDOW
 
 from datastore import (
     BuildSettings,
