@@ -104,6 +104,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards _waiting and the admission bounds
         self._wake = threading.Condition(self._lock)
+        self._stepping = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.step_time_s = FIRST_STEP_GUESS_S
@@ -121,12 +122,12 @@ class Engine:
         if request.knn is not None and self.searcher is None:
             raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
         with self._lock:
-            if len(self._waiting) >= self.config.max_queue:
+            free = self.config.max_batch - len(self._rows)
+            if len(self._waiting) >= self.config.max_queue + free:
                 raise EngineFull("queue", self._retry_hint())
             if self._in_flight() + request.tokens_in_flight > self.config.max_tokens_in_flight:
                 raise EngineFull("tokens_in_flight", self._retry_hint())
-            pump = None if self._thread is not None else self.step
-            handle = RequestHandle(next(self._ids), request, pump, self._notify)
+            handle = RequestHandle(next(self._ids), request, self._pump, self._notify)
             deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
             self._waiting.append((handle, deadline))
             self._wake.notify()
@@ -141,6 +142,16 @@ class Engine:
         left = [r.steps_left for r in self._rows.values()]
         return max(1, min(left, default=1)) * self.step_time_s
 
+    def _pump(self) -> bool:
+        """For a handle waiting for its next event: one step in the caller's thread (True), or False when the
+        engine thread does the stepping (the caller waits on its queue)."""
+        if self._thread is not None:
+            return False
+        if not self.busy:
+            raise RuntimeError("the engine is idle and a request has not ended")
+        self.step()
+        return True
+
     def _notify(self) -> None:
         with self._lock:
             self._wake.notify()
@@ -152,8 +163,13 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one step (see the module docstring); returns whether work remains. An error inside the
-        forward pass or the search ends every running request with it (each handle raises it)."""
+        """Run one step (see the module docstring); returns whether work remains. An error in the forward
+        pass ends every running request with it (each handle raises it) and is raised here; a failed search
+        ends only the rows that searched (_choose)."""
+        with self._stepping:  # one step at a time, whichever threads call
+            return self._step()
+
+    def _step(self) -> bool:
         start = time.perf_counter()
         try:
             self._end_cancelled()

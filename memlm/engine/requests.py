@@ -41,7 +41,7 @@ class EngineConfig:
     """Most prompt tokens prefilled per step over all rows: a long prompt is prefilled over several
     steps while the running batch keeps decoding (chunked prefill)."""
     max_queue: int = 64
-    """Requests waiting for a row; one more is refused (EngineFull)."""
+    """Requests waiting beyond the free rows (admitted at the next step); one more is refused (EngineFull)."""
     max_tokens_in_flight: int = 1 << 20
     """Sum of prompt + max_new_tokens over running and waiting requests; beyond, refused (EngineFull)."""
     memory: MemoryConfig | None = None
@@ -122,13 +122,13 @@ Event = TokenEvent | GenerationEnd
 class RequestHandle:
     """A submitted request: its events as the engine makes them, and cancellation (thread-safe)."""
 
-    def __init__(self, request_id: int, request: GenerationRequest, pump: Callable[[], bool] | None,
+    def __init__(self, request_id: int, request: GenerationRequest, pump: Callable[[], bool],
                  wake: Callable[[], None]) -> None:
         self.request_id = request_id
         self.request = request
         self._queue: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
         self._cancelled = threading.Event()
-        self._pump = pump  # steps the engine in the caller's thread when no engine thread runs
+        self._pump = pump  # steps the engine in the caller's thread (True), or False: an engine thread runs
         self._wake = wake  # tells a waiting engine thread that there is something to do
 
     def cancel(self) -> None:
@@ -155,12 +155,12 @@ class RequestHandle:
         return out
 
     def events(self, timeout_s: float | None = None) -> Iterator[Event]:
-        """TokenEvents then one GenerationEnd. Without an engine thread, the engine is stepped here.
-        timeout_s bounds each wait for an event with an engine thread (queue.Empty when it passes)."""
+        """TokenEvents then one GenerationEnd (or the error that ended the request, raised). Without an engine
+        thread, the engine is stepped here (callers in several threads take turns, one step at a time);
+        with one, timeout_s bounds each wait for an event (queue.Empty when it passes)."""
         while True:
-            while self._pump is not None and self._queue.empty():
-                if not self._pump() and self._queue.empty():
-                    raise RuntimeError(f"request {self.request_id}: the engine is idle and the request has not ended")
+            while self._queue.empty() and self._pump():
+                pass
             event = self._queue.get(timeout=timeout_s)
             if isinstance(event, BaseException):
                 raise event

@@ -169,16 +169,25 @@ def test_deadline_ends_a_request(model) -> None:
 
 
 def test_admission_bounds_refuse_with_a_retry_hint(model) -> None:
+    """max_queue counts the requests waiting beyond the free rows; max_tokens_in_flight prompt + new tokens."""
     engine = Engine(model, TOK, EngineConfig(max_batch=1, max_queue=2, max_tokens_in_flight=100))
-    engine.submit(request("a", 10)), engine.submit(request("b", 10))
+    engine.submit(request("a", 10)), engine.submit(request("b", 10)), engine.submit(request("c", 10))
     with pytest.raises(EngineFull) as full:
-        engine.submit(request("c", 10))
+        engine.submit(request("d", 10))
     assert full.value.what == "queue" and full.value.retry_after_s > 0
-    engine.step()  # "a" takes the row: the queue has room again, the tokens in flight do not
+    engine.step()  # "a" takes the row and the queue holds two: still full
+    with pytest.raises(EngineFull):
+        engine.submit(request("d", 10))
+    no_queue = Engine(model, TOK, EngineConfig(max_batch=1, max_queue=0))
+    no_queue.submit(request("a", 10))  # a free row: admitted at the next step
+    with pytest.raises(EngineFull):
+        no_queue.submit(request("b", 10))
+    tokens_bound = Engine(model, TOK, EngineConfig(max_batch=4, max_tokens_in_flight=100))
+    tokens_bound.submit(request("a" * 60, 10))  # 1 + 60 + 10 = 71 tokens in flight
     with pytest.raises(EngineFull) as full:
-        engine.submit(request("d" * 70, 10))
+        tokens_bound.submit(request("b" * 10, 20))  # + 31 > 100
     assert full.value.what == "tokens_in_flight" and "retry in" in str(full.value)
-    engine.submit(request("e", 10))
+    tokens_bound.submit(request("e", 10))  # + 12 fits
     with pytest.raises(MemlmError, match="outside"):
         engine.submit(GenerationRequest((600,), 3, boundary_token=BOUNDARY))
 
