@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from memlm.engine.kv_cache import CacheLayout, RowCache
@@ -45,12 +46,11 @@ from memlm.engine.requests import (
     Event,
     GenerationRequest,
     RequestHandle,
+    ScoreRequest,
 )
-from memlm.engine.rows import Row, window_starts
+from memlm.engine.rows import Row, ScoreRow, window_starts
 from memlm.engine.sampling import choose_tokens, search_rows
 from memlm.errors import MemlmError
-
-# The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
 from memlm.jobs.generate import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -60,6 +60,9 @@ from memlm.jobs.generate import (
     _flush,
     _match_stop,
 )
+
+# The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
+from memlm.jobs.scoring import SequenceScore
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.searcher import Searcher
@@ -112,15 +115,21 @@ class Engine:
         """Steps that ran the model (for tests and benchmarks)."""
 
     # -- admission ------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, request: GenerationRequest | ScoreRequest) -> RequestHandle:
         """Queue `request`; EngineFull (with a retry hint) when the queue or the tokens in flight are full."""
         V = self.model.config.vocab_size
         if any(not 0 <= i < V for i in request.prefix):
-            raise MemlmError(f"prompt has token ids outside [0, {V})")
-        for s in request.stop_sequences:
-            _as_stop(s)
-        if request.knn is not None and self.searcher is None:
-            raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
+            raise MemlmError(f"{'prompt' if isinstance(request, GenerationRequest) else 'text'} has token ids "
+                             f"outside [0, {V})")
+        if isinstance(request, ScoreRequest):
+            if not self.cache.layout.wraps and len(request.prefix) - 1 > self.cache.layout.ring:
+                raise MemlmError(f"a score of {len(request.prefix)} tokens is over the rows' {self.cache.layout.ring}; "
+                                 "score it in windows (memlm.jobs.scoring) or with the XL memory")
+        else:
+            for s in request.stop_sequences:
+                _as_stop(s)
+            if request.knn is not None and self.searcher is None:
+                raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
         with self._lock:
             free = self.config.max_batch - len(self._rows)
             if len(self._waiting) >= self.config.max_queue + free:
@@ -197,6 +206,8 @@ class Engine:
                 reason = _ended(handle, deadline, now)
                 if reason is None:
                     kept.append((handle, deadline))
+                elif isinstance(handle.request, ScoreRequest):
+                    handle.put(MemlmError(f"score ended before it was done: {reason}"))
                 else:
                     handle.put(_end_event(reason, "", len(handle.request.prompt_ids), 0, ""))
             self._waiting = kept
@@ -212,21 +223,29 @@ class Engine:
                 handle, deadline = self._waiting.popleft()
                 slot = free.pop(0)
                 self.cache.clear_row(slot)
-                self._rows[slot] = Row.start(handle, slot, deadline, self.cache.layout, self.model.device)
+                if isinstance(handle.request, ScoreRequest):
+                    self._rows[slot] = ScoreRow.start(handle, slot, deadline)
+                else:
+                    self._rows[slot] = Row.start(handle, slot, deadline, self.cache.layout, self.model.device)
 
     def _forward_and_choose(self) -> None:
         ready: list[Row] = []
         logits: list[torch.Tensor] = []  # (b, V) blocks
         keys: list[torch.Tensor] = []  # (b, C) blocks
-        prefilling = self._prefill_plan()
+        plan = self._prefill_plan()
+        scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
+        if scoring:
+            self._score(scoring)
+        prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
         if prefilling:
             out_logits, out_keys, done = self._run(prefilling)
             index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
             ready += [prefilling[i][0] for i in index]
             logits.append(out_logits[index])
             keys.append(out_keys[index])
-        touched = {row.slot for row, _ in prefilling}
-        decoding = [(r, 1) for s, r in sorted(self._rows.items()) if s not in touched and r.to_feed == 1]
+        touched = {row.slot for row, _ in plan}
+        decoding = [(r, 1) for s, r in sorted(self._rows.items())
+                    if s not in touched and isinstance(r, Row) and r.to_feed == 1]
         if decoding:
             out_logits, out_keys, _ = self._run(decoding)
             ready += [r for r, _ in decoding]
@@ -265,7 +284,7 @@ class Engine:
         for row in sorted(self._rows.values(), key=lambda r: r.handle.request_id):
             if budget == 0:
                 break
-            if row.to_feed > 1:
+            if row.to_feed > 1 or (isinstance(row, ScoreRow) and row.to_feed > 0):
                 n = min(row.to_feed, budget)
                 if segment is not None:  # a chunk stays in one segment: the XL ring holds one segment past the memory
                     n = min(n, segment - row.cached % segment)
@@ -273,10 +292,11 @@ class Engine:
                 budget -= n
         return sorted(plan, key=lambda p: p[0].slot)
 
-    def _run(self, plan: Sequence[tuple[Row, int]]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
-        Returns the last position's logits (B, V) and kNN keys (B, C) and, per row, whether it has fed
-        everything it had (its logits are the next token's)."""
+        Returns the last position's logits (B, V) (every_position: all of them, (B, T, V)) and kNN keys
+        (B, C) and, per row, whether it has fed everything it had (its logits are the next token's)."""
         T = max(n for _, n in plan)
         B = len(plan)
         idx = torch.zeros(B, T, dtype=torch.long)  # (B, T) on the host, copied once
@@ -291,10 +311,29 @@ class Engine:
             real[i, T - n:] = True
             window[i] = window_starts(pos[i], row.first_generated_pos, self.cache.layout.segment)
         view = self.cache.view([row.slot for row, _ in plan], pos, real, window)
-        out = self.model(idx.to(self.model.device), state=view, logits_from=T - 1)
+        out = self.model(idx.to(self.model.device), state=view, logits_from=0 if every_position else T - 1)
         for row, n in plan:
             row.fed += n
-        return out.logits[:, -1], out.knn_key[:, -1], [row.to_feed == 0 for row, _ in plan]  # (B, V), (B, C)
+        logits = out.logits if every_position else out.logits[:, -1]  # (B, T, V) or (B, V)
+        return logits, out.knn_key[:, -1], [row.to_feed == 0 for row, _ in plan]  # (B, C)
+
+    def _score(self, plan: list[tuple[ScoreRow, int]]) -> None:
+        """Feed score rows' chunks with logits at every position; keep the scored tokens' log-probabilities
+        (base LM; greedy = the argmax), and deliver each finished row's SequenceScore."""
+        starts = [row.fed for row, _ in plan]
+        logits, _, done = self._run(plan, every_position=True)  # (B, T, V)
+        T = logits.shape[1]
+        for i, ((row, n), lo) in enumerate(zip(plan, starts)):
+            targets = torch.tensor(row.tokens[lo + 1 : lo + 1 + n], device=logits.device)  # (n,) next tokens
+            lp = torch.log_softmax(logits[i, T - n :].float(), dim=-1)  # (n, V)
+            picked = lp.gather(1, targets[:, None])[:, 0]  # (n,)
+            greedy = lp.argmax(dim=-1) == targets  # (n,)
+            keep = slice(max(0, row.first_scored - 1 - lo), n)  # the context's own tokens are not scored
+            row.scored += zip(targets[keep].tolist(), picked[keep].tolist(), greedy[keep].tolist())
+        for (row, _), finished in zip(plan, done):
+            if finished:
+                row.handle.put(sequence_score(row))
+                self._release(row)
 
     # -- one token ------------------------------------------------------------------------------
     def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None:
@@ -315,7 +354,11 @@ class Engine:
             self.cache.clear_row(row.slot)
             row.slide(max(1, self.cache.layout.ring // 2))
 
-    def _finish(self, row: Row, reason: str, stop_sequence: str = "") -> None:
+    def _finish(self, row: Row | ScoreRow, reason: str, stop_sequence: str = "") -> None:
+        if isinstance(row, ScoreRow):  # a partial score is no answer
+            row.handle.put(MemlmError(f"score ended before it was done: {reason}"))
+            self._release(row)
+            return
         tail = _flush(self.tokenizer, row.generated, row.emitted)
         row.handle.put(_end_event(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence))
         self._release(row)
@@ -369,7 +412,16 @@ def _end_event(reason: str, tail: str, prompt_tokens: int, completion_tokens: in
     return GenerationEnd(reason, tail, prompt_tokens, completion_tokens, stop_sequence)
 
 
-def run_all(engine: Engine, requests: Sequence[GenerationRequest]) -> list[list[Event]]:
+def sequence_score(row: ScoreRow) -> SequenceScore:
+    """memlm.jobs.scoring's result type for a finished score row (no kNN-LM: final = base; no top-n)."""
+    ids, lps, greedy = zip(*row.scored)
+    base = np.array(lps, dtype=np.float32)
+    return SequenceScore(np.array(ids, dtype=np.int64), base, base.copy(), np.array(greedy, dtype=bool),
+                         np.zeros((len(ids), 0), dtype=np.int64), np.zeros((len(ids), 0), dtype=np.float32),
+                         row.first_scored)
+
+
+def run_all(engine: Engine, requests: Sequence[GenerationRequest | ScoreRequest]) -> list[list[Event]]:
     """Submit `requests` (waiting for room when the engine is full) and step until each has ended;
     every request's events in submission order. For the command line and benchmarks."""
     handles: list[RequestHandle] = []

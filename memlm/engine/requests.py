@@ -1,4 +1,4 @@
-"""What the decoding engine takes and gives: its settings, a request, the handle a caller holds, "full".
+"""What the decoding engine takes and gives: its settings, requests, the handle a caller holds, "full".
 
 A caller (memlm generate, later the Generate and Score rpcs) submits a `GenerationRequest` and gets a
 `RequestHandle`: it iterates the request's events (memlm.jobs.generate's TokenEvent, then one
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.jobs.scoring import SequenceScore
 from memlm.memory.config import MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
 
@@ -105,6 +106,36 @@ class GenerationRequest:
         return len(self.prefix) + self.max_new_tokens
 
 
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Log-probabilities of a text's tokens (lm-evaluation-harness's loglikelihood and loglikelihood_rolling),
+    run in the same forward passes as generation (its prefill is chunked like a prompt's)."""
+
+    tokens: tuple[int, ...]
+    """The tokens to score (the continuation), ids in [0, V); at least one."""
+    boundary_token: int
+    """Prepended (memlm.model.tokenizer.document_boundary), so the first token is scored too."""
+    context: tuple[int, ...] = ()
+    """Tokens between the boundary and the continuation that condition it and are not scored."""
+    timeout_s: float | None = None
+    """Seconds from submission after which the request fails (MemlmError "deadline"); None: no deadline."""
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise MemlmError("nothing to score: the continuation is empty")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise MemlmError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def prefix(self) -> list[int]:
+        """Everything the model reads: [boundary, *context, *tokens]."""
+        return [self.boundary_token, *self.context, *self.tokens]
+
+    @property
+    def tokens_in_flight(self) -> int:
+        return len(self.prefix)
+
+
 class EngineFull(MemlmError):
     """Admission refused: the queue or the tokens in flight are at their bound. Retry after retry_after_s."""
 
@@ -116,13 +147,14 @@ class EngineFull(MemlmError):
         """When a row is likely free: the soonest-finishing running request's remaining steps x step time."""
 
 
-Event = TokenEvent | GenerationEnd
+Event = TokenEvent | GenerationEnd | SequenceScore
+"""What a handle yields: TokenEvents then one GenerationEnd (generation), or one SequenceScore (a score)."""
 
 
 class RequestHandle:
     """A submitted request: its events as the engine makes them, and cancellation (thread-safe)."""
 
-    def __init__(self, request_id: int, request: GenerationRequest, pump: Callable[[], bool],
+    def __init__(self, request_id: int, request: GenerationRequest | ScoreRequest, pump: Callable[[], bool],
                  wake: Callable[[], None]) -> None:
         self.request_id = request_id
         self.request = request
@@ -165,5 +197,5 @@ class RequestHandle:
             if isinstance(event, BaseException):
                 raise event
             yield event
-            if isinstance(event, GenerationEnd):
+            if isinstance(event, (GenerationEnd, SequenceScore)):
                 return
