@@ -42,7 +42,7 @@ FINISH_NAMES = {
 
 @dataclass(frozen=True)
 class MemoryRequest:
-    """Segment and memory sizes for memory modes "xl", "memorizing" and "spalm", in tokens; None fields take
+    """Segment and memory sizes for memory modes "xl", "compressive", "memorizing" and "spalm", in tokens; None fields take
     the server's defaults."""
 
     segment_tokens: int | None = None
@@ -55,10 +55,15 @@ class MemoryRequest:
     """"memorizing": kNN memory entries per (sequence, kv head), the oldest evicted beyond."""
     knn_top_k: int | None = None
     """"memorizing": (key, value) pairs retrieved per query token and head."""
+    compressed_memory_tokens: int | None = None
+    """"compressive": compressed-memory slots per layer."""
+    compression_rate: int | None = None
+    """"compressive": states pooled into one compressed slot."""
 
     def to_proto(self) -> lm_pb2.MemoryOptions:
         o = lm_pb2.MemoryOptions()
-        for name in ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k"):
+        for name in ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k",
+                     "compressed_memory_tokens", "compression_rate"):
             value = getattr(self, name)
             if value is not None:
                 setattr(o, name, value)

@@ -4,8 +4,7 @@ Every check raises `InvalidRequest(field, message, code)`, which `services.serve
 status whose message starts with the field's name: INVALID_ARGUMENT for a value outside its domain,
 OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
 on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve (naming what
-it lacks). Nothing
-here runs the model; the servicer (services.lm_server) runs what the parser returns, and `encode_score`
+it lacks). Nothing here runs the model; the servicer (services.lm_server) runs what the parser returns, and `encode_score`
 turns the library's scores into the response.
 
 Every request's cost is bounded here, before any work (issue 9): the characters of its texts before
@@ -41,8 +40,8 @@ from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_spalm import SpalmSearch, check_search, parse_spalm_search
 from services.server_common import InvalidRequest
 
-SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
-"""What every server serves; MEMORY_MODE_MEMORIZING besides with a memorizing checkpoint's KnnAttention,
+SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE)
+"""What every server serves (COMPRESSIVE with mean pooling: no trained compressor); MEMORY_MODE_MEMORIZING besides with a memorizing checkpoint's KnnAttention,
 MEMORY_MODE_SPALM with a SPALM checkpoint's head and a kNN source."""
 DEFAULT_MEMORY_MODE = lm_pb2.MEMORY_MODE_NONE
 """What MEMORY_MODE_UNSPECIFIED means (GetInfo.default_memory_mode)."""
@@ -80,8 +79,13 @@ class LMLimits:
     """MEMORY_MODE_XL memory length (states per layer) where a request leaves it unset (`memlm eval --mem-len`)."""
     sink_tokens: int = MemoryConfig.sink_tokens
     """MEMORY_MODE_XL sink tokens where a request leaves it unset (`memlm eval --sink-tokens`)."""
+    compressed_memory_tokens: int = 256
+    """MEMORY_MODE_COMPRESSIVE compressed-memory slots per layer where a request leaves it unset: at the
+    default rate of 4 they summarise as many older states again as the default memory holds (1024)."""
+    compression_rate: int = MemoryConfig.compress_rate
+    """MEMORY_MODE_COMPRESSIVE states per compressed slot where a request leaves it unset."""
     max_memory_tokens: int = 65536
-    """Largest memory_tokens or sink_tokens a request may ask for."""
+    """Largest memory_tokens, sink_tokens, compressed_memory_tokens or compression_rate a request may ask for."""
     knn_layer: int | None = MemoryConfig.knn_layer
     """MEMORY_MODE_MEMORIZING: the memorizing layer, the one its KnnAttention was trained at (a checkpoint's
     settings); None = memlm.memory.config.memorizing_layer's default (three quarters up)."""
@@ -140,7 +144,7 @@ class ScoreArgs:
     top_n: int
     """Alternatives returned per token."""
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL / MEMORIZING / SPALM memory (its segment included), or None for sliding windows."""
+    """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for sliding windows."""
     spalm: SpalmSearch | None
     """MEMORY_MODE_SPALM's search, None in the other modes."""
     batch_size: int
@@ -162,17 +166,13 @@ class GenerateArgs:
     knn: KNNLMConfig | None
     """kNN-LM settings, or None for the base LM."""
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL / MEMORIZING / SPALM memory (its segment included), or None for a KV cache."""
+    """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for a KV cache."""
     spalm: SpalmSearch | None
     """MEMORY_MODE_SPALM's search, None in the other modes."""
 
 
 _ONEOF = {"context_text": "context", "text": "continuation"}
 """The ScoreInput oneof each text field belongs to."""
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
 
 
 class RequestParser:
@@ -206,8 +206,9 @@ class RequestParser:
         self.default_memory = lm_pb2.MemoryOptions(
             segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
             sink_tokens=limits.sink_tokens, knn_mem_size=limits.knn_mem_size, knn_top_k=limits.knn_top_k,
+            compressed_memory_tokens=limits.compressed_memory_tokens, compression_rate=limits.compression_rate,
         )
-        """The sizes a MEMORY_MODE_XL / MEMORIZING request leaves unset take (GetInfo.default_memory)."""
+        """The sizes a MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING request leaves unset take (GetInfo.default_memory)."""
         self.memory_modes = SUPPORTED_MEMORY_MODES + ((lm_pb2.MEMORY_MODE_MEMORIZING,) if memorizing else ()) + (
             () if spalm_missing else (lm_pb2.MEMORY_MODE_SPALM,))
         """The memory modes served (GetInfo.memory_modes)."""
@@ -285,7 +286,9 @@ class RequestParser:
         sizes = {}
         for name, low, high in (("memory_tokens", 0, limits.max_memory_tokens),
                                 ("sink_tokens", 0, limits.max_memory_tokens),
-                                ("knn_mem_size", 1, limits.max_knn_mem_size), ("knn_top_k", 1, limits.max_knn_top_k)):
+                                ("knn_mem_size", 1, limits.max_knn_mem_size), ("knn_top_k", 1, limits.max_knn_top_k),
+                                ("compressed_memory_tokens", 0, limits.max_memory_tokens),
+                                ("compression_rate", 1, limits.max_memory_tokens)):
             value = getattr(o, name) if o.HasField(name) else getattr(d, name)
             if value < low:
                 raise InvalidRequest(f"memory.{name}", f"{value}, must be >= {low}")
@@ -296,6 +299,9 @@ class RequestParser:
         xl = MemoryConfig("xl", mem_len=sizes["memory_tokens"], sink_tokens=sizes["sink_tokens"], segment=segment)
         if mode == lm_pb2.MEMORY_MODE_XL:
             return xl
+        if mode == lm_pb2.MEMORY_MODE_COMPRESSIVE:  # pooled (MemoryConfig.compress_fn's default): no trained conv
+            return replace(xl, kind="compressive", cmem_len=sizes["compressed_memory_tokens"],
+                           compress_rate=sizes["compression_rate"])
         if mode == lm_pb2.MEMORY_MODE_SPALM:  # the XL memory is SPALM's short-term memory
             return replace(xl, kind="spalm")
         return replace(xl, kind="memorizing", knn_layer=limits.knn_layer, knn_mem_size=sizes["knn_mem_size"],
@@ -325,9 +331,9 @@ class RequestParser:
         temperature = o.temperature if o.HasField("temperature") else d.temperature
         k = o.k if o.HasField("k") else d.k
         nprobe = o.nprobe if o.HasField("nprobe") else d.nprobe
-        if lmbda is None or not (_finite(lmbda) and 0.0 <= lmbda <= 1.0):
+        if lmbda is None or not (math.isfinite(lmbda) and 0.0 <= lmbda <= 1.0):
             raise InvalidRequest("knn.lambda_weight", f"{lmbda}, must be in [0, 1]")
-        if temperature is None or not (_finite(temperature) and temperature > 0):
+        if temperature is None or not (math.isfinite(temperature) and temperature > 0):
             raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
         check_search(k, nprobe, self._limits.max_k)
         return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
@@ -408,7 +414,7 @@ class RequestParser:
             else:  # segments: every position runs once
                 forward += 1 + len(ctx) + len(cont)
         if forward > limits.max_forward_tokens:
-            how = f"window_tokens {window}, stride_tokens {stride}" if memory is None else "memory mode XL"
+            how = f"window_tokens {window}, stride_tokens {stride}" if memory is None else f"memory mode {memory.kind}"
             raise InvalidRequest("inputs", f"{forward} forward tokens (the sum of all window lengths at {how}), at "
                                            f"most max_forward_tokens {limits.max_forward_tokens}", OUT_OF_RANGE)
         field = "top_n" if top_n else "inputs"
@@ -461,13 +467,13 @@ class RequestParser:
     @staticmethod
     def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:
         temperature = s.temperature if s.HasField("temperature") else 1.0
-        if not (_finite(temperature) and temperature >= 0):
+        if not (math.isfinite(temperature) and temperature >= 0):
             raise InvalidRequest("sampling.temperature", f"{temperature}, must be a finite number >= 0")
         top_k = s.top_k if s.HasField("top_k") else None
         if top_k is not None and top_k < 1:
             raise InvalidRequest("sampling.top_k", f"{top_k}, must be >= 1")
         top_p = s.top_p if s.HasField("top_p") else None
-        if top_p is not None and not (_finite(top_p) and 0 < top_p <= 1):
+        if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise InvalidRequest("sampling.top_p", f"{top_p}, must be in (0, 1]")
         return SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
 

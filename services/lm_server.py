@@ -9,8 +9,8 @@ of a long call. Generate with MEMORY_MODE_NONE or XL (with or without kNN-LM) is
 batch of the decoding engine (services.lm_engine, issue 12): every step decodes all such calls at once,
 the batch taking the model's turn like one more client; a cancelled call's row is free before the next
 step; admission is bounded (max_batch, max_queue, max_tokens_in_flight) and refused with RESOURCE_EXHAUSTED
-and a retry hint (trailing metadata retry-after-ms). MEMORY_MODE_MEMORIZING and SPALM Generate (states the
-engine does not hold) run as today: a one-sequence iterator advanced one step per turn.
+and a retry hint (trailing metadata retry-after-ms). MEMORY_MODE_COMPRESSIVE, MEMORIZING and SPALM Generate
+(states the engine does not hold) run as before: a one-sequence iterator advanced one step per turn.
 
 Bounded work (issue 9): every request's cost, and every step's, is checked before any work
 (services.lm_requests), and every call hands its library work a `CallStop` (through its StepGate), polled
@@ -29,7 +29,8 @@ MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.jobs.scoring.scor
 MEMORY_MODE_MEMORIZING (Wu et al. 2022) on a server loaded with a KnnAttention (a `memlm train --memory
 memorizing` checkpoint's knn_attention.pt): the same library calls with a memorizing memory, each sequence's
 its own. kNN-LM combines with all of them but SPALM. MEMORY_MODE_SPALM (Yogatama et al. 2021; services.lm_spalm)
-with a SPALM checkpoint's head and a searcher: memlm.jobs.spalm_scoring. Unserved modes answer UNIMPLEMENTED.
+with a SPALM checkpoint's head and a searcher: memlm.jobs.spalm_scoring. MEMORY_MODE_COMPRESSIVE (Rae et al.
+2019, mean pooling: no trained compressor) as XL's library calls, Generate on the one-sequence path.
 """
 
 from __future__ import annotations

@@ -41,18 +41,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MemoryOptions(_message.Message):
-    __slots__ = ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k")
+    __slots__ = ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k", "compressed_memory_tokens", "compression_rate")
     SEGMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KNN_MEM_SIZE_FIELD_NUMBER: _ClassVar[int]
     KNN_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_MEMORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATE_FIELD_NUMBER: _ClassVar[int]
     segment_tokens: int
     memory_tokens: int
     sink_tokens: int
     knn_mem_size: int
     knn_top_k: int
-    def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., knn_mem_size: _Optional[int] = ..., knn_top_k: _Optional[int] = ...) -> None: ...
+    compressed_memory_tokens: int
+    compression_rate: int
+    def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., knn_mem_size: _Optional[int] = ..., knn_top_k: _Optional[int] = ..., compressed_memory_tokens: _Optional[int] = ..., compression_rate: _Optional[int] = ...) -> None: ...
 
 class KnnOptions(_message.Message):
     __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe")

@@ -48,7 +48,7 @@ BAD_SCORES = [
     (score_request(inputs=one(), window_tokens=8, stride_tokens=9), grpc.StatusCode.INVALID_ARGUMENT, "stride_tokens"),
     (score_request(inputs=one(), knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION,
      "knn.enabled"),
-    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_COMPRESSIVE), grpc.StatusCode.UNIMPLEMENTED,
+    (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_MEMORIZING), grpc.StatusCode.UNIMPLEMENTED,
      "memory_mode"),
     (score_request(inputs=one(), memory_mode=lm_pb2.MEMORY_MODE_SPALM), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
     (score_request(inputs=one(), memory_mode=99), grpc.StatusCode.INVALID_ARGUMENT, "memory_mode"),
@@ -86,7 +86,7 @@ BAD_GENERATES = [
      "prompt_token_ids.ids[0]"),
     (generate_request(prompt_text="y" * 500), grpc.StatusCode.OUT_OF_RANGE, "prompt"),
     (generate_request(knn=lm_pb2.KnnOptions(enabled=True)), grpc.StatusCode.FAILED_PRECONDITION, "knn.enabled"),
-    (generate_request(memory_mode=lm_pb2.MEMORY_MODE_COMPRESSIVE), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
+    (generate_request(memory_mode=lm_pb2.MEMORY_MODE_MEMORIZING), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"),
     (generate_request(memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=0)),
      grpc.StatusCode.INVALID_ARGUMENT, "memory.segment_tokens"),
 ]
@@ -196,8 +196,7 @@ def malformed_generate(draw, vocab: int):
         mode = draw(st.integers(-(2**31), 2**31 - 1).filter(lambda m: m not in lm_pb2.MemoryMode.values()))
         return dict(good, memory_mode=mode), INVALID, "memory_mode"
     if kind == "mode_unserved":
-        mode = draw(st.sampled_from([lm_pb2.MEMORY_MODE_COMPRESSIVE, lm_pb2.MEMORY_MODE_MEMORIZING,
-                                     lm_pb2.MEMORY_MODE_SPALM]))
+        mode = draw(st.sampled_from([lm_pb2.MEMORY_MODE_MEMORIZING, lm_pb2.MEMORY_MODE_SPALM]))
         return dict(good, memory_mode=mode), grpc.StatusCode.UNIMPLEMENTED, "memory_mode"
     xl = dict(good, memory_mode=lm_pb2.MEMORY_MODE_XL)
     if kind == "segment":

@@ -234,7 +234,7 @@ def test_info(tiny, servers, index):
     assert info.model == "tiny" and info.model_fingerprint == tiny.fingerprint
     assert info.vocab_size == tiny.tokenizer.vocab_size and info.context_length == tiny.model.config.max_seq_len
     assert not info.HasField("datastore")
-    assert list(info.memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL]
+    assert list(info.memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE]
     assert info.default_memory_mode == lm_pb2.MEMORY_MODE_NONE
     d = info.default_memory
     assert (d.segment_tokens, d.memory_tokens, d.sink_tokens) == (128, 1024, 4) and info.max_memory_tokens == 65536
