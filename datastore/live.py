@@ -66,6 +66,12 @@ class LiveDatastore:
         """The generation being served."""
         return self.current.manifest.generation
 
+    def served(self) -> tuple[Datastore, int]:
+        """The datastore answering now and its generation, from one read of the reference (a search on the
+        returned datastore is answered by that generation, whatever refresh does meanwhile)."""
+        store = self.current
+        return store, store.manifest.generation
+
     @property
     def dim(self) -> int:
         return self.current.dim

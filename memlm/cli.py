@@ -114,7 +114,7 @@ def cmd_serve_retrieval(args: argparse.Namespace) -> None:
 
         store = LiveDatastore(Path(args.datastore), OpenOptions(mmap=args.mmap, backend=args.search_backend,
                                                                 device=None if args.device == "auto" else args.device))
-        watch = GenerationWatch(store.refresh, lambda: store.generation)
+        watch = GenerationWatch(store.refresh, store.served)
     asyncio.run(serve_retrieval(
         store, args.host, args.port,
         options=server_options(args),

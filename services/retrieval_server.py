@@ -189,8 +189,11 @@ class SearchBatcher:
     benchmarks/load.py).
     """
 
-    def __init__(self, searcher: Searcher, batching: BatchingOptions = BatchingOptions()):
-        self._searcher = searcher
+    def __init__(self, searcher: Searcher, batching: BatchingOptions = BatchingOptions(),
+                 served: Callable[[], tuple[Searcher, int]] | None = None):
+        """served: the searcher answering now and its generation, read together (GenerationWatch.served);
+        None: always `searcher`, generation 0."""
+        self._served = served or (lambda: (searcher, 0))
         self._micro_batching = batching.micro_batching
         self._max_batch_queries = batching.max_batch_queries
         self._max_wait_s = batching.max_wait_s
@@ -220,6 +223,10 @@ class SearchBatcher:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def search(self, parsed: ParsedSearch, time_remaining: float | None) -> Neighbors:
+        return (await self.search_served(parsed, time_remaining))[0]
+
+    async def search_served(self, parsed: ParsedSearch, time_remaining: float | None) -> tuple[Neighbors, int]:
+        """The neighbours and the generation of the searcher that found them."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         deadline = None if time_remaining is None else loop.time() + time_remaining
@@ -281,8 +288,9 @@ class SearchBatcher:
         xq = items[0].parsed.xq if len(items) == 1 else np.concatenate([i.parsed.xq for i in items])  # (B, d)
         self.batch_sizes.append(len(xq))
         del self.batch_sizes[:-1000]
+        searcher, generation = self._served()  # one snapshot: the batch is answered by one generation
         try:
-            nb = await loop.run_in_executor(self._executor, lambda: self._searcher.search(xq, k, options))
+            nb = await loop.run_in_executor(self._executor, lambda: searcher.search(xq, k, options))
             distances, ids, values = (np.asarray(a) for a in nb)  # (B, k) each
             for name, a in (("distances", distances), ("ids", ids), ("values", values)):
                 if a.shape != (len(xq), k):
@@ -297,7 +305,7 @@ class SearchBatcher:
             rows = slice(start, start + q)
             start += q
             if not item.future.done():
-                item.future.set_result(Neighbors(distances[rows], ids[rows], values[rows]))  # (Q, k) each
+                item.future.set_result((Neighbors(distances[rows], ids[rows], values[rows]), generation))  # (Q, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,12 +316,14 @@ class SearchBatcher:
 class GenerationWatch:
     """Follow the committed generations of the datastore served (datastore.live.LiveDatastore, issue 14):
     every poll_s seconds `refresh` runs on a helper thread; it opens a newer generation while searches go
-    on and then switches the searcher to it. GetInfo reports `generation()`."""
+    on and then switches the searcher to it. Each searched batch and GetInfo take one `served()` snapshot,
+    so every SearchResponse says the generation that answered it (a router checks it against its id
+    offsets)."""
 
     refresh: Callable[[], bool]
     """Opens the committed generation when it is newer and switches to it; True when it switched."""
-    generation: Callable[[], int]
-    """The generation the searcher answers from now."""
+    served: Callable[[], tuple[Searcher, int]]
+    """The searcher answering now and its generation, read together (LiveDatastore.served)."""
     poll_s: float = 2.0
     """Seconds between two looks at the manifest: a commit is served within about this long."""
 
@@ -332,10 +342,12 @@ class RetrievalServicer:
         finally:
             self._batcher.arriving -= 1
         try:
-            nb = await self._batcher.search(parsed, context.time_remaining())
+            nb, generation = await self._batcher.search_served(parsed, context.time_remaining())
         except DeadlineExceeded:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the search started")
-        return neighbors_to_response(nb)
+        response = neighbors_to_response(nb)
+        response.generation = generation
+        return response
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info()
@@ -347,11 +359,11 @@ def server_info(searcher: Searcher, limits: SearchLimits, max_message_bytes: int
     built: list[retrieval_pb2.RetrievalServiceGetInfoResponse] = []
 
     def info() -> retrieval_pb2.RetrievalServiceGetInfoResponse:
-        generation = watch.generation() if watch is not None else 0
+        now, generation = watch.served() if watch is not None else (searcher, 0)
         if not built or built[0].generation != generation:
-            datastore = info_to_proto(searcher.info())
-            if searcher.dim != datastore.dim:
-                raise ValueError(f"searcher.dim {searcher.dim} != searcher.info().dim {datastore.dim}")
+            datastore = info_to_proto(now.info())
+            if now.dim != datastore.dim or (built and datastore.dim != built[0].datastore.dim):
+                raise ValueError(f"searcher.dim {now.dim} != searcher.info().dim {datastore.dim} (or it changed)")
             built[:] = [retrieval_pb2.RetrievalServiceGetInfoResponse(
                 datastore=datastore, max_k=limits.max_k, max_queries=limits.max_queries,
                 max_message_bytes=max_message_bytes, generation=generation)]
@@ -416,7 +428,7 @@ async def start_retrieval_server(
     if searcher is not None:
         info = server_info(searcher, limits, options.max_message_bytes, watch)
         info()  # checks the searcher now, before the server starts
-        batcher = SearchBatcher(searcher, batching)
+        batcher = SearchBatcher(searcher, batching, None if watch is None else watch.served)
         services.append((SERVICE, RetrievalServicer(batcher, info)))
     if memories is not None:
         sessions = MemorySessions(memories)

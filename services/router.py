@@ -9,6 +9,12 @@ GetInfo) of the shards listed BEFORE it. So the --shard order must be the order 
 datastore builder wrote the shards; then a global id is the row number in the concatenated corpus.
 Missing neighbours (id -1) stay -1.
 
+Generations (issue 14): a shard's N changes when `memlm datastore add` or `compact` commits a generation
+it then serves. Every shard SearchResponse carries the generation that answered; when one differs from
+the generation the router's offsets were computed from, the router asks all shards for GetInfo again,
+recomputes the offsets, and uses the answers if their generations match the new layout (else it searches
+once more). So merged ids are always rows of the concatenation of the generations that answered.
+
 Faults (issue 9, finding 2): a shard call never outlives the caller's deadline nor ShardLinks.call_timeout_s
 (a caller without a deadline must not wait forever on a hung shard), and each shard has a circuit breaker
 (services/circuit.py): after repeated failures the router answers UNAVAILABLE naming the shard at once,
@@ -23,6 +29,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -56,6 +63,23 @@ AGREEING_FIELDS = (
     "dim", "metric", "model_fingerprint", "tokenizer_fingerprint", "key_layer", "context", "stride",
     "boundary_token", "sink_tokens",
 )
+
+
+class Layout(NamedTuple):
+    """What the router knows of its shards at one moment (replaced whole, never edited)."""
+
+    info: retrieval_pb2.RetrievalServiceGetInfoResponse
+    """The union's GetInfo answer."""
+    offsets: list[int]
+    """Global id offset of each shard."""
+    generations: list[int]
+    """Each shard's generation the offsets were computed from."""
+
+
+def layout_of(addresses: Sequence[str], infos: Sequence[retrieval_pb2.RetrievalServiceGetInfoResponse],
+              max_message_bytes: int) -> Layout:
+    info, offsets = merge_shard_infos(addresses, infos, max_message_bytes)
+    return Layout(info, offsets, [i.generation for i in infos])
 
 
 def merge_shard_infos(
@@ -128,21 +152,51 @@ def _decode(response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors
 class RouterServicer:
     """RetrievalService that fans out to shard stubs and merges."""
 
-    def __init__(self, addresses, stubs, metadata, info: retrieval_pb2.RetrievalServiceGetInfoResponse, offsets,
-                 links: ShardLinks):
+    def __init__(self, addresses, stubs, metadata, layout: Layout, links: ShardLinks):
         self._addresses = addresses
         self._stubs = stubs
         self._metadata = metadata
-        self._info = info  # the union of the shards, and the tightest of their limits
-        self._offsets = offsets
+        self._layout = layout  # the union of the shards, the tightest of their limits, the id offsets
         self._call_timeout_s = links.call_timeout_s
         self._breakers = [CircuitBreaker(links.breaker) for _ in stubs]
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         # Validate here too: bad input is refused once, not S times, and the message names the field.
-        parsed = parse_search_request(request, self._info)
+        parsed = parse_search_request(request, self._layout.info)
         remaining = context.time_remaining()  # the caller's deadline bounds every shard call
         timeout = self._call_timeout_s if remaining is None else min(remaining, self._call_timeout_s)
+        for _ in range(2):  # a second time only when a shard changed generation during the first
+            responses = await self._fan_out(request, timeout, context)
+            answered = [r.generation for r in responses]
+            layout = self._layout
+            if answered != layout.generations:
+                layout = await self._relayout(timeout, context)
+            if answered == layout.generations:
+                break
+        else:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "shards changed generation during the call; retry")
+        q = len(parsed.xq)
+        try:
+            results = [_decode(r, q, parsed.k) for r in responses]
+        except TensorError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"bad shard response: {e}")
+        return neighbors_to_response(merge_top_k(results, layout.offsets, parsed.k))
+
+    async def _relayout(self, timeout: float, context: grpc.aio.ServicerContext) -> Layout:
+        """Ask every shard for GetInfo and replace the layout (a shard now serves another generation)."""
+        try:
+            infos = await asyncio.gather(*(
+                stub.GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest(), timeout=timeout, metadata=self._metadata)
+                for stub in self._stubs))
+            self._layout = layout_of(self._addresses, infos, self._layout.info.max_message_bytes)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"a shard did not answer GetInfo: {e.code().name}")
+        except MemlmError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shards no longer agree: {e}")
+        return self._layout
+
+    async def _fan_out(self, request, timeout: float, context) -> list[retrieval_pb2.SearchResponse]:
+        """Every shard's SearchResponse, or an abort naming the first shard that failed."""
         calls = [asyncio.ensure_future(self._shard_search(i, request, timeout)) for i in range(len(self._stubs))]
         try:
             responses = await asyncio.gather(*calls)
@@ -152,15 +206,10 @@ class RouterServicer:
         finally:
             for c in calls:  # one shard failed (or our caller went away): stop waiting for the others
                 c.cancel()
-        q = len(parsed.xq)
-        try:
-            results = [_decode(r, q, parsed.k) for r in responses]
-        except TensorError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"bad shard response: {e}")
-        return neighbors_to_response(merge_top_k(results, self._offsets, parsed.k))
+        return responses
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
-        return self._info
+        return self._layout.info
 
     async def _shard_search(self, i: int, request, timeout: float) -> retrieval_pb2.SearchResponse:
         breaker = self._breakers[i]
@@ -238,14 +287,14 @@ async def start_router_server(
                          metadata=metadata, wait_for_ready=True)
             for stub in stubs
         ))
-        info, offsets = merge_shard_infos(shard_addresses, infos, options.max_message_bytes)
+        layout = layout_of(shard_addresses, infos, options.max_message_bytes)
     except grpc.aio.AioRpcError as e:
         await _stop(running, channels)
         raise MemlmError(f"router: a shard did not answer GetInfo: {e.code().name}: {e.details()}") from None
     except MemlmError:
         await _stop(running, channels)
         raise
-    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, info, offsets, shards)
+    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, layout, shards)
     close_when_stopped(running.server, lambda: _close_all(channels))
     await running.mark_serving()
     return running

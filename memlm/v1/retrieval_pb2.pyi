@@ -19,14 +19,16 @@ class SearchRequest(_message.Message):
     def __init__(self, queries: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., exact_rerank: _Optional[bool] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("distances", "ids", "values")
+    __slots__ = ("distances", "ids", "values", "generation")
     DISTANCES_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     distances: _tensor_pb2.Tensor
     ids: _tensor_pb2.Tensor
     values: _tensor_pb2.Tensor
-    def __init__(self, distances: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    generation: int
+    def __init__(self, distances: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RetrievalServiceGetInfoRequest(_message.Message):
     __slots__ = ()

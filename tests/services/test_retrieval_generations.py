@@ -66,17 +66,17 @@ def test_a_server_switches_generations_without_failing_a_call(references, tmp_pa
     logs: list[str] = []
     result = asyncio.run(_serve_while_changing(directory, xq, logs))
     assert result["errors"] == [] and result["calls"] > 20
-    served = [name for got in result["answers"] for name, w in want.items()
-              if all(np.array_equal(g, x) for g, x in zip(got, w))]
-    assert len(served) == len(result["answers"])  # every answer is one generation's, bit for bit
-    assert "A+B" in served and served[-1] == "A"  # B was served, then removed
+    expected = {0: "A", 1: "A+B", 2: "A", 3: "A"}  # generation -> its answers (removal hides B, compaction drops it)
+    for generation, got in result["answers"]:  # every answer is its generation's, bit for bit
+        assert all(np.array_equal(g, x) for g, x in zip(got, want[expected[generation]])), generation
+    assert [g for g, _ in result["answers"]][-1] == 3 and {g for g, _ in result["answers"]} >= {0, 1, 3}
     assert result["generations"] == [1, 2, 3] and result["n"] == [len(ab), len(ab), len(a)]
     assert any("now serving generation 3" in line for line in logs)
 
 
 async def _serve_while_changing(directory, xq: np.ndarray, logs: list[str]) -> dict:
     live = LiveDatastore(directory, log=logs.append)
-    watch = GenerationWatch(live.refresh, lambda: live.generation, poll_s=0.05)
+    watch = GenerationWatch(live.refresh, live.served, poll_s=0.05)
     started = await start_retrieval_server("127.0.0.1:0", live, watch=watch)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{started.running.port}")
     stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
@@ -86,7 +86,8 @@ async def _serve_while_changing(directory, xq: np.ndarray, logs: list[str]) -> d
     async def search_loop() -> None:
         while not stop.is_set():
             try:
-                out["answers"].append(answer(await stub.Search(request, timeout=30)))
+                response = await stub.Search(request, timeout=30)
+                out["answers"].append((response.generation, answer(response)))
             except grpc.aio.AioRpcError as e:
                 out["errors"].append(e.code())
             out["calls"] += 1
@@ -132,7 +133,7 @@ async def _route_after_removal(shard_dirs) -> None:
 
     lives = [LiveDatastore(d, log=lambda m: None) for d in shard_dirs]
     shards = [await start_retrieval_server("127.0.0.1:0", live, watch=GenerationWatch(
-        live.refresh, lambda live=live: live.generation, poll_s=0.05)) for live in lives]
+        live.refresh, live.served, poll_s=0.05)) for live in lives]
     router = await start_router_server("127.0.0.1:0", [f"127.0.0.1:{s.running.port}" for s in shards])
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
     stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
@@ -152,6 +153,54 @@ async def _route_after_removal(shard_dirs) -> None:
             await asyncio.sleep(0.02)
         after = answer(await stub.Search(request, timeout=30))[1]
         assert not np.isin(after, rows).any() and (after >= 0).all()  # never returned, k still filled
+    finally:
+        await channel.close()
+        await router.server.stop(None)
+        for s in shards:
+            await s.running.server.stop(None)
+
+
+def test_the_router_follows_a_shard_that_grows_and_shrinks(references, tmp_path):
+    """Shard 0 gains B (add), then loses it (remove + compact renumbers nothing before B, but N shrinks):
+    the router's merged answer equals merging the shards' own answers with the offsets of the
+    generations that answered (oracle: merge_top_k over direct searches of the datastores on disk)."""
+    a_dir, _ = references
+    shard_dirs = [shutil.copytree(a_dir, tmp_path / "s0"), shutil.copytree(a_dir, tmp_path / "s1")]
+    asyncio.run(_route_while_shard_changes(shard_dirs))
+
+
+async def _route_while_shard_changes(shard_dirs) -> None:
+    from services.router import merge_top_k, start_router_server
+
+    lives = [LiveDatastore(d, log=lambda m: None) for d in shard_dirs]
+    shards = [await start_retrieval_server("127.0.0.1:0", live, watch=GenerationWatch(
+        live.refresh, live.served, poll_s=0.05)) for live in lives]
+    router = await start_router_server("127.0.0.1:0", [f"127.0.0.1:{s.running.port}" for s in shards])
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+    xq = np.asarray(Datastore.open(shard_dirs[0]).keys[::5], dtype=np.float32)  # (Q, d)
+    request = retrieval_pb2.SearchRequest(queries=to_tensor(xq), k=K)
+    changes = [
+        lambda: add_documents(model(), DOCS_B, shard_dirs[0], SOURCE, **QUIET),
+        lambda: remove_documents(shard_dirs[0], [r.doc_id for r in lives[0].current.documents()[len(DOCS_A):]],
+                                 log=lambda m: None),
+        lambda: compact(shard_dirs[0], **QUIET),
+    ]
+    try:
+        for generation, change in enumerate(changes, 1):
+            await asyncio.to_thread(change)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while lives[0].generation != generation:
+                assert loop.time() < deadline
+                await asyncio.sleep(0.02)
+            got = answer(await stub.Search(request, timeout=30))
+            stores = [Datastore.open(d) for d in shard_dirs]
+            want = merge_top_k([s.search(xq, K) for s in stores], [0, len(stores[0])], K)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+        info = await stub.GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest())
+        assert info.datastore.n == 2 * len(Datastore.open(shard_dirs[1]))  # relaid out: A and A again
     finally:
         await channel.close()
         await router.server.stop(None)
