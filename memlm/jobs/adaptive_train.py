@@ -65,6 +65,18 @@ def collect_gate_data(model: Decoder, token_docs: Sequence[list[int]], searcher:
     return GateData(TuningData(torch.cat(lm), torch.cat(dist), torch.cat(match)), torch.cat(inputs))
 
 
+HELD_OUT = 0.2
+"""Share of the tuning tokens kept out of the fit: the score quantiles (--adaptive-fraction) and the
+reported accuracy come from them, so that an overfitted gate does not promise fractions it misses."""
+
+
+def held_out_split(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fit, held) token indices: a seeded random HELD_OUT share held out (at least one token each side)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # (n,)
+    h = min(n - 1, max(1, round(HELD_OUT * n)))
+    return order[h:], order[:h]
+
+
 def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Sequence[str], searcher: Searcher,
                window: WindowConfig, knn: KNNLMConfig, boundary_token: int, config: GateConfig, *,
                model_fingerprint: str, tune_data: str, progress: bool = True) -> tuple[RetrievalGate, GateSettings]:
@@ -77,15 +89,17 @@ def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Se
         lmbda, temperature = tuned.lmbda, tuned.temperature
     knn_lp = knn_logprob_from_matches(data.tuning.distances, data.tuning.matches, temperature)  # (n,)
     helps = knn_lp > data.tuning.lm_logprob  # (n,) p_kNN > p_LM: the mixture beats the base at any lambda
-    gate = fit_gate(data.inputs, helps, config)
-    scores = gate.scores(data.inputs)  # (n,)
+    fit, held = held_out_split(helps.shape[0], config.seed)
+    gate = fit_gate(data.inputs[fit], helps[fit], config)
+    scores = gate.scores(data.inputs[held])  # (h,) scores of tokens the fit did not see: honest quantiles
+    helps_held = helps[held]
     info = searcher.info()
     settings = GateSettings(
         model_fingerprint=model_fingerprint, key_layer=model.config.key_description,
         datastore_corpus_fingerprint=info.corpus_fingerprint, k=knn.k, temperature=float(temperature),
         lmbda=float(lmbda), config=config, n_features=int(data.inputs.shape[1]),
         fitted_documents=tuple(fingerprints), tune_data=tune_data, tokens=int(helps.shape[0]),
-        positive_rate=float(helps.float().mean()), accuracy=float(((scores >= 0.5) == helps).float().mean()),
+        positive_rate=float(helps.float().mean()), accuracy=float(((scores >= 0.5) == helps_held).float().mean()),
         score_quantiles=score_quantiles(scores),
     )
     return gate, settings

@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -214,12 +215,21 @@ class _Pass(NamedTuple):
     sample: list[np.ndarray]  # up to recall_queries evaluation keys (d,), a seeded uniform sample
 
 
-class Retrieval(NamedTuple):
-    """How a pass retrieves: every token (both None), some (adaptive), by pointers, or both."""
+@dataclass(frozen=True)
+class Retrieval:
+    """How an evaluation retrieves (issue 15): a search for every token (all None), only where a gate lets
+    it (adaptive), by pointers with a search where they run out (RetoMaton), or both."""
 
     pointers: PointerConfig | None = None
+    """RetoMaton's walk; None: no pointers."""
     source: PointerSource | None = None
+    """The datastore's successors, values and keys the walk reads; given exactly when pointers are."""
     adaptive: AdaptiveConfig | None = None
+    """The fitted gate and its threshold; None: no gate."""
+
+    def __post_init__(self) -> None:
+        if (self.pointers is None) != (self.source is None):
+            raise ValueError("RetoMaton pointers need both a PointerConfig and a PointerSource")
 
 
 class _Timers:
@@ -394,8 +404,6 @@ def evaluate_knnlm(
     exact_searcher recall_at_k, recall_at_10, recall_k, recall_queries.
     """
     retrieval = retrieval or Retrieval()
-    if (retrieval.pointers is None) != (retrieval.source is None):
-        raise ValueError("RetoMaton pointers need both a PointerConfig and a PointerSource")
     if knn_config.needs_tuning and not tune_docs:
         raise MemlmError("--lambda auto / --temperature auto need a tuning split (--tune-data); "
                          "they are never tuned on the evaluation split")

@@ -1,7 +1,8 @@
 """RetoMaton's walk over a group of evaluation tokens (memlm.retrieval.pointers has the rule): the tokens
-are cut into streams (runs of one document, at most PointerConfig.stream_tokens long) that are walked in
-lockstep, so that each step is a few vectorised array operations over every stream plus at most one
-batched search for the streams whose pointers ran out. Adaptive retrieval (memlm.retrieval.adaptive)
+are cut into streams (runs of one document, at most PointerConfig.stream_tokens long) that are walked
+together: each tick is a few vectorised array operations over every stream not waiting for a search, and
+when all of them wait, one batched search serves them all (a search of one query at a time would cost
+more than the searches saved: a Flat index reads every key per call). Adaptive retrieval (memlm.retrieval.adaptive)
 combines with it: a stream that would search but whose token the gate skips keeps the base distribution
 (lambda 0) and starts again from nothing.
 
@@ -66,36 +67,83 @@ def walk(
 ) -> Walked:
     """Walk the group's tokens: xq (Q, d) float32 queries, targets (Q,) int64, docs (Q,) document of each
     token (tokens of a document consecutive and in order); allowed (Q,) bool: the gate lets the token
-    search (None: every token may). Searches are timed in search_timer."""
-    q = xq.shape[0]
-    knn = torch.full((q,), NEG_INF)  # (Q,)
-    searched = np.zeros(q, dtype=bool)
-    skipped = np.zeros(q, dtype=bool)
+    search (None: every token may). Searches are timed in search_timer.
+
+    Streams advance independently: one that needs a search parks at that token, and when every stream
+    still walking is parked, all of them are searched in one call (so a call holds up to
+    PointerConfig.streams queries, not only those that ran out at the same step)."""
+    out = Walked(torch.full((xq.shape[0],), NEG_INF), np.zeros(xq.shape[0], bool), np.zeros(xq.shape[0], bool), 0)
+    index = streams_of(docs, config.stream_length(xq.shape[0]))  # (S_all, L)
     first = 0
-    index = streams_of(docs, config.stream_tokens)  # (S_all, L)
     for lo in range(0, index.shape[0], config.streams):
-        block = index[lo : lo + config.streams]  # (S, L)
-        state, rows = empty_candidates(block.shape[0]), np.arange(block.shape[0])
-        for step in range(block.shape[1]):
-            active = np.flatnonzero(block[:, step] >= 0)  # (s,) streams still walking, a subset of `rows`
-            tok = block[active, step]  # (s,)
-            prev = Neighbors(*(a[np.searchsorted(rows, active)] for a in state))  # (s, w)
-            if step == 0:
-                cands = empty_candidates(active.shape[0])
-            else:
-                cands = follow(prev, targets[block[active, step - 1]], xq[tok], source)  # (s, w')
-            need = needs_search(cands, config.min_pointers)  # (s,)
-            go = need if allowed is None else need & allowed[tok]
-            if go.any():
-                with search_timer:
-                    found = searcher.search(xq[tok[go]], k, options)  # (g, k)
-                cands = merge_rows(cands, np.flatnonzero(go), found)
-            skip = need & ~go
-            if skip.any():
-                cands = merge_rows(cands, np.flatnonzero(skip), empty_candidates(int(skip.sum())))
-            searched[tok[go]] = True
-            skipped[tok[skip]] = True
-            first += int(go.sum()) if step == 0 else 0
-            knn[torch.from_numpy(tok)] = knn_target_logprob(cands, targets[tok], temperature)  # (s,)
-            state, rows = cands, active
-    return Walked(knn, searched, skipped, first)
+        first += _walk_block(index[lo : lo + config.streams], xq, targets, searcher, k, options, temperature, config,
+                             source, allowed, search_timer, out)
+    return out._replace(stream_searches=first)
+
+
+class _Block:
+    """The candidates of S streams, (S, k) arrays padded with missing entries, and where each stream is."""
+
+    def __init__(self, block: np.ndarray, k: int) -> None:
+        s = block.shape[0]
+        self.block = block  # (S, L) token indices, -1 past a stream's end
+        self.lengths = (block >= 0).sum(axis=1)  # (S,)
+        self.step = np.zeros(s, dtype=np.int64)  # (S,) the stream's current token is block[s, step[s]]
+        self.parked = np.zeros(s, dtype=bool)  # (S,) waiting for a search of its current token
+        self.ids = np.full((s, k), -1, dtype=np.int64)  # (S, k)
+        self.dist = np.full((s, k), np.inf, dtype=np.float32)
+        self.vals = np.full((s, k), -1, dtype=np.int32)
+        self.count = np.zeros(s, dtype=np.int64)  # (S,) candidates held
+
+    def rows(self, rows: np.ndarray) -> Neighbors:
+        w = max(1, int(self.count[rows].max(initial=0)))
+        return Neighbors(self.dist[rows, :w], self.ids[rows, :w], self.vals[rows, :w])  # (r, w)
+
+    def store(self, rows: np.ndarray, cands: Neighbors) -> None:
+        w = cands.ids.shape[1]
+        for arr, new, fill in ((self.dist, cands.distances, np.inf), (self.ids, cands.ids, -1), (self.vals, cands.values, -1)):
+            arr[rows, :w] = new
+            arr[rows, w:] = fill
+        self.count[rows] = (cands.ids >= 0).sum(axis=1)
+
+
+def _walk_block(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, searcher: Searcher, k: int,
+                options: SearchOptions, temperature: float, config: PointerConfig, source: PointerSource,
+                allowed: np.ndarray | None, search_timer: AbstractContextManager, out: Walked) -> int:
+    """Walk one block of streams, writing into `out`; returns the searches made at a stream's first token."""
+    b = _Block(block, k)
+    first = 0
+    while True:
+        live = b.step < b.lengths  # (S,)
+        if not live.any():
+            return first
+        movers = np.flatnonzero(live & ~b.parked)  # (m,)
+        if movers.size == 0:  # every stream still walking waits for a search: one call for all of them
+            rows = np.flatnonzero(b.parked)  # (r,)
+            tok = b.block[rows, b.step[rows]]  # (r,)
+            with search_timer:
+                found = searcher.search(xq[tok], k, options)  # (r, k)
+            b.store(rows, found)
+            out.knn_logprob[torch.from_numpy(tok)] = knn_target_logprob(found, targets[tok], temperature)
+            out.searched[tok] = True
+            first += int((b.step[rows] == 0).sum())
+            b.parked[rows] = False
+            b.step[rows] += 1
+            continue
+        tok = b.block[movers, b.step[movers]]  # (m,)
+        fresh = b.step[movers] == 0  # a stream's first token: nothing to follow
+        prev_tok = b.block[movers, np.maximum(b.step[movers] - 1, 0)]  # (m,)
+        cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source)  # (m, w)
+        need = needs_search(cands, config.min_pointers) | fresh  # (m,)
+        go = need if allowed is None else need & allowed[tok]
+        empty = fresh | (need & ~go)  # skipped by the gate: the base distribution, and nothing to follow
+        if empty.any():
+            cands = merge_rows(cands, np.flatnonzero(empty), empty_candidates(int(empty.sum())))
+        b.store(movers, cands)
+        moved = ~go  # scored now from pointers (or skipped); the others park for the search
+        if moved.any():
+            mine = Neighbors(*(a[moved] for a in cands))
+            out.knn_logprob[torch.from_numpy(tok[moved])] = knn_target_logprob(mine, targets[tok[moved]], temperature)
+        out.skipped[tok[need & ~go]] = True
+        b.step[movers[moved]] += 1
+        b.parked[movers[go]] = True

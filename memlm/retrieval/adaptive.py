@@ -94,9 +94,9 @@ class GateSettings:
     positive_rate: float
     """Share of those tokens where retrieval helps."""
     accuracy: float
-    """Fitted accuracy at threshold 0.5."""
+    """Accuracy at threshold 0.5 on the held-out tuning tokens (memlm.jobs.adaptive_train.HELD_OUT)."""
     score_quantiles: tuple[float, ...]
-    """QUANTILES + 1 quantiles of the fitted tokens' scores (for a target fraction of searches saved)."""
+    """QUANTILES + 1 quantiles of the held-out tuning tokens' scores (for a target fraction saved)."""
 
 
 class RetrievalGate(nn.Module):

@@ -154,6 +154,7 @@ def test_walk_matches_a_per_token_oracle_of_the_rule(model, docs, min_pointers):
     source = PointerSource(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
     xq, targets = keys.float().numpy(), values.astype(np.int64)  # the datastore's own text: pointers survive
     config = PointerConfig(min_pointers=min_pointers, stream_tokens=20, streams=3)
+    assert config.stream_length(len(xq)) == 20
     searcher = RowWise(exact)
     got = walk(xq, targets, d, searcher, 6, SearchOptions(), 2.0, config, source, None, torch.no_grad())
     want, searches = oracle_walk(xq, targets, d, RowWise(exact), 6, 2.0, min_pointers, 20, source)
