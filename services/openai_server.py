@@ -7,7 +7,7 @@ LanguageModelService (services.lm_client); it holds no model.
 Endpoints (JSON bodies; errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}, 4xx for
 the caller's mistakes, 502/503 when the LM service fails or is down):
 - POST /v1/completions: prompt (a string, a list of strings, a list of token ids, or a list of those),
-  max_tokens (default 16; 0 only with echo), temperature, top_p, seed, stop (a string or up to 4),
+  max_tokens (default 16; 0 only with echo), temperature, top_p, seed, stop (a string or a list),
   logprobs (0..5: the top-n alternatives per token), echo, stream (server-sent events, then
   `data: [DONE]`), n (1 only). echo + max_tokens 0 + logprobs is scoring, as lm-eval's local-completions
   asks: the LM service's Score over the prompt; every prompt token gets its log-probability (the first
@@ -57,8 +57,6 @@ from services.server_common import ServiceError, join_host_port
 
 MAX_LOGPROBS = 5
 """OpenAI's bound on `logprobs` (alternatives per token)."""
-MAX_STOP = 4
-"""OpenAI's bound on stop sequences."""
 FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
 """Generate's finish reasons as OpenAI's (end of text is "stop" there)."""
 GRPC_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -185,8 +183,10 @@ def parse_completion(body: Any, limits: FrontLimits) -> tuple[list[Completion], 
         raise ApiError(400, f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    # No count bound here (OpenAI's is 4; lm-eval sends a task's `until` plus the end-of-text string): the LM
+    # service bounds them (LMLimits.max_stop_sequences) and names the field.
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a string or a list of non-empty strings", "stop")
     stream = _typed(body, "stream", (bool,), False)
     if stream and max_tokens == 0:
         raise ApiError(400, "'stream' needs max_tokens >= 1 (scoring answers at once)", "stream")
