@@ -1,36 +1,29 @@
 """LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
 
 The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm_requests), runs
-the library and encodes the result. Model work runs ONE forward step at a time (services.lm_scheduler): torch
-is not async, and one step at a time keeps the model's memory and the CPU cores to one computation. Score
-calls run on worker threads and take turns on the model step by step, each client (connection) getting an
-equal share of model time, so a small Score waits for the step in progress and its fair share, never for all
-of a long call. Generate with MEMORY_MODE_NONE or XL (with or without kNN-LM) is a request in a running
-batch of the decoding engine (services.lm_engine, issue 12): every step decodes all such calls at once,
-the batch taking the model's turn like one more client; a cancelled call's row is free before the next
-step; admission is bounded (max_batch, max_queue, max_tokens_in_flight) and refused with RESOURCE_EXHAUSTED
-and a retry hint (trailing metadata retry-after-ms). MEMORY_MODE_COMPRESSIVE, MEMORIZING and SPALM Generate
-(states the engine does not hold) run as before: a one-sequence iterator advanced one step per turn.
+the library and encodes the result. Model work runs ONE forward step at a time (services.lm_scheduler): each
+client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
+its fair share, never for all of a long call. Concurrent Score calls of one key share forward steps
+(services.lm_score_batch). Generate with MEMORY_MODE_NONE or XL (kNN-LM or not) is a request in a running
+batch of the decoding engine (services.lm_engine, issue 12), which takes the model's turn like one more
+client; a cancelled call's row is free before the next step; admission is bounded (max_batch, max_queue,
+max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
+COMPRESSIVE, MEMORIZING and SPALM Generate (states the engine does not hold) run as a one-sequence
+iterator advanced one step per turn.
 
-Bounded work (issue 9): every request's cost, and every step's, is checked before any work
-(services.lm_requests), and every call hands its library work a `CallStop` (through its StepGate), polled
-between forward batches / segments / decode steps: when the client cancels, the deadline passes or the
-server stops, the work raises WorkStopped within one step and the model is free for the next call at once.
-A remote kNN search gives the model's turn away while it waits (other calls' steps run meanwhile) and
-ends by the caller's deadline.
+Bounded work (issue 9): every request's cost, and every step's, is checked before any work, and every call
+hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
+the deadline passes or the server stops, the work raises WorkStopped within one step. A remote kNN search
+gives the model's turn away while it waits and ends by the caller's deadline.
 
-kNN-LM uses whatever Searcher the server was given: an in-process datastore (`--datastore DIR`) or a
-RetrievalClient (`--retrieval HOST:PORT`); the results are identical (issue 4). Health stays
-NOT_SERVING until the model and the searcher are loaded.
+kNN-LM searches the server's Searcher: a datastore in process (`--datastore`) or a RetrievalClient
+(`--retrieval`), with identical results (issue 4). Health is NOT_SERVING until model and searcher are loaded.
 
-Memory modes: MEMORY_MODE_NONE (sliding windows; the engine's KV cache, which slides, for Generate),
-MEMORY_MODE_XL (Transformer-XL memory with sink tokens: `memlm.jobs.scoring.score_tokens_segments`, as
-`memlm eval --memory xl` scores; the engine's XL rows for Generate, past the context without re-encoding).
-MEMORY_MODE_MEMORIZING (Wu et al. 2022) on a server loaded with a KnnAttention (a `memlm train --memory
-memorizing` checkpoint's knn_attention.pt): the same library calls with a memorizing memory, each sequence's
-its own. kNN-LM combines with all of them but SPALM. MEMORY_MODE_SPALM (Yogatama et al. 2021; services.lm_spalm)
-with a SPALM checkpoint's head and a searcher: memlm.jobs.spalm_scoring. MEMORY_MODE_COMPRESSIVE (Rae et al.
-2019, mean pooling: no trained compressor) as XL's library calls, Generate on the one-sequence path.
+Memory modes: NONE (sliding windows; the engine's sliding KV cache for Generate), XL (Transformer-XL memory
+with sinks: score_tokens_segments as `memlm eval --memory xl`; the engine's XL rows for Generate),
+COMPRESSIVE (Rae et al. 2019, mean pooling: no trained compressor), MEMORIZING (Wu et al. 2022) with a
+`memlm train --memory memorizing` checkpoint's KnnAttention, SPALM (Yogatama et al. 2021; services.lm_spalm)
+with a SPALM checkpoint's head and a searcher. kNN-LM combines with all but SPALM. Others: UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -38,10 +31,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import grpc
 import torch
@@ -55,7 +48,7 @@ from memlm.jobs.spalm_scoring import score_spalm, spalm_step
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
-from memlm.model.pretrained import Pretrained
+from memlm.model.pretrained import Decoder, Pretrained  # Decoder: the engine runs only memlm's (issue 13)
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -72,7 +65,7 @@ from services.lm_engine import (
     stream_generation,
     token_response,
 )
-from services.lm_requests import LMLimits, RequestParser, encode_score
+from services.lm_requests import LMLimits, RequestParser, ScoreArgs, encode_score
 from services.lm_scheduler import (
     CallStop,
     ModelScheduler,
@@ -80,6 +73,7 @@ from services.lm_scheduler import (
     StepGate,
     call_searcher,
 )
+from services.lm_score_batch import BatchStop, ScoreBatcher, batchable
 from services.retrieval_client import (
     RetrievalClient,
     connect_retrieval,
@@ -99,6 +93,7 @@ from services.server_common import (
     start_server,
 )
 
+T = TypeVar("T")
 SERVICE = lm_pb2.DESCRIPTOR.services_by_name["LanguageModelService"]
 MESSAGE_CLASSES = message_classes_of(lm_pb2, retrieval_pb2, tensor_pb2)
 
@@ -179,6 +174,8 @@ class LanguageModelServicer:
             max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
         ), self.scheduler.turns)
         """The running Generate batches (services.lm_engine)."""
+        self.score_batches = ScoreBatcher(self.scheduler, lambda merged, gate, stop: self._score_work(merged, gate, stop)[0])
+        """Concurrent Score calls sharing forward steps (services.lm_score_batch)."""
         self._loaded = True
 
     def close(self) -> None:
@@ -205,15 +202,15 @@ class LanguageModelServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"retrieval service {self._searcher.address}: retrieval "
                                                              "link down (the channel cannot connect); failing fast")
 
-    async def _call_library(self, context, stop: CallStop, gate: StepGate, fn: Callable, *args) -> Any:
-        """Run fn with the model's turn (passed on at gate's polls); searcher and library errors become
-        statuses (the server keeps serving).
+    async def _call_library(self, context, stop: CallStop, running: Awaitable[T]) -> T:
+        """Await library work run with the model's turn (scheduler.run, or a shared Score batch); searcher and
+        library errors become statuses (the server keeps serving).
 
-        fn's work polls `gate` (whose `stop` the caller sets when its handler ends); WorkStopped means the
+        The work polls its gate (whose `stop` the caller sets when its handler ends); WorkStopped means the
         caller gave up or its deadline passed: DEADLINE_EXCEEDED or CANCELLED, for a client that may still listen.
         """
         try:
-            return await self.scheduler.run(gate, fn, *args)
+            return await running
         except WorkStopped:
             if stop.expired():
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
@@ -222,6 +219,24 @@ class LanguageModelServicer:
             await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
         except MemlmError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _score_work(self, args: ScoreArgs, gate: StepGate, stop: CallStop | BatchStop) -> tuple[list, list | None]:
+        """The library's Score of `args`, polling `gate` -> (scores, the SPALM gates of each sequence or None)."""
+        searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+        if args.spalm is not None:
+            return score_spalm(
+                self._model, self._spalm.head, args.token_seqs, memory=args.memory, searcher=searcher,
+                k=args.spalm.k, options=args.spalm.options, boundary_token=self._boundary, contexts=args.contexts,
+                top_n=args.top_n, batch_size=args.batch_size, should_stop=gate)
+        if args.memory is None:
+            return score_tokens(
+                self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
+                boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
+                batch_size=args.batch_size, should_stop=gate), None
+        return score_tokens_segments(
+            self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
+            boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
+            batch_size=args.batch_size, should_stop=gate, knn_attention=self._knn_attention_for(args.memory)), None
 
     # -- rpcs ---------------------------------------------------------------------------------------
 
@@ -233,26 +248,12 @@ class LanguageModelServicer:
         # Tokenizing (up to max_text_chars) and encoding the response are work too, but not the model's:
         # on a worker, off the event loop and without the turn.
         args = await self.scheduler.run_free(self._parser.score, request)
-
-        def work():  # -> (scores, the SPALM gates of each sequence or None)
-            searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
-            if args.spalm is not None:
-                return score_spalm(
-                    self._model, self._spalm.head, args.token_seqs, memory=args.memory, searcher=searcher,
-                    k=args.spalm.k, options=args.spalm.options, boundary_token=self._boundary, contexts=args.contexts,
-                    top_n=args.top_n, batch_size=args.batch_size, should_stop=gate)
-            if args.memory is None:
-                return score_tokens(
-                    self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
-                    boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                    batch_size=args.batch_size, should_stop=gate), None
-            return score_tokens_segments(
-                self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
-                boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                batch_size=args.batch_size, should_stop=gate, knn_attention=self._knn_attention_for(args.memory)), None
-
+        shared = batchable(args)  # forward steps shared with concurrent calls of its key (services.lm_score_batch)
         try:
-            scores, gates = await self._call_library(context, stop, gate, work)
+            running = (self.score_batches.score(args, stop, context.peer()) if shared
+                       else self.scheduler.run(gate, self._score_work, args, gate, stop))
+            result = await self._call_library(context, stop, running)
+            scores, gates = (result, None) if shared else result
             gates = gates if gates is not None else [None] * len(scores)
             return await self.scheduler.run_free(lambda: lm_pb2.ScoreResponse(
                 results=[encode_score(s, self._pieces, g) for s, g in zip(scores, gates)]))
@@ -266,7 +267,7 @@ class LanguageModelServicer:
         gate = self.scheduler.gate(stop, context.peer())
 
         args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
-        if args.memory is None or args.memory.kind == "xl":  # the engine's states: one running batch
+        if (args.memory is None or args.memory.kind == "xl") and isinstance(self._model, Decoder):  # engine rows
             stop.set()  # the gate and stop above are the one-sequence path's
             engine_request = GenerationRequest(
                 tuple(args.prompt), args.max_new_tokens, args.sampling, tuple(args.stop_sequences),
@@ -289,7 +290,7 @@ class LanguageModelServicer:
             ))
 
         # Validates; the prompt runs at the first next().
-        events = await self._call_library(context, stop, gate, start)
+        events = await self._call_library(context, stop, self.scheduler.run(gate, start))
         produced = 0
         outcome = "cancelled"
         try:
@@ -301,7 +302,7 @@ class LanguageModelServicer:
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     break  # to the DEADLINE_EXCEEDED below
-                event = await self._call_library(context, stop, gate, next, events)
+                event = await self._call_library(context, stop, self.scheduler.run(gate, next, events))
                 if isinstance(event, TokenEvent):
                     produced += 1
                     yield token_response(event)
