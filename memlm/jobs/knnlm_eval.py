@@ -301,7 +301,7 @@ def _knn_pass(
     features = distribution_features if how.adaptive is not None else None
     stream = _timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True,
                                     lm_features=features), timers.forward)
-    group_tokens = search_tokens if how.pointers is None else how.pointers.streams * how.pointers.stream_tokens
+    group_tokens = search_tokens if how.pointers is None else how.pointers.group_tokens
     total = sum(len(d) for d in token_docs)
     with tqdm(total=total, desc="eval kNN-LM", unit="tok", file=sys.stderr, disable=not progress) as bar:
         for group in _groups(stream, group_tokens):

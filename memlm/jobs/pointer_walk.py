@@ -70,14 +70,12 @@ def walk(
     search (None: every token may). Searches are timed in search_timer.
 
     Streams advance independently: one that needs a search parks at that token, and when every stream
-    still walking is parked, all of them are searched in one call (so a call holds up to
-    PointerConfig.streams queries, not only those that ran out at the same step)."""
+    walking is parked, all of them are searched in one call. Up to PointerConfig.streams walk at once, and
+    a stream that ends is replaced by the next, so that calls stay full until the group's last streams."""
     out = Walked(torch.full((xq.shape[0],), NEG_INF), np.zeros(xq.shape[0], bool), np.zeros(xq.shape[0], bool), 0)
-    index = streams_of(docs, config.stream_length(xq.shape[0]))  # (S_all, L)
-    first = 0
-    for lo in range(0, index.shape[0], config.streams):
-        first += _walk_block(index[lo : lo + config.streams], xq, targets, searcher, k, options, temperature, config,
-                             source, allowed, search_timer, out)
+    index = streams_of(docs, config.stream_length(xq.shape[0]))  # (S, L)
+    first = _walk_streams(index, xq, targets, searcher, k, options, temperature, config, source, allowed,
+                          search_timer, out)
     return out._replace(stream_searches=first)
 
 
@@ -107,14 +105,17 @@ class _Block:
         self.count[rows] = (cands.ids >= 0).sum(axis=1)
 
 
-def _walk_block(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, searcher: Searcher, k: int,
-                options: SearchOptions, temperature: float, config: PointerConfig, source: PointerSource,
-                allowed: np.ndarray | None, search_timer: AbstractContextManager, out: Walked) -> int:
-    """Walk one block of streams, writing into `out`; returns the searches made at a stream's first token."""
+def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, searcher: Searcher, k: int,
+                  options: SearchOptions, temperature: float, config: PointerConfig, source: PointerSource,
+                  allowed: np.ndarray | None, search_timer: AbstractContextManager, out: Walked) -> int:
+    """Walk the streams `block` (S, L), writing into `out`; returns the searches made at a stream's first token."""
     b = _Block(block, k)
-    first = 0
+    first = admitted = 0
     while True:
-        live = b.step < b.lengths  # (S,)
+        unfinished = b.step < b.lengths  # (S,)
+        room = config.streams - int(unfinished[:admitted].sum())
+        admitted = min(block.shape[0], admitted + max(0, room))  # streams 0..admitted-1 have started
+        live = unfinished & (np.arange(block.shape[0]) < admitted)  # (S,)
         if not live.any():
             return first
         movers = np.flatnonzero(live & ~b.parked)  # (m,)

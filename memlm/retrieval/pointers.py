@@ -86,7 +86,7 @@ class PointerConfig:
 
     min_pointers: int = 1
     """Search when fewer candidates than this survive; above k every token is searched (plain kNN-LM)."""
-    stream_tokens: int = 128
+    stream_tokens: int = 64
     """Most tokens walked per stream. Streams (runs of one document, cut at `stream_length`) are walked
     together so that searches are batched (memlm.jobs.pointer_walk); each stream's first token is searched
     (at most 1/MIN_STREAM_TOKENS of the tokens, reported as stream_searches)."""
@@ -95,10 +95,16 @@ class PointerConfig:
     (FAISS's Flat search of k = 1024 costs about 15 ms a query below ~220 queries of d = 576 a call, where it
     leaves BLAS, and about 2 ms above: measured on the SOTU datastore, faiss 1.15, one thread)."""
 
+    @property
+    def group_tokens(self) -> int:
+        """Evaluation tokens walked as one group (their keys are held at once): twice the streams' worth."""
+        return 2 * self.streams * self.stream_tokens
+
     def stream_length(self, tokens: int) -> int:
-        """Tokens per stream for a group of `tokens`: enough streams to fill a search call when the group
-        allows (down to MIN_STREAM_TOKENS), at most stream_tokens."""
-        return max(min(MIN_STREAM_TOKENS, self.stream_tokens), min(self.stream_tokens, -(-tokens // self.streams)))
+        """Tokens per stream for a group of `tokens`: twice as many streams as walk at once when the group
+        allows (so that ended streams are replaced), down to MIN_STREAM_TOKENS, at most stream_tokens."""
+        wanted = -(-tokens // (2 * self.streams))
+        return max(min(MIN_STREAM_TOKENS, self.stream_tokens), min(self.stream_tokens, wanted))
 
     def __post_init__(self) -> None:
         if self.min_pointers < 1:
