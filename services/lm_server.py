@@ -48,7 +48,7 @@ from memlm.jobs.spalm_scoring import score_spalm, spalm_step
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
-from memlm.model.pretrained import Decoder, Pretrained  # Decoder: the engine runs only memlm's (issue 13)
+from memlm.model.pretrained import Decoder, Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
