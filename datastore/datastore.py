@@ -80,6 +80,7 @@ class Datastore:
         verify: bool = True,
         backend: str = "faiss",
         device: str | None = None,
+        verified: Manifest | None = None,
     ) -> "Datastore":
         """Open a finished datastore. Whether it fits the model in use is the caller's one check:
         memlm.retrieval.compat.check_searcher(store.info(), ...) (fingerprints, key layer, boundary, windows).
@@ -89,6 +90,9 @@ class Datastore:
             device is not "cpu"); "torch" searches all float16 keys exactly with chunked matmuls on
             `device` (default: cuda when available) -- for datastores that fit in GPU memory.
         verify: check every file's SHA-256 against the manifest (reads all files once).
+        verified: the manifest of a generation of this directory opened (and verified) before: files it
+            names with the same size and SHA-256 are not read again (a generation's files are never
+            rewritten; datastore.live opens each new generation so, reading only what changed).
         """
         path = Path(directory)
         manifest = Manifest.read(path)
@@ -102,7 +106,9 @@ class Datastore:
                     f"{file} has {size} bytes, the manifest says {entry.bytes}; the file is damaged, rebuild "
                     "the datastore"
                 )
-            if verify and sha256_file(file, remember=False) != entry.sha256:
+            known = verified is not None and role in verified.files and verified.file_name(role) == file.name \
+                and verified.files[role] == entry
+            if verify and not known and sha256_file(file, remember=False) != entry.sha256:
                 raise MemlmError(
                     f"{file} fails its checksum (sha256 differs from manifest.json); the file is damaged or "
                     "was changed, rebuild the datastore"

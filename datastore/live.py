@@ -57,9 +57,9 @@ class LiveDatastore:
         self._failed: int | None = None  # the generation that failed to open (logged once)
         self.current = self._open()
 
-    def _open(self) -> Datastore:
+    def _open(self, verified: Manifest | None = None) -> Datastore:
         return Datastore.open(self.directory, mmap=self.options.mmap, backend=self.options.backend,
-                              device=self.options.device)
+                              device=self.options.device, verified=verified)
 
     @property
     def generation(self) -> int:
@@ -102,7 +102,7 @@ class LiveDatastore:
             if committed == self.generation:
                 return False
             try:
-                store = self._open()
+                store = self._open(verified=self.current.manifest)  # unchanged files are not read again
             except (MemlmError, OSError, RuntimeError) as e:
                 return self._failure(committed, f"generation {committed} of {self.directory} does not open ({e}); "
                                      f"still serving generation {self.generation}")

@@ -208,6 +208,29 @@ def test_one_change_at_a_time(removed):
     assert compact(removed, **QUIET) > 0  # the lock went with its holder
 
 
+def test_a_live_datastore_reads_only_what_changed_and_skips_a_damaged_generation(stores, tmp_path, monkeypatch):
+    import datastore.datastore as datastore_module
+    from datastore.live import LiveDatastore
+
+    directory = Path(shutil.copytree(stores["ab"], tmp_path / "live"))
+    logs: list[str] = []
+    live = LiveDatastore(directory, log=logs.append)
+    hashed: list[str] = []
+    real = datastore_module.sha256_file
+    monkeypatch.setattr(datastore_module, "sha256_file",
+                        lambda path, remember=True: hashed.append(Path(path).name) or real(path, remember=remember))
+    records = live.current.documents()
+    remove_documents(directory, [records[-1].doc_id], log=lambda m: None)
+    assert live.refresh() and live.generation == 1
+    assert hashed == ["documents.g000001.jsonl"]  # the arrays and the index were verified before
+    remove_documents(directory, [records[-2].doc_id], log=lambda m: None)
+    table = directory / Manifest.read(directory).file_name("documents.jsonl")
+    table.write_text(table.read_text().replace('"removed": true', '"removed": false', 1))
+    assert not live.refresh() and not live.refresh() and live.generation == 1  # still the good one
+    assert sum("generation 2 of" in line and "does not open" in line for line in logs) == 1  # said once
+    assert not np.isin(live.provenance(live.search(all_keys(live.current), 5).ids).docs, [records[-1].index]).any()
+
+
 # ---------------------------------------------------------------------------------------------------
 # SIGKILL
 
