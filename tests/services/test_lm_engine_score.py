@@ -79,3 +79,25 @@ def test_concurrent_scores_share_library_calls_and_equal_each_alone(tiny, module
                         for r in t.results] == [[(x.token_id, x.is_greedy, [y.token_id for y in x.alternatives])
                                                  for x in r.tokens] for r in a.results]
                 assert np.abs(logprobs(t) - logprobs(a)).max() <= SHARED_ATOL
+
+
+def test_a_member_that_gives_up_leaves_the_batch_and_the_others_are_served(tiny, module_loop):
+    address, servicer = start(module_loop, tiny, max_step_tokens=256)
+    requests = [lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(n, salt=n)))],
+                                    window_tokens=64, stride_tokens=16) for n in (200, 300, 250)]
+    blocker = lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(4000)))],
+                                  window_tokens=256, stride_tokens=8)
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        alone = [stub.Score(r, timeout=60) for r in requests]
+        busy = stub.Score.future(blocker, timeout=120)
+        futures = [stub.Score.future(r, timeout=60) for r in requests]  # one batch, queued behind the blocker
+        futures[1].cancel()
+        busy.cancel()
+        for i in (0, 2):
+            got = futures[i].result(timeout=60)
+            assert [t.token_id for r in got.results for t in r.tokens] == [t.token_id for r in alone[i].results
+                                                                           for t in r.tokens]
+            assert np.abs(logprobs(got) - logprobs(alone[i])).max() <= SHARED_ATOL
+        assert futures[1].cancelled()
+        assert servicer.scheduler.turns.waiting() == 0
