@@ -136,6 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.requests import EngineConfig, GenerationRequest
     from memlm.jobs.evaluate import write_json
     from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.pretrained import require_decoder
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
@@ -151,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory)
     if args.prefill_chunk is not None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
-    engine = Engine(pretrained.model, tokenizer, config, searcher)
+    engine = Engine(require_decoder(pretrained.model, "memlm generate's batched engine"), tokenizer, config, searcher)
     boundary = document_boundary(tokenizer)
     requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),
                                   boundary, tokenizer.eos_id, knn=knn) for p in args.prompts]

@@ -230,6 +230,8 @@ def test_memories_need_memlms_decoder(capsys, tmp_path, hf_dirs):
                            "--segment", "16", "--quiet")
         last = err.strip().splitlines()[-1]  # memorizing first warns that its gate is untrained
         assert code == 1 and f"--memory {kind} needs memlm's decoder" in last and "Traceback" not in err, err
+    code, _, err = run(capsys, "generate", "--model", hf_dirs["qwen2"], "--max-new-tokens", "2", "hello")
+    assert code == 1 and "memlm generate's batched engine needs memlm's decoder" in err and err.count("\n") == 1, err
     # the ordinary Llama directory still loads into memlm's decoder, memories and all
     assert isinstance(load_pretrained(hf_dirs["llama"]).model, Decoder)
 
