@@ -174,7 +174,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                         max_batch=args.max_batch, max_queue=args.max_queue,
                         max_tokens_in_flight=args.max_tokens_in_flight),
         retrieval_tls=link_tls(args, "retrieval-"),
-        retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"),
+        retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
     ))
 
 
@@ -295,6 +295,9 @@ def add_serve_parser(sub: Any) -> None:
     ro.set_defaults(func=cmd_serve_router)
     lm = ssub.add_parser("lm", help="LanguageModelService: Score, Generate, Tokenize")
     lm.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
+    from memlm.model.hf_model import KEY_MODULE_HELP
+
+    lm.add_argument("--key-module", default=None, metavar="PATH", help=KEY_MODULE_HELP)
     lm.add_argument("--datastore", default=None, help="local datastore for kNN-LM")
     lm.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router for kNN-LM")
     add_link_security(lm, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")

@@ -443,7 +443,7 @@ def open_model_and_searcher(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     retrieval_tls: ClientTls | None = None,
-    retrieval_token: str | None = None,
+    retrieval_token: str | None = None, key_module: str | None = None,
 ) -> tuple[Pretrained, Searcher | None]:
     """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None)."""
     from memlm.model.weights import load_pretrained
@@ -452,7 +452,7 @@ def open_model_and_searcher(
         raise MemlmError("pass --datastore or --retrieval, not both")
     # The retrieval link first: an unreachable one fails in one line before the model loads (issue 9).
     link = connect_retrieval(retrieval, tls=retrieval_tls, token=retrieval_token) if retrieval is not None else None
-    pretrained = load_pretrained(model, device, dtype)
+    pretrained = load_pretrained(model, device, dtype, key_module=key_module)  # key_module: memlm.model.hf_model
     if datastore is not None:
         from datastore.datastore import Datastore
 
@@ -474,7 +474,7 @@ async def serve_lm(
     options: ServerOptions = ServerOptions(),
     limits: LMLimits = LMLimits(),
     retrieval_tls: ClientTls | None = None,
-    retrieval_token: str | None = None,
+    retrieval_token: str | None = None, key_module: str | None = None,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
     then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls."""
@@ -483,7 +483,7 @@ async def serve_lm(
     try:
         pretrained, searcher = await asyncio.to_thread(
             open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
-            retrieval_tls=retrieval_tls, retrieval_token=retrieval_token,
+            retrieval_tls=retrieval_tls, retrieval_token=retrieval_token, key_module=key_module,
         )
         # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None

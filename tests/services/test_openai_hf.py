@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from memlm.jobs.generate import SamplingConfig, generate
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
-from services.lm_client import LanguageModelClient
+from services.lm_client import KnnRequest, LanguageModelClient
 from services.lm_server import start_lm_server
 from services.openai_server import Front, FrontLimits, make_server
 
@@ -74,3 +74,26 @@ def test_memory_modes_are_refused_in_one_line(front):
         front["oai"].completions.create(model="gpt2-tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
                                         extra_body={"memory": {"mode": "xl"}})
     assert "needs memlm's decoder" in e.value.body["message"], e.value.body
+
+
+def test_serve_lm_key_module_serves_a_datastore_built_with_it(gpt2, module_loop, tmp_path):
+    """serve lm --key-module: the datastore's keys (built with the same --key-module) are this model's;
+    without the flag the server refuses the datastore in one line (check_searcher)."""
+    from datastore import build_datastore
+    from memlm.errors import MemlmError
+    from services.lm_server import open_model_and_searcher
+
+    model_dir = gpt2.model.config.name
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(PROMPT * 8)
+    store = build_datastore(model_dir, str(corpus), tmp_path / "store", context=32, stride=16, progress=False,
+                            key_module="transformer.h.0.mlp")
+    pre, searcher = open_model_and_searcher(model_dir, datastore=str(store), key_module="transformer.h.0.mlp")
+    started = module_loop.run(start_lm_server("127.0.0.1:0", pre, searcher, model_name="gpt2-tiny"))
+    module_loop.servers.append(started.running.server)
+    with LanguageModelClient(f"127.0.0.1:{started.running.port}") as lm:
+        scored = lm.score([PROMPT], knn=KnnRequest(lmbda=0.5, k=4))[0]
+    assert scored.total_logprob > scored.base_total_logprob  # the prompt is in the datastore: kNN-LM helps
+    pre, searcher = open_model_and_searcher(model_dir, datastore=str(store))
+    with pytest.raises(MemlmError, match="keys are input:transformer.h.0.mlp, this model's kNN key is input:transformer.h.1.mlp"):
+        module_loop.run(start_lm_server("127.0.0.1:0", pre, searcher, model_name="gpt2-tiny"))
