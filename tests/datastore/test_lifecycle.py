@@ -179,6 +179,14 @@ def test_compaction_leaves_a_alone(stores, removed):
     assert all(".g000002." in n for n in names if n not in ("manifest.json",))  # B's keys are gone from disk
 
 
+def test_a_rebuild_over_later_generations_leaves_generation_0_only(removed):
+    settings = BuildSettings(window=WINDOW_1, index_factory="Flat", shard_batches=2)
+    build_from_tokens(make_model(), DOCS_A, removed, PROVENANCE, settings, overwrite=True, **QUIET)
+    assert sorted(p.name for p in removed.iterdir() if p.name != generations.LOCK_NAME) == sorted(
+        ["manifest.json", "keys.f16", "values.i32", "docs.i32", "positions.i32", "index.faiss", "documents.jsonl"])
+    assert Manifest.read(removed).generation == 0 and not any(r.removed for r in Datastore.open(removed).documents())
+
+
 def test_remove_refusals_and_re_adding(stores, removed):
     records = Datastore.open(removed).documents()
     with pytest.raises(MemlmError, match="--doc-id nope is not a document of it"):
