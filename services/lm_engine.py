@@ -4,9 +4,10 @@ Every Generate call with MEMORY_MODE_NONE or MEMORY_MODE_XL (with or without kNN
 running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or
 pass their deadline, and every step decodes all of them in one forward pass (with kNN-LM: one batched
 search for every ready kNN-LM row, each with its own k, lambda and temperature, memlm.engine.sampling).
-The engine takes one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory: every
-MEMORY_MODE_NONE call shares one batch, every XL call with the same sizes another; at most MAX_LANES lanes
-live at once (an idle one is closed to make room; none idle: RESOURCE_EXHAUSTED).
+The engine takes one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by
+whether they search (LaneKey): every MEMORY_MODE_NONE base-LM call shares one batch, every kNN-LM one
+another, whatever its k, lambda and temperature, every XL call with the same sizes a third; at most
+MAX_LANES lanes live at once (an idle one is closed to make room; none idle: RESOURCE_EXHAUSTED).
 
 Model turns (services.lm_scheduler): each lane's thread takes the model's turn like any call, as a
 tenant of its own ("engine:<lane>"), for one engine step at a time, and passes it on at every step
@@ -67,7 +68,7 @@ from services.retrieval_client import RetrievalClient, for_caller
 from services.server_common import ServiceError
 
 _log = logging.getLogger(__name__)
-MAX_LANES = 4
+MAX_LANES = 8
 """Batches (distinct memory settings) running at once; one more setting closes an idle batch or is refused."""
 FINISH_REASONS = {
     FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
@@ -81,10 +82,14 @@ RETRY_AFTER_KEY = "retry-after-ms"
 
 @dataclass(frozen=True)
 class LaneKey:
-    """What one engine batch is made for: its rows' memory (kNN-LM settings are per request)."""
+    """What one engine batch is made for: its rows' memory, and whether they search (kNN-LM settings
+    themselves are per request)."""
 
     memory: MemoryConfig | None
     """MEMORY_MODE_XL's sizes (kind "xl"), None for MEMORY_MODE_NONE (a plain KV cache)."""
+    searches: bool
+    """kNN-LM rows batch apart from base rows: a step waits for its search, so a slow or hung retrieval
+    service then holds only calls that asked for it (issue 9.2), never base-LM generations."""
 
 
 @dataclass(frozen=True)

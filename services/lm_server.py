@@ -273,7 +273,7 @@ class LanguageModelServicer:
                 tuple(args.prompt), args.max_new_tokens, args.sampling, tuple(args.stop_sequences),
                 boundary_token=self._boundary, eos_id=self._tokenizer.eos_id, knn=args.knn,
                 timeout_s=None if stop.deadline is None else max(1e-6, stop.deadline - time.monotonic()))
-            async for response in stream_generation(self.engines, LaneKey(args.memory), engine_request,
+            async for response in stream_generation(self.engines, LaneKey(args.memory, args.knn is not None), engine_request,
                                                     stop.deadline, context, self._record):
                 yield response
             return

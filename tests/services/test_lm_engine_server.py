@@ -84,7 +84,7 @@ def test_concurrent_generations_share_steps_and_each_equals_itself_alone(tiny, m
             assert abs(lp_t - lp_a) <= 1e-5 * max(1.0, abs(lp_a))  # batched rows: float32 rounding only
         assert t[-1].finish == a[-1].finish
     lanes = servicer.engines.lanes()
-    assert len(lanes) == 2  # NONE and this XL setting: one batch each
+    assert len(lanes) == 2  # NONE and this XL setting (no kNN-LM): one batch each
     steps = sum(lane.engine.steps - steps_before[id(lane)] for lane in lanes)
     generated = sum(r.max_new_tokens for r in requests)
     assert steps < generated / 2, (steps, generated)  # the calls shared forward steps
@@ -175,4 +175,42 @@ def test_knn_generations_through_the_retrieval_service_search_once_per_step(tiny
                               boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=config)
             assert [t for t, _ in tokens(got)] == [e.token_id for e in events if isinstance(e, TokenEvent)]
     finally:
+        link.close()
+
+
+class GatedSearcher(CountingSearcher):
+    """The test index behind a gate: a search blocks until `release` is set (a hung retrieval service)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def search(self, xq, k, options=None):
+        self.entered.set()
+        assert self.release.wait(30), "test never released the searcher"
+        return super().search(xq, k, options)
+
+
+def test_a_hung_retrieval_service_stalls_only_the_calls_that_search(tiny, index, module_loop):
+    gated = GatedSearcher(index)
+    retrieval = f"127.0.0.1:{module_loop.start(create_retrieval_server, '127.0.0.1:0', gated)}"
+    link = RetrievalClient(retrieval)
+    try:
+        address, _ = start(module_loop, tiny, link)
+        knn = lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5, temperature=5.0)
+        with grpc.insecure_channel(address) as channel:
+            stub = lm_grpc.LanguageModelServiceStub(channel)
+            hung = stub.Generate(request(ids(6), 5, knn=knn), timeout=60)
+            assert gated.entered.wait(10)  # its step waits on the retrieval service
+            t0 = time.monotonic()
+            plain = list(stub.Generate(request(ids(6), 5), timeout=30))  # a base-LM generation meanwhile
+            stub.Score(lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(40)))]),
+                       timeout=30)
+            assert time.monotonic() - t0 < FAST_S
+            assert plain[-1].finish.completion_tokens == 5
+            gated.release.set()
+            assert list(hung)[-1].finish.completion_tokens == 5  # and the kNN call goes on once it answers
+    finally:
+        gated.release.set()
         link.close()
