@@ -108,6 +108,18 @@ def test_echo_with_logprobs_is_score(fronts):
     assert r.choices[0].logprobs.token_logprobs == want and r.choices[0].text == PROMPT
 
 
+def test_the_memory_extra_field_is_the_lm_services_memory_mode(fronts):
+    from services.lm_client import MemoryRequest
+
+    r = oai(fronts["plain"]).completions.create(model="tiny", prompt=PROMPT * 3, max_tokens=0, echo=True, logprobs=0,
+                                                extra_body={"memory": {"mode": "xl", "segment_tokens": 16}})
+    with LanguageModelClient(fronts["plain"]["lm"]) as lm:
+        xl = lm.score([PROMPT * 3], memory_mode="xl", memory=MemoryRequest(segment_tokens=16))[0]
+        plain = lm.score([PROMPT * 3])[0]
+    assert r.choices[0].logprobs.token_logprobs == [t.logprob for t in xl.tokens]
+    assert r.choices[0].logprobs.token_logprobs != [t.logprob for t in plain.tokens]
+
+
 def test_echo_with_a_completion_and_its_logprobs(fronts):
     r = oai(fronts["plain"]).completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, echo=True,
                                                 logprobs=1)
