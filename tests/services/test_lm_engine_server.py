@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from memlm.memory.config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
@@ -214,3 +215,42 @@ def test_a_hung_retrieval_service_stalls_only_the_calls_that_search(tiny, index,
     finally:
         gated.release.set()
         link.close()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.8, top_p=0.9, seed=4)])
+@pytest.mark.parametrize("memory", [None, MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)])
+def test_knn_generate_local_and_remote_equal_the_library(tiny, servers, index, sampling, memory):
+    # Today's Generate (memlm.jobs.generate) token for token, greedy and seeded, plain and XL, with the
+    # datastore in process ("local") and through a retrieval server ("remote").
+    tok = tiny.tokenizer
+    prompt = tok.encode("The quick brown fox")
+    events = generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling, boundary_token=document_boundary(tok),
+                      eos_id=tok.eos_id, searcher=index, knn=servers["knn"], memory=memory)
+    want = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    extra = {} if memory is None else {"memory_mode": lm_pb2.MEMORY_MODE_XL, "memory": lm_pb2.MemoryOptions(
+        segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens)}
+    options = lm_pb2.SamplingOptions(temperature=sampling.temperature)
+    if sampling.seed is not None:
+        options.top_p, options.seed = sampling.top_p, sampling.seed
+    for name in ("local", "remote"):
+        with grpc.insecure_channel(servers[name]) as channel:
+            got = list(lm_grpc.LanguageModelServiceStub(channel).Generate(
+                request(prompt, 12, options, knn=lm_pb2.KnnOptions(enabled=True), **extra), timeout=60))
+        assert [t for t, _ in tokens(got)] == want, name
+
+
+def test_a_deadline_retires_the_row(tiny, module_loop):
+    address, servicer = start(module_loop, tiny, max_batch=1)
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request(tiny.tokenizer.encode("The quick"), 100_000), timeout=0.5))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        (lane,) = servicer.engines.lanes()
+        deadline = time.monotonic() + FAST_S
+        while not lane.idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lane.idle  # the row was retired: the next call gets it at once
+        t0 = time.monotonic()
+        assert list(stub.Generate(request(ids(5), 3), timeout=10))[-1].finish.completion_tokens == 3
+        assert time.monotonic() - t0 < FAST_S
