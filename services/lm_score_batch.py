@@ -42,11 +42,17 @@ class ScoreKey:
     """What calls must share to be scored in one library call."""
 
     memory: MemoryConfig | None
+    """The memory mode and its sizes (segment included); None: sliding windows."""
     context: int
+    """Sliding-window length, tokens (MEMORY_MODE_NONE)."""
     stride: int
+    """Sliding-window stride, tokens (MEMORY_MODE_NONE)."""
     knn: KNNLMConfig | None
+    """kNN-LM settings, None: the base LM."""
     top_n: int
+    """Alternatives per scored token."""
     batch_size: int
+    """Windows (segment rows) per forward step: LMLimits.step_rows of the key's window or segment."""
 
     @classmethod
     def of(cls, args: ScoreArgs) -> ScoreKey:
