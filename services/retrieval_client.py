@@ -194,6 +194,13 @@ class RetrievalClient(ServiceClient):
             self._server_info = self._call(self._stub.GetInfo, retrieval_pb2.RetrievalServiceGetInfoRequest())
         return self._server_info
 
+    def generation(self) -> int:
+        """The generation the server answers from now (GetInfo, asked again: a live server switches when
+        `memlm datastore add`, `remove` or `compact` commits; issue 14), for results that record which
+        generation served them. Refreshes what server_info() and info() return too."""
+        self._server_info = self._call(self._stub.GetInfo, retrieval_pb2.RetrievalServiceGetInfoRequest())
+        return int(self._server_info.generation)
+
     def info(self) -> SearcherInfo:
         """The remote datastore (for a router: the union of its shards), as the Searcher seam says."""
         return info_from_proto(self.server_info().datastore)

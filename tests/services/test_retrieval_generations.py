@@ -20,6 +20,7 @@ from memlm.jobs.windows import WindowConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+from services.retrieval_client import RetrievalClient
 from services.retrieval_server import GenerationWatch, start_retrieval_server
 from services.tensors import from_tensor, to_tensor
 
@@ -103,16 +104,21 @@ async def _serve_while_changing(directory, xq: np.ndarray, logs: list[str]) -> d
         await asyncio.sleep(0.2)  # searches on the new generation
 
     loops = [asyncio.create_task(search_loop()) for _ in range(3)]
+    client = RetrievalClient(f"127.0.0.1:{started.running.port}", timeout=30)
     try:
         await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(client.generation) == 0
+        n_before = client.info().n
         await asyncio.to_thread(add_documents, model(), DOCS_B, directory, SOURCE, **QUIET)
         await reach(1)
+        assert await asyncio.to_thread(client.generation) == 1 and client.info().n > n_before  # refreshed
         ids = [r.doc_id for r in live.current.documents()[len(DOCS_A):]]
         await asyncio.to_thread(remove_documents, directory, ids, log=lambda m: None)
         await reach(2)
         await asyncio.to_thread(compact, directory, **QUIET)
         await reach(3)
     finally:
+        client.close()
         stop.set()
         await asyncio.gather(*loops)
         await channel.close()
