@@ -16,10 +16,12 @@ the same weights, device and dtype:
    SOTU tokens, default; its size is printed).
 Prompts are real SOTU text (--prompt-tokens each, from different speeches). SmolLM2 by default; a random
 model only with --synthetic (the output then says so). With --peak-gbs (the card's memory bandwidth) the
-batch-1 decode bandwidth utilisation is printed: bytes of weights and KV cache read per step / step time.
+batch-1 decode bandwidth utilisation is printed (with figure 1): bytes of weights and KV cache read per step
+over the median step time. Each figure is printed as soon as it is measured.
 
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
+        [--figures 1,2,3,4] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--datastore", default=None, help="a built datastore for the kNN-LM figure")
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per side (median)")
     p.add_argument("--peak-gbs", type=float, default=None, help="the device's memory bandwidth, GB/s")
+    p.add_argument("--figures", default="1,2,3,4", help="which figures to measure (e.g. 2 for batch-1 only)")
     _common.add_synthetic_flag(p)
     return p.parse_args()
 
@@ -231,7 +234,7 @@ def bandwidth(bench, step_s: float, positions: int) -> float:
     return (weights + cache) / step_s / 1e9
 
 
-def report(args, bench, fig1, fig2, fig3, fig4, knn_what) -> None:
+def report_recomputation(args, fig1) -> None:
     n = args.new_tokens
     print(f"1. cached vs full recomputation, batch 1, {n} new tokens after {args.prompt_tokens} prompt tokens")
     print(f"   engine: {fig1['cached_measured_s']:.2f} s measured over all {n} steps "
@@ -240,10 +243,16 @@ def report(args, bench, fig1, fig2, fig3, fig4, knn_what) -> None:
           f"(argmax agrees with the engine's token at {fig1['agree']}/{fig1['samples']})")
     print(f"   ratio {fig1['full_sampled_s'] / fig1['cached_sampled_s']:.1f}x (same samples both sides; "
           f"{fig1['full_sampled_s'] / fig1['cached_measured_s']:.1f}x against the measured engine total; goal >= 10)")
+
+
+def report_batch1(args, fig2) -> None:
     t = args.decode_tokens
     e, h = t / fig2["engine"], t / fig2["transformers"]
     print(f"2. batch-1 decode, {t} tokens: engine {e:.1f} tokens/s, transformers generate (KV cache) {h:.1f} "
           f"tokens/s, ratio {e / h:.2f}x (goal >= 1.0; {fig2['same_tokens']}/{t} tokens identical)")
+
+
+def report_aggregate(args, fig3) -> None:
     print(f"3. aggregate tokens/s, {args.stream_tokens} new tokens per stream")
     for streams, secs in fig3.items():
         total = streams * args.stream_tokens
@@ -255,14 +264,19 @@ def report(args, bench, fig1, fig2, fig3, fig4, knn_what) -> None:
                  f"({secs['transformers'] / secs['engine']:.2f}x)")
         print(line)
     print("      goals: >= 4x one-after-another at 8 streams, >= 1.0x transformers")
+
+
+def report_knn(args, fig4, knn_what) -> None:
     kt = args.knn_batch * args.stream_tokens
     print(f"4. kNN-LM vs base at batch {args.knn_batch} ({knn_what}): base {kt / fig4['base']:.1f} tokens/s, "
           f"kNN-LM {kt / fig4['knn']:.1f} tokens/s, ratio {fig4['base'] / fig4['knn']:.2f}x (goal >= 0.8)")
-    if args.peak_gbs:
-        step = statistics.median(fig1["step_s"][1:])
-        gbs = bandwidth(bench, step, args.prompt_tokens + n // 2)
-        print(f"5. batch-1 decode bandwidth: {gbs:.0f} GB/s of {args.peak_gbs:.0f} GB/s "
-              f"({100 * gbs / args.peak_gbs:.1f}%), median step {1e3 * step:.2f} ms")
+
+
+def report_bandwidth(args, bench, fig1) -> None:
+    step = statistics.median(fig1["step_s"][1:])
+    gbs = bandwidth(bench, step, args.prompt_tokens + args.new_tokens // 2)
+    print(f"5. batch-1 decode bandwidth: {gbs:.0f} GB/s of {args.peak_gbs:.0f} GB/s "
+          f"({100 * gbs / args.peak_gbs:.1f}%), median step {1e3 * step:.2f} ms")
 
 
 def main() -> None:
@@ -281,11 +295,18 @@ def main() -> None:
     with torch.inference_mode():
         hf_generate(hf, torch.tensor([[bench.boundary, *p] for p in ps[:2]], device=device), 4)
     t0 = time.perf_counter()
-    fig1 = cached_vs_recomputation(bench, ps[0], args, device)
-    fig2 = batch1_vs_transformers(bench, hf, ps[0], args, device)
-    fig3 = {s: aggregate(bench, hf, ps, s, args, device) for s in streams}
-    fig4, knn_what = knn_vs_base(bench, ps, args, device)
-    report(args, bench, fig1, fig2, fig3, fig4, knn_what)
+    figures = {int(f) for f in args.figures.split(",")}
+    if 1 in figures:
+        fig1 = cached_vs_recomputation(bench, ps[0], args, device)
+        report_recomputation(args, fig1)
+        if args.peak_gbs:
+            report_bandwidth(args, bench, fig1)
+    if 2 in figures:
+        report_batch1(args, batch1_vs_transformers(bench, hf, ps[0], args, device))
+    if 3 in figures:
+        report_aggregate(args, {s: aggregate(bench, hf, ps, s, args, device) for s in streams})
+    if 4 in figures:
+        report_knn(args, *knn_vs_base(bench, ps, args, device))
     print(f"(whole run {time.perf_counter() - t0:.0f} s)")
 
 

@@ -12,6 +12,8 @@ free cache row. One `step`:
    search for all the rows that use it, each with its own k, lambda and temperature), and emits
    TokenEvents; finished rows emit their GenerationEnd and leave. A failed search ends only the rows that
    searched (they get its error); the others go on.
+Score requests (ScoreRequest) ride the same steps: fed like a prompt, with logits at every position, and
+answered with memlm.jobs.scoring's SequenceScore (several clients' scores share forward passes).
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
 deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
@@ -51,6 +53,8 @@ from memlm.engine.requests import (
 from memlm.engine.rows import Row, ScoreRow, window_starts
 from memlm.engine.sampling import choose_tokens, search_rows
 from memlm.errors import MemlmError
+
+# The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
 from memlm.jobs.generate import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -60,8 +64,6 @@ from memlm.jobs.generate import (
     _flush,
     _match_stop,
 )
-
-# The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
 from memlm.jobs.scoring import SequenceScore
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
@@ -103,7 +105,7 @@ class Engine:
         self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
         self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
         self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
-        self._rows: dict[int, Row] = {}  # cache row -> its request
+        self._rows: dict[int, Row | ScoreRow] = {}  # cache row -> its request
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards _waiting and the admission bounds
         self._wake = threading.Condition(self._lock)
@@ -363,9 +365,23 @@ class Engine:
         row.handle.put(_end_event(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence))
         self._release(row)
 
-    def _release(self, row: Row) -> None:
+    def _release(self, row: Row | ScoreRow) -> None:
+        """The row leaves; the last row moves into its slot (rows stay packed at the front: contiguous rows
+        are a view of the cache in the next steps, kv_cache.StepView). Between forward passes only."""
         with self._lock:  # submit() reads the rows (tokens in flight, the retry hint) from other threads
-            self._rows.pop(row.slot, None)
+            if self._rows.pop(row.slot, None) is None:
+                return
+            last = max(self._rows, default=-1)
+            if last > row.slot:
+                moved = self._rows.pop(last)
+                self.cache.move_row(last, row.slot)
+                moved.slot = row.slot
+                self._rows[row.slot] = moved
+
+    @property
+    def slots_in_use(self) -> list[int]:
+        """The cache rows held by running requests (packed: 0 to n - 1)."""
+        return sorted(self._rows)
 
     # -- the engine thread ----------------------------------------------------------------------
     def start(self) -> None:

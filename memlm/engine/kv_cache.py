@@ -132,6 +132,14 @@ class RowCache:
         """Forget everything row `row` holds (a new request, or a sliding window re-encoded)."""
         self.slot_pos[row] = -1
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `src`'s keys, values and positions become row `dst`'s (src is left empty): the engine keeps
+        its rows packed at the front, so a decode step reads a view of the cache instead of a gathered copy."""
+        for t in (*self.k, *self.v):
+            t[dst].copy_(t[src])
+        self.slot_pos[dst] = self.slot_pos[src]
+        self.clear_row(src)
+
     def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
         """Slots (same shape) of int64 positions `pos` (module docstring)."""
         sink, ring = self.layout.sink, self.layout.ring
