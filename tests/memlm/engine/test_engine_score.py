@@ -12,7 +12,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
-from memlm.jobs.scoring import SequenceScore, score_tokens
+from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
 from memlm.model.tokenizer import Tokenizer, document_boundary
 
 TOK = Tokenizer.byte_level()
@@ -69,3 +69,24 @@ def test_score_refusals_and_cancellation(model) -> None:
     h.cancel()
     with pytest.raises(MemlmError, match="cancelled"):
         list(h.events())
+
+
+def test_xl_score_past_the_context_equals_score_tokens_segments() -> None:
+    """A text three times a 32-token context, scored through the engine's XL rows (prefill chunks cutting
+    segments), equals memlm.jobs.scoring's segment-recurrent scores with the same memory."""
+    from memlm.memory.config import MemoryConfig
+    from memlm.model.config import ModelConfig
+    from memlm.model.decoder import build_model
+
+    short = build_model(ModelConfig.from_name("tiny", max_seq_len=32))
+    short.load_state_dict(sharp_tiny_model(seed=4).state_dict())
+    memory = MemoryConfig(kind="xl", mem_len=12, segment=8, sink_tokens=4)
+    text = tuple(TOK.encode("a long text read past the context in segments " * 2))
+    engine = Engine(short.eval(), TOK, EngineConfig(max_batch=2, prefill_chunk=5, memory=memory))
+    results = run_all(engine, [ScoreRequest(text, B), ScoreRequest(tuple(TOK.encode("beside it")), B)])
+    (oracle,) = score_tokens_segments(short, [list(text)], memory=memory, boundary_token=B)
+    close(results[0][0], oracle, 1e-4)
+    plain = Engine(short, TOK, EngineConfig(max_batch=1, memory=MemoryConfig(kind="xl", mem_len=0, segment=8,
+                                                                              sink_tokens=0)))
+    (no_memory,) = run_all(plain, [ScoreRequest(text, B)])
+    assert abs(no_memory[0].total_logprob - oracle.total_logprob) > 1e-3  # the memory matters
