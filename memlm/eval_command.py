@@ -2,7 +2,8 @@
 
 Five modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
 - sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
-  options, lambda/T tuned on --tune-data that must share no document with the evaluation data);
+  options, lambda/T tuned on --tune-data that must share no document with the evaluation data), with
+  fewer searches by RetoMaton pointers and/or a retrieval gate (memlm.fewer_searches_command, issue 15);
 - segments alone (--memory none --segment S, or --segment S alone): each S-token segment scored with no
   memory at all;
 - segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`

@@ -31,12 +31,12 @@ def add_train_gate_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="gate directory to write (gate.pt, settings.json)")
     p.add_argument("--hidden", type=positive_int, default=None, help=f"hidden units (default {g.hidden})")
     p.add_argument("--steps", type=positive_int, default=None, help=f"full-batch fit steps (default {g.steps})")
-    p.add_argument("--no-key", action="store_true", default=None,
-                   help="distribution features only (default: the kNN key too)")
+    p.add_argument("--with-key", action="store_true", default=None,
+                   help="feed the kNN key too (default: the LM distribution's features only)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_options(p, "kNN-LM (the labels: does p_kNN beat p_LM at this T)", KNN_OPTIONS)
+    add_options(p, "kNN-LM (the labels: how much kNN-LM beats the base at this lambda and T)", KNN_OPTIONS)
     p.set_defaults(func=cmd_train_gate)
 
 
@@ -57,7 +57,7 @@ def cmd_train_gate(args: argparse.Namespace) -> None:
     knn = knn_config(args, allow_auto=True)
     base = GateConfig()
     config = dataclasses.replace(base, hidden=args.hidden or base.hidden, steps=args.steps or base.steps,
-                                 use_key=not args.no_key)
+                                 use_key=bool(args.with_key))
     device = resolve_device(args.device)
     pretrained = load_pretrained(args.model, device=device)
     model, boundary = pretrained.model, document_boundary(pretrained.tokenizer)

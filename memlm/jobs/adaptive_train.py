@@ -3,7 +3,7 @@ split, in one pass of the LM and the searcher over it.
 
 The pass gives, per tuning token, the gate's inputs (distribution features and key), log p_LM(target) and
 its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_eval.tune), and the
-label is p_kNN(target) > p_LM(target) at that T. A separate command from `memlm train` because nothing of
+label is whether kNN-LM beats the base on the token at that lambda and T, weighted by how much. A separate command from `memlm train` because nothing of
 the LM trains and it needs a datastore; evaluation refuses a gate fitted on any evaluated document
 (GateSettings.fitted_documents, checked by the command line where the gate is opened).
 
@@ -33,7 +33,7 @@ from memlm.retrieval.adaptive import (
     gate_inputs,
     score_quantiles,
 )
-from memlm.retrieval.knnlm import KNNLMConfig, knn_logprob_from_matches
+from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
 from memlm.retrieval.searcher import Searcher
 
 
@@ -87,10 +87,12 @@ def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Se
     if knn.needs_tuning:
         tuned = tune(data.tuning, fixed_lmbda=knn.lmbda, fixed_temperature=knn.temperature)
         lmbda, temperature = tuned.lmbda, tuned.temperature
+    lm = data.tuning.lm_logprob  # (n,)
     knn_lp = knn_logprob_from_matches(data.tuning.distances, data.tuning.matches, temperature)  # (n,)
-    helps = knn_lp > data.tuning.lm_logprob  # (n,) p_kNN > p_LM: the mixture beats the base at any lambda
+    gain = interpolate(lm, knn_lp, lmbda) - lm  # (n,) nats retrieval adds (> 0: it helps)
+    helps = gain > 0
     fit, held = held_out_split(helps.shape[0], config.seed)
-    gate = fit_gate(data.inputs[fit], helps[fit], config)
+    gate = fit_gate(data.inputs[fit], gain[fit], config)
     scores = gate.scores(data.inputs[held])  # (h,) scores of tokens the fit did not see: honest quantiles
     helps_held = helps[held]
     info = searcher.info()

@@ -5,11 +5,15 @@ lambda 0 for it).
 
 Features (per token): the LM distribution's entropy, its top-3 log-probabilities and the top-1/top-2
 margin (He et al.'s "conf" and "ent"), and optionally the kNN key itself (their "ctxt", the context
-vector). The label is "the kNN-LM log-prob of the target beats the base's", which for any lambda in
-(0, 1) is p_kNN(target) > p_LM(target) (lambda p_kNN + (1 - lambda) p_LM > p_LM), so it depends on the
-temperature and k only. The gate (a 2-layer MLP, logistic output) is fitted on a tuning split by
-memlm.jobs.adaptive_train and saved as a directory, gate.pt beside settings.json (GateSettings); the
-evaluation documents must share no document with the ones it was fitted on (checked where it is opened).
+vector). The label is "the kNN-LM log-prob of the target beats the base's" (for lambda in (0, 1):
+p_kNN(target) > p_LM(target)), and each token weighs in the loss as much as retrieval gains or loses on it
+(|log p_kNN-LM - log p_LM| in nats at the tuned lambda): skipping the searches that matter little is what
+keeps perplexity. Measured on SOTU (3,000 tuning and 3,000 held-out tokens, SmolLM2, the 81k-key datastore):
+at half the searches skipped, perplexity 23.30 with this weighting and distribution features, 24.01 with
+class-balanced labels, 23.53 with the key as well (it overfits a tuning split this small), 21.90 for an
+oracle; plain kNN-LM 22.89, base 24.48. The gate (a 2-layer MLP, logistic output) is fitted on a tuning
+split by memlm.jobs.adaptive_train and saved as a directory, gate.pt beside settings.json (GateSettings);
+the evaluation documents must share no document with the ones it was fitted on (checked where opened).
 
 Shape legend: n tokens, V vocab, F features, d key dimension, H hidden units.
 """
@@ -28,6 +32,8 @@ from memlm.errors import MemlmError
 
 GATE_WEIGHTS, GATE_SETTINGS = "gate.pt", "settings.json"
 DISTRIBUTION_FEATURES = ("entropy", "logp_top1", "logp_top2", "logp_top3", "margin_top1_top2")
+GAIN_CAP = 20.0
+"""Largest per-token weight in nats (a target no neighbour predicts at lambda 1 would weigh infinity)."""
 QUANTILES = 1000
 """The fitted scores' distribution is kept at QUANTILES + 1 points, for --adaptive-fraction."""
 
@@ -53,8 +59,9 @@ class GateConfig:
 
     hidden: int = 32
     """Hidden units of the 2-layer MLP."""
-    use_key: bool = True
-    """Feed the kNN key (He et al.'s context vector) besides the distribution features."""
+    use_key: bool = False
+    """Feed the kNN key (He et al.'s context vector) besides the distribution features (it needs a tuning
+    split far larger than the d key features; see the module docstring)."""
     steps: int = 400
     """Full-batch AdamW steps."""
     lr: float = 1e-2
@@ -80,7 +87,7 @@ class GateSettings:
     temperature: float
     """kNN temperature of the labels."""
     lmbda: float
-    """The kNN-LM lambda the fit was reported at (the label itself does not depend on it)."""
+    """The kNN-LM lambda of the labels' weights (how much retrieval gains on each token)."""
     config: GateConfig
     """Architecture and fit."""
     n_features: int
@@ -117,15 +124,16 @@ class RetrievalGate(nn.Module):
         return torch.sigmoid(self.logits(x.float()))
 
 
-def fit_gate(x: torch.Tensor, helps: torch.Tensor, config: GateConfig) -> RetrievalGate:
-    """Fit a gate on inputs x (n, F) and labels helps (n,) bool, full batch, class-balanced BCE."""
+def fit_gate(x: torch.Tensor, gain: torch.Tensor, config: GateConfig) -> RetrievalGate:
+    """Fit a gate on inputs x (n, F) to gain (n,), the nats retrieval adds to each token's log-prob: label
+    gain > 0, weight |gain| (full batch BCE)."""
     torch.manual_seed(config.seed)
     gate = RetrievalGate(x.shape[1], config.hidden)
     gate.mean.copy_(x.mean(dim=0))
     gate.std.copy_(x.std(dim=0).clamp(min=1e-6))
-    y = helps.float()  # (n,)
-    pos = float(y.mean()) if y.numel() else 0.5
-    weight = torch.where(y > 0, 0.5 / max(pos, 1e-6), 0.5 / max(1 - pos, 1e-6))  # (n,) balanced classes
+    y = (gain > 0).float()  # (n,)
+    weight = gain.abs().clamp(max=GAIN_CAP).float()  # (n,) a token matters as much as it gains or loses
+    weight = weight / weight.mean() if float(weight.sum()) > 0 else torch.ones_like(weight)
     opt = torch.optim.AdamW(gate.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     for _ in range(config.steps):
         opt.zero_grad()
