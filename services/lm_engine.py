@@ -55,12 +55,14 @@ from memlm.jobs.generate import (
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationEnd,
+    SamplingConfig,
     TokenEvent,
 )
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_scheduler import ModelTurns, StepGate, TurnFreeSearcher
@@ -76,6 +78,9 @@ FINISH_REASONS = {
     FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
 }
 """How a generation that ran to its end finished, on the wire (cancelled / deadline ends are statuses)."""
+ENGINE_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
+"""Generate's memory modes on the engine (its states: a plain KV cache, XL rows with sinks), GetInfo's
+engine_memory_modes; compressive, memorizing and SPALM states live on the one-sequence path."""
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata key of a RESOURCE_EXHAUSTED Generate: milliseconds after which a retry is likely admitted."""
 
@@ -328,6 +333,25 @@ def retry_after_ms(e: EngineFull) -> int:
     """EngineFull's hint in whole milliseconds (at least 1)."""
     return max(1, round(e.retry_after_s * 1000))
 
+
+
+def engine_modes(model: object) -> tuple[int, ...]:
+    """ENGINE_MEMORY_MODES for memlm's decoder; none for a transformers model (issue 13: the engine's KV
+    cache is the decoder's CachedAttention)."""
+    return ENGINE_MEMORY_MODES if isinstance(model, Decoder) else ()
+
+
+def on_engine(model: object, memory: MemoryConfig | None) -> bool:
+    """Whether a Generate of this memory runs on the engine (engine_modes)."""
+    return isinstance(model, Decoder) and (memory is None or memory.kind == "xl")
+
+
+def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingConfig, stop_sequences: list[str],
+                   knn: KNNLMConfig | None, boundary: int, eos_id: int | None, deadline: float | None) -> GenerationRequest:
+    """A parsed Generate as the engine takes it; deadline: time.monotonic() seconds or None."""
+    return GenerationRequest(tuple(prompt), max_new_tokens, sampling, tuple(stop_sequences), boundary_token=boundary,
+                             eos_id=eos_id, knn=knn,
+                             timeout_s=None if deadline is None else max(1e-6, deadline - time.monotonic()))
 
 
 def token_response(event: TokenEvent) -> lm_pb2.GenerateResponse:

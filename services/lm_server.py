@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,6 @@ from typing import TypeVar
 import grpc
 import torch
 
-from memlm.engine.requests import GenerationRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, TokenEvent, generate
 from memlm.jobs.memorizing import saved_knn_attention
@@ -48,7 +46,7 @@ from memlm.jobs.spalm_scoring import score_spalm, spalm_step
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
-from memlm.model.pretrained import Decoder, Pretrained
+from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -62,6 +60,9 @@ from services.lm_engine import (
     GenerationRecord,
     LaneKey,
     end_responses,
+    engine_modes,
+    engine_request,
+    on_engine,
     stream_generation,
     token_response,
 )
@@ -168,6 +169,7 @@ class LanguageModelServicer:
                                               knn_layer=knn_layer)
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
+        response.engine_memory_modes.extend(engine_modes(model))
         self._info = response
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
@@ -267,13 +269,11 @@ class LanguageModelServicer:
         gate = self.scheduler.gate(stop, context.peer())
 
         args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
-        if (args.memory is None or args.memory.kind == "xl") and isinstance(self._model, Decoder):  # engine rows
+        if on_engine(self._model, args.memory):  # a row of a running engine batch (services.lm_engine)
             stop.set()  # the gate and stop above are the one-sequence path's
-            engine_request = GenerationRequest(
-                tuple(args.prompt), args.max_new_tokens, args.sampling, tuple(args.stop_sequences),
-                boundary_token=self._boundary, eos_id=self._tokenizer.eos_id, knn=args.knn,
-                timeout_s=None if stop.deadline is None else max(1e-6, stop.deadline - time.monotonic()))
-            async for response in stream_generation(self.engines, LaneKey(args.memory, args.knn is not None), engine_request,
+            request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
+                                     self._boundary, self._tokenizer.eos_id, stop.deadline)
+            async for response in stream_generation(self.engines, LaneKey(args.memory, args.knn is not None), request,
                                                     stop.deadline, context, self._record):
                 yield response
             return
