@@ -20,7 +20,7 @@ from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_engine import RETRY_AFTER_KEY
+from services.lm_engine import MAX_LANES, RETRY_AFTER_KEY
 from services.lm_requests import LMLimits
 from services.lm_server import start_lm_server
 from services.retrieval_client import RetrievalClient
@@ -255,3 +255,29 @@ def test_a_deadline_retires_the_row(tiny, module_loop):
         t0 = time.monotonic()
         assert list(stub.Generate(request(ids(5), 3), timeout=10))[-1].finish.completion_tokens == 3
         assert time.monotonic() - t0 < FAST_S
+
+
+def test_batches_of_other_settings_are_bounded(tiny, module_loop):
+    address, servicer = start(module_loop, tiny)
+    quick = tiny.tokenizer.encode("The quick")  # no end-of-text for thousands of greedy tokens
+
+    def xl(segment: int, n: int) -> lm_pb2.GenerateRequest:
+        return request(quick, n, memory_mode=lm_pb2.MEMORY_MODE_XL,
+                       memory=lm_pb2.MemoryOptions(segment_tokens=segment, memory_tokens=16, sink_tokens=2))
+
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        running = [stub.Generate(xl(4 + i, 100_000), timeout=60) for i in range(MAX_LANES)]  # one batch each
+        for stream in running:
+            assert next(stream).HasField("delta")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(xl(40, 3), timeout=30))  # a ninth setting while all eight batches run
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and f"{MAX_LANES} batches" in e.value.details()
+        running[0].cancel()
+        deadline = time.monotonic() + FAST_S
+        while not any(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(stub.Generate(xl(40, 3), timeout=30))[-1].finish.completion_tokens == 3  # an idle one made room
+        assert len(servicer.engines.lanes()) == MAX_LANES
+        for stream in running[1:]:
+            stream.cancel()
