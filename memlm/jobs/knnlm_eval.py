@@ -64,16 +64,39 @@ def _timed(stream: Iterator[ScoredTokens], timer: _Timer) -> Iterator[ScoredToke
 
 def _groups(stream: Iterator[ScoredTokens], min_tokens: int) -> Iterator[list[ScoredTokens]]:
     """Windows grouped until they hold min_tokens scored tokens: one search call per group."""
-    group: list[ScoredTokens] = []
-    size = 0
-    for scored in stream:
-        group.append(scored)
-        size += scored.targets.shape[0]
-        if size >= min_tokens:
+    for group in _gated_groups(((s, None) for s in stream), min_tokens, min_tokens):
+        yield [s for s, _ in group]
+
+
+Gated = tuple[ScoredTokens, "np.ndarray | None"]
+"""A window and which of its tokens the adaptive gate lets search ((n,) bool; None: no gate)."""
+
+
+def _gated_groups(stream: Iterator[Gated], min_searched: int, max_tokens: int) -> Iterator[list[Gated]]:
+    """Windows grouped until they hold min_searched tokens that may search (all of them without a gate),
+    or max_tokens tokens: a gate that skips most tokens still gets full search calls."""
+    group: list[Gated] = []
+    searched = tokens = 0
+    for item in stream:
+        group.append(item)
+        n = item[0].targets.shape[0]
+        tokens += n
+        searched += n if item[1] is None else int(item[1].sum())
+        if searched >= min_searched or tokens >= max_tokens:
             yield group
-            group, size = [], 0
+            group, searched, tokens = [], 0, 0
     if group:
         yield group
+
+
+def _with_gate(stream: Iterator[ScoredTokens], adaptive: AdaptiveConfig | None, timer: _Timer) -> Iterator[Gated]:
+    """Each window with the gate's decision for its tokens (timed), or None without a gate."""
+    for s in stream:
+        if adaptive is None:
+            yield s, None
+            continue
+        with timer:
+            yield s, adaptive.allowed(s.features, s.keys).numpy()  # (n,)
 
 
 def _queries(group: list[ScoredTokens]) -> tuple[np.ndarray, torch.Tensor]:
@@ -244,15 +267,11 @@ class _Timers:
                 "pointer": self.walk.seconds - self.walk_search, "gate": self.gate.seconds}
 
 
-def _group_knn(group: list[ScoredTokens], xq: np.ndarray, targets: torch.Tensor, searcher: Searcher,
-               knn_config: KNNLMConfig, temperature: float, how: Retrieval, timers: _Timers
+def _group_knn(group: list[ScoredTokens], allowed: np.ndarray | None, xq: np.ndarray, targets: torch.Tensor,
+               searcher: Searcher, knn_config: KNNLMConfig, temperature: float, how: Retrieval, timers: _Timers
                ) -> tuple[torch.Tensor, np.ndarray, int, int]:
-    """log p_kNN of the group's targets (Q,), which tokens keep the base (Q,) bool, searches, stream searches."""
-    allowed = None
-    if how.adaptive is not None:
-        with timers.gate:
-            distribution = torch.cat([s.features for s in group])  # (Q, 5)
-            allowed = how.adaptive.allowed(distribution, torch.cat([s.keys for s in group])).numpy()  # (Q,)
+    """log p_kNN of the group's targets (Q,), which tokens keep the base (Q,) bool, searches, stream searches.
+    allowed: (Q,) bool, the tokens the gate lets search (None: all)."""
     k, options = knn_config.k, knn_config.search_options
     if how.pointers is not None:
         docs = np.concatenate([np.full(s.targets.shape[0], s.doc) for s in group])  # (Q,)
@@ -275,6 +294,11 @@ def _group_knn(group: list[ScoredTokens], xq: np.ndarray, targets: torch.Tensor,
         with timers.mix:
             knn[torch.from_numpy(rows)] = knn_target_logprob(nb, targets[rows], temperature)
     return knn, ~allowed, int(rows.size), 0
+
+
+GATED_GROUPS = 8
+"""With a gate, evaluation tokens held per group at most, in multiples of search_tokens (a gate that skips
+7 of 8 tokens still fills a search call of search_tokens queries)."""
 
 
 def _knn_pass(
@@ -301,13 +325,20 @@ def _knn_pass(
     features = distribution_features if how.adaptive is not None else None
     stream = _timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True,
                                     lm_features=features), timers.forward)
-    group_tokens = search_tokens if how.pointers is None else how.pointers.group_tokens
+    if how.pointers is None:  # search_tokens searched per call, at most GATED_GROUPS times as many tokens held
+        grouped = _gated_groups(_with_gate(stream, how.adaptive, timers.gate), search_tokens,
+                                GATED_GROUPS * search_tokens)
+    else:  # the walk's group: its streams' tokens
+        grouped = _gated_groups(_with_gate(stream, how.adaptive, timers.gate), how.pointers.group_tokens,
+                                how.pointers.group_tokens)
     total = sum(len(d) for d in token_docs)
     with tqdm(total=total, desc="eval kNN-LM", unit="tok", file=sys.stderr, disable=not progress) as bar:
-        for group in _groups(stream, group_tokens):
+        for pairs in grouped:
+            group = [s for s, _ in pairs]
+            allowed = None if how.adaptive is None else np.concatenate([a for _, a in pairs])  # (Q,)
             xq, targets = _queries(group)  # (Q, d), (Q,)
-            knn, base_only, n_search, n_first = _group_knn(group, xq, targets, searcher, knn_config, temperature,
-                                                           how, timers)
+            knn, base_only, n_search, n_first = _group_knn(group, allowed, xq, targets, searcher, knn_config,
+                                                           temperature, how, timers)
             searches, first, skipped = searches + n_search, first + n_first, skipped + int(base_only.sum())
             with timers.mix:
                 hits += int(torch.isfinite(knn).sum())
