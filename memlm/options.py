@@ -154,7 +154,7 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
     Option("--adaptive-threshold", "adaptive_threshold", fraction, "with --adaptive-gate: search when the gate's "
            "score is at least this (0: always)"),
     Option("--adaptive-fraction", "adaptive_fraction", fraction, "with --adaptive-gate: skip about this fraction "
-           "of the searches (the threshold at that quantile of the gate's scores on its tuning split)"),
+           "of the searches (the threshold at that quantile of the gate's scores on held-out tuning tokens)"),
 )}
 """Fewer searches (issue 15): named the same in memlm eval and, later, generate and the LM service."""
 WINDOW_OPTIONS = {o.dest: o for o in (
