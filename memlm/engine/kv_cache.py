@@ -43,7 +43,7 @@ from memlm.model.decoder import (
 )
 
 TWO_PI = 2.0 * math.pi
-INITIAL_SLOTS = 256
+INITIAL_SLOTS = 64
 """Slots per row allocated at first (RowCache.reserve grows them)."""
 
 
