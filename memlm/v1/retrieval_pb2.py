@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from memlm.v1 import tensor_pb2 as memlm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"\x89\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerank\"\x8a\x01\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\" \n\x1eRetrievalServiceGetInfoRequest\"\xb1\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\"\xa0\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"\xb0\x01\n\x13\x43reateMemoryRequest\x12\x0f\n\x07streams\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\tvalue_dim\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x1b\n\x0eidle_timeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nlifetime_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_idle_timeout_sB\r\n\x0b_lifetime_s\"i\n\x14\x43reateMemoryResponse\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x16\n\x0eidle_timeout_s\x18\x02 \x01(\x01\x12&\n\rstorage_dtype\x18\x03 \x01(\x0e\x32\x0f.memlm.v1.DType\"\x8b\x01\n\x13\x41ppendMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x1e\n\x04keys\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x04 \x01(\x0b\x32\x10.memlm.v1.Tensor\"7\n\x14\x41ppendMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"V\n\x13SearchMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07queries\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x03 \x01(\x05\"y\n\x14SearchMemoryResponse\x12\x1e\n\x04keys\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\"J\n\x12\x43learMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07streams\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\"6\n\x13\x43learMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"&\n\x11\x44ropMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x14\n\x12\x44ropMemoryResponse\"\x16\n\x14GetMemoryInfoRequest\"\xf7\x01\n\x15GetMemoryInfoResponse\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x1b\n\x13max_session_entries\x18\x02 \x01(\x03\x12\x19\n\x11max_total_entries\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65\x66\x61ult_idle_timeout_s\x18\x04 \x01(\x01\x12\x1a\n\x12max_idle_timeout_s\x18\x05 \x01(\x01\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x10\n\x08sessions\x18\x08 \x01(\x05\x12\x18\n\x10reserved_entries\x18\t \x01(\x03\x32\xaf\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponse2\xe3\x03\n\rMemoryService\x12M\n\x0c\x43reateMemory\x12\x1d.memlm.v1.CreateMemoryRequest\x1a\x1e.memlm.v1.CreateMemoryResponse\x12M\n\x0c\x41ppendMemory\x12\x1d.memlm.v1.AppendMemoryRequest\x1a\x1e.memlm.v1.AppendMemoryResponse\x12M\n\x0cSearchMemory\x12\x1d.memlm.v1.SearchMemoryRequest\x1a\x1e.memlm.v1.SearchMemoryResponse\x12J\n\x0b\x43learMemory\x12\x1c.memlm.v1.ClearMemoryRequest\x1a\x1d.memlm.v1.ClearMemoryResponse\x12G\n\nDropMemory\x12\x1b.memlm.v1.DropMemoryRequest\x1a\x1c.memlm.v1.DropMemoryResponse\x12P\n\rGetMemoryInfo\x12\x1e.memlm.v1.GetMemoryInfoRequest\x1a\x1f.memlm.v1.GetMemoryInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"\xb7\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1a\n\rallow_partial\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerankB\x10\n\x0e_allow_partial\"\xb3\x01\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x06 \x01(\x08\x12\x16\n\x0emissing_shards\x18\x07 \x03(\t\" \n\x1eRetrievalServiceGetInfoRequest\"\xb1\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\"\xa0\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"\xb0\x01\n\x13\x43reateMemoryRequest\x12\x0f\n\x07streams\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\tvalue_dim\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x1b\n\x0eidle_timeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nlifetime_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_idle_timeout_sB\r\n\x0b_lifetime_s\"i\n\x14\x43reateMemoryResponse\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x16\n\x0eidle_timeout_s\x18\x02 \x01(\x01\x12&\n\rstorage_dtype\x18\x03 \x01(\x0e\x32\x0f.memlm.v1.DType\"\x8b\x01\n\x13\x41ppendMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x1e\n\x04keys\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x04 \x01(\x0b\x32\x10.memlm.v1.Tensor\"7\n\x14\x41ppendMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"V\n\x13SearchMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07queries\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x03 \x01(\x05\"y\n\x14SearchMemoryResponse\x12\x1e\n\x04keys\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\"J\n\x12\x43learMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07streams\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\"6\n\x13\x43learMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"&\n\x11\x44ropMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x14\n\x12\x44ropMemoryResponse\"\x16\n\x14GetMemoryInfoRequest\"\xf7\x01\n\x15GetMemoryInfoResponse\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x1b\n\x13max_session_entries\x18\x02 \x01(\x03\x12\x19\n\x11max_total_entries\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65\x66\x61ult_idle_timeout_s\x18\x04 \x01(\x01\x12\x1a\n\x12max_idle_timeout_s\x18\x05 \x01(\x01\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x10\n\x08sessions\x18\x08 \x01(\x05\x12\x18\n\x10reserved_entries\x18\t \x01(\x03\x32\xaf\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponse2\xe3\x03\n\rMemoryService\x12M\n\x0c\x43reateMemory\x12\x1d.memlm.v1.CreateMemoryRequest\x1a\x1e.memlm.v1.CreateMemoryResponse\x12M\n\x0c\x41ppendMemory\x12\x1d.memlm.v1.AppendMemoryRequest\x1a\x1e.memlm.v1.AppendMemoryResponse\x12M\n\x0cSearchMemory\x12\x1d.memlm.v1.SearchMemoryRequest\x1a\x1e.memlm.v1.SearchMemoryResponse\x12J\n\x0b\x43learMemory\x12\x1c.memlm.v1.ClearMemoryRequest\x1a\x1d.memlm.v1.ClearMemoryResponse\x12G\n\nDropMemory\x12\x1b.memlm.v1.DropMemoryRequest\x1a\x1c.memlm.v1.DropMemoryResponse\x12P\n\rGetMemoryInfo\x12\x1e.memlm.v1.GetMemoryInfoRequest\x1a\x1f.memlm.v1.GetMemoryInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'memlm.v1.retrieval_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEARCHREQUEST']._serialized_start=62
-  _globals['_SEARCHREQUEST']._serialized_end=199
-  _globals['_SEARCHRESPONSE']._serialized_start=202
-  _globals['_SEARCHRESPONSE']._serialized_end=340
-  _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_start=342
-  _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_end=374
-  _globals['_DATASTOREINFO']._serialized_start=377
-  _globals['_DATASTOREINFO']._serialized_end=682
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=685
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=845
-  _globals['_CREATEMEMORYREQUEST']._serialized_start=848
-  _globals['_CREATEMEMORYREQUEST']._serialized_end=1024
-  _globals['_CREATEMEMORYRESPONSE']._serialized_start=1026
-  _globals['_CREATEMEMORYRESPONSE']._serialized_end=1131
-  _globals['_APPENDMEMORYREQUEST']._serialized_start=1134
-  _globals['_APPENDMEMORYREQUEST']._serialized_end=1273
-  _globals['_APPENDMEMORYRESPONSE']._serialized_start=1275
-  _globals['_APPENDMEMORYRESPONSE']._serialized_end=1330
-  _globals['_SEARCHMEMORYREQUEST']._serialized_start=1332
-  _globals['_SEARCHMEMORYREQUEST']._serialized_end=1418
-  _globals['_SEARCHMEMORYRESPONSE']._serialized_start=1420
-  _globals['_SEARCHMEMORYRESPONSE']._serialized_end=1541
-  _globals['_CLEARMEMORYREQUEST']._serialized_start=1543
-  _globals['_CLEARMEMORYREQUEST']._serialized_end=1617
-  _globals['_CLEARMEMORYRESPONSE']._serialized_start=1619
-  _globals['_CLEARMEMORYRESPONSE']._serialized_end=1673
-  _globals['_DROPMEMORYREQUEST']._serialized_start=1675
-  _globals['_DROPMEMORYREQUEST']._serialized_end=1713
-  _globals['_DROPMEMORYRESPONSE']._serialized_start=1715
-  _globals['_DROPMEMORYRESPONSE']._serialized_end=1735
-  _globals['_GETMEMORYINFOREQUEST']._serialized_start=1737
-  _globals['_GETMEMORYINFOREQUEST']._serialized_end=1759
-  _globals['_GETMEMORYINFORESPONSE']._serialized_start=1762
-  _globals['_GETMEMORYINFORESPONSE']._serialized_end=2009
-  _globals['_RETRIEVALSERVICE']._serialized_start=2012
-  _globals['_RETRIEVALSERVICE']._serialized_end=2187
-  _globals['_MEMORYSERVICE']._serialized_start=2190
-  _globals['_MEMORYSERVICE']._serialized_end=2673
+  _globals['_SEARCHREQUEST']._serialized_end=245
+  _globals['_SEARCHRESPONSE']._serialized_start=248
+  _globals['_SEARCHRESPONSE']._serialized_end=427
+  _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_start=429
+  _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_end=461
+  _globals['_DATASTOREINFO']._serialized_start=464
+  _globals['_DATASTOREINFO']._serialized_end=769
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=772
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=932
+  _globals['_CREATEMEMORYREQUEST']._serialized_start=935
+  _globals['_CREATEMEMORYREQUEST']._serialized_end=1111
+  _globals['_CREATEMEMORYRESPONSE']._serialized_start=1113
+  _globals['_CREATEMEMORYRESPONSE']._serialized_end=1218
+  _globals['_APPENDMEMORYREQUEST']._serialized_start=1221
+  _globals['_APPENDMEMORYREQUEST']._serialized_end=1360
+  _globals['_APPENDMEMORYRESPONSE']._serialized_start=1362
+  _globals['_APPENDMEMORYRESPONSE']._serialized_end=1417
+  _globals['_SEARCHMEMORYREQUEST']._serialized_start=1419
+  _globals['_SEARCHMEMORYREQUEST']._serialized_end=1505
+  _globals['_SEARCHMEMORYRESPONSE']._serialized_start=1507
+  _globals['_SEARCHMEMORYRESPONSE']._serialized_end=1628
+  _globals['_CLEARMEMORYREQUEST']._serialized_start=1630
+  _globals['_CLEARMEMORYREQUEST']._serialized_end=1704
+  _globals['_CLEARMEMORYRESPONSE']._serialized_start=1706
+  _globals['_CLEARMEMORYRESPONSE']._serialized_end=1760
+  _globals['_DROPMEMORYREQUEST']._serialized_start=1762
+  _globals['_DROPMEMORYREQUEST']._serialized_end=1800
+  _globals['_DROPMEMORYRESPONSE']._serialized_start=1802
+  _globals['_DROPMEMORYRESPONSE']._serialized_end=1822
+  _globals['_GETMEMORYINFOREQUEST']._serialized_start=1824
+  _globals['_GETMEMORYINFOREQUEST']._serialized_end=1846
+  _globals['_GETMEMORYINFORESPONSE']._serialized_start=1849
+  _globals['_GETMEMORYINFORESPONSE']._serialized_end=2096
+  _globals['_RETRIEVALSERVICE']._serialized_start=2099
+  _globals['_RETRIEVALSERVICE']._serialized_end=2274
+  _globals['_MEMORYSERVICE']._serialized_start=2277
+  _globals['_MEMORYSERVICE']._serialized_end=2760
 # @@protoc_insertion_point(module_scope)

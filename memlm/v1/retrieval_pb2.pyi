@@ -1,34 +1,41 @@
 from memlm.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SearchRequest(_message.Message):
-    __slots__ = ("queries", "k", "nprobe", "exact_rerank")
+    __slots__ = ("queries", "k", "nprobe", "exact_rerank", "allow_partial")
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     NPROBE_FIELD_NUMBER: _ClassVar[int]
     EXACT_RERANK_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     queries: _tensor_pb2.Tensor
     k: int
     nprobe: int
     exact_rerank: bool
-    def __init__(self, queries: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., exact_rerank: _Optional[bool] = ...) -> None: ...
+    allow_partial: bool
+    def __init__(self, queries: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., exact_rerank: _Optional[bool] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("distances", "ids", "values", "generation")
+    __slots__ = ("distances", "ids", "values", "generation", "partial", "missing_shards")
     DISTANCES_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    MISSING_SHARDS_FIELD_NUMBER: _ClassVar[int]
     distances: _tensor_pb2.Tensor
     ids: _tensor_pb2.Tensor
     values: _tensor_pb2.Tensor
     generation: int
-    def __init__(self, distances: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
+    partial: bool
+    missing_shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, distances: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generation: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RetrievalServiceGetInfoRequest(_message.Message):
     __slots__ = ()
