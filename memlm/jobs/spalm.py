@@ -245,8 +245,13 @@ def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k:
 
 
 def datastore_token_counts(store: Any, vocab_size: int) -> np.ndarray:
-    """(V,) occurrences of each next token in the datastore (its corpus' counts, for the gate report)."""
-    return np.bincount(np.asarray(store.values, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+    """(V,) occurrences of each next token among the live entries of a datastore.Datastore (its corpus'
+    counts, for the gate report): entries of removed documents (store.live, issue 14) are not counted,
+    as no search returns them."""
+    values = np.asarray(store.values, dtype=np.int64)  # (N,)
+    if store.live is not None:
+        values = values[store.live.live]  # (L,) the live entries
+    return np.bincount(values, minlength=vocab_size)[:vocab_size]
 
 
 def spalm_trainable(config: ModelConfig, train_top: int | None) -> tuple[str, ...]:
