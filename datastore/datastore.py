@@ -36,6 +36,7 @@ from datastore.shards import KEY_DTYPE, PROVENANCE_DTYPE, VALUE_DTYPE, read_arra
 from memlm.errors import MemlmError
 from memlm.files import sha256_file
 from memlm.model.device import resolve_device
+from memlm.retrieval.attribution import SourcedNeighbors, sources_of
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.searcher import (
     MAX_K,
@@ -213,6 +214,13 @@ class Datastore:
         docs = np.where(missing, -1, self.entry_provenance.docs[rows]).astype(np.int32)  # (Q, k)
         positions = np.where(missing, -1, self.entry_provenance.positions[rows]).astype(np.int32)  # (Q, k)
         return Provenance(docs, positions)
+
+    def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
+        """search, plus each neighbour's document from the documents table and this generation
+        (memlm.retrieval.attribution.SourcedSearcher: attribution, issue 14 part 5). Read-only."""
+        nb = self.search(xq, k, options)  # (Q, k)
+        documents, sources = sources_of(self.provenance(nb.ids).docs, self.documents())  # (Q, k), (S,)
+        return SourcedNeighbors(nb, documents, sources, self.manifest.generation)
 
     def documents(self) -> tuple[DocumentRecord, ...]:
         """The documents table (datastore.documents.DocumentRecord): record i is the document whose entries

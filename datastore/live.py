@@ -30,6 +30,7 @@ import numpy as np
 from datastore.datastore import Datastore
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
+from memlm.retrieval.attribution import SourcedNeighbors
 from memlm.retrieval.searcher import Neighbors, Provenance, SearcherInfo, SearchOptions
 
 
@@ -85,6 +86,11 @@ class LiveDatastore:
     def search(self, xq: Any, k: int, options: SearchOptions | None = None) -> Neighbors:
         """Datastore.search on the generation served now (xq (Q, d) -> Neighbors (Q, k))."""
         return self.current.search(xq, k, options)
+
+    def search_sourced(self, xq: Any, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
+        """Datastore.search_sourced on the generation served now: neighbours, documents and generation from
+        one read of the reference (read-only; attribution, issue 14 part 5)."""
+        return self.current.search_sourced(xq, k, options)
 
     def provenance(self, ids: np.ndarray) -> Provenance:
         """Datastore.provenance of the generation served now (ids (Q, k) from its searches)."""

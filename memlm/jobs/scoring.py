@@ -53,6 +53,13 @@ from memlm.jobs.windows import (
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.model.decoder import Decoder
+from memlm.retrieval.attribution import (
+    SourcedNeighbors,
+    TokenAttribution,
+    attribute,
+    require_sourced,
+    slice_sourced,
+)
 from memlm.retrieval.knnlm import (
     KNNLMConfig,
     interpolate,
@@ -87,6 +94,9 @@ class SequenceScore:
     """(n, N) float32: their final log-probabilities."""
     context_tokens: int
     """Tokens the first scored token was conditioned on: the boundary token plus the context."""
+    attribution: tuple[TokenAttribution, ...] = ()
+    """(n,) per scored token its top documents (memlm.retrieval.attribution) when attribution was asked
+    for with kNN-LM; empty otherwise."""
 
     @property
     def total_logprob(self) -> float:
@@ -149,6 +159,7 @@ def score_tokens(
     top_n: int = 0,
     batch_size: int = 4,
     should_stop: ShouldStop | None = None,
+    attribution: int = 0,
 ) -> list[SequenceScore]:
     """Score each sequence of `token_seqs`, one SequenceScore per sequence, in order.
 
@@ -162,8 +173,10 @@ def score_tokens(
     batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
     should_stop: polled before every forward batch; when it says True, WorkStopped is raised (a server
         whose client gave up frees its model thread within one batch, issue 9). None = run to the end.
+    attribution: top documents per scored token (SequenceScore.attribution; 0 = none); needs kNN-LM and a
+        memlm.retrieval.attribution.SourcedSearcher (the searches then ask for provenance; scores are equal).
     """
-    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n, attribution)
     check_window(context, stride, model.config.max_seq_len)
 
     # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
@@ -181,7 +194,7 @@ def score_tokens(
     for lo in range(0, len(jobs), batch_size):
         check_stop(should_stop)
         batch = jobs[lo : lo + batch_size]
-        for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n)):
+        for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n, attribution)):
             parts[job.window.doc].append(scores)
 
     return _assemble(token_seqs, parts, prefix_lens, top_n)
@@ -202,6 +215,7 @@ def score_tokens_segments(
     should_stop: ShouldStop | None = None,
     knn_attention: KnnAttention | None = None,
     service: KeyValueMemoryFactory | None = None,
+    attribution: int = 0,
 ) -> list[SequenceScore]:
     """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
 
@@ -211,7 +225,7 @@ def score_tokens_segments(
     batch_size: sequences run side by side, one per row (equal to `memlm eval --batch-size` for
         bit-identical floats); a row's memory is reset when it starts the next sequence.
     compressor: the learned compressor for memory.compress_fn "conv".
-    should_stop: polled before every segment batch, as in score_tokens.
+    should_stop, attribution: as in score_tokens (should_stop: polled before every segment batch).
     knn_attention, service: memory.kind "memorizing" (Wu et al. 2022): the layer's parameters (required)
         and the retrieval-service memory factory (knn_backend "service"); the state is opened as
         `memlm eval --memory memorizing` opens it (memlm.jobs.memorizing.open_memory), so per-token
@@ -220,7 +234,7 @@ def score_tokens_segments(
     continuation's targets are scored, so a context conditions the continuation through the memory
     (and the segment it shares with it).
     """
-    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n)
+    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n, attribution)
     segment = memory.segment
     if segment > model.config.max_seq_len:
         raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] (the model's context), got {segment}")
@@ -256,12 +270,13 @@ def score_tokens_segments(
                         continue
                     # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
                     logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-                    neighbors = _search_each(searcher, knn, [out.knn_key[r, a:b] for r, _, a, b in slices])
+                    neighbors = _search_each(searcher, knn, [out.knn_key[r, a:b] for r, _, a, b in slices],
+                                             attribution)
                     for (r, seq, a, b), nb in zip(slices, neighbors):
                         targets = batch.targets[r, a:b].to(device)  # (n,)
                         lm_lp = logp[r, a:b]  # (n, V)
                         greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
-                        parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n))
+                        parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n, attribution))
         finally:
             close_memory(state)
     return _assemble(token_seqs, parts, prefix_lens, top_n)
@@ -290,10 +305,14 @@ def _scored_slices(
 
 def _check_common(
     model: Decoder, token_seqs: Sequence[Sequence[int]], contexts: Sequence[Sequence[int] | None] | None,
-    searcher: Searcher | None, knn: KNNLMConfig | None, top_n: int,
+    searcher: Searcher | None, knn: KNNLMConfig | None, top_n: int, attribution: int,
 ) -> int:
     """The argument checks score_tokens and score_tokens_segments share (MemlmError naming the argument);
     returns top_n capped at the vocabulary size."""
+    if attribution:
+        if searcher is None:
+            raise MemlmError("attribution needs kNN-LM: its documents are the retrieved neighbours'")
+        require_sourced(searcher)
     if (searcher is None) != (knn is None):
         raise MemlmError("kNN-LM scoring needs both a searcher and a KNNLMConfig")
     if knn is not None and knn.needs_tuning:
@@ -306,13 +325,15 @@ def _check_common(
 
 
 def _assemble(
-    token_seqs: Sequence[Sequence[int]], parts: list[list[tuple[torch.Tensor, ...]]], prefix_lens: list[int], top_n: int
+    token_seqs: Sequence[Sequence[int]], parts: list[list[tuple]], prefix_lens: list[int], top_n: int
 ) -> list[SequenceScore]:
-    """Concatenate each sequence's per-window scores, in order, into one SequenceScore."""
+    """Concatenate each sequence's per-window scores (5 tensors and the attribution list), in order, into
+    one SequenceScore."""
     results = []
     for i, tokens in enumerate(token_seqs):
+        attribution = tuple(a for part in parts[i] for a in part[5])
         if parts[i]:
-            cols = [torch.cat(c) for c in zip(*parts[i])]
+            cols = [torch.cat(c) for c in list(zip(*parts[i]))[:5]]
         else:
             cols = [torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.bool),
                     torch.empty(0, top_n, dtype=torch.long), torch.empty(0, top_n)]
@@ -325,6 +346,7 @@ def _assemble(
             top_ids=top_ids.long().reshape(len(base), top_n).numpy(),
             top_logprobs=top_lp.float().reshape(len(base), top_n).numpy(),
             context_tokens=prefix_lens[i],
+            attribution=attribution,
         ))
     return results
 
@@ -336,45 +358,56 @@ def _score_batch(
     searcher: Searcher | None,
     knn: KNNLMConfig | None,
     top_n: int,
-) -> list[tuple[torch.Tensor, ...]]:
+    attribution: int = 0,
+) -> list[tuple]:
     """One forward pass over up to batch_size windows (memlm.jobs.windows.forward_windows, what
     `memlm eval` runs); returns per window (base (n,), final (n,), greedy (n,), top ids (n, N),
-    top logprobs (n, N)) on the CPU."""
+    top logprobs (n, N)) on the CPU, and its tokens' attribution (a list, empty without)."""
     outputs = forward_windows(model, batch)
     results = []
-    for o, nb in zip(outputs, _search_each(searcher, knn, [o.keys for o in outputs])):
+    for o, nb in zip(outputs, _search_each(searcher, knn, [o.keys for o in outputs], attribution)):
         lm_lp, greedy = o.log_probs()  # (n, V), (n,)
-        results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n))
+        results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n, attribution))
     return results
 
 
 def _search_each(
-    searcher: Searcher | None, knn: KNNLMConfig | None, keys: list[torch.Tensor]
-) -> list[Neighbors | None]:
+    searcher: Searcher | None, knn: KNNLMConfig | None, keys: list[torch.Tensor], attribution: int = 0,
+) -> list[Neighbors | SourcedNeighbors | None]:
     """Neighbours of each key block (n_i, C), from one search over all of them (one per forward batch);
-    None for every block without kNN-LM."""
+    None for every block without kNN-LM; with attribution, sourced neighbours (the same neighbours, with
+    their documents)."""
     if searcher is None:
         return [None] * len(keys)
-    neighbors = search_keys(searcher, torch.cat(keys), knn.k, knn.search_options)  # (Q, k) arrays
+    if attribution:
+        xq = torch.cat(keys).detach().float().cpu().numpy()  # (Q, C) float32, as search_keys sends it
+        found = require_sourced(searcher).search_sourced(xq, knn.k, knn.search_options)  # (Q, k)
+    else:
+        found = search_keys(searcher, torch.cat(keys), knn.k, knn.search_options)  # (Q, k) arrays
     blocks, offset = [], 0
     for block in keys:
-        n = block.shape[0]
-        blocks.append(Neighbors(*(a[offset : offset + n] for a in neighbors)))  # (n, k)
-        offset += n
+        rows = slice(offset, offset + block.shape[0])
+        blocks.append(slice_sourced(found, rows) if attribution else Neighbors(*(a[rows] for a in found)))  # (n, k)
+        offset += block.shape[0]
     return blocks
 
 
 def _final_scores(
-    lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | None,
-    knn: KNNLMConfig | None, top_n: int,
-) -> tuple[torch.Tensor, ...]:
-    """Per scored token: (base (n,), final (n,), greedy (n,), top ids (n, N), top logprobs (n, N)) on the CPU.
+    lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | SourcedNeighbors | None,
+    knn: KNNLMConfig | None, top_n: int, attribution: int = 0,
+) -> tuple:
+    """Per scored token: (base (n,), final (n,), greedy (n,), top ids (n, N), top logprobs (n, N)) on the CPU,
+    and the list of its TokenAttribution (empty without attribution).
 
     lm_lp: (n, V) base log-probabilities; targets: (n,); greedy: (n,) base-LM greedy flags (used
-    without kNN-LM); nb: (n, k) neighbours of these tokens' keys, or None without kNN-LM.
+    without kNN-LM); nb: (n, k) neighbours of these tokens' keys (sourced with attribution), or None
+    without kNN-LM.
     """
     n = lm_lp.shape[0]
     base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
+    attributed: list[TokenAttribution] = []
+    if attribution and nb is not None:
+        sourced, nb = nb, nb.neighbors  # (n, k) neighbours with their documents
     if nb is None:
         final = base
         top = lm_lp.topk(top_n, dim=-1) if top_n else None
@@ -384,7 +417,10 @@ def _final_scores(
         knn_lp = knn_target_logprob(nb, targets.cpu(), knn.temperature)  # (n,)
         final = interpolate(base, knn_lp.to(lm_lp.device), knn.lmbda)  # (n,)
         greedy, top_ids, top_lp = _dense_greedy_top(lm_lp, nb, targets, knn, top_n)
-    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu()
+        if attribution:
+            attributed = attribute(sourced, targets.cpu().numpy(), final.cpu().numpy(), knn.temperature, knn.lmbda,
+                                   attribution)
+    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu(), attributed
 
 
 def _dense_greedy_top(
