@@ -127,6 +127,8 @@ def cmd_serve_router(args: argparse.Namespace) -> None:
     from services.router import ShardLinks, serve_router
 
     shards = ShardLinks(tls=link_tls(args, "shard-"), token=secret(args, "shard-", "MEMLM_SHARD_TOKEN"))
+    if args.hedge_after is not None:  # unset: ShardLinks' default; 0: fail over only on failure
+        shards = dataclasses.replace(shards, hedge_after_s=args.hedge_after or None)
     asyncio.run(serve_router(
         args.shard, args.host, args.port, shards=shards,
         options=server_options(args),
@@ -289,7 +291,11 @@ def add_serve_parser(sub: Any) -> None:
     add_server_security(r)
     r.set_defaults(func=cmd_serve_retrieval)
     ro = ssub.add_parser("router", help="RetrievalService that fans out to shards and merges the top-k")
-    ro.add_argument("--shard", action="append", required=True, help="HOST:PORT of a shard, in build order (repeat)")
+    ro.add_argument("--shard", action="append", required=True,
+                    help="HOST:PORT[,HOST:PORT...]: a shard's replicas, in build order (repeat per shard)")
+    ro.add_argument("--hedge-after", type=float, default=None, metavar="SECONDS",
+                    help="send a shard call unanswered this long to another replica too (0: only on failure; "
+                         "default services.router.ShardLinks.hedge_after_s, 1 s)")
     add_link_security(ro, "shard-", "shard", "MEMLM_SHARD_TOKEN")
     add_server_security(ro)
     ro.set_defaults(func=cmd_serve_router)

@@ -16,9 +16,15 @@ recomputes the offsets, and uses the answers if their generations match the new 
 once more). So merged ids are always rows of the concatenation of the generations that answered.
 
 Faults (issue 9, finding 2): a shard call never outlives the caller's deadline nor ShardLinks.call_timeout_s
-(a caller without a deadline must not wait forever on a hung shard), and each shard has a circuit breaker
-(services/circuit.py): after repeated failures the router answers UNAVAILABLE naming the shard at once,
-until a trial call after the back-off succeeds.
+(a caller without a deadline must not wait forever on a hung shard), and each replica has a circuit breaker
+(services/circuit.py): after repeated failures the router skips it at once, until a trial call after the
+back-off succeeds.
+
+Replicas (issue 16, part 3): a shard may be served by several replicas (`--shard A,B`), chosen by health
+and failed over or hedged within the caller's deadline (services/replicas.py). When every replica of a
+shard is gone the call fails with that replica's code (UNAVAILABLE for a dead one) naming the shard, or,
+when the request sets allow_partial, is answered from the other shards with partial set and the missing
+shards named (their rows keep their offsets: ids stay those of the whole union).
 
 Shape legend: Q queries, k neighbours, S shards.
 """
@@ -26,8 +32,9 @@ Shape legend: Q queries, k neighbours, S shards.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,6 +45,13 @@ from memlm.errors import MemlmError
 from memlm.retrieval.searcher import Neighbors
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.circuit import BreakerConfig, CircuitBreaker
+from services.replicas import (
+    RETRIED_CODES,
+    Replica,
+    ReplicaSet,
+    ShardFailed,
+    replicas_of,
+)
 from services.retrieval_server import (
     MESSAGE_CLASSES,
     SERVICE,
@@ -74,12 +88,14 @@ class Layout(NamedTuple):
     """Global id offset of each shard."""
     generations: list[int]
     """Each shard's generation the offsets were computed from."""
+    infos: list[retrieval_pb2.RetrievalServiceGetInfoResponse]
+    """Each shard's own GetInfo answer (kept for a shard that is down when the layout is renewed)."""
 
 
 def layout_of(addresses: Sequence[str], infos: Sequence[retrieval_pb2.RetrievalServiceGetInfoResponse],
               max_message_bytes: int) -> Layout:
     info, offsets = merge_shard_infos(addresses, infos, max_message_bytes)
-    return Layout(info, offsets, [i.generation for i in infos])
+    return Layout(info, offsets, [i.generation for i in infos], list(infos))
 
 
 def merge_shard_infos(
@@ -150,97 +166,103 @@ def _decode(response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors
 
 
 class RouterServicer:
-    """RetrievalService that fans out to shard stubs and merges."""
+    """RetrievalService that fans out to one replica of every shard and merges."""
 
-    def __init__(self, addresses, stubs, metadata, layout: Layout, links: ShardLinks):
-        self._addresses = addresses
-        self._stubs = stubs
-        self._metadata = metadata
+    def __init__(self, shards: Sequence[ReplicaSet], layout: Layout, links: ShardLinks):
+        self._shards = list(shards)
         self._layout = layout  # the union of the shards, the tightest of their limits, the id offsets
         self._call_timeout_s = links.call_timeout_s
-        self._breakers = [CircuitBreaker(links.breaker) for _ in stubs]
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         # Validate here too: bad input is refused once, not S times, and the message names the field.
         parsed = parse_search_request(request, self._layout.info)
-        remaining = context.time_remaining()  # the caller's deadline bounds every shard call
-        timeout = self._call_timeout_s if remaining is None else min(remaining, self._call_timeout_s)
+        deadline_s = self._deadline(context)
         for _ in range(2):  # a second time only when a shard changed generation during the first
-            responses = await self._fan_out(request, timeout, context)
-            answered = [r.generation for r in responses]
+            responses = await self._fan_out(request, deadline_s, context)  # None: a shard that is gone
             layout = self._layout
-            if answered != layout.generations:
-                layout = await self._relayout(timeout, context)
-            if answered == layout.generations:
+            if not _answered_from(layout, responses):
+                layout = await self._relayout(deadline_s, context)
+            if _answered_from(layout, responses):
                 break
         else:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "shards changed generation during the call; retry")
         q = len(parsed.xq)
+        answered = [i for i, r in enumerate(responses) if r is not None]
         try:
-            results = [_decode(r, q, parsed.k) for r in responses]
+            results = [_decode(responses[i], q, parsed.k) for i in answered]
         except TensorError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"bad shard response: {e}")
-        return neighbors_to_response(merge_top_k(results, layout.offsets, parsed.k))
+        response = neighbors_to_response(merge_top_k(results, [layout.offsets[i] for i in answered], parsed.k))
+        missing = [shard.name for shard, r in zip(self._shards, responses) if r is None]
+        if missing:  # only when the caller allowed it (_fan_out)
+            response.partial = True
+            response.missing_shards.extend(missing)
+        return response
 
-    async def _relayout(self, timeout: float, context: grpc.aio.ServicerContext) -> Layout:
-        """Ask every shard for GetInfo and replace the layout (a shard now serves another generation)."""
+    def _deadline(self, context: grpc.aio.ServicerContext) -> Callable[[], float]:
+        """Seconds the next shard call may take: the caller's remaining deadline, at most call_timeout_s (a
+        caller without a deadline must not wait forever on a hung shard)."""
+        def seconds() -> float:
+            remaining = context.time_remaining()
+            return self._call_timeout_s if remaining is None else min(remaining, self._call_timeout_s)
+        return seconds
+
+    async def _relayout(self, deadline_s: Callable[[], float], context: grpc.aio.ServicerContext) -> Layout:
+        """Ask every shard for GetInfo and replace the layout (a shard now serves another generation); a shard
+        that does not answer keeps its last info (a partial answer leaves it out anyway)."""
+        old = self._layout
+        answers = await asyncio.gather(*(
+            shard.call(_get_info, retrieval_pb2.RetrievalServiceGetInfoRequest(), deadline_s)
+            for shard in self._shards), return_exceptions=True)
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(a, ShardFailed):
+                raise a
+        infos = [old.infos[i] if isinstance(a, ShardFailed) else a for i, a in enumerate(answers)]
         try:
-            infos = await asyncio.gather(*(
-                stub.GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest(), timeout=timeout, metadata=self._metadata)
-                for stub in self._stubs))
-            self._layout = layout_of(self._addresses, infos, self._layout.info.max_message_bytes)
-        except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"a shard did not answer GetInfo: {e.code().name}")
+            self._layout = layout_of([s.name for s in self._shards], infos, old.info.max_message_bytes)
         except MemlmError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shards no longer agree: {e}")
         return self._layout
 
-    async def _fan_out(self, request, timeout: float, context) -> list[retrieval_pb2.SearchResponse]:
-        """Every shard's SearchResponse, or an abort naming the first shard that failed."""
-        calls = [asyncio.ensure_future(self._shard_search(i, request, timeout)) for i in range(len(self._stubs))]
+    async def _fan_out(self, request, deadline_s: Callable[[], float], context) -> list:
+        """Every shard's SearchResponse (None for a shard whose replicas are all down, when the request allows
+        a partial answer), or an abort naming the shard that failed."""
+        calls = [asyncio.ensure_future(shard.call(_search, request, deadline_s)) for shard in self._shards]
         try:
-            responses = await asyncio.gather(*calls)
-        except _ShardFailed as f:
+            if not request.allow_partial:  # the first failure decides: stop waiting for the others
+                return await asyncio.gather(*calls)
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+        except ShardFailed as f:
             # Pass the shard's code on (DEADLINE_EXCEEDED stays that), naming the shard.
-            await context.abort(f.code, f"shard {f.address}: {f.details}")
+            await context.abort(f.code, f"shard {f.shard}: {f.details}")
         finally:
             for c in calls:  # one shard failed (or our caller went away): stop waiting for the others
                 c.cancel()
-        return responses
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        for f in failed:
+            if not isinstance(f, ShardFailed):
+                raise f
+        refused = [f for f in failed if f.code not in RETRIED_CODES]  # a bad request is no missing shard
+        if refused or len(failed) == len(answers):
+            f = (refused or failed)[0]
+            await context.abort(f.code, f"shard {f.shard}: {f.details}")
+        return [None if isinstance(a, ShardFailed) else a for a in answers]
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._layout.info
 
-    async def _shard_search(self, i: int, request, timeout: float) -> retrieval_pb2.SearchResponse:
-        breaker = self._breakers[i]
-        if not breaker.allow():
-            raise _ShardFailed(self._addresses[i], grpc.StatusCode.UNAVAILABLE,
-                               f"circuit open after repeated failures; next try in {breaker.retry_in():.1f} s")
-        try:
-            response = await self._stubs[i].Search(request, timeout=timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as e:
-            if e.code() in SHARD_DOWN_CODES:
-                breaker.record_failure()
-            else:  # the shard answered: it is alive
-                breaker.record_success()
-            raise _ShardFailed(self._addresses[i], e.code(), e.details() or "") from None
-        except asyncio.CancelledError:  # another shard failed or our caller left: no verdict on this one
-            breaker.record_abandoned()
-            raise
-        breaker.record_success()
-        return response
+
+def _search(stub):
+    return stub.Search
 
 
-SHARD_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Shard failures that count towards its breaker: the shard is down or hung (not a bad request)."""
+def _get_info(stub):
+    return stub.GetInfo
 
 
-class _ShardFailed(Exception):
-    def __init__(self, address: str, code: grpc.StatusCode, details: str):
-        super().__init__(address)
-        self.address = address
-        self.code = code
-        self.details = details
+def _answered_from(layout: Layout, responses) -> bool:
+    """True when every shard that answered answered from the generation `layout`'s offsets assume."""
+    return all(r is None or r.generation == g for r, g in zip(responses, layout.generations))
 
 
 @dataclass(frozen=True)
@@ -256,7 +278,16 @@ class ShardLinks:
     call_timeout_s: float = 60.0
     """Longest a shard Search may take, in seconds, when the caller's deadline is later or unset."""
     breaker: BreakerConfig = BreakerConfig()
-    """When repeated failures of one shard make the router refuse at once (UNAVAILABLE naming it)."""
+    """When repeated failures of one replica make the router skip it at once (UNAVAILABLE naming the shard
+    when it was the last)."""
+    hedge_after_s: float | None = 1.0
+    """Seconds a shard call may go unanswered before the shard's next replica is sent the same request (the
+    first answer wins); None = another replica only on failure. Above a healthy replica's search time, so
+    hedges stay rare: each is a second search."""
+
+    def __post_init__(self) -> None:
+        if self.hedge_after_s is not None and self.hedge_after_s <= 0:
+            raise ValueError(f"hedge_after_s must be > 0 or None, got {self.hedge_after_s}")
 
 
 async def start_router_server(
@@ -266,38 +297,66 @@ async def start_router_server(
     shards: ShardLinks = ShardLinks(),
     options: ServerOptions = ServerOptions(),
 ) -> RunningServer:
-    """Start a router on `address` over `shard_addresses` (in the builder's shard order).
+    """Start a router on `address` over `shard_addresses` (in the builder's shard order), each one shard's
+    replicas: HOST:PORT[,HOST:PORT...] (services/replicas.py).
 
     shards: how the router reaches the shards; options: what the router's own callers get and must use
     (TLS, token, message size, concurrent calls, grace period). The server starts NOT_SERVING, asks every
-    shard for GetInfo (waiting up to shards.connect_timeout_s), checks they agree, then reports SERVING.
-    Raises MemlmError (after stopping) when a shard is unreachable or the shards disagree.
+    shard for GetInfo (the first replica to answer, waiting up to shards.connect_timeout_s), checks they
+    agree, starts watching every replica's health, then reports SERVING. Raises MemlmError (after stopping)
+    when a shard is unreachable or the shards disagree.
     """
     if not shard_addresses:
-        raise MemlmError("the router needs at least one --shard HOST:PORT")
-    channels = [open_channel(a, shards.tls, options.max_message_bytes, asynchronous=True) for a in shard_addresses]
-    stubs = [retrieval_pb2_grpc.RetrievalServiceStub(c) for c in channels]
+        raise MemlmError("the router needs at least one --shard HOST:PORT[,HOST:PORT...]")
+    try:
+        groups = [replicas_of(a) for a in shard_addresses]
+    except ValueError as e:
+        raise MemlmError(str(e)) from None
     metadata = auth_metadata(shards.token)
+    sets = []
+    for group in groups:
+        replicas = []
+        for a in group:
+            channel = open_channel(a, shards.tls, options.max_message_bytes, asynchronous=True)
+            replicas.append(Replica(a, channel, retrieval_pb2_grpc.RetrievalServiceStub(channel),
+                                    CircuitBreaker(shards.breaker)))
+        sets.append(ReplicaSet(",".join(group), replicas, shards.hedge_after_s, metadata))
+    channels = [r.channel for s in sets for r in s.replicas]
+    names = [s.name for s in sets]
 
     servicer = _LateServicer()
     running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
     try:
+        loop = asyncio.get_running_loop()
+        connect_by = loop.time() + shards.connect_timeout_s
         infos = await asyncio.gather(*(
-            stub.GetInfo(retrieval_pb2.RetrievalServiceGetInfoRequest(), timeout=shards.connect_timeout_s,
-                         metadata=metadata, wait_for_ready=True)
-            for stub in stubs
+            s.call(_get_info_when_ready, retrieval_pb2.RetrievalServiceGetInfoRequest(),
+                   lambda: connect_by - loop.time())
+            for s in sets
         ))
-        layout = layout_of(shard_addresses, infos, options.max_message_bytes)
-    except grpc.aio.AioRpcError as e:
+        layout = layout_of(names, infos, options.max_message_bytes)
+    except ShardFailed as e:
         await _stop(running, channels)
-        raise MemlmError(f"router: a shard did not answer GetInfo: {e.code().name}: {e.details()}") from None
+        raise MemlmError(f"router: shard {e.shard} did not answer GetInfo: {e.code.name}: {e.details}") from None
     except MemlmError:
         await _stop(running, channels)
         raise
-    servicer.target = RouterServicer(list(shard_addresses), stubs, metadata, layout, shards)
-    close_when_stopped(running.server, lambda: _close_all(channels))
+    watchers = [asyncio.ensure_future(r.watch_health()) for s in sets for r in s.replicas]
+    servicer.target = RouterServicer(sets, layout, shards)
+
+    async def close() -> None:
+        for w in watchers:
+            w.cancel()
+        await _close_all(channels)
+
+    close_when_stopped(running.server, close)
     await running.mark_serving()
     return running
+
+
+def _get_info_when_ready(stub):
+    """GetInfo that waits for a replica still starting (start-up only; a live call fails over instead)."""
+    return functools.partial(stub.GetInfo, wait_for_ready=True)
 
 
 class _LateServicer:
