@@ -8,34 +8,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SearchRequest(_message.Message):
-    __slots__ = ("queries", "k", "nprobe", "exact_rerank", "allow_partial")
+    __slots__ = ("queries", "k", "nprobe", "exact_rerank", "allow_partial", "with_documents")
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     NPROBE_FIELD_NUMBER: _ClassVar[int]
     EXACT_RERANK_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    WITH_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     queries: _tensor_pb2.Tensor
     k: int
     nprobe: int
     exact_rerank: bool
     allow_partial: bool
-    def __init__(self, queries: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., exact_rerank: _Optional[bool] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+    with_documents: bool
+    def __init__(self, queries: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., exact_rerank: _Optional[bool] = ..., allow_partial: _Optional[bool] = ..., with_documents: _Optional[bool] = ...) -> None: ...
+
+class SourceDocument(_message.Message):
+    __slots__ = ("doc_id", "meta_json")
+    DOC_ID_FIELD_NUMBER: _ClassVar[int]
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    doc_id: str
+    meta_json: str
+    def __init__(self, doc_id: _Optional[str] = ..., meta_json: _Optional[str] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("distances", "ids", "values", "generation", "partial", "missing_shards")
+    __slots__ = ("distances", "ids", "values", "generation", "partial", "missing_shards", "documents", "sources")
     DISTANCES_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     MISSING_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     distances: _tensor_pb2.Tensor
     ids: _tensor_pb2.Tensor
     values: _tensor_pb2.Tensor
     generation: int
     partial: bool
     missing_shards: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, distances: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generation: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[str]] = ...) -> None: ...
+    documents: _tensor_pb2.Tensor
+    sources: _containers.RepeatedCompositeFieldContainer[SourceDocument]
+    def __init__(self, distances: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generation: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[str]] = ..., documents: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[SourceDocument, _Mapping]]] = ...) -> None: ...
 
 class RetrievalServiceGetInfoRequest(_message.Message):
     __slots__ = ()
