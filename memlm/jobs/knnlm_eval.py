@@ -95,8 +95,9 @@ def _with_gate(stream: Iterator[ScoredTokens], adaptive: AdaptiveConfig | None, 
         if adaptive is None:
             yield s, None
             continue
-        with timer:
-            yield s, adaptive.allowed(s.features, s.keys).numpy()  # (n,)
+        with timer:  # (not around the yield: the consumer's time would count as the gate's)
+            allowed = adaptive.allowed(s.features, s.keys).numpy()  # (n,)
+        yield s, allowed
 
 
 def _queries(group: list[ScoredTokens]) -> tuple[np.ndarray, torch.Tensor]:
