@@ -1,7 +1,8 @@
 """A preallocated KV cache with per-row lengths, for the decoding engine (issue 12).
 
 Every row of the running batch owns one row of the cache: per layer, keys and values (R, nkv, L, hs)
-allocated once, and `slot_pos` (R, L) int64, the position each slot holds (-1: empty). A forward pass
+(allocated for all rows at once and grown by doubling up to L as rows get longer, never per token), and
+`slot_pos` (R, L) int64, the position each slot holds (-1: empty). A forward pass
 gets a `StepView` (a DecoderState): its `CachedAttention` per layer rotates the new queries and keys,
 writes the keys *already rotated* with the values into their slots, and attends over the row's slots
 with a mask built once per step from `slot_pos`. Rotary is applied once per key, when it is written,
@@ -19,9 +20,10 @@ since R(a)q . R(b)k depends on b - a only.
 
 Exact positions far past the context: positions are int64 (exact), and the rotary angle
 p * inv_freq is formed in float64 and reduced modulo 2 pi before rounding to float32 (`rotary_at`), from
-the integer position of every token at every step, never accumulated. The float32 angle is then within
-one float32 ulp of the true angle in [0, 2 pi) at any position below 2^40 (float64 keeps 2^-52 of the
-product), where a float32 product at position 10^6 is off by up to 0.03 rad and the scores drift.
+the integer position of every token at every step, never accumulated. The product's float64 error is
+p * f * 2^-53, so the reduced angle is within 2e-6 rad of the exact one up to position ~10^10
+(tests/memlm/engine/test_kv_cache.py checks 1.2e10), where a float32 product is off by up to 0.03 rad at
+position 10^6 already and the scores drift.
 
 Shape legend: R cache rows, L slots per row, B rows in a step, T tokens per row in the step,
 nh query heads, nkv key/value heads, g = nh / nkv, hs head size.
