@@ -26,11 +26,12 @@ import numpy as np
 from grpc_health.v1 import health
 
 from memlm.jobs.windows import ShouldStop, WorkStopped
+from memlm.retrieval.attribution import SourcedNeighbors
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.circuit import BreakerConfig, CircuitBreaker
+from services.retrieval_documents import decode_sourced
 from services.retrieval_server import (
-    RESPONSE_BYTES_PER_NEIGHBOUR,
     info_from_proto,
     response_bytes,
 )
@@ -210,13 +211,14 @@ class RetrievalClient(ServiceClient):
         """Key dimension d of the remote datastore."""
         return self.server_info().datastore.dim
 
-    def rows_per_call(self, k: int, itemsize: int = 4) -> int:
+    def rows_per_call(self, k: int, itemsize: int = 4, with_documents: bool = False) -> int:
         """Most queries one call may carry: within the server's max_queries, and so that both the
-        request (Q * d * itemsize bytes) and the response (Q * k * 16 bytes) fit one message on
-        both ends."""
+        request (Q * d * itemsize bytes) and the response (Q * k * 16 bytes, 20 with documents) fit one
+        message on both ends."""
         info = self.server_info()
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
-        by_response = (limit - response_bytes(0, k)) // (max(k, 1) * RESPONSE_BYTES_PER_NEIGHBOUR)  # k < 1: server says why
+        per_query = response_bytes(1, max(k, 1), with_documents) - response_bytes(0, k)  # k < 1: server says why
+        by_response = (limit - response_bytes(0, k)) // per_query
         by_request = (limit - 4096) // (self.dim * itemsize)  # 4096: room for the message's headers
         return max(1, min(info.max_queries or by_request, by_request, by_response))
 
@@ -232,6 +234,21 @@ class RetrievalClient(ServiceClient):
                      should_stop: ShouldStop | None) -> Neighbors:
         """search, with every call ending by `deadline` (time.monotonic() seconds; None = no caller deadline)
         and cancelled, raising WorkStopped, once should_stop() (polled every STOP_POLL_S; None = never)."""
+        return self._search(xq, k, options, deadline, should_stop, False)
+
+    def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
+        """search, plus each neighbour's document and the generation that answered (SearchRequest.with_documents;
+        memlm.retrieval.attribution.SourcedSearcher). A batch split into several calls is refused when they were
+        answered by different generations (ServiceError ABORTED: retry)."""
+        return self.search_sourced_until(xq, k, options, None, None)
+
+    def search_sourced_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
+                             should_stop: ShouldStop | None) -> SourcedNeighbors:
+        """search_sourced within a caller's deadline and should_stop, as search_until."""
+        return self._search(xq, k, options, deadline, should_stop, True)
+
+    def _search(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
+                should_stop: ShouldStop | None, with_documents: bool) -> Neighbors | SourcedNeighbors:
         options = options or SearchOptions()
         xq = np.asarray(xq)
         if xq.dtype != np.float16:
@@ -239,18 +256,29 @@ class RetrievalClient(ServiceClient):
         if xq.ndim != 2:
             raise ValueError(f"xq must be (Q, d), got shape {xq.shape}")
         if len(xq) == 0:  # what a local FAISS index answers; the server refuses empty batches
-            return Neighbors(np.empty((0, k), np.float32), np.empty((0, k), np.int64), np.empty((0, k), np.int32))
-        step = self.rows_per_call(k, xq.dtype.itemsize)
+            empty = Neighbors(np.empty((0, k), np.float32), np.empty((0, k), np.int64), np.empty((0, k), np.int32))
+            return SourcedNeighbors(empty, np.empty((0, k), np.int32), (), 0) if with_documents else empty
+        step = self.rows_per_call(k, xq.dtype.itemsize, with_documents)
         parts = []
         for start in range(0, len(xq), step):
             chunk = xq[start : start + step]  # (q, d)
             request = retrieval_pb2.SearchRequest(
-                queries=to_tensor(chunk), k=k, nprobe=options.nprobe, exact_rerank=options.exact_rerank
+                queries=to_tensor(chunk), k=k, nprobe=options.nprobe, exact_rerank=options.exact_rerank,
+                with_documents=with_documents,
             )
-            parts.append(self._decode(self._guarded_search(request, deadline, should_stop), len(chunk), k))
+            response = self._guarded_search(request, deadline, should_stop)
+            nb = self._decode(response, len(chunk), k)
+            if with_documents:
+                try:
+                    nb = decode_sourced(response, nb, int(response.generation))
+                except TensorError as e:
+                    raise ServiceError(self.address, grpc.StatusCode.INTERNAL, f"bad response: {e}") from None
+            parts.append(nb)
         if len(parts) == 1:
             return parts[0]
-        return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts)))  # (Q, k) each
+        if not with_documents:
+            return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts)))  # (Q, k) each
+        return _join_sourced(parts, self.address)
 
     def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None,
                         should_stop: ShouldStop | None) -> retrieval_pb2.SearchResponse:
@@ -304,6 +332,20 @@ class RetrievalClient(ServiceClient):
         return Neighbors(*(np.array(a) for a in out))
 
 
+def _join_sourced(parts: list[SourcedNeighbors], address: str) -> SourcedNeighbors:
+    """The calls of one split batch as one result (Q, k): sources concatenated, indices shifted; refused
+    when two calls were answered by different generations (their rows would mix datastores)."""
+    if len({p.generation for p in parts}) > 1:
+        raise ServiceError(address, grpc.StatusCode.ABORTED, "the datastore changed generation during a split "
+                           "search with documents; retry")
+    documents, sources = [], []
+    for p in parts:
+        documents.append(np.where(p.documents >= 0, p.documents + len(sources), -1).astype(np.int32))  # (q, k)
+        sources.extend(p.sources)
+    neighbors = Neighbors(*(np.concatenate(arrays) for arrays in zip(*(p.neighbors for p in parts))))  # (Q, k)
+    return SourcedNeighbors(neighbors, np.concatenate(documents), tuple(sources), parts[0].generation)
+
+
 def _wait(call: grpc.Future, should_stop: ShouldStop | None):
     """call's result (its RpcError raised), or WorkStopped as soon as should_stop() says the caller gave up."""
     if should_stop is None:
@@ -326,8 +368,15 @@ class _DeadlineSearcher:
     should_stop: ShouldStop | None
     """Polled while a search waits: True cancels it (WorkStopped); None = never."""
 
+    @property
+    def dim(self) -> int:
+        return self.client.dim
+
     def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
         return self.client.search_until(xq, k, options, self.deadline, self.should_stop)
+
+    def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
+        return self.client.search_sourced_until(xq, k, options, self.deadline, self.should_stop)
 
     def info(self) -> SearcherInfo:
         return self.client.info()

@@ -5,7 +5,8 @@ Concurrent Search calls are micro-batched: the requests that arrive while the in
 within `max_wait_s` of each other) are concatenated into ONE `searcher.search` call on ONE worker
 thread per index, because FAISS answers a batch of queries much faster than the same queries one by
 one, and GPU indexes are not thread-safe (issue 4). Requests are grouped by (k, SearchOptions) since
-those are per-call arguments of the searcher; results are split back by row.
+those are per-call arguments of the searcher; results are split back by row. With with_documents a
+batch's neighbours and documents come from one generation (services.retrieval_documents, attribution).
 
 Shape legend: Q queries in one request, B queries in one batch (sum of Q), d key dimension, k
 neighbours.
@@ -24,6 +25,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from memlm.errors import MemlmError
+from memlm.retrieval.attribution import (
+    SourcedNeighbors,
+    compact_sources,
+    require_sourced,
+    slice_sourced,
+)
 from memlm.retrieval.searcher import (
     MAX_K,
     MAX_QUERY_ABS,
@@ -40,6 +48,8 @@ from services.memory_sessions import (
     MemoryServicer,
     MemorySessions,
 )
+from services.retrieval_documents import DOCUMENT_BYTES_PER_NEIGHBOUR, set_documents
+from services.retrieval_generations import GenerationWatch, follow_generations
 from services.server_common import (
     DEFAULT_HOST,
     InvalidRequest,
@@ -100,6 +110,8 @@ class ParsedSearch:
     """Neighbours per query, 1 <= k <= max_k."""
     options: SearchOptions
     """nprobe (None: the searcher's default) and exact_rerank (unset: False), as the request set them."""
+    with_documents: bool = False
+    """Answer each neighbour's document too (services.retrieval_documents)."""
 
 
 def parse_search_request(
@@ -123,7 +135,7 @@ def parse_search_request(
         raise InvalidRequest("k", f"{request.k}, must be >= 1")
     if request.k > max_k:
         raise InvalidRequest("k", f"{request.k}, at most {max_k}", grpc.StatusCode.OUT_OF_RANGE)
-    if response_bytes(q, request.k) > max_bytes:
+    if response_bytes(q, request.k, request.with_documents) > max_bytes:
         raise InvalidRequest(
             "queries.shape[0]",
             f"{q} queries x k={request.k} do not fit one {max_bytes}-byte response; split the batch",
@@ -139,20 +151,28 @@ def parse_search_request(
                              f"{MAX_QUERY_ABS:g} (the keys' float16 range), where float32 distances cannot order neighbours")
     # float16 -> float32 is exact; one dtype lets requests of both kinds share a batch.
     options = SearchOptions(nprobe=nprobe, exact_rerank=exact_rerank)
-    return ParsedSearch(xq.astype(np.float32, copy=False), int(request.k), options)
+    return ParsedSearch(xq.astype(np.float32, copy=False), int(request.k), options, request.with_documents)
 
 
-def response_bytes(q: int, k: int) -> int:
-    """Upper bound on the serialized size of a SearchResponse for Q queries and k neighbours."""
-    return q * k * RESPONSE_BYTES_PER_NEIGHBOUR + 1024  # + tensor headers (dtype, shape, tags)
+def response_bytes(q: int, k: int, with_documents: bool = False) -> int:
+    """Upper bound on the serialized size of a SearchResponse for Q queries and k neighbours (with
+    documents: without their sources, whose size the server checks on the built response)."""
+    per = RESPONSE_BYTES_PER_NEIGHBOUR + (DOCUMENT_BYTES_PER_NEIGHBOUR if with_documents else 0)
+    return q * k * per + 1024  # + tensor headers (dtype, shape, tags)
 
 
-def neighbors_to_response(nb: Neighbors) -> retrieval_pb2.SearchResponse:
-    return retrieval_pb2.SearchResponse(
+def neighbors_to_response(nb: Neighbors | SourcedNeighbors) -> retrieval_pb2.SearchResponse:
+    """The response for neighbours (Q, k), with their documents and sources when `nb` is sourced."""
+    found = nb if isinstance(nb, SourcedNeighbors) else None
+    nb = found.neighbors if found is not None else nb
+    response = retrieval_pb2.SearchResponse(
         distances=to_tensor(np.asarray(nb.distances, dtype=np.float32)),
         ids=to_tensor(np.asarray(nb.ids, dtype=np.int64)),
         values=to_tensor(np.asarray(nb.values, dtype=np.int32)),
     )
+    if found is not None:
+        set_documents(response, found)
+    return response
 
 
 def info_to_proto(info: SearcherInfo) -> retrieval_pb2.DatastoreInfo:
@@ -225,8 +245,9 @@ class SearchBatcher:
     async def search(self, parsed: ParsedSearch, time_remaining: float | None) -> Neighbors:
         return (await self.search_served(parsed, time_remaining))[0]
 
-    async def search_served(self, parsed: ParsedSearch, time_remaining: float | None) -> tuple[Neighbors, int]:
-        """The neighbours and the generation of the searcher that found them."""
+    async def search_served(self, parsed: ParsedSearch, time_remaining: float | None
+                            ) -> tuple[Neighbors | SourcedNeighbors, int]:
+        """The neighbours (sourced when parsed.with_documents) and the generation of the searcher that found them."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         deadline = None if time_remaining is None else loop.time() + time_remaining
@@ -253,11 +274,11 @@ class SearchBatcher:
                     item.future.set_exception(DeadlineExceeded())
                     continue
                 live.append(item)
-            groups: dict[tuple[int, SearchOptions], list[_Pending]] = {}
+            groups: dict[tuple[int, SearchOptions, bool], list[_Pending]] = {}
             for item in live:
-                groups.setdefault((item.parsed.k, item.parsed.options), []).append(item)
-            for (k, options), items in groups.items():
-                await self._search_group(loop, items, k, options)
+                groups.setdefault((item.parsed.k, item.parsed.options, item.parsed.with_documents), []).append(item)
+            for (k, options, with_documents), items in groups.items():
+                await self._search_group(loop, items, k, options, with_documents)
 
     async def _gather_more(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wait up to max_wait_s for calls still being validated, unless the batch is full."""
@@ -283,14 +304,20 @@ class SearchBatcher:
             total += len(item.parsed.xq)
         return batch
 
-    async def _search_group(self, loop, items: list[_Pending], k: int, options: SearchOptions) -> None:
+    async def _search_group(self, loop, items: list[_Pending], k: int, options: SearchOptions,
+                            with_documents: bool) -> None:
         sizes = [len(item.parsed.xq) for item in items]
         xq = items[0].parsed.xq if len(items) == 1 else np.concatenate([i.parsed.xq for i in items])  # (B, d)
         self.batch_sizes.append(len(xq))
         del self.batch_sizes[:-1000]
         searcher, generation = self._served()  # one snapshot: the batch is answered by one generation
         try:
-            nb = await loop.run_in_executor(self._executor, lambda: searcher.search(xq, k, options))
+            if with_documents:  # neighbours and their documents from the one generation snapshot
+                found = await loop.run_in_executor(
+                    self._executor, lambda: require_sourced(searcher).search_sourced(xq, k, options))
+                nb = found.neighbors
+            else:
+                nb = await loop.run_in_executor(self._executor, lambda: searcher.search(xq, k, options))
             distances, ids, values = (np.asarray(a) for a in nb)  # (B, k) each
             for name, a in (("distances", distances), ("ids", ids), ("values", values)):
                 if a.shape != (len(xq), k):
@@ -305,27 +332,13 @@ class SearchBatcher:
             rows = slice(start, start + q)
             start += q
             if not item.future.done():
-                item.future.set_result((Neighbors(distances[rows], ids[rows], values[rows]), generation))  # (Q, k)
+                mine = compact_sources(slice_sourced(found, rows)) if with_documents else \
+                    Neighbors(distances[rows], ids[rows], values[rows])  # (Q, k)
+                item.future.set_result((mine, generation))
 
 
 # ---------------------------------------------------------------------------------------------
 # Servicer and server
-
-
-@dataclass(frozen=True)
-class GenerationWatch:
-    """Follow the committed generations of the datastore served (datastore.live.LiveDatastore, issue 14):
-    every poll_s seconds `refresh` runs on a helper thread; it opens a newer generation while searches go
-    on and then switches the searcher to it. Each searched batch and GetInfo take one `served()` snapshot,
-    so every SearchResponse says the generation that answered it (a router checks it against its id
-    offsets)."""
-
-    refresh: Callable[[], bool]
-    """Opens the committed generation when it is newer and switches to it; True when it switched."""
-    served: Callable[[], tuple[Searcher, int]]
-    """The searcher answering now and its generation, read together (LiveDatastore.served)."""
-    poll_s: float = 2.0
-    """Seconds between two looks at the manifest: a commit is served within about this long."""
 
 
 class RetrievalServicer:
@@ -345,8 +358,13 @@ class RetrievalServicer:
             nb, generation = await self._batcher.search_served(parsed, context.time_remaining())
         except DeadlineExceeded:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the search started")
+        except MemlmError as e:  # with_documents from a datastore without a documents table
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"with_documents: {e}")
         response = neighbors_to_response(nb)
         response.generation = generation
+        if parsed.with_documents and response.ByteSize() > self._info().max_message_bytes:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"with_documents: the response ({response.ByteSize()} "
+                                "bytes with its sources) does not fit one message; split the batch")
         return response
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
@@ -370,18 +388,6 @@ def server_info(searcher: Searcher, limits: SearchLimits, max_message_bytes: int
         return built[0]
 
     return info
-
-
-async def follow_generations(watch: GenerationWatch, log: Callable[[str], None]) -> None:
-    """Poll until cancelled (the server stopping): refresh on the loop's default executor, never on the
-    search thread, so searches are not held up while a generation loads."""
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(watch.poll_s)
-        try:
-            await loop.run_in_executor(None, watch.refresh)
-        except Exception as e:  # noqa: BLE001 -- a failed look must not stop the following ones
-            log(f"looking for a new datastore generation failed: {type(e).__name__}: {e}")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from services.replicas import (
     ShardFailed,
     replicas_of,
 )
+from services.retrieval_documents import decode_sourced, merge_sourced
 from services.retrieval_server import (
     MESSAGE_CLASSES,
     SERVICE,
@@ -139,6 +140,12 @@ def _joined(values) -> str:
 
 def merge_top_k(results: Sequence[Neighbors], offsets: Sequence[int], k: int) -> Neighbors:
     """Merge per-shard (Q, k) results into the global (Q, k) top-k, ids made global by offsets."""
+    return merge_top_k_order(results, offsets, k)[0]
+
+
+def merge_top_k_order(results: Sequence[Neighbors], offsets: Sequence[int], k: int) -> tuple[Neighbors, np.ndarray]:
+    """merge_top_k, and the (Q, k) columns it picked from the results side by side (S * k columns, shard
+    order), with which the neighbours' documents are merged (services.retrieval_documents.merge_sourced)."""
     distances = np.concatenate([r.distances for r in results], axis=1)  # (Q, S*k)
     ids = np.concatenate(
         [np.where(r.ids >= 0, r.ids + offset, -1) for r, offset in zip(results, offsets)], axis=1
@@ -150,7 +157,7 @@ def merge_top_k(results: Sequence[Neighbors], offsets: Sequence[int], k: int) ->
         np.take_along_axis(distances, order, axis=1),  # (Q, k)
         np.take_along_axis(ids, order, axis=1),  # (Q, k)
         np.take_along_axis(values, order, axis=1),  # (Q, k)
-    )
+    ), order
 
 
 def _decode(response: retrieval_pb2.SearchResponse, q: int, k: int) -> Neighbors:
@@ -190,9 +197,13 @@ class RouterServicer:
         answered = [i for i, r in enumerate(responses) if r is not None]
         try:
             results = [_decode(responses[i], q, parsed.k) for i in answered]
+            # With documents (attribution, issue 14): each shard's, from the generation its neighbours came from.
+            sourced = [decode_sourced(responses[i], r, 0) for i, r in zip(answered, results)] \
+                if parsed.with_documents else None
         except TensorError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"bad shard response: {e}")
-        response = neighbors_to_response(merge_top_k(results, [layout.offsets[i] for i in answered], parsed.k))
+        merged, order = merge_top_k_order(results, [layout.offsets[i] for i in answered], parsed.k)
+        response = neighbors_to_response(merged if sourced is None else merge_sourced(sourced, order, merged))
         missing = [shard.name for shard, r in zip(self._shards, responses) if r is None]
         if missing:  # only when the caller allowed it (_fan_out)
             response.partial = True

@@ -104,6 +104,15 @@ def sources_of(docs: np.ndarray, records: Sequence[Any]) -> tuple[np.ndarray, tu
     return local, sources
 
 
+def compact_sources(result: SourcedNeighbors) -> SourcedNeighbors:
+    """The same result naming only the sources its documents point to (in their order)."""
+    docs = result.documents  # (Q, k)
+    used = np.unique(docs[docs >= 0])  # (S',) indices into result.sources, ascending
+    local = np.full(docs.shape, -1, dtype=np.int32)  # (Q, k)
+    local[docs >= 0] = np.searchsorted(used, docs[docs >= 0]).astype(np.int32)
+    return SourcedNeighbors(result.neighbors, local, tuple(result.sources[i] for i in used.tolist()), result.generation)
+
+
 def slice_sourced(result: SourcedNeighbors, rows: slice) -> SourcedNeighbors:
     """Rows `rows` of a result (the sources stay whole: indices keep pointing into them)."""
     return SourcedNeighbors(Neighbors(*(a[rows] for a in result.neighbors)), result.documents[rows], result.sources,

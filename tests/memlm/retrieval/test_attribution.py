@@ -6,11 +6,15 @@ stored for "the top document is that document"; the in-process datastore for the
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
+from datastore.documents import SourceDocument, token_fingerprint
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import score_tokens
 from memlm.jobs.windows import WindowConfig
@@ -36,11 +40,26 @@ def documents() -> list[list[int]]:
     return [rng.integers(2, VOCAB, size=n).tolist() for n in (200, 90, 150, 120)]
 
 
+def sources(docs: list[list[int]], first: int = 0) -> list[SourceDocument]:
+    return [SourceDocument(d, token_fingerprint(d), {"title": f"speech {first + i}", "year": 1990 + first + i})
+            for i, d in enumerate(docs)]
+
+
+def build(docs, out) -> Datastore:
+    return Datastore.open(build_from_tokens(tiny_model(), docs, out, SOURCE, SETTINGS, progress=False,
+                                            log=lambda m: None))
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    out = build_from_tokens(tiny_model(), documents(), tmp_path_factory.mktemp("attr") / "store", SOURCE, SETTINGS,
-                            progress=False, log=lambda m: None)
-    return Datastore.open(out)
+    return build(sources(documents()), tmp_path_factory.mktemp("attr") / "store")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The same documents in two shard datastores (documents 0-1 and 2-3)."""
+    root = tmp_path_factory.mktemp("attr-shards")
+    return build(sources(documents()[:2]), root / "s0"), build(sources(documents()[2:], 2), root / "s1")
 
 
 def score(model, store, seqs, attribution, knn=KNN):
@@ -88,3 +107,65 @@ def test_attribution_needs_a_searcher_with_documents(store):
         score(model, bare, [[5, 6, 7]], attribution=1)
     with pytest.raises(MemlmError, match="needs kNN-LM"):
         score_tokens(model, [[5, 6, 7]], context=CONTEXT, stride=STRIDE, boundary_token=BOS, attribution=1)
+
+
+class Servers:
+    """Retrieval servers (and a router over them) on port 0, on an event loop of their own thread."""
+
+    def __init__(self, stores, router: bool) -> None:
+        from services.retrieval_server import start_retrieval_server
+        from services.router import start_router_server
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.running = [self._run(start_retrieval_server("127.0.0.1:0", s)).running for s in stores]
+        if router:
+            self.running.append(self._run(start_router_server(
+                "127.0.0.1:0", [f"127.0.0.1:{r.port}" for r in self.running])))
+        self.address = f"127.0.0.1:{self.running[-1].port}"
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self) -> None:
+        for r in reversed(self.running):
+            self._run(r.server.stop(None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def same_attribution(a, b, tol: float) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert [d.source for d in x.documents] == [d.source for d in y.documents]
+        np.testing.assert_allclose([d.knn_mass for d in x.documents], [d.knn_mass for d in y.documents], rtol=0,
+                                   atol=tol)
+        np.testing.assert_allclose([d.final_share for d in x.documents], [d.final_share for d in y.documents],
+                                   rtol=0, atol=tol)
+        assert abs(x.knn_prob - y.knn_prob) <= tol
+
+
+@pytest.mark.parametrize("through", ["server", "router"])
+def test_through_the_retrieval_service_equals_in_process(store, shards, through):
+    from services.retrieval_client import RetrievalClient
+
+    model = tiny_model()
+    rng = np.random.default_rng(5)
+    seqs = [documents()[2][:70], rng.integers(2, VOCAB, size=50).tolist()]
+    local = score(model, store, seqs, attribution=3)
+    servers = Servers([store] if through == "server" else list(shards), router=through == "router")
+    try:
+        with RetrievalClient(servers.address) as remote:
+            served = score(model, remote, seqs, attribution=3)
+            found = remote.search_sourced(np.asarray(store.keys[:5], dtype=np.float32), 4)
+    finally:
+        servers.close()
+    for a, b in zip(local, served):
+        np.testing.assert_array_equal(a.logprob, b.logprob)
+        # One server: bit for bit; a router sums each document's mass over the shards' merged rows.
+        same_attribution(a.attribution, b.attribution, 0.0 if through == "server" else 1e-9)
+    assert {d.source.meta["title"] for s in served for a in s.attribution for d in a.documents} >= {"speech 2"}
+    own = store.search_sourced(np.asarray(store.keys[:5], dtype=np.float32), 4)
+    names = lambda r: [[r.sources[i].doc_id if i >= 0 else None for i in row] for row in r.documents]
+    assert names(found) == names(own) and found.generation == 0
