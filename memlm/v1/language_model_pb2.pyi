@@ -59,18 +59,42 @@ class MemoryOptions(_message.Message):
     def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., knn_mem_size: _Optional[int] = ..., knn_top_k: _Optional[int] = ..., compressed_memory_tokens: _Optional[int] = ..., compression_rate: _Optional[int] = ...) -> None: ...
 
 class KnnOptions(_message.Message):
-    __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe")
+    __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe", "attribution_top_n")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     LAMBDA_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     NPROBE_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_TOP_N_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     lambda_weight: float
     temperature: float
     k: int
     nprobe: int
-    def __init__(self, enabled: _Optional[bool] = ..., lambda_weight: _Optional[float] = ..., temperature: _Optional[float] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ...) -> None: ...
+    attribution_top_n: int
+    def __init__(self, enabled: _Optional[bool] = ..., lambda_weight: _Optional[float] = ..., temperature: _Optional[float] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., attribution_top_n: _Optional[int] = ...) -> None: ...
+
+class DocumentAttribution(_message.Message):
+    __slots__ = ("doc_id", "meta_json", "knn_mass", "final_share")
+    DOC_ID_FIELD_NUMBER: _ClassVar[int]
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    KNN_MASS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    doc_id: str
+    meta_json: str
+    knn_mass: float
+    final_share: float
+    def __init__(self, doc_id: _Optional[str] = ..., meta_json: _Optional[str] = ..., knn_mass: _Optional[float] = ..., final_share: _Optional[float] = ...) -> None: ...
+
+class TokenAttribution(_message.Message):
+    __slots__ = ("knn_prob", "documents", "datastore_generation")
+    KNN_PROB_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    DATASTORE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    knn_prob: float
+    documents: _containers.RepeatedCompositeFieldContainer[DocumentAttribution]
+    datastore_generation: int
+    def __init__(self, knn_prob: _Optional[float] = ..., documents: _Optional[_Iterable[_Union[DocumentAttribution, _Mapping]]] = ..., datastore_generation: _Optional[int] = ...) -> None: ...
 
 class ScoreInput(_message.Message):
     __slots__ = ("context_text", "context_token_ids", "text", "token_ids")
@@ -113,7 +137,7 @@ class TokenAlternative(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenScore(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "base_logprob", "is_greedy", "alternatives", "gate")
+    __slots__ = ("token_id", "text", "logprob", "base_logprob", "is_greedy", "alternatives", "gate", "attribution")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +145,7 @@ class TokenScore(_message.Message):
     IS_GREEDY_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     GATE_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: float
@@ -128,7 +153,8 @@ class TokenScore(_message.Message):
     is_greedy: bool
     alternatives: _containers.RepeatedCompositeFieldContainer[TokenAlternative]
     gate: float
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ..., gate: _Optional[float] = ...) -> None: ...
+    attribution: TokenAttribution
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ..., gate: _Optional[float] = ..., attribution: _Optional[_Union[TokenAttribution, _Mapping]] = ...) -> None: ...
 
 class SequenceScore(_message.Message):
     __slots__ = ("tokens", "total_logprob", "base_total_logprob", "perplexity", "is_greedy", "context_tokens")
@@ -147,10 +173,12 @@ class SequenceScore(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ..., total_logprob: _Optional[float] = ..., base_total_logprob: _Optional[float] = ..., perplexity: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "datastore_generations")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DATASTORE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceScore]
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ...) -> None: ...
+    datastore_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceScore, _Mapping]]] = ..., datastore_generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -185,16 +213,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "base_logprob")
+    __slots__ = ("token_id", "text", "logprob", "base_logprob", "attribution")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     BASE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: float
     base_logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ...) -> None: ...
+    attribution: TokenAttribution
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., attribution: _Optional[_Union[TokenAttribution, _Mapping]] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "tokens")
@@ -205,16 +235,18 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinish(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence", "datastore_generations")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DATASTORE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
+    datastore_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ..., datastore_generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "finish")
