@@ -129,6 +129,9 @@ class BuildSettings:
     """Keys per FAISS add call."""
     seed: int = 0
     """Seed of the index training sample."""
+    on_disk: bool = False
+    """Keep the IVF index's inverted lists in a memory-mapped file (datastore.index.IVFDATA_NAME, issue 16):
+    added block by block and merged on disk, so neither building nor serving holds them in memory."""
 
 
 def _log(message: str) -> None:
@@ -166,7 +169,7 @@ def build_from_tokens(
     if not (out / DOCUMENTS_NAME).exists():
         with atomic_path(out / DOCUMENTS_NAME, durable=True) as tmp:
             shutil.copyfile(work / DOCUMENTS_NAME, tmp)
-    files = {name: file_entry(out, name) for name in DATA_FILES}
+    files = {name: file_entry(out, name) for name in DATA_FILES + ((index_lib.IVFDATA_NAME,) if settings.on_disk else ())}
     build = {
         "batch_size": settings.window.batch_size,
         "shard_batches": settings.shard_batches,
@@ -280,15 +283,20 @@ def _stage_index(keys: np.ndarray, settings: BuildSettings, out: Path, work: Pat
         log(f"index: {factory} ({reason}; choose another with --index)")
     else:
         log(f"index: {factory}")
-    trained_path = work / "trained.faiss"
+    if settings.on_disk:
+        index_lib.check_on_disk_factory(factory, dim)
+    trained_path = work / index_lib.TRAINED_NAME
     if not (out / INDEX_NAME).exists():
         t0 = time.perf_counter()
         if not trained_path.exists():
             trained = index_lib.train_index(factory, keys, settings.seed, log, progress)
             index_lib.write_index(trained, trained_path)
-        index = index_lib.read_index(trained_path)
-        index = index_lib.add_keys(index, keys, settings.add_chunk, log, progress)
-        index_lib.write_index(index, out / INDEX_NAME)
+        if settings.on_disk:
+            index_lib.add_on_disk(keys, settings.add_chunk, out / INDEX_NAME, work, progress)
+        else:
+            index = index_lib.read_index(trained_path)
+            index = index_lib.add_keys(index, keys, settings.add_chunk, log, progress)
+            index_lib.write_index(index, out / INDEX_NAME)
         log(f"index trained and filled in {time.perf_counter() - t0:.1f} s")
     index = index_lib.read_index(out / INDEX_NAME, mmap=True)
     nprobe = settings.nprobe if settings.nprobe is not None else index_lib.default_nprobe(index)
@@ -323,13 +331,15 @@ def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> 
 def _is_ours(name: str) -> bool:
     """A file a datastore directory holds: the manifest, scratch, or a data file of any generation."""
     base = name.removesuffix(PARTIAL_SUFFIX)
-    return base in (MANIFEST_NAME, WORK_DIR, GENERATION_WORK_DIR, GENERATION_LOCK) or file_generation(base) is not None
+    return (base in (MANIFEST_NAME, WORK_DIR, GENERATION_WORK_DIR, GENERATION_LOCK, index_lib.IVFDATA_NAME)
+            or file_generation(base) is not None)
 
 
 def _remove_data_files(out: Path) -> None:
     """Delete every data file (all generations) and all scratch; the manifest must already be gone."""
     for p in out.iterdir():
-        if file_generation(p.name.removesuffix(PARTIAL_SUFFIX)) is not None:
+        base = p.name.removesuffix(PARTIAL_SUFFIX)
+        if file_generation(base) is not None or base == index_lib.IVFDATA_NAME:
             p.unlink()
     for scratch in (WORK_DIR, GENERATION_WORK_DIR):
         shutil.rmtree(out / scratch, ignore_errors=True)

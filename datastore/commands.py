@@ -21,6 +21,7 @@ from datastore.documents import (
     source_documents,
     summary,
 )
+from datastore.index import index_footprint
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
 from memlm.jobs.windows import WindowConfig
@@ -45,6 +46,7 @@ def build_datastore(
     progress: bool = True,
     num_shards: int = 1,
     key_module: str | None = None,
+    on_disk: bool = False,
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
@@ -58,6 +60,7 @@ def build_datastore(
     num_shards: > 1 writes that many datastores `out/shard-00-of-NN`, ... over contiguous runs of
         documents with about equal token counts, for `memlm serve router` (shard order = id order).
     key_module: the kNN key's module of a model run through transformers (memlm.model.hf_model; None: its rule).
+    on_disk: keep the IVF lists in a memory-mapped file (BuildSettings.on_disk).
     """
     from memlm.data.documents import corpus_fingerprint, load_documents
 
@@ -91,6 +94,7 @@ def build_datastore(
         nprobe=nprobe,
         max_tokens=max_tokens,
         shard_batches=shard_batches,
+        on_disk=on_disk,
     )
 
     def documents():  # read and tokenized only when the tokenize stage runs (it applies max_tokens)
@@ -173,6 +177,7 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
         f"entries       {m.n:,} keys of dimension {m.dim} ({m.key_dtype}), values {m.value_dtype}",
         f"key layer     {m.key_layer}",
         f"index         {m.index_factory} (metric {m.metric}, default nprobe {m.nprobe})",
+        f"index memory  {index_footprint(m)}",
         f"model         {m.model_name} (fingerprint {m.model_fingerprint[:16]})",
         f"weights       {describe_weights(m.model_name)}",
         f"tokenizer     fingerprint {m.tokenizer_fingerprint[:16]}",

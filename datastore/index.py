@@ -12,9 +12,10 @@ Shape legend: N keys, n rows of a chunk, d key dimension, Q queries, k neighbour
 from __future__ import annotations
 
 import math
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import faiss
 import numpy as np
@@ -154,6 +155,9 @@ def add_keys(
     """Add keys (N, d) float16 in chunks of `chunk` rows, in order, after the index's rows (index row
     start + i = key row i, start = index.ntotal before: 0 for a build, the datastore's N for an add)."""
     n, start = keys.shape[0], index.ntotal
+    if is_on_disk(index):  # memlm datastore add writes a new generation's index.faiss, never the lists' file
+        raise MemlmError("this datastore's IVF lists are on disk (built with --on-disk); adding to them is not "
+                         "supported yet: rebuild the datastore with the new documents")
     gpu = to_gpus(index, n, log)
     target = gpu if gpu is not None else index
     with tqdm(total=n, desc="add to index", unit="key", file=sys.stderr, disable=not progress) as bar:
@@ -168,6 +172,118 @@ def add_keys(
     return index
 
 
+IVFDATA_NAME = "index.ivfdata"
+"""The inverted lists of an on-disk IVF index (issue 16, part 2): faiss OnDiskInvertedLists, memory-mapped,
+so only the coarse quantizer and the list directory (index.faiss) are resident; a search reads the nprobe
+lists it visits. index.faiss names this file; read_index finds it beside index.faiss
+(IO_FLAG_ONDISK_SAME_DIR), wherever the directory is moved."""
+ON_DISK_BLOCK_CHUNKS = 16
+"""Add chunks per block of an on-disk build: each block is added into its own in-memory inverted lists and
+written (the memory a block takes is what an on-disk build needs), then all blocks are merged on disk."""
+
+
+def is_on_disk(index: faiss.Index) -> bool:
+    """True when the index's inverted lists live in a memory-mapped file (OnDiskInvertedLists)."""
+    ivf = faiss.try_extract_index_ivf(index)
+    return ivf is not None and isinstance(faiss.downcast_InvertedLists(ivf.invlists), faiss.OnDiskInvertedLists)
+
+
+def check_on_disk_factory(factory: str, d: int) -> None:
+    """Refuse, in one line, an on-disk build of an index without inverted lists."""
+    if faiss.try_extract_index_ivf(make_index(factory, d)) is None:
+        raise MemlmError(f"--on-disk needs an IVF index (e.g. IVF1024,PQ64 or IVF256,Flat); {factory!r} has no "
+                         "inverted lists to keep on disk")
+
+
+def add_block(trained_path: Path, keys: np.ndarray, lo: int, hi: int, chunk: int, path: Path) -> None:
+    """Add key rows [lo, hi) (ids lo..hi-1) into a copy of the trained index and write it to `path`: one
+    block of an on-disk build (blocks are independent: a distributed build adds them in parallel)."""
+    index = read_index(trained_path)
+    for start in range(lo, hi, chunk):
+        stop = min(start + chunk, hi)
+        x = np.ascontiguousarray(keys[start:stop], dtype=np.float32)  # (n, d)
+        index.add_with_ids(x, np.arange(start, stop, dtype=np.int64))  # (n,) global row ids
+    write_index(index, path)
+
+
+def block_ranges(n: int, chunk: int) -> list[tuple[int, int]]:
+    """The [lo, hi) key rows of each block of an on-disk build of N keys."""
+    rows = chunk * ON_DISK_BLOCK_CHUNKS
+    return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
+
+
+def merge_on_disk(trained_path: Path, blocks: list[Path], ivfdata: Path, index_path: Path) -> None:
+    """Merge the blocks' inverted lists, in block order, into OnDiskInvertedLists at `ivfdata` (each list
+    holds its entries in row order, as an in-memory add in row order leaves them, so searches return the
+    same neighbours in the same order), and write the index naming them to `index_path`.
+
+    As faiss.contrib.ondisk.merge_ondisk, but the blocks stay owned by their indexes (freed on return
+    instead of leaked), and the file is synced before index_path is written."""
+    if ivfdata.name != IVFDATA_NAME:  # index.faiss records the name; read_index looks for it beside itself
+        raise ValueError(f"the lists' file must be named {IVFDATA_NAME}, got {ivfdata.name}")
+    index = read_index(trained_path)
+    ivf = faiss.extract_index_ivf(index)
+    if index.ntotal != 0:
+        raise RuntimeError(f"{trained_path} holds {index.ntotal} keys; merging needs the empty trained index")
+    parts = [read_index(p, mmap=True) for p in blocks]  # mmap: the lists need not fit in memory
+    lists = faiss.InvertedListsPtrVector()
+    for part in parts:
+        lists.push_back(faiss.extract_index_ivf(part).invlists)
+    ivfdata.unlink(missing_ok=True)  # a killed merge's file: start it over
+    on_disk = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(ivfdata))
+    ntotal = on_disk.merge_from_multiple(lists.data(), lists.size(), False)
+    index.ntotal = ivf.ntotal = ntotal
+    ivf.replace_invlists(on_disk, True)
+    on_disk.this.disown()  # the index owns it now
+    # index.faiss records the lists' file name: a bare name, so the index is the same bytes wherever it was
+    # built (read_index finds the file beside it; the merged lists are written and no longer reopened).
+    on_disk.filename = IVFDATA_NAME
+    write_index(index, index_path)
+    del index, ivf, parts, lists  # unmaps the lists (their pages reach the file)
+    with open(ivfdata, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+TRAINED_NAME = "trained.faiss"
+"""The empty trained index in a build's work directory (train once; every block copies it)."""
+
+
+def add_on_disk(keys: np.ndarray, chunk: int, index_path: Path, work: Path, progress: bool = True) -> None:
+    """The add stage of an on-disk build: add keys (N, d) block by block into work/blocks (a block once
+    written is kept: a killed build redoes only the others), merge them into IVFDATA_NAME beside
+    `index_path`, then write `index_path` (its presence marks the stage done). work holds TRAINED_NAME."""
+    blocks_dir = work / "blocks"
+    blocks_dir.mkdir(exist_ok=True)
+    ranges = block_ranges(keys.shape[0], chunk)
+    blocks = [blocks_dir / f"block-{b:05d}.faiss" for b in range(len(ranges))]
+    for (lo, hi), path in tqdm(list(zip(ranges, blocks)), desc="add blocks", unit="block", file=sys.stderr,
+                               disable=not progress):
+        if not path.exists():
+            add_block(work / TRAINED_NAME, keys, lo, hi, chunk, path)
+    merge_blocks_into(index_path, work, blocks)
+
+
+def merge_blocks_into(index_path: Path, work: Path, blocks: list[Path]) -> None:
+    """Merge added blocks (in row order) into IVFDATA_NAME beside `index_path`, then write `index_path`."""
+    merged = work / IVFDATA_NAME
+    merge_on_disk(work / TRAINED_NAME, blocks, merged, work / "merged.faiss")
+    merged.replace(index_path.parent / IVFDATA_NAME)  # the lists first: index_path is the stage's mark
+    (work / "merged.faiss").replace(index_path)
+
+
+def index_footprint(manifest) -> str:
+    """What searching the index holds in memory vs reads from disk, from the manifest's file sizes:
+    index.faiss is loaded whole (unless --mmap); an on-disk index's lists (IVFDATA_NAME) stay mapped."""
+    from datastore.manifest import INDEX_NAME
+
+    resident = manifest.files[INDEX_NAME].bytes
+    lists = manifest.files.get(IVFDATA_NAME)
+    if lists is None:
+        return f"{resident / 2**20:.1f} MiB resident (in memory), 0 MiB on disk"
+    return (f"{resident / 2**20:.1f} MiB resident (quantizer and list directory), {lists.bytes / 2**20:.1f} MiB "
+            f"on disk ({IVFDATA_NAME}, memory-mapped: a search reads the lists it probes)")
+
+
 def write_index(index: faiss.Index, path: Path) -> None:
     """Write to `path` atomically and durably (faiss writes the temporary file itself; atomic_path fsyncs it)."""
     with atomic_path(path, durable=True) as tmp:
@@ -175,9 +291,15 @@ def write_index(index: faiss.Index, path: Path) -> None:
 
 
 def read_index(path: Path, mmap: bool = False) -> faiss.Index:
-    """Load an index; with mmap the codes stay on disk and pages come in as searches touch them."""
-    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
-    return faiss.read_index(str(path), flags)
+    """Load an index; with mmap the codes stay on disk and pages come in as searches touch them. The
+    inverted lists of an on-disk index (IVFDATA_NAME beside `path`) are always mapped, from beside `path`."""
+    if (Path(path).parent / IVFDATA_NAME).exists():
+        # IO_FLAG_MMAP includes IO_FLAG_SKIP_IVF_DATA, which leaves OnDiskInvertedLists unreadable
+        # (measured: faiss 1.15.1 segfaults on the first search); its lists are mapped anyway.
+        flags = faiss.IO_FLAG_READ_ONLY if mmap else 0
+    else:
+        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
+    return faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
 
 
 class LiveRows:

@@ -20,7 +20,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         model=args.model, data=args.data, out=Path(args.out), split=args.split, max_tokens=args.max_tokens,
         index=args.index, context=args.context, stride=args.stride, batch_size=args.batch_size,
         device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
-        progress=not args.quiet, num_shards=args.shards, key_module=args.key_module,
+        progress=not args.quiet, num_shards=args.shards, key_module=args.key_module, on_disk=args.on_disk,
     )
     print(out)
 
@@ -75,6 +75,9 @@ def add_datastore_parser(sub: Any) -> None:
     b.add_argument("--overwrite", action="store_true", help="replace a finished datastore in --out")
     b.add_argument("--shards", type=int, default=1,
                    help="write N datastores over contiguous document runs (for memlm serve router)")
+    b.add_argument("--on-disk", action="store_true",
+                   help="keep the IVF index's inverted lists in a memory-mapped file (index.ivfdata) for "
+                        "building and serving indexes larger than memory (needs an IVF --index)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     add_options(b, "windows the keys are computed with", WINDOW_OPTIONS)
     b.set_defaults(func=cmd_datastore_build)
