@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Union
 
 import faiss
 import numpy as np
@@ -50,6 +50,7 @@ from datastore.documents import (
     new_records,
     write_documents,
 )
+from datastore.encode import ParallelStages, concatenate, planned_shards, window_arrays
 from datastore.generations import LOCK_NAME as GENERATION_LOCK
 from datastore.generations import WORK_DIR as GENERATION_WORK_DIR
 from datastore.manifest import (
@@ -79,7 +80,7 @@ from datastore.shards import (
 )
 from memlm.errors import MemlmError
 from memlm.files import PARTIAL_SUFFIX, atomic_path, atomic_write, sha256_file
-from memlm.jobs.windows import ScoredTokens, WindowConfig, plan_windows, score_documents
+from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 
 WORK_DIR = ".build"
@@ -148,6 +149,7 @@ def build_from_tokens(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = _log,
+    parallel: ParallelStages | None = None,
 ) -> Path:
     """Build (or continue building) the datastore in `out` and return `out`.
 
@@ -155,17 +157,15 @@ def build_from_tokens(
     documents: token ids per document (see `Documents`); empty documents are skipped.
     Raises MemlmError when `out` already holds a finished datastore (unless overwrite), holds files
     that are not a datastore's, or holds a build in progress with different settings.
+    parallel: who encodes the missing shards and adds an on-disk index's blocks (datastore.ray_build); None:
+    this process, in order. Every other stage, and the files, are the same either way.
     """
     out = Path(out)
     started = time.perf_counter()
-    _prepare_out_dir(out, overwrite, log)
-    work = out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    identity = _identity(model, source, settings)
-    _check_identity(work, identity, out)
+    work = begin_build(model, source, settings, out, overwrite, log)
     tokens, offsets = _stage_tokens(documents, settings, work, source, progress)
-    keys, encode_seconds = _stage_keys(model, tokens, offsets, settings, source, out, work, progress, log)
-    factory, nprobe = _stage_index(keys, settings, out, work, progress, log)
+    keys, encode_seconds = _stage_keys(model, tokens, offsets, settings, source, out, work, progress, log, parallel)
+    factory, nprobe = _stage_index(keys, settings, out, work, progress, log, parallel)
     if not (out / DOCUMENTS_NAME).exists():
         with atomic_path(out / DOCUMENTS_NAME, durable=True) as tmp:
             shutil.copyfile(work / DOCUMENTS_NAME, tmp)
@@ -202,6 +202,17 @@ def build_from_tokens(
     return out
 
 
+def begin_build(model: Decoder, source: BuildSource, settings: BuildSettings, out: Path, overwrite: bool,
+                log: Callable[[str], None]) -> Path:
+    """Check `out` (no finished datastore unless overwrite, no foreign files, a build in progress only with the
+    same settings) and return its work directory; the local and the Ray build (datastore.ray_build) start so."""
+    _prepare_out_dir(out, overwrite, log)
+    work = out / WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    _check_identity(work, _identity(model, source, settings), out)
+    return work
+
+
 def file_entry(directory: Path, name: str) -> FileEntry:
     """The manifest entry of file `name` in `directory`: size, SHA-256 (read now, never cached) and name."""
     path = directory / name
@@ -226,7 +237,7 @@ def _stage_tokens(documents: Documents, settings: BuildSettings, work: Path, sou
 
 def _stage_keys(model: Decoder, tokens: np.ndarray, offsets: np.ndarray, settings: BuildSettings,
                 source: BuildSource, out: Path, work: Path, progress: bool,
-                log: Callable[[str], None]) -> tuple[np.ndarray, float | None]:
+                log: Callable[[str], None], parallel: ParallelStages | None = None) -> tuple[np.ndarray, float | None]:
     """Stage 2: encode in shards and merge them into keys (N, d) float16 and values, docs, positions (N,)
     int32 in `out`, then check the values against the documents and positions (_check_provenance).
     Returns the keys (a memmap) and the encoding time of this run (None when already done)."""
@@ -236,8 +247,13 @@ def _stage_keys(model: Decoder, tokens: np.ndarray, offsets: np.ndarray, setting
     if not all(path.exists() for path in merged):
         shards_dir = work / "shards"
         shards_dir.mkdir(exist_ok=True)
-        encode_seconds = _stage_encode(model, tokens, offsets, settings, source.boundary_token,
-                                       shards_dir, progress, log)
+        if parallel is None:
+            encode_seconds = _stage_encode(model, tokens, offsets, settings, source.boundary_token,
+                                           shards_dir, progress, log)
+        else:
+            t0 = time.perf_counter()
+            parallel.encode(work, planned_shards(offsets, settings.window, settings.shard_batches))
+            encode_seconds = time.perf_counter() - t0
         n_shards = complete_shards(shards_dir)
         n_merged = merge_shards(shards_dir, n_shards, dim, merged)
         if n_merged != n_total:
@@ -245,12 +261,6 @@ def _stage_keys(model: Decoder, tokens: np.ndarray, offsets: np.ndarray, setting
         _check_provenance(tokens, offsets, merged)
         shutil.rmtree(shards_dir)
     return read_array(out / KEYS_NAME, KEY_DTYPE, width=dim), encode_seconds  # (N, d)
-
-
-def entry_positions(scored: ScoredTokens) -> np.ndarray:
-    """The provenance positions (n,) int32 of a window's entries (manifest.POSITIONS_NAME): the
-    boundary token is position 0, so the target document[j] (ScoredTokens.positions j) is at j + 1."""
-    return (scored.positions.numpy() + 1).astype(PROVENANCE_DTYPE)  # (n,)
 
 
 def _check_provenance(tokens: np.ndarray, offsets: np.ndarray, merged: ShardPaths, block: int = 1 << 22) -> None:
@@ -274,7 +284,7 @@ def _check_provenance(tokens: np.ndarray, offsets: np.ndarray, merged: ShardPath
 
 
 def _stage_index(keys: np.ndarray, settings: BuildSettings, out: Path, work: Path, progress: bool,
-                 log: Callable[[str], None]) -> tuple[str, int]:
+                 log: Callable[[str], None], parallel: ParallelStages | None = None) -> tuple[str, int]:
     """Stages 3-4: train the index on a sample (kept in work/trained.faiss), add all keys; (factory, nprobe)."""
     n_total, dim = keys.shape
     factory = settings.index_factory
@@ -292,7 +302,8 @@ def _stage_index(keys: np.ndarray, settings: BuildSettings, out: Path, work: Pat
             trained = index_lib.train_index(factory, keys, settings.seed, log, progress)
             index_lib.write_index(trained, trained_path)
         if settings.on_disk:
-            index_lib.add_on_disk(keys, settings.add_chunk, out / INDEX_NAME, work, progress)
+            index_lib.add_on_disk(keys, settings.add_chunk, out / INDEX_NAME, work, progress,
+                                  None if parallel is None else parallel.add_blocks)
         else:
             index = index_lib.read_index(trained_path)
             index = index_lib.add_keys(index, keys, settings.add_chunk, log, progress)
@@ -428,9 +439,7 @@ def _stage_encode(
     """Write the key/value shards that are missing; returns the seconds spent."""
     window = settings.window
     lengths = np.diff(offsets)
-    n_windows = sum(len(plan_windows(int(n), window.context, window.stride)) for n in lengths if n > 0)
-    n_batches = math.ceil(n_windows / window.batch_size)
-    n_shards = math.ceil(n_batches / settings.shard_batches)
+    n_shards = planned_shards(offsets, settings.window, settings.shard_batches)
     done = complete_shards(shards_dir)
     if done >= n_shards:
         return 0.0
@@ -451,26 +460,14 @@ def _stage_encode(
     with tqdm(total=int(tokens.shape[0]), initial=done_rows, desc="encode", unit="tok", file=sys.stderr,
               disable=not progress, smoothing=0.1) as bar:
         for scored in stream:
-            k16 = scored.keys.to(torch.float16)  # (n, d)
-            if not torch.isfinite(k16).all():
-                raise MemlmError(
-                    f"keys of document {scored.doc} overflow float16; the model's key activations are too large"
-                )
-            n = scored.targets.shape[0]
-            parts.append(ShardArrays(k16.cpu().numpy(), scored.targets.numpy().astype(VALUE_DTYPE),
-                                     np.full(n, scored.doc, dtype=PROVENANCE_DTYPE), entry_positions(scored)))
-            bar.update(n)
+            parts.append(window_arrays(scored))
+            bar.update(scored.targets.shape[0])
             if len(parts) == windows_per_shard:
-                write_shard(shards_dir, shard, _concatenate(parts))
+                write_shard(shards_dir, shard, concatenate(parts))
                 parts, shard = [], shard + 1
         if parts:
-            write_shard(shards_dir, shard, _concatenate(parts))
+            write_shard(shards_dir, shard, concatenate(parts))
             shard += 1
     if shard != n_shards:
         raise RuntimeError(f"wrote {shard} shards, planned {n_shards}")
     return time.perf_counter() - t0
-
-
-def _concatenate(parts: list[ShardArrays]) -> ShardArrays:
-    """Windows' arrays -> one shard's, field by field."""
-    return ShardArrays(*(np.concatenate(column) for column in zip(*parts)))

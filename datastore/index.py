@@ -248,14 +248,19 @@ TRAINED_NAME = "trained.faiss"
 """The empty trained index in a build's work directory (train once; every block copies it)."""
 
 
-def add_on_disk(keys: np.ndarray, chunk: int, index_path: Path, work: Path, progress: bool = True) -> None:
+def add_on_disk(keys: np.ndarray, chunk: int, index_path: Path, work: Path, progress: bool = True,
+                add_blocks: Callable[[Path, np.ndarray, list[tuple[int, int]], list[Path]], None] | None = None) -> None:
     """The add stage of an on-disk build: add keys (N, d) block by block into work/blocks (a block once
     written is kept: a killed build redoes only the others), merge them into IVFDATA_NAME beside
-    `index_path`, then write `index_path` (its presence marks the stage done). work holds TRAINED_NAME."""
+    `index_path`, then write `index_path` (its presence marks the stage done). work holds TRAINED_NAME.
+    add_blocks(work, keys, ranges, paths): writes the missing blocks elsewhere first (in parallel); any it
+    left missing are added here."""
     blocks_dir = work / "blocks"
     blocks_dir.mkdir(exist_ok=True)
     ranges = block_ranges(keys.shape[0], chunk)
     blocks = [blocks_dir / f"block-{b:05d}.faiss" for b in range(len(ranges))]
+    if add_blocks is not None:  # e.g. Ray tasks (datastore.ray_build): blocks are independent
+        add_blocks(work, keys, ranges, blocks)
     for (lo, hi), path in tqdm(list(zip(ranges, blocks)), desc="add blocks", unit="block", file=sys.stderr,
                                disable=not progress):
         if not path.exists():
