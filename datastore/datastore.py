@@ -215,6 +215,12 @@ class Datastore:
         positions = np.where(missing, -1, self.entry_provenance.positions[rows]).astype(np.int32)  # (Q, k)
         return Provenance(docs, positions)
 
+    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
+                          ) -> tuple[Neighbors, int]:
+        """search, and this generation (memlm.retrieval.attribution.GenerationSearcher: results that record
+        which generation served them, issue 14 part 4). Read-only."""
+        return self.search(xq, k, options), self.manifest.generation
+
     def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
         """search, plus each neighbour's document from the documents table and this generation
         (memlm.retrieval.attribution.SourcedSearcher: attribution, issue 14 part 5). Read-only."""

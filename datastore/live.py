@@ -87,6 +87,10 @@ class LiveDatastore:
         """Datastore.search on the generation served now (xq (Q, d) -> Neighbors (Q, k))."""
         return self.current.search(xq, k, options)
 
+    def search_generation(self, xq: Any, k: int, options: SearchOptions | None = None) -> tuple[Neighbors, int]:
+        """Datastore.search_generation on the generation served now (one read of the reference; read-only)."""
+        return self.current.search_generation(xq, k, options)
+
     def search_sourced(self, xq: Any, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
         """Datastore.search_sourced on the generation served now: neighbours, documents and generation from
         one read of the reference (read-only; attribution, issue 14 part 5)."""

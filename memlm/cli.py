@@ -195,15 +195,15 @@ def knn_request(args: argparse.Namespace) -> Any:
     if args.kind == "spalm":  # --k and --nprobe set SPALM's own search (memory_request)
         if args.knn:
             raise MemlmError("--knn does not combine with --memory spalm (it mixes by its learned gate)")
-        refuse_given(args, ("lmbda", "temperature"), "is kNN-LM's interpolation; --memory spalm mixes by its gate")
+        refuse_given(args, ("lmbda", "temperature", "attribution"), "is kNN-LM's; --memory spalm mixes by its gate")
         return None
     if not args.knn:
-        refuse_given(args, CLIENT_KNN, "needs --knn")
+        refuse_given(args, (*CLIENT_KNN, "attribution"), "needs --knn")
         return None
     values = given(args, KNN_OPTIONS)
     if "auto" in (values.get("lmbda"), values.get("temperature")):
         raise MemlmError("auto is tuned by `memlm eval --tune-data` only; give a number")
-    return KnnRequest(**values)
+    return KnnRequest(**values, attribution_top_n=args.attribution or 0)
 
 
 def memory_request(args: argparse.Namespace) -> dict[str, Any]:
@@ -354,6 +354,8 @@ def add_client_parser(sub: Any) -> None:
         add_link_security(c, "", "server", "MEMLM_TOKEN")
         c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
+        c.add_argument("--attribution", type=int, default=None, metavar="N",
+                       help="print each token's top N datastore documents by kNN mass (needs --knn; issue 14)")
         add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)
         add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY, *CLIENT_KNN_MEMORY),
                     choices={"kind": ("none", "xl", "memorizing", "spalm")})

@@ -8,6 +8,7 @@ so the server stops generating.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from typing import TextIO
 import grpc
 
 from memlm.errors import MemlmError
+from memlm.retrieval.attribution import DocumentShare, DocumentSource, TokenAttribution
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
 from services.security import ClientTls
@@ -82,9 +84,11 @@ class KnnRequest:
     """Neighbours per token."""
     nprobe: int | None = None
     """IVF lists probed per search."""
+    attribution_top_n: int = 0
+    """Documents per token to attribute its probability to (ScoredToken / TextDelta attribution), 0: none."""
 
     def to_proto(self) -> lm_pb2.KnnOptions:
-        o = lm_pb2.KnnOptions(enabled=True)
+        o = lm_pb2.KnnOptions(enabled=True, attribution_top_n=self.attribution_top_n)
         if self.lmbda is not None:
             o.lambda_weight = self.lmbda
         if self.temperature is not None:
@@ -145,6 +149,8 @@ class ScoredToken:
     """top_n most likely tokens, most likely first."""
     gate: float | None = None
     """Memory mode "spalm": the gate g_t (the hidden state's weight; 1 - g_t the retrieved tokens'); else None."""
+    attribution: TokenAttribution | None = None
+    """With KnnRequest.attribution_top_n: the documents behind its probability; else None."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,8 @@ class ScoreResult:
     """Every token greedy."""
     context_tokens: int
     """Tokens the continuation was conditioned on (boundary token + context)."""
+    datastore_generations: tuple[int, ...] = ()
+    """The datastore generations the call's searches were answered by (the same for every input of a call)."""
 
     @property
     def base_perplexity(self) -> float:
@@ -182,6 +190,8 @@ class TextDelta:
     """Their final log-probabilities, nats."""
     base_logprobs: tuple[float, ...]
     """Their base LM log-probabilities, nats."""
+    attributions: tuple[TokenAttribution | None, ...] = ()
+    """With KnnRequest.attribution_top_n: each new token's documents; else empty."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +206,8 @@ class Finish:
     """Generated tokens."""
     stop_sequence: str
     """The stop sequence that matched, else ""."""
+    datastore_generations: tuple[int, ...] = ()
+    """The datastore generations whose neighbours chose the tokens (kNN-LM); empty without searches."""
 
 
 @dataclass(frozen=True)
@@ -284,7 +296,7 @@ class LanguageModelClient(ServiceClient):
         if stride_tokens is not None:
             request.stride_tokens = stride_tokens
         response = self._call(self._stub.Score, request)
-        return [_score_result(r) for r in response.results]
+        return [_score_result(r, tuple(response.datastore_generations)) for r in response.results]
 
     def generate(
         self,
@@ -328,12 +340,12 @@ class LanguageModelClient(ServiceClient):
                     d = response.delta
                     yield TextDelta(
                         d.text, tuple(t.token_id for t in d.tokens), tuple(t.logprob for t in d.tokens),
-                        tuple(t.base_logprob for t in d.tokens),
+                        tuple(t.base_logprob for t in d.tokens), tuple(_attribution(t) for t in d.tokens),
                     )
                 else:
                     f = response.finish
                     yield Finish(FINISH_NAMES.get(f.reason, "unspecified"), f.prompt_tokens, f.completion_tokens,
-                                 f.stop_sequence)
+                                 f.stop_sequence, tuple(f.datastore_generations))
         except grpc.RpcError as e:
             raise ServiceError(self.address, e.code(), e.details() or "") from None
         finally:
@@ -349,16 +361,38 @@ def _set_search(request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KnnR
         request.knn.CopyFrom((knn or spalm).to_proto())
 
 
-def _score_result(r: lm_pb2.SequenceScore) -> ScoreResult:
+def _attribution(t: lm_pb2.TokenScore | lm_pb2.GeneratedToken) -> TokenAttribution | None:
+    """The wire's TokenAttribution as memlm.retrieval.attribution's (None when the token has none)."""
+    if not t.HasField("attribution"):
+        return None
+    a = t.attribution
+    return TokenAttribution(a.knn_prob, tuple(DocumentShare(DocumentSource(d.doc_id, json.loads(d.meta_json or "{}")),
+                                                            d.knn_mass, d.final_share) for d in a.documents),
+                            a.datastore_generation)
+
+
+def describe_attribution(a: TokenAttribution) -> str:
+    """One line for people: p_kNN, then each document's id, its kNN mass and share of the final probability,
+    and its metadata (key=value, shortened)."""
+    parts = [f"p_kNN {a.knn_prob:.3f}"]
+    for d in a.documents:
+        meta = " ".join(f"{k}={v}" for k, v in sorted(d.source.meta.items()) if k != "text")
+        meta = meta if len(meta) <= 60 else meta[:57] + "..."
+        parts.append(f"{d.source.doc_id} mass {d.knn_mass:.3f} = {100 * d.final_share:.0f}% of p" + (f" [{meta}]" if meta else ""))
+    return " | ".join(parts)
+
+
+def _score_result(r: lm_pb2.SequenceScore, generations: tuple[int, ...] = ()) -> ScoreResult:
     tokens = tuple(
         ScoredToken(
             t.token_id, t.text, t.logprob, t.base_logprob, t.is_greedy,
             tuple(Alternative(a.token_id, a.text, a.logprob) for a in t.alternatives),
-            t.gate if t.HasField("gate") else None,
+            t.gate if t.HasField("gate") else None, _attribution(t),
         )
         for t in r.tokens
     )
-    return ScoreResult(tokens, r.total_logprob, r.base_total_logprob, r.perplexity, r.is_greedy, r.context_tokens)
+    return ScoreResult(tokens, r.total_logprob, r.base_total_logprob, r.perplexity, r.is_greedy, r.context_tokens,
+                       generations)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,12 +432,16 @@ def main_score(
         line += f" {r.base_perplexity:>10.3f}" if knn is not None else ""
         preview = text if len(text) <= 40 else text[:37] + "..."
         print(f"{line}  {'yes' if r.is_greedy else 'no':<6}  {preview!r}", file=out)
-        if per_token:
+        if per_token or (knn is not None and knn.attribution_top_n):
             for t in r.tokens:
                 alts = "  ".join(f"{a.text!r}:{a.logprob:.2f}" for a in t.alternatives)
                 gate = f" gate {t.gate:.3f}" if t.gate is not None else ""
                 print(f"      {t.token_id:>6} {t.text!r:<14} {t.logprob:>9.3f} {t.base_logprob:>9.3f} "
                       f"{'*' if t.is_greedy else ' '}{gate} {alts}", file=out)
+                if t.attribution is not None:
+                    print(f"             from {describe_attribution(t.attribution)}", file=out)
+    if results and results[0].datastore_generations:
+        print(f"datastore generation {', '.join(map(str, results[0].datastore_generations))}", file=out)
     return results
 
 
@@ -431,7 +469,7 @@ def main_generate(
     stderr with the finish reason and token counts. out/err: None = sys.stdout/sys.stderr at call time."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
-    finish = None
+    finish, attributed = None, []
     with LanguageModelClient(address, tls=tls, token=token, timeout=timeout) as client:
         print(prompt, end="", file=out, flush=True)
         for event in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -439,12 +477,17 @@ def main_generate(
                                      memory=memory, spalm=spalm):
             if isinstance(event, TextDelta):
                 print(event.text, end="", file=out, flush=True)
+                attributed += [(i, a) for i, a in zip(event.token_ids, event.attributions) if a is not None]
             else:
                 finish = event
     print(file=out, flush=True)
+    for token_id, a in attributed:  # after the text, one line a generated token
+        print(f"{token_id:>6} from {describe_attribution(a)}", file=out)
     if finish is None:
         raise MemlmError(f"{address}: the stream ended without a finish message")
     stop_note = f" ({finish.stop_sequence!r})" if finish.stop_sequence else ""
+    generations = f"; datastore generation {', '.join(map(str, finish.datastore_generations))}" \
+        if finish.datastore_generations else ""
     print(f"[finish: {finish.reason}{stop_note}; prompt {finish.prompt_tokens} tokens, "
-          f"generated {finish.completion_tokens}]", file=err, flush=True)
+          f"generated {finish.completion_tokens}{generations}]", file=err, flush=True)
     return finish

@@ -31,6 +31,8 @@ handle's ready events (RequestHandle.ready) and puts them on the call's asyncio 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -62,10 +64,18 @@ from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.attribution import (
+    GenerationSearcher,
+    SourcedNeighbors,
+    TokenAttribution,
+    attribute,
+    require_sourced,
+)
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import language_model_pb2 as lm_pb2
-from services.lm_scheduler import ModelTurns, StepGate, TurnFreeSearcher
+from services.lm_results import attribution_to_proto
+from services.lm_scheduler import ModelTurns, StepGate
 from services.retrieval_client import RetrievalClient, for_caller
 from services.server_common import ServiceError
 
@@ -95,6 +105,10 @@ class LaneKey:
     searches: bool
     """kNN-LM rows batch apart from base rows: a step waits for its search, so a slow or hung retrieval
     service then holds only calls that asked for it (issue 9.2), never base-LM generations."""
+    attribution: int = 0
+    """Top documents per generated token (issue 14), 0: none. An attributing lane decodes one row at a time
+    (max_batch 1), so that each of its searches is its one row's next token (the engine searches all its
+    rows at once and keeps which row is which to itself)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,10 @@ class Stream:
         """time.monotonic() of the call's deadline, None: none (the batch's search waits for the latest)."""
         self.produced = 0
         """Tokens delivered so far (the retry hint counts the steps left from it)."""
+        self.generations: set[int] = set()
+        """Datastore generations whose neighbours chose its tokens (GenerateFinish.datastore_generations)."""
+        self.attributions: deque[TokenAttribution | None] = deque()
+        """An attributing lane's: one per TokenEvent delivered, in order (filled before the event is)."""
         self._loop = loop
         self._queue: asyncio.Queue[list[Event] | BaseException] = asyncio.Queue()
         self._buffer: deque[Event] = deque()
@@ -168,11 +186,21 @@ class BatchSearcher:
         return self._inner.info()
 
     def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
+        """One step's search (xq (Q, d) -> (Q, k)); the lane keeps its generation (and, attributing, the
+        neighbours' documents) for the tokens this step makes."""
         lane = self._lane
         bounded = for_caller(self._inner, lane.latest_deadline(), lane.abandoned)
-        if isinstance(self._inner, RetrievalClient):
-            return TurnFreeSearcher(bounded, lane.gate).search(xq, k, options)
-        return bounded.search(xq, k, options)
+        # A remote search waits without the model's turn (issue 9.2), an in-process one is part of the step.
+        with lane.gate.outside() if isinstance(self._inner, RetrievalClient) else contextlib.nullcontext():
+            if lane.key.attribution:
+                found = require_sourced(bounded).search_sourced(xq, k, options)
+                nb, generation = found.neighbors, found.generation
+            elif isinstance(bounded, GenerationSearcher):
+                found, (nb, generation) = None, bounded.search_generation(xq, k, options)
+            else:  # a searcher without generations (an in-memory exact one): 0, as SearchResponse.generation says
+                found, nb, generation = None, bounded.search(xq, k, options), 0
+        lane.searched = (int(generation), found)
+        return nb
 
 
 class Lane:
@@ -186,6 +214,9 @@ class Lane:
         """This batch's place on the model's turns."""
         self._streams: dict[int, Stream] = {}  # request id -> stream, until its end is delivered
         self._lock = threading.Condition()
+        self.searched: tuple[int, SourcedNeighbors | None] | None = None
+        """The last step's search: its generation and, attributing, its sourced neighbours (BatchSearcher)."""
+        limits = dataclasses.replace(limits, max_batch=1) if key.attribution else limits
         config = EngineConfig(max_batch=limits.max_batch, prefill_chunk=limits.prefill_chunk,
                               max_queue=limits.max_queue, max_tokens_in_flight=limits.max_tokens_in_flight,
                               memory=key.memory)
@@ -258,6 +289,7 @@ class Lane:
             self._deliver()
 
     def _deliver(self) -> None:
+        searched, self.searched = self.searched, None  # the step's search chose the tokens of this step
         for stream in self.streams():
             try:
                 events = stream.handle.ready()
@@ -267,10 +299,24 @@ class Lane:
                 continue
             if not events:
                 continue
-            stream.produced += sum(isinstance(e, TokenEvent) for e in events)
+            tokens = [e for e in events if isinstance(e, TokenEvent)]
+            stream.produced += len(tokens)
+            if tokens and stream.handle.request.knn is not None:
+                if searched is not None:
+                    stream.generations.add(searched[0])
+                if self.key.attribution:  # one row: the step's one search, its one token
+                    stream.attributions.extend(self._attribute(stream, tokens, searched[1] if searched else None))
             if isinstance(events[-1], GenerationEnd):
                 self._forget(stream)
             stream.deliver(events)
+
+    def _attribute(self, stream: Stream, tokens: list[TokenEvent], found: SourcedNeighbors | None
+                   ) -> list[TokenAttribution | None]:
+        knn = stream.handle.request.knn
+        if found is None or len(tokens) != 1 or found.documents.shape[0] != 1:  # not this row's search: none
+            return [None] * len(tokens)
+        return attribute(found, np.array([tokens[0].token_id]), np.array([tokens[0].logprob]), knn.temperature,
+                         knn.lmbda, self.key.attribution)
 
     def _forget(self, stream: Stream) -> None:
         with self._lock:
@@ -354,18 +400,21 @@ def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingCon
                              timeout_s=None if deadline is None else max(1e-6, deadline - time.monotonic()))
 
 
-def token_response(event: TokenEvent) -> lm_pb2.GenerateResponse:
+def token_response(event: TokenEvent, attribution: TokenAttribution | None = None) -> lm_pb2.GenerateResponse:
     token = lm_pb2.GeneratedToken(token_id=event.token_id, text=event.text, logprob=event.logprob,
-                                  base_logprob=event.base_logprob)
+                                  base_logprob=event.base_logprob,
+                                  attribution=attribution_to_proto(attribution) if attribution is not None else None)
     return lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta, tokens=[token]))
 
 
-def end_responses(event: GenerationEnd) -> list[lm_pb2.GenerateResponse]:
-    """The last text delta (if any) and the finish message of a generation that ran to its end."""
+def end_responses(event: GenerationEnd, generations=()) -> list[lm_pb2.GenerateResponse]:
+    """The last text delta (if any) and the finish message of a generation that ran to its end; generations:
+    the datastore generations its searches were answered by."""
     out = [lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta))] if event.text_delta else []
     return out + [lm_pb2.GenerateResponse(finish=lm_pb2.GenerateFinish(
         reason=FINISH_REASONS[event.reason], prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence))]
+        completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence,
+        datastore_generations=sorted(generations)))]
 
 
 async def _next_event(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> Event:
@@ -410,12 +459,12 @@ async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationR
             event = await _next_event(stream, context, deadline)
             if isinstance(event, TokenEvent):
                 produced += 1
-                yield token_response(event)
+                yield token_response(event, stream.attributions.popleft() if stream.attributions else None)
                 continue
             if event.reason not in FINISH_REASONS:  # the engine's deadline (or a cancel): no finish message
                 break
             outcome = event.reason
-            for response in end_responses(event):
+            for response in end_responses(event, stream.generations):
                 yield response
             return
     except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one

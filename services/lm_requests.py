@@ -4,8 +4,8 @@ Every check raises `InvalidRequest(field, message, code)`, which `services.serve
 status whose message starts with the field's name: INVALID_ARGUMENT for a value outside its domain,
 OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
 on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve (naming what
-it lacks). Nothing here runs the model; the servicer (services.lm_server) runs what the parser returns, and `encode_score`
-turns the library's scores into the response.
+it lacks). Nothing here runs the model; the servicer (services.lm_server) runs what the parser returns, and
+services.lm_results.encode_score turns the library's scores into the response.
 
 Every request's cost is bounded here, before any work (issue 9): the characters of its texts before
 tokenizing (`max_text_chars`), a Score's forward work (`max_forward_tokens`: the sum over its windows of
@@ -27,14 +27,13 @@ import math
 from dataclasses import dataclass, replace
 
 import grpc
-import numpy as np
 
 from memlm.engine.requests import EngineConfig
 from memlm.jobs.generate import SamplingConfig
-from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WindowConfig, window_cost
 from memlm.memory.config import EXACT_MAX_ENTRIES, MemoryConfig
 from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.attribution import MAX_ATTRIBUTION
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_spalm import SpalmSearch, check_search, parse_spalm_search
@@ -149,6 +148,8 @@ class ScoreArgs:
     """MEMORY_MODE_SPALM's search, None in the other modes."""
     batch_size: int
     """Windows (sliding windows) or sequences side by side (XL) per forward step: LMLimits.step_rows."""
+    attribution: int = 0
+    """Top documents per scored token (KnnOptions.attribution_top_n), 0: none."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ class GenerateArgs:
     """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for a KV cache."""
     spalm: SpalmSearch | None
     """MEMORY_MODE_SPALM's search, None in the other modes."""
+    attribution: int = 0
+    """Top documents per generated token (KnnOptions.attribution_top_n), 0: none."""
 
 
 _ONEOF = {"context_text": "context", "text": "continuation"}
@@ -338,6 +341,17 @@ class RequestParser:
         check_search(k, nprobe, self._limits.max_k)
         return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
 
+    @staticmethod
+    def attribution(request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KNNLMConfig | None) -> int:
+        """KnnOptions.attribution_top_n checked: 0 (none), or 1 to MAX_ATTRIBUTION documents a token with kNN-LM."""
+        n, field = request.knn.attribution_top_n, "knn.attribution_top_n"
+        if n != 0 and knn is None:
+            raise InvalidRequest(field, "needs knn.enabled: the documents are those of the kNN-LM neighbours")
+        if not 0 <= n <= MAX_ATTRIBUTION:
+            raise InvalidRequest(field, f"{n}, must be in [0, {MAX_ATTRIBUTION}]",
+                                 OUT_OF_RANGE if n > 0 else grpc.StatusCode.INVALID_ARGUMENT)
+        return n
+
     def _score_input(self, item: lm_pb2.ScoreInput, field: str) -> tuple[list[int], list[int]]:
         """One input's (context, continuation) token ids."""
         which = item.WhichOneof("context")
@@ -399,7 +413,7 @@ class RequestParser:
             step = memory.segment
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
                          stride=stride, knn=knn, top_n=request.top_n, memory=memory, spalm=spalm,
-                         batch_size=self._limits.step_rows(step))
+                         batch_size=self._limits.step_rows(step), attribution=self.attribution(request, knn))
 
     def _score_cost(self, pairs: list[tuple[list[int], list[int]]], window: int, stride: int,
                     memory: MemoryConfig | None, top_n: int) -> None:
@@ -459,10 +473,14 @@ class RequestParser:
         # (and a sliding window's re-encoding) in chunks of at most max_step_tokens (services.lm_engine);
         # the other modes encode by segments, which memory() bounds.
         memory = self.memory(request)
-        spalm = self.spalm(request, memory)
+        spalm, knn = self.spalm(request, memory), self.knn(request)
+        attribution = self.attribution(request, knn)
+        if attribution and memory is not None and memory.kind != "xl":  # the engine's lanes attribute (lm_engine)
+            raise InvalidRequest("knn.attribution_top_n", f"Generate attribution runs on the decoding engine, memory "
+                                 f"modes NONE and XL, not {memory.kind}", grpc.StatusCode.UNIMPLEMENTED)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
-                            stop_sequences=list(request.stop_sequences), knn=self.knn(request), memory=memory,
-                            spalm=spalm)
+                            stop_sequences=list(request.stop_sequences), knn=knn, memory=memory, spalm=spalm,
+                            attribution=attribution)
 
     @staticmethod
     def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:
@@ -476,23 +494,3 @@ class RequestParser:
         if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise InvalidRequest("sampling.top_p", f"{top_p}, must be in (0, 1]")
         return SamplingConfig(temperature, top_k, top_p, s.seed if s.HasField("seed") else None)
-
-
-def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None = None) -> lm_pb2.SequenceScore:
-    """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load);
-    gates: (n,) MEMORY_MODE_SPALM's gate of each scored token, or None."""
-    tokens = []
-    for j, t in enumerate(s.tokens.tolist()):
-        alternatives = [
-            lm_pb2.TokenAlternative(token_id=a, text=pieces[a], logprob=lp)
-            for a, lp in zip(s.top_ids[j].tolist(), s.top_logprobs[j].tolist())
-        ]
-        tokens.append(lm_pb2.TokenScore(
-            token_id=t, text=pieces[t], logprob=float(s.logprob[j]), base_logprob=float(s.base_logprob[j]),
-            is_greedy=bool(s.greedy[j]), alternatives=alternatives,
-            gate=float(gates[j]) if gates is not None else None,
-        ))
-    return lm_pb2.SequenceScore(
-        tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,
-        perplexity=s.perplexity, is_greedy=s.is_greedy, context_tokens=s.context_tokens,
-    )

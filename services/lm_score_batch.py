@@ -26,14 +26,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
 from services.lm_requests import ScoreArgs
+from services.lm_results import ScoreOutcome
 from services.lm_scheduler import CallStop, ModelScheduler, StepGate
 
-Run = Callable[[ScoreArgs, StepGate, CallStop], list[SequenceScore]]
+Run = Callable[[ScoreArgs, StepGate, CallStop], ScoreOutcome]
 """The library call for a (merged) ScoreArgs with the batch's gate (its should_stop) and stop (deadline)."""
 
 
@@ -53,10 +53,12 @@ class ScoreKey:
     """Alternatives per scored token."""
     batch_size: int
     """Windows (segment rows) per forward step: LMLimits.step_rows of the key's window or segment."""
+    attribution: int
+    """Top documents per scored token (issue 14), 0: none."""
 
     @classmethod
     def of(cls, args: ScoreArgs) -> ScoreKey:
-        return cls(args.memory, args.context, args.stride, args.knn, args.top_n, args.batch_size)
+        return cls(args.memory, args.context, args.stride, args.knn, args.top_n, args.batch_size, args.attribution)
 
 
 def batchable(args: ScoreArgs) -> bool:
@@ -67,9 +69,9 @@ def batchable(args: ScoreArgs) -> bool:
 class _Member:
     def __init__(self, args: ScoreArgs, stop: CallStop, loop: asyncio.AbstractEventLoop) -> None:
         self.args, self.stop, self.loop = args, stop, loop
-        self.future: asyncio.Future[list[SequenceScore]] = loop.create_future()
+        self.future: asyncio.Future[ScoreOutcome] = loop.create_future()
 
-    def resolve(self, result: list[SequenceScore] | BaseException) -> None:
+    def resolve(self, result: ScoreOutcome | BaseException) -> None:
         def put() -> None:
             if self.future.done():  # its handler is gone
                 return
@@ -111,8 +113,9 @@ class ScoreBatcher:
         self.batches = 0
         """Library calls made (for tests and logs)."""
 
-    async def score(self, args: ScoreArgs, stop: CallStop, client: str) -> list[SequenceScore]:
-        """This call's scores, from the batch it joined (WorkStopped, searcher and library errors as alone)."""
+    async def score(self, args: ScoreArgs, stop: CallStop, client: str) -> ScoreOutcome:
+        """This call's scores, from the batch it joined (WorkStopped, searcher and library errors as alone), and
+        the generations the batch's searches were answered by."""
         key = ScoreKey.of(args)
         member = _Member(args, stop, asyncio.get_running_loop())
         with self._lock:
@@ -143,11 +146,11 @@ class ScoreBatcher:
             merged = replace(live[0].args, token_seqs=[s for m in live for s in m.args.token_seqs],
                              contexts=[c for m in live for c in m.args.contexts])
             self.batches += 1
-            scores = self._run(merged, gate, stop)
+            out = self._run(merged, gate, stop)
             at = 0
             for m in live:
                 n = len(m.args.token_seqs)
-                m.resolve(scores[at : at + n])
+                m.resolve(ScoreOutcome(out.scores[at : at + n], None, out.generations))  # batchable: no SPALM gates
                 at += n
 
         try:

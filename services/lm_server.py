@@ -66,14 +66,9 @@ from services.lm_engine import (
     stream_generation,
     token_response,
 )
-from services.lm_requests import LMLimits, RequestParser, ScoreArgs, encode_score
-from services.lm_scheduler import (
-    CallStop,
-    ModelScheduler,
-    SerialIterator,
-    StepGate,
-    call_searcher,
-)
+from services.lm_requests import LMLimits, RequestParser, ScoreArgs
+from services.lm_results import CallSearcher, ScoreOutcome, encode_score
+from services.lm_scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
 from services.lm_score_batch import BatchStop, ScoreBatcher, batchable
 from services.retrieval_client import (
     RetrievalClient,
@@ -176,7 +171,7 @@ class LanguageModelServicer:
             max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
         ), self.scheduler.turns)
         """The running Generate batches (services.lm_engine)."""
-        self.score_batches = ScoreBatcher(self.scheduler, lambda merged, gate, stop: self._score_work(merged, gate, stop)[0])
+        self.score_batches = ScoreBatcher(self.scheduler, self._score_work)
         """Concurrent Score calls sharing forward steps (services.lm_score_batch)."""
         self._loaded = True
 
@@ -222,23 +217,25 @@ class LanguageModelServicer:
         except MemlmError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _score_work(self, args: ScoreArgs, gate: StepGate, stop: CallStop | BatchStop) -> tuple[list, list | None]:
-        """The library's Score of `args`, polling `gate` -> (scores, the SPALM gates of each sequence or None)."""
-        searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+    def _score_work(self, args: ScoreArgs, gate: StepGate, stop: CallStop | BatchStop) -> ScoreOutcome:
+        """The library's Score of `args`, polling `gate` -> scores, SPALM gates (or None), generations searched."""
+        searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+        generations = searcher.generations if searcher is not None else set()
         if args.spalm is not None:
-            return score_spalm(
+            return ScoreOutcome(*score_spalm(
                 self._model, self._spalm.head, args.token_seqs, memory=args.memory, searcher=searcher,
                 k=args.spalm.k, options=args.spalm.options, boundary_token=self._boundary, contexts=args.contexts,
-                top_n=args.top_n, batch_size=args.batch_size, should_stop=gate)
+                top_n=args.top_n, batch_size=args.batch_size, should_stop=gate), generations)
         if args.memory is None:
-            return score_tokens(
+            return ScoreOutcome(score_tokens(
                 self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
                 boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                batch_size=args.batch_size, should_stop=gate), None
-        return score_tokens_segments(
+                batch_size=args.batch_size, should_stop=gate, attribution=args.attribution), None, generations)
+        return ScoreOutcome(score_tokens_segments(
             self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
-            boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-            batch_size=args.batch_size, should_stop=gate, knn_attention=self._knn_attention_for(args.memory)), None
+            boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n, batch_size=args.batch_size,
+            should_stop=gate, knn_attention=self._knn_attention_for(args.memory), attribution=args.attribution),
+            None, generations)
 
     # -- rpcs ---------------------------------------------------------------------------------------
 
@@ -254,11 +251,11 @@ class LanguageModelServicer:
         try:
             running = (self.score_batches.score(args, stop, context.peer()) if shared
                        else self.scheduler.run(gate, self._score_work, args, gate, stop))
-            result = await self._call_library(context, stop, running)
-            scores, gates = (result, None) if shared else result
-            gates = gates if gates is not None else [None] * len(scores)
+            out = await self._call_library(context, stop, running)
+            gates = out.gates if out.gates is not None else [None] * len(out.scores)
             return await self.scheduler.run_free(lambda: lm_pb2.ScoreResponse(
-                results=[encode_score(s, self._pieces, g) for s, g in zip(scores, gates)]))
+                results=[encode_score(s, self._pieces, g) for s, g in zip(out.scores, gates)],
+                datastore_generations=sorted(out.generations)))
         finally:  # cancelled, aborted or done: a step still running stops after itself
             stop.set()
 
@@ -273,13 +270,14 @@ class LanguageModelServicer:
             stop.set()  # the gate and stop above are the one-sequence path's
             request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
                                      self._boundary, self._tokenizer.eos_id, stop.deadline)
-            async for response in stream_generation(self.engines, LaneKey(args.memory, args.knn is not None), request,
-                                                    stop.deadline, context, self._record):
+            lane = LaneKey(args.memory, args.knn is not None, args.attribution)
+            async for response in stream_generation(self.engines, lane, request, stop.deadline, context, self._record):
                 yield response
             return
 
+        searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+
         def start():
-            searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
             return SerialIterator(generate(
                 self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
@@ -309,7 +307,7 @@ class LanguageModelServicer:
                     continue
                 assert isinstance(event, GenerationEnd)
                 outcome = event.reason
-                for response in end_responses(event):
+                for response in end_responses(event, searcher.generations if searcher is not None else ()):
                     yield response
                 return
         except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one

@@ -230,10 +230,21 @@ class RetrievalClient(ServiceClient):
         """
         return self.search_until(xq, k, options, None, None)
 
+    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
+                          ) -> tuple[Neighbors, int]:
+        """search, and the generation that answered (memlm.retrieval.attribution.GenerationSearcher)."""
+        return self.search_generation_until(xq, k, options, None, None)
+
     def search_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
                      should_stop: ShouldStop | None) -> Neighbors:
         """search, with every call ending by `deadline` (time.monotonic() seconds; None = no caller deadline)
         and cancelled, raising WorkStopped, once should_stop() (polled every STOP_POLL_S; None = never)."""
+        return self._search(xq, k, options, deadline, should_stop, False)[0]
+
+    def search_generation_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
+                                should_stop: ShouldStop | None) -> tuple[Neighbors, int]:
+        """search_until, and the generation that answered (SearchResponse.generation; of a batch split into calls
+        answered by different generations, the newest)."""
         return self._search(xq, k, options, deadline, should_stop, False)
 
     def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
@@ -245,10 +256,11 @@ class RetrievalClient(ServiceClient):
     def search_sourced_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
                              should_stop: ShouldStop | None) -> SourcedNeighbors:
         """search_sourced within a caller's deadline and should_stop, as search_until."""
-        return self._search(xq, k, options, deadline, should_stop, True)
+        return self._search(xq, k, options, deadline, should_stop, True)[0]
 
     def _search(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
-                should_stop: ShouldStop | None, with_documents: bool) -> Neighbors | SourcedNeighbors:
+                should_stop: ShouldStop | None, with_documents: bool) -> tuple[Neighbors | SourcedNeighbors, int]:
+        """The result (sourced with documents) and the generation that answered all its calls."""
         options = options or SearchOptions()
         xq = np.asarray(xq)
         if xq.dtype != np.float16:
@@ -257,9 +269,9 @@ class RetrievalClient(ServiceClient):
             raise ValueError(f"xq must be (Q, d), got shape {xq.shape}")
         if len(xq) == 0:  # what a local FAISS index answers; the server refuses empty batches
             empty = Neighbors(np.empty((0, k), np.float32), np.empty((0, k), np.int64), np.empty((0, k), np.int32))
-            return SourcedNeighbors(empty, np.empty((0, k), np.int32), (), 0) if with_documents else empty
+            return (SourcedNeighbors(empty, np.empty((0, k), np.int32), (), 0) if with_documents else empty), 0
         step = self.rows_per_call(k, xq.dtype.itemsize, with_documents)
-        parts = []
+        parts, generations = [], set()
         for start in range(0, len(xq), step):
             chunk = xq[start : start + step]  # (q, d)
             request = retrieval_pb2.SearchRequest(
@@ -267,6 +279,7 @@ class RetrievalClient(ServiceClient):
                 with_documents=with_documents,
             )
             response = self._guarded_search(request, deadline, should_stop)
+            generations.add(int(response.generation))
             nb = self._decode(response, len(chunk), k)
             if with_documents:
                 try:
@@ -274,11 +287,15 @@ class RetrievalClient(ServiceClient):
                 except TensorError as e:
                     raise ServiceError(self.address, grpc.StatusCode.INTERNAL, f"bad response: {e}") from None
             parts.append(nb)
+        if len(generations) > 1 and with_documents:  # one result's documents come from one documents table
+            raise ServiceError(self.address, grpc.StatusCode.ABORTED, "the datastore changed generation during a "
+                               "search with documents split into several calls; retry")
+        generation = max(generations)
         if len(parts) == 1:
-            return parts[0]
+            return parts[0], generation
         if not with_documents:
-            return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts)))  # (Q, k) each
-        return _join_sourced(parts, self.address)
+            return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts))), generation  # (Q, k) each
+        return _join_sourced(parts), generation
 
     def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None,
                         should_stop: ShouldStop | None) -> retrieval_pb2.SearchResponse:
@@ -332,12 +349,8 @@ class RetrievalClient(ServiceClient):
         return Neighbors(*(np.array(a) for a in out))
 
 
-def _join_sourced(parts: list[SourcedNeighbors], address: str) -> SourcedNeighbors:
-    """The calls of one split batch as one result (Q, k): sources concatenated, indices shifted; refused
-    when two calls were answered by different generations (their rows would mix datastores)."""
-    if len({p.generation for p in parts}) > 1:
-        raise ServiceError(address, grpc.StatusCode.ABORTED, "the datastore changed generation during a split "
-                           "search with documents; retry")
+def _join_sourced(parts: list[SourcedNeighbors]) -> SourcedNeighbors:
+    """The calls of one split batch (one generation) as one result (Q, k): sources concatenated, indices shifted."""
     documents, sources = [], []
     for p in parts:
         documents.append(np.where(p.documents >= 0, p.documents + len(sources), -1).astype(np.int32))  # (q, k)
@@ -377,6 +390,10 @@ class _DeadlineSearcher:
 
     def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
         return self.client.search_sourced_until(xq, k, options, self.deadline, self.should_stop)
+
+    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
+                          ) -> tuple[Neighbors, int]:
+        return self.client.search_generation_until(xq, k, options, self.deadline, self.should_stop)
 
     def info(self) -> SearcherInfo:
         return self.client.info()

@@ -305,7 +305,7 @@ def _scored_slices(
 
 def _check_common(
     model: Decoder, token_seqs: Sequence[Sequence[int]], contexts: Sequence[Sequence[int] | None] | None,
-    searcher: Searcher | None, knn: KNNLMConfig | None, top_n: int, attribution: int,
+    searcher: Searcher | None, knn: KNNLMConfig | None, top_n: int, attribution: int = 0,
 ) -> int:
     """The argument checks score_tokens and score_tokens_segments share (MemlmError naming the argument);
     returns top_n capped at the vocabulary size."""

@@ -81,6 +81,17 @@ class SourcedSearcher(Protocol):
         ...
 
 
+@runtime_checkable
+class GenerationSearcher(Protocol):
+    """A Searcher that also says which datastore generation answered (a Datastore, a live one, a retrieval
+    client); any other searcher has no generations (0, as SearchResponse.generation says)."""
+
+    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
+                          ) -> tuple[Neighbors, int]:
+        """search, and the generation that answered."""
+        ...
+
+
 def require_sourced(searcher: Any) -> SourcedSearcher:
     """`searcher` when it can give provenance; a one-line MemlmError otherwise (attribution was asked for)."""
     if not isinstance(searcher, SourcedSearcher):

@@ -1,0 +1,109 @@
+"""What the LM server's results say beyond the scores (issue 14): which datastore generation served a call,
+and which documents each token's probability came from (attribution), on the wire.
+
+`CallSearcher` is the searcher of one Score or Generate call (services.lm_scheduler.call_searcher's bounds:
+a remote search ends by the caller's deadline or cancel and waits without the model's turn): it notes the
+generation that answered every search (ScoreResponse / GenerateFinish.datastore_generations) and answers
+the sourced searches of attribution (memlm.retrieval.attribution). `encode_score` turns a library
+SequenceScore into the wire's, attribution included.
+
+Shape legend: Q queries, d key dimension, k neighbours, n scored tokens, N alternatives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import NamedTuple
+
+import numpy as np
+
+from memlm.jobs.scoring import SequenceScore
+from memlm.retrieval.attribution import (
+    GenerationSearcher,
+    SourcedNeighbors,
+    TokenAttribution,
+    require_sourced,
+)
+from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
+from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_scheduler import StepGate
+from services.retrieval_client import RetrievalClient, for_caller
+
+
+class CallSearcher:
+    """One call's searcher: bounded like services.lm_scheduler.call_searcher's, noting every search's generation."""
+
+    def __init__(self, searcher: Searcher, gate: StepGate, stop) -> None:
+        """stop: the call's CallStop (or a shared batch's BatchStop): its deadline bounds a remote search, and
+        it is polled while one waits."""
+        self._bounded = for_caller(searcher, stop.deadline, stop)
+        # A remote search waits on the network without the model's turn (issue 9.2); an in-process one is
+        # part of the step.
+        self._outside = gate.outside if isinstance(searcher, RetrievalClient) else contextlib.nullcontext
+        self.generations: set[int] = set()
+        """The datastore generations that answered this call's searches."""
+
+    @property
+    def dim(self) -> int:
+        return self._bounded.info().dim
+
+    def info(self) -> SearcherInfo:
+        return self._bounded.info()
+
+    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
+        """Searcher.search (xq (Q, d) -> (Q, k)), noting the generation that answered."""
+        with self._outside():
+            if isinstance(self._bounded, GenerationSearcher):
+                nb, generation = self._bounded.search_generation(xq, k, options)
+            else:  # a searcher without generations (an in-memory exact one): 0, as SearchResponse.generation says
+                nb, generation = self._bounded.search(xq, k, options), 0
+        self.generations.add(int(generation))
+        return nb
+
+    def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
+        """SourcedSearcher.search_sourced (attribution), noting the generation that answered."""
+        with self._outside():
+            found = require_sourced(self._bounded).search_sourced(xq, k, options)
+        self.generations.add(int(found.generation))
+        return found
+
+
+def attribution_to_proto(a: TokenAttribution) -> lm_pb2.TokenAttribution:
+    """A token's TokenAttribution as the wire's (metadata as a JSON object)."""
+    return lm_pb2.TokenAttribution(knn_prob=a.knn_prob, datastore_generation=a.generation, documents=[
+        lm_pb2.DocumentAttribution(doc_id=d.source.doc_id, knn_mass=d.knn_mass, final_share=d.final_share,
+                                   meta_json=json.dumps(d.source.meta, ensure_ascii=False, sort_keys=True))
+        for d in a.documents])
+
+
+def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None = None) -> lm_pb2.SequenceScore:
+    """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load);
+    gates: (n,) MEMORY_MODE_SPALM's gate of each scored token, or None. With attribution, each token's."""
+    tokens = []
+    for j, t in enumerate(s.tokens.tolist()):
+        alternatives = [
+            lm_pb2.TokenAlternative(token_id=a, text=pieces[a], logprob=lp)
+            for a, lp in zip(s.top_ids[j].tolist(), s.top_logprobs[j].tolist())
+        ]
+        tokens.append(lm_pb2.TokenScore(
+            token_id=t, text=pieces[t], logprob=float(s.logprob[j]), base_logprob=float(s.base_logprob[j]),
+            is_greedy=bool(s.greedy[j]), alternatives=alternatives,
+            gate=float(gates[j]) if gates is not None else None,
+            attribution=attribution_to_proto(s.attribution[j]) if s.attribution else None,
+        ))
+    return lm_pb2.SequenceScore(
+        tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,
+        perplexity=s.perplexity, is_greedy=s.is_greedy, context_tokens=s.context_tokens,
+    )
+
+
+class ScoreOutcome(NamedTuple):
+    """What one library Score run gives the servicer."""
+
+    scores: list[SequenceScore]
+    """One per sequence, in order."""
+    gates: list | None
+    """MEMORY_MODE_SPALM: each sequence's gates (n,); None in the other modes."""
+    generations: set[int]
+    """The datastore generations that answered its searches (ScoreResponse.datastore_generations)."""
