@@ -70,8 +70,9 @@ def walk(
     search (None: every token may). Searches are timed in search_timer.
 
     Streams advance independently: one that needs a search parks at that token, and when every stream
-    walking is parked, all of them are searched in one call. Up to PointerConfig.streams walk at once, and
-    a stream that ends is replaced by the next, so that calls stay full until the group's last streams."""
+    walking is parked, all of them are searched in one call. PointerConfig.streams walk at once, a stream
+    that ends is replaced by the next, and while fewer than that wait for a call more are started, so that
+    calls hold PointerConfig.streams queries until the group's last streams."""
     out = Walked(torch.full((xq.shape[0],), NEG_INF), np.zeros(xq.shape[0], bool), np.zeros(xq.shape[0], bool), 0)
     index = streams_of(docs, config.stream_length(xq.shape[0]))  # (S, L)
     first = _walk_streams(index, xq, targets, searcher, k, options, temperature, config, source, allowed,
@@ -119,8 +120,12 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         if not live.any():
             return first
         movers = np.flatnonzero(live & ~b.parked)  # (m,)
-        if movers.size == 0:  # every stream still walking waits for a search: one call for all of them
-            rows = np.flatnonzero(b.parked)  # (r,)
+        if movers.size == 0:  # every stream still walking waits for a search
+            waiting = int(b.parked.sum())
+            if waiting < config.streams and admitted < block.shape[0]:  # start more first: a fuller call
+                admitted = min(block.shape[0], admitted + config.streams - waiting)
+                continue
+            rows = np.flatnonzero(b.parked)  # (r,) one call for all of them
             tok = b.block[rows, b.step[rows]]  # (r,)
             with search_timer:
                 found = searcher.search(xq[tok], k, options)  # (r, k)
