@@ -7,10 +7,12 @@ hands them to `datastore.build.build_from_tokens`, which does the work in resuma
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from datastore.build import BuildSettings, BuildSource, build_from_tokens
 from datastore.datastore import Datastore
@@ -21,11 +23,15 @@ from datastore.documents import (
     source_documents,
     summary,
 )
+from datastore.encode import ParallelStages
 from datastore.index import index_footprint
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
 from memlm.jobs.windows import WindowConfig
 from memlm.model.config import describe_weights
+
+if TYPE_CHECKING:
+    from datastore.ray_build import RayOptions
 
 
 def build_datastore(
@@ -47,6 +53,7 @@ def build_datastore(
     num_shards: int = 1,
     key_module: str | None = None,
     on_disk: bool = False,
+    ray: RayOptions | None = None,
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
@@ -61,6 +68,7 @@ def build_datastore(
         documents with about equal token counts, for `memlm serve router` (shard order = id order).
     key_module: the kNN key's module of a model run through transformers (memlm.model.hf_model; None: its rule).
     on_disk: keep the IVF lists in a memory-mapped file (BuildSettings.on_disk).
+    ray: encode (and add on-disk blocks) on a Ray cluster (datastore.ray_build); the files are the same.
     """
     from memlm.data.documents import corpus_fingerprint, load_documents
 
@@ -100,11 +108,17 @@ def build_datastore(
     def documents():  # read and tokenized only when the tokenize stage runs (it applies max_tokens)
         return source_documents(load_documents(data, split), tokenizer)
 
+    parallel = None
+    if ray is not None:
+        from datastore.ray_build import RayStages, load_model_by_name
+
+        parallel = RayStages(functools.partial(load_model_by_name, model, device, dtype, key_module), settings,
+                             int(boundary), ray)
     if num_shards == 1:
         return build_from_tokens(pretrained.model, documents, Path(out), source, settings,
-                                 overwrite=overwrite, progress=progress)
+                                 overwrite=overwrite, progress=progress, parallel=parallel)
     return _build_shards(pretrained.model, _cut(documents(), max_tokens), Path(out), source, settings, num_shards,
-                         overwrite, progress)
+                         overwrite, progress, parallel)
 
 
 def _cut(docs: Iterable[SourceDocument], max_tokens: int | None) -> list[SourceDocument]:
@@ -138,7 +152,7 @@ def split_documents(docs: list[SourceDocument], num_shards: int) -> list[list[So
 
 
 def _build_shards(model, docs: list[SourceDocument], out: Path, source: BuildSource, settings: BuildSettings,
-                  num_shards: int, overwrite: bool, progress: bool) -> Path:
+                  num_shards: int, overwrite: bool, progress: bool, parallel: ParallelStages | None = None) -> Path:
     groups = split_documents(docs, num_shards)
     if any(not any(d.ids for d in group) for group in groups):
         raise MemlmError(f"the corpus has too few documents for {num_shards} shards; use fewer --shards")
@@ -155,7 +169,8 @@ def _build_shards(model, docs: list[SourceDocument], out: Path, source: BuildSou
             corpus=f"{source.corpus} shard {i} of {num_shards}",
             corpus_fingerprint=hashlib.sha256(f"{source.corpus_fingerprint}:{i}/{num_shards}".encode()).hexdigest(),
         )
-        build_from_tokens(model, group, directory, shard_provenance, settings, overwrite=overwrite, progress=progress)
+        build_from_tokens(model, group, directory, shard_provenance, settings, overwrite=overwrite, progress=progress,
+                          parallel=parallel)
     print("serve the shards in this order behind one router: "
           + " ".join(f"--shard <address of {d.name}>" for d in dirs), file=sys.stderr)
     return out

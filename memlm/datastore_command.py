@@ -15,12 +15,18 @@ from memlm.options import WINDOW_OPTIONS, add_options, positive_int
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
     from datastore import build_datastore
+    from datastore.ray_build import RayOptions
+    from memlm.errors import MemlmError
+
+    if args.workers is not None and args.ray is None:
+        raise MemlmError("--workers sets the Ray build's workers: pass --ray local|auto|ADDRESS too")
 
     out = build_datastore(
         model=args.model, data=args.data, out=Path(args.out), split=args.split, max_tokens=args.max_tokens,
         index=args.index, context=args.context, stride=args.stride, batch_size=args.batch_size,
         device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
         progress=not args.quiet, num_shards=args.shards, key_module=args.key_module, on_disk=args.on_disk,
+        ray=None if args.ray is None else RayOptions(address=args.ray, workers=args.workers),
     )
     print(out)
 
@@ -78,6 +84,11 @@ def add_datastore_parser(sub: Any) -> None:
     b.add_argument("--on-disk", action="store_true",
                    help="keep the IVF index's inverted lists in a memory-mapped file (index.ivfdata) for "
                         "building and serving indexes larger than memory (needs an IVF --index)")
+    b.add_argument("--ray", default=None, metavar="local|auto|ADDRESS",
+                   help="encode (and add --on-disk blocks) on Ray workers: local starts Ray here, auto joins the "
+                        "running cluster, else its HOST:PORT; the datastore written is the same")
+    b.add_argument("--workers", type=positive_int, default=None,
+                   help="Ray encoder actors (default: one per GPU, else one per CPU of the cluster)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     add_options(b, "windows the keys are computed with", WINDOW_OPTIONS)
     b.set_defaults(func=cmd_datastore_build)
