@@ -30,7 +30,11 @@ def shared_documents(fingerprints: Iterable[str], evaluation: Any) -> set[str]:
 
 def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfig | None) -> Retrieval:
     """The Retrieval the flags ask for over the opened datastore `store` (a datastore.Datastore): RetoMaton
-    pointers over its successors, values and keys, and the gate from `gate_for`."""
+    pointers over its successors, values and keys, and the gate from `gate_for` (refused when fitted with
+    another datastore)."""
+    if adaptive is not None and adaptive.settings.datastore_corpus_fingerprint != store.info().corpus_fingerprint:
+        raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted with another datastore (its labels are "
+                         f"that datastore's searches); fit one for {args.datastore} with memlm train-gate")
     if not args.pointers:
         return Retrieval(adaptive=adaptive)
     pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers)

@@ -73,6 +73,18 @@ def test_a_gate_fitted_on_an_evaluated_document_is_refused(capsys, setting):
     assert "fitted on 1 document(s) of the evaluation data" in err and "never see evaluation tokens" in err
 
 
+def test_a_gate_fitted_with_another_datastore_is_refused(capsys, tmp_path, setting):
+    corpus, _, gate = setting
+    other = tmp_path / "other"
+    assert main(["datastore", "build", "--model", "tiny", "--data", str(corpus), "--split", "year<1992", "--out",
+                 str(other), "--context", "64", "--stride", "32", "--quiet"]) == 0
+    capsys.readouterr()
+    code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1998",
+                       "--datastore", str(other), "--k", "8", "--adaptive-gate", str(gate), "--adaptive-threshold",
+                       "0.5", "--quiet")
+    assert code == 1 and "was fitted with another datastore" in err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--min-pointers", "3"], "--min-pointers needs --pointers"),
     (["--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
