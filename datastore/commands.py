@@ -108,17 +108,20 @@ def build_datastore(
     def documents():  # read and tokenized only when the tokenize stage runs (it applies max_tokens)
         return source_documents(load_documents(data, split), tokenizer)
 
-    parallel = None
-    if ray is not None:
-        from datastore.ray_build import RayStages, load_model_by_name
-
-        parallel = RayStages(functools.partial(load_model_by_name, model, device, dtype, key_module), settings,
-                             int(boundary), ray)
+    parallel = None if ray is None else _ray_stages(ray, model, device, dtype, key_module, settings, int(boundary))
     if num_shards == 1:
         return build_from_tokens(pretrained.model, documents, Path(out), source, settings,
                                  overwrite=overwrite, progress=progress, parallel=parallel)
     return _build_shards(pretrained.model, _cut(documents(), max_tokens), Path(out), source, settings, num_shards,
                          overwrite, progress, parallel)
+
+
+def _ray_stages(ray: RayOptions, model: str, device: str, dtype: str, key_module: str | None,
+                settings: BuildSettings, boundary: int) -> ParallelStages:
+    """The Ray workers of build_datastore: they load the model by its names (never shipped weights)."""
+    from datastore.ray_build import RayStages, load_model_by_name
+
+    return RayStages(functools.partial(load_model_by_name, model, device, dtype, key_module), settings, boundary, ray)
 
 
 def _cut(docs: Iterable[SourceDocument], max_tokens: int | None) -> list[SourceDocument]:
