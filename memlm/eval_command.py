@@ -45,6 +45,7 @@ from memlm.options import (
     refuse_given,
     refuse_unless_memorizing,
 )
+from memlm.retrieval.attribution import DEFAULT_ATTRIBUTION_TOP_N, AttributionWriter
 from memlm.spalm_command import add_spalm_eval_options, run_spalm_eval, wants_spalm
 
 KNN_ONLY = ("search_backend", "tune_data", "tune_split", "tune_max_tokens", "allow_tune_overlap")
@@ -82,6 +83,11 @@ def add_eval_parser(sub: Any) -> None:
     knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
     knn.add_argument("--allow-tune-overlap", action="store_true", default=None,
                      help="tune even on documents that are evaluated too (recorded in the result)")
+    knn.add_argument("--attribution", default=None, metavar="OUT.jsonl",
+                     help="write every evaluated token's top datastore documents by kNN mass, one JSON line a "
+                          "token, as the evaluation goes (issue 14)")
+    knn.add_argument("--attribution-top-n", type=positive_int, default=None, metavar="N",
+                     help=f"documents per token in --attribution (default {DEFAULT_ATTRIBUTION_TOP_N})")
     add_options(p, "fewer kNN-LM searches (with --datastore; issue 15)", FEWER_SEARCHES_OPTIONS)
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
     add_spalm_eval_options(p)
@@ -198,6 +204,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         refuse_given(args, KNN_ONLY[2:], "needs --tune-data")
     if args.json:
         check_writable_file(args.json, "--json")  # before minutes of work, not after
+    if args.attribution is None:
+        refuse_given(args, ("attribution_top_n",), "needs --attribution OUT.jsonl")
+    else:
+        check_writable_file(args.attribution, "--attribution")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module)
@@ -222,6 +232,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         refuse_given(args, KNN_SERVICE_FLAGS, "needs --memory memorizing --knn-backend service")
     if spalm or args.continuous_cache or args.datastore is None:
         refuse_given(args, FEWER_SEARCHES_OPTIONS, "applies to kNN-LM evaluation (--datastore) only")
+    if spalm or args.continuous_cache or args.datastore is None or memory is not None:
+        refuse_given(args, ("attribution",), "applies to kNN-LM evaluation (--datastore, sliding windows) only")
     if spalm:
         result = run_spalm_eval(args, pretrained, evaluation, boundary, settings, tuning_tokens)
     elif args.continuous_cache:
@@ -393,8 +405,16 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
         print(f"recall@k not reported: the {key_bytes / 2**30:.1f} GiB of keys exceed the "
               f"{EXACT_RECALL_MAX_BYTES / 2**30:.0f} GiB an exact searcher may copy", file=sys.stderr)
     retrieval = fewer_searches(args, store, adaptive)
-    result = evaluate_knnlm(model, evaluation.token_docs, store, window, knn, boundary, tune_docs=tune_docs,
-                            exact_searcher=exact, progress=not args.quiet, retrieval=retrieval)
+    writer = None if args.attribution is None else AttributionWriter(
+        args.attribution, args.attribution_top_n or DEFAULT_ATTRIBUTION_TOP_N)
+    try:
+        result = evaluate_knnlm(model, evaluation.token_docs, store, window, knn, boundary, tune_docs=tune_docs,
+                                exact_searcher=exact, progress=not args.quiet, retrieval=retrieval, attribution=writer)
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is not None:
+        result.update(attribution=args.attribution, attribution_tokens=writer.tokens, attribution_top_n=writer.top_n)
     return {**result, **tune_record, **gate_record}
 
 

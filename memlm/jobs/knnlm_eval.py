@@ -23,6 +23,7 @@ from memlm.jobs.windows import ScoredTokens, WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
 from memlm.retrieval.adaptive import AdaptiveConfig, distribution_features
+from memlm.retrieval.attribution import AttributionWriter, slice_sourced, sourced_knn
 from memlm.retrieval.knnlm import (
     NEG_INF,
     KNNLMConfig,
@@ -315,6 +316,7 @@ def _knn_pass(
     search_tokens: int,
     progress: bool,
     how: Retrieval,
+    attribution: AttributionWriter | None = None,
 ) -> _Pass:
     """One pass: forward (timed), searches per group of windows (timed), interpolation (timed); with
     pointers the group is walked (memlm.jobs.pointer_walk), with a gate only the tokens it lets search."""
@@ -338,8 +340,14 @@ def _knn_pass(
             group = [s for s, _ in pairs]
             allowed = None if how.adaptive is None else np.concatenate([a for _, a in pairs])  # (Q,)
             xq, targets = _queries(group)  # (Q, d), (Q,)
-            knn, base_only, n_search, n_first = _group_knn(group, allowed, xq, targets, searcher, knn_config,
-                                                           temperature, how, timers)
+            if attribution is not None:  # every token searched, with its neighbours' documents (issue 14)
+                with timers.search:
+                    knn, found = sourced_knn(searcher, xq, targets, knn_config.k, knn_config.search_options,
+                                             temperature)
+                base_only, n_search, n_first = np.zeros(xq.shape[0], bool), xq.shape[0], 0
+            else:
+                knn, base_only, n_search, n_first = _group_knn(group, allowed, xq, targets, searcher, knn_config,
+                                                               temperature, how, timers)
             searches, first, skipped = searches + n_search, first + n_first, skipped + int(base_only.sum())
             with timers.mix:
                 hits += int(torch.isfinite(knn).sum())
@@ -351,6 +359,9 @@ def _knn_pass(
                     mixed = interpolate(s.lm_logprob, knn[lo : lo + n], lmbda)  # (n,)
                     mixed = torch.where(keep_base[lo : lo + n], s.lm_logprob, mixed)  # skipped: lambda 0
                     knn_nll -= mixed.double().sum().item()
+                    if attribution is not None:
+                        attribution.write(s.doc, s.positions.numpy(), s.targets.numpy(), s.lm_logprob.numpy(),
+                                          mixed.numpy(), slice_sourced(found, slice(lo, lo + n)), temperature, lmbda)
                     lo += n
             scored += xq.shape[0]
             for row in xq:  # reservoir sampling (Algorithm R)
@@ -409,6 +420,7 @@ def evaluate_knnlm(
     search_tokens: int = 1024,
     progress: bool = True,
     retrieval: Retrieval | None = None,
+    attribution: AttributionWriter | None = None,
 ) -> dict[str, Any]:
     """Base and kNN-LM perplexity of `model` on `token_docs`, side by side.
 
@@ -424,6 +436,8 @@ def evaluate_knnlm(
     retrieval: fewer searches (issue 15; None: a search for every token): RetoMaton pointers (retrieval.pointers with retrieval.source, the
         datastore's successors, values and keys) and/or adaptive retrieval (retrieval.adaptive, a fitted gate
         and its threshold); lambda and T are tuned (when auto) with a search for every tuning token.
+    attribution: write every evaluated token's top documents as it goes (memlm.retrieval.attribution); needs a
+        search for every token (no pointers, no gate) and a searcher with a documents table.
 
     Returns a dict: tokens, base_nll, knnlm_nll, base_perplexity, knnlm_perplexity, perplexity (= kNN-LM),
     relative_change (knnlm / base - 1), lambda, temperature, tuned, tune_tokens, tune_base_perplexity,
@@ -436,6 +450,8 @@ def evaluate_knnlm(
     exact_searcher recall_at_k, recall_at_10, recall_k, recall_queries.
     """
     retrieval = retrieval or Retrieval()
+    if attribution is not None and retrieval != Retrieval():
+        raise MemlmError("--attribution needs a search for every token: not with RetoMaton pointers or a gate")
     if knn_config.needs_tuning and not tune_docs:
         raise MemlmError("--lambda auto / --temperature auto need a tuning split (--tune-data); "
                          "they are never tuned on the evaluation split")
@@ -453,7 +469,7 @@ def evaluate_knnlm(
     assert lmbda is not None and temperature is not None
 
     run = _knn_pass(model, token_docs, searcher, window_config, knn_config, boundary_token, lmbda, temperature,
-                    recall_queries, search_tokens, progress, retrieval)
+                    recall_queries, search_tokens, progress, retrieval, attribution)
     assert run.tokens == total, f"scored {run.tokens} tokens of {total}"
     info = searcher.info()
     result.update(_pass_result(run), k=knn_config.k, exact_rerank=knn_config.exact_rerank, nprobe=knn_config.nprobe,

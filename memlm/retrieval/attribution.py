@@ -26,6 +26,7 @@ Shape legend: Q queries (scored tokens), k neighbours, S documents of one search
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -37,6 +38,8 @@ from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
 MAX_ATTRIBUTION = 64
 """Most documents one token's attribution may list (a request asks for 1..MAX_ATTRIBUTION)."""
+DEFAULT_ATTRIBUTION_TOP_N = 5
+"""Documents per token `memlm eval --attribution` lists unless --attribution-top-n says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -185,3 +188,46 @@ def attribute(result: SourcedNeighbors, targets: np.ndarray, final_logprob: np.n
             for s in order.tolist() if mass[s] > 0)
         out.append(TokenAttribution(float(weights[q][matches[q]].sum()), shares, result.generation))
     return out
+
+
+class AttributionWriter:
+    """`memlm eval --attribution OUT.jsonl`: one JSON line per evaluated token, written as the evaluation goes
+    (never held for the whole corpus): its document and position in the evaluation split, the token, its base
+    and final log-probabilities (nats), p_kNN and its top documents (doc_id, meta, knn_mass, final_share, as
+    DocumentShare says), and the datastore generation."""
+
+    def __init__(self, path: str, top_n: int) -> None:
+        if not 1 <= top_n <= MAX_ATTRIBUTION:
+            raise MemlmError(f"--attribution-top-n must be 1 to {MAX_ATTRIBUTION}, got {top_n}")
+        self.path, self.top_n, self.tokens = path, top_n, 0
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close(), lines flushed per call
+
+    def write(self, doc: int, positions: np.ndarray, targets: np.ndarray, base_logprob: np.ndarray,
+              final_logprob: np.ndarray, found: SourcedNeighbors, temperature: float, lmbda: float) -> None:
+        """One window's tokens: positions, targets, log-probs (n,) and their sourced neighbours (n, k)."""
+        shares = attribute(found, targets, final_logprob, temperature, lmbda, self.top_n)
+        lines = []
+        for j, a in enumerate(shares):
+            lines.append(json.dumps({
+                "doc": int(doc), "position": int(positions[j]), "token": int(targets[j]),
+                "base_logprob": float(base_logprob[j]), "logprob": float(final_logprob[j]), "knn_prob": a.knn_prob,
+                "generation": a.generation,
+                "documents": [{"doc_id": d.source.doc_id, "meta": d.source.meta, "knn_mass": d.knn_mass,
+                               "final_share": d.final_share} for d in a.documents],
+            }, ensure_ascii=False, sort_keys=True))
+        self._file.write("".join(line + "\n" for line in lines))
+        self._file.flush()
+        self.tokens += len(lines)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def sourced_knn(searcher: Any, xq: np.ndarray, targets: Any, k: int, options: SearchOptions | None,
+                temperature: float) -> tuple[Any, SourcedNeighbors]:
+    """log p_kNN of the targets (Q,) float32 tensor, as knn_target_logprob computes it, and the sourced
+    neighbours (Q, k) it came from: one search with documents (`memlm eval --attribution`)."""
+    from memlm.retrieval.knnlm import knn_target_logprob
+
+    found = require_sourced(searcher).search_sourced(xq, k, options)  # (Q, k)
+    return knn_target_logprob(found.neighbors, targets, temperature), found
