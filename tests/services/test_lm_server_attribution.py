@@ -180,3 +180,13 @@ def test_generate_attribution_and_generations_follow_a_live_datastore(corpus, ti
         assert scored_local.datastore_generations == (1,) and local_finish.datastore_generations == (1,)
     finally:
         loop.close()
+
+
+def test_client_attribution_flag_needs_knn(capsys):
+    from memlm.cli import main
+
+    assert main(["client", "score", "--address", "127.0.0.1:1", "--attribution", "2", "some text"]) != 0
+    assert "--attribution needs --knn" in capsys.readouterr().err
+    assert main(["client", "generate", "--address", "127.0.0.1:1", "--memory", "spalm", "--attribution", "2",
+                 "a prompt"]) != 0
+    assert "--attribution is kNN-LM's" in capsys.readouterr().err
