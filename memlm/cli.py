@@ -35,6 +35,7 @@ from memlm.options import (
     positive_int,
     refuse_given,
 )
+from memlm.plan_command import add_plan_parser
 from memlm.train_command import add_train_parser
 
 SERVE_MEMORY = ("segment", "mem_len", "sink_tokens")
@@ -195,7 +196,8 @@ def knn_request(args: argparse.Namespace) -> Any:
     if args.kind == "spalm":  # --k and --nprobe set SPALM's own search (memory_request)
         if args.knn:
             raise MemlmError("--knn does not combine with --memory spalm (it mixes by its learned gate)")
-        refuse_given(args, ("lmbda", "temperature", "attribution"), "is kNN-LM's; --memory spalm mixes by its gate")
+        refuse_given(args, ("lmbda", "temperature"), "is kNN-LM's interpolation; --memory spalm mixes by its gate")
+        refuse_given(args, ("attribution",), "is kNN-LM's (its neighbours' documents); --memory spalm mixes by its gate")
         return None
     if not args.knn:
         refuse_given(args, (*CLIENT_KNN, "attribution"), "needs --knn")
@@ -397,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_generate_parser(sub)
     add_datastore_parser(sub)
+    add_plan_parser(sub)
     add_serve_parser(sub)
     add_client_parser(sub)
     add_train_parser(sub)

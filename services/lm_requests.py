@@ -194,7 +194,7 @@ class RequestParser:
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
                  knn_defaults: KNNLMConfig, knn_refusal: str | None, piece_bytes: list[int], max_response_bytes: int,
                  datastore_windows: tuple[int, int] | None = None, memorizing: bool = False,
-                 spalm_missing: tuple[str, ...]) -> None:
+                 spalm_missing: tuple[str, ...], attribution_refusal: str | None = None) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
         self._longest_piece = max(piece_bytes, default=0)
@@ -204,6 +204,7 @@ class RequestParser:
         self._limits = limits
         self._knn_defaults = knn_defaults
         self._knn_refusal = knn_refusal
+        self._attribution_refusal = attribution_refusal  # services.lm_results.attribution_refusal
         self._spalm_missing = spalm_missing
         self._windows = datastore_windows
         self.default_memory = lm_pb2.MemoryOptions(
@@ -341,12 +342,13 @@ class RequestParser:
         check_search(k, nprobe, self._limits.max_k)
         return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
 
-    @staticmethod
-    def attribution(request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KNNLMConfig | None) -> int:
+    def attribution(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KNNLMConfig | None) -> int:
         """KnnOptions.attribution_top_n checked: 0 (none), or 1 to MAX_ATTRIBUTION documents a token with kNN-LM."""
         n, field = request.knn.attribution_top_n, "knn.attribution_top_n"
         if n != 0 and knn is None:
             raise InvalidRequest(field, "needs knn.enabled: the documents are those of the kNN-LM neighbours")
+        if n != 0 and self._attribution_refusal is not None:
+            raise InvalidRequest(field, self._attribution_refusal, grpc.StatusCode.FAILED_PRECONDITION)
         if not 0 <= n <= MAX_ATTRIBUTION:
             raise InvalidRequest(field, f"{n}, must be in [0, {MAX_ATTRIBUTION}]",
                                  OUT_OF_RANGE if n > 0 else grpc.StatusCode.INVALID_ARGUMENT)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore
 from memlm.retrieval.attribution import (
     GenerationSearcher,
@@ -67,6 +68,20 @@ class CallSearcher:
             found = require_sourced(self._bounded).search_sourced(xq, k, options)
         self.generations.add(int(found.generation))
         return found
+
+
+def attribution_refusal(searcher: Searcher | None) -> str | None:
+    """Why attribution (KnnOptions.attribution_top_n) cannot be served by this server's searcher, in one line,
+    found once at load by one sourced search (a searcher without documents, a datastore whose format predates
+    the documents table); None when it can, without a searcher (kNN-LM is refused as such), and for a
+    retrieval service (which answers FAILED_PRECONDITION itself)."""
+    if searcher is None or isinstance(searcher, RetrievalClient):
+        return None
+    try:
+        require_sourced(searcher).search_sourced(np.zeros((1, searcher.info().dim), np.float32), 1)  # (1, d)
+    except MemlmError as e:
+        return str(e)
+    return None
 
 
 def attribution_to_proto(a: TokenAttribution) -> lm_pb2.TokenAttribution:

@@ -67,7 +67,12 @@ from services.lm_engine import (
     token_response,
 )
 from services.lm_requests import LMLimits, RequestParser, ScoreArgs
-from services.lm_results import CallSearcher, ScoreOutcome, encode_score
+from services.lm_results import (
+    CallSearcher,
+    ScoreOutcome,
+    attribution_refusal,
+    encode_score,
+)
 from services.lm_scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
 from services.lm_score_batch import BatchStop, ScoreBatcher, batchable
 from services.retrieval_client import (
@@ -156,6 +161,7 @@ class LanguageModelServicer:
                                      limits=self._limits, knn_defaults=self._knn_defaults,
                                      knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
                                      spalm_missing=lm_spalm.spalm_missing(spalm, searcher is not None),
+                                     attribution_refusal=attribution_refusal(searcher),
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,

@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -100,6 +101,11 @@ def test_score_attribution_equals_the_library_local_and_remote(corpus, tiny, tmp
                 (plain,) = c.score([text], knn=KnnRequest())
             assert [t.logprob for t in plain.tokens] == [t.logprob for t in got[name].tokens]
             assert plain.tokens[0].attribution is None and got[name].datastore_generations == (0,)
+        bare = loop.serve(start_lm_server("127.0.0.1:0", tiny, store.exact_searcher("cpu"), knn_defaults=KNN))
+        with LanguageModelClient(bare, timeout=60) as c:  # exact search over the keys alone: no documents
+            with pytest.raises(ServiceError, match="attribution_top_n: attribution needs a datastore with a documents") as e:
+                c.score([text], knn=KnnRequest(attribution_top_n=2))
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         with LanguageModelClient(local, timeout=60) as c:
             with pytest.raises(ServiceError, match="attribution_top_n"):
                 c.score([text], knn=KnnRequest(attribution_top_n=65))
