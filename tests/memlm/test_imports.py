@@ -75,7 +75,8 @@ def test_no_import_cycle() -> None:
 
 
 COMMAND_LINE = {"memlm.cli", "memlm.eval_command", "memlm.train_command", "memlm.spalm_command", "memlm.link_options",
-                "memlm.generate_command", "memlm.datastore_command", "memlm.gate_command", "memlm.harness_command"}
+                "memlm.generate_command", "memlm.datastore_command", "memlm.gate_command", "memlm.harness_command",
+                "memlm.plan_command"}
 """The command line wires datastores and servers into the library; it alone may import them."""
 
 
