@@ -53,6 +53,8 @@ class PlanInputs:
     """Memory of one shard replica's host, in GiB."""
     cores: int
     """Search threads of one replica (faiss parallelises a batch of queries over them)."""
+    host_disk_gib: float
+    """Disk of one shard replica's host for on-disk lists, in GiB."""
     on_disk: bool
     """Inverted lists in a memory-mapped file (memlm datastore build --on-disk): only the quantizer resident."""
 
@@ -72,7 +74,8 @@ class Plan:
     files_bytes: float
     """Keys, values and provenance files of all shards (on disk, read for exact re-ranking)."""
     shards: int
-    """Shards: the fewest whose resident index fits MEMORY_HEADROOM of a host."""
+    """Shards: the fewest whose resident index (on-disk lists: whose lists) fits MEMORY_HEADROOM of a host's
+    memory (disk)."""
     resident_bytes_per_shard: float
     """What one shard replica holds in memory."""
     query_seconds: float
@@ -93,7 +96,10 @@ def make_plan(inputs: PlanInputs, figures: dict[str, Any], nlist: int, code_byte
     if quantizer >= budget:
         raise MemlmError(f"the coarse quantizer alone ({quantizer / GIB:.1f} GiB) exceeds {MEMORY_HEADROOM:.0%} of "
                          f"--host-memory-gib {inputs.host_memory_gib:g}; use fewer lists")
-    shards = 1 if inputs.on_disk else max(1, math.ceil(lists / (budget - quantizer)))
+    if inputs.on_disk:  # the lists must fit the host's disk; only the quantizer is resident
+        shards = max(1, math.ceil(lists / (inputs.host_disk_gib * GIB * MEMORY_HEADROOM)))
+    else:
+        shards = max(1, math.ceil(lists / (budget - quantizer)))
     resident = quantizer + (0.0 if inputs.on_disk else lists / shards)
     scanned = inputs.nprobe * (n / shards) / nlist  # codes a query scans on one shard
     per_code = scan["ns_per_code"] * 1e-9 * code_bytes / scan["pq_m"]  # the scan is linear in code bytes
@@ -114,7 +120,8 @@ def format_plan(inputs: PlanInputs, plan: Plan, figures_path: Path, figures: dic
         (f"index         {plan.lists_bytes / GIB:,.1f} GiB of lists, {plan.quantizer_bytes / GIB:.2f} GiB quantizer per "
         f"shard; keys/values/provenance files {plan.files_bytes / GIB:,.0f} GiB on disk"),
         (f"shards        {plan.shards} (each resident {plan.resident_bytes_per_shard / GIB:,.1f} GiB <= "
-        f"{MEMORY_HEADROOM:.0%} of {inputs.host_memory_gib:g} GiB)"),
+        f"{MEMORY_HEADROOM:.0%} of {inputs.host_memory_gib:g} GiB"
+        + (f"; lists {plan.lists_bytes / plan.shards / GIB:,.0f} GiB on disk each)" if inputs.on_disk else ")")),
         (f"search        {plan.query_seconds * 1e3:.2f} ms a query per shard on one thread -> "
         f"{plan.qps_per_replica:,.0f} queries/s per replica on {inputs.cores} threads"),
         (f"replicas      {plan.replicas} per shard ({rate}; at least {MIN_REPLICAS}) -> "
@@ -145,7 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise MemlmError(f"memlm plan needs an IVF index (e.g. IVF65536,PQ64), got {args.index!r}")
     inputs = PlanInputs(tokens=int(args.tokens), dim=args.dim, factory=args.index,
                         nprobe=args.nprobe or default_nprobe(index), qps=args.qps,
-                        host_memory_gib=args.host_memory_gib, cores=args.cores, on_disk=args.on_disk)
+                        host_memory_gib=args.host_memory_gib, cores=args.cores, host_disk_gib=args.host_disk_gib,
+                        on_disk=args.on_disk)
     figures = read_figures(args.figures)
     print(format_plan(inputs, make_plan(inputs, figures, ivf.nlist, ivf.code_size), args.figures, figures))
 
@@ -159,6 +167,7 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--qps", type=float, default=None, help="target queries per second over the tier")
     p.add_argument("--host-memory-gib", type=float, default=256.0, help="memory of one replica's host, GiB")
     p.add_argument("--cores", type=int, default=16, help="search threads of one replica")
+    p.add_argument("--host-disk-gib", type=float, default=8192.0, help="disk for --on-disk lists of one host, GiB")
     p.add_argument("--on-disk", action="store_true", help="lists memory-mapped (datastore build --on-disk)")
     p.add_argument("--figures", type=Path, default=DEFAULT_FIGURES, help="benchmarks/shard_capacity.py's JSON")
     p.set_defaults(func=cmd_plan)

@@ -18,7 +18,7 @@ FIGURES = {"machine": "test", "scan": {"pq_m": 64, "dim": 576, "n": 1000, "nlist
 
 def inputs(**changes) -> PlanInputs:
     base = {"tokens": 10**9, "dim": 576, "factory": "IVF65536,PQ64", "nprobe": 512, "qps": None,
-            "host_memory_gib": 64.0, "cores": 16, "on_disk": False}
+            "host_memory_gib": 64.0, "cores": 16, "host_disk_gib": 1024.0, "on_disk": False}
     return PlanInputs(**{**base, **changes})
 
 
@@ -42,9 +42,11 @@ def test_replicas_carry_the_rate_and_never_drop_below_two():
     assert busy.replicas == 10 and busy.replicas * busy.qps_per_replica >= 10 * plan.qps_per_replica * 0.999
 
 
-def test_on_disk_lists_keep_one_shard_and_only_the_quantizer_resident():
+def test_on_disk_lists_keep_only_the_quantizer_resident_and_shard_by_disk():
     plan = make_plan(inputs(on_disk=True), FIGURES, 65536, 64)
     assert plan.shards == 1 and plan.resident_bytes_per_shard == 65536 * 576 * 4
+    big = make_plan(inputs(on_disk=True, tokens=10**12), FIGURES, 65536, 64)  # 67 TiB of lists, 0.8 TiB a host
+    assert big.shards == 82 and big.lists_bytes / big.shards <= 1024 * GIB * MEMORY_HEADROOM
 
 
 def test_a_quantizer_larger_than_the_host_is_refused():
