@@ -53,7 +53,7 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
-from services import lm_spalm
+from services import lm_results, lm_spalm
 from services.lm_engine import (
     EngineLimits,
     EnginePool,
@@ -67,12 +67,7 @@ from services.lm_engine import (
     token_response,
 )
 from services.lm_requests import LMLimits, RequestParser, ScoreArgs
-from services.lm_results import (
-    CallSearcher,
-    ScoreOutcome,
-    attribution_refusal,
-    encode_score,
-)
+from services.lm_results import CallSearcher, ScoreOutcome, encode_score
 from services.lm_scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
 from services.lm_score_batch import BatchStop, ScoreBatcher, batchable
 from services.retrieval_client import (
@@ -161,7 +156,7 @@ class LanguageModelServicer:
                                      limits=self._limits, knn_defaults=self._knn_defaults,
                                      knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
                                      spalm_missing=lm_spalm.spalm_missing(spalm, searcher is not None),
-                                     attribution_refusal=attribution_refusal(searcher),
+                                     attribution_refusal=lm_results.attribution_refusal(searcher),
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
