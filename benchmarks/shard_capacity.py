@@ -192,8 +192,10 @@ def ray_figures(args) -> dict:
     from datastore import build_datastore
     from datastore.ray_build import RayOptions
 
+    # shard_batches 1: 4 windows (of 1024 tokens, stride 512) a shard, so a few thousand tokens give both workers
+    # shards.
     common = {"model": args.ray_model, "data": args.ray_data, "max_tokens": args.ray_tokens, "index": "Flat",
-              "device": "cpu", "dtype": "float32", "progress": False, "overwrite": True}
+              "device": "cpu", "dtype": "float32", "progress": False, "overwrite": True, "shard_batches": 1}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         build_datastore(out=Path(tmp) / "local", **common)
@@ -204,7 +206,7 @@ def ray_figures(args) -> dict:
         same = all((Path(tmp) / "local" / f).read_bytes() == (Path(tmp) / "ray" / f).read_bytes()
                    for f in ("keys.f16", "values.i32", "index.faiss"))
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"model": args.ray_model, "data": args.ray_data, "tokens": args.ray_tokens, "workers": 2,
+    return {"model": args.ray_model, "data": args.ray_data, "tokens": args.ray_tokens, "workers": 2, "shard_batches": 1,
             "local_s": local_s, "ray_s": ray_s, "ratio": ray_s / local_s, "same_files": same,
             "note": "one process uses all cores' threads; each Ray actor one thread (its keys may differ in the "
                     "last bits: float sums in another order); Ray start-up and per-actor model loads included"}
