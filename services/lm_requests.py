@@ -24,6 +24,7 @@ cannot split one forward pass. A Generate prompt is prefilled by the engine in c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -194,7 +195,8 @@ class RequestParser:
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
                  knn_defaults: KNNLMConfig, knn_refusal: str | None, piece_bytes: list[int], max_response_bytes: int,
                  datastore_windows: tuple[int, int] | None = None, memorizing: bool = False,
-                 spalm_missing: tuple[str, ...], attribution_refusal: str | None = None) -> None:
+                 spalm_missing: tuple[str, ...], attribution_refusal: str | None = None,
+                 on_engine: Callable[[MemoryConfig | None], bool] = lambda memory: True) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
         self._longest_piece = max(piece_bytes, default=0)
@@ -205,6 +207,7 @@ class RequestParser:
         self._knn_defaults = knn_defaults
         self._knn_refusal = knn_refusal
         self._attribution_refusal = attribution_refusal  # services.lm_results.attribution_refusal
+        self._on_engine = on_engine  # services.lm_engine.on_engine for the server's model: Generate attributes there
         self._spalm_missing = spalm_missing
         self._windows = datastore_windows
         self.default_memory = lm_pb2.MemoryOptions(
@@ -350,8 +353,7 @@ class RequestParser:
         if n != 0 and self._attribution_refusal is not None:
             raise InvalidRequest(field, self._attribution_refusal, grpc.StatusCode.FAILED_PRECONDITION)
         if not 0 <= n <= MAX_ATTRIBUTION:
-            raise InvalidRequest(field, f"{n}, must be in [0, {MAX_ATTRIBUTION}]",
-                                 OUT_OF_RANGE if n > 0 else grpc.StatusCode.INVALID_ARGUMENT)
+            raise InvalidRequest(field, f"{n}, must be in [0, {MAX_ATTRIBUTION}]", OUT_OF_RANGE)
         return n
 
     def _score_input(self, item: lm_pb2.ScoreInput, field: str) -> tuple[list[int], list[int]]:
@@ -477,9 +479,9 @@ class RequestParser:
         memory = self.memory(request)
         spalm, knn = self.spalm(request, memory), self.knn(request)
         attribution = self.attribution(request, knn)
-        if attribution and memory is not None and memory.kind != "xl":  # the engine's lanes attribute (lm_engine)
-            raise InvalidRequest("knn.attribution_top_n", f"Generate attribution runs on the decoding engine, memory "
-                                 f"modes NONE and XL, not {memory.kind}", grpc.StatusCode.UNIMPLEMENTED)
+        if attribution and not self._on_engine(memory):  # the engine's lanes attribute (services.lm_engine)
+            raise InvalidRequest("knn.attribution_top_n", "Generate attribution runs on the decoding engine only (its "
+                                 "memory modes: GetInfo.engine_memory_modes)", grpc.StatusCode.UNIMPLEMENTED)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
                             stop_sequences=list(request.stop_sequences), knn=knn, memory=memory, spalm=spalm,
                             attribution=attribution)

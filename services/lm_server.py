@@ -157,6 +157,7 @@ class LanguageModelServicer:
                                      knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
                                      spalm_missing=lm_spalm.spalm_missing(spalm, searcher is not None),
                                      attribution_refusal=lm_results.attribution_refusal(searcher),
+                                     on_engine=lambda memory: on_engine(model, memory),
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
