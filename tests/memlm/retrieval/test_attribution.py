@@ -169,3 +169,20 @@ def test_through_the_retrieval_service_equals_in_process(store, shards, through)
     own = store.search_sourced(np.asarray(store.keys[:5], dtype=np.float32), 4)
     names = lambda r: [[r.sources[i].doc_id if i >= 0 else None for i in row] for row in r.documents]
     assert names(found) == names(own) and found.generation == 0
+
+
+def test_segment_scoring_attributes_too(store):
+    from memlm.jobs.scoring import score_tokens_segments
+    from memlm.memory.config import MemoryConfig
+
+    model = tiny_model()
+    seqs = [documents()[0][:60], documents()[3][:30]]
+    memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16)
+    runs = [score_tokens_segments(model, seqs, memory=memory, boundary_token=BOS, searcher=store, knn=KNN,
+                                  attribution=n) for n in (len(store.documents()), 0)]
+    for s, plain in zip(*runs):
+        np.testing.assert_array_equal(s.logprob, plain.logprob)
+        assert len(s.attribution) == len(s.tokens) and plain.attribution == ()
+        p_knn = (np.exp(s.logprob.astype(np.float64)) - 0.5 * np.exp(s.base_logprob.astype(np.float64))) / 0.5
+        for a, want in zip(s.attribution, p_knn):
+            assert abs(sum(d.knn_mass for d in a.documents) - want) <= 1e-6
