@@ -204,6 +204,9 @@ class RouterServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"bad shard response: {e}")
         merged, order = merge_top_k_order(results, [layout.offsets[i] for i in answered], parsed.k)
         response = neighbors_to_response(merged if sourced is None else merge_sourced(sourced, order, merged))
+        if sourced is not None and response.ByteSize() > self._layout.info.max_message_bytes:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"with_documents: the merged response ({response.ByteSize()} "
+                                "bytes with its sources) does not fit one message; split the batch")
         missing = [shard.name for shard, r in zip(self._shards, responses) if r is None]
         if missing:  # only when the caller allowed it (_fan_out)
             response.partial = True

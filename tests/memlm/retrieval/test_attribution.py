@@ -112,14 +112,16 @@ def test_attribution_needs_a_searcher_with_documents(store):
 class Servers:
     """Retrieval servers (and a router over them) on port 0, on an event loop of their own thread."""
 
-    def __init__(self, stores, router: bool) -> None:
+    def __init__(self, stores, router: bool, options=None) -> None:
         from services.retrieval_server import start_retrieval_server
         from services.router import start_router_server
+        from services.server_common import ServerOptions
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.running = [self._run(start_retrieval_server("127.0.0.1:0", s)).running for s in stores]
+        options = options or ServerOptions()
+        self.running = [self._run(start_retrieval_server("127.0.0.1:0", s, options=options)).running for s in stores]
         if router:
             self.running.append(self._run(start_router_server(
                 "127.0.0.1:0", [f"127.0.0.1:{r.port}" for r in self.running])))
@@ -186,3 +188,24 @@ def test_segment_scoring_attributes_too(store):
         p_knn = (np.exp(s.logprob.astype(np.float64)) - 0.5 * np.exp(s.base_logprob.astype(np.float64))) / 0.5
         for a, want in zip(s.attribution, p_knn):
             assert abs(sum(d.knn_mass for d in a.documents) - want) <= 1e-6
+
+
+def test_sources_too_big_for_a_message_are_refused_in_one_line(tmp_path):
+    import grpc
+
+    from services.retrieval_client import RetrievalClient
+    from services.server_common import ServerOptions, ServiceError
+
+    docs = documents()
+    big = [SourceDocument(d, token_fingerprint(d), {"title": "x" * 40_000}) for d in docs]  # 40 kB of metadata each
+    store = build(big, tmp_path / "big")
+    servers = Servers([store], router=False, options=ServerOptions(max_message_bytes=64 * 1024))
+    try:
+        with RetrievalClient(servers.address, max_message_bytes=64 * 1024) as remote:
+            xq = np.asarray(store.keys[[0, 250, 400, 500]], dtype=np.float32)  # one key of each document
+            assert remote.search(xq, 8).ids.shape == (4, 8)  # the neighbours alone fit
+            with pytest.raises(ServiceError, match="with_documents: the response") as e:
+                remote.search_sourced(xq, 8)
+            assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
+    finally:
+        servers.close()
