@@ -17,6 +17,9 @@ import pytest
 
 from memlm.errors import MemlmError
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+from services.circuit import OPEN, BreakerConfig, CircuitBreaker
+from services.replicas import SERVING, ReplicaSet
+from services.replicas import Replica as ReplicaLink
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
 from services.router import ShardLinks, create_router_server
@@ -187,3 +190,33 @@ def test_without_hedging_a_hung_replica_waits_out_the_deadline(loop_thread, sear
 def test_a_bad_shard_spec_is_one_line(loop_thread):
     with pytest.raises(MemlmError, match="expected HOST:PORT"):
         loop_thread.run(create_router_server("127.0.0.1:0", ["127.0.0.1:1,"]))
+
+
+def test_a_call_to_a_dead_replica_fails_over_before_health_notices(loop_thread, searcher):
+    """Failover itself, without health routing's help: both replicas look SERVING, the first is a closed
+    port; the call answers from the second, and the first's breaker counts the failure."""
+    live = Replica(loop_thread, type(searcher)(searcher.keys, searcher.values))
+    dead = Replica(loop_thread, type(searcher)(searcher.keys, searcher.values))
+    dead.kill()
+    try:
+        async def call():
+            replicas = []
+            for r in (dead, live):
+                channel = grpc.aio.insecure_channel(r.address)
+                replicas.append(ReplicaLink(r.address, channel, retrieval_pb2_grpc.RetrievalServiceStub(channel),
+                                            CircuitBreaker(BreakerConfig(failure_threshold=1))))
+                replicas[-1].status = SERVING  # as if health had not noticed yet
+            shard = ReplicaSet("dead,live", replicas, hedge_after_s=None, metadata=())
+            request = retrieval_pb2.SearchRequest(queries=to_tensor(queries(searcher.dim)), k=3)
+            try:
+                response = await shard.call(lambda stub: stub.Search, request, lambda: 5.0)
+            finally:
+                for r in replicas:
+                    await r.channel.close()
+            return response, replicas[0].breaker.state
+
+        response, dead_breaker = loop_thread.run(call())
+        np.testing.assert_array_equal(from_tensor(response.ids, "ids"), searcher.search(queries(searcher.dim), 3).ids)
+        assert dead_breaker == OPEN
+    finally:
+        live.close()
