@@ -8,8 +8,7 @@ embeddings are aggregated by attention and mixed with the final hidden state by 
 (section 3 of the paper):
 
     y_k = W[v_k]                           the output embeddings of the k retrieved next tokens
-    m_t = s sum_k softmax_k(y_k . h_t) y_k  h_t: final hidden state (after the final norm, before lm_head);
-                                           s = exp(log_scale) learned, 1 at the start (ours: SpalmHead)
+    m_t = sum_k softmax_k(y_k . h_t) y_k    h_t: final hidden state (after the final norm, before lm_head)
     g_t = sigmoid(w_g . h_t + b)
     z_t = (1 - g_t) m_t + g_t h_t           logits = lm_head(z_t)
 
@@ -48,21 +47,13 @@ GATE_BIAS_INIT = 4.0
 
 
 class SpalmHead(nn.Module):
-    """SPALM's gate: w_g (C,) and a bias b; g = sigmoid(w_g . h + b); and the memory's scale s = exp(log_scale).
-
-    The scale is ours, not the paper's: m_t = s * sum_k softmax_k(y_k . h_t) y_k. The paper trains the
-    whole model with the memory, so h and W's rows grow to matching sizes; on a pretrained model they do
-    not (SmolLM2-135M: |h| ~ 44 after the final norm, |W[v]| ~ 3.2), so any g < 1 mostly shrinks h's logits
-    (a higher temperature) while m's share adds next to nothing, and a gate trained on it only learns to
-    stay shut. The learned scalar lets m speak at h's scale. It starts at 1 (log_scale 0: the paper's
-    formula exactly), and g = 1 still gives h exactly whatever s is."""
+    """SPALM's gate: w_g (C,) and a bias b; g = sigmoid(w_g . h + b)."""
 
     def __init__(self, n_embd: int) -> None:
         super().__init__()
         self.n_embd = n_embd
         self.w_g = nn.Parameter(torch.zeros(n_embd))  # (C,)
         self.bias = nn.Parameter(torch.tensor(GATE_BIAS_INIT))  # ()
-        self.log_scale = nn.Parameter(torch.zeros(()))  # ()
 
     def gate(self, h: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
         """h (B, T, C), has (B, T) bool (a valid neighbour exists) -> g (B, T); 1 where has is False."""
@@ -80,7 +71,7 @@ class SpalmHead(nn.Module):
         # A finite fill keeps rows without neighbours finite (their weights are zeroed, their gate is 1).
         scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
         weights = torch.softmax(scores.float(), dim=-1).to(h.dtype) * valid  # (B, T, k)
-        m = self.log_scale.exp().to(h.dtype) * torch.einsum("btk,btkc->btc", weights, y)  # (B, T, C)
+        m = torch.einsum("btk,btkc->btc", weights, y)  # (B, T, C)
         g = self.gate(h, valid.any(dim=-1))  # (B, T)
         z = (1 - g)[..., None] * m + g[..., None] * h  # (B, T, C); g = 1 gives h exactly
         return z, g
@@ -106,8 +97,7 @@ def load_spalm_head(directory: str | Path, device: torch.device | str = "cpu") -
         return None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     head = SpalmHead(int(saved["n_embd"]))
-    # A head saved before the memory scale existed is the paper's formula: scale 1 (log_scale 0).
-    head.load_state_dict({"log_scale": torch.zeros(()), **saved["state_dict"]})
+    head.load_state_dict(saved["state_dict"])
     return head.to(device), str(saved["keys_fingerprint"])
 
 

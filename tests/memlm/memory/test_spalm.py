@@ -90,15 +90,13 @@ def test_rows_without_neighbours_give_the_base_output(setup):
     assert not torch.allclose(out.logits[~empty], base[~empty])
 
 
-@pytest.mark.parametrize("scale", [1.0, 7.5])
-def test_head_matches_a_per_position_oracle(scale):
+def test_head_matches_a_per_position_oracle():
     torch.manual_seed(0)
     B, T, k, C, V = 2, 3, 4, 8, 11
     head = SpalmHead(C)
     with torch.no_grad():
         head.w_g.normal_()
         head.bias.fill_(0.3)
-        head.log_scale.fill_(float(np.log(scale)))  # 1: the paper's formula; else the learned memory scale
     h, W = torch.randn(B, T, C), torch.randn(V, C)
     tokens = torch.randint(0, V, (B, T, k))
     valid = torch.rand(B, T, k) > 0.3
@@ -111,7 +109,7 @@ def test_head_matches_a_per_position_oracle(scale):
                 assert g[b, t] == 1 and torch.equal(z[b, t], h[b, t])
                 continue
             y = torch.stack(ys)  # (k', C)
-            m = scale * (torch.softmax(y @ h[b, t], dim=0)[:, None] * y).sum(0)  # (C,)
+            m = (torch.softmax(y @ h[b, t], dim=0)[:, None] * y).sum(0)  # (C,)
             gt = torch.sigmoid(head.w_g @ h[b, t] + head.bias)
             torch.testing.assert_close(g[b, t], gt)
             torch.testing.assert_close(z[b, t], (1 - gt) * m + gt * h[b, t])
@@ -129,7 +127,6 @@ def test_gradients_reach_w_g_b_and_W_but_not_the_keys(setup):
     out.logits.logsumexp(-1).sum().backward()
     assert head.w_g.grad is not None and bool(head.w_g.grad.abs().sum() > 0)
     assert head.bias.grad is not None and float(head.bias.grad.abs()) > 0
-    assert head.log_scale.grad is not None and float(head.log_scale.grad.abs()) > 0
     W = model.lm_head.weight
     assert W.grad is not None and bool(W.grad.abs().sum() > 0)
     assert not searcher.keys.requires_grad and searcher.keys.grad is None  # the datastore's keys are fixed
@@ -204,19 +201,3 @@ def test_what_trains_never_makes_the_key_and_one_more_block_would(key_layer):
         spalm_trainable(model.config, most + 1)
     with pytest.raises(MemlmError, match="at most 0"):  # final_hidden keys: nothing after them but W
         spalm_trainable(keyed_model(-1, "final_hidden").config, 1)
-
-
-def test_a_head_saved_before_the_memory_scale_loads_as_the_papers_formula(tmp_path):
-    from memlm.memory.spalm import SPALM_HEAD_FILE, load_spalm_head, save_spalm_head
-
-    head = SpalmHead(8)
-    with torch.no_grad():
-        head.w_g.normal_()
-        head.log_scale.fill_(2.0)
-    save_spalm_head(head, tmp_path, "fp")
-    saved = torch.load(tmp_path / SPALM_HEAD_FILE, weights_only=True)
-    del saved["state_dict"]["log_scale"]  # what a head written before log_scale existed holds
-    torch.save(saved, tmp_path / SPALM_HEAD_FILE)
-    loaded, fingerprint = load_spalm_head(tmp_path)
-    assert fingerprint == "fp" and float(loaded.log_scale) == 0.0
-    assert torch.equal(loaded.w_g, head.w_g) and torch.equal(loaded.bias, head.bias)
