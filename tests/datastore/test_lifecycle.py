@@ -274,7 +274,12 @@ def test_sigkill_leaves_old_or_new_then_resumes(stores, tmp_path, op, before, af
     rng, kills, states, mid = random.Random(7), 0, [], []
     for _ in range(3):
         proc = start(op, directory, delay)
-        time.sleep(rng.uniform(0.05, window))
+        # Kill inside the change: once its scratch directory exists, after a random part of the window
+        # (a fixed sleep from the start raced the change on a fast, idle machine and killed it too late).
+        deadline = time.monotonic() + 60
+        while not (directory / ".generation").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, window / 2))
         if proc.poll() is not None:
             finish(proc)
             break
