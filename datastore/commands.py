@@ -200,8 +200,8 @@ def datastore_info(directory: Path, verify: bool = False) -> str:
         f"weights       {describe_weights(m.model_name)}",
         f"tokenizer     fingerprint {m.tokenizer_fingerprint[:16]}",
         f"corpus        {m.corpus} (fingerprint {m.corpus_fingerprint[:16]})",
-        f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}, "
-        f"sink tokens {m.sink_tokens}",
+        (f"windows       context {m.context}, stride {m.stride}, boundary token {m.boundary_token}, "
+         f"sink tokens {m.sink_tokens}"),
         "documents     " + (summary(Datastore.documents_of(Path(directory), m)) if m.has_documents
                              else f"no table (format {m.format_version}): rebuild for memlm datastore docs"),
         "provenance    " + (f"{m.n:,} entries from {m.documents:,} document{'' if m.documents == 1 else 's'} "
@@ -227,14 +227,17 @@ def add_to_datastore(directory: Path, data: str, split: str | None = None, model
     from datastore.add import add_documents
     from memlm.data.documents import corpus_fingerprint, load_documents
     from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.hf_model import key_module_of
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
     m = Manifest.read(Path(directory))
     name = model or m.model_name
     torch_device = resolve_device(device)
+    # The key the datastore was built with (a --key-module of a transformers model is in its key layer).
     pretrained = load_pretrained(name, device=torch_device,
-                                 dtype=resolve_dtype(dtype or m.build.get("model_dtype", "auto"), torch_device))
+                                 dtype=resolve_dtype(dtype or m.build.get("model_dtype", "auto"), torch_device),
+                                 key_module=key_module_of(m.key_layer))
     tokenizer = pretrained.tokenizer
     source = BuildSource(
         model_name=name, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,

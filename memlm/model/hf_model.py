@@ -83,6 +83,13 @@ class HFModelConfig:
         return f"input:{self.key_module}"
 
 
+def key_module_of(key_description: str) -> str | None:
+    """The key module named by a manifest's key layer written by HFModelConfig.key_description ("input:PATH"
+    -> PATH), or None for a key of memlm's decoder (so reopening a datastore's model finds the same key)."""
+    prefix = "input:"
+    return key_description[len(prefix):] if key_description.startswith(prefix) else None
+
+
 @dataclass(frozen=True)
 class HFKVCache:
     """Generation state of an HF model: transformers' cache, extended in place by each forward pass

@@ -14,6 +14,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from datastore import Datastore
 from memlm.cli import main
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, generate
@@ -169,6 +170,12 @@ def test_key_module_flag_of_datastore_build_and_eval(capsys, tmp_path, hf_dirs):
     assert code == 0, err
     code, _, err = run(capsys, "eval", "--model", model, "--data", data, "--datastore", store, *window, "--quiet")
     assert code == 1 and "input:transformer.h.0.mlp" in err and err.count("\n") == 1, err
+    # `datastore add` reopens the model with the manifest's key module (it was refused as another key).
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"text": "A new speech: the union endures and the work goes on.", "year": 2001}) + "\n")
+    code, _, err = run(capsys, "datastore", "add", store, "--data", more, "--quiet")
+    assert code == 0, err
+    assert len(Datastore.open(store).documents()) == 9
 
 
 @pytest.mark.parametrize("arch", ARCHS)
