@@ -135,6 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.engine import Engine, run_all
     from memlm.engine.requests import EngineConfig, GenerationRequest
     from memlm.jobs.evaluate import write_json
+    from memlm.model.decoder import Decoder
     from memlm.model.device import resolve_device, resolve_dtype
     from memlm.model.pretrained import require_decoder
     from memlm.model.tokenizer import document_boundary
@@ -152,13 +153,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory)
     if args.prefill_chunk is not None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
-    engine = Engine(require_decoder(pretrained.model, "memlm generate's batched engine"), tokenizer, config, searcher)
     boundary = document_boundary(tokenizer)
     requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),
                                   boundary, tokenizer.eos_id, knn=knn) for p in args.prompts]
     start = time.perf_counter()
     try:
-        results = run_all(engine, requests)
+        if isinstance(pretrained.model, Decoder):
+            results = run_all(Engine(pretrained.model, tokenizer, config, searcher), requests)
+        else:
+            # A transformers model has no engine cache (its KV cache is transformers' own): its prompts run
+            # one after another through the one-sequence generator, as the LM server runs them.
+            if memory is not None:
+                require_decoder(pretrained.model, f"--memory {memory.kind}")  # refused: memories need memlm's decoder
+            results = [one_sequence(pretrained.model, tokenizer, r, searcher) for r in requests]
     finally:
         if args.retrieval:
             searcher.close()  # the RetrievalClient's channel
@@ -171,6 +178,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
           f"({len(requests)} prompts, batch {config.max_batch})")
     if args.json:
         write_json(report, args.json)
+
+
+def one_sequence(model: Any, tokenizer: Any, request: Any, searcher: Any) -> list[Any]:
+    """The events of one request (memlm.engine.requests.GenerationRequest) by memlm.jobs.generate.generate."""
+    from memlm.jobs.generate import generate
+
+    r = request
+    return list(generate(model, tokenizer, r.prompt_ids, max_new_tokens=r.max_new_tokens, sampling=r.sampling,
+                         stop_sequences=r.stop_sequences, boundary_token=r.boundary_token, eos_id=r.eos_id,
+                         searcher=searcher if r.knn is not None else None, knn=r.knn))
 
 
 def generation_report(args: argparse.Namespace, results: list[list[Any]], seconds: float) -> dict[str, Any]:

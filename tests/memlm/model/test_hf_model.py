@@ -237,8 +237,8 @@ def test_memories_need_memlms_decoder(capsys, tmp_path, hf_dirs):
                            "--segment", "16", "--quiet")
         last = err.strip().splitlines()[-1]  # memorizing first warns that its gate is untrained
         assert code == 1 and f"--memory {kind} needs memlm's decoder" in last and "Traceback" not in err, err
-    code, _, err = run(capsys, "generate", "--model", hf_dirs["qwen2"], "--max-new-tokens", "2", "hello")
-    assert code == 1 and "memlm generate's batched engine needs memlm's decoder" in err and err.count("\n") == 1, err
+    code, _, err = run(capsys, "generate", "--model", hf_dirs["qwen2"], "--memory", "xl", "--max-new-tokens", "2", "hello")
+    assert code == 1 and "--memory xl needs memlm's decoder" in err and err.count("\n") == 1, err
     # the ordinary Llama directory still loads into memlm's decoder, memories and all
     assert isinstance(load_pretrained(hf_dirs["llama"]).model, Decoder)
 
@@ -250,3 +250,18 @@ def test_score_documents_keys_cover_every_target(hf_dirs):
                                   document_boundary(p.tokenizer)))
     assert sum(len(s.targets) for s in scored) == len(doc)
     assert all(s.keys.shape == (len(s.targets), 32) for s in scored)
+
+
+def test_memlm_generate_runs_a_transformers_model_one_prompt_after_another(capsys, tmp_path, hf_dirs):
+    """`memlm generate --model hf:DIR` (no engine cache for transformers) = memlm.jobs.generate per prompt,
+    greedy (its --memory refusal: test_memories_need_memlms_decoder)."""
+    model, out = source("gpt2", hf_dirs["gpt2"]), tmp_path / "gen.json"
+    code, _, err = run(capsys, "generate", "--model", model, "--max-new-tokens", 6, "--sampling-temperature", 0, "--json", out, "the state", "union")
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    p = load_pretrained(model)
+    boundary = document_boundary(p.tokenizer)
+    for prompt, result in zip(("the state", "union"), report["results"]):
+        events = list(generate(p.model, p.tokenizer, p.tokenizer.encode(prompt), max_new_tokens=6,
+                               sampling=SamplingConfig(temperature=0), boundary_token=boundary, eos_id=p.tokenizer.eos_id))
+        assert result["tokens"] == [e.token_id for e in events[:-1]] and len(result["tokens"]) > 0
