@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -446,6 +446,28 @@ async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationR
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e.what} at its bound "
                             f"(see GetInfo max_batch / max_queue / max_tokens_in_flight); retry after {ms} ms",
                             trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
+    def release() -> None:
+        lane.cancel(stream)  # a no-op for a request that ended; otherwise its row is free before the next step
+
+    def token(event: TokenEvent) -> lm_pb2.GenerateResponse:
+        return token_response(event, stream.attributions.popleft() if stream.attributions else None)
+
+    async for response in generate_responses(
+            context, lambda: _next_event(stream, context, deadline), token, lambda: stream.generations,
+            lambda: deadline is not None and time.monotonic() >= deadline, release, record):
+        yield response
+
+
+async def generate_responses(
+    context: grpc.aio.ServicerContext, next_event: Callable[[], Awaitable[Event]],
+    token: Callable[[TokenEvent], lm_pb2.GenerateResponse], generations: Callable[[], Iterable[int]],
+    expired: Callable[[], bool], release: Callable[[], None], record: Callable[[GenerationRecord], None],
+) -> AsyncIterator[lm_pb2.GenerateResponse]:
+    """The Generate stream of one call, whichever path makes its events (an engine row or the one-sequence
+    generator): a response per token (token(event)), then the finish (end_responses with generations()).
+    An end that is not a finish (the engine's deadline or a cancel) and a deadline passed between tokens
+    end with DEADLINE_EXCEEDED; an exception is recorded as "cancelled" when expired() else "error".
+    release() frees what the call holds and record(GenerationRecord) counts it, however it ends."""
     produced, outcome = 0, "cancelled"
     try:
         while True:
@@ -456,22 +478,22 @@ async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationR
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 break  # to the DEADLINE_EXCEEDED below
-            event = await _next_event(stream, context, deadline)
+            event = await next_event()
             if isinstance(event, TokenEvent):
                 produced += 1
-                yield token_response(event, stream.attributions.popleft() if stream.attributions else None)
+                yield token(event)
                 continue
             if event.reason not in FINISH_REASONS:  # the engine's deadline (or a cancel): no finish message
                 break
             outcome = event.reason
-            for response in end_responses(event, stream.generations):
+            for response in end_responses(event, generations()):
                 yield response
             return
     except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
-        outcome = "cancelled" if deadline is not None and time.monotonic() >= deadline else "error"
+        outcome = "cancelled" if expired() else "error"  # a step stopped at the deadline is no error
         raise
     finally:
-        lane.cancel(stream)  # a no-op for a request that ended; otherwise its row is free before the next step
+        release()
         record(GenerationRecord(produced, outcome))
     # Ending the stream normally here would tell a client whose own timer has not fired yet that the
     # generation finished (status OK, no finish message).

@@ -39,7 +39,7 @@ import grpc
 import torch
 
 from memlm.errors import MemlmError
-from memlm.jobs.generate import GenerationEnd, TokenEvent, generate
+from memlm.jobs.generate import generate
 from memlm.jobs.memorizing import saved_knn_attention
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.spalm_scoring import score_spalm, spalm_step
@@ -59,9 +59,9 @@ from services.lm_engine import (
     EnginePool,
     GenerationRecord,
     LaneKey,
-    end_responses,
     engine_modes,
     engine_request,
+    generate_responses,
     on_engine,
     stream_generation,
     token_response,
@@ -291,39 +291,17 @@ class LanguageModelServicer:
 
         # Validates; the prompt runs at the first next().
         events = await self._call_library(context, stop, self.scheduler.run(gate, start))
-        produced = 0
-        outcome = "cancelled"
-        try:
-            while True:
-                # Between tokens: a cancelled call never gets here (its await is cancelled); a call
-                # whose deadline passed is ended here even if grpc has not cancelled it yet.
-                if context.cancelled():
-                    return
-                remaining = context.time_remaining()
-                if remaining is not None and remaining <= 0:
-                    break  # to the DEADLINE_EXCEEDED below
-                event = await self._call_library(context, stop, self.scheduler.run(gate, next, events))
-                if isinstance(event, TokenEvent):
-                    produced += 1
-                    yield token_response(event)
-                    continue
-                assert isinstance(event, GenerationEnd)
-                outcome = event.reason
-                for response in end_responses(event, searcher.generations if searcher is not None else ()):
-                    yield response
-                return
-        except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
-            outcome = "cancelled" if stop.expired() else "error"  # a step stopped at the deadline is no error
-            raise
-        finally:
+        def release() -> None:
             # A step still running (a long prompt's encoding) stops after itself; then the generation's
             # KV cache / memory is freed now (an abandoned one too), once that step is done (SerialIterator).
             stop.set()
             self.scheduler.submit(events.close)
-            self._record(GenerationRecord(produced, outcome))
-        # Ending the stream normally here would tell a client whose own timer has not fired yet that the
-        # generation finished (status OK, no finish message).
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed after {produced} generated tokens")
+
+        async for response in generate_responses(
+                context, lambda: self._call_library(context, stop, self.scheduler.run(gate, next, events)),
+                token_response, lambda: searcher.generations if searcher is not None else (), stop.expired,
+                release, self._record):
+            yield response
 
     def _record(self, record: GenerationRecord) -> None:
         with self.records_changed:
