@@ -9,7 +9,9 @@ print results without the real model and corpus unless the caller asks for a syn
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -97,3 +99,19 @@ def synthetic_banner(synthetic: bool) -> None:
     """Print the synthetic-run note first, so no reader takes the figures for SmolLM2's."""
     if synthetic:
         print(f"# {SYNTHETIC_NOTE}")
+
+
+def start_memlm(argv: list[str], log: Path, start_s: float) -> tuple[subprocess.Popen, str]:
+    """A `memlm ...` child process and the address it prints (`listening on HOST:PORT`) within start_s
+    seconds; its stderr goes to `log`. A child that does not start is killed and the run ends with its log."""
+    err = log.open("a")
+    proc = subprocess.Popen([sys.executable, "-m", "memlm", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                            text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(start_s)
+    if not (lines and lines[0].startswith("listening on ")):
+        proc.kill()
+        raise SystemExit(f"`memlm {' '.join(argv)}` did not start; see {log}:\n{log.read_text()[-2000:]}")
+    return proc, lines[0].split()[-1]

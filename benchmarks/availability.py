@@ -63,17 +63,8 @@ class Child(NamedTuple):
 
 def start_child(argv: list[str], log: Path) -> Child:
     """A `memlm ...` child process, once it prints `listening on HOST:PORT`; stderr goes to `log`."""
-    err = log.open("a")
-    proc = subprocess.Popen([sys.executable, "-m", "memlm", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=err,
-                            text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(START_S)
-    if not (lines and lines[0].startswith("listening on ")):
-        proc.kill()
-        raise SystemExit(f"`memlm {' '.join(argv)}` did not start; see {log}:\n{log.read_text()[-2000:]}")
-    return Child(proc, lines[0].split()[-1], log)
+    proc, address = _common.start_memlm(argv, log, START_S)
+    return Child(proc, address, log)
 
 
 def stop_child(child: Child) -> None:

@@ -37,6 +37,7 @@ from benchmarks._common import (
     SYNTHETIC_MODEL,
     SYNTHETIC_NOTE,
     add_synthetic_flag,
+    start_memlm,
 )
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
@@ -58,17 +59,7 @@ def rss_mib(pid: int) -> float:
 def start_server(model: str, streams: int, max_step_tokens: int, log: Path) -> tuple[subprocess.Popen, str]:
     argv = ["serve", "lm", "--model", model, "--port", "0", "--max-batch", str(streams),
             "--max-step-tokens", str(max_step_tokens)]
-    err = log.open("a")
-    proc = subprocess.Popen([sys.executable, "-m", "memlm", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=err,
-                            text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(START_S)
-    if not (lines and lines[0].startswith("listening on ")):
-        proc.kill()
-        raise SystemExit(f"`memlm {' '.join(argv)}` did not start; see {log}:\n{log.read_text()[-2000:]}")
-    return proc, lines[0].split()[-1]
+    return start_memlm(argv, log, START_S)
 
 
 class Results:
