@@ -1,6 +1,6 @@
 """Command-line glue of fewer kNN-LM searches (issue 15): from `memlm eval`'s --pointers/--min-pointers and
 --adaptive-gate/--adaptive-threshold/--adaptive-fraction (memlm.options.FEWER_SEARCHES_OPTIONS) to the
-library's memlm.jobs.knnlm_eval.Retrieval, with the datastore's successors, values and keys (RetoMaton)
+library's memlm.jobs.knnlm_pass.Retrieval, with the datastore's successors, values and keys (RetoMaton)
 and a fitted gate (adaptive retrieval) checked against the model and the evaluation documents.
 
 The one overlap rule (`shared_documents`) lives here, below memlm.eval_command, which uses it for tuning
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
-from memlm.jobs.knnlm_eval import Retrieval
+from memlm.jobs.knnlm_pass import Retrieval
 from memlm.options import refuse_given
 from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
 from memlm.retrieval.pointers import PointerConfig, PointerSource, successors

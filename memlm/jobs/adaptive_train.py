@@ -2,7 +2,7 @@
 split, in one pass of the LM and the searcher over it.
 
 The pass gives, per tuning token, the gate's inputs (distribution features and key), log p_LM(target) and
-its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_eval.tune), and the
+its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_tune.tune), and the
 label is whether kNN-LM beats the base on the token at that lambda and T, weighted by how much. A separate command from `memlm train` because nothing of
 the LM trains and it needs a datastore; evaluation refuses a gate fitted on any evaluated document
 (GateSettings.fitted_documents, checked by the command line where the gate is opened).
@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from memlm.errors import MemlmError
-from memlm.jobs.knnlm_eval import TuningData, tune
+from memlm.jobs.knnlm_tune import TuningData, tune
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 from memlm.retrieval.adaptive import (
