@@ -295,16 +295,46 @@ def write_index(index: faiss.Index, path: Path) -> None:
         faiss.write_index(index, str(tmp))
 
 
+BLAS_MIN_QUERIES = 4
+"""Queries per search call from which FAISS computes brute-force distances with BLAS (issue 15).
+
+faiss 1.15 scans query by query while queries * d < faiss.cvar.distance_compute_blas_threshold (128,000
+by default: below ~222 queries of d 576), each query reading every key: measured on the 81,169-key SOTU
+Flat index (d 576, k 1024, one thread) ~30 ms a query at any batch below that, against one BLAS call of
+~85 ms plus ~4 ms a query (16 queries 8.9 vs 29.8 ms a query, 64: 5.1 vs 31.9). The two cross at 3-4
+queries, whatever N (both costs grow with N * d), so RetoMaton's and adaptive retrieval's smaller search
+calls (tens of queries) cost what they save only with this set (their searches were slower per query than
+plain kNN-LM's 1,024-query calls, and the savings showed as no time saved)."""
+
+
+BLAS_MIN_KEYS = 65_536
+"""Indexes of fewer keys keep FAISS's own threshold: a scan of them is cheap either way, and the query by
+query path gives each query the same distances whatever else is in its call (a BLAS product rounds by
+how the call is blocked), which tests that compare a remote search with a local one bit for bit rely on."""
+
+
+def use_blas_from(index: faiss.Index) -> None:
+    """Set FAISS's process-wide BLAS threshold so that calls of BLAS_MIN_QUERIES queries or more use BLAS,
+    for an index of BLAS_MIN_KEYS keys or more. Called for every index read (the threshold is one global:
+    with indexes of different d in one process the last one read sets it, which moves the switch point
+    only). Above it a query's distances may differ by float32 rounding with what else is in its call."""
+    if index.ntotal >= BLAS_MIN_KEYS:
+        faiss.cvar.distance_compute_blas_threshold = BLAS_MIN_QUERIES * index.d
+
+
 def read_index(path: Path, mmap: bool = False) -> faiss.Index:
     """Load an index; with mmap the codes stay on disk and pages come in as searches touch them. The
-    inverted lists of an on-disk index (IVFDATA_NAME beside `path`) are always mapped, from beside `path`."""
+    inverted lists of an on-disk index (IVFDATA_NAME beside `path`) are always mapped, from beside `path`.
+    Sets the BLAS threshold for it (use_blas_from)."""
     if (Path(path).parent / IVFDATA_NAME).exists():
         # IO_FLAG_MMAP includes IO_FLAG_SKIP_IVF_DATA, which leaves OnDiskInvertedLists unreadable
         # (measured: faiss 1.15.1 segfaults on the first search); its lists are mapped anyway.
         flags = faiss.IO_FLAG_READ_ONLY if mmap else 0
     else:
         flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
-    return faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
+    index = faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
+    use_blas_from(index)
+    return index
 
 
 class LiveRows:

@@ -50,3 +50,31 @@ def test_pq_indexes_skip_polysemous_training(factory):
     index = make_index(factory, 64)
     ivf = faiss.try_extract_index_ivf(index)
     assert faiss.downcast_index(ivf if ivf is not None else index).do_polysemous_training is False
+
+
+def test_reading_a_large_index_makes_small_search_calls_use_blas(tmp_path):
+    """Issue 15: FAISS's default threshold left calls of tens of queries on its query-by-query scan (each
+    query reading every key); a large index read sets it to BLAS_MIN_QUERIES queries, a small one keeps it."""
+    import numpy as np
+
+    from datastore.index import BLAS_MIN_KEYS, BLAS_MIN_QUERIES, read_index
+
+    default = faiss.cvar.distance_compute_blas_threshold
+    try:
+        d = 8
+        rng = np.random.default_rng(0)
+        for n, expected in ((BLAS_MIN_KEYS - 1, default), (BLAS_MIN_KEYS, BLAS_MIN_QUERIES * d)):
+            faiss.cvar.distance_compute_blas_threshold = default
+            index = faiss.IndexFlatL2(d)
+            index.add(rng.standard_normal((n, d)).astype(np.float32))
+            faiss.write_index(index, str(tmp_path / f"{n}.faiss"))
+            assert read_index(tmp_path / f"{n}.faiss").ntotal == n
+            assert faiss.cvar.distance_compute_blas_threshold == expected
+        xq = rng.standard_normal((BLAS_MIN_QUERIES, d)).astype(np.float32)  # BLAS path: the same neighbours
+        index = read_index(tmp_path / f"{BLAS_MIN_KEYS}.faiss")
+        _, blas_ids = index.search(xq, 10)
+        faiss.cvar.distance_compute_blas_threshold = default
+        _, scan_ids = index.search(xq, 10)
+        assert (blas_ids == scan_ids).mean() > 0.99
+    finally:
+        faiss.cvar.distance_compute_blas_threshold = default
