@@ -152,7 +152,22 @@ def serve_memory_defaults(args: argparse.Namespace) -> MemoryConfig:
     values = {d: adopt(flag(d), getattr(args, d), getattr(settings.memory, d), f"checkpoint {args.model}", taken)
               for d in SERVE_MEMORY}
     say_taken(taken, f"checkpoint {args.model}")
+    if settings.memory.kind == "memorizing" and args.knn_backend is not None:  # free, as in eval (EVAL_TIME_KNN)
+        values["knn_backend"] = args.knn_backend
     return dataclasses.replace(settings.memory, **values)
+
+
+def serve_knn_service(args: argparse.Namespace, memory: MemoryConfig) -> Any:
+    """The memory sessions (services.memory_client.MemoryClient) that hold MEMORIZING memories when the
+    kNN backend (--knn-backend, else the checkpoint's settings) is "service": --knn-service and its TLS and
+    token flags, as `memlm eval` takes them (eval_command.memory_service); None for in-process memories."""
+    from memlm.eval_command import KNN_SERVICE_FLAGS, memory_service
+    from memlm.memory.config import resolve_knn_backend
+
+    if memory.kind != "memorizing" or resolve_knn_backend(memory) != "service":
+        refuse_given(args, KNN_SERVICE_FLAGS, "needs a memorizing checkpoint served with --knn-backend service")
+        return None
+    return memory_service(args, memory)
 
 
 def cmd_serve_lm(args: argparse.Namespace) -> None:
@@ -165,6 +180,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         refuse_given(args, KNN_OPTIONS, "needs --datastore or --retrieval (the server has no kNN-LM without one)")
     device = resolve_device(args.device)
     memory = serve_memory_defaults(args)
+    knn_service = serve_knn_service(args, memory)
     asyncio.run(serve_lm(
         args.model, datastore=args.datastore, retrieval=args.retrieval, host=args.host, port=args.port,
         device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn_config(args),
@@ -174,10 +190,11 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                         max_forward_tokens=args.max_forward_tokens, max_score_entries=args.max_score_entries,
                         max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens,
                         knn_layer=memory.knn_layer, knn_mem_size=memory.knn_mem_size, knn_top_k=memory.knn_top_k,
-                        max_batch=args.max_batch, max_queue=args.max_queue,
+                        knn_backend=memory.knn_backend, max_batch=args.max_batch, max_queue=args.max_queue,
                         max_tokens_in_flight=args.max_tokens_in_flight),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
+        knn_service=knn_service,
     ))
 
 
@@ -325,6 +342,13 @@ def add_serve_parser(sub: Any) -> None:
                        ("max_tokens_in_flight", "prompt + max_new_tokens over all Generate calls (more: refused)")):
         lm.add_argument(flag(name), type=positive_int, default=getattr(LMLimits, name), help=what)
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
+    add_options(lm, "memorizing checkpoint (MEMORY_MODE_MEMORIZING): where its kNN memories live", MEMORY_OPTIONS,
+                ("knn_backend",))
+    from memlm.eval_command import KNN_SERVICE, KNN_SERVICE_ENV
+
+    lm.add_argument("--knn-service", default=None, metavar="HOST:PORT",
+                    help="retrieval server with memory sessions (serve retrieval --memories) for --knn-backend service")
+    add_link_security(lm, KNN_SERVICE, "memory service", KNN_SERVICE_ENV)
     add_server_security(lm)
     lm.set_defaults(func=cmd_serve_lm)
     add_openai_parser(ssub)

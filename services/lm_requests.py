@@ -93,9 +93,10 @@ class LMLimits:
     """MEMORY_MODE_MEMORIZING kNN memory entries per (sequence, kv head) where a request leaves it unset."""
     knn_top_k: int = MemoryConfig.knn_top_k
     """MEMORY_MODE_MEMORIZING pairs retrieved per query and head where a request leaves it unset."""
+    knn_backend: str = MemoryConfig.knn_backend
+    """MEMORY_MODE_MEMORIZING's kNN memory backend (MemoryConfig.knn_backend; "service": `serve lm --knn-service`)."""
     max_knn_mem_size: int = EXACT_MAX_ENTRIES
-    """Largest knn_mem_size a request may ask for: up to it the memory is the exact in-process one
-    (memlm.memory.config.resolve_knn_backend); it grows with the sequence, never past its tokens."""
+    """Largest knn_mem_size a request may ask for; the memory grows with the sequence, never past its tokens."""
     max_knn_top_k: int = 256
     """Largest knn_top_k a request may ask for."""
     max_forward_tokens: int = 1 << 18
@@ -113,7 +114,6 @@ class LMLimits:
     a call waits for each call ahead of it and how long a cancelled call keeps the model: about 2 s for
     SmolLM2-135M on 2 CPU cores (~480 tokens/s), milliseconds on a GPU. The default admits the default
     1024-token window; MEMORY_MODE_XL memory states are attended besides (they are no inputs)."""
-
     max_batch: int = EngineConfig.max_batch
     """Generate calls decoded together in one engine step (rows of one running batch, services.lm_engine)."""
     max_queue: int = EngineConfig.max_queue
@@ -312,7 +312,7 @@ class RequestParser:
         if mode == lm_pb2.MEMORY_MODE_SPALM:  # the XL memory is SPALM's short-term memory
             return replace(xl, kind="spalm")
         return replace(xl, kind="memorizing", knn_layer=limits.knn_layer, knn_mem_size=sizes["knn_mem_size"],
-                       knn_top_k=sizes["knn_top_k"])
+                       knn_top_k=sizes["knn_top_k"], knn_backend=limits.knn_backend)
 
     def step_budget(self, tokens: int, field: str, what: str = "") -> None:
         """Refuse one forward pass of more than max_step_tokens input tokens (it cannot be split)."""

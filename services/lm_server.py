@@ -50,6 +50,7 @@ from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.memory_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
@@ -70,6 +71,7 @@ from services.lm_requests import LMLimits, RequestParser, ScoreArgs
 from services.lm_results import CallSearcher, ScoreOutcome, encode_score
 from services.lm_scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
 from services.lm_score_batch import BatchStop, ScoreBatcher, batchable
+from services.memory_client import MemoryClient
 from services.retrieval_client import (
     RetrievalClient,
     connect_retrieval,
@@ -117,9 +119,12 @@ class LanguageModelServicer:
     # -- setup --------------------------------------------------------------------------------------
 
     def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
-             knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None) -> None:
+             knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None,
+             knn_service: KeyValueMemoryFactory | None = None) -> None:
         """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM), a KnnAttention
         (MEMORY_MODE_MEMORIZING; refused when made for other heads) and a SPALM head (MEMORY_MODE_SPALM).
+        knn_service: where MEMORIZING memories live when limits.knn_backend is "service" (required then):
+        a retrieval server's memory sessions (services.memory_client.remote_memory_factory).
 
         Refuses a datastore (searcher.info()) made with another model (with a SPALM head: than its keys'
         model) or tokenizer (its keys would be meaningless for this model, its values other tokens), keys of
@@ -142,7 +147,9 @@ class LanguageModelServicer:
                                              model.config.n_layer)
             except ValueError as e:
                 raise MemlmError(str(e)) from None
-        self._knn_attention = knn_attention
+            if self._limits.knn_backend == "service" and knn_service is None:
+                raise MemlmError("kNN backend 'service' needs a retrieval server with memory sessions (--knn-service)")
+        self._knn_attention, self._knn_service = knn_attention, knn_service
         self._spalm = spalm
         self._model = model
         self._tokenizer = tokenizer
@@ -236,8 +243,8 @@ class LanguageModelServicer:
         return ScoreOutcome(score_tokens_segments(
             self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
             boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n, batch_size=args.batch_size,
-            should_stop=gate, knn_attention=self._knn_attention_for(args.memory), attribution=args.attribution),
-            None, generations)
+            should_stop=gate, knn_attention=self._knn_attention_for(args.memory), service=self._knn_service,
+            attribution=args.attribution), None, generations)
 
     # -- rpcs ---------------------------------------------------------------------------------------
 
@@ -285,6 +292,7 @@ class LanguageModelServicer:
                 sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
                 eos_id=self._tokenizer.eos_id, searcher=searcher if args.knn else None,
                 knn=args.knn, memory=args.memory, should_stop=gate, knn_attention=self._knn_attention_for(args.memory),
+                service=self._knn_service,
                 segment_step=spalm_step(self._spalm.head, searcher, args.spalm.k, args.spalm.options)
                 if args.spalm else None,
             ))
@@ -373,6 +381,7 @@ async def start_lm_server(
     limits: LMLimits = LMLimits(),
     knn_attention: KnnAttention | None = None,
     spalm: lm_spalm.SpalmCheckpoint | None = None,
+    knn_service: KeyValueMemoryFactory | None = None,
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
@@ -383,12 +392,13 @@ async def start_lm_server(
     knn_attention: the memorizing layer's parameters: MEMORY_MODE_MEMORIZING is served with it (at
         limits.knn_layer), not without.
     spalm: a SPALM head: MEMORY_MODE_SPALM is served with it and a searcher (checked against its keys' model).
+    knn_service: MEMORIZING's memory factory for limits.knn_backend "service" (LanguageModelServicer.load).
     Health reports SERVING once this returns. The model's workers are released when the server stops.
     """
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     try:
         # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service)
     except BaseException:
         await started.running.server.stop(None)
         raise
@@ -453,9 +463,11 @@ async def serve_lm(
     limits: LMLimits = LMLimits(),
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
+    knn_service: MemoryClient | None = None,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
-    then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls."""
+    then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls.
+    knn_service: the memory sessions of MEMORIZING with limits.knn_backend "service" (closed at the end)."""
     started = await bind_lm_server(join_host_port(host, port), model_name=model, knn_defaults=knn_defaults,
                            options=options, limits=limits)
     try:
@@ -467,12 +479,12 @@ async def serve_lm(
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
         # A `memlm train --memory spalm` checkpoint's head serves MEMORY_MODE_SPALM (with the searcher).
         spalm = lm_spalm.saved_spalm(model, pretrained.model.device)
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service)
     except BaseException:
         await started.running.server.stop(None)
         raise
     await report_knn_health(started.running.health, searcher)
-    await run_until_signal(
-        started.running, host, grace_s=options.grace_s,
-        on_stopped=searcher.close if retrieval is not None else None,  # the RetrievalClient's channel
-    )
+    links = [c for c in (searcher if retrieval is not None else None, knn_service) if c is not None]
+    # The RetrievalClient's and the memory client's channels.
+    await run_until_signal(started.running, host, grace_s=options.grace_s,
+                           on_stopped=lambda: [link.close() for link in links])

@@ -9,6 +9,13 @@ whose gates are open (logit 0: g = 0.5), so the retrieved pairs change the score
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -135,30 +142,30 @@ def test_the_client_and_memlm_client_flags_ask_for_memorizing(address, stub):
         memory_request(xl)
 
 
-def test_serve_lm_with_a_memorizing_checkpoint_serves_its_layer_and_sizes(tmp_path):
-    # A real `memlm train --memory memorizing` checkpoint and a real `memlm serve lm --model DIR` process:
-    # MEMORIZING is served at the checkpoint's layer with its sizes as defaults, and a Score equals the
-    # library's over the same weights and KnnAttention.
-    import os
-    import subprocess
-    import sys
-    import threading
+REPO = Path(__file__).resolve().parents[2]
 
-    from memlm.memory.memorizing import load_knn_attention
-    from memlm.model.checkpoint import read_settings
-    from memlm.model.weights import load_pretrained
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out, text = tmp_path / "ckpt", tmp_path / "doc.txt"
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real `memlm train --memory memorizing` checkpoint of the tiny model (2 steps from scratch)."""
+    tmp = tmp_path_factory.mktemp("memorizing-ckpt")
+    out, text = tmp / "ckpt", tmp / "doc.txt"
     text.write_text("The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 60)  # ~4K tokens
-    train = ["train", "--model", "tiny", "--init", "scratch", "--data", str(text), "--max-train-tokens", "3000", "--memory", "memorizing", "--segment", "32", "--mem-len", "32",
-             "--knn-mem-size", "96", "--knn-top-k", "4", "--knn-layer", "0", "--steps", "2", "--batch-size", "1",
-             "--eval-every", "1000", "--device", "cpu", "--out", str(out)]
-    done = subprocess.run([sys.executable, "-m", "memlm", *train], cwd=repo, capture_output=True, text=True,
+    train = ["train", "--model", "tiny", "--init", "scratch", "--data", str(text), "--max-train-tokens", "3000",
+             "--memory", "memorizing", "--segment", "32", "--mem-len", "32", "--knn-mem-size", "96", "--knn-top-k", "4",
+             "--knn-layer", "0", "--steps", "2", "--batch-size", "1", "--eval-every", "1000", "--device", "cpu",
+             "--out", str(out)]
+    done = subprocess.run([sys.executable, "-m", "memlm", *train], cwd=REPO, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "memlm", "serve", "lm", "--model", str(out), "--port", "0"],
-                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return out
+
+
+def serve_checkpoint_and_score(model: Path, seqs: list[list[int]], *extra: str):
+    """Run `memlm serve lm --model DIR --port 0 EXTRA...` as a process, Score `seqs` with the checkpoint's
+    memory defaults, stop it: (GetInfo, log-probs)."""
+    proc = subprocess.Popen([sys.executable, "-m", "memlm", "serve", "lm", "--model", str(model), "--port", "0", *extra],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
@@ -168,17 +175,123 @@ def test_serve_lm_with_a_memorizing_checkpoint_serves_its_layer_and_sizes(tmp_pa
         with grpc.insecure_channel(lines[0].split()[-1]) as channel:
             stub = lm_grpc.LanguageModelServiceStub(channel)
             info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
-            seqs = [ids(150, salt=6)]
-            got = score(stub, seqs, options=lm_pb2.MemoryOptions())  # the checkpoint's sizes
+            return info, score(stub, seqs, options=lm_pb2.MemoryOptions())  # the checkpoint's sizes
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def library_score(model: Path, seqs: list[list[int]]) -> list[np.ndarray]:
+    """The checkpoint's memorizing scores in process (exact backend, the server's rows per step)."""
+    from memlm.memory.memorizing import load_knn_attention
+    from memlm.model.checkpoint import read_settings
+    from memlm.model.weights import load_pretrained
+
+    pre = load_pretrained(str(model))
+    memory = read_settings(model).memory
+    return [s.logprob for s in score_tokens_segments(
+        pre.model, seqs, memory=memory, boundary_token=document_boundary(pre.tokenizer),
+        batch_size=LMLimits().step_rows(memory.segment), knn_attention=load_knn_attention(model))]
+
+
+def test_serve_lm_with_a_memorizing_checkpoint_serves_its_layer_and_sizes(checkpoint):
+    # A real `memlm serve lm --model DIR` process: MEMORIZING is served at the checkpoint's layer with its
+    # sizes as defaults, and a Score equals the library's over the same weights and KnnAttention.
+    seqs = [ids(150, salt=6)]
+    info, got = serve_checkpoint_and_score(checkpoint, seqs)
     assert lm_pb2.MEMORY_MODE_MEMORIZING in info.memory_modes and info.knn_layer == 0
     assert (info.default_memory.segment_tokens, info.default_memory.knn_mem_size, info.default_memory.knn_top_k) == (
         32, 96, 4)
-    pre = load_pretrained(str(out))
-    memory = read_settings(out).memory
-    (library,) = score_tokens_segments(pre.model, seqs, memory=memory, boundary_token=document_boundary(pre.tokenizer),
-                                       batch_size=LMLimits().step_rows(memory.segment),
-                                       knn_attention=load_knn_attention(out))
-    np.testing.assert_array_equal(got[0], library.logprob)
+    np.testing.assert_array_equal(got[0], library_score(checkpoint, seqs)[0])
+
+
+def test_serve_lm_keeps_a_service_checkpoints_memory_in_the_retrieval_server(checkpoint, tmp_path, memory_service):
+    # A checkpoint whose settings name the "service" backend: `serve lm` refuses to start without
+    # --knn-service (one line), and with it serves the library's in-process scores from the remote memory.
+    service_ckpt = tmp_path / "service-ckpt"
+    shutil.copytree(checkpoint, service_ckpt)
+    settings = json.loads((service_ckpt / "settings.json").read_text())
+    settings["memory"]["knn_backend"] = "service"
+    (service_ckpt / "settings.json").write_text(json.dumps(settings))
+    done = subprocess.run([sys.executable, "-m", "memlm", "serve", "lm", "--model", str(service_ckpt), "--port", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stderr.splitlines()[-1] == (
+        "memlm: error: --knn-backend service needs --knn-service HOST:PORT (memlm serve retrieval with memory "
+        "sessions)"), done.stderr
+    seqs = [ids(150, salt=10)]
+    _, got = serve_checkpoint_and_score(service_ckpt, seqs, "--knn-service", memory_service)
+    np.testing.assert_array_equal(got[0], library_score(checkpoint, seqs)[0])
+
+
+@pytest.fixture(scope="module")
+def memory_service(module_loop):
+    """A real retrieval server hosting memory sessions only (no datastore) on port 0: its address."""
+    from services.memory_sessions import MemoryOptions
+    from services.retrieval_server import create_retrieval_server
+
+    port = module_loop.start(create_retrieval_server, "127.0.0.1:0", None, memories=MemoryOptions())
+    return f"127.0.0.1:{port}"
+
+
+def start_service_lm(tiny, knn_attention, module_loop, memories: str) -> tuple[str, object]:
+    """An LM server like `address`'s whose MEMORIZING memories live in the retrieval server `memories`."""
+    from dataclasses import replace
+
+    from services.memory_client import remote_memory_factory
+
+    client = remote_memory_factory(memories, timeout=30)
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=replace(LIMITS, knn_backend="service"),
+                                              knn_attention=knn_attention, knn_service=client))
+    module_loop.servers.append(started.running.server)
+    return f"127.0.0.1:{started.running.port}", client
+
+
+def test_score_and_generate_through_the_memory_service_equal_in_process(tiny, knn_attention, module_loop, stub,
+                                                                        memory_service):
+    # Issue 10, item 2: the memory of a MEMORIZING request held by a retrieval server's sessions gives the
+    # in-process server's log-probs and tokens bit for bit (the session runs the same exact scan).
+    address, client = start_service_lm(tiny, knn_attention, module_loop, memory_service)
+    seqs = [ids(120, salt=7), ids(40, salt=8)]
+    request = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(60, salt=9)), max_new_tokens=8,
+                                     sampling=lm_pb2.SamplingOptions(temperature=0.0),
+                                     memory_mode=lm_pb2.MEMORY_MODE_MEMORIZING, memory=OPTIONS)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            remote = lm_grpc.LanguageModelServiceStub(channel)
+            got = score(remote, seqs)
+            served = [t.token_id for r in remote.Generate(request, timeout=60) if r.HasField("delta")
+                      for t in r.delta.tokens]
+    finally:
+        client.close()
+    for g, w in zip(got, score(stub, seqs)):
+        np.testing.assert_array_equal(g, w)
+    local = [t.token_id for r in stub.Generate(request, timeout=60) if r.HasField("delta") for t in r.delta.tokens]
+    assert served == local and served
+
+
+def test_the_memory_service_is_where_the_memory_lives(tiny, knn_attention, module_loop):
+    # Its limits are the ones that refuse (RESOURCE_EXHAUSTED naming the limit, passed on by the LM server),
+    # while XL requests, which need no memory, still answer.
+    from services.memory_sessions import MemoryOptions
+    from services.retrieval_server import create_retrieval_server
+
+    port = module_loop.start(create_retrieval_server, "127.0.0.1:0", None,
+                             memories=MemoryOptions(max_session_entries=47))  # < 1 stream x 48 entries
+    address, client = start_service_lm(tiny, knn_attention, module_loop, f"127.0.0.1:{port}")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            remote = lm_grpc.LanguageModelServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                score(remote, [ids(40)])
+            assert score(remote, [ids(40)], lm_pb2.MEMORY_MODE_XL)[0].size == 40
+    finally:
+        client.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "47" in e.value.details(), e.value.details()
+
+
+def test_a_service_backend_without_a_memory_service_is_refused(tiny, knn_attention, module_loop):
+    from dataclasses import replace
+
+    with pytest.raises(MemlmError, match=r"kNN backend 'service' needs a retrieval server with memory sessions"):
+        module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=replace(LIMITS, knn_backend="service"),
+                                        knn_attention=knn_attention))
