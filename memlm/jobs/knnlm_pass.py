@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -59,7 +59,9 @@ class Retrieval:
             raise ValueError("RetoMaton pointers need both a PointerConfig and a PointerSource")
 
 
-class _Timers:
+class PassTimers:
+    """The time of each stage of a pass (forward, search, interpolate, pointer walk, gate)."""
+
     def __init__(self, device: torch.device) -> None:
         cpu = torch.device("cpu")
         self.forward, self.search, self.mix = Timer(device), Timer(cpu), Timer(cpu)
@@ -72,7 +74,7 @@ class _Timers:
 
 
 def _group_knn(group: list[ScoredTokens], allowed: np.ndarray | None, xq: np.ndarray, targets: torch.Tensor,
-               searcher: Searcher, knn_config: KNNLMConfig, temperature: float, how: Retrieval, timers: _Timers
+               searcher: Searcher, knn_config: KNNLMConfig, temperature: float, how: Retrieval, timers: PassTimers
                ) -> tuple[torch.Tensor, np.ndarray, int, int]:
     """log p_kNN of the group's targets (Q,), which tokens keep the base (Q,) bool, searches, stream searches.
     allowed: (Q,) bool, the tokens the gate lets search (None: all)."""
@@ -122,21 +124,42 @@ def knn_pass(
 ) -> Pass:
     """One pass: forward (timed), searches per group of windows (timed), interpolation (timed); with
     pointers the group is walked (memlm.jobs.pointer_walk), with a gate only the tokens it lets search."""
-    timers = _Timers(model.device)
+    timers = PassTimers(model.device)
+    features = distribution_features if how.adaptive is not None else None
+    windows = timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True,
+                                    lm_features=features), timers.forward)
+    return knn_pass_over(windows, sum(len(d) for d in token_docs), timers, searcher, knn_config, lmbda,
+                         temperature, recall_queries, search_tokens, progress, how, attribution)
+
+
+def knn_pass_over(
+    windows: Iterator[ScoredTokens],
+    total: int,
+    timers: PassTimers,
+    searcher: Searcher,
+    knn_config: KNNLMConfig,
+    lmbda: float,
+    temperature: float,
+    recall_queries: int,
+    search_tokens: int,
+    progress: bool,
+    how: Retrieval,
+    attribution: AttributionWriter | None = None,
+) -> Pass:
+    """knn_pass over scored windows already made (`windows`, `total` tokens; with a gate they carry
+    distribution_features): benchmarks/search_savings.py replays one forward under every setting. The
+    forward's time is whatever the caller put in timers.forward (knn_pass: the decoder, timed)."""
     base_nll = knn_nll = 0.0
     scored = hits = seen = searches = skipped = first = 0
     rng = np.random.default_rng(0)
     sample: list[np.ndarray] = []
-    features = distribution_features if how.adaptive is not None else None
-    stream = timed(score_documents(model, token_docs, window_config, boundary_token, with_logprobs=True,
-                                    lm_features=features), timers.forward)
+    stream = windows
     if how.pointers is None:  # search_tokens searched per call, at most GATED_GROUPS times as many tokens held
         grouped = gated_groups(with_gate(stream, how.adaptive, timers.gate), search_tokens,
                                 GATED_GROUPS * search_tokens)
     else:  # the walk's group: its streams' tokens
         grouped = gated_groups(with_gate(stream, how.adaptive, timers.gate), how.pointers.group_tokens,
                                 how.pointers.group_tokens)
-    total = sum(len(d) for d in token_docs)
     with tqdm(total=total, desc="eval kNN-LM", unit="tok", file=sys.stderr, disable=not progress) as bar:
         for pairs in grouped:
             group = [s for s, _ in pairs]
