@@ -109,18 +109,20 @@ def cmd_serve_retrieval(args: argparse.Namespace) -> None:
         raise MemlmError(f"serve retrieval: {e}") from None
     if args.datastore is None and memories is None:
         raise MemlmError("serve retrieval needs --datastore DIR, --memories (session memories), or both")
-    store = watch = None
+    store = watch = successors = None
     if args.datastore is not None:  # served generation by generation (issue 14: add/remove/compact while serving)
         from datastore.live import LiveDatastore, OpenOptions
+        from services.retrieval_successors import successors_by_generation
 
         store = LiveDatastore(Path(args.datastore), OpenOptions(mmap=args.mmap, backend=args.search_backend,
                                                                 device=None if args.device == "auto" else args.device))
         watch = GenerationWatch(store.refresh, store.served)
+        successors = successors_by_generation(store.served)  # the Successors rpc (issue 15: remote pointers)
     asyncio.run(serve_retrieval(
         store, args.host, args.port,
         options=server_options(args),
         batching=BatchingOptions(micro_batching=not args.no_micro_batching),
-        memories=memories, watch=watch,
+        memories=memories, watch=watch, successors=successors,
     ))
 
 

@@ -41,7 +41,7 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
     found = successors(store.provenance, len(store))
     if not found.contiguous:
         print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
-    return Retrieval(pointers, PointerSource(found.next_ids, store.values, store.keys), adaptive)
+    return Retrieval(pointers, PointerSource.local(found.next_ids, store.values, store.keys), adaptive)
 
 
 def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str

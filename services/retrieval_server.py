@@ -52,6 +52,8 @@ from services.retrieval_batching import (
 )
 from services.retrieval_documents import DOCUMENT_BYTES_PER_NEIGHBOUR, set_documents
 from services.retrieval_generations import GenerationWatch, follow_generations
+from services.retrieval_successors import SuccessorsNow
+from services.retrieval_successors import answer as answer_successors
 from services.server_common import (
     DEFAULT_HOST,
     InvalidRequest,
@@ -161,9 +163,11 @@ def info_from_proto(message: retrieval_pb2.DatastoreInfo) -> SearcherInfo:
 class RetrievalServicer:
     """Thin servicer: validate, hand to the batcher, encode."""
 
-    def __init__(self, batcher: SearchBatcher, info: Callable[[], retrieval_pb2.RetrievalServiceGetInfoResponse]):
+    def __init__(self, batcher: SearchBatcher, info: Callable[[], retrieval_pb2.RetrievalServiceGetInfoResponse],
+                 successors: SuccessorsNow | None = None):
         self._batcher = batcher
         self._info = info  # the datastore now and the limits every request is checked against
+        self._successors = successors  # the Successors rpc's table (None: UNIMPLEMENTED)
 
     async def Search(self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext):
         self._batcher.arriving += 1
@@ -186,6 +190,9 @@ class RetrievalServicer:
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info()
+
+    async def Successors(self, request: retrieval_pb2.SuccessorsRequest, context: grpc.aio.ServicerContext):
+        return await answer_successors(request, self._successors, self._info().max_message_bytes, context)
 
 
 def server_info(searcher: Searcher, limits: SearchLimits, max_message_bytes: int,
@@ -228,6 +235,7 @@ async def start_retrieval_server(
     batching: BatchingOptions = DEFAULT_BATCHING,
     memories: MemoryOptions | None = None,
     watch: GenerationWatch | None = None,
+    successors: SuccessorsNow | None = None,
 ) -> RetrievalServer:
     """Start a RetrievalService for `searcher` on `address` ("HOST:PORT", port 0 = any free port), and a
     MemoryService beside it when `memories` is given.
@@ -240,6 +248,8 @@ async def start_retrieval_server(
     memories: session limits (services/memory_sessions.py); None = no MemoryService.
     watch: follow the datastore's generations (GenerationWatch; GetInfo reports the one served); None: the
         searcher never changes (GetInfo reports generation 0).
+    successors: the Successors rpc's table for the generation served now
+        (services.retrieval_successors.successors_by_generation); None: that rpc is UNIMPLEMENTED.
     Health reports SERVING once this returns (the searcher is already loaded). The batcher's worker thread
     and the sessions are released when the server stops (`server.stop` / SIGTERM).
     """
@@ -252,7 +262,7 @@ async def start_retrieval_server(
         info = server_info(searcher, limits, options.max_message_bytes, watch)
         info()  # checks the searcher now, before the server starts
         batcher = SearchBatcher(searcher, batching, None if watch is None else watch.served)
-        services.append((SERVICE, RetrievalServicer(batcher, info)))
+        services.append((SERVICE, RetrievalServicer(batcher, info, successors)))
     if memories is not None:
         sessions = MemorySessions(memories)
         services.append((MEMORY_SERVICE, MemoryServicer(sessions, options.max_message_bytes)))
@@ -288,10 +298,11 @@ async def create_retrieval_server(
     batching: BatchingOptions = DEFAULT_BATCHING,
     memories: MemoryOptions | None = None,
     watch: GenerationWatch | None = None,
+    successors: SuccessorsNow | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """start_retrieval_server, returning (server, bound port)."""
     started = await start_retrieval_server(address, searcher, options=options, limits=limits, batching=batching,
-                                           memories=memories, watch=watch)
+                                           memories=memories, watch=watch, successors=successors)
     return started.running.server, started.running.port
 
 
@@ -305,12 +316,13 @@ async def serve_retrieval(
     batching: BatchingOptions = DEFAULT_BATCHING,
     memories: MemoryOptions | None = None,
     watch: GenerationWatch | None = None,
+    successors: SuccessorsNow | None = None,
 ) -> None:
     """Serve `searcher` (and/or session memories) until SIGTERM/SIGINT: prints `listening on HOST:PORT`
     once healthy, then drains in-flight calls on the signal (for up to options.grace_s) and returns.
     Arguments as for start_retrieval_server."""
     started = await start_retrieval_server(
         join_host_port(host, port), searcher, options=options, limits=limits, batching=batching, memories=memories,
-        watch=watch,
+        watch=watch, successors=successors,
     )
     await run_until_signal(started.running, host, grace_s=options.grace_s)

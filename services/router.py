@@ -388,6 +388,11 @@ class _LateServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router is still contacting its shards")
         return await self.target.GetInfo(request, context)
 
+    async def Successors(self, request, context):
+        # Issue 15: ids are the shards' rows behind the router's offsets; not routed (yet), as the proto says.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a shard router does not answer Successors; ask a "
+                            "retrieval server (memlm serve retrieval) of one datastore")
+
 
 async def _stop(running: RunningServer, channels) -> None:
     await running.server.stop(None)

@@ -14,7 +14,9 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
 2. the survivors' successors are step t+1's candidates; their distances to step t+1's query are
    recomputed exactly from the stored float16 keys when the source holds them (retomaton.py reconstructs
    the pointed keys for the same purpose), else each carries its predecessor's distance (a remote
-   searcher gives no keys; the walk then ranks pointers by how near their chain started);
+   searcher gives no keys; the walk then ranks pointers by how near their chain started). The successors
+   come from a SuccessorLookup: the in-process SuccessorTable, or the retrieval service's Successors rpc
+   (services.retrieval_client.RetrievalClient.successors_of), asked only for the surviving neighbours;
 3. rows with fewer than `min_pointers` candidates are searched instead (`needs_search`). Unlike
    retomaton.py, which concatenates the pointers to the fresh search results, a searched row keeps the k
    nearest only: pointers that are not among them are farther than the k-th neighbour, which kNN-LM
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -113,23 +115,54 @@ class PointerConfig:
             raise MemlmError("stream_tokens and streams must be at least 1")
 
 
+class SuccessorLookup(Protocol):
+    """Where the walk reads successors: an in-process table (SuccessorTable) or the retrieval service's
+    Successors rpc (services.retrieval_client.RetrievalClient), which answer alike."""
+
+    def successors_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids (M,) int64 datastore rows (each in [0, N)) -> (next_ids (M,) int64, the successor of each, -1
+        at a document's end; next_values (M,) int32, the value stored with that successor, -1 where none)."""
+        ...
+
+
 @dataclass(frozen=True)
-class PointerSource:
-    """What the walk reads from the datastore besides searches (the command line fills it in)."""
+class SuccessorTable:
+    """Every entry's successor and the datastore's values, in memory (a SuccessorLookup)."""
 
     next_ids: np.ndarray
     """(N,) int64 successors (`successors(...).next_ids`)."""
     values: np.ndarray
     """(N,) int32 stored next tokens (the datastore's values)."""
-    keys: np.ndarray | None
-    """(N, d) float16 stored keys for exact pointer distances; None: pointers carry their predecessor's."""
 
     def __post_init__(self) -> None:
         n = self.next_ids.shape[0]
         if self.values.shape != (n,):
             raise ValueError(f"values must have shape ({n},), got {self.values.shape}")
-        if self.keys is not None and self.keys.shape[0] != n:
-            raise ValueError(f"keys must have {n} rows, got {self.keys.shape[0]}")
+
+    def __len__(self) -> int:
+        return self.next_ids.shape[0]
+
+    def successors_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nxt = self.next_ids[ids]  # (M,)
+        return nxt, np.where(nxt >= 0, self.values[np.maximum(nxt, 0)], -1).astype(np.int32)  # (M,), (M,)
+
+
+@dataclass(frozen=True)
+class PointerSource:
+    """What the walk reads from the datastore besides searches (the command line fills it in)."""
+
+    successors: SuccessorLookup
+    """The entries' successors and their values (a SuccessorTable, or the retrieval service's rpc)."""
+    keys: np.ndarray | None
+    """(N, d) float16 stored keys for exact pointer distances; None: pointers carry their predecessor's
+    (a remote datastore sends no keys)."""
+
+    @classmethod
+    def local(cls, next_ids: np.ndarray, values: np.ndarray, keys: np.ndarray | None) -> PointerSource:
+        """A source over in-process arrays: successors (N,), values (N,), keys (N, d) or None."""
+        if keys is not None and keys.shape[0] != next_ids.shape[0]:
+            raise ValueError(f"keys must have {next_ids.shape[0]} rows, got {keys.shape[0]}")
+        return cls(SuccessorTable(next_ids, values), keys)
 
 
 def empty_candidates(rows: int) -> Neighbors:
@@ -146,13 +179,18 @@ def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: Po
     xq: (S, d) float32 queries of step t+1 (distances are recomputed from source.keys when it has them).
     """
     ids = prev.ids  # (S, w)
-    nxt = source.next_ids[np.maximum(ids, 0)]  # (S, w)
-    alive = (ids >= 0) & (prev.values == prev_targets[:, None]) & (nxt >= 0)  # (S, w)
+    match = (ids >= 0) & (prev.values == prev_targets[:, None])  # (S, w) the token that came next
+    rows, cols = np.nonzero(match)  # (M,), (M,)
+    found, found_values = source.successors.successors_of(ids[rows, cols])  # (M,), (M,) only these are asked
+    nxt = np.full(ids.shape, -1, dtype=np.int64)  # (S, w)
+    nxt_values = np.full(ids.shape, -1, dtype=np.int32)  # (S, w)
+    nxt[rows, cols], nxt_values[rows, cols] = found, found_values
+    alive = match & (nxt >= 0)  # (S, w) ... and with a successor
     width = max(1, int(alive.sum(axis=1).max(initial=0)))
     order = np.argsort(~alive, axis=1, kind="stable")[:, :width]  # (S, w') survivors first, in prev's order
     keep = np.take_along_axis(alive, order, axis=1)  # (S, w')
     new_ids = np.where(keep, np.take_along_axis(nxt, order, axis=1), -1)  # (S, w')
-    values = np.where(keep, source.values[np.maximum(new_ids, 0)], -1).astype(np.int32)  # (S, w')
+    values = np.where(keep, np.take_along_axis(nxt_values, order, axis=1), -1).astype(np.int32)  # (S, w')
     if source.keys is None:
         dist = np.where(keep, np.take_along_axis(prev.distances, order, axis=1), np.inf).astype(np.float32)
     else:

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SuccessorsRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _tensor_pb2.Tensor
+    def __init__(self, ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SuccessorsResponse(_message.Message):
+    __slots__ = ("next_ids", "values", "generation")
+    NEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    next_ids: _tensor_pb2.Tensor
+    values: _tensor_pb2.Tensor
+    generation: int
+    def __init__(self, next_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class SearchRequest(_message.Message):
     __slots__ = ("queries", "k", "nprobe", "exact_rerank", "allow_partial", "with_documents")
     QUERIES_FIELD_NUMBER: _ClassVar[int]

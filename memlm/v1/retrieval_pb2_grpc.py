@@ -45,6 +45,11 @@ class RetrievalServiceStub:
                 request_serializer=memlm_dot_v1_dot_retrieval__pb2.RetrievalServiceGetInfoRequest.SerializeToString,
                 response_deserializer=memlm_dot_v1_dot_retrieval__pb2.RetrievalServiceGetInfoResponse.FromString,
                 _registered_method=True)
+        self.Successors = channel.unary_unary(
+                '/memlm.v1.RetrievalService/Successors',
+                request_serializer=memlm_dot_v1_dot_retrieval__pb2.SuccessorsRequest.SerializeToString,
+                response_deserializer=memlm_dot_v1_dot_retrieval__pb2.SuccessorsResponse.FromString,
+                _registered_method=True)
 
 
 class RetrievalServiceServicer:
@@ -67,6 +72,19 @@ class RetrievalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Successors(self, request, context):
+        """The successor of each given datastore entry (the entry of the same document at the next position;
+        none at a document's end) and the value stored with it, so that RetoMaton's pointer walk (Alon et al.
+        2022, issue 15) goes through the service without the keys. Errors: INVALID_ARGUMENT for a bad tensor,
+        no ids or an id outside [0, n); OUT_OF_RANGE when the ids or the response would not fit one message
+        (max_message_bytes: 12 bytes an id answered); FAILED_PRECONDITION when the datastore keeps no
+        document and position per entry (built before format 4); UNIMPLEMENTED from a server without a
+        datastore and from a shard router.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RetrievalServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +97,11 @@ def add_RetrievalServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=memlm_dot_v1_dot_retrieval__pb2.RetrievalServiceGetInfoRequest.FromString,
                     response_serializer=memlm_dot_v1_dot_retrieval__pb2.RetrievalServiceGetInfoResponse.SerializeToString,
+            ),
+            'Successors': grpc.unary_unary_rpc_method_handler(
+                    servicer.Successors,
+                    request_deserializer=memlm_dot_v1_dot_retrieval__pb2.SuccessorsRequest.FromString,
+                    response_serializer=memlm_dot_v1_dot_retrieval__pb2.SuccessorsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +159,33 @@ class RetrievalService:
             '/memlm.v1.RetrievalService/GetInfo',
             memlm_dot_v1_dot_retrieval__pb2.RetrievalServiceGetInfoRequest.SerializeToString,
             memlm_dot_v1_dot_retrieval__pb2.RetrievalServiceGetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Successors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memlm.v1.RetrievalService/Successors',
+            memlm_dot_v1_dot_retrieval__pb2.SuccessorsRequest.SerializeToString,
+            memlm_dot_v1_dot_retrieval__pb2.SuccessorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

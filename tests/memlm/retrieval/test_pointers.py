@@ -91,16 +91,17 @@ def test_successors_fallback_for_rows_in_any_order():
 
 def test_follow_keeps_the_successors_of_neighbours_that_predicted_the_next_token():
     keys = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float16)
-    source = PointerSource(np.array([1, 2, -1, 4, 5, -1]), np.array([7, 8, 9, 7, 3, 3], np.int32), keys)
+    source = PointerSource.local(np.array([1, 2, -1, 4, 5, -1]), np.array([7, 8, 9, 7, 3, 3], np.int32), keys)
     prev = Neighbors(np.array([[0.5, 1.0, 2.0, np.inf]], np.float32), np.array([[0, 2, 3, -1]]),
                      np.array([[7, 9, 7, -1]], np.int32))
     xq = np.random.default_rng(1).normal(size=(1, 4)).astype(np.float32)
+    table = source.successors
     got = follow(prev, np.array([7]), xq, source)  # entry 2 predicted 9, not 7
     assert sorted(got.ids[0].tolist()) == [1, 4]
     exact = ((keys[got.ids[0]].astype(np.float32) - xq) ** 2).sum(1)
     np.testing.assert_allclose(got.distances[0], exact, rtol=1e-6)
-    assert (np.diff(got.distances[0]) >= 0).all() and list(got.values[0]) == list(source.values[got.ids[0]])
-    carried = follow(prev, np.array([7]), xq, PointerSource(source.next_ids, source.values, None))
+    assert (np.diff(got.distances[0]) >= 0).all() and list(got.values[0]) == list(table.values[got.ids[0]])
+    carried = follow(prev, np.array([7]), xq, PointerSource.local(table.next_ids, table.values, None))
     assert dict(zip(carried.ids[0], carried.distances[0])) == {1: 0.5, 4: 2.0}
     # a neighbour at its document's end (entry 2) has no successor even when it predicted the token
     assert (follow(prev, np.array([9]), xq, source).ids == -1).all()
@@ -126,6 +127,7 @@ class RowWise:
 
 def oracle_walk(xq, targets, doc_of, searcher, k, temperature, min_pointers, stream_tokens, source):
     """The rule token by token with Python sets: (log p_kNN per token, number of searches)."""
+    table = source.successors
     out, searches, cands, prev_t, run_start = [], 0, [], None, 0
     for i in range(xq.shape[0]):
         start = i == 0 or doc_of[i] != doc_of[i - 1]
@@ -133,8 +135,8 @@ def oracle_walk(xq, targets, doc_of, searcher, k, temperature, min_pointers, str
         if start or (i - run_start) % stream_tokens == 0:
             cands = []
         else:
-            cands = [int(source.next_ids[j]) for j in cands
-                     if source.values[j] == prev_t and source.next_ids[j] >= 0]
+            cands = [int(table.next_ids[j]) for j in cands
+                     if table.values[j] == prev_t and table.next_ids[j] >= 0]
         if len(cands) < min_pointers:
             nb = searcher.search(xq[i : i + 1], k)
             searches += 1
@@ -142,7 +144,7 @@ def oracle_walk(xq, targets, doc_of, searcher, k, temperature, min_pointers, str
             dist = nb.distances[0][: len(cands)]
         else:
             dist = ((source.keys[cands].astype(np.float32) - xq[i]) ** 2).sum(1)
-        nb = Neighbors(np.array([dist], np.float32), np.array([cands]), source.values[np.array([cands])])
+        nb = Neighbors(np.array([dist], np.float32), np.array([cands]), table.values[np.array([cands])])
         out.append(float(knn_target_logprob(nb, np.array([targets[i]]), temperature)[0]))
         prev_t = targets[i]
     return np.array(out), searches
@@ -152,7 +154,7 @@ def oracle_walk(xq, targets, doc_of, searcher, k, temperature, min_pointers, str
 def test_walk_matches_a_per_token_oracle_of_the_rule(model, docs, min_pointers):
     keys, values, d, p = entries(model, docs)
     exact = TorchExactSearcher(keys, values)
-    source = PointerSource(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
+    source = PointerSource.local(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
     xq, targets = keys.float().numpy(), values.astype(np.int64)  # the datastore's own text: pointers survive
     config = PointerConfig(min_pointers=min_pointers, stream_tokens=20, streams=3)
     assert config.stream_length(len(xq)) == 20
@@ -170,7 +172,7 @@ def test_walk_matches_a_per_token_oracle_of_the_rule(model, docs, min_pointers):
 
 def test_a_minimum_above_k_is_plain_knnlm_exactly(model, docs):
     keys, values, d, p = entries(model, docs[:3])
-    source = PointerSource(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
+    source = PointerSource.local(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
     searcher = RowWise(TorchExactSearcher(keys, values))
     knn = KNNLMConfig(k=8, lmbda=0.4, temperature=3.0)
     evaluated = docs[1:]

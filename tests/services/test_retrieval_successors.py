@@ -1,0 +1,96 @@
+"""The retrieval service's Successors rpc (issue 15 part 2): ids -> successors and their values, as the
+in-process table answers; RetoMaton's pointer evaluation through a real retrieval server on port 0 equals
+the in-process one (both without keys: pointers carry their predecessor's distance); bad ids and a server
+without successors get a status naming why."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
+from memlm.jobs.knnlm_eval import Retrieval, evaluate_knnlm
+from memlm.jobs.windows import WindowConfig
+from memlm.model.config import ModelConfig
+from memlm.model.decoder import build_model
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig, PointerSource
+from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+from services.retrieval_successors import successors_by_generation, table_of
+from services.server_common import ServiceError
+from services.tensors import to_tensor
+
+V, BOS = 40, 1
+WINDOW = WindowConfig(context=32, stride=16, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_name("tiny", vocab_size=V)).eval()
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Documents with repeated phrases, so that pointers survive for several steps."""
+    rng = np.random.default_rng(1)
+    phrases = [rng.integers(2, V, size=9).tolist() for _ in range(3)]
+    return [[t for j in range(n) for t in phrases[(i + j) % 3]] for i, n in enumerate((7, 3, 9, 5))]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, model, docs):
+    source = BuildSource(model_name="tiny-test", model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64,
+                         corpus="phrases", corpus_fingerprint="c" * 64, boundary_token=BOS)
+    out = build_from_tokens(model, docs[:3], tmp_path_factory.mktemp("succ") / "ds", source,
+                            BuildSettings(window=WINDOW, index_factory="Flat"), progress=False, log=lambda m: None)
+    return Datastore.open(out)
+
+
+def serve(loop_thread, store, with_successors=True) -> str:
+    successors = successors_by_generation(lambda: (store, 0)) if with_successors else None
+    return f"127.0.0.1:{loop_thread.start(create_retrieval_server, '127.0.0.1:0', store, successors=successors)}"
+
+
+def test_successors_rpc_answers_as_the_in_process_table(loop_thread, store):
+    table = table_of(store)
+    ids = np.random.default_rng(0).integers(0, len(store), size=500)  # (M,)
+    with RetrievalClient(serve(loop_thread, store), max_message_bytes=8192) as client:  # several calls
+        got_next, got_values = client.successors_of(ids)
+    want_next, want_values = table.successors_of(ids)
+    assert np.array_equal(got_next, want_next) and np.array_equal(got_values, want_values)
+    assert got_next.dtype == np.int64 and got_values.dtype == np.int32
+    assert (want_next < 0).sum() > 0 and (want_values[want_next >= 0] >= 0).all()  # ends of documents, values
+
+
+def test_pointer_evaluation_through_the_service_equals_in_process(loop_thread, store, model, docs):
+    knn = KNNLMConfig(k=8, lmbda=0.4, temperature=3.0)
+    config = PointerConfig(min_pointers=2, stream_tokens=16)
+    local = PointerSource(table_of(store), None)  # carried distances: what a remote walk can know
+    here = evaluate_knnlm(model, docs[1:], store, WINDOW, knn, BOS, progress=False, retrieval=Retrieval(config, local))
+    with RetrievalClient(serve(loop_thread, store)) as client:
+        there = evaluate_knnlm(model, docs[1:], client, WINDOW, knn, BOS, progress=False,
+                               retrieval=Retrieval(config, PointerSource(client, None)))
+    assert there["knnlm_nll"] == here["knnlm_nll"] and there["searches"] == here["searches"]
+    assert 0 < here["searches_saved"] < here["tokens"] and here["pointer_distances"] == "carried"
+
+
+def test_bad_ids_and_a_server_without_successors_are_refused(loop_thread, store):
+    address = serve(loop_thread, store)
+    with grpc.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        for ids, code, field in ((np.array([0, len(store)]), grpc.StatusCode.INVALID_ARGUMENT, "ids.data"),
+                                 (np.array([-1]), grpc.StatusCode.INVALID_ARGUMENT, "ids.data"),
+                                 (np.zeros(0, np.int64), grpc.StatusCode.INVALID_ARGUMENT, "ids.shape[0]"),
+                                 (np.array([0], np.int32), grpc.StatusCode.INVALID_ARGUMENT, "ids")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Successors(retrieval_pb2.SuccessorsRequest(ids=to_tensor(ids)), timeout=10)
+            assert e.value.code() == code and e.value.details().startswith(field), e.value.details()
+    with RetrievalClient(serve(loop_thread, store, with_successors=False)) as client:
+        with pytest.raises(ServiceError) as e:
+            client.successors_of(np.array([0]))
+        assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
