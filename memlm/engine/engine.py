@@ -39,7 +39,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from memlm.engine.kv_cache import CacheLayout, RowCache
+from memlm.engine.kv_cache import (
+    CacheLayout,
+    PackedGroup,
+    PackedStep,
+    RowCache,
+    StepView,
+)
 from memlm.engine.requests import (
     FINISH_CANCELLED,
     FINISH_DEADLINE,
@@ -231,30 +237,26 @@ class Engine:
                     self._rows[slot] = Row.start(handle, slot, deadline, self.cache.layout, self.model.device)
 
     def _forward_and_choose(self) -> None:
-        ready: list[Row] = []
-        logits: list[torch.Tensor] = []  # (b, V) blocks
-        keys: list[torch.Tensor] = []  # (b, C) blocks
+        """One forward pass for the step's prompt chunks and decode rows (packed when both run; score rows
+        in a pass of their own, with logits at every position), then every ready row's next token."""
         plan = self._prefill_plan()
         scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
         if scoring:
             self._score(scoring)
         prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
-        if prefilling:
-            out_logits, out_keys, done = self._run(prefilling)
-            index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
-            ready += [prefilling[i][0] for i in index]
-            logits.append(out_logits[index])
-            keys.append(out_keys[index])
         touched = {row.slot for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
                     if s not in touched and isinstance(r, Row) and r.to_feed == 1]
-        if decoding:
-            out_logits, out_keys, _ = self._run(decoding)
-            ready += [r for r, _ in decoding]
-            logits.append(out_logits)
-            keys.append(out_keys)
+        if prefilling and decoding:
+            logits, keys, ready = self._run_packed(prefilling, decoding)  # (B, V), (B, C)
+        elif prefilling or decoding:
+            logits, keys, done = self._run(prefilling or decoding)  # (B, V), (B, C)
+            index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
+            ready, logits, keys = [(prefilling or decoding)[i][0] for i in index], logits[index], keys[index]
+        else:
+            return
         if ready:
-            self._choose(ready, torch.cat(logits), torch.cat(keys))  # (B, V), (B, C)
+            self._choose(ready, logits, keys)
 
     def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
         """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
@@ -294,30 +296,62 @@ class Engine:
                 budget -= n
         return sorted(plan, key=lambda p: p[0].slot)
 
+    def _inputs(self, plan: Sequence[tuple[Row | ScoreRow, int]]) -> tuple[torch.Tensor, StepView]:
+        """The left-padded token ids (B, T) of a pass feeding `plan` (rows sorted by slot, tokens each) and its
+        cache view. Built on the host with whole-array operations (no per-row tensor ops: at 32 rows those
+        cost more than the step's attention)."""
+        ns = np.array([n for _, n in plan])  # (B,)
+        T = int(ns.max())
+        first = np.array([row.fed - row.base for row, _ in plan])  # (B,) position of each row's first fed token
+        offset = np.arange(T)[None, :] - (T - ns)[:, None]  # (B, T) index in the row's chunk; < 0: padding
+        real = offset >= 0  # (B, T)
+        pos = first[:, None] + np.where(real, offset, ns[:, None] - 1)  # (B, T) padding: the last real position
+        idx = np.zeros(real.shape, dtype=np.int64)  # (B, T)
+        idx[real] = np.concatenate([row.tokens[row.fed : row.fed + n] for row, n in plan])
+        pos_t = torch.from_numpy(pos)  # (B, T)
+        generated_from = torch.tensor([[row.first_generated_pos] for row, _ in plan])  # (B, 1)
+        window = window_starts(pos_t, generated_from, self.cache.layout.segment)  # (B, T)
+        view = self.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window)
+        return torch.from_numpy(idx), view
+
     def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
         Returns the last position's logits (B, V) (every_position: all of them, (B, T, V)) and kNN keys
         (B, C) and, per row, whether it has fed everything it had (its logits are the next token's)."""
-        T = max(n for _, n in plan)
-        B = len(plan)
-        idx = torch.zeros(B, T, dtype=torch.long)  # (B, T) on the host, copied once
-        pos = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-        real = torch.zeros(B, T, dtype=torch.bool)  # (B, T)
-        window = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-        for i, (row, n) in enumerate(plan):
-            feed, positions = row.feed(n)
-            idx[i, T - n:] = torch.tensor(feed)
-            pos[i, :] = positions[-1]  # padding queries: the last real position (attend to real slots only)
-            pos[i, T - n:] = torch.tensor(positions)
-            real[i, T - n:] = True
-            window[i] = window_starts(pos[i], row.first_generated_pos, self.cache.layout.segment)
-        view = self.cache.view([row.slot for row, _ in plan], pos, real, window)
+        idx, view = self._inputs(plan)
+        T = idx.shape[1]
         out = self.model(idx.to(self.model.device), state=view, logits_from=0 if every_position else T - 1)
         for row, n in plan:
             row.fed += n
         logits = out.logits if every_position else out.logits[:, -1]  # (B, T, V) or (B, V)
         return logits, out.knn_key[:, -1], [row.to_feed == 0 for row, _ in plan]  # (B, C)
+
+    def _run_packed(self, prefilling: list[tuple[Row, int]], decoding: list[tuple[Row, int]],
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[Row]]:
+        """Prefill chunks and decode rows in ONE forward pass (kv_cache.PackedStep: the weights are read once
+        per step). The packed sequence puts the tokens whose logits are read last (the last token of each
+        prompt that completes now, then every decode row's), so the head runs on those only. Returns their
+        logits (b, V), kNN keys (b, C) and rows, prompts completed first, then the decode rows."""
+        p_idx, p_view = self._inputs(prefilling)
+        d_idx, d_view = self._inputs(decoding)
+        Tp = p_idx.shape[1]
+        real = p_view.real_cpu.reshape(-1).clone()  # (Bp*Tp,)
+        done = [row.to_feed == n for row, n in prefilling]
+        last = torch.tensor([i * Tp + Tp - 1 for i, d in enumerate(done) if d], dtype=torch.long)  # (b_p,)
+        real[last] = False
+        order = torch.cat([real.nonzero()[:, 0], last])  # (n_p,) flat indices, the read ones last
+        n_p, n_d = len(order), len(decoding)
+        device = self.model.device
+        groups = [PackedGroup(p_view, torch.arange(n_p, device=device), order.to(device)),
+                  PackedGroup(d_view, torch.arange(n_p, n_p + n_d, device=device), None)]
+        idx = torch.cat([p_idx.reshape(-1)[order], d_idx.reshape(-1)])[None]  # (1, N)
+        read = len(last) + n_d
+        out = self.model(idx.to(device), state=PackedStep(groups), logits_from=idx.shape[1] - read)
+        for row, n in (*prefilling, *decoding):
+            row.fed += n
+        ready = [row for (row, _), d in zip(prefilling, done) if d] + [row for row, _ in decoding]
+        return out.logits[0], out.knn_key[0, -read:], ready  # (b, V), (b, C)
 
     def _score(self, plan: list[tuple[ScoreRow, int]]) -> None:
         """Feed score rows' chunks with logits at every position; keep the scored tokens' log-probabilities

@@ -187,6 +187,7 @@ class StepView:
         # Which (row, slot) each real token goes to, picked on the host (a boolean index on the device
         # would wait for it): (n,) each, and the tokens' flat indices into (B * T).
         pos_cpu, real_cpu = pos.cpu(), real.cpu()
+        self.real_cpu = real_cpu  # (B, T) bool on the host (the engine packs passes by it)
         row_index = torch.tensor(rows)[:, None].expand(B, T)  # (B, T)
         self.write_rows = row_index[real_cpu].to(device)  # (n,)
         self.write_slots = cache.slot_of(pos_cpu)[real_cpu].to(device)  # (n,)
@@ -264,3 +265,64 @@ class _LayerView(CachedAttention):
         weights = scores.softmax(dim=-1).to(values.dtype)  # (B, nkv, g*T, width)
         y = weights @ values  # (B, nkv, g*T, hs)
         return y.reshape(B, nh, T, hs)  # (B, nh, T, hs)
+
+
+@dataclass(frozen=True)
+class PackedGroup:
+    """One StepView's tokens inside a packed forward pass (PackedStep)."""
+
+    view: StepView
+    """The group's rows, positions and masks, laid out (B, T) as StepView takes them."""
+    packed: torch.Tensor
+    """(n,) int64: where the group's real tokens sit in the packed sequence (N,)."""
+    padded: torch.Tensor | None
+    """(n,) int64: the same tokens' flat indices into the group's (B * T); None when every token is real
+    and in order (a decode group, T = 1: packing is a reshape)."""
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (1, h, N, hs) packed -> (B, h, T, hs), zeros at the padding (never written, output ignored)."""
+        B, T = self.view.pos.shape
+        h, hs = x.shape[1], x.shape[3]
+        part = x[0].index_select(1, self.packed)  # (h, n, hs)
+        if self.padded is not None:
+            part = part.new_zeros(h, B * T, hs).index_copy_(1, self.padded, part)  # (h, B*T, hs)
+        return part.view(h, B, T, hs).transpose(0, 1)  # (B, h, T, hs)
+
+    def pack(self, y: torch.Tensor) -> torch.Tensor:
+        """y: (B, h, T, hs) -> the real tokens (h, n, hs), in the packed order."""
+        B, h, T, hs = y.shape
+        flat = y.transpose(0, 1).reshape(h, B * T, hs)  # (h, B*T, hs)
+        return flat if self.padded is None else flat.index_select(1, self.padded)  # (h, n, hs)
+
+
+class PackedStep:
+    """A DecoderState for ONE forward pass over the tokens of several StepViews packed into one sequence
+    (1, N): the projections and feed-forward blocks read the weights once for all of them, and each group
+    attends on its own (B, T) layout. The engine packs a step's prefill chunks (T up to the chunk) with its
+    decode rows (T = 1) so that a step reads the weights once, not once per kind of row (vLLM's chunked
+    prefill mixes them the same way), without padding the decode rows to the chunk's length."""
+
+    def __init__(self, groups: list[PackedGroup]) -> None:
+        self.groups = groups
+
+    def positions(self, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(batch_size, seq_len, device=device)  # (1, N): attention uses the groups' int64 positions
+
+    def layer_memory(self, layer: int) -> CachedAttention:
+        return _PackedLayer(self, layer)
+
+    def update(self, new_kv: list[LayerMemory]) -> PackedStep:
+        return self  # written in place by the groups' views
+
+
+class _PackedLayer(CachedAttention):
+    def __init__(self, step: PackedStep, layer: int) -> None:
+        self.step = step
+        self.layer = layer
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty(q.shape)  # (1, nh, N, hs)
+        for group in self.step.groups:
+            y = _LayerView(group.view, self.layer).attend(group.unpack(q), group.unpack(k), group.unpack(v))
+            out[0].index_copy_(1, group.packed, group.pack(y))  # (nh, n, hs) into (nh, N, hs)
+        return out

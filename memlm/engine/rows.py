@@ -26,8 +26,9 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
-def window_starts(pos: torch.Tensor, first_generated: int, segment: int | None) -> torch.Tensor:
-    """pos: (T,) int64 positions of a row's tokens -> (T,) the start of each one's attention segment.
+def window_starts(pos: torch.Tensor, first_generated: int | torch.Tensor, segment: int | None) -> torch.Tensor:
+    """pos: (..., T) int64 positions of rows' tokens -> (..., T) the start of each one's attention segment;
+    first_generated: the position of the first generated token (an int, or (..., 1) per row).
 
     XL memory (memlm.jobs.generate's semantics): the prompt is read in segments of `segment` tokens from
     position 0, each generated token is a segment of its own. Without a memory: zeros (unused)."""
