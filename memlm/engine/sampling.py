@@ -5,7 +5,7 @@ log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) (Khandelw
 temperature 0 is greedy; otherwise top-k then top-p (`filter_logits`) then one draw from the request's
 own torch.Generator, so a seeded request draws the same tokens whatever else is in the batch; ids beyond
 the tokenizer's vocabulary are never drawn. Rows are batched; only the kNN mixtures and the draws loop
-over rows (each has its own settings and generator). The neighbours come from one search per step for
+over rows (each has its own settings and generator); greedy rows without kNN-LM take the argmax and one logsumexp. The neighbours come from one search per step for
 every kNN row (`search_rows`, of the largest k asked: a row that asked fewer keeps its nearest k,
 exactly what a search of its own k returns, results being sorted by distance). The chosen ids and their
 log-probs come back to the host in one transfer per step.
@@ -56,24 +56,30 @@ def choose_tokens(
     """logits: (B, V) of the rows' last positions; per row its sampling, generator, kNN settings and
     neighbours (search_rows; None for a row without kNN-LM)."""
     V = logits.shape[-1]
-    lm_lp = F.log_softmax(logits.float(), dim=-1)  # (B, V)
-    final_lp = lm_lp
-    if any(nb is not None for nb in neighbors):
-        final_lp = lm_lp.clone()
-        for i, (c, nb) in enumerate(zip(knn, neighbors)):
-            if nb is not None:
-                knn_lp = knn_log_distribution(nb, V, c.temperature).to(logits.device)  # (1, V)
-                final_lp[i] = interpolate(lm_lp[i : i + 1], knn_lp, c.lmbda)[0]  # (V,)
-    choice = final_lp
-    if decodable < V:
-        choice = final_lp.clone()
-        choice[:, decodable:] = float("-inf")
-    tokens = choice.argmax(dim=-1)  # (B,) greedy rows keep these
-    for i, (s, gen) in enumerate(zip(sampling, generators)):
-        if s.temperature != 0:
-            scaled = filter_logits(choice[i] / s.temperature, s.top_k, s.top_p)  # (V,)
-            tokens[i] = torch.multinomial(scaled.softmax(-1), 1, generator=gen)[0]
-    picked = tokens[:, None]  # (B, 1)
-    both = torch.stack([final_lp.gather(1, picked)[:, 0], lm_lp.gather(1, picked)[:, 0]]).double()  # (2, B)
+    x = logits.float()  # (B, V)
+    # Greedy rows without kNN-LM need no distribution: the argmax of the logits, and the chosen token's
+    # log-prob from one logsumexp (no (B, V) log-softmax written and read back: at 32 rows in bfloat16 that
+    # was a tenth of a decode step). The other rows take memlm.jobs.generate's log_softmax path exactly.
+    tokens = x[:, :decodable].argmax(dim=-1)  # (B,)
+    base = x.gather(1, tokens[:, None])[:, 0] - x.logsumexp(dim=-1)  # (B,)
+    final = base.clone()  # (B,)
+    full = [i for i, (s, c) in enumerate(zip(sampling, knn)) if s.temperature != 0 or c is not None]
+    lm_lp = F.log_softmax(x[full], dim=-1) if full else None  # (S, V)
+    for j, i in enumerate(full):
+        final_lp = lm_lp[j]  # (V,)
+        if neighbors[i] is not None:
+            knn_lp = knn_log_distribution(neighbors[i], V, knn[i].temperature).to(logits.device)  # (1, V)
+            final_lp = interpolate(lm_lp[j : j + 1], knn_lp, knn[i].lmbda)[0]  # (V,)
+        choice = final_lp
+        if decodable < V:
+            choice = final_lp.clone()
+            choice[decodable:] = float("-inf")
+        if sampling[i].temperature == 0:
+            token = choice.argmax()
+        else:
+            scaled = filter_logits(choice / sampling[i].temperature, sampling[i].top_k, sampling[i].top_p)  # (V,)
+            token = torch.multinomial(scaled.softmax(-1), 1, generator=generators[i])[0]
+        tokens[i], final[i], base[i] = token, final_lp[token], lm_lp[j, token]
+    both = torch.stack([final, base]).double()  # (2, B)
     host = torch.cat([tokens.double()[None], both]).cpu()  # (3, B): the one transfer (ids < 2^53 are exact)
     return Choices([int(t) for t in host[0]], host[1].tolist(), host[2].tolist())
