@@ -36,6 +36,7 @@ class Walked(NamedTuple):
     searched: np.ndarray  # (Q,) bool, a search was made for the token
     skipped: np.ndarray  # (Q,) bool, the gate skipped the search and the token keeps the base distribution
     stream_searches: int  # searches made at the first token of a stream
+    neighbors: Neighbors | None = None  # (Q, k) each token's candidates (searched or pointed), when collected
 
 
 def streams_of(docs: np.ndarray, stream_tokens: int) -> np.ndarray:
@@ -64,17 +65,24 @@ def walk(
     source: PointerSource,
     allowed: np.ndarray | None,
     search_timer: AbstractContextManager,
+    stream_tokens: int | None = None,
+    collect: bool = False,
 ) -> Walked:
     """Walk the group's tokens: xq (Q, d) float32 queries, targets (Q,) int64, docs (Q,) document of each
     token (tokens of a document consecutive and in order); allowed (Q,) bool: the gate lets the token
-    search (None: every token may). Searches are timed in search_timer.
+    search (None: every token may). Searches are timed in search_timer. stream_tokens: cut streams at this
+    length (None: PointerConfig.stream_length of the group); collect: also give each token's candidates
+    (Walked.neighbors, missing entries where the gate skipped it), which the Score rpc's dense scores need.
 
     Streams advance independently: one that needs a search parks at that token, and when every stream
     walking is parked, all of them are searched in one call. PointerConfig.streams walk at once, a stream
     that ends is replaced by the next, and while fewer than that wait for a call more are started, so that
     calls hold PointerConfig.streams queries until the group's last streams."""
-    out = Walked(torch.full((xq.shape[0],), NEG_INF), np.zeros(xq.shape[0], bool), np.zeros(xq.shape[0], bool), 0)
-    index = streams_of(docs, config.stream_length(xq.shape[0]))  # (S, L)
+    q = xq.shape[0]
+    kept = Neighbors(np.full((q, k), np.inf, np.float32), np.full((q, k), -1, np.int64),
+                     np.full((q, k), -1, np.int32)) if collect else None  # (Q, k)
+    out = Walked(torch.full((q,), NEG_INF), np.zeros(q, bool), np.zeros(q, bool), 0, kept)
+    index = streams_of(docs, stream_tokens or config.stream_length(q))  # (S, L)
     first = _walk_streams(index, xq, targets, searcher, k, options, temperature, config, source, allowed,
                           search_timer, out)
     return out._replace(stream_searches=first)
@@ -130,6 +138,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
             with search_timer:
                 found = searcher.search(xq[tok], k, options)  # (r, k)
             b.store(rows, found)
+            _keep(out.neighbors, tok, found)
             out.knn_logprob[torch.from_numpy(tok)] = knn_target_logprob(found, targets[tok], temperature)
             out.searched[tok] = True
             first += int((b.step[rows] == 0).sum())
@@ -149,7 +158,17 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         moved = ~go  # scored now from pointers (or skipped); the others park for the search
         if moved.any():
             mine = Neighbors(*(a[moved] for a in cands))
+            _keep(out.neighbors, tok[moved], mine)
             out.knn_logprob[torch.from_numpy(tok[moved])] = knn_target_logprob(mine, targets[tok[moved]], temperature)
         out.skipped[tok[need & ~go]] = True
         b.step[movers[moved]] += 1
         b.parked[movers[go]] = True
+
+
+def _keep(kept: Neighbors | None, tok: np.ndarray, found: Neighbors) -> None:
+    """Write the candidates `found` (r, w) of tokens `tok` (r,) into `kept` (Q, k) (nothing when not collecting)."""
+    if kept is None:
+        return
+    w = found.ids.shape[1]
+    for arr, new in zip(kept, found):
+        arr[tok, :w] = new

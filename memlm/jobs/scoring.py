@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.fewer_scoring import search_fewer
 from memlm.jobs.memorizing import close_memory, open_memory
 from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
 from memlm.jobs.windows import (
@@ -53,6 +54,7 @@ from memlm.jobs.windows import (
 from memlm.memory.compressive import Compressor
 from memlm.memory.config import MemoryConfig
 from memlm.model.decoder import Decoder
+from memlm.retrieval.adaptive import distribution_features
 from memlm.retrieval.attribution import (
     SourcedNeighbors,
     TokenAttribution,
@@ -69,6 +71,7 @@ from memlm.retrieval.knnlm import (
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
 if TYPE_CHECKING:
+    from memlm.jobs.knnlm_pass import Retrieval
     from memlm.memory.memorizing import KnnAttention
     from memlm.retrieval.memory_store import KeyValueMemoryFactory
 
@@ -97,6 +100,14 @@ class SequenceScore:
     attribution: tuple[TokenAttribution, ...] = ()
     """(n,) per scored token its top documents (memlm.retrieval.attribution) when attribution was asked
     for with kNN-LM; empty otherwise."""
+    searched: np.ndarray | None = None
+    """(n,) bool: a kNN search was made for the token (issue 15: fewer with a gate or pointers); None when
+    every token's neighbours came from a search, or without kNN-LM."""
+
+    @property
+    def searches(self) -> int:
+        """kNN searches made for the scored tokens (one per token with kNN-LM and no fewer searches)."""
+        return len(self.tokens) if self.searched is None else int(self.searched.sum())
 
     @property
     def total_logprob(self) -> float:
@@ -160,6 +171,7 @@ def score_tokens(
     batch_size: int = 4,
     should_stop: ShouldStop | None = None,
     attribution: int = 0,
+    retrieval: Retrieval | None = None,
 ) -> list[SequenceScore]:
     """Score each sequence of `token_seqs`, one SequenceScore per sequence, in order.
 
@@ -175,9 +187,13 @@ def score_tokens(
         whose client gave up frees its model thread within one batch, issue 9). None = run to the end.
     attribution: top documents per scored token (SequenceScore.attribution; 0 = none); needs kNN-LM and a
         memlm.retrieval.attribution.SourcedSearcher (the searches then ask for provenance; scores are equal).
+    retrieval: fewer searches (issue 15, memlm.jobs.fewer_scoring): a gate and/or RetoMaton pointers; needs
+        kNN-LM, not with attribution; None: a search for every token. SequenceScore.searched says which.
     """
     top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n, attribution)
     check_window(context, stride, model.config.max_seq_len)
+    if retrieval is not None and (knn is None or attribution):
+        raise MemlmError("fewer searches need kNN-LM and no attribution (attribution needs every token's search)")
 
     # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
@@ -194,7 +210,7 @@ def score_tokens(
     for lo in range(0, len(jobs), batch_size):
         check_stop(should_stop)
         batch = jobs[lo : lo + batch_size]
-        for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n, attribution)):
+        for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n, attribution, retrieval)):
             parts[job.window.doc].append(scores)
 
     return _assemble(token_seqs, parts, prefix_lens, top_n)
@@ -332,6 +348,8 @@ def _assemble(
     results = []
     for i, tokens in enumerate(token_seqs):
         attribution = tuple(a for part in parts[i] for a in part[5])
+        flags = [part[6] for part in parts[i] if len(part) > 6 and part[6] is not None]
+        searched = torch.cat(flags).bool().numpy() if flags and len(flags) == len(parts[i]) else None
         if parts[i]:
             cols = [torch.cat(c) for c in list(zip(*parts[i]))[:5]]
         else:
@@ -347,6 +365,7 @@ def _assemble(
             top_logprobs=top_lp.float().reshape(len(base), top_n).numpy(),
             context_tokens=prefix_lens[i],
             attribution=attribution,
+            searched=searched,
         ))
     return results
 
@@ -359,11 +378,24 @@ def _score_batch(
     knn: KNNLMConfig | None,
     top_n: int,
     attribution: int = 0,
+    retrieval: Retrieval | None = None,
 ) -> list[tuple]:
     """One forward pass over up to batch_size windows (memlm.jobs.windows.forward_windows, what
     `memlm eval` runs); returns per window (base (n,), final (n,), greedy (n,), top ids (n, N),
     top logprobs (n, N)) on the CPU, and its tokens' attribution (a list, empty without)."""
     outputs = forward_windows(model, batch)
+    if retrieval is not None:  # the gate's features per window, then the batch's fewer searches
+        features = None
+        if retrieval.adaptive is not None:
+            features = [distribution_features(o.log_probs()[0]).cpu() for o in outputs]  # (n, 5) each
+        fewer = search_fewer(searcher, knn, [o.keys for o in outputs], [o.targets for o in outputs], features,
+                             [job.window.doc for job in batch], retrieval)
+        results = []
+        for o, f in zip(outputs, fewer):
+            lm_lp, greedy = o.log_probs()  # (n, V), (n,)
+            results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, f.neighbors, knn, top_n,
+                                         keep_base=f.keep_base, searched=f.searched))
+        return results
     results = []
     for o, nb in zip(outputs, _search_each(searcher, knn, [o.keys for o in outputs], attribution)):
         lm_lp, greedy = o.log_probs()  # (n, V), (n,)
@@ -394,16 +426,19 @@ def _search_each(
 
 def _final_scores(
     lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | SourcedNeighbors | None,
-    knn: KNNLMConfig | None, top_n: int, attribution: int = 0,
+    knn: KNNLMConfig | None, top_n: int, attribution: int = 0, keep_base: torch.Tensor | None = None,
+    searched: torch.Tensor | None = None,
 ) -> tuple:
     """Per scored token: (base (n,), final (n,), greedy (n,), top ids (n, N), top logprobs (n, N)) on the CPU,
     and the list of its TokenAttribution (empty without attribution).
 
     lm_lp: (n, V) base log-probabilities; targets: (n,); greedy: (n,) base-LM greedy flags (used
     without kNN-LM); nb: (n, k) neighbours of these tokens' keys (sourced with attribution), or None
-    without kNN-LM.
+    without kNN-LM. keep_base: (n,) bool, tokens whose final distribution is the base one (a gate skipped
+    their search); searched: (n,) bool, returned as the 7th item (None: every token searched).
     """
     n = lm_lp.shape[0]
+    base_greedy = greedy
     base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
     attributed: list[TokenAttribution] = []
     if attribution and nb is not None:
@@ -420,7 +455,15 @@ def _final_scores(
         if attribution:
             attributed = attribute(sourced, targets.cpu().numpy(), final.cpu().numpy(), knn.temperature, knn.lmbda,
                                    attribution)
-    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu(), attributed
+    if keep_base is not None and bool(keep_base.any()):  # skipped by the gate: lambda 0, as in evaluation
+        keep = keep_base.to(lm_lp.device)  # (n,)
+        final = torch.where(keep, base, final)
+        greedy = torch.where(keep, base_greedy, greedy)
+        if top_n:
+            top = lm_lp.topk(top_n, dim=-1)  # (n, N)
+            top_ids = torch.where(keep[:, None], top.indices, top_ids)
+            top_lp = torch.where(keep[:, None], top.values, top_lp)
+    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu(), attributed, searched
 
 
 def _dense_greedy_top(

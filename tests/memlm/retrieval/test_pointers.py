@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import RowWiseSearcher
 
 from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from memlm.jobs.knnlm_eval import Retrieval, evaluate_knnlm
@@ -107,24 +108,6 @@ def test_follow_keeps_the_successors_of_neighbours_that_predicted_the_next_token
     assert (follow(prev, np.array([9]), xq, source).ids == -1).all()
 
 
-class RowWise:
-    """A searcher whose answer for a query does not depend on the other queries of the call (exact
-    search one row at a time), so that plain and walked evaluations meet the same floats."""
-
-    def __init__(self, exact: TorchExactSearcher) -> None:
-        self.exact, self.dim, self.calls, self.rows, self.sizes = exact, exact.dim, 0, 0, []
-
-    def info(self):
-        return self.exact.info()
-
-    def search(self, xq, k, options=None):
-        self.calls += 1
-        self.rows += xq.shape[0]
-        self.sizes.append(xq.shape[0])
-        parts = [self.exact.search(xq[i : i + 1], k) for i in range(xq.shape[0])]
-        return Neighbors(*(np.concatenate([p[f] for p in parts]) for f in range(3)))
-
-
 def oracle_walk(xq, targets, doc_of, searcher, k, temperature, min_pointers, stream_tokens, source):
     """The rule token by token with Python sets: (log p_kNN per token, number of searches)."""
     table = source.successors
@@ -158,9 +141,9 @@ def test_walk_matches_a_per_token_oracle_of_the_rule(model, docs, min_pointers):
     xq, targets = keys.float().numpy(), values.astype(np.int64)  # the datastore's own text: pointers survive
     config = PointerConfig(min_pointers=min_pointers, stream_tokens=20, streams=3)
     assert config.stream_length(len(xq)) == 20
-    searcher = RowWise(exact)
+    searcher = RowWiseSearcher(exact)
     got = walk(xq, targets, d, searcher, 6, SearchOptions(), 2.0, config, source, None, torch.no_grad())
-    want, searches = oracle_walk(xq, targets, d, RowWise(exact), 6, 2.0, min_pointers, 20, source)
+    want, searches = oracle_walk(xq, targets, d, RowWiseSearcher(exact), 6, 2.0, min_pointers, 20, source)
     assert int(got.searched.sum()) == searches == searcher.rows
     assert searches < len(xq) // 2  # most tokens follow pointers on repeated text
     assert got.stream_searches == streams_of(d, 20).shape[0]
@@ -173,7 +156,7 @@ def test_walk_matches_a_per_token_oracle_of_the_rule(model, docs, min_pointers):
 def test_a_minimum_above_k_is_plain_knnlm_exactly(model, docs):
     keys, values, d, p = entries(model, docs[:3])
     source = PointerSource.local(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
-    searcher = RowWise(TorchExactSearcher(keys, values))
+    searcher = RowWiseSearcher(TorchExactSearcher(keys, values))
     knn = KNNLMConfig(k=8, lmbda=0.4, temperature=3.0)
     evaluated = docs[1:]
     plain = evaluate_knnlm(model, evaluated, searcher, WINDOW, knn, BOS, progress=False)
