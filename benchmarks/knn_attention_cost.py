@@ -6,11 +6,22 @@ measurement of lucidrains' memorizing-transformers-pytorch: dim 512, 8 layers, 8
 memlm.memory.config.memorizing_layer (layer 6 of 8), top-k 32:
 1. a training step (forward, backward, AdamW step; everything trains) with the kNN layer over a full
    64K-entry exact memory vs the same model and XL memory without it (goal <= 1.1x; lucidrains measured
-   1.15x with one memorizing layer on this machine);
-2. evaluation tokens/s with a full memory of 4K and of 64K entries vs without the kNN layer;
-3. the retrieval-service backend (a real retrieval server with memory sessions on port 0 on a thread of
+   1.15x with one memorizing layer on this machine, with an approximate HNSW search), and over a 64K
+   inverted-file memory (`--knn-backend ivf`, memlm.retrieval.faiss_memory.ivf_factory) with its recall@32
+   against exact on the same contents;
+2. the scan alone: one segment's queries over the full 64K memory by each backend (FAISS's float32 flat
+   scan, the torch bfloat16 matmul + topk, the bfloat16 matmul without any top-k, the inverted file), with
+   the GFLOP/s of the exact ones, and the FLOP budget: the step's own FLOPs (torch.utils.flop_counter) and
+   what a scan must reach to fit in 0.1x of the step; a search on a thread beside a forward (overlap);
+3. evaluation tokens/s with a full memory of 4K and of 64K entries (and 64K ivf) vs without the kNN layer;
+4. the retrieval-service backend (a real retrieval server with memory sessions on port 0 on a thread of
    this process, so it shares the CPU; services/memory_sessions.py) vs in-process exact, at 4K,
    evaluation tokens/s.
+What is scanned: one stream per (row, kv head) (8 here, MODEL has 8 kv heads), each searched by the
+G * T = 512 queries of its query heads: 8 x 512 queries x 65536 keys x d 64 = 34.4 GFLOP per segment.
+lucidrains' configuration scans the same number of products: one shared key per position (its to_kv
+makes one dim_head key and value, a single "kv head"), searched by h * n = 8 x 512 = 4096 queries of
+dim_head 64 per row, but approximately (HNSW, M 15): it compares a query with a few hundred keys, not 65536.
 Memories are filled before timing with random unit keys (a full memory costs what it costs whatever it
 holds). The configurations compared run interleaved, step by step (segment by segment), so that the
 load of a shared machine hits them alike; a ratio is the median of the adjacent pairs' ratios.
@@ -112,20 +123,6 @@ def time_eval(model, lanes: dict[str, object], segments: int) -> dict[str, list[
     return times
 
 
-@torch.no_grad()
-def time_search(store, rounds: int) -> float:
-    """Median seconds of one segment's kNN search alone: B * nh * T unit queries, top-32, in `store`."""
-    g = torch.Generator().manual_seed(2)
-    G = MODEL.n_head // MODEL.n_kv_head
-    q = F.normalize(torch.randn(store.streams, G * SEGMENT, store.dim, generator=g), dim=-1)  # (S, Q, d)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        store.search(q, 32)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
     """Median over rounds of times[name] / times[base] (each round's two runs were adjacent in time)."""
     return statistics.median(a / b for a, b in zip(times[name], times[base]))
@@ -153,12 +150,200 @@ def service_factory():
     return remote_memory_factory(f"127.0.0.1:{port}"), stop
 
 
+def queries(store) -> torch.Tensor:
+    """One segment's unit queries per stream, (S, Q, d), Q = G * T (every query head of the kv head)."""
+    g = torch.Generator().manual_seed(2)
+    G = MODEL.n_head // MODEL.n_kv_head
+    return F.normalize(torch.randn(store.streams, G * SEGMENT, store.dim, generator=g), dim=-1)  # (S, Q, d)
+
+
+@torch.no_grad()
+def recall_at_k(store, exact, k: int = 32) -> float:
+    """Recall@k of `store`'s search against `exact`'s (the same contents), over one segment's queries: the
+    share of the k returned whose inner product reaches the exact k-th best (tie-safe)."""
+    q = queries(exact)
+    a, b = exact.search(q, k), store.search(q, k)
+    kth = torch.einsum("sqd,sqkd->sqk", q, a.keys).masked_fill(~a.valid, float("inf")).amin(-1)  # (S, Q)
+    hit = (torch.einsum("sqd,sqkd->sqk", q, b.keys) >= kth[..., None] - 1e-6) & b.valid  # (S, Q, k)
+    return float(hit.float().sum(-1).mean() / k)
+
+
+def step_flops(model) -> int:
+    """FLOPs of one training step's forward and backward of the model without the kNN layer (XL memory
+    full), counted by torch.utils.flop_counter (matmuls and attention; elementwise work is not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    data, state = tokens(2), xl_state(model, True)
+    state = model(data[0, :, :-1], state).state  # the XL memory now holds a segment
+    with FlopCounterMode(display=False) as counter:
+        out = model(data[1, :, :-1], state)
+        F.cross_entropy(out.logits.flatten(0, 1), data[1, :, 1:].flatten()).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def scan_flops(store) -> int:
+    """FLOPs of an exact scan of a full store by one segment's queries: 2 * S * Q * M * d (the top-k not counted)."""
+    return 2 * store.streams * queries(store).shape[1] * store.capacity * store.dim
+
+
+@torch.no_grad()
+def time_scans(stores: dict[str, object], rounds: int) -> dict[str, list[float]]:
+    """Seconds of one segment's search in each store, interleaved round by round; plus "bf16 matmul alone",
+    the chunked (S, Q, d) x (S, d, M) bfloat16 products without any top-k (a floor for any torch scan)."""
+    exact = stores["exact f32 (faiss.knn)"]
+    q = queries(exact)
+    keys16, q16 = exact.buffer.keys.to(torch.bfloat16), q.to(torch.bfloat16)  # (S, M, d), (S, Q, d)
+
+    def matmul_alone() -> None:
+        for lo in range(0, keys16.shape[1], 16384):
+            torch.bmm(q16, keys16[:, lo:lo + 16384].transpose(1, 2))  # (S, Q, 16384)
+
+    runs = {**{name: (lambda s=store: s.search(q, 32)) for name, store in stores.items()},
+            "bf16 matmul alone": matmul_alone}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds + 1):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: t[1:] for name, t in times.items()}
+
+
+@torch.no_grad()
+def time_overlap(model, store, rounds: int) -> float:
+    """Wall time of a search run on a thread beside an evaluation forward (FAISS releases the GIL) over the
+    sum of the two run alone: < 1 only where cores sit idle during the model's work."""
+    q, data, state = queries(store), tokens(1), xl_state(model, False)
+    ratios = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        store.search(q, 32)
+        model(data[0, :, :-1], state)
+        t2 = time.perf_counter()
+        worker = threading.Thread(target=store.search, args=(q, 32))
+        worker.start()
+        model(data[0, :, :-1], state)
+        worker.join()
+        ratios.append((time.perf_counter() - t2) / (t2 - t0))
+    return statistics.median(ratios)
+
+
+def exact_copy(store, dtype: torch.dtype):
+    """An ExactMemory in `dtype` holding what the exact store `store` holds (the torch scan's storage)."""
+    from memlm.retrieval.memory_store import ExactMemory
+
+    copy = ExactMemory(store.streams, store.dim, store.value_dim, store.capacity, "cpu", dtype=dtype)
+    buf = store.buffer
+    copy.append(buf.keys, buf.values, torch.ones(buf.keys.shape[:2], dtype=torch.bool))
+    return copy
+
+
+def bench_train(model, knn, rounds: int) -> None:
+    """Training steps (xl, kNN 64K exact, kNN 64K ivf), the 64K scans alone, the FLOP budget, overlap."""
+    model.train()
+    state, store = filled_state(model, memory_config(65536), knn, True)
+    ivf_state, ivf = filled_state(model, memory_config(65536, "ivf"), knn, True)
+    recall = recall_at_k(ivf, store)  # same contents: both filled from the same generator
+    tr = time_train(model, {"xl": (xl_state(model, True), None), "64K": (state, knn), "ivf": (ivf_state, knn)},
+                    rounds)
+    step = statistics.median(tr["xl"])
+    print(f"train step  xl only {step * 1e3:8.1f} ms | kNN 64K exact {statistics.median(tr['64K']) * 1e3:8.1f} ms "
+          f"ratio {paired_ratio(tr, '64K', 'xl'):.3f}x (goal <= 1.1x; lucidrains 1.15x with HNSW) | kNN 64K ivf "
+          f"{statistics.median(tr['ivf']) * 1e3:8.1f} ms ratio {paired_ratio(tr, 'ivf', 'xl'):.3f}x")
+    nlist = faiss_nlist(ivf)
+    print(f"            ivf = FaissMemory {ivf.factory} nprobe {ivf.nprobe} (--knn-backend ivf): recall@32 vs exact "
+          f"{recall:.3f} on random unit keys (no clusters: an inverted file's hardest case)")
+    bf16 = exact_copy(store, torch.bfloat16)
+    recalls = {"exact bf16 (torch matmul + topk)": recall_at_k(bf16, store)}
+    scans = {"exact f32 (faiss.knn)": store, "exact bf16 (torch matmul + topk)": bf16}
+    for nprobe in IVF_NPROBES:  # the contents are no longer equal to the exact store's: copy them
+        scans[f"ivf nprobe {nprobe} of {nlist}"] = probe = ivf_copy(store, nprobe)
+        recalls[f"ivf nprobe {nprobe} of {nlist}"] = recall_at_k(probe, store)
+    sc = time_scans(scans, rounds)
+    flops, work = scan_flops(store), step_flops(model)
+    print(f"scan        one segment's queries over a full 64K memory: {store.streams} streams x {queries(store).shape[1]} "
+          f"queries x {store.capacity} keys x d {store.dim} = {flops / 1e9:.1f} GFLOP before top-k")
+    for name, t in sc.items():
+        rate = "" if name.startswith("ivf") else f" {flops / statistics.median(t) / 1e9:6.1f} GFLOP/s"
+        extra = f" recall@32 {recalls[name]:.3f}" if name in recalls else ""
+        print(f"            {name:36s} {statistics.median(t) * 1e3:8.1f} ms{rate}{extra}")
+    budget = 0.1 * step
+    fastest = min(statistics.median(sc[name]) for name in ("exact f32 (faiss.knn)", "exact bf16 (torch matmul + topk)"))
+    floor = statistics.median(sc["bf16 matmul alone"])
+    print(f"flops       the step without the layer: {work / 1e9:.1f} GFLOP (forward + backward, flop_counter) in "
+          f"{step * 1e3:.0f} ms = {work / step / 1e9:.1f} GFLOP/s; the scan is {flops / work:.1%} of it. A 1.1x step "
+          f"leaves {budget * 1e3:.0f} ms for the layer: an exact scan would need {flops / budget / 1e9:.0f} GFLOP/s; "
+          f"the fastest exact scan here takes {fastest / budget:.1f}x that budget, the bf16 matmul alone "
+          f"{floor / budget:.1f}x (lower bounds of the exact ratio: {1 + fastest / step:.2f}x, {1 + floor / step:.2f}x)")
+    for probe in scans.values():
+        if probe is not store:
+            probe.close()
+    print(f"overlap     a 64K exact search on a thread beside a forward: wall / serial sum "
+          f"{time_overlap(model, store, rounds):.3f} (1.0: no idle core to hide it on)")
+    store.close()
+    ivf.close()
+
+
+IVF_NPROBES = (32, 128)
+"""Inverted lists probed in the scan comparison (32: FaissMemory's default, the training lane's)."""
+
+
+def faiss_nlist(store) -> int:
+    import faiss
+
+    return faiss.try_extract_index_ivf(store.indexes[0]).nlist
+
+
+def ivf_copy(store, nprobe: int):
+    """A FaissMemory "ivf" holding what the exact store `store` holds, searching `nprobe` lists."""
+    from memlm.retrieval.faiss_memory import FaissMemory, ivf_factory
+
+    copy = FaissMemory(store.streams, store.dim, store.value_dim, store.capacity, "cpu",
+                       factory=ivf_factory(store.capacity), nprobe=nprobe)
+    buf = store.buffer
+    copy.append(buf.keys, buf.values, torch.ones(buf.keys.shape[:2], dtype=torch.bool))
+    return copy
+
+
+def bench_eval(model, knn, segments: int) -> None:
+    """Evaluation tokens/s with full 4K and 64K memories (and 64K ivf) vs without the kNN layer."""
+    model.eval()
+    lanes, stores = {"xl": xl_state(model, False)}, []
+    for name, size, backend in (("4K", 4096, "exact"), ("64K", 65536, "exact"), ("64K ivf", 65536, "ivf")):
+        lanes[name], store = filled_state(model, memory_config(size, backend), knn, False)
+        stores.append(store)
+    ev = time_eval(model, lanes, segments)
+    for store in stores:
+        store.close()
+    tps = {name: SEGMENT / statistics.median(t) for name, t in ev.items()}
+    print(f"eval tok/s  xl only {tps['xl']:8.0f} | " + " | ".join(
+        f"kNN {name} {tps[name]:8.0f} ({1 / paired_ratio(ev, name, 'xl'):.3f}x)" for name in ("4K", "64K", "64K ivf")))
+
+
+def bench_service(model, knn, segments: int) -> None:
+    """The retrieval-service backend vs in-process exact at 4K, evaluation tokens/s."""
+    factory, stop_server = service_factory()
+    if factory is None:
+        return
+    remote, remote_store = filled_state(model, memory_config(4096, "service"), knn, False, factory)
+    local, local_store = filled_state(model, memory_config(4096), knn, False)
+    sv = time_eval(model, {"service": remote, "local": local}, segments)
+    remote_store.close()
+    local_store.close()
+    print(f"service     kNN 4K in-process {SEGMENT / statistics.median(sv['local']):8.0f} tok/s | retrieval "
+          f"service {SEGMENT / statistics.median(sv['service']):8.0f} tok/s | ratio "
+          f"{1 / paired_ratio(sv, 'service', 'local'):.3f}x")
+    factory.close()
+    stop_server()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="timed training steps per configuration and repeat")
     p.add_argument("--eval-segments", type=int, default=4, help="timed evaluation segments per configuration and repeat")
     p.add_argument("--repeats", type=int, default=3, help="repeats (rounds = steps x repeats; medians reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch and FAISS threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
         import faiss  # the exact CPU scan runs in FAISS's OpenMP pool (memlm.retrieval.memory_store)
@@ -172,40 +357,9 @@ def main() -> None:
           f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
     model = random_model(MODEL, 0, "cpu", torch.float32)
     knn = fresh_knn_attention(model)
-    rounds = args.steps * args.repeats
-    model.train()
-    state, store = filled_state(model, memory_config(65536), knn, True)
-    tr = time_train(model, {"xl": (xl_state(model, True), None), "64K": (state, knn)}, rounds)
-    search = time_search(store, rounds)
-    store.close()
-    print(f"train step  xl only {statistics.median(tr['xl']) * 1e3:8.1f} ms | kNN 64K exact "
-          f"{statistics.median(tr['64K']) * 1e3:8.1f} ms | ratio {paired_ratio(tr, '64K', 'xl'):.3f}x "
-          "(goal <= 1.1x; lucidrains 1.15x)")
-    print(f"            of which the 64K exact search alone (one segment's queries, {SEGMENT * MODEL.n_head} per row): "
-          f"{search * 1e3:.1f} ms")
-    model.eval()
-    lanes, stores = {"xl": xl_state(model, False)}, []
-    for name, size in (("4K", 4096), ("64K", 65536)):
-        lanes[name], store = filled_state(model, memory_config(size), knn, False)
-        stores.append(store)
-    ev = time_eval(model, lanes, args.eval_segments * args.repeats)
-    for store in stores:
-        store.close()
-    tps = {name: SEGMENT / statistics.median(t) for name, t in ev.items()}
-    print(f"eval tok/s  xl only {tps['xl']:8.0f} | kNN 4K {tps['4K']:8.0f} ({1 / paired_ratio(ev, '4K', 'xl'):.3f}x) | "
-          f"kNN 64K {tps['64K']:8.0f} ({1 / paired_ratio(ev, '64K', 'xl'):.3f}x)")
-    factory, stop_server = service_factory()
-    if factory is not None:
-        remote, remote_store = filled_state(model, memory_config(4096, "service"), knn, False, factory)
-        local, local_store = filled_state(model, memory_config(4096), knn, False)
-        sv = time_eval(model, {"service": remote, "local": local}, args.eval_segments * args.repeats)
-        remote_store.close()
-        local_store.close()
-        print(f"service     kNN 4K in-process {SEGMENT / statistics.median(sv['local']):8.0f} tok/s | retrieval "
-              f"service {SEGMENT / statistics.median(sv['service']):8.0f} tok/s | ratio "
-              f"{1 / paired_ratio(sv, 'service', 'local'):.3f}x")
-        factory.close()
-        stop_server()
+    bench_train(model, knn, args.steps * args.repeats)
+    bench_eval(model, knn, args.eval_segments * args.repeats)
+    bench_service(model, knn, args.eval_segments * args.repeats)
     print(f"# load after {os.getloadavg()[0]:.2f}")
 
 

@@ -37,7 +37,7 @@ MemoryKind = Literal["none", "xl", "compressive", "memorizing", "spalm"]
 CompressFn = Literal["max", "mean", "conv"]
 MEMORY_KINDS: tuple[str, ...] = ("none", "xl", "compressive", "memorizing", "spalm")
 COMPRESS_FNS: tuple[str, ...] = ("max", "mean", "conv")
-KNN_BACKENDS: tuple[str, ...] = ("auto", "exact", "faiss", "service")
+KNN_BACKENDS: tuple[str, ...] = ("auto", "exact", "faiss", "ivf", "service")
 EXACT_MAX_ENTRIES = 262144
 """Largest kNN memory (entries per stream) that backend "auto" serves with the exact torch backend; FAISS
 beyond. Wu et al. 2022 report gains up to 262K tokens; one stream of that size is 262144 x hs float16 keys
@@ -74,8 +74,9 @@ class MemoryConfig:
     knn_top_k: int = 32
     """Memorizing only: retrieved (key, value) pairs per query (Wu et al. 2022 use 32)."""
     knn_backend: str = "auto"
-    """Memorizing only: "exact" (torch on the model's device), "faiss", "service" (the retrieval service)
-    or "auto" (`resolve_knn_backend`: exact up to EXACT_MAX_ENTRIES entries per stream, FAISS beyond)."""
+    """Memorizing only: "exact" (torch on the model's device), "faiss", "ivf" (a FAISS inverted file at any
+    size: approximate, the CPU's fast path, issue 10), "service" (the retrieval service) or "auto"
+    (`resolve_knn_backend`: exact up to EXACT_MAX_ENTRIES entries per stream, FAISS beyond)."""
 
     def __post_init__(self) -> None:
         if self.kind not in MEMORY_KINDS:

@@ -45,7 +45,7 @@ SCALE_INIT = 20.0
 """Initial scale (inverse temperature) of the normalised scores, in [-1, 1] before scaling: a softmax
 over cosine similarities needs a large scale to be peaked; 20 as in query-key normalisation (Henry et al.
 2020) and lucidrains' memorizing-transformers-pytorch. Learned per head, as its logarithm."""
-LOCAL_BACKENDS = ("exact", "faiss")
+LOCAL_BACKENDS = ("exact", "faiss", "ivf")
 """Backends whose contents a state_dict can carry (a service memory lives on its server)."""
 
 

@@ -48,10 +48,14 @@ until then that stream is searched exactly over its ring buffer."""
 
 def default_factory(capacity: int) -> str:
     """The FAISS index of each stream of a memory of `capacity` entries: flat up to EXACT_MAX_ENTRIES (where
-    "auto" picks the exact backend anyway; a forced "faiss" gets an exact flat scan), an inverted file
-    beyond: "IVF<nlist>,Flat", nlist the power of two nearest 4 * sqrt(capacity) (1M entries: 4096 lists)."""
-    if capacity <= EXACT_MAX_ENTRIES:
-        return FLAT_FACTORY
+    "auto" picks the exact backend anyway; a forced "faiss" gets an exact flat scan), `ivf_factory` beyond."""
+    return FLAT_FACTORY if capacity <= EXACT_MAX_ENTRIES else ivf_factory(capacity)
+
+
+def ivf_factory(capacity: int) -> str:
+    """An inverted file for `capacity` entries (backend "ivf" at any size, "faiss" beyond EXACT_MAX_ENTRIES):
+    "IVF<nlist>,Flat", nlist the power of two nearest 4 * sqrt(capacity) (64K entries: 1024 lists, 1M: 4096),
+    FAISS's rule of thumb of 4-16 sqrt(N) lists; a search scans nprobe of them besides the nlist centroids."""
     nlist = 2 ** round(math.log2(4 * math.sqrt(capacity)))
     return f"IVF{nlist},Flat"
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 import torch
 
 from memlm.memory.config import KNN_BACKENDS, auto_knn_backend
-from memlm.retrieval.faiss_memory import FaissMemory
-from memlm.retrieval.memory_store import ExactMemory, KeyValueMemory, KeyValueMemoryFactory
+from memlm.retrieval.faiss_memory import FaissMemory, ivf_factory
+from memlm.retrieval.memory_store import (
+    ExactMemory,
+    KeyValueMemory,
+    KeyValueMemoryFactory,
+)
 
 
 def open_key_value_memory(
     backend: str, streams: int, dim: int, value_dim: int, capacity: int, device: torch.device | str,
     service: KeyValueMemoryFactory | None = None,
 ) -> KeyValueMemory:
-    """The one way to open a kNN memory: backend "exact", "faiss", "service" (needs `service`, the factory
+    """The one way to open a kNN memory: backend "exact", "faiss", "ivf", "service" (needs `service`, the factory
     the CLI or a server passes in) or "auto" (memlm.memory.config.auto_knn_backend decides by capacity)."""
     if backend not in KNN_BACKENDS:
         raise ValueError(f"knn backend must be one of {KNN_BACKENDS}, got {backend!r}")
@@ -27,6 +31,8 @@ def open_key_value_memory(
         return ExactMemory(streams, dim, value_dim, capacity, device)
     if backend == "faiss":
         return FaissMemory(streams, dim, value_dim, capacity, device)
+    if backend == "ivf":  # approximate at any size (issue 10: an exact 64K scan costs more than the step allows)
+        return FaissMemory(streams, dim, value_dim, capacity, device, factory=ivf_factory(capacity))
     if service is None:
         raise ValueError("knn backend 'service' needs a memory factory from the retrieval service client")
     return service(streams, dim, value_dim, capacity)

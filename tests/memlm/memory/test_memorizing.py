@@ -272,3 +272,17 @@ def test_new_memory_refuses_what_does_not_fit():
         new_memory(mcfg, 2, knn_attention=module, knn_store=ExactMemory(2, 16, 16, 8), n_layer=2)
     with pytest.raises(ValueError, match="memorizing memory only"):
         new_memory(MemoryConfig(kind="xl"), 1, knn_attention=module)
+
+
+def test_an_ivf_memory_is_saved_with_the_state_and_resumes():
+    # "ivf" is a local backend: its contents travel in the state (a resumed training run keeps its memory).
+    model = tiny_model()
+    module = knn_module(model, 0.0)
+    x = torch.randint(0, 512, (2, 64))
+    want, _ = run(model, x, 16, memorizing(model, 2, module, capacity=24, backend="ivf"))
+    head, state = run(model, x[:, :32], 16, memorizing(model, 2, module, capacity=24, backend="ivf"))
+    saved = state.state_dict()
+    assert saved["backend"] == "ivf" and saved["store"] is not None
+    back = memory_from_state_dict(saved, knn_attention=module, knn_store=FaissMemory(4, 16, 16, 24))
+    tail, _ = run(model, x[:, 32:], 16, back)
+    torch.testing.assert_close(torch.cat([head, tail], dim=1), want, atol=0, rtol=0)

@@ -113,3 +113,12 @@ def test_default_factory_is_flat_in_the_exact_range_and_ivf_beyond():
     assert default_factory(65536) == FLAT_FACTORY
     assert default_factory(EXACT_MAX_ENTRIES + 1).startswith("IVF")
     assert default_factory(1 << 20) == "IVF4096,Flat"
+
+
+def test_ivf_backend_is_an_inverted_file_at_any_size():
+    # `--knn-backend ivf`: approximate at 64K already, where "auto" and "faiss" scan exactly (issue 10's cost).
+    from memlm.retrieval.faiss_memory import FLAT_FACTORY, default_factory, ivf_factory
+
+    m = open_key_value_memory("ivf", 2, 8, 8, 65536, "cpu")
+    assert isinstance(m, FaissMemory) and m.factory == "IVF1024,Flat" and m.train_size == 1024 * 39
+    assert default_factory(65536) == FLAT_FACTORY and ivf_factory(1 << 20) == "IVF4096,Flat"
