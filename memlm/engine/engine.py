@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from memlm.engine.compression import compress_due
 from memlm.engine.kv_cache import (
     CacheLayout,
     PackedGroup,
@@ -84,11 +85,14 @@ FIRST_STEP_GUESS_S = 0.05
 
 def cache_layout(config: EngineConfig, max_seq_len: int) -> CacheLayout:
     """The cache rows for `config`: a plain cache of row_capacity positions, or an XL ring of
-    sinks + mem_len + segment slots (memlm.engine.kv_cache)."""
+    sinks + mem_len + segment slots (memlm.engine.kv_cache); compressive: also cmem_len compressed slots, and
+    rate - 1 more ring slots for the states that wait for their group to fill."""
     xl = config.xl
     if xl is None:
         return CacheLayout(config.max_batch, 0, config.row_capacity or max_seq_len, None, None)
-    return CacheLayout(config.max_batch, xl.sink_tokens, xl.mem_len + xl.segment, xl.mem_len, xl.segment)
+    cmem, rate = (xl.cmem_len, xl.compress_rate) if xl.kind == "compressive" else (0, 1)
+    return CacheLayout(config.max_batch, xl.sink_tokens, xl.mem_len + rate - 1 + xl.segment, xl.mem_len, xl.segment,
+                       cmem, rate)
 
 
 class Engine:
@@ -311,6 +315,8 @@ class Engine:
         pos_t = torch.from_numpy(pos)  # (B, T)
         generated_from = torch.tensor([[row.first_generated_pos] for row, _ in plan])  # (B, 1)
         window = window_starts(pos_t, generated_from, self.cache.layout.segment)  # (B, T)
+        if self.cache.layout.cmem:
+            compress_due(self.cache, [row for row, _ in plan], window[:, -1].tolist(), self.config.xl.compress_fn)
         view = self.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window)
         return torch.from_numpy(idx), view
 

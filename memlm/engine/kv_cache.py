@@ -72,24 +72,45 @@ class CacheLayout:
     """XL memory: a query sees positions [s - mem_len, s) of earlier segments; None: every cached one."""
     segment: int | None
     """XL memory: prompt tokens attend in segments of this many tokens (the memory's segment); None."""
+    cmem: int = 0
+    """Compressive memory (Rae et al. 2019): slots [sink, sink + cmem) hold the last `cmem` compressed
+    groups (memlm.engine.compression), group j in slot sink + j % cmem; 0: none."""
+    rate: int = 1
+    """Compressive memory: states per compressed group, c. The memory evicts in whole groups, so up to
+    c - 1 states over mem_len stay visible (memlm.memory.xl.push_fifo); 1: the XL memory."""
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.ring < 1 or self.sink < 0:
-            raise ValueError(f"a cache needs rows >= 1, ring >= 1 and sink >= 0, got {self}")
+        if self.rows < 1 or self.ring < 1 or self.sink < 0 or self.cmem < 0 or self.rate < 1:
+            raise ValueError(f"a cache needs rows >= 1, ring >= 1, sink >= 0, cmem >= 0 and rate >= 1, got {self}")
         if (self.mem_len is None) != (self.segment is None):
             raise ValueError("mem_len and segment go together (the XL memory) or are both None")
-        if self.mem_len is not None and self.ring < self.mem_len + self.segment:
-            raise ValueError(f"an XL ring needs mem_len + segment = {self.mem_len + self.segment} slots, got {self.ring}")
+        if self.mem_len is None and (self.cmem or self.rate != 1):
+            raise ValueError("a compressed memory needs the XL memory's mem_len and segment")
+        if self.mem_len is not None and self.ring < self.mem_len + self.rate - 1 + self.segment:
+            raise ValueError(f"an XL ring needs mem_len + rate - 1 + segment = "
+                             f"{self.mem_len + self.rate - 1 + self.segment} slots, got {self.ring}")
 
     @property
     def slots(self) -> int:
         """L: slots per row."""
-        return self.sink + self.ring
+        return self.sink + self.cmem + self.ring
 
     @property
     def wraps(self) -> bool:
         """True when positions reuse ring slots (the XL memory); False: a row is full at `ring` tokens."""
         return self.mem_len is not None
+
+    def memory_start(self, window: torch.Tensor) -> torch.Tensor:
+        """(B, T) int64: the oldest position a query of segment start `window` sees besides the sinks. The
+        memory holds the last mem_len states plus those over it short of a whole group: with E = s - sink -
+        mem_len states over capacity, E mod c of them (memlm.memory.xl.push_fifo's eviction by groups)."""
+        over = window - self.sink - self.mem_len  # (B, T)
+        waiting = torch.where(over > 0, torch.remainder(over, self.rate), torch.zeros_like(over))  # (B, T)
+        return window - self.mem_len - waiting  # (B, T)
+
+    def groups_before(self, window: int) -> int:
+        """Groups compressed (evicted from the memory) before a segment that starts at `window`."""
+        return max(0, window - self.sink - self.mem_len) // self.rate
 
 
 class RowCache:
@@ -145,7 +166,7 @@ class RowCache:
     def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
         """Slots (same shape) of int64 positions `pos` (module docstring)."""
         sink, ring = self.layout.sink, self.layout.ring
-        return torch.where(pos < sink, pos, sink + torch.remainder(pos - sink, ring))
+        return torch.where(pos < sink, pos, sink + self.layout.cmem + torch.remainder(pos - sink, ring))
 
     def view(self, rows: list[int], pos: torch.Tensor, real: torch.Tensor, window: torch.Tensor) -> StepView:
         """The DecoderState of one forward pass over cache rows `rows` (B,), sorted.
@@ -158,13 +179,20 @@ class RowCache:
 
 
 def _sink_shift(layout: CacheLayout, window: torch.Tensor) -> torch.Tensor:
-    """(B, T) int64: how far past their true positions the sinks sit for queries with segment start `window`.
+    """(B, T) float64: how far past their true positions the sinks sit for queries with segment start `window`.
 
-    memlm.memory.xl.XLMemory._sink_positions: the sinks sit right before the oldest memory slot, or right
-    before the segment when the memory is empty, never before their true positions. The memory before s
-    holds the non-sink positions [max(sink, s - mem_len), s): it is empty when mem_len is 0 or s <= sink."""
-    s, N, M = window, layout.sink, layout.mem_len
-    first = s if M == 0 else torch.where(s > N, torch.clamp(s - M, min=N), s)  # (B, T)
+    memlm.memory.xl.XLMemory._sink_positions: the sinks sit right before the oldest slot after them (the
+    oldest compressed group, at its mean position, else the oldest memory slot), or right before the
+    segment when both are empty, never before their true positions. The memory holds the non-sink
+    positions [max(sink, memory_start(s)), s): empty when s <= sink or it holds nothing (mem_len 0)."""
+    s, N = window, layout.sink
+    lo = layout.memory_start(s)  # (B, T)
+    first = torch.where((s > N) & (lo < s), torch.clamp(lo, min=N), s).double()  # (B, T)
+    if layout.cmem > 0:
+        c = layout.rate
+        groups = torch.div(torch.clamp(s - N - layout.mem_len, min=0), c, rounding_mode="floor")  # (B, T)
+        oldest = torch.clamp(groups - layout.cmem, min=0)  # (B, T) the oldest group kept
+        first = torch.where(groups > 0, (N + oldest * c).double() + (c - 1) / 2, first)  # (B, T)
     return torch.clamp(first - N, min=0)
 
 
@@ -175,9 +203,9 @@ class StepView:
                  window: torch.Tensor) -> None:
         layout, device = cache.layout, cache.device
         B, T = pos.shape
-        # Slots in use: a position p never sits beyond slot p, so no row of this step uses more than this
+        # Slots in use: a position p never sits beyond slot p + cmem, so no row of this step uses more than this
         # (read from the host's positions: no device synchronisation).
-        self.width = min(layout.slots, int(pos.max()) + 1)
+        self.width = min(layout.slots, int(pos.max()) + 1 + layout.cmem)
         cache.reserve(self.width)
         self.cache = cache
         self.pos = pos.to(device)  # (B, T) int64
@@ -209,8 +237,11 @@ class StepView:
         sp = self._rows_of(self.cache.slot_pos)[:, : self.width]  # (B, width)
         seen = (sp[:, None, :] >= 0) & (sp[:, None, :] <= self.pos[..., None])  # (B, T, width)
         if layout.mem_len is not None:
-            lo = (window - layout.mem_len)[..., None]  # (B, T, 1)
+            lo = layout.memory_start(window)[..., None]  # (B, T, 1)
             seen &= (sp[:, None, :] < layout.sink) | (sp[:, None, :] >= lo)
+            a, b = layout.sink, min(layout.sink + layout.cmem, self.width)
+            if b > a:  # a compressed slot is seen once written: it holds one of the last cmem groups
+                seen[..., a:b] = (sp[:, None, a:b] >= 0).expand(-1, seen.shape[1], -1)  # (B, T, b - a)
         return seen[:, None]  # (B, 1, T, width)
 
     def _rows_of(self, t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from memlm.engine.compression import POOLS
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.jobs.scoring import SequenceScore
@@ -47,20 +48,24 @@ class EngineConfig:
     """Sum of prompt + max_new_tokens over running and waiting requests; beyond, refused (EngineFull)."""
     memory: MemoryConfig | None = None
     """kind "xl" (with its sinks, mem_len and segment): each row carries an XL memory, so generation runs
-    past the context; None or kind "none": a plain KV cache."""
+    past the context; kind "compressive" (compress_fn "mean" or "max"): an XL memory whose evicted groups are
+    kept compressed (memlm.engine.compression); None or kind "none": a plain KV cache."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 1:
             raise MemlmError("max_batch, prefill_chunk and max_tokens_in_flight must be >= 1, max_queue >= 0")
         if self.row_capacity is not None and self.row_capacity < 2:
             raise MemlmError(f"row_capacity must be >= 2, got {self.row_capacity}")
-        if self.memory is not None and self.memory.kind not in ("none", "xl"):
-            raise MemlmError(f"the engine serves --memory none or xl, not {self.memory.kind}")
+        if self.memory is not None and self.memory.kind not in ("none", "xl", "compressive"):
+            raise MemlmError(f"the engine serves --memory none, xl or compressive, not {self.memory.kind}")
+        if self.memory is not None and self.memory.kind == "compressive" and self.memory.compress_fn not in POOLS:
+            raise MemlmError(f"the engine compresses by pooling ({', '.join(POOLS)}), not {self.memory.compress_fn}")
 
     @property
     def xl(self) -> MemoryConfig | None:
-        """The XL memory, or None for a plain KV cache."""
-        return self.memory if self.memory is not None and self.memory.kind == "xl" else None
+        """The XL memory (kind "xl", or "compressive": the XL memory with compressed groups), or None for a
+        plain KV cache."""
+        return self.memory if self.memory is not None and self.memory.kind in ("xl", "compressive") else None
 
 
 @dataclass(frozen=True)

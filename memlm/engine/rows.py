@@ -62,6 +62,8 @@ class Row:
     """The decoded continuation without a trailing incomplete character."""
     checked: int = 0
     """Length of the text already searched for stop strings."""
+    compressed: int = 0
+    """Compressive rows: groups compressed so far (memlm.engine.compression)."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None, layout: CacheLayout,
@@ -138,6 +140,8 @@ class ScoreRow:
     """Always 0 (a score never slides); window_starts' and the view's bookkeeping as for Row."""
     scored: list[tuple[int, float, bool]] = field(default_factory=list)
     """(token, base log-prob, greedy) of every scored token so far."""
+    compressed: int = 0
+    """Compressive rows: groups compressed so far (memlm.engine.compression)."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None) -> ScoreRow:

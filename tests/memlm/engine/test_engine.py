@@ -238,8 +238,8 @@ def test_engine_thread_serves_concurrent_callers(model) -> None:
 
 
 def test_refusals(model) -> None:
-    with pytest.raises(MemlmError, match="memory none or xl"):
-        EngineConfig(memory=MemoryConfig(kind="compressive"))
+    with pytest.raises(MemlmError, match="memory none, xl or compressive"):
+        EngineConfig(memory=MemoryConfig(kind="spalm"))
     with pytest.raises(MemlmError, match="max_new_tokens"):
         request("x", 0)
     with pytest.raises(MemlmError, match="no searcher"):

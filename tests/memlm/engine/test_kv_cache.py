@@ -109,8 +109,12 @@ def test_rotary_angles_stay_exact_far_past_the_context() -> None:
 
 
 def test_layout_refuses_a_ring_smaller_than_memory_plus_segment() -> None:
-    with pytest.raises(ValueError, match="mem_len \\+ segment"):
+    with pytest.raises(ValueError, match="mem_len \\+ rate - 1 \\+ segment = 12"):
         CacheLayout(2, 4, 10, 8, 4)
+    with pytest.raises(ValueError, match="= 14 slots"):  # compressive: c - 1 states wait for their group
+        CacheLayout(2, 4, 13, 8, 4, 3, 3)
+    with pytest.raises(ValueError, match="needs the XL memory"):
+        CacheLayout(2, 0, 10, None, None, 3, 3)
     with pytest.raises(ValueError, match="go together"):
         CacheLayout(2, 0, 10, 8, None)
 
