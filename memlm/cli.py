@@ -23,6 +23,7 @@ from memlm.gate_command import add_train_gate_parser
 from memlm.generate_command import add_generate_parser
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
+    FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORY_OPTIONS,
     WINDOW_OPTIONS,
@@ -43,6 +44,8 @@ SERVE_MEMORY = ("segment", "mem_len", "sink_tokens")
 CLIENT_KNN_MEMORY = ("knn_mem_size", "knn_top_k")
 """The memorizing options a request carries (MemoryOptions; the layer is the server's checkpoint's)."""
 CLIENT_KNN = ("k", "lmbda", "temperature", "nprobe")
+CLIENT_FEWER = ("pointers", "min_pointers", "adaptive_threshold", "adaptive_fraction")
+"""The fewer-searches options a Score request carries (issue 15; the gate is the server's --adaptive-gate)."""
 """The kNN options a request carries (KnnRequest; exact re-rank is the server's setting)."""
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                         max_tokens_in_flight=args.max_tokens_in_flight),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
-        knn_service=knn_service,
+        knn_service=knn_service, adaptive_gate=args.adaptive_gate,
     ))
 
 
@@ -243,10 +246,15 @@ def memory_request(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_client_score(args: argparse.Namespace) -> None:
+    import dataclasses
+
     from services.lm_client import main_score
 
+    knn, fewer = knn_request(args), given(args, {n: FEWER_SEARCHES_OPTIONS[n] for n in CLIENT_FEWER})
+    if knn is None and fewer:
+        raise MemlmError("--pointers, --min-pointers and --adaptive-* need --knn")
     main_score(
-        args.address, args.text, contexts=args.prefix or None, knn=knn_request(args), top_n=args.top_n,
+        args.address, args.text, contexts=args.prefix or None, knn=knn and dataclasses.replace(knn, **fewer), top_n=args.top_n,
         window_tokens=args.context, stride_tokens=args.stride, per_token=args.per_token,
         tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
@@ -351,6 +359,7 @@ def add_serve_parser(sub: Any) -> None:
     lm.add_argument("--knn-service", default=None, metavar="HOST:PORT",
                     help="retrieval server with memory sessions (serve retrieval --memories) for --knn-backend service")
     add_link_security(lm, KNN_SERVICE, "memory service", KNN_SERVICE_ENV)
+    add_options(lm, "adaptive retrieval of Score requests (issue 15)", FEWER_SEARCHES_OPTIONS, ("adaptive_gate",))
     add_server_security(lm)
     lm.set_defaults(func=cmd_serve_lm)
     add_openai_parser(ssub)
@@ -392,6 +401,7 @@ def add_client_parser(sub: Any) -> None:
             c.add_argument("--prefix", action="append", help="text each text continues (its loglikelihood given it)")
             c.add_argument("--top-n", type=int, default=0, help="alternatives per token")
             add_options(c, "sliding windows (unset: the server's)", WINDOW_OPTIONS)
+            add_options(c, "fewer kNN-LM searches (issue 15; the server's gate)", FEWER_SEARCHES_OPTIONS, CLIENT_FEWER)
             c.add_argument("--per-token", action="store_true", help="print every token's log-probability")
             c.set_defaults(func=cmd_client_score)
         else:

@@ -21,6 +21,7 @@ from memlm.errors import MemlmError
 from memlm.retrieval.attribution import DocumentShare, DocumentSource, TokenAttribution
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
+from services.lm_client_requests import KnnRequest, MemoryRequest, SpalmRequest
 from services.security import ClientTls
 from services.server_common import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -40,83 +41,6 @@ FINISH_NAMES = {
     lm_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
     lm_pb2.FINISH_REASON_END_OF_TEXT: "eos",
 }
-
-
-@dataclass(frozen=True)
-class MemoryRequest:
-    """Segment and memory sizes for memory modes "xl", "compressive", "memorizing" and "spalm", in tokens; None fields take
-    the server's defaults."""
-
-    segment_tokens: int | None = None
-    """Segment length (Score) or prompt-encoding segment length (Generate), 1 <= it <= the context."""
-    memory_tokens: int | None = None
-    """Memory length: states per layer kept from earlier segments."""
-    sink_tokens: int | None = None
-    """The sequence's first tokens that stay attended for the whole sequence (attention sinks)."""
-    knn_mem_size: int | None = None
-    """"memorizing": kNN memory entries per (sequence, kv head), the oldest evicted beyond."""
-    knn_top_k: int | None = None
-    """"memorizing": (key, value) pairs retrieved per query token and head."""
-    compressed_memory_tokens: int | None = None
-    """"compressive": compressed-memory slots per layer."""
-    compression_rate: int | None = None
-    """"compressive": states pooled into one compressed slot."""
-
-    def to_proto(self) -> lm_pb2.MemoryOptions:
-        o = lm_pb2.MemoryOptions()
-        for name in ("segment_tokens", "memory_tokens", "sink_tokens", "knn_mem_size", "knn_top_k",
-                     "compressed_memory_tokens", "compression_rate"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(o, name, value)
-        return o
-
-
-@dataclass(frozen=True)
-class KnnRequest:
-    """kNN-LM options of one request; None fields take the server's defaults."""
-
-    lmbda: float | None = None
-    """Interpolation weight of p_kNN in [0, 1]."""
-    temperature: float | None = None
-    """Softmax temperature over negative squared distances (> 0)."""
-    k: int | None = None
-    """Neighbours per token."""
-    nprobe: int | None = None
-    """IVF lists probed per search."""
-    attribution_top_n: int = 0
-    """Documents per token to attribute its probability to (ScoredToken / TextDelta attribution), 0: none."""
-
-    def to_proto(self) -> lm_pb2.KnnOptions:
-        o = lm_pb2.KnnOptions(enabled=True, attribution_top_n=self.attribution_top_n)
-        if self.lmbda is not None:
-            o.lambda_weight = self.lmbda
-        if self.temperature is not None:
-            o.temperature = self.temperature
-        if self.k is not None:
-            o.k = self.k
-        if self.nprobe is not None:
-            o.nprobe = self.nprobe
-        return o
-
-
-@dataclass(frozen=True)
-class SpalmRequest:
-    """Memory mode "spalm"'s datastore search for one request, sent in KnnOptions with enabled false (SPALM
-    mixes the retrieved tokens by its learned gate, not by kNN-LM's lambda); None fields: the server's."""
-
-    k: int | None = None
-    """Neighbours per token (the server's default: memlm.memory.spalm.SPALM_DEFAULT_K)."""
-    nprobe: int | None = None
-    """IVF lists probed per search."""
-
-    def to_proto(self) -> lm_pb2.KnnOptions:
-        o = lm_pb2.KnnOptions(enabled=False)
-        if self.k is not None:
-            o.k = self.k
-        if self.nprobe is not None:
-            o.nprobe = self.nprobe
-        return o
 
 
 @dataclass(frozen=True)
@@ -171,6 +95,10 @@ class ScoreResult:
     """Tokens the continuation was conditioned on (boundary token + context)."""
     datastore_generations: tuple[int, ...] = ()
     """The datastore generations the call's searches were answered by (the same for every input of a call)."""
+    searches: int = 0
+    """kNN searches made for the scored tokens (0 without kNN-LM; fewer with KnnRequest's fewer searches)."""
+    searches_saved: int = 0
+    """Scored tokens without a search (issue 15)."""
 
     @property
     def base_perplexity(self) -> float:
@@ -396,7 +324,7 @@ def _score_result(r: lm_pb2.SequenceScore, generations: tuple[int, ...] = ()) ->
         for t in r.tokens
     )
     return ScoreResult(tokens, r.total_logprob, r.base_total_logprob, r.perplexity, r.is_greedy, r.context_tokens,
-                       generations)
+                       generations, r.searches, r.searches_saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,11 +357,12 @@ def main_score(
         results = client.score(texts, contexts=contexts, knn=knn, top_n=top_n, window_tokens=window_tokens,
                                stride_tokens=stride_tokens, memory_mode=memory_mode, memory=memory, spalm=spalm)
     header = f"{'#':>3} {'tokens':>7} {'logprob':>12} {'ppl':>10}"
-    header += f" {'base ppl':>10}" if knn is not None else ""
+    header += f" {'base ppl':>10} {'searches':>8} {'saved':>6}" if knn is not None else ""
     print(header + "  greedy  text", file=out)
     for i, (text, r) in enumerate(zip(texts, results)):
         line = f"{i:>3} {len(r.tokens):>7} {r.total_logprob:>12.3f} {r.perplexity:>10.3f}"
         line += f" {r.base_perplexity:>10.3f}" if knn is not None else ""
+        line += f" {r.searches:>8} {r.searches_saved:>6}" if knn is not None else ""
         preview = text if len(text) <= 40 else text[:37] + "..."
         print(f"{line}  {'yes' if r.is_greedy else 'no':<6}  {preview!r}", file=out)
         if per_token or (knn is not None and knn.attribution_top_n):

@@ -37,6 +37,14 @@ from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.attribution import MAX_ATTRIBUTION
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_args import (
+    NO_FEWER,
+    FewerSources,
+    GenerateArgs,
+    ScoreArgs,
+    refuse_fewer,
+    retrieval_of,
+)
 from services.lm_spalm import SpalmSearch, check_search, parse_spalm_search
 from services.server_common import InvalidRequest
 
@@ -127,54 +135,6 @@ class LMLimits:
         return max(1, min(self.score_batch_size, self.max_step_tokens // max(1, tokens)))
 
 
-@dataclass(frozen=True)
-class ScoreArgs:
-    """A validated ScoreRequest, as memlm.jobs.scoring takes it."""
-
-    token_seqs: list[list[int]]
-    """The continuations to score, token ids."""
-    contexts: list[list[int]]
-    """Their contexts (conditioned on, not scored), token ids; [] for none."""
-    context: int
-    """Sliding-window length in tokens (MEMORY_MODE_NONE)."""
-    stride: int
-    """Sliding-window stride in tokens (MEMORY_MODE_NONE)."""
-    knn: KNNLMConfig | None
-    """kNN-LM settings, or None for the base LM."""
-    top_n: int
-    """Alternatives returned per token."""
-    memory: MemoryConfig | None
-    """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for sliding windows."""
-    spalm: SpalmSearch | None
-    """MEMORY_MODE_SPALM's search, None in the other modes."""
-    batch_size: int
-    """Windows (sliding windows) or sequences side by side (XL) per forward step: LMLimits.step_rows."""
-    attribution: int = 0
-    """Top documents per scored token (KnnOptions.attribution_top_n), 0: none."""
-
-
-@dataclass(frozen=True)
-class GenerateArgs:
-    """A validated GenerateRequest, as memlm.jobs.generate.generate takes it."""
-
-    prompt: list[int]
-    """Prompt token ids."""
-    max_new_tokens: int
-    """1 <= tokens to generate <= LMLimits.max_new_tokens."""
-    sampling: SamplingConfig
-    """Temperature, top-k, top-p, seed."""
-    stop_sequences: list[str]
-    """Non-empty strings that end the generation."""
-    knn: KNNLMConfig | None
-    """kNN-LM settings, or None for the base LM."""
-    memory: MemoryConfig | None
-    """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for a KV cache."""
-    spalm: SpalmSearch | None
-    """MEMORY_MODE_SPALM's search, None in the other modes."""
-    attribution: int = 0
-    """Top documents per generated token (KnnOptions.attribution_top_n), 0: none."""
-
-
 _ONEOF = {"context_text": "context", "text": "continuation"}
 """The ScoreInput oneof each text field belongs to."""
 
@@ -196,7 +156,8 @@ class RequestParser:
                  knn_defaults: KNNLMConfig, knn_refusal: str | None, piece_bytes: list[int], max_response_bytes: int,
                  datastore_windows: tuple[int, int] | None = None, memorizing: bool = False,
                  spalm_missing: tuple[str, ...], attribution_refusal: str | None = None,
-                 on_engine: Callable[[MemoryConfig | None], bool] = lambda memory: True) -> None:
+                 on_engine: Callable[[MemoryConfig | None], bool] = lambda memory: True,
+                 fewer: FewerSources = NO_FEWER) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
         self._longest_piece = max(piece_bytes, default=0)
@@ -210,6 +171,7 @@ class RequestParser:
         self._on_engine = on_engine  # services.lm_engine.on_engine for the server's model: Generate attributes there
         self._spalm_missing = spalm_missing
         self._windows = datastore_windows
+        self._fewer = fewer  # the gate and successors fewer-search Score requests use (services.lm_args)
         self.default_memory = lm_pb2.MemoryOptions(
             segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
             sink_tokens=limits.sink_tokens, knn_mem_size=limits.knn_mem_size, knn_top_k=limits.knn_top_k,
@@ -415,9 +377,11 @@ class RequestParser:
             self.step_budget(step, "window_tokens")
         else:
             step = memory.segment
+        attribution = self.attribution(request, knn)
         return ScoreArgs(token_seqs=[cont for _, cont in pairs], contexts=[ctx for ctx, _ in pairs], context=window,
                          stride=stride, knn=knn, top_n=request.top_n, memory=memory, spalm=spalm,
-                         batch_size=self._limits.step_rows(step), attribution=self.attribution(request, knn))
+                         batch_size=self._limits.step_rows(step), attribution=attribution,
+                         retrieval=retrieval_of(request.knn, knn, memory, attribution, self._fewer))
 
     def _score_cost(self, pairs: list[tuple[list[int], list[int]]], window: int, stride: int,
                     memory: MemoryConfig | None, top_n: int) -> None:
@@ -451,6 +415,7 @@ class RequestParser:
                                  OUT_OF_RANGE)
 
     def generate(self, request: lm_pb2.GenerateRequest) -> GenerateArgs:
+        refuse_fewer(request.knn, "Generate with fewer searches is not served (issue 15: Score only)")
         which = request.WhichOneof("prompt")
         if which == "prompt_text":
             self.text_budget([request.prompt_text], "prompt_text")

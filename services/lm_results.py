@@ -92,9 +92,11 @@ def attribution_to_proto(a: TokenAttribution) -> lm_pb2.TokenAttribution:
         for d in a.documents])
 
 
-def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None = None) -> lm_pb2.SequenceScore:
+def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None = None, knn: bool = False
+                 ) -> lm_pb2.SequenceScore:
     """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load);
-    gates: (n,) MEMORY_MODE_SPALM's gate of each scored token, or None. With attribution, each token's."""
+    gates: (n,) MEMORY_MODE_SPALM's gate of each scored token, or None. With attribution, each token's.
+    knn: kNN-LM was on (searches and searches_saved are counted then, issue 15)."""
     tokens = []
     for j, t in enumerate(s.tokens.tolist()):
         alternatives = [
@@ -110,6 +112,7 @@ def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None =
     return lm_pb2.SequenceScore(
         tokens=tokens, total_logprob=s.total_logprob, base_total_logprob=s.base_total_logprob,
         perplexity=s.perplexity, is_greedy=s.is_greedy, context_tokens=s.context_tokens,
+        searches=s.searches if knn else 0, searches_saved=len(s.tokens) - s.searches if knn else 0,
     )
 
 

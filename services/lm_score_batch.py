@@ -63,7 +63,8 @@ class ScoreKey:
 
 def batchable(args: ScoreArgs) -> bool:
     """Calls whose memory is per sequence and made fresh (none, XL, compressive) can share a library call."""
-    return args.spalm is None and (args.memory is None or args.memory.kind in ("xl", "compressive"))
+    # Fewer searches (issue 15) run alone: the pointer walk's streams follow the call's own forward steps.
+    return args.spalm is None and args.retrieval is None and (args.memory is None or args.memory.kind in ("xl", "compressive"))
 
 
 class _Member:

@@ -4,12 +4,12 @@ The servicer is thin (STYLE.md 14): it validates a request into library argument
 the library and encodes the result. Model work runs ONE forward step at a time (services.lm_scheduler): each
 client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
 its fair share, never for all of a long call. Concurrent Score calls of one key share forward steps
-(services.lm_score_batch). Generate with MEMORY_MODE_NONE or XL (kNN-LM or not) is a request in a running
+(services.lm_score_batch). Generate with MEMORY_MODE_NONE, XL or COMPRESSIVE (kNN-LM or not) is a request in a running
 batch of the decoding engine (services.lm_engine, issue 12), which takes the model's turn like one more
 client; a cancelled call's row is free before the next step; admission is bounded (max_batch, max_queue,
 max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
-COMPRESSIVE, MEMORIZING and SPALM Generate (states the engine does not hold) run as a one-sequence
-iterator advanced one step per turn.
+MEMORIZING and SPALM Generate (states the engine does not hold) run as a one-sequence iterator advanced
+one step per turn.
 
 Bounded work (issue 9): every request's cost, and every step's, is checked before any work, and every call
 hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
@@ -21,7 +21,8 @@ kNN-LM searches the server's Searcher: a datastore in process (`--datastore`) or
 
 Memory modes: NONE (sliding windows; the engine's sliding KV cache for Generate), XL (Transformer-XL memory
 with sinks: score_tokens_segments as `memlm eval --memory xl`; the engine's XL rows for Generate),
-COMPRESSIVE (Rae et al. 2019, mean pooling: no trained compressor), MEMORIZING (Wu et al. 2022) with a
+COMPRESSIVE (Rae et al. 2019, mean pooling: no trained compressor; the engine's compressive rows for
+Generate), MEMORIZING (Wu et al. 2022) with a
 `memlm train --memory memorizing` checkpoint's KnnAttention, SPALM (Yogatama et al. 2021; services.lm_spalm)
 with a SPALM checkpoint's head and a searcher. kNN-LM combines with all but SPALM. Others: UNIMPLEMENTED.
 """
@@ -55,6 +56,7 @@ from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services import lm_results, lm_spalm
+from services.lm_args import NO_FEWER, FewerSources, server_sources
 from services.lm_engine import (
     EngineLimits,
     EnginePool,
@@ -120,7 +122,7 @@ class LanguageModelServicer:
 
     def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
              knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None,
-             knn_service: KeyValueMemoryFactory | None = None) -> None:
+             knn_service: KeyValueMemoryFactory | None = None, fewer: FewerSources = NO_FEWER) -> None:
         """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM), a KnnAttention
         (MEMORY_MODE_MEMORIZING; refused when made for other heads) and a SPALM head (MEMORY_MODE_SPALM).
         knn_service: where MEMORIZING memories live when limits.knn_backend is "service" (required then):
@@ -168,7 +170,7 @@ class LanguageModelServicer:
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
-                                     memorizing=knn_attention is not None)
+                                     memorizing=knn_attention is not None, fewer=fewer)
         response = self._parser.info_response(model=self._model_name, model_fingerprint=pretrained.fingerprint,
                                               knn_layer=knn_layer)
         if info is not None:
@@ -239,7 +241,8 @@ class LanguageModelServicer:
             return ScoreOutcome(score_tokens(
                 self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
                 boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
-                batch_size=args.batch_size, should_stop=gate, attribution=args.attribution), None, generations)
+                batch_size=args.batch_size, should_stop=gate, attribution=args.attribution,
+                retrieval=args.retrieval), None, generations)
         return ScoreOutcome(score_tokens_segments(
             self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
             boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n, batch_size=args.batch_size,
@@ -263,7 +266,7 @@ class LanguageModelServicer:
             out = await self._call_library(context, stop, running)
             gates = out.gates if out.gates is not None else [None] * len(out.scores)
             return await self.scheduler.run_free(lambda: lm_pb2.ScoreResponse(
-                results=[encode_score(s, self._pieces, g) for s, g in zip(out.scores, gates)],
+                results=[encode_score(s, self._pieces, g, args.knn is not None) for s, g in zip(out.scores, gates)],
                 datastore_generations=sorted(out.generations)))
         finally:  # cancelled, aborted or done: a step still running stops after itself
             stop.set()
@@ -382,6 +385,7 @@ async def start_lm_server(
     knn_attention: KnnAttention | None = None,
     spalm: lm_spalm.SpalmCheckpoint | None = None,
     knn_service: KeyValueMemoryFactory | None = None,
+    fewer: FewerSources = NO_FEWER,
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
@@ -398,7 +402,7 @@ async def start_lm_server(
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     try:
         # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer)
     except BaseException:
         await started.running.server.stop(None)
         raise
@@ -463,7 +467,7 @@ async def serve_lm(
     limits: LMLimits = LMLimits(),
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
-    knn_service: MemoryClient | None = None,
+    knn_service: MemoryClient | None = None, adaptive_gate: str | None = None,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
     then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls.
@@ -479,7 +483,9 @@ async def serve_lm(
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
         # A `memlm train --memory spalm` checkpoint's head serves MEMORY_MODE_SPALM (with the searcher).
         spalm = lm_spalm.saved_spalm(model, pretrained.model.device)
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service)
+        fewer = server_sources(searcher, remote=retrieval is not None, gate_dir=adaptive_gate,  # issue 15
+                               model_fingerprint=pretrained.fingerprint, key_layer=pretrained.model.config.key_description)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer)
     except BaseException:
         await started.running.server.stop(None)
         raise

@@ -59,20 +59,28 @@ class MemoryOptions(_message.Message):
     def __init__(self, segment_tokens: _Optional[int] = ..., memory_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., knn_mem_size: _Optional[int] = ..., knn_top_k: _Optional[int] = ..., compressed_memory_tokens: _Optional[int] = ..., compression_rate: _Optional[int] = ...) -> None: ...
 
 class KnnOptions(_message.Message):
-    __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe", "attribution_top_n")
+    __slots__ = ("enabled", "lambda_weight", "temperature", "k", "nprobe", "attribution_top_n", "adaptive_threshold", "adaptive_fraction", "pointers", "min_pointers")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     LAMBDA_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     NPROBE_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_TOP_N_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    POINTERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_POINTERS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     lambda_weight: float
     temperature: float
     k: int
     nprobe: int
     attribution_top_n: int
-    def __init__(self, enabled: _Optional[bool] = ..., lambda_weight: _Optional[float] = ..., temperature: _Optional[float] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., attribution_top_n: _Optional[int] = ...) -> None: ...
+    adaptive_threshold: float
+    adaptive_fraction: float
+    pointers: bool
+    min_pointers: int
+    def __init__(self, enabled: _Optional[bool] = ..., lambda_weight: _Optional[float] = ..., temperature: _Optional[float] = ..., k: _Optional[int] = ..., nprobe: _Optional[int] = ..., attribution_top_n: _Optional[int] = ..., adaptive_threshold: _Optional[float] = ..., adaptive_fraction: _Optional[float] = ..., pointers: _Optional[bool] = ..., min_pointers: _Optional[int] = ...) -> None: ...
 
 class DocumentAttribution(_message.Message):
     __slots__ = ("doc_id", "meta_json", "knn_mass", "final_share")
@@ -157,20 +165,24 @@ class TokenScore(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., base_logprob: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ..., gate: _Optional[float] = ..., attribution: _Optional[_Union[TokenAttribution, _Mapping]] = ...) -> None: ...
 
 class SequenceScore(_message.Message):
-    __slots__ = ("tokens", "total_logprob", "base_total_logprob", "perplexity", "is_greedy", "context_tokens")
+    __slots__ = ("tokens", "total_logprob", "base_total_logprob", "perplexity", "is_greedy", "context_tokens", "searches", "searches_saved")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     BASE_TOTAL_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
     IS_GREEDY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEARCHES_FIELD_NUMBER: _ClassVar[int]
+    SEARCHES_SAVED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenScore]
     total_logprob: float
     base_total_logprob: float
     perplexity: float
     is_greedy: bool
     context_tokens: int
-    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ..., total_logprob: _Optional[float] = ..., base_total_logprob: _Optional[float] = ..., perplexity: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    searches: int
+    searches_saved: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenScore, _Mapping]]] = ..., total_logprob: _Optional[float] = ..., base_total_logprob: _Optional[float] = ..., perplexity: _Optional[float] = ..., is_greedy: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., searches: _Optional[int] = ..., searches_saved: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("results", "datastore_generations")

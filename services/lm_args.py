@@ -1,0 +1,189 @@
+"""The LanguageModelService's typed call arguments (services.lm_requests parses requests into them), and the
+fewer-searches part of KnnOptions (issue 15): adaptive retrieval's threshold or fraction over the gate the
+server loaded (`memlm serve lm --adaptive-gate DIR`, memlm.retrieval.adaptive) and RetoMaton pointers over
+the datastore's successors (memlm.retrieval.pointers; through the retrieval service's Successors rpc when the
+datastore is remote), as `memlm eval --adaptive-* / --pointers --min-pointers` takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from memlm.jobs.generate import SamplingConfig
+from memlm.jobs.knnlm_pass import Retrieval
+from memlm.memory.config import MemoryConfig
+from memlm.retrieval.adaptive import (
+    AdaptiveConfig,
+    GateSettings,
+    RetrievalGate,
+    threshold_for_fraction,
+)
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig, PointerSource
+from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_spalm import SpalmSearch
+from services.server_common import InvalidRequest
+
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+
+
+@dataclass(frozen=True)
+class FewerSources:
+    """What a server holds for fewer searches (services.lm_server builds it at load)."""
+
+    gate: tuple[RetrievalGate, GateSettings] | None = None
+    """The gate of --adaptive-gate, checked against the model and the datastore; None: adaptive_* refused."""
+    pointers: Callable[[], PointerSource] | None = None
+    """The datastore's successors (made at the first call); None: pointers refused (no kNN source)."""
+
+
+NO_FEWER = FewerSources()
+"""A server without a gate or successors (the default: fewer-search requests are refused)."""
+
+
+def fewer_asked(o: lm_pb2.KnnOptions) -> bool:
+    """The request asks for fewer searches (any of the four fields set)."""
+    return o.HasField("adaptive_threshold") or o.HasField("adaptive_fraction") or o.pointers or o.HasField("min_pointers")
+
+
+def refuse_fewer(o: lm_pb2.KnnOptions, why: str) -> None:
+    """UNIMPLEMENTED naming the field when a request asks for fewer searches where they are not served."""
+    for name in ("adaptive_threshold", "adaptive_fraction", "min_pointers"):
+        if o.HasField(name):
+            raise InvalidRequest(f"knn.{name}", why, UNIMPLEMENTED)
+    if o.pointers:
+        raise InvalidRequest("knn.pointers", why, UNIMPLEMENTED)
+
+
+def retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryConfig | None, attribution: int,
+                 sources: FewerSources) -> Retrieval | None:
+    """The Retrieval a Score request's KnnOptions ask for (None: a search for every token), each refusal
+    naming its field."""
+    if not fewer_asked(o):
+        return None
+    field = "knn.pointers" if o.pointers or o.HasField("min_pointers") else "knn.adaptive_threshold"
+    if knn is None:
+        raise InvalidRequest(field, "needs knn.enabled (fewer kNN-LM searches)")
+    if memory is not None:
+        refuse_fewer(o, "fewer searches are served with MEMORY_MODE_NONE only (sliding windows)")
+    if attribution:
+        raise InvalidRequest(field, "not with knn.attribution_top_n (attribution needs every token's search)")
+    if o.HasField("min_pointers") and not o.pointers:
+        raise InvalidRequest("knn.min_pointers", "needs knn.pointers")
+    pointers = source = None
+    if o.pointers:
+        if sources.pointers is None:
+            raise InvalidRequest("knn.pointers", "this server has no datastore successors to follow", FAILED_PRECONDITION)
+        m = o.min_pointers if o.HasField("min_pointers") else PointerConfig().min_pointers
+        if m < 1:
+            raise InvalidRequest("knn.min_pointers", f"{m}, must be >= 1")
+        pointers, source = PointerConfig(min_pointers=m), sources.pointers()
+    return Retrieval(pointers, source, _adaptive(o, sources))
+
+
+def _adaptive(o: lm_pb2.KnnOptions, sources: FewerSources) -> AdaptiveConfig | None:
+    if not (o.HasField("adaptive_threshold") or o.HasField("adaptive_fraction")):
+        return None
+    if o.HasField("adaptive_threshold") and o.HasField("adaptive_fraction"):
+        raise InvalidRequest("knn.adaptive_fraction", "give adaptive_threshold or adaptive_fraction, not both")
+    field = "knn.adaptive_threshold" if o.HasField("adaptive_threshold") else "knn.adaptive_fraction"
+    if sources.gate is None:
+        raise InvalidRequest(field, "this server has no retrieval gate (memlm serve lm --adaptive-gate DIR)",
+                             FAILED_PRECONDITION)
+    gate, settings = sources.gate
+    if o.HasField("adaptive_threshold"):
+        if not 0.0 <= o.adaptive_threshold <= 1.0:
+            raise InvalidRequest(field, f"{o.adaptive_threshold}, must be in [0, 1]")
+        return AdaptiveConfig(gate, settings, float(o.adaptive_threshold))
+    if not 0.0 <= o.adaptive_fraction < 1.0:
+        raise InvalidRequest(field, f"{o.adaptive_fraction}, must be in [0, 1)")
+    return AdaptiveConfig(gate, settings, threshold_for_fraction(settings, float(o.adaptive_fraction)))
+
+
+@dataclass(frozen=True)
+class ScoreArgs:
+    """A validated ScoreRequest, as memlm.jobs.scoring takes it."""
+
+    token_seqs: list[list[int]]
+    """The continuations to score, token ids."""
+    contexts: list[list[int]]
+    """Their contexts (conditioned on, not scored), token ids; [] for none."""
+    context: int
+    """Sliding-window length in tokens (MEMORY_MODE_NONE)."""
+    stride: int
+    """Sliding-window stride in tokens (MEMORY_MODE_NONE)."""
+    knn: KNNLMConfig | None
+    """kNN-LM settings, or None for the base LM."""
+    top_n: int
+    """Alternatives returned per token."""
+    memory: MemoryConfig | None
+    """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for sliding windows."""
+    spalm: SpalmSearch | None
+    """MEMORY_MODE_SPALM's search, None in the other modes."""
+    batch_size: int
+    """Windows (sliding windows) or sequences side by side (XL) per forward step: LMLimits.step_rows."""
+    attribution: int = 0
+    """Top documents per scored token (KnnOptions.attribution_top_n), 0: none."""
+    retrieval: Retrieval | None = None
+    """Fewer searches (KnnOptions adaptive_* / pointers, issue 15): the gate and/or RetoMaton pointers;
+    None: a search for every token."""
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A validated GenerateRequest, as memlm.jobs.generate.generate takes it."""
+
+    prompt: list[int]
+    """Prompt token ids."""
+    max_new_tokens: int
+    """1 <= tokens to generate <= LMLimits.max_new_tokens."""
+    sampling: SamplingConfig
+    """Temperature, top-k, top-p, seed."""
+    stop_sequences: list[str]
+    """Non-empty strings that end the generation."""
+    knn: KNNLMConfig | None
+    """kNN-LM settings, or None for the base LM."""
+    memory: MemoryConfig | None
+    """MEMORY_MODE_XL / COMPRESSIVE / MEMORIZING / SPALM memory (its segment included), or None for a KV cache."""
+    spalm: SpalmSearch | None
+    """MEMORY_MODE_SPALM's search, None in the other modes."""
+    attribution: int = 0
+    """Top documents per generated token (KnnOptions.attribution_top_n), 0: none."""
+
+
+def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_fingerprint: str,
+                   key_layer: str) -> FewerSources:
+    """`memlm serve lm`'s FewerSources: the gate of --adaptive-gate (refused in one line when fitted for
+    another model, key layer or datastore) and the pointers of its searcher: a local datastore.Datastore's
+    successors, values and keys (exact pointer distances), or a RetrievalClient's Successors rpc (remote:
+    no keys, pointers carry their predecessor's distance); made at the first request that asks."""
+    from functools import cache
+    from pathlib import Path
+
+    from memlm.errors import MemlmError
+    from memlm.retrieval.adaptive import load_gate
+    from memlm.retrieval.pointers import successors
+
+    gate = None
+    if gate_dir is not None:
+        gate = load_gate(Path(gate_dir))
+        settings = gate[1]
+        if settings.model_fingerprint != model_fingerprint or settings.key_layer != key_layer:
+            raise MemlmError(f"--adaptive-gate {gate_dir} was fitted for another model or key layer ({settings.key_layer})")
+        if searcher is None or settings.datastore_corpus_fingerprint != searcher.info().corpus_fingerprint:
+            raise MemlmError(f"--adaptive-gate {gate_dir} was fitted with another datastore (or none is served)")
+    if searcher is None:
+        return FewerSources(gate, None)
+
+    @cache
+    def pointers() -> PointerSource:
+        if remote:
+            return PointerSource(searcher, None)
+        return PointerSource.local(successors(searcher.provenance, len(searcher)).next_ids, searcher.values,
+                                   searcher.keys)
+
+    return FewerSources(gate, pointers)
