@@ -1,6 +1,6 @@
 """The LM server's Generate on the decoding engine (issue 12 part 3): one running batch per setting.
 
-Every Generate call with MEMORY_MODE_NONE or MEMORY_MODE_XL (with or without kNN-LM) is a request in a
+Every Generate call with MEMORY_MODE_NONE, XL or COMPRESSIVE (with or without kNN-LM) is a request in a
 running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or
 pass their deadline, and every step decodes all of them in one forward pass (with kNN-LM: one batched
 search for every ready kNN-LM row, each with its own k, lambda and temperature, memlm.engine.sampling).
@@ -45,6 +45,7 @@ import numpy as np
 
 from memlm.engine.engine import Engine
 from memlm.engine.requests import (
+    ENGINE_MEMORY_KINDS,
     EngineConfig,
     EngineFull,
     Event,
@@ -88,9 +89,8 @@ FINISH_REASONS = {
     FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
 }
 """How a generation that ran to its end finished, on the wire (cancelled / deadline ends are statuses)."""
-ENGINE_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL)
-"""Generate's memory modes on the engine (its states: a plain KV cache, XL rows with sinks), GetInfo's
-engine_memory_modes; compressive, memorizing and SPALM states live on the one-sequence path."""
+ENGINE_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE)
+"""Generate's modes on the engine (memlm.engine.requests.ENGINE_MEMORY_KINDS), GetInfo's engine_memory_modes."""
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata key of a RESOURCE_EXHAUSTED Generate: milliseconds after which a retry is likely admitted."""
 
@@ -101,7 +101,7 @@ class LaneKey:
     themselves are per request)."""
 
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL's sizes (kind "xl"), None for MEMORY_MODE_NONE (a plain KV cache)."""
+    """MEMORY_MODE_XL's or COMPRESSIVE's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
     searches: bool
     """kNN-LM rows batch apart from base rows: a step waits for its search, so a slow or hung retrieval
     service then holds only calls that asked for it (issue 9.2), never base-LM generations."""
@@ -389,7 +389,7 @@ def engine_modes(model: object) -> tuple[int, ...]:
 
 def on_engine(model: object, memory: MemoryConfig | None) -> bool:
     """Whether a Generate of this memory runs on the engine (engine_modes)."""
-    return isinstance(model, Decoder) and (memory is None or memory.kind == "xl")
+    return isinstance(model, Decoder) and (memory is None or memory.kind in ENGINE_MEMORY_KINDS)
 
 
 def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingConfig, stop_sequences: list[str],

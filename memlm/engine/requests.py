@@ -28,6 +28,9 @@ FINISH_CANCELLED = "cancelled"
 """GenerationEnd.reason of a request cancelled by its caller (its slot is freed before the next step)."""
 FINISH_DEADLINE = "deadline"
 """GenerationEnd.reason of a request still running when its timeout passed."""
+ENGINE_MEMORY_KINDS = ("none", "xl", "compressive")
+"""The memories (MemoryConfig.kind) whose per-row states the engine holds; the others (memorizing, SPALM) run
+on memlm.jobs.generate's one-sequence path."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,8 @@ class EngineConfig:
             raise MemlmError("max_batch, prefill_chunk and max_tokens_in_flight must be >= 1, max_queue >= 0")
         if self.row_capacity is not None and self.row_capacity < 2:
             raise MemlmError(f"row_capacity must be >= 2, got {self.row_capacity}")
-        if self.memory is not None and self.memory.kind not in ("none", "xl", "compressive"):
-            raise MemlmError(f"the engine serves --memory none, xl or compressive, not {self.memory.kind}")
+        if self.memory is not None and self.memory.kind not in ENGINE_MEMORY_KINDS:
+            raise MemlmError(f"the engine serves --memory {', '.join(ENGINE_MEMORY_KINDS)}, not {self.memory.kind}")
         if self.memory is not None and self.memory.kind == "compressive" and self.memory.compress_fn not in POOLS:
             raise MemlmError(f"the engine compresses by pooling ({', '.join(POOLS)}), not {self.memory.compress_fn}")
 

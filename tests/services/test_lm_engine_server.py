@@ -93,6 +93,25 @@ def test_concurrent_generations_share_steps_and_each_equals_itself_alone(tiny, m
     assert steps < generated / 2, (steps, generated)  # the calls shared forward steps
 
 
+def test_compressive_generations_run_on_the_engine_and_each_equals_itself_alone(tiny, module_loop):
+    """MEMORY_MODE_COMPRESSIVE Generate is a row of a compressive engine batch (memlm.engine.compression);
+    concurrent calls share its steps and each yields its tokens alone (the library: test_lm_server_compressive)."""
+    address, servicer = start(module_loop, tiny, max_batch=4)
+    compressive = {"memory_mode": lm_pb2.MEMORY_MODE_COMPRESSIVE,
+                   "memory": lm_pb2.MemoryOptions(segment_tokens=8, memory_tokens=8, sink_tokens=2,
+                                                  compressed_memory_tokens=4, compression_rate=2)}
+    seeded = lm_pb2.SamplingOptions(temperature=0.9, top_k=40, seed=3)
+    requests = [request(ids(6 + 11 * i, salt=i), 40 + 5 * i, seeded if i % 2 else None, **compressive) for i in range(4)]
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        alone = [list(stub.Generate(r, timeout=60)) for r in requests]
+        together = run_concurrently(stub, requests)
+    for a, t in zip(alone, together):
+        assert [tok for tok, _ in tokens(t)] == [tok for tok, _ in tokens(a)] and len(tokens(a)) > 30
+    (lane,) = servicer.engines.lanes()
+    assert lane.key.memory.kind == "compressive" and lane.engine.cache.layout.cmem == 4
+
+
 def test_a_cancelled_call_frees_its_row_at_once_and_a_full_server_says_when_to_retry(tiny, module_loop):
     address, servicer = start(module_loop, tiny, max_batch=1, max_queue=1)
     with grpc.insecure_channel(address) as channel:
@@ -127,7 +146,8 @@ def test_tokens_in_flight_bound_and_get_info(tiny, module_loop):
         stub = lm_grpc.LanguageModelServiceStub(channel)
         info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
         assert (info.max_batch, info.max_queue, info.max_tokens_in_flight) == (3, 5, 300)
-        assert list(info.engine_memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL]
+        assert list(info.engine_memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL,
+                                                  lm_pb2.MEMORY_MODE_COMPRESSIVE]
         quick = tiny.tokenizer.encode("The quick")  # no end-of-text for thousands of greedy tokens
         running = stub.Generate(request(quick, 250), timeout=60)  # 1 + len(quick) + 250 tokens in flight
         assert next(running).HasField("delta")

@@ -52,5 +52,7 @@ def test_generate_compressive_equals_the_library(tiny, servers):
         with LanguageModelClient(servers["plain"], timeout=60) as c:
             got = list(c.generate(prompt, max_new_tokens=20, temperature=sampling.temperature, top_k=sampling.top_k,
                                   seed=sampling.seed, memory_mode="compressive", memory=SIZES))
-        assert [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids] == want
+        pairs = [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids]
+        assert [t for t, _ in pairs] == [t for t, _ in want]  # served by the engine's compressive rows (issue 12)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(pairs, want)) < 1e-4  # float32 rounding of the cache path
         assert got[-1].completion_tokens == len(want)
