@@ -35,7 +35,10 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs: list[tuple[str, dict]] = [("plain", {})]
     runs += [("adaptive", {"fraction": f}) for f in args.fractions]
     runs += [("pointers", {"min_pointers": m}) for m in args.min_pointers]
-    runs += [("both", {"min_pointers": m, "fraction": f}) for m in args.both_min_pointers for f in args.both_fractions]
+    runs += [("pointers_kept", {"min_pointers": m, "keep": True}) for m in args.kept_min_pointers]
+    keep = {"keep": True} if args.both_keep else {}
+    runs += [("both", {"min_pointers": m, "fraction": f, **keep}) for m in args.both_min_pointers
+             for f in args.both_fractions]
     return runs
 
 
@@ -48,7 +51,7 @@ def retrieval_for(method: str, params: dict, source, gate, gate_settings):
     if "fraction" in params:
         adaptive = AdaptiveConfig(gate, gate_settings, threshold_for_fraction(gate_settings, params["fraction"]))
     if "min_pointers" in params:
-        pointers = PointerConfig(min_pointers=params["min_pointers"])
+        pointers = PointerConfig(min_pointers=params["min_pointers"], keep_pointers=params.get("keep", False))
     return Retrieval(pointers, source if pointers else None, adaptive)
 
 
@@ -64,7 +67,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     p.add_argument("--min-pointers", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64])
+    p.add_argument("--kept-min-pointers", type=int, nargs="*", default=[1, 4, 16, 64],
+                   help="RetoMaton with the pointers kept beside each fresh search (retomaton.py's union)")
     p.add_argument("--both-min-pointers", type=int, nargs="*", default=[4, 16])
+    p.add_argument("--both-keep", action="store_true", help="'both' keeps the pointers beside each search too")
+    p.add_argument("--gate-use-key", action="store_true", help="the gate reads the kNN key too (He et al.'s ctxt)")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
     p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
     return p.parse_args()
@@ -120,7 +127,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     gate, gate_settings = train_gate(model, tune_docs, [], store, window, KNNLMConfig(k=args.k, lmbda=None,
-                                     temperature=None), boundary, GateConfig(), model_fingerprint=bench.pre.fingerprint,
+                                     temperature=None), boundary, GateConfig(use_key=args.gate_use_key), model_fingerprint=bench.pre.fingerprint,
                                      tune_data=f"{args.data} {args.tune_split}", progress=False)
     knn = KNNLMConfig(k=args.k, lmbda=gate_settings.lmbda, temperature=gate_settings.temperature)
     print(f"# tuned lambda {knn.lmbda:g}, T {knn.temperature:g} and fitted the gate on {gate_settings.tokens} tuning "
@@ -142,7 +149,7 @@ def main() -> None:
                "wall_seconds": forward + pass_seconds, **{k: r[k] for k in KEYS if k in r}}
         rows.append(row)
         plain = rows[0]
-        print(f"{method:>9} {json.dumps(params):<36} ppl {r['knnlm_perplexity']:8.3f} "
+        print(f"{method:>13} {json.dumps(params):<48} ppl {r['knnlm_perplexity']:8.3f} "
               f"({r['knnlm_perplexity'] / plain['knnlm_perplexity'] - 1:+6.2%})  saved {r['searches_saved_fraction']:6.1%}"
               f"  pass {pass_seconds:6.1f} s ({pass_seconds / plain['pass_seconds']:.2f}x plain)  wall "
               f"{row['wall_seconds']:6.1f} s ({row['wall_seconds'] / plain['wall_seconds']:.2f}x)", flush=True)
@@ -171,10 +178,11 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, marker in (("adaptive", "o"), ("pointers", "s"), ("both", "^")):
+    for method, marker in (("adaptive", "o"), ("pointers", "s"), ("pointers_kept", "D"), ("both", "^")):
         pts = sorted((r for r in rows if r["method"] in ("plain", method)), key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
-        label = {"pointers": "RetoMaton pointers", "both": "both"}.get(method, "adaptive retrieval")
+        label = {"pointers": "RetoMaton pointers", "pointers_kept": "RetoMaton, pointers kept beside searches",
+                 "both": "adaptive + RetoMaton"}.get(method, "adaptive retrieval")
         a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=marker, label=label)
         b.plot(x, [r["wall_ratio"] for r in pts], marker=marker, label=label)
     plain = rows[0]

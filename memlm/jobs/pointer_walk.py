@@ -25,6 +25,7 @@ from memlm.retrieval.pointers import (
     follow,
     merge_rows,
     needs_search,
+    union_candidates,
 )
 from memlm.retrieval.searcher import Neighbors, Searcher, SearchOptions
 
@@ -78,9 +79,9 @@ def walk(
     walking is parked, all of them are searched in one call. PointerConfig.streams walk at once, a stream
     that ends is replaced by the next, and while fewer than that wait for a call more are started, so that
     calls hold PointerConfig.streams queries until the group's last streams."""
-    q = xq.shape[0]
-    kept = Neighbors(np.full((q, k), np.inf, np.float32), np.full((q, k), -1, np.int64),
-                     np.full((q, k), -1, np.int32)) if collect else None  # (Q, k)
+    q, width = xq.shape[0], 2 * k if config.keep_pointers else k  # kept pointers: up to k beside the k nearest
+    kept = Neighbors(np.full((q, width), np.inf, np.float32), np.full((q, width), -1, np.int64),
+                     np.full((q, width), -1, np.int32)) if collect else None  # (Q, width)
     out = Walked(torch.full((q,), NEG_INF), np.zeros(q, bool), np.zeros(q, bool), 0, kept)
     index = streams_of(docs, stream_tokens or config.stream_length(q))  # (S, L)
     first = _walk_streams(index, xq, targets, searcher, k, options, temperature, config, source, allowed,
@@ -118,7 +119,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
                   options: SearchOptions, temperature: float, config: PointerConfig, source: PointerSource,
                   allowed: np.ndarray | None, search_timer: AbstractContextManager, out: Walked) -> int:
     """Walk the streams `block` (S, L), writing into `out`; returns the searches made at a stream's first token."""
-    b = _Block(block, k)
+    b = _Block(block, 2 * k if config.keep_pointers else k)
     first = admitted = 0
     while True:
         unfinished = b.step < b.lengths  # (S,)
@@ -137,6 +138,9 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
             tok = b.block[rows, b.step[rows]]  # (r,)
             with search_timer:
                 found = searcher.search(xq[tok], k, options)  # (r, k)
+            if config.keep_pointers:  # the pointers that were too few, beside the fresh search
+                found = union_candidates(found, b.rows(rows))  # (r, k + w)
+                found = Neighbors(*(a[:, : b.ids.shape[1]] for a in found))  # (r, <= 2k) the nearest kept
             b.store(rows, found)
             _keep(out.neighbors, tok, found)
             out.knn_logprob[torch.from_numpy(tok)] = knn_target_logprob(found, targets[tok], temperature)

@@ -92,10 +92,15 @@ class PointerConfig:
     """Most tokens walked per stream. Streams (runs of one document, cut at `stream_length`) are walked
     together so that searches are batched (memlm.jobs.pointer_walk); each stream's first token is searched
     (at most 1/MIN_STREAM_TOKENS of the tokens, reported as stream_searches)."""
+    keep_pointers: bool = False
+    """Also keep a searched token's surviving pointers beside its k nearest (retomaton.py concatenates them
+    to the fresh search; Alon et al. 2022): more candidates, so a minimum above k is no longer plain kNN-LM
+    exactly (hence off by default)."""
     streams: int = 256
     """Streams walked together: a search call holds every one of them waiting for a search, up to this many
-    (FAISS's Flat search of k = 1024 costs about 15 ms a query below ~220 queries of d = 576 a call, where it
-    leaves BLAS, and about 2 ms above: measured on the SOTU datastore, faiss 1.15, one thread)."""
+    (a Flat search call reads every key once, ~85 ms on the 81,169-key SOTU index at d 576, one thread, plus
+    ~4 ms a query with BLAS, which datastore.index.BLAS_MIN_QUERIES turns on from 4 queries: the fixed
+    part is amortised only over many queries a call)."""
 
     @property
     def group_tokens(self) -> int:
@@ -235,3 +240,22 @@ def _pad(a: np.ndarray, width: int, fill: float) -> np.ndarray:
     out = np.full((a.shape[0], width), fill, dtype=a.dtype)  # (S, width)
     out[:, : a.shape[1]] = a
     return out
+
+
+def union_candidates(searched: Neighbors, pointed: Neighbors) -> Neighbors:
+    """Each row's searched neighbours (S, k) and pointer candidates (S, w) together, nearest first, a pointer
+    already among the searched dropped (its searched copy kept): (S, k + w), padded with missing entries."""
+    ids = np.concatenate([searched.ids, pointed.ids], axis=1)  # (S, k + w)
+    dist = np.concatenate([searched.distances, pointed.distances], axis=1)
+    vals = np.concatenate([searched.values, pointed.values], axis=1)
+    by_id = np.argsort(ids, axis=1, kind="stable")  # equal ids: the searched one first
+    sorted_ids = np.take_along_axis(ids, by_id, axis=1)
+    again = np.zeros(ids.shape, dtype=bool)
+    again[:, 1:] = (sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)
+    dup = np.zeros(ids.shape, dtype=bool)
+    np.put_along_axis(dup, by_id, again, axis=1)  # (S, k + w) a later copy of an id in its row
+    missing = dup | (ids < 0)
+    ids, dist, vals = np.where(missing, -1, ids), np.where(missing, np.inf, dist).astype(np.float32), np.where(missing, -1, vals)
+    order = np.argsort(dist, axis=1, kind="stable")  # nearest first, missing last
+    return Neighbors(np.take_along_axis(dist, order, axis=1), np.take_along_axis(ids, order, axis=1),
+                     np.take_along_axis(vals, order, axis=1).astype(np.int32))

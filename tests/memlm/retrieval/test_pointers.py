@@ -168,3 +168,31 @@ def test_a_minimum_above_k_is_plain_knnlm_exactly(model, docs):
                             retrieval=Retrieval(PointerConfig(min_pointers=1), source))
     assert saving["searches"] + saving["searches_saved"] == saving["tokens"] and saving["searches_saved"] > 0
     assert saving["pointer_tokens"] == saving["searches_saved"] and saving["base_perplexity"] == plain["base_perplexity"]
+
+
+def test_kept_pointers_join_the_fresh_search_once_each():
+    from memlm.retrieval.pointers import union_candidates
+
+    searched = Neighbors(np.array([[1.0, 2.0, 3.0]], np.float32), np.array([[5, 7, 9]]), np.array([[1, 2, 3]], np.int32))
+    pointed = Neighbors(np.array([[0.5, 2.5, np.inf]], np.float32), np.array([[7, 4, -1]]), np.array([[2, 8, -1]], np.int32))
+    got = union_candidates(searched, pointed)
+    assert got.ids[0].tolist() == [5, 7, 4, 9, -1, -1]  # 7 once (its searched distance 2.0), nearest first
+    assert got.distances[0][:4].tolist() == [1.0, 2.0, 2.5, 3.0] and got.values[0][:4].tolist() == [1, 2, 8, 3]
+
+
+def test_keep_pointers_adds_candidates_to_searched_tokens(model, docs):
+    keys, values, d, p = entries(model, docs)
+    source = PointerSource.local(successors(lookup_of(d, p), len(values)).next_ids, values, keys.numpy())
+    xq, targets = keys.float().numpy(), values.astype(np.int64)
+    exact = TorchExactSearcher(keys, values)
+    runs = {}
+    for keep in (False, True):
+        config = PointerConfig(min_pointers=4, stream_tokens=20, streams=3, keep_pointers=keep)
+        runs[keep] = walk(xq, targets, d, RowWiseSearcher(exact), 6, SearchOptions(), 2.0, config, source, None,
+                          torch.no_grad(), collect=True)
+    plain, kept = runs[False], runs[True]
+    rows = np.flatnonzero(kept.searched & plain.searched)  # (kept pointers can make later searches fewer)
+    more = (kept.neighbors.ids[rows] >= 0).sum(1) - (plain.neighbors.ids[rows] >= 0).sum(1)
+    assert (more >= 0).all() and more.sum() > 0
+    for r in rows:  # the k nearest are all still there
+        assert set(plain.neighbors.ids[r][plain.neighbors.ids[r] >= 0]) <= set(kept.neighbors.ids[r].tolist())
