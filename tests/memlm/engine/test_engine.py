@@ -238,7 +238,7 @@ def test_engine_thread_serves_concurrent_callers(model) -> None:
 
 
 def test_refusals(model) -> None:
-    with pytest.raises(MemlmError, match="memory none, xl or compressive"):
+    with pytest.raises(MemlmError, match="memory none, xl, compressive, not spalm"):
         EngineConfig(memory=MemoryConfig(kind="spalm"))
     with pytest.raises(MemlmError, match="max_new_tokens"):
         request("x", 0)
