@@ -52,3 +52,32 @@ class RowWiseSearcher:
         self.sizes.append(xq.shape[0])
         parts = [self.exact.search(xq[i : i + 1], k) for i in range(xq.shape[0])]
         return Neighbors(*(np.concatenate([p[f] for p in parts]) for f in range(3)))
+
+
+def own_text_datastore(model, documents: list[list[int]]):
+    """A datastore of `documents` (token ids, each starting with its boundary token) under `model`, for
+    speculative decoding: (TorchExactSearcher over the keys, memlm.engine.drafts.DraftSource of its
+    successors). Entry i of a document is (key at input index i, token i + 1) at position i + 1, as the
+    builder writes them (memlm.retrieval.searcher.Provenance)."""
+    import numpy as np
+
+    from memlm.engine.drafts import DraftSource
+    from memlm.retrieval.exact import TorchExactSearcher
+    from memlm.retrieval.pointers import successors
+    from memlm.retrieval.searcher import Provenance
+
+    keys, values, docs, positions = [], [], [], []
+    with torch.inference_mode():
+        for d, ids in enumerate(documents):
+            keys.append(model(torch.tensor([ids[:-1]])).knn_key[0].float())  # (n, C)
+            values += ids[1:]
+            docs += [d] * (len(ids) - 1)
+            positions += range(1, len(ids))
+    values_np = np.array(values, dtype=np.int32)
+    docs_np, pos_np = np.array(docs, dtype=np.int32), np.array(positions, dtype=np.int32)
+
+    def lookup(ids):
+        return Provenance(docs_np[ids], pos_np[ids])
+
+    return (TorchExactSearcher(torch.cat(keys), values_np),
+            DraftSource(successors(lookup, len(values)).next_ids, values_np))

@@ -39,7 +39,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from memlm.engine import speculative
 from memlm.engine.compression import compress_due
+from memlm.engine.drafts import DraftSource
 from memlm.engine.kv_cache import (
     CacheLayout,
     PackedGroup,
@@ -99,8 +101,9 @@ class Engine:
     """The running batch of one model. submit() from any thread; step() from one thread at a time."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 searcher: Searcher | None = None) -> None:
-        """config None: EngineConfig's defaults. searcher: the datastore of the requests with kNN-LM."""
+                 searcher: Searcher | None = None, drafts: DraftSource | None = None) -> None:
+        """config None: EngineConfig's defaults. searcher: the datastore of the requests with kNN-LM.
+        drafts: that datastore's successors and values, for speculative requests (memlm.engine.drafts)."""
         config = config or EngineConfig()
         xl = config.xl
         if config.row_capacity is not None and config.row_capacity > model.config.max_seq_len:
@@ -112,6 +115,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.searcher = searcher
+        self.drafts = drafts
         self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
         self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
         self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
@@ -142,6 +146,8 @@ class Engine:
                 _as_stop(s)
             if request.knn is not None and self.searcher is None:
                 raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
+            if request.speculative is not None:
+                speculative.check_request(self)
         with self._lock:
             free = self.config.max_batch - len(self._rows)
             if len(self._waiting) >= self.config.max_queue + free:
@@ -251,16 +257,19 @@ class Engine:
         touched = {row.slot for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
                     if s not in touched and isinstance(r, Row) and r.to_feed == 1]
+        verifying = [r for r, _ in decoding if r.handle.request.speculative is not None]
+        decoding = [(r, n) for r, n in decoding if r.handle.request.speculative is None]
+        ready: list[Row] = []
         if prefilling and decoding:
             logits, keys, ready = self._run_packed(prefilling, decoding)  # (B, V), (B, C)
         elif prefilling or decoding:
             logits, keys, done = self._run(prefilling or decoding)  # (B, V), (B, C)
             index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
             ready, logits, keys = [(prefilling or decoding)[i][0] for i in index], logits[index], keys[index]
-        else:
-            return
         if ready:
             self._choose(ready, logits, keys)
+        if verifying:  # a pass of their own (memlm.engine.speculative), after _choose's releases
+            speculative.verify(self, sorted(verifying, key=lambda r: r.slot))
 
     def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
         """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
@@ -276,14 +285,19 @@ class Engine:
                         row.handle.put(e)
                         self._release(row)
                 keep = [i for i, c in enumerate(knn) if c is None]
-                ready, logits = [ready[i] for i in keep], logits[keep]
+                ready, logits, keys = [ready[i] for i in keep], logits[keep], keys[keep]
                 knn = neighbors = [None] * len(keep)
         if not ready:
             return
         choices = choose_tokens(logits, [r.handle.request.sampling for r in ready], [r.generator for r in ready],
                                 self.decodable, knn, neighbors)
-        for row, token, lp, base in zip(ready, *choices):
+        for row, c, token, lp, base in zip(ready, knn, *choices):
+            row.searches += c is not None
             self._advance(row, token, lp, base)
+        drafting = [i for i, r in enumerate(ready) if r.handle.request.speculative is not None]
+        if drafting:  # the first generated token of speculative rows: their first draft
+            speculative.draft_first(self, [ready[i] for i in drafting], [neighbors[i] for i in drafting],
+                                    keys[drafting])
 
     def _prefill_plan(self) -> list[tuple[Row, int]]:
         """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""
@@ -323,15 +337,16 @@ class Engine:
     def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
-        Returns the last position's logits (B, V) (every_position: all of them, (B, T, V)) and kNN keys
-        (B, C) and, per row, whether it has fed everything it had (its logits are the next token's)."""
+        Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all of them, (B, T, V)
+        and (B, T, C)) and, per row, whether it has fed everything it had (its logits are the next token's)."""
         idx, view = self._inputs(plan)
         T = idx.shape[1]
         out = self.model(idx.to(self.model.device), state=view, logits_from=0 if every_position else T - 1)
         for row, n in plan:
             row.fed += n
         logits = out.logits if every_position else out.logits[:, -1]  # (B, T, V) or (B, V)
-        return logits, out.knn_key[:, -1], [row.to_feed == 0 for row, _ in plan]  # (B, C)
+        keys = out.knn_key if every_position else out.knn_key[:, -1]  # (B, T, C) or (B, C)
+        return logits, keys, [row.to_feed == 0 for row, _ in plan]
 
     def _run_packed(self, prefilling: list[tuple[Row, int]], decoding: list[tuple[Row, int]],
                     ) -> tuple[torch.Tensor, torch.Tensor, list[Row]]:
@@ -402,7 +417,9 @@ class Engine:
             self._release(row)
             return
         tail = _flush(self.tokenizer, row.generated, row.emitted)
-        row.handle.put(_end_event(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence))
+        mean_accepted = row.verified_tokens / row.verify_steps if row.verify_steps else None
+        row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
+                                     row.searches, mean_accepted))
         self._release(row)
 
     def _release(self, row: Row | ScoreRow) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from memlm.engine.compression import POOLS
+from memlm.engine.drafts import SpeculativeConfig
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.jobs.scoring import SequenceScore
@@ -92,6 +93,9 @@ class GenerationRequest:
     knn: KNNLMConfig | None = None
     """kNN-LM mixture over the engine's Searcher (its k, lambda and temperature; requests with different
     settings share one search per step, of the largest k); None: the base LM."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding with drafts from the engine's datastore (memlm.engine.speculative: the same
+    tokens greedy, the same distribution sampled); None: one token per step."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -64,6 +64,15 @@ class Row:
     """Length of the text already searched for stop strings."""
     compressed: int = 0
     """Compressive rows: groups compressed so far (memlm.engine.compression)."""
+    searches: int = 0
+    """kNN searches made for this row, in queries (kNN-LM: one per chosen token; speculative: one per
+    fed position, or one per step to draft from when the target is the base LM)."""
+    draft: tuple[int, ...] = ()
+    """Speculative rows: the draft to verify after the last generated token (memlm.engine.drafts)."""
+    verify_steps: int = 0
+    """Speculative rows: decode steps that verified a draft (each yields >= 1 token)."""
+    verified_tokens: int = 0
+    """Speculative rows: tokens those steps yielded (accepted draft tokens + the model's own)."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None, layout: CacheLayout,

@@ -113,6 +113,11 @@ class GenerationEnd:
     """Generated tokens (an end-of-text token is not emitted and not counted)."""
     stop_sequence: str
     """The stop sequence that matched (token-id stop sequences as their decoded text); "" otherwise."""
+    searches: int = 0
+    """kNN searches made for this generation, in queries (the decoding engine counts them; issue 15 part 4)."""
+    mean_accepted_tokens: float | None = None
+    """Speculative decoding: tokens per verifying forward pass (accepted draft tokens + the model's own, so
+    >= 1); None without speculative decoding."""
 
 
 class _Opened(NamedTuple):

@@ -1,0 +1,103 @@
+"""Draft continuations from the datastore for speculative decoding (REST, He et al. 2023, "REST:
+Retrieval-Based Speculative Decoding"), issue 15 part 3.
+
+What is drafted: after a row's token y was chosen at a position whose query key had the neighbours N
+(the kNN-LM search of that position, or a search made only to draft when the target is the base LM), the
+neighbours whose stored value is y are places in the corpus where the same context went on with y. Each
+one's successor entry (memlm.retrieval.pointers.successors: the same document at position + 1; a
+document's end has none, so a draft never crosses a document boundary) stores the token that followed y
+there, its successor the next one, and so on: every matching neighbour spells one draft chain of up to
+`draft_tokens` tokens. The chains are the candidate drafts; the engine verifies one per row per step,
+the best-first path through their prefix tree: at each depth the token most chains agree on (ties: the
+chain of the nearest neighbour), following only the chains that agree so far (REST's trie, walked
+greedily). Why: REST drafts from a datastore of text instead of a small draft model, and a kNN-LM
+engine already has the datastore and the neighbours of the current position, so a draft costs a few
+array lookups; whether a draft is right is decided only by verification (memlm.engine.speculative),
+so any draft keeps the output exact.
+
+Shape legend: k neighbours, m matching neighbours (chains), L draft length, N datastore entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memlm.errors import MemlmError
+from memlm.retrieval.searcher import Neighbors
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding from the datastore (`memlm generate --speculative [--draft-tokens N]`)."""
+
+    draft_tokens: int = 4
+    """Most draft tokens verified per row per step (the forward pass feeds 1 + this many tokens, and a
+    kNN-LM row searches every one of them)."""
+    draft_k: int = 64
+    """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
+    the neighbours of its own search, its k)."""
+
+    def __post_init__(self) -> None:
+        if self.draft_tokens < 1:
+            raise MemlmError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
+        if self.draft_k < 1:
+            raise MemlmError(f"draft_k must be at least 1, got {self.draft_k}")
+
+
+@dataclass(frozen=True)
+class DraftSource:
+    """What drafting reads from the datastore besides searches (the command line fills it in from
+    datastore.Datastore: successors(store.provenance, n).next_ids and store.values)."""
+
+    next_ids: np.ndarray
+    """(N,) int64 successor of every entry, -1 at a document's end (memlm.retrieval.pointers.Successors)."""
+    values: np.ndarray
+    """(N,) int32 stored next token of every entry."""
+
+    def __post_init__(self) -> None:
+        n = self.next_ids.shape[0]
+        if self.next_ids.ndim != 1 or self.values.shape != (n,):
+            raise MemlmError(f"a draft source needs next_ids (N,) and values (N,), got {self.next_ids.shape} "
+                             f"and {self.values.shape}")
+
+
+def draft_chains(neighbors: Neighbors, chosen: int, source: DraftSource, length: int) -> np.ndarray:
+    """The candidate drafts after `chosen`: (m, L) int64 token chains, nearest neighbour first, -1 after a
+    chain's end. neighbors: (1, k) of the position that predicted `chosen`."""
+    ids, values = neighbors.ids[0], neighbors.values[0]  # (k,), (k,)
+    matching = ids[(ids >= 0) & (values == chosen)]  # (m,) in distance order
+    cur = source.next_ids[matching]  # (m,) the entries whose values come after `chosen`
+    cur = cur[cur >= 0]
+    chains = np.full((cur.shape[0], length), -1, dtype=np.int64)  # (m, L)
+    for step in range(length):
+        alive = cur >= 0  # (m,)
+        if not alive.any():
+            break
+        chains[alive, step] = source.values[cur[alive]]
+        cur = np.where(alive, source.next_ids[np.maximum(cur, 0)], -1)  # (m,)
+    return chains
+
+
+def best_draft(chains: np.ndarray) -> tuple[int, ...]:
+    """The best-first path through the chains' prefix tree (module docstring): at each depth the token
+    most of the still-agreeing chains have (ties: the one of the nearest chain), until none goes on."""
+    draft: list[int] = []
+    rows = np.arange(chains.shape[0])  # (m',) chains agreeing with the draft so far, nearest first
+    for step in range(chains.shape[1]):
+        tokens = chains[rows, step]  # (m',)
+        rows, tokens = rows[tokens >= 0], tokens[tokens >= 0]
+        if rows.size == 0:
+            break
+        uniq, first, counts = np.unique(tokens, return_index=True, return_counts=True)
+        best = np.lexsort((first, -counts))[0]  # most chains, then the nearest one's token
+        draft.append(int(uniq[best]))
+        rows = rows[tokens == uniq[best]]
+    return tuple(draft)
+
+
+def draft_after(neighbors: Neighbors, chosen: int, source: DraftSource, length: int) -> tuple[int, ...]:
+    """The draft the engine verifies after `chosen` (at most `length` tokens; () when no neighbour of
+    value `chosen` has a successor)."""
+    return best_draft(draft_chains(neighbors, chosen, source, length))

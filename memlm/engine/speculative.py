@@ -1,0 +1,211 @@
+"""Speculative decoding from the datastore inside continuous batching (issue 15 part 3; REST, He et al.
+2023, drafts from memlm.engine.drafts).
+
+A speculative row whose last token x_t is not yet fed feeds [x_t, d_1 .. d_n] (its draft, n <= draft_tokens)
+in one forward pass with logits at every position; every speculative row of the step shares that pass
+(left-padded, Engine._run). Then ONE search for the whole step: every fed position's key of the rows
+with kNN-LM (the interpolated distribution p_i is needed at every position to verify), and for the rows
+whose target is the base LM the key of their last accepted position only (the datastore then only
+drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's rules: the kNN-LM
+mixture, ids beyond the tokenizer's vocabulary never chosen, temperature, top-k, top-p):
+- greedy: accept the longest prefix d_1 .. d_j with d_i = argmax p_{i-1}, then the model's own token
+  argmax p_j: one pass always yields >= 1 token, and exactly plain greedy decoding's tokens;
+- sampling: the draft is deterministic (q = one-hot on d_i), so speculative sampling's rule (Leviathan
+  et al. 2023; Chen et al. 2023) accepts d_i with probability min(1, p(d_i) / q(d_i)) = p_{i-1}(d_i), drawn
+  with the row's own generator, and on rejection draws from max(0, p - q) renormalised = p_{i-1} with d_i
+  removed; after n acceptances one draw from p_n. Each token is then distributed exactly as the plain
+  sampler's (not the same draws for a seed: the draws differ).
+The row's cache keeps x_t, d_1 .. d_j: the rejected positions' slots are marked empty (the cache has
+per-row lengths; they are overwritten as the row goes on). Eos, stops, max_new_tokens and sliding hold as
+in plain decoding: the tokens go through Engine._advance one at a time and the row stops at the first
+that ends it (a stop inside an accepted draft cuts it there); a draft is cut so that the pass never
+runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. The draft for the next step
+comes from the neighbours of the position that chose the last token (memlm.engine.drafts.draft_after).
+Only the plain KV cache: with the XL memory a rejected position would have overwritten a ring slot that
+the memory still needs.
+
+Shape legend: B speculative rows, T fed positions (1 + longest draft), V vocab, C key width, k neighbours,
+n a row's draft length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from memlm.engine.drafts import DraftSource, draft_after
+from memlm.engine.kv_cache import RowCache
+from memlm.engine.rows import Row, ScoreRow
+from memlm.engine.sampling import search_rows
+from memlm.errors import MemlmError
+from memlm.jobs.generate import SamplingConfig, filter_logits
+from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
+from memlm.retrieval.searcher import Neighbors, Searcher
+
+
+class Engine(Protocol):
+    """What verification uses of memlm.engine.engine.Engine (a protocol: that module imports this one)."""
+
+    cache: RowCache
+    searcher: Searcher | None
+    drafts: DraftSource | None
+    decodable: int
+    _rows: dict[int, Row | ScoreRow]
+
+    def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]: ...
+
+    def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None: ...
+
+    def _release(self, row: Row | ScoreRow) -> None: ...
+
+
+def check_request(engine: Engine) -> None:
+    """Refuse a speculative request the engine cannot serve, in one line."""
+    if engine.drafts is None or engine.searcher is None:
+        raise MemlmError("speculative decoding drafts from a datastore: this engine has none (give --datastore)")
+    if engine.cache.layout.wraps:
+        raise MemlmError("speculative decoding serves the plain KV cache, not --memory xl")
+
+
+def verify(engine: Engine, rows: list[Row]) -> None:
+    """One speculative step of `rows` (each with exactly its last token to feed, sorted by slot)."""
+    ring = engine.cache.layout.ring
+    drafts = []
+    for row in rows:  # cut: no slide inside the pass, nothing drafted past max_new_tokens
+        cap = min(row.handle.request.speculative.draft_tokens, ring - row.cached - 1, row.steps_left - 1)
+        drafts.append(row.draft[: max(0, cap)])
+    starts = [row.fed for row in rows]
+    for row, d in zip(rows, drafts):
+        row.tokens += d  # fed by this pass, taken back below
+    logits, keys, _ = engine._run([(row, 1 + len(d)) for row, d in zip(rows, drafts)], every_position=True)
+    T = logits.shape[1]  # (B, T, V), (B, T, C)
+    for row, d in zip(rows, drafts):
+        del row.tokens[len(row.tokens) - len(d):]
+    lm_lp = [F.log_softmax(logits[b, T - 1 - len(d):].float(), dim=-1) for b, d in enumerate(drafts)]  # (1+n, V)
+    rkeys = [keys[b, T - 1 - len(d):] for b, d in enumerate(drafts)]  # (1+n, C)
+    knn = [row.handle.request.knn for row in rows]
+    accepted: list[tuple[list[int], int] | None] = [None] * len(rows)
+    for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
+        if knn[b] is None:
+            accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
+    neighbors, failed = _search(engine, rows, rkeys, knn, accepted)
+    final = list(lm_lp)
+    for b, row in enumerate(rows):
+        if knn[b] is not None and failed is None:
+            nb = neighbors[b]  # (1+n, k)
+            knn_lp = knn_log_distribution(nb, lm_lp[b].shape[-1], knn[b].temperature).to(lm_lp[b].device)  # (1+n, V)
+            final[b] = interpolate(lm_lp[b], knn_lp, knn[b].lmbda)  # (1+n, V)
+            accepted[b] = accept(final[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
+    for b, row in enumerate(rows):  # roll back before any row leaves (a release moves rows)
+        if accepted[b] is not None:
+            j = accepted[b][1]
+            p0 = starts[b] - row.base  # x_t's position = its slot (the plain cache does not wrap)
+            engine.cache.slot_pos[row.slot, p0 + 1 + j : p0 + 1 + len(drafts[b])] = -1
+    for b, row in enumerate(rows):
+        if accepted[b] is None:  # a kNN-LM row whose search failed
+            row.handle.put(failed)
+            engine._release(row)
+            continue
+        _emit(engine, row, starts[b], accepted[b], final[b], lm_lp[b], neighbors[b])
+
+
+def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], knn: list[KNNLMConfig | None],
+            accepted: list[tuple[list[int], int] | None]) -> tuple[list[Neighbors | None], Exception | None]:
+    """The step's one search: kNN-LM rows' every position, base rows' last accepted position (to draft
+    from). Per row its Neighbors (1+n, k) or (1, draft_k); on failure (None per row, the error)."""
+    queries, configs, owner = [], [], []
+    for b, (row, c) in enumerate(zip(rows, knn)):
+        if c is not None:
+            queries.append(keys[b])  # (1+n, C)
+            configs += [c] * keys[b].shape[0]
+        else:
+            queries.append(keys[b][accepted[b][1] : accepted[b][1] + 1])  # (1, C)
+            configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
+        owner += [b] * queries[-1].shape[0]
+        row.searches += queries[-1].shape[0]
+    try:
+        found = search_rows(engine.searcher, torch.cat(queries), configs)  # per query (1, k)
+    except Exception as e:  # noqa: BLE001 - delivered to the kNN-LM rows it ends, with its message
+        return [None] * len(rows), e
+    out: list[Neighbors | None] = []
+    for b in range(len(rows)):
+        mine = [nb for nb, o in zip(found, owner) if o == b]
+        out.append(Neighbors(*(np.concatenate(parts) for parts in zip(*mine))))  # (q_b, k)
+    return out, None
+
+
+def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingConfig, generator: torch.Generator,
+           decodable: int) -> tuple[list[int], int]:
+    """The exact acceptance rule (module docstring). final_lp: (1+n, V) the row's final log-probabilities
+    at x_t and every draft token. Returns the tokens the pass yields (accepted draft + one more) and j,
+    the accepted draft tokens."""
+    choice = final_lp
+    if decodable < final_lp.shape[-1]:
+        choice = final_lp.clone()
+        choice[:, decodable:] = float("-inf")
+    n = len(draft)
+    if sampling.temperature == 0:
+        best = choice.argmax(dim=-1).tolist()  # (1+n,) one transfer
+        j = next((i for i in range(n) if best[i] != draft[i]), n)
+        return [*draft[:j], best[j]], j
+    for i in range(n + 1):
+        p = filter_logits(choice[i] / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)  # (V,)
+        if i == n:
+            return [*draft, int(torch.multinomial(p, 1, generator=generator)[0])], n
+        u = torch.rand((), generator=generator, device=generator.device)
+        if not u < p[draft[i]]:  # rejected: draw from p without d_i (renormalised by multinomial)
+            p = p.clone()
+            p[draft[i]] = 0.0
+            return [*draft[:i], int(torch.multinomial(p, 1, generator=generator)[0])], i
+    raise AssertionError("unreachable")
+
+
+def _emit(engine: Engine, row: Row, start: int, accepted: tuple[list[int], int], final_lp: torch.Tensor,
+          lm_lp: torch.Tensor, neighbors: Neighbors | None) -> None:
+    """Hand the pass's tokens to Engine._advance one at a time (it may end the row at any of them), then
+    draft the next step's continuation from the neighbours of the position that chose the last token.
+    start: the row's `fed` before the pass (x_t's index); when token i is handed on the cache holds x_t and
+    the i draft tokens before it, as in plain decoding (so a slide happens after the same token)."""
+    tokens, j = accepted
+    index = torch.arange(len(tokens), device=final_lp.device)  # (m,) the position that chose each token
+    picked = torch.tensor(tokens, device=final_lp.device)  # (m,)
+    lps = torch.stack([final_lp[index, picked], lm_lp[index, picked]]).double().cpu().tolist()  # (2, m)
+    row.verify_steps += 1
+    for i, (token, lp, base) in enumerate(zip(tokens, *lps)):
+        row.fed = start + 1 + i
+        row.verified_tokens += 1  # before: the row's GenerationEnd is made inside _advance
+        engine._advance(row, token, lp, base)
+        if engine._rows.get(row.slot) is not row:  # it ended
+            return
+    row.draft = ()
+    if neighbors is not None and row.to_feed == 1:  # not after a slide (the row is prefilled again)
+        at = j if row.handle.request.knn is not None else 0  # base rows searched position j only
+        spec = row.handle.request.speculative
+        nb = Neighbors(*(a[at : at + 1] for a in neighbors))  # (1, k)
+        row.draft = draft_after(nb, tokens[-1], engine.drafts, spec.draft_tokens)
+
+
+def draft_first(engine: Engine, rows: list[Row], neighbors: list[Neighbors | None], keys: torch.Tensor) -> None:
+    """Drafts after the token Engine._choose just chose for speculative `rows` (their first generated
+    token, after the prompt): from that choice's kNN-LM neighbours, or, for base-LM rows, from one search
+    of their keys (B, C) of draft_k neighbours. Rows that ended are skipped."""
+    alive = [b for b, row in enumerate(rows) if engine._rows.get(row.slot) is row and row.to_feed == 1]
+    base = [b for b in alive if neighbors[b] is None]
+    if base:
+        configs = [KNNLMConfig(k=rows[b].handle.request.speculative.draft_k) for b in base]
+        try:
+            found = search_rows(engine.searcher, keys[base], configs)  # per row (1, draft_k)
+        except Exception:  # noqa: BLE001 - only drafting failed: these rows go on without a draft
+            found = [None] * len(base)
+        for b, nb in zip(base, found):
+            neighbors[b] = nb
+            rows[b].searches += 1
+    for b in alive:
+        row, nb = rows[b], neighbors[b]
+        if nb is not None:
+            row.draft = draft_after(nb, row.tokens[-1], engine.drafts, row.handle.request.speculative.draft_tokens)

@@ -1,0 +1,178 @@
+"""Speculative decoding from the datastore (issue 15 part 3): greedy speculative generation is token-
+identical to plain greedy generation (kNN-LM, and the base LM drafting from the datastore), inside a
+continuous batch with plain rows joining and leaving, with stops and max_new_tokens inside drafts.
+
+The datastore is the tiny model's own greedy text, so drafts are often right (REST's setting: the
+continuation is in the datastore) and the prompts are cut from it or unrelated.
+
+Shape legend: N datastore entries, k neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from tiny_models import own_text_datastore, sharp_tiny_model
+
+from memlm.engine.drafts import (
+    DraftSource,
+    SpeculativeConfig,
+    best_draft,
+    draft_after,
+    draft_chains,
+)
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.errors import MemlmError
+from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.memory.config import MemoryConfig
+from memlm.model.tokenizer import Tokenizer, document_boundary
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.searcher import Neighbors
+
+TOK = Tokenizer.byte_level()
+BOUNDARY = document_boundary(TOK)
+GREEDY = SamplingConfig(temperature=0.0)
+KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+SPEC = SpeculativeConfig(draft_tokens=6, draft_k=16)
+SEEDS = ["the cat sat", "once upon a time", "in the beginning", "hello world", "a b c d", "memory lane"]
+
+
+def tokens(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+@pytest.fixture(scope="module")
+def setting():
+    """The model, its own greedy texts as a datastore (searcher, drafts), and those texts."""
+    model = sharp_tiny_model()
+    reqs = [GenerationRequest(tuple(TOK.encode(p)), 48, GREEDY, boundary_token=BOUNDARY) for p in SEEDS]
+    docs = [[BOUNDARY, *r.prompt_ids, *tokens(ev)] for r, ev in zip(reqs, run_all(Engine(model, TOK), reqs))]
+    searcher, drafts = own_text_datastore(model, docs)
+    return model, searcher, drafts, docs
+
+
+def prompts(docs: list[list[int]], n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """n prompts: cuts of the datastore's texts (inside their prompts or continuations) and unrelated ones."""
+    rng = random.Random(seed)
+    out = [tuple(TOK.encode(p)) for p in ("xyz", "the dog sat", "upon", "zebra crossing")]
+    while len(out) < n:
+        doc = rng.choice(docs)
+        out.append(tuple(doc[1 : rng.randrange(3, len(doc) - 8)]))
+    return out
+
+
+def engine(setting, max_batch: int = 4, **config) -> Engine:
+    model, searcher, drafts, _ = setting
+    return Engine(model, TOK, EngineConfig(max_batch=max_batch, **config), searcher, drafts)
+
+
+@pytest.mark.parametrize("knn", [KNN, None], ids=["knnlm", "base-drafting"])
+def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn) -> None:
+    plain = [GenerationRequest(p, 24 + i % 7, GREEDY, boundary_token=BOUNDARY, knn=knn)
+             for i, p in enumerate(prompts(setting[3], 24))]
+    spec = [dataclasses.replace(r, speculative=SPEC) for r in plain]
+    want = run_all(engine(setting), plain)
+    got = run_all(engine(setting), spec)
+    for w, g in zip(want, got):
+        assert tokens(g) == tokens(w)
+        assert [e.logprob for e in g[:-1]] == pytest.approx([e.logprob for e in w[:-1]], abs=1e-4)
+        assert dataclasses.replace(g[-1], searches=0, mean_accepted_tokens=None) == \
+            dataclasses.replace(w[-1], searches=0)
+    ends = [g[-1] for g in got]
+    assert all(e.mean_accepted_tokens >= 1 for e in ends)
+    # Drafts are taken: cuts of the datastore's texts go on as the texts do, several tokens a pass.
+    steps = sum(e.completion_tokens / e.mean_accepted_tokens for e in ends)
+    assert sum(e.completion_tokens for e in ends) / steps > 2.0
+    if knn is not None:  # plain kNN-LM searches once a token; speculative once a fed position
+        assert [w[-1].searches for w in want] == [w[-1].completion_tokens for w in want]
+        assert all(e.searches >= e.completion_tokens for e in ends)
+    else:
+        assert all(w[-1].searches == 0 for w in want)
+        assert all(0 < e.searches <= e.completion_tokens for e in ends)  # one draft search a pass
+
+
+def test_inside_a_continuous_batch_with_plain_rows_joining_and_leaving(setting) -> None:
+    """Speculative and plain rows (kNN-LM and base, different lengths) submitted at different steps into
+    a batch of 3: each yields exactly its tokens alone (plain greedy)."""
+    ps = prompts(setting[3], 12, seed=1)
+    reqs = [GenerationRequest(p, 6 + 5 * (i % 4), GREEDY, boundary_token=BOUNDARY, knn=KNN if i % 3 else None,
+                              speculative=SPEC if i % 2 else None) for i, p in enumerate(ps)]
+    eng = engine(setting, max_batch=3, prefill_chunk=7)
+    handles, results, pending = [], {}, list(enumerate(reqs))
+    while pending or eng.busy:
+        if pending:  # one joins every other step
+            i, r = pending.pop(0)
+            handles.append((i, eng.submit(r)))
+        eng.step()
+        eng.step()
+        for i, h in handles:
+            results.setdefault(i, []).extend(h.ready())
+    for i, r in enumerate(reqs):
+        alone = run_all(engine(setting, max_batch=1), [dataclasses.replace(r, speculative=None)])[0]
+        assert tokens(results[i]) == tokens(alone), i
+        assert isinstance(results[i][-1], GenerationEnd) and results[i][-1].reason == alone[-1].reason
+
+
+def test_stops_eos_and_max_new_tokens_inside_a_draft(setting) -> None:
+    """A cut of a text whose continuation is drafted many tokens at a time: a stop string, a token-id stop,
+    eos and max_new_tokens that fall inside an accepted draft end generation exactly where plain decoding
+    does, with the same events."""
+    doc = setting[3][1]
+    prompt = tuple(doc[1:20])
+    base = GenerationRequest(prompt, 30, GREEDY, boundary_token=BOUNDARY, knn=KNN)
+    full = tokens(run_all(engine(setting), [base])[0])
+    text = TOK.decode(full)
+    variants = [dataclasses.replace(base, max_new_tokens=n) for n in (1, 2, 3, 5, 9)]
+    variants += [dataclasses.replace(base, stop_sequences=(text[4:7],)),
+                 dataclasses.replace(base, stop_sequences=(tuple(full[6:8]),)),
+                 dataclasses.replace(base, eos_id=full[10])]
+    for r in variants:
+        want = run_all(engine(setting), [r])[0]
+        got = run_all(engine(setting), [dataclasses.replace(r, speculative=SPEC)])[0]
+        assert tokens(got) == tokens(want) and len(tokens(got)) < 30
+        assert [e.text_delta for e in got] == [e.text_delta for e in want]
+        end = got[-1]
+        assert dataclasses.replace(end, searches=0, mean_accepted_tokens=None) == dataclasses.replace(want[-1], searches=0)
+    long = run_all(engine(setting), [dataclasses.replace(base, speculative=SPEC)])[0][-1]
+    assert long.mean_accepted_tokens > 2  # so the cuts above did fall inside drafts
+
+
+def test_a_row_that_fills_its_cache_slides_as_plain_decoding_does(setting) -> None:
+    """row_capacity 24: drafts are cut so a pass never runs past the row, and the slide comes after the
+    same token as in plain decoding."""
+    doc = setting[3][2]
+    r = GenerationRequest(tuple(doc[1:12]), 40, GREEDY, boundary_token=BOUNDARY, knn=KNN)
+    want = run_all(engine(setting, row_capacity=24), [r])[0]
+    got = run_all(engine(setting, row_capacity=24), [dataclasses.replace(r, speculative=SPEC)])[0]
+    assert tokens(got) == tokens(want) and len(tokens(got)) == 40
+
+
+def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> None:
+    # entries: doc A = tokens 5 6 7 8 (ids 0-3), doc B = 5 6 9 (ids 4-6); successors within a document
+    values = np.array([5, 6, 7, 8, 5, 6, 9], dtype=np.int32)
+    next_ids = np.array([1, 2, 3, -1, 5, 6, -1], dtype=np.int64)
+    source = DraftSource(next_ids, values)
+    nb = Neighbors(np.array([[0.1, 0.2, 0.3, 0.4]], np.float32), np.array([[4, 0, 2, -1]]),
+                   np.array([[5, 5, 7, -1]], np.int32))
+    chains = draft_chains(nb, 5, source, 4)  # neighbours 4 and 0 have value 5
+    assert chains.tolist() == [[6, 9, -1, -1], [6, 7, 8, -1]]  # nearest first; each stops at its document's end
+    assert best_draft(chains) == (6, 9)  # tie at depth 2: the nearest chain's token
+    assert draft_after(nb, 8, source, 4) == ()  # no neighbour of value 8
+    three = np.array([[6, 7, -1], [6, 9, 1], [6, 9, 2]])
+    assert best_draft(three) == (6, 9, 1)  # most chains agree on 9
+
+
+def test_refused_without_a_datastore_or_with_the_xl_memory(setting) -> None:
+    model, searcher, drafts, _ = setting
+    r = GenerationRequest((65, 66), 4, GREEDY, boundary_token=BOUNDARY, speculative=SPEC)
+    with pytest.raises(MemlmError, match="drafts from a datastore"):
+        Engine(model, TOK).submit(r)
+    xl = EngineConfig(memory=MemoryConfig(kind="xl", segment=8, mem_len=16))
+    with pytest.raises(MemlmError, match="not --memory xl"):
+        Engine(model, TOK, xl, searcher, drafts).submit(r)
+    with pytest.raises(MemlmError, match="--draft-tokens"):
+        SpeculativeConfig(draft_tokens=0)
