@@ -3,17 +3,20 @@ Retrieval-Based Speculative Decoding"), issue 15 part 3.
 
 What is drafted: after a row's token y was chosen at a position whose query key had the neighbours N
 (the kNN-LM search of that position, or a search made only to draft when the target is the base LM), the
-neighbours whose stored value is y are places in the corpus where the same context went on with y. Each
-one's successor entry (memlm.retrieval.pointers.successors: the same document at position + 1; a
-document's end has none, so a draft never crosses a document boundary) stores the token that followed y
-there, its successor the next one, and so on: every matching neighbour spells one draft chain of up to
-`draft_tokens` tokens. The chains are the candidate drafts; the engine verifies one per row per step,
-the best-first path through their prefix tree: at each depth the token most chains agree on (ties: the
-chain of the nearest neighbour), following only the chains that agree so far (REST's trie, walked
-greedily). Why: REST drafts from a datastore of text instead of a small draft model, and a kNN-LM
-engine already has the datastore and the neighbours of the current position, so a draft costs a few
-array lookups; whether a draft is right is decided only by verification (memlm.engine.speculative),
-so any draft keeps the output exact.
+neighbours whose stored value is y (`matching`) are places in the corpus where a context like the row's
+went on with y: the row's pointers. Each one's successor entry (memlm.retrieval.pointers.successors: the
+same document at position + 1; a document's end has none, so a draft never crosses a document boundary)
+stores the token that followed y there, its successor the next one, and so on: every pointer spells one
+draft chain of up to `draft_tokens` tokens (`draft_chains`). The chains are the candidate drafts; the
+engine verifies one per row per step, the best-first path through their prefix tree (`best_draft`): at
+each depth the token most chains agree on (ties: the chain of the nearest neighbour), following only the
+chains that agree so far (REST's trie, walked greedily). After the step the pointers move along the
+tokens that came (`advance`, RetoMaton's walk, Alon et al. 2022): a kNN-LM row takes fresh ones from the
+neighbours of its last position (searched anyway) and walks the old ones only when those have none; a
+base-LM row searches only when its walked pointers ran out. Why: REST drafts from a datastore of text
+instead of a small draft model, and a kNN-LM engine already has the datastore and the neighbours of the
+current position, so a draft costs a few array lookups; whether a draft is right is decided only by
+verification (memlm.engine.speculative), so any draft keeps the output exact.
 
 Shape legend: k neighbours, m matching neighbours (chains), L draft length, N datastore entries.
 """
@@ -63,12 +66,27 @@ class DraftSource:
                              f"and {self.values.shape}")
 
 
-def draft_chains(neighbors: Neighbors, chosen: int, source: DraftSource, length: int) -> np.ndarray:
-    """The candidate drafts after `chosen`: (m, L) int64 token chains, nearest neighbour first, -1 after a
-    chain's end. neighbors: (1, k) of the position that predicted `chosen`."""
+def matching(neighbors: Neighbors, chosen: int) -> np.ndarray:
+    """Pointers after `chosen`: the neighbours (1, k) of the position that predicted it whose stored value
+    is `chosen`, (m,) int64 entry ids in distance order."""
     ids, values = neighbors.ids[0], neighbors.values[0]  # (k,), (k,)
-    matching = ids[(ids >= 0) & (values == chosen)]  # (m,) in distance order
-    cur = source.next_ids[matching]  # (m,) the entries whose values come after `chosen`
+    return ids[(ids >= 0) & (values == chosen)]  # (m,)
+
+
+def advance(pointers: np.ndarray, tokens: list[int], source: DraftSource) -> np.ndarray:
+    """Pointers after the row went on with `tokens`: each pointer's successor, kept while its stored value
+    is the token that came (RetoMaton's walk, Alon et al. 2022); (m',) int64, empty when all ran out."""
+    for token in tokens:
+        nxt = source.next_ids[pointers]  # (m,)
+        nxt = nxt[nxt >= 0]
+        pointers = nxt[source.values[nxt] == token]  # (m',)
+    return pointers
+
+
+def draft_chains(pointers: np.ndarray, source: DraftSource, length: int) -> np.ndarray:
+    """The candidate drafts after the pointers' token: (m, L) int64 token chains in the pointers' order,
+    -1 after a chain's end (a document's end: successors never cross one)."""
+    cur = source.next_ids[pointers]  # (m,) the entries whose values come after the pointers' token
     cur = cur[cur >= 0]
     chains = np.full((cur.shape[0], length), -1, dtype=np.int64)  # (m, L)
     for step in range(length):
@@ -97,7 +115,7 @@ def best_draft(chains: np.ndarray) -> tuple[int, ...]:
     return tuple(draft)
 
 
-def draft_after(neighbors: Neighbors, chosen: int, source: DraftSource, length: int) -> tuple[int, ...]:
-    """The draft the engine verifies after `chosen` (at most `length` tokens; () when no neighbour of
-    value `chosen` has a successor)."""
-    return best_draft(draft_chains(neighbors, chosen, source, length))
+def draft_from(pointers: np.ndarray, source: DraftSource, length: int) -> tuple[int, ...]:
+    """The draft the engine verifies after the pointers' token (at most `length` tokens; () when no
+    pointer has a successor)."""
+    return best_draft(draft_chains(pointers, source, length)) if length > 0 else ()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from memlm.engine.kv_cache import CacheLayout
@@ -67,8 +68,9 @@ class Row:
     searches: int = 0
     """kNN searches made for this row, in queries (kNN-LM: one per chosen token; speculative: one per
     fed position, or one per step to draft from when the target is the base LM)."""
-    draft: tuple[int, ...] = ()
-    """Speculative rows: the draft to verify after the last generated token (memlm.engine.drafts)."""
+    pointers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Speculative rows: (m,) int64 datastore entries whose value is the last generated token, aligned
+    with the row's text; the next draft follows their successors (memlm.engine.drafts)."""
     verify_steps: int = 0
     """Speculative rows: decode steps that verified a draft (each yields >= 1 token)."""
     verified_tokens: int = 0

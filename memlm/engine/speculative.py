@@ -5,9 +5,9 @@ A speculative row whose last token x_t is not yet fed feeds [x_t, d_1 .. d_n] (i
 in one forward pass with logits at every position; every speculative row of the step shares that pass
 (left-padded, Engine._run). Then ONE search for the whole step: every fed position's key of the rows
 with kNN-LM (the interpolated distribution p_i is needed at every position to verify), and for the rows
-whose target is the base LM the key of their last accepted position only (the datastore then only
-drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's rules: the kNN-LM
-mixture, ids beyond the tokenizer's vocabulary never chosen, temperature, top-k, top-p):
+whose target is the base LM the key of their last accepted position, only when their pointers ran out
+(the datastore then only drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's
+rules: the kNN-LM mixture, ids beyond the tokenizer's vocabulary never chosen, temperature, top-k, top-p):
 - greedy: accept the longest prefix d_1 .. d_j with d_i = argmax p_{i-1}, then the model's own token
   argmax p_j: one pass always yields >= 1 token, and exactly plain greedy decoding's tokens;
 - sampling: the draft is deterministic (q = one-hot on d_i), so speculative sampling's rule (Leviathan
@@ -19,8 +19,9 @@ The row's cache keeps x_t, d_1 .. d_j: the rejected positions' slots are marked 
 per-row lengths; they are overwritten as the row goes on). Eos, stops, max_new_tokens and sliding hold as
 in plain decoding: the tokens go through Engine._advance one at a time and the row stops at the first
 that ends it (a stop inside an accepted draft cuts it there); a draft is cut so that the pass never
-runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. The draft for the next step
-comes from the neighbours of the position that chose the last token (memlm.engine.drafts.draft_after).
+runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. The next draft follows the
+row's pointers (memlm.engine.drafts): the neighbours of the position that chose the last token whose
+value it is, or the old pointers walked along the tokens; a base-LM row searches only when those ran out.
 Only the plain KV cache: with the XL memory a rejected position would have overwritten a ring slot that
 the memory still needs.
 
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memlm.engine.drafts import DraftSource, draft_after
+from memlm.engine.drafts import DraftSource, advance, draft_from, matching
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.rows import Row, ScoreRow
 from memlm.engine.sampling import search_rows
@@ -74,11 +75,11 @@ def check_request(engine: Engine) -> None:
 
 def verify(engine: Engine, rows: list[Row]) -> None:
     """One speculative step of `rows` (each with exactly its last token to feed, sorted by slot)."""
-    ring = engine.cache.layout.ring
+    ring, source = engine.cache.layout.ring, engine.drafts
     drafts = []
     for row in rows:  # cut: no slide inside the pass, nothing drafted past max_new_tokens
         cap = min(row.handle.request.speculative.draft_tokens, ring - row.cached - 1, row.steps_left - 1)
-        drafts.append(row.draft[: max(0, cap)])
+        drafts.append(draft_from(row.pointers, source, cap))
     starts = [row.fed for row in rows]
     for row, d in zip(rows, drafts):
         row.tokens += d  # fed by this pass, taken back below
@@ -90,10 +91,12 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     rkeys = [keys[b, T - 1 - len(d):] for b, d in enumerate(drafts)]  # (1+n, C)
     knn = [row.handle.request.knn for row in rows]
     accepted: list[tuple[list[int], int] | None] = [None] * len(rows)
+    walked: list[np.ndarray | None] = [None] * len(rows)  # base rows' pointers walked along their tokens
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
             accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
-    neighbors, failed = _search(engine, rows, rkeys, knn, accepted)
+            walked[b] = advance(row.pointers, accepted[b][0], source)
+    neighbors, failed = _search(engine, rows, rkeys, knn, accepted, walked)
     final = list(lm_lp)
     for b, row in enumerate(rows):
         if knn[b] is not None and failed is None:
@@ -101,42 +104,62 @@ def verify(engine: Engine, rows: list[Row]) -> None:
             knn_lp = knn_log_distribution(nb, lm_lp[b].shape[-1], knn[b].temperature).to(lm_lp[b].device)  # (1+n, V)
             final[b] = interpolate(lm_lp[b], knn_lp, knn[b].lmbda)  # (1+n, V)
             accepted[b] = accept(final[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
+    pointers = [_next_pointers(row, a, nb, w, source) if a is not None else None
+                for row, a, nb, w in zip(rows, accepted, neighbors, walked)]
     for b, row in enumerate(rows):  # roll back before any row leaves (a release moves rows)
         if accepted[b] is not None:
-            j = accepted[b][1]
             p0 = starts[b] - row.base  # x_t's position = its slot (the plain cache does not wrap)
-            engine.cache.slot_pos[row.slot, p0 + 1 + j : p0 + 1 + len(drafts[b])] = -1
+            engine.cache.slot_pos[row.slot, p0 + 1 + accepted[b][1] : p0 + 1 + len(drafts[b])] = -1
     for b, row in enumerate(rows):
         if accepted[b] is None:  # a kNN-LM row whose search failed
             row.handle.put(failed)
             engine._release(row)
             continue
-        _emit(engine, row, starts[b], accepted[b], final[b], lm_lp[b], neighbors[b])
+        _emit(engine, row, starts[b], accepted[b][0], final[b], lm_lp[b], pointers[b])
 
 
 def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], knn: list[KNNLMConfig | None],
-            accepted: list[tuple[list[int], int] | None]) -> tuple[list[Neighbors | None], Exception | None]:
-    """The step's one search: kNN-LM rows' every position, base rows' last accepted position (to draft
-    from). Per row its Neighbors (1+n, k) or (1, draft_k); on failure (None per row, the error)."""
+            accepted: list[tuple[list[int], int] | None], walked: list[np.ndarray | None],
+            ) -> tuple[list[Neighbors | None], Exception | None]:
+    """The step's one search: kNN-LM rows' every position, and the last accepted position of base rows
+    whose pointers ran out (to draft from). Per row its Neighbors (1+n, k) or (1, draft_k) or None (not
+    searched); on failure (None per row, the error)."""
     queries, configs, owner = [], [], []
     for b, (row, c) in enumerate(zip(rows, knn)):
         if c is not None:
             queries.append(keys[b])  # (1+n, C)
             configs += [c] * keys[b].shape[0]
-        else:
+        elif walked[b].size == 0:
             queries.append(keys[b][accepted[b][1] : accepted[b][1] + 1])  # (1, C)
             configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
+        else:
+            continue
         owner += [b] * queries[-1].shape[0]
         row.searches += queries[-1].shape[0]
+    out: list[Neighbors | None] = [None] * len(rows)
+    if not queries:
+        return out, None
     try:
         found = search_rows(engine.searcher, torch.cat(queries), configs)  # per query (1, k)
     except Exception as e:  # noqa: BLE001 - delivered to the kNN-LM rows it ends, with its message
-        return [None] * len(rows), e
-    out: list[Neighbors | None] = []
-    for b in range(len(rows)):
+        return out, e
+    for b in set(owner):
         mine = [nb for nb, o in zip(found, owner) if o == b]
-        out.append(Neighbors(*(np.concatenate(parts) for parts in zip(*mine))))  # (q_b, k)
+        out[b] = Neighbors(*(np.concatenate(parts) for parts in zip(*mine)))  # (q_b, k)
     return out, None
+
+
+def _next_pointers(row: Row, accepted: tuple[list[int], int], neighbors: Neighbors | None,
+                   walked: np.ndarray | None, source: DraftSource) -> np.ndarray:
+    """The row's pointers after this pass's tokens (memlm.engine.drafts): fresh from the neighbours of the
+    position that chose the last token when they have some, else the old ones walked along the tokens."""
+    tokens, j = accepted
+    if neighbors is not None:
+        at = j if row.handle.request.knn is not None else 0  # a base row searched position j only
+        fresh = matching(Neighbors(*(a[at : at + 1] for a in neighbors)), tokens[-1])  # (m,)
+        if fresh.size:
+            return fresh
+    return walked if walked is not None else advance(row.pointers, tokens, source)
 
 
 def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingConfig, generator: torch.Generator,
@@ -165,13 +188,12 @@ def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingCon
     raise AssertionError("unreachable")
 
 
-def _emit(engine: Engine, row: Row, start: int, accepted: tuple[list[int], int], final_lp: torch.Tensor,
-          lm_lp: torch.Tensor, neighbors: Neighbors | None) -> None:
-    """Hand the pass's tokens to Engine._advance one at a time (it may end the row at any of them), then
-    draft the next step's continuation from the neighbours of the position that chose the last token.
-    start: the row's `fed` before the pass (x_t's index); when token i is handed on the cache holds x_t and
-    the i draft tokens before it, as in plain decoding (so a slide happens after the same token)."""
-    tokens, j = accepted
+def _emit(engine: Engine, row: Row, start: int, tokens: list[int], final_lp: torch.Tensor, lm_lp: torch.Tensor,
+          pointers: np.ndarray) -> None:
+    """Hand the pass's tokens to Engine._advance one at a time (it may end the row at any of them); the
+    row keeps `pointers` for its next draft. start: the row's `fed` before the pass (x_t's index); when
+    token i is handed on, the cache holds x_t and the i draft tokens before it, as in plain decoding (so
+    a slide happens after the same token)."""
     index = torch.arange(len(tokens), device=final_lp.device)  # (m,) the position that chose each token
     picked = torch.tensor(tokens, device=final_lp.device)  # (m,)
     lps = torch.stack([final_lp[index, picked], lm_lp[index, picked]]).double().cpu().tolist()  # (2, m)
@@ -182,18 +204,14 @@ def _emit(engine: Engine, row: Row, start: int, accepted: tuple[list[int], int],
         engine._advance(row, token, lp, base)
         if engine._rows.get(row.slot) is not row:  # it ended
             return
-    row.draft = ()
-    if neighbors is not None and row.to_feed == 1:  # not after a slide (the row is prefilled again)
-        at = j if row.handle.request.knn is not None else 0  # base rows searched position j only
-        spec = row.handle.request.speculative
-        nb = Neighbors(*(a[at : at + 1] for a in neighbors))  # (1, k)
-        row.draft = draft_after(nb, tokens[-1], engine.drafts, spec.draft_tokens)
+    # After a slide the row is prefilled again and its next token comes from Engine._choose (draft_first).
+    row.pointers = pointers if row.to_feed == 1 else pointers[:0]
 
 
 def draft_first(engine: Engine, rows: list[Row], neighbors: list[Neighbors | None], keys: torch.Tensor) -> None:
-    """Drafts after the token Engine._choose just chose for speculative `rows` (their first generated
-    token, after the prompt): from that choice's kNN-LM neighbours, or, for base-LM rows, from one search
-    of their keys (B, C) of draft_k neighbours. Rows that ended are skipped."""
+    """Pointers after the token Engine._choose just chose for speculative `rows` (their first generated
+    token, or the first after a slide): from that choice's kNN-LM neighbours, or, for base-LM rows, from
+    one search of their keys (B, C) of draft_k neighbours. Rows that ended are skipped."""
     alive = [b for b, row in enumerate(rows) if engine._rows.get(row.slot) is row and row.to_feed == 1]
     base = [b for b in alive if neighbors[b] is None]
     if base:
@@ -206,6 +224,5 @@ def draft_first(engine: Engine, rows: list[Row], neighbors: list[Neighbors | Non
             neighbors[b] = nb
             rows[b].searches += 1
     for b in alive:
-        row, nb = rows[b], neighbors[b]
-        if nb is not None:
-            row.draft = draft_after(nb, row.tokens[-1], engine.drafts, row.handle.request.speculative.draft_tokens)
+        if neighbors[b] is not None:
+            rows[b].pointers = matching(neighbors[b], rows[b].tokens[-1])
