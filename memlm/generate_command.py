@@ -2,14 +2,18 @@
 
     memlm generate --model M [--datastore DIR | --retrieval ADDR] [--lambda L --knn-temperature T --k K]
         [--memory none|xl --segment S --mem-len M --sink-tokens N] [--max-new-tokens N]
-        [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT] PROMPT...
+        [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT]
+        [--speculative [--draft-tokens N]] PROMPT...
 
 All prompts run as one continuous batch (each its own request: its own sampler, seeded by --seed, so a
 prompt yields the same tokens alone or among others). Prints each continuation and the tokens/s; --json
 writes every token with its log-probabilities (final and base LM). kNN-LM needs a datastore (local,
 searched in process) or a retrieval service; both are checked against the model (fingerprints, key
 layer, boundary token) before generating. The option groups are memlm.options' (kNN, memory); the
-sampling group is defined here once.
+sampling group is defined here once. --speculative (issue 15 part 3, memlm.engine.speculative) drafts
+continuations from the --datastore's successors and verifies them in one forward pass: the same greedy
+tokens, the same sampled distribution; with --lambda 0 the target is the base LM and the datastore only
+drafts. Each result carries `searches` (kNN queries) and `mean_accepted_tokens`.
 """
 
 from __future__ import annotations
@@ -70,6 +74,33 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(**{dest.removeprefix("sampling_"): v for dest, v in given(args, SAMPLING_OPTIONS).items()})
 
 
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    """--speculative [--draft-tokens N] (the names of issue 15 part 4; defaults: SpeculativeConfig's)."""
+    from memlm.engine.drafts import SpeculativeConfig
+
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", action="store_true",
+                   help="draft continuations from the datastore (REST) and verify each in one forward pass: the "
+                        "same greedy tokens, the same sampled distribution (needs --datastore)")
+    g.add_argument("--draft-tokens", type=positive_int, default=None,
+                   help=f"most draft tokens verified per step (default {SpeculativeConfig.draft_tokens})")
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """SpeculativeConfig of --speculative (None without); refused in one line where it cannot run."""
+    from memlm.engine.drafts import SpeculativeConfig
+
+    if not args.speculative:
+        if args.draft_tokens is not None:
+            raise MemlmError("--draft-tokens needs --speculative")
+        return None
+    if not args.datastore:
+        raise MemlmError("--speculative drafts from a local --datastore (the retrieval service has no "
+                         "successors lookup)")
+    config = SpeculativeConfig()
+    return config if args.draft_tokens is None else dataclasses.replace(config, draft_tokens=args.draft_tokens)
+
+
 def add_generate_parser(sub: Any) -> None:
     from memlm.engine.requests import EngineConfig
 
@@ -94,6 +125,7 @@ def add_generate_parser(sub: Any) -> None:
     knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
     add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
     add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": ("none", "xl")})
+    add_speculative_options(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -132,6 +164,7 @@ def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from memlm.engine.drafts import draft_source
     from memlm.engine.engine import Engine, run_all
     from memlm.engine.requests import EngineConfig, GenerationRequest
     from memlm.jobs.evaluate import write_json
@@ -146,6 +179,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     memory = memory_from(args)
     sampling = sampling_config(args)
     knn = knn_config(args) if (args.datastore or args.retrieval) else None
+    speculative = speculative_config(args)
+    if speculative is not None and knn is not None and knn.lmbda == 0:
+        knn = None  # lambda 0 is the base LM exactly (memlm.retrieval.knnlm.interpolate): the datastore only drafts
     device = resolve_device(args.device)
     pretrained = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
     searcher = open_searcher(args, pretrained)
@@ -155,16 +191,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
     boundary = document_boundary(tokenizer)
     requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),
-                                  boundary, tokenizer.eos_id, knn=knn) for p in args.prompts]
+                                  boundary, tokenizer.eos_id, knn=knn, speculative=speculative) for p in args.prompts]
     start = time.perf_counter()
     try:
         if isinstance(pretrained.model, Decoder):
-            results = run_all(Engine(pretrained.model, tokenizer, config, searcher), requests)
+            drafts = draft_source(searcher.provenance, searcher.values) if speculative is not None else None
+            results = run_all(Engine(pretrained.model, tokenizer, config, searcher, drafts), requests)
         else:
             # A transformers model has no engine cache (its KV cache is transformers' own): its prompts run
             # one after another through the one-sequence generator, as the LM server runs them.
             if memory is not None:
                 require_decoder(pretrained.model, f"--memory {memory.kind}")  # refused: memories need memlm's decoder
+            if speculative is not None:
+                require_decoder(pretrained.model, "--speculative")  # the engine verifies drafts
             results = [one_sequence(pretrained.model, tokenizer, r, searcher) for r in requests]
     finally:
         if args.retrieval:
@@ -202,12 +241,26 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
             "logprobs": [e.logprob for e in toks], "base_logprobs": [e.base_logprob for e in toks],
             "finish_reason": end.reason, "stop_sequence": end.stop_sequence,
             "prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+            "searches": end.searches, "mean_accepted_tokens": end.mean_accepted_tokens,
         })
     total = sum(r["completion_tokens"] for r in out)
     return {
         "model": args.model, "results": out, "completion_tokens": total, "seconds": seconds,
         "tokens_per_s": total / seconds if seconds > 0 else 0.0,
+        "searches": sum(r["searches"] for r in out),
+        "mean_accepted_tokens": mean_accepted(out),
         "settings": {"max_new_tokens": args.max_new_tokens, "stop": args.stop or [],
                      **{k: getattr(args, k) for k in (*SAMPLING_OPTIONS, *KNN_OPTIONS, *GENERATE_MEMORY)},
-                     "datastore": args.datastore, "retrieval": args.retrieval},
+                     "datastore": args.datastore, "retrieval": args.retrieval,
+                     "speculative": args.speculative, "draft_tokens": args.draft_tokens},
     }
+
+
+def mean_accepted(results: list[dict[str, Any]]) -> float | None:
+    """Tokens per verifying forward pass over all prompts (each prompt's first token is not verified);
+    None without --speculative."""
+    spec = [r for r in results if r["mean_accepted_tokens"] is not None]
+    if not spec:
+        return None
+    passes = sum((r["completion_tokens"] - 1) / r["mean_accepted_tokens"] for r in spec)
+    return sum(r["completion_tokens"] - 1 for r in spec) / passes if passes else None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memlm.errors import MemlmError
+from memlm.retrieval.pointers import ProvenanceLookup, successors
 from memlm.retrieval.searcher import Neighbors
 
 
@@ -119,3 +120,10 @@ def draft_from(pointers: np.ndarray, source: DraftSource, length: int) -> tuple[
     """The draft the engine verifies after the pointers' token (at most `length` tokens; () when no
     pointer has a successor)."""
     return best_draft(draft_chains(pointers, source, length)) if length > 0 else ()
+
+
+def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:
+    """The DraftSource of a datastore from its provenance lookup (datastore.Datastore.provenance) and its
+    (N,) values: successors derived once (memlm.retrieval.pointers.successors), values read into memory."""
+    values = np.asarray(values, dtype=np.int32)
+    return DraftSource(successors(lookup, values.shape[0]).next_ids, values)

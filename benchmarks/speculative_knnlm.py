@@ -1,0 +1,148 @@
+"""Speculative kNN-LM decoding from the datastore (issue 15 part 3, REST, He et al. 2023): greedy tokens/s
+with drafts vs without, the same engine, weights and datastore, measured side by side in this one run.
+
+Setting: the SOTU kNN-LM setting of scripts/demo.sh (the datastore of the 1990-2000 speeches, lambda and
+T tuned on 2001-2002, read from the run's knnlm.json beside the datastore); the prompts are cut from the
+evaluation split's speeches (year >= 2003, --split), never from the datastore's (checked: no prompt
+speech's fingerprint is in the datastore's documents table). Two figures, each a ratio in one run:
+1. greedy kNN-LM (the interpolated target, one search per token) vs speculative kNN-LM (drafts from the
+   neighbours' successors, every fed position searched in one batched search per step);
+2. the base LM vs the base LM drafting from the datastore (the datastore only drafts: a search only when a
+   row's pointers ran out).
+Each prints tokens/s of both sides, the ratio, mean accepted tokens (tokens per verifying forward pass),
+searches per token, and whether every continuation is token-identical (it must be). Sides alternate over
+--repeats rounds (the median per side); the machine's load is printed (`uptime`), figures are noisy on a
+shared CPU.
+
+    python benchmarks/speculative_knnlm.py [--datastore /tmp/demo_v4/ds-sotu-1990-2000] [--prompts 8]
+        [--prompt-tokens 64] [--new-tokens 64] [--draft-tokens 4] [--batch 1] [--repeats 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import _common
+import torch
+
+from memlm.engine.drafts import SpeculativeConfig, draft_source
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.retrieval.knnlm import KNNLMConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+DEFAULT_DATASTORE = "/tmp/demo_v4/ds-sotu-1990-2000"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datastore", default=DEFAULT_DATASTORE, help="a datastore built by scripts/demo.sh")
+    p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
+    p.add_argument("--split", default="year>=2003", help="the evaluation split the prompts are cut from")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
+    p.add_argument("--repeats", type=int, default=1, help="alternating rounds per side (median)")
+    p.add_argument("--figures", default="1,2", help="1: kNN-LM, 2: the base LM drafting")
+    p.add_argument("--quick", action="store_true", help="a short run: 3 prompts of 32 new tokens")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens = 3, 32
+    return args
+
+
+def knn_settings(args: argparse.Namespace) -> KNNLMConfig:
+    """The demo's tuned lambda and T (and its k) from knnlm.json."""
+    path = Path(args.tuned) if args.tuned else Path(args.datastore).parent / "knnlm.json"
+    tuned = json.loads(path.read_text())
+    return KNNLMConfig(k=int(tuned["k"]), lmbda=float(tuned["lambda"]), temperature=float(tuned["temperature"]))
+
+
+def held_apart_prompts(bench: _common.BenchModel, store, args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """--prompts prompts of --prompt-tokens tokens, each from a different speech of the evaluation split, at a
+    seeded offset; refused if any of those speeches is in the datastore."""
+    from memlm.data.documents import document_fingerprint, load_documents
+
+    speeches = list(load_documents("sotu", args.split))
+    held = {r.fingerprint for r in store.documents()}
+    if any(document_fingerprint(d) in held for d in speeches):
+        raise SystemExit(f"a speech of --split {args.split!r} is in the datastore: prompts must be held apart")
+    rng = random.Random(0)
+    out = []
+    for doc in rng.sample(speeches, min(args.prompts, len(speeches))):
+        ids = bench.pre.tokenizer.encode(doc.text)
+        start = rng.randrange(0, max(1, len(ids) - args.prompt_tokens - args.new_tokens))
+        out.append(tuple(ids[start : start + args.prompt_tokens]))
+    return out
+
+
+def timed(engine: Engine, requests: list[GenerationRequest]) -> tuple[float, list[list]]:
+    start = time.perf_counter()
+    results = run_all(engine, requests)
+    return time.perf_counter() - start, results
+
+
+def figure(name: str, engine: Engine, plain: list[GenerationRequest], spec: SpeculativeConfig, repeats: int) -> None:
+    """Plain vs speculative over the same requests, alternating; prints the figure's line."""
+    drafted = [dataclasses.replace(r, speculative=spec) for r in plain]
+    times: dict[str, list[float]] = {"plain": [], "speculative": []}
+    results: dict[str, list[list]] = {}
+    for _ in range(repeats):
+        for side, reqs in (("plain", plain), ("speculative", drafted)):
+            seconds, results[side] = timed(engine, reqs)
+            times[side].append(seconds)
+    tokens = {s: [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in results[s]] for s in results}
+    n = sum(len(t) for t in tokens["plain"])
+    same = sum(a == b for a, b in zip(tokens["plain"], tokens["speculative"]))
+    ends = [ev[-1] for ev in results["speculative"]]
+    passes = sum((e.completion_tokens - 1) / e.mean_accepted_tokens for e in ends)
+    rate = {s: n / statistics.median(t) for s, t in times.items()}
+    print(f"{name}: plain {rate['plain']:.1f} tokens/s, speculative {rate['speculative']:.1f} tokens/s, "
+          f"ratio {rate['speculative'] / rate['plain']:.2f}x; mean accepted tokens "
+          f"{(n - len(ends)) / passes:.2f}; searches per token plain "
+          f"{sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
+          f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
+
+
+def main() -> None:
+    from datastore import Datastore
+    from memlm.retrieval.compat import check_searcher
+
+    args = parse_args()
+    print("# load:", subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
+          f"| torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
+    bench = _common.load_model(None, False)
+    model, tok = bench.pre.model, bench.pre.tokenizer
+    store = Datastore.open(args.datastore)
+    check_searcher(store.info(), model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tok.fingerprint,
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary)
+    knn = knn_settings(args)
+    spec = SpeculativeConfig(draft_tokens=args.draft_tokens)
+    prompts = held_apart_prompts(bench, store, args)
+    print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({store.info().n} entries, "
+          f"{store.info().index}), k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts "
+          f"of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens greedy, batch "
+          f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}", flush=True)
+    engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store,
+                    draft_source(store.provenance, store.values))
+    figures = {int(f) for f in args.figures.split(",")}
+    for number, name, setting in ((1, "1. kNN-LM", knn), (2, "2. base LM drafting from the datastore", None)):
+        if number in figures:
+            plain = [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=setting)
+                     for p in prompts]
+            figure(name, engine, plain, spec, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""`memlm generate --speculative [--draft-tokens N]` over a built datastore: the same tokens as without,
+`searches` and `mean_accepted_tokens` in --json, --lambda 0 drafting for the base LM, one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlm.cli import main
+
+TEXT = "the union is strong and the state of the union is strong"
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's usage errors (exit 2, one line)
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A tiny-model datastore of a repeated sentence (drafts from it are often right)."""
+    tmp = tmp_path_factory.mktemp("spec")
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"{TEXT} {i}. {TEXT}"}) for i in range(4)) + "\n")
+    out = tmp / "store"
+    assert main(["datastore", "build", "--model", "tiny", "--data", str(corpus), "--out", str(out),
+                 "--context", "64", "--stride", "32", "--quiet"]) == 0
+    return out
+
+
+def generate(capsys, tmp_path, store, *flags) -> dict:
+    out_json = tmp_path / f"g{len(list(tmp_path.iterdir()))}.json"
+    code, _, err = run(capsys, "generate", "--model", "tiny", "--datastore", str(store), "--k", "8",
+                         "--max-new-tokens", "24", "--sampling-temperature", "0", "--json", str(out_json),
+                         *flags, "the union", "the state of")
+    assert code == 0, err
+    return json.loads(out_json.read_text())
+
+
+@pytest.mark.parametrize("lmbda", ["0.5", "0"], ids=["knnlm", "base-drafting"])
+def test_speculative_generate_makes_the_same_tokens(capsys, tmp_path, store, lmbda) -> None:
+    knn = ("--lambda", lmbda, "--knn-temperature", "10")
+    plain = generate(capsys, tmp_path, store, *knn)
+    spec = generate(capsys, tmp_path, store, *knn, "--speculative", "--draft-tokens", "3")
+    assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
+    assert plain["mean_accepted_tokens"] is None and spec["mean_accepted_tokens"] >= 1
+    assert all(r["mean_accepted_tokens"] >= 1 for r in spec["results"])
+    assert spec["settings"]["speculative"] is True and spec["settings"]["draft_tokens"] == 3
+    if lmbda == "0":  # the target is the base LM: a search only to draft
+        assert plain["searches"] == sum(r["completion_tokens"] for r in plain["results"])
+        assert 0 < spec["searches"] <= plain["searches"]
+    else:
+        assert plain["searches"] == sum(r["completion_tokens"] for r in plain["results"]) == 48
+        assert spec["searches"] >= plain["searches"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--draft-tokens", "3"), "--draft-tokens needs --speculative"),
+    (("--speculative",), "drafts from a local --datastore"),
+    (("--speculative", "--draft-tokens", "0"), "--draft-tokens"),
+])
+def test_refusals_are_one_line(capsys, flags, message) -> None:
+    code, _, err = run(capsys, "generate", "--model", "tiny", *flags, "x")
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1
