@@ -294,10 +294,7 @@ class Engine:
         for row, c, token, lp, base in zip(ready, knn, *choices):
             row.searches += c is not None
             self._advance(row, token, lp, base)
-        drafting = [i for i, r in enumerate(ready) if r.handle.request.speculative is not None]
-        if drafting:  # the first generated token of speculative rows: their first draft
-            speculative.draft_first(self, [ready[i] for i in drafting], [neighbors[i] for i in drafting],
-                                    keys[drafting])
+        speculative.draft_first(self, ready, neighbors, keys)  # speculative rows: pointers after this token
 
     def _prefill_plan(self) -> list[tuple[Row, int]]:
         """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""
@@ -417,9 +414,8 @@ class Engine:
             self._release(row)
             return
         tail = _flush(self.tokenizer, row.generated, row.emitted)
-        mean_accepted = row.verified_tokens / row.verify_steps if row.verify_steps else None
         row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
-                                     row.searches, mean_accepted))
+                                     row.searches, row.mean_accepted_tokens))
         self._release(row)
 
     def _release(self, row: Row | ScoreRow) -> None:

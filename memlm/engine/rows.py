@@ -113,6 +113,11 @@ class Row:
         """At most this many more tokens before the request ends (the retry hint)."""
         return self.handle.request.max_new_tokens - len(self.generated)
 
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """Speculative rows: tokens per verifying pass (GenerationEnd.mean_accepted_tokens); None: no pass."""
+        return self.verified_tokens / self.verify_steps if self.verify_steps else None
+
     def feed(self, n: int) -> tuple[list[int], list[int]]:
         """The next n tokens to feed and their positions (the caller advances `fed` after the pass)."""
         lo = self.fed

@@ -208,21 +208,24 @@ def _emit(engine: Engine, row: Row, start: int, tokens: list[int], final_lp: tor
     row.pointers = pointers if row.to_feed == 1 else pointers[:0]
 
 
-def draft_first(engine: Engine, rows: list[Row], neighbors: list[Neighbors | None], keys: torch.Tensor) -> None:
-    """Pointers after the token Engine._choose just chose for speculative `rows` (their first generated
-    token, or the first after a slide): from that choice's kNN-LM neighbours, or, for base-LM rows, from
-    one search of their keys (B, C) of draft_k neighbours. Rows that ended are skipped."""
-    alive = [b for b, row in enumerate(rows) if engine._rows.get(row.slot) is row and row.to_feed == 1]
+def draft_first(engine: Engine, ready: list[Row], neighbors: list[Neighbors | None], keys: torch.Tensor) -> None:
+    """Pointers after the token Engine._choose just chose for its speculative `ready` rows (their first
+    generated token, or the first after a slide): from that choice's kNN-LM neighbours (per row, None
+    without kNN-LM), or, for base-LM rows, from one search of their keys (B, C) of draft_k neighbours.
+    Rows that ended are skipped."""
+    alive = [b for b, row in enumerate(ready) if row.handle.request.speculative is not None
+             and engine._rows.get(row.slot) is row and row.to_feed == 1]
+    neighbors = list(neighbors)
     base = [b for b in alive if neighbors[b] is None]
     if base:
-        configs = [KNNLMConfig(k=rows[b].handle.request.speculative.draft_k) for b in base]
+        configs = [KNNLMConfig(k=ready[b].handle.request.speculative.draft_k) for b in base]
         try:
             found = search_rows(engine.searcher, keys[base], configs)  # per row (1, draft_k)
         except Exception:  # noqa: BLE001 - only drafting failed: these rows go on without a draft
             found = [None] * len(base)
         for b, nb in zip(base, found):
             neighbors[b] = nb
-            rows[b].searches += 1
+            ready[b].searches += 1
     for b in alive:
         if neighbors[b] is not None:
-            rows[b].pointers = matching(neighbors[b], rows[b].tokens[-1])
+            ready[b].pointers = matching(neighbors[b], ready[b].tokens[-1])
