@@ -41,7 +41,6 @@ import torch
 
 from memlm.engine import speculative
 from memlm.engine.compression import compress_due
-from memlm.engine.drafts import DraftSource
 from memlm.engine.kv_cache import (
     CacheLayout,
     PackedGroup,
@@ -101,9 +100,8 @@ class Engine:
     """The running batch of one model. submit() from any thread; step() from one thread at a time."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 searcher: Searcher | None = None, drafts: DraftSource | None = None) -> None:
-        """config None: EngineConfig's defaults. searcher: the datastore of the requests with kNN-LM.
-        drafts: that datastore's successors and values, for speculative requests (memlm.engine.drafts)."""
+                 searcher: Searcher | None = None, drafts: speculative.DraftSource | None = None) -> None:
+        """config None: EngineConfig's defaults. searcher: the kNN-LM datastore; drafts: its successors."""
         config = config or EngineConfig()
         xl = config.xl
         if config.row_capacity is not None and config.row_capacity > model.config.max_seq_len:
@@ -146,8 +144,7 @@ class Engine:
                 _as_stop(s)
             if request.knn is not None and self.searcher is None:
                 raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
-            if request.speculative is not None:
-                speculative.check_request(self)
+            speculative.check_request(self, request)
         with self._lock:
             free = self.config.max_batch - len(self._rows)
             if len(self._waiting) >= self.config.max_queue + free:
@@ -257,8 +254,7 @@ class Engine:
         touched = {row.slot for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
                     if s not in touched and isinstance(r, Row) and r.to_feed == 1]
-        verifying = [r for r, _ in decoding if r.handle.request.speculative is not None]
-        decoding = [(r, n) for r, n in decoding if r.handle.request.speculative is None]
+        decoding, verifying = speculative.split(decoding)
         ready: list[Row] = []
         if prefilling and decoding:
             logits, keys, ready = self._run_packed(prefilling, decoding)  # (B, V), (B, C)
@@ -268,8 +264,7 @@ class Engine:
             ready, logits, keys = [(prefilling or decoding)[i][0] for i in index], logits[index], keys[index]
         if ready:
             self._choose(ready, logits, keys)
-        if verifying:  # a pass of their own (memlm.engine.speculative), after _choose's releases
-            speculative.verify(self, sorted(verifying, key=lambda r: r.slot))
+        speculative.verify(self, verifying)  # a pass of their own, after _choose's releases
 
     def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
         """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
@@ -334,8 +329,8 @@ class Engine:
     def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
-        Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all of them, (B, T, V)
-        and (B, T, C)) and, per row, whether it has fed everything it had (its logits are the next token's)."""
+        Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all, (B, T, V) and (B, T, C))
+        and, per row, whether it has fed everything it had (its logits are the next token's)."""
         idx, view = self._inputs(plan)
         T = idx.shape[1]
         out = self.model(idx.to(self.model.device), state=view, logits_from=0 if every_position else T - 1)

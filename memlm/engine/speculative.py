@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from memlm.engine.drafts import DraftSource, advance, draft_from, matching
 from memlm.engine.kv_cache import RowCache
+from memlm.engine.requests import GenerationRequest
 from memlm.engine.rows import Row, ScoreRow
 from memlm.engine.sampling import search_rows
 from memlm.errors import MemlmError
@@ -65,16 +66,27 @@ class Engine(Protocol):
     def _release(self, row: Row | ScoreRow) -> None: ...
 
 
-def check_request(engine: Engine) -> None:
+def check_request(engine: Engine, request: GenerationRequest) -> None:
     """Refuse a speculative request the engine cannot serve, in one line."""
+    if request.speculative is None:
+        return
     if engine.drafts is None or engine.searcher is None:
         raise MemlmError("speculative decoding drafts from a datastore: this engine has none (give --datastore)")
     if engine.cache.layout.wraps:
         raise MemlmError("speculative decoding serves the plain KV cache, not --memory xl")
 
 
+def split(decoding: list[tuple[Row, int]]) -> tuple[list[tuple[Row, int]], list[Row]]:
+    """The step's decode rows (row, 1) -> (the plain ones, the speculative ones)."""
+    return ([(r, n) for r, n in decoding if r.handle.request.speculative is None],
+            [r for r, _ in decoding if r.handle.request.speculative is not None])
+
+
 def verify(engine: Engine, rows: list[Row]) -> None:
-    """One speculative step of `rows` (each with exactly its last token to feed, sorted by slot)."""
+    """One speculative step of `rows` (each with exactly its last token to feed; none: nothing to do)."""
+    if not rows:
+        return
+    rows = sorted(rows, key=lambda r: r.slot)  # the slots of now (Engine._choose may have released rows)
     ring, source = engine.cache.layout.ring, engine.drafts
     drafts = []
     for row in rows:  # cut: no slide inside the pass, nothing drafted past max_new_tokens
