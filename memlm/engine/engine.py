@@ -58,7 +58,7 @@ from memlm.engine.requests import (
     RequestHandle,
     ScoreRequest,
 )
-from memlm.engine.rows import Row, ScoreRow, window_starts
+from memlm.engine.rows import Row, ScoreRow, sequence_score, window_starts
 from memlm.engine.sampling import choose_tokens, search_rows
 from memlm.errors import MemlmError
 
@@ -72,7 +72,6 @@ from memlm.jobs.generate import (
     _flush,
     _match_stop,
 )
-from memlm.jobs.scoring import SequenceScore
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.searcher import Searcher
@@ -474,15 +473,6 @@ def _ended(handle: RequestHandle, deadline: float | None, now: float) -> str | N
 
 def _end_event(reason: str, tail: str, prompt_tokens: int, completion_tokens: int, stop_sequence: str) -> Event:
     return GenerationEnd(reason, tail, prompt_tokens, completion_tokens, stop_sequence)
-
-
-def sequence_score(row: ScoreRow) -> SequenceScore:
-    """memlm.jobs.scoring's result type for a finished score row (no kNN-LM: final = base; no top-n)."""
-    ids, lps, greedy = zip(*row.scored)
-    base = np.array(lps, dtype=np.float32)
-    return SequenceScore(np.array(ids, dtype=np.int64), base, base.copy(), np.array(greedy, dtype=bool),
-                         np.zeros((len(ids), 0), dtype=np.int64), np.zeros((len(ids), 0), dtype=np.float32),
-                         row.first_scored)
 
 
 def run_all(engine: Engine, requests: Sequence[GenerationRequest | ScoreRequest]) -> list[list[Event]]:

@@ -19,6 +19,7 @@ import torch
 from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import RequestHandle
 from memlm.jobs.generate import REPLACEMENT, TokenEvent, _as_stop
+from memlm.jobs.scoring import SequenceScore
 from memlm.model.tokenizer import Tokenizer
 
 
@@ -183,3 +184,12 @@ class ScoreRow:
     def feed(self, n: int) -> tuple[list[int], list[int]]:
         lo = self.fed
         return self.tokens[lo : lo + n], list(range(lo, lo + n))
+
+
+def sequence_score(row: ScoreRow) -> SequenceScore:
+    """memlm.jobs.scoring's result type for a finished score row (no kNN-LM: final = base; no top-n)."""
+    ids, lps, greedy = zip(*row.scored)
+    base = np.array(lps, dtype=np.float32)
+    return SequenceScore(np.array(ids, dtype=np.int64), base, base.copy(), np.array(greedy, dtype=bool),
+                         np.zeros((len(ids), 0), dtype=np.int64), np.zeros((len(ids), 0), dtype=np.float32),
+                         row.first_scored)
