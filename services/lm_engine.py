@@ -382,14 +382,14 @@ def retry_after_ms(e: EngineFull) -> int:
 
 
 def engine_modes(model: object) -> tuple[int, ...]:
-    """ENGINE_MEMORY_MODES for memlm's decoder; none for a transformers model (issue 13: the engine's KV
-    cache is the decoder's CachedAttention)."""
+    """ENGINE_MEMORY_MODES for memlm's decoder; none for a transformers model (the cache is the decoder's)."""
     return ENGINE_MEMORY_MODES if isinstance(model, Decoder) else ()
 
 
 def on_engine(model: object, memory: MemoryConfig | None) -> bool:
-    """Whether a Generate of this memory runs on the engine (engine_modes)."""
-    return isinstance(model, Decoder) and (memory is None or memory.kind in ENGINE_MEMORY_KINDS)
+    """Whether a Generate of this memory runs on the engine (engine_modes). Not SPALM yet: the engine's SPALM
+    rows (memlm.engine.spalm_rows) need the servicer's head in the lanes, which are not given it."""
+    return isinstance(model, Decoder) and (memory is None or memory.kind in ENGINE_MEMORY_KINDS and memory.kind != "spalm")
 
 
 def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingConfig, stop_sequences: list[str],

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from memlm.engine import speculative
+from memlm.engine import spalm_rows, speculative
 from memlm.engine.compression import compress_due
 from memlm.engine.kv_cache import (
     CacheLayout,
@@ -72,6 +72,7 @@ from memlm.jobs.generate import (
     _flush,
     _match_stop,
 )
+from memlm.memory.spalm import SpalmHead
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.searcher import Searcher
@@ -99,9 +100,12 @@ class Engine:
     """The running batch of one model. submit() from any thread; step() from one thread at a time."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 searcher: Searcher | None = None, drafts: speculative.DraftSource | None = None) -> None:
-        """config None: EngineConfig's defaults. searcher: the kNN-LM datastore; drafts: its successors."""
+                 searcher: Searcher | None = None, drafts: speculative.DraftSource | None = None,
+                 spalm_head: SpalmHead | None = None) -> None:
+        """config None: EngineConfig's defaults. searcher: the kNN-LM (or SPALM) datastore; drafts: its successors;
+        spalm_head: the head of memory kind "spalm" (memlm.engine.spalm_rows)."""
         config = config or EngineConfig()
+        spalm_rows.check_engine(config, spalm_head, searcher)
         xl = config.xl
         if config.row_capacity is not None and config.row_capacity > model.config.max_seq_len:
             raise MemlmError(f"row_capacity {config.row_capacity} is over the model's context "
@@ -113,6 +117,7 @@ class Engine:
         self.config = config
         self.searcher = searcher
         self.drafts = drafts
+        self.spalm_head = spalm_head
         self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
         self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
         self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
@@ -134,6 +139,7 @@ class Engine:
         if any(not 0 <= i < V for i in request.prefix):
             raise MemlmError(f"{'prompt' if isinstance(request, GenerationRequest) else 'text'} has token ids "
                              f"outside [0, {V})")
+        spalm_rows.check_request(self, request)
         if isinstance(request, ScoreRequest):
             if not self.cache.layout.wraps and len(request.prefix) - 1 > self.cache.layout.ring:
                 raise MemlmError(f"a score of {len(request.prefix)} tokens is over the rows' {self.cache.layout.ring}; "
@@ -268,6 +274,7 @@ class Engine:
     def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
         """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
         with its error and the others go on (a retrieval fault never stalls the rest of the batch)."""
+        ready, logits, keys = spalm_rows.head_logits(self, ready, logits, keys)  # SPALM: the head's logits
         knn = [r.handle.request.knn for r in ready]
         neighbors: list = [None] * len(ready)
         if any(c is not None for c in knn):
@@ -332,7 +339,7 @@ class Engine:
         and, per row, whether it has fed everything it had (its logits are the next token's)."""
         idx, view = self._inputs(plan)
         T = idx.shape[1]
-        out = self.model(idx.to(self.model.device), state=view, logits_from=0 if every_position else T - 1)
+        out = spalm_rows.forward(self, idx.to(self.model.device), view, 0 if every_position else T - 1)
         for row, n in plan:
             row.fed += n
         logits = out.logits if every_position else out.logits[:, -1]  # (B, T, V) or (B, V)
@@ -359,7 +366,7 @@ class Engine:
                   PackedGroup(d_view, torch.arange(n_p, n_p + n_d, device=device), None)]
         idx = torch.cat([p_idx.reshape(-1)[order], d_idx.reshape(-1)])[None]  # (1, N)
         read = len(last) + n_d
-        out = self.model(idx.to(device), state=PackedStep(groups), logits_from=idx.shape[1] - read)
+        out = spalm_rows.forward(self, idx.to(device), PackedStep(groups), idx.shape[1] - read)
         for row, n in (*prefilling, *decoding):
             row.fed += n
         ready = [row for (row, _), d in zip(prefilling, done) if d] + [row for row, _ in decoding]

@@ -22,6 +22,7 @@ from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.jobs.scoring import SequenceScore
 from memlm.memory.config import MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.searcher import SearchOptions
 
 DEFAULT_SAMPLING = SamplingConfig()
 """A request's sampling when it names none: SamplingConfig's defaults."""
@@ -29,9 +30,9 @@ FINISH_CANCELLED = "cancelled"
 """GenerationEnd.reason of a request cancelled by its caller (its slot is freed before the next step)."""
 FINISH_DEADLINE = "deadline"
 """GenerationEnd.reason of a request still running when its timeout passed."""
-ENGINE_MEMORY_KINDS = ("none", "xl", "compressive")
-"""The memories (MemoryConfig.kind) whose per-row states the engine holds; the others (memorizing, SPALM) run
-on memlm.jobs.generate's one-sequence path."""
+ENGINE_MEMORY_KINDS = ("none", "xl", "compressive", "spalm")
+"""The memories (MemoryConfig.kind) whose per-row states the engine holds (SPALM's is the XL memory, its head
+is the engine's spalm_head); memorizing runs on memlm.jobs.generate's one-sequence path."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class EngineConfig:
     memory: MemoryConfig | None = None
     """kind "xl" (with its sinks, mem_len and segment): each row carries an XL memory, so generation runs
     past the context; kind "compressive" (compress_fn "mean" or "max"): an XL memory whose evicted groups are
-    kept compressed (memlm.engine.compression); None or kind "none": a plain KV cache."""
+    kept compressed (memlm.engine.compression); kind "spalm": XL rows whose logits come from SPALM's head
+    (memlm.engine.spalm_rows; every request gives its SpalmSettings); None or kind "none": a plain KV cache."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 1:
@@ -67,9 +69,23 @@ class EngineConfig:
 
     @property
     def xl(self) -> MemoryConfig | None:
-        """The XL memory (kind "xl", or "compressive": the XL memory with compressed groups), or None for a
-        plain KV cache."""
-        return self.memory if self.memory is not None and self.memory.kind in ("xl", "compressive") else None
+        """The XL memory (kind "xl"; "compressive": with compressed groups; "spalm": SPALM's short-term memory),
+        or None for a plain KV cache."""
+        return self.memory if self.memory is not None and self.memory.kind in ENGINE_MEMORY_KINDS[1:] else None
+
+
+@dataclass(frozen=True)
+class SpalmSettings:
+    """A SPALM request's retrieval (the head is the engine's; memlm.engine.spalm_rows)."""
+
+    k: int
+    """Neighbours whose next tokens' embeddings the head aggregates (memlm.memory.spalm.SPALM_DEFAULT_K)."""
+    options: SearchOptions | None = None
+    """nprobe / exact re-ranking of the search; None: the datastore's defaults."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise MemlmError(f"k must be >= 1, got {self.k}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,8 @@ class GenerationRequest:
     knn: KNNLMConfig | None = None
     """kNN-LM mixture over the engine's Searcher (its k, lambda and temperature; requests with different
     settings share one search per step, of the largest k); None: the base LM."""
+    spalm: SpalmSettings | None = None
+    """SPALM's retrieval (required by, and only by, an engine of memory kind "spalm"); None: the decoder's logits."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding with drafts from the engine's datastore (memlm.engine.speculative: the same
     tokens greedy, the same distribution sampled); None: one token per step."""
@@ -106,6 +124,8 @@ class GenerationRequest:
             raise MemlmError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.knn is not None and self.knn.needs_tuning:
             raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
+        if self.knn is not None and self.spalm is not None:
+            raise MemlmError("kNN-LM interpolation does not combine with SPALM generation (it mixes by its gate)")
 
     @property
     def prefix(self) -> list[int]:
