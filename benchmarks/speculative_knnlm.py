@@ -15,7 +15,7 @@ searches per token, and whether every continuation is token-identical (it must b
 shared CPU.
 
     python benchmarks/speculative_knnlm.py [--datastore /tmp/demo_v4/ds-sotu-1990-2000] [--prompts 8]
-        [--prompt-tokens 64] [--new-tokens 64] [--draft-tokens 4] [--batch 1] [--repeats 1] [--quick]
+        [--prompt-tokens 64] [--new-tokens 64] [--draft-tokens 4] [--min-agreeing 2] [--batch 1] [--repeats 1] [--quick]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
+    p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds per side (median)")
     p.add_argument("--figures", default="1,2", help="1: kNN-LM, 2: the base LM drafting")
@@ -128,12 +129,13 @@ def main() -> None:
     check_searcher(store.info(), model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tok.fingerprint,
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary)
     knn = knn_settings(args)
-    spec = SpeculativeConfig(draft_tokens=args.draft_tokens)
+    spec = SpeculativeConfig(draft_tokens=args.draft_tokens, min_agreeing=args.min_agreeing)
     prompts = held_apart_prompts(bench, store, args)
     print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({store.info().n} entries, "
           f"{store.info().index}), k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts "
           f"of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens greedy, batch "
-          f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}", flush=True)
+          f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}",
+          flush=True)
     engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store,
                     draft_source(store.provenance, store.values))
     figures = {int(f) for f in args.figures.split(",")}

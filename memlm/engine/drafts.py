@@ -42,12 +42,18 @@ class SpeculativeConfig:
     draft_k: int = 64
     """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
     the neighbours of its own search, its k)."""
+    min_agreeing: int = 2
+    """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
+    first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
+    position costs a search for a kNN-LM row: replaying recorded greedy kNN-LM runs on the SOTU setting
+    (benchmarks/speculative_knnlm.py's), 2 keeps 1.31 tokens a pass of 1's 1.32 at 2.2 searches a token
+    instead of 3.4 (draft_tokens 4)."""
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
             raise MemlmError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
-        if self.draft_k < 1:
-            raise MemlmError(f"draft_k must be at least 1, got {self.draft_k}")
+        if self.draft_k < 1 or self.min_agreeing < 1:
+            raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,10 @@ def draft_chains(pointers: np.ndarray, source: DraftSource, length: int) -> np.n
     return chains
 
 
-def best_draft(chains: np.ndarray) -> tuple[int, ...]:
+def best_draft(chains: np.ndarray, min_agreeing: int = 1) -> tuple[int, ...]:
     """The best-first path through the chains' prefix tree (module docstring): at each depth the token
-    most of the still-agreeing chains have (ties: the one of the nearest chain), until none goes on."""
+    most of the still-agreeing chains have (ties: the one of the nearest chain), until fewer than
+    `min_agreeing` chains have it."""
     draft: list[int] = []
     rows = np.arange(chains.shape[0])  # (m',) chains agreeing with the draft so far, nearest first
     for step in range(chains.shape[1]):
@@ -111,15 +118,17 @@ def best_draft(chains: np.ndarray) -> tuple[int, ...]:
             break
         uniq, first, counts = np.unique(tokens, return_index=True, return_counts=True)
         best = np.lexsort((first, -counts))[0]  # most chains, then the nearest one's token
+        if counts[best] < min_agreeing:
+            break
         draft.append(int(uniq[best]))
         rows = rows[tokens == uniq[best]]
     return tuple(draft)
 
 
-def draft_from(pointers: np.ndarray, source: DraftSource, length: int) -> tuple[int, ...]:
-    """The draft the engine verifies after the pointers' token (at most `length` tokens; () when no
-    pointer has a successor)."""
-    return best_draft(draft_chains(pointers, source, length)) if length > 0 else ()
+def draft_from(pointers: np.ndarray, source: DraftSource, length: int, min_agreeing: int) -> tuple[int, ...]:
+    """The draft the engine verifies after the pointers' token (at most `length` tokens; () when fewer than
+    min_agreeing pointers agree on its first token)."""
+    return best_draft(draft_chains(pointers, source, length), min_agreeing) if length > 0 else ()
 
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:

@@ -90,8 +90,9 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     ring, source = engine.cache.layout.ring, engine.drafts
     drafts = []
     for row in rows:  # cut: no slide inside the pass, nothing drafted past max_new_tokens
-        cap = min(row.handle.request.speculative.draft_tokens, ring - row.cached - 1, row.steps_left - 1)
-        drafts.append(draft_from(row.pointers, source, cap))
+        spec = row.handle.request.speculative
+        cap = min(spec.draft_tokens, ring - row.cached - 1, row.steps_left - 1)
+        drafts.append(draft_from(row.pointers, source, cap, spec.min_agreeing))
     starts = [row.fed for row in rows]
     for row, d in zip(rows, drafts):
         row.tokens += d  # fed by this pass, taken back below

@@ -39,7 +39,8 @@ TOK = Tokenizer.byte_level()
 BOUNDARY = document_boundary(TOK)
 GREEDY = SamplingConfig(temperature=0.0)
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
-SPEC = SpeculativeConfig(draft_tokens=6, draft_k=16)
+SPEC = SpeculativeConfig(draft_tokens=6, draft_k=16, min_agreeing=1)
+"""Drafts from the tiny datastore's few neighbours (k 8): one chain is enough to draft."""
 SEEDS = ["the cat sat", "once upon a time", "in the beginning", "hello world", "a b c d", "memory lane"]
 
 
@@ -167,7 +168,9 @@ def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> Non
     chains = draft_chains(pointers, source, 4)
     assert chains.tolist() == [[6, 9, -1, -1], [6, 7, 8, -1]]  # each stops at its document's end
     assert best_draft(chains) == (6, 9)  # tie at depth 2: the nearest chain's token
-    assert draft_from(matching(nb, 8), source, 4) == () and draft_from(pointers, source, 0) == ()
+    assert best_draft(chains, min_agreeing=2) == (6,)  # one chain alone does not draft
+    assert draft_from(pointers, source, 4, 2) == (6,) and draft_from(pointers, source, 4, 3) == ()
+    assert draft_from(matching(nb, 8), source, 4, 1) == () and draft_from(pointers, source, 0, 1) == ()
     assert advance(pointers, [6, 7], source).tolist() == [2]  # only doc A went on with 6 7
     assert advance(pointers, [6, 7, 8], source).tolist() == [3] and advance(pointers, [6, 7, 8, 1], source).size == 0
     three = np.array([[6, 7, -1], [6, 9, 1], [6, 9, 2]])
@@ -184,3 +187,5 @@ def test_refused_without_a_datastore_or_with_the_xl_memory(setting) -> None:
         Engine(model, TOK, xl, searcher, drafts).submit(r)
     with pytest.raises(MemlmError, match="--draft-tokens"):
         SpeculativeConfig(draft_tokens=0)
+    with pytest.raises(MemlmError, match="min_agreeing"):
+        SpeculativeConfig(min_agreeing=0)

@@ -78,7 +78,7 @@ def exact_outcomes(model, searcher, prefix: list[int]) -> dict[tuple[int, ...], 
 
 def sampled(setting, speculate: bool) -> Counter:
     model, searcher, drafts, prompt = setting
-    spec = SpeculativeConfig(draft_tokens=4, draft_k=8) if speculate else None
+    spec = SpeculativeConfig(draft_tokens=4, draft_k=8, min_agreeing=1) if speculate else None
     reqs = [GenerationRequest(prompt, TOKENS, dataclasses.replace(SAMPLING, seed=s), boundary_token=BOUNDARY,
                               knn=KNN, speculative=spec) for s in SEEDS]
     results = run_all(Engine(model, TOK, EngineConfig(max_batch=64), searcher, drafts), reqs)
@@ -128,7 +128,7 @@ def test_drafts_were_verified_in_the_sampled_runs(setting) -> None:
     accepted, some rejected)."""
     model, searcher, drafts, prompt = setting
     reqs = [GenerationRequest(prompt, TOKENS, dataclasses.replace(SAMPLING, seed=s), boundary_token=BOUNDARY,
-                              knn=KNN, speculative=SpeculativeConfig(draft_tokens=4, draft_k=8))
+                              knn=KNN, speculative=SpeculativeConfig(draft_tokens=4, draft_k=8, min_agreeing=1))
             for s in itertools.islice(SEEDS, 200)]
     ends = [ev[-1] for ev in run_all(Engine(model, TOK, EngineConfig(max_batch=64), searcher, drafts), reqs)]
     passes = [(e.completion_tokens - 1) / e.mean_accepted_tokens for e in ends]  # the first token is plain
