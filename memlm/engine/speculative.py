@@ -103,11 +103,15 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     lm_lp = [F.log_softmax(logits[b, T - 1 - len(d):].float(), dim=-1) for b, d in enumerate(drafts)]  # (1+n, V)
     rkeys = [keys[b, T - 1 - len(d):] for b, d in enumerate(drafts)]  # (1+n, C)
     knn = [row.handle.request.knn for row in rows]
+    checked = [d[: _cut(lm, d, c, row.handle.request.sampling, engine.decodable)]  # what can be accepted
+               for lm, d, c, row in zip(lm_lp, drafts, knn, rows)]
+    lm_lp = [lm[: 1 + len(d)] for lm, d in zip(lm_lp, checked)]  # (1+n', V): only these positions are searched
+    rkeys = [k[: 1 + len(d)] for k, d in zip(rkeys, checked)]  # (1+n', C)
     accepted: list[tuple[list[int], int] | None] = [None] * len(rows)
     walked: list[np.ndarray | None] = [None] * len(rows)  # base rows' pointers walked along their tokens
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
-            accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
+            accepted[b] = accept(lm_lp[b], checked[b], row.handle.request.sampling, row.generator, engine.decodable)
             walked[b] = advance(row.pointers, accepted[b][0], source)
     neighbors, failed = _search(engine, rows, rkeys, knn, accepted, walked)
     final = list(lm_lp)
@@ -116,7 +120,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
             nb = neighbors[b]  # (1+n, k)
             knn_lp = knn_log_distribution(nb, lm_lp[b].shape[-1], knn[b].temperature).to(lm_lp[b].device)  # (1+n, V)
             final[b] = interpolate(lm_lp[b], knn_lp, knn[b].lmbda)  # (1+n, V)
-            accepted[b] = accept(final[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
+            accepted[b] = accept(final[b], checked[b], row.handle.request.sampling, row.generator, engine.decodable)
     pointers = [_next_pointers(row, a, nb, w, source) if a is not None else None
                 for row, a, nb, w in zip(rows, accepted, neighbors, walked)]
     for b, row in enumerate(rows):  # roll back before any row leaves (a release moves rows)
@@ -129,6 +133,27 @@ def verify(engine: Engine, rows: list[Row]) -> None:
             engine._release(row)
             continue
         _emit(engine, row, starts[b], accepted[b][0], final[b], lm_lp[b], pointers[b])
+
+
+CUT_MARGIN = 1e-4
+"""Slack on _cut's bound, far above the float32 error of the probabilities it compares."""
+
+
+def _cut(lm_lp: torch.Tensor, draft: tuple[int, ...], knn: KNNLMConfig | None, sampling: SamplingConfig,
+         decodable: int) -> int:
+    """Greedy kNN-LM: the first draft index i whose token d_(i+1) cannot be the mixture's argmax whatever the
+    neighbours, len(draft) if none. p = (1 - lambda) p_LM + lambda p_kNN and 0 <= p_kNN <= 1, so a token
+    a with (1 - lambda) (p_LM(a) - p_LM(d)) > lambda beats d under any p_kNN: d is rejected for certain,
+    and the positions after i need no search (the pass yields at most the tokens chosen at 0..i).
+    lm_lp: (1+n, V) base log-probabilities. Other rows (base LM, sampling): the whole draft."""
+    if knn is None or sampling.temperature != 0 or not draft:
+        return len(draft)
+    p = lm_lp[: len(draft), :decodable].exp()  # (n, V')
+    ids = torch.tensor(draft, device=p.device)[:, None]  # (n, 1)
+    p_draft = torch.where(ids < decodable, p.gather(1, ids.clamp(max=decodable - 1)), 0.0)[:, 0]  # (n,)
+    certain = (1 - knn.lmbda) * (p.max(dim=-1).values - p_draft) > knn.lmbda + CUT_MARGIN  # (n,)
+    first = certain.nonzero()
+    return int(first[0, 0]) if first.numel() else len(draft)
 
 
 def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], knn: list[KNNLMConfig | None],

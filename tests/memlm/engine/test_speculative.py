@@ -39,6 +39,8 @@ TOK = Tokenizer.byte_level()
 BOUNDARY = document_boundary(TOK)
 GREEDY = SamplingConfig(temperature=0.0)
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+KNN_LOW = KNNLMConfig(k=8, lmbda=0.1, temperature=5.0)
+"""lambda < 1/2: drafts are cut where no neighbours could make them the argmax (speculative._cut)."""
 SPEC = SpeculativeConfig(draft_tokens=6, draft_k=16, min_agreeing=1)
 """Drafts from the tiny datastore's few neighbours (k 8): one chain is enough to draft."""
 SEEDS = ["the cat sat", "once upon a time", "in the beginning", "hello world", "a b c d", "memory lane"]
@@ -73,7 +75,7 @@ def engine(setting, max_batch: int = 4, **config) -> Engine:
     return Engine(model, TOK, EngineConfig(max_batch=max_batch, **config), searcher, drafts)
 
 
-@pytest.mark.parametrize("knn", [KNN, None], ids=["knnlm", "base-drafting"])
+@pytest.mark.parametrize("knn", [KNN, KNN_LOW, None], ids=["knnlm", "knnlm-cut", "base-drafting"])
 def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn) -> None:
     plain = [GenerationRequest(p, 24 + i % 7, GREEDY, boundary_token=BOUNDARY, knn=knn)
              for i, p in enumerate(prompts(setting[3], 24))]
@@ -189,3 +191,29 @@ def test_refused_without_a_datastore_or_with_the_xl_memory(setting) -> None:
         SpeculativeConfig(draft_tokens=0)
     with pytest.raises(MemlmError, match="min_agreeing"):
         SpeculativeConfig(min_agreeing=0)
+
+
+@pytest.mark.parametrize("lmbda", [0.1, 0.3, 0.6])
+def test_greedy_kNN_draft_cut_only_where_no_neighbours_could_accept(lmbda) -> None:
+    """speculative._cut: a draft token is cut (its position and the later ones not searched) only when even
+    all of p_kNN on it leaves another token the mixture's argmax; where it is not cut, some p_kNN makes it
+    the argmax (the bound is the tight one for a one-hot p_kNN on the draft token)."""
+    import torch
+
+    from memlm.engine.speculative import _cut
+    from memlm.retrieval.knnlm import interpolate
+
+    gen = torch.Generator().manual_seed(0)
+    knn = KNNLMConfig(k=4, lmbda=lmbda, temperature=1.0)
+    cuts = 0
+    for _ in range(200):
+        lm = torch.log_softmax(3 * torch.randn(2, 6, generator=gen), -1)  # (1+n, V), n = 1
+        d = int(torch.randint(0, 6, (1,), generator=gen))
+        onehot = torch.full((1, 6), float("-inf"))
+        onehot[0, d] = 0.0  # log p_kNN: all mass on the draft token
+        best_case = interpolate(lm[:1], onehot, lmbda)[0]  # (V,) the mixture most favourable to d
+        cut = _cut(lm, (d,), knn, GREEDY, 6) == 0
+        cuts += cut
+        assert cut == (int(best_case.argmax()) != d) or abs(float(best_case.max() - best_case[d])) < 1e-3
+    assert (0 < cuts < 200) if lmbda < 0.5 else cuts == 0  # lambda >= 1/2: p_kNN can always lift d to the top
+    assert _cut(lm, (d,), None, GREEDY, 6) == 1 and _cut(lm, (d,), knn, SamplingConfig(temperature=1.0), 6) == 1
