@@ -1,31 +1,24 @@
 """The LM server's Generate on the decoding engine (issue 12 part 3): one running batch per setting.
 
-Every Generate call with MEMORY_MODE_NONE, XL or COMPRESSIVE (with or without kNN-LM) is a request in a
-running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or
-pass their deadline, and every step decodes all of them in one forward pass (with kNN-LM: one batched
-search for every ready kNN-LM row, each with its own k, lambda and temperature, memlm.engine.sampling).
-The engine takes one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by
-whether they search (LaneKey): every MEMORY_MODE_NONE base-LM call shares one batch, every kNN-LM one
-another, whatever its k, lambda and temperature, every XL call with the same sizes a third; at most
-MAX_LANES lanes live at once (an idle one is closed to make room; none idle: RESOURCE_EXHAUSTED).
+Every Generate call with MEMORY_MODE_NONE, XL, COMPRESSIVE (with or without kNN-LM) or SPALM is a request in a
+running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or pass
+their deadline, and every step decodes all of them in one forward pass (with kNN-LM or SPALM: one batched
+search for every ready row, each with its own settings, memlm.engine.sampling / spalm_rows). The engine takes
+one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by whether they search
+(LaneKey); at most MAX_LANES lanes live at once (an idle one is closed to make room; none: RESOURCE_EXHAUSTED).
 
-Model turns (services.lm_scheduler): each lane's thread takes the model's turn like any call, as a
-tenant of its own ("engine:<lane>"), for one engine step at a time, and passes it on at every step
-boundary when Score calls wait; the fair share of model time among Generate calls is now the batch
-itself (every row gets one token per step). A remote kNN search gives the turn away while it waits
-(TurnFreeSearcher, issue 9.2) and ends when every caller in the batch gave up or the latest deadline of
-the batch passed (services.retrieval_client.for_caller); a failing search ends the kNN-LM rows of that
-step with the retrieval service's status, never the other rows (memlm.engine) nor other lanes' calls.
+Model turns (services.lm_scheduler): each lane's thread takes the model's turn like any call, as a tenant of
+its own ("engine:<lane>"), for one engine step at a time, passed on at every step boundary when Score calls
+wait. A remote search gives the turn away while it waits (TurnFreeSearcher, issue 9.2) and ends when every
+caller in the batch gave up or the batch's latest deadline passed (services.retrieval_client.for_caller); a
+failing search ends the searching rows of that step with its status, never other rows nor other lanes' calls.
 
 Admission is bounded (LMLimits.max_batch rows per batch, max_queue waiting per batch, max_tokens_in_flight
-prompt + max_new_tokens over every Generate call of the server, all in GetInfo): beyond, the call is refused
-with RESOURCE_EXHAUSTED whose message ends "retry after N ms" and whose trailing metadata carries
-`retry-after-ms: N` (RETRY_AFTER_KEY): when a row is likely free (the soonest-finishing request's steps left
-x the batch's mean step time, memlm.engine).
-
-Events travel from the lane's thread to the call's event loop: after every step the lane takes each
-handle's ready events (RequestHandle.ready) and puts them on the call's asyncio queue
-(loop.call_soon_threadsafe), so a stream carries each token as it is made.
+prompt + max_new_tokens over every Generate call of the server, all in GetInfo): beyond, RESOURCE_EXHAUSTED
+ending "retry after N ms", trailing metadata `retry-after-ms: N` (RETRY_AFTER_KEY): when a row is likely
+free (the soonest-finishing request's steps left x the batch's mean step time). After every step the lane
+puts each handle's ready events on the call's asyncio queue (loop.call_soon_threadsafe): a stream carries
+each token as it is made.
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ from memlm.engine.requests import (
     Event,
     GenerationRequest,
     RequestHandle,
+    SpalmSettings,
 )
 from memlm.errors import MemlmError
 from memlm.jobs.generate import (
@@ -63,6 +57,7 @@ from memlm.jobs.generate import (
 )
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
+from memlm.memory.spalm import SpalmHead
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.attribution import (
@@ -89,7 +84,8 @@ FINISH_REASONS = {
     FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
 }
 """How a generation that ran to its end finished, on the wire (cancelled / deadline ends are statuses)."""
-ENGINE_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE)
+ENGINE_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE,
+                       lm_pb2.MEMORY_MODE_SPALM)
 """Generate's modes on the engine (memlm.engine.requests.ENGINE_MEMORY_KINDS), GetInfo's engine_memory_modes."""
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata key of a RESOURCE_EXHAUSTED Generate: milliseconds after which a retry is likely admitted."""
@@ -97,18 +93,16 @@ RETRY_AFTER_KEY = "retry-after-ms"
 
 @dataclass(frozen=True)
 class LaneKey:
-    """What one engine batch is made for: its rows' memory, and whether they search (kNN-LM settings
-    themselves are per request)."""
+    """What one engine batch is made for: its rows' memory, and whether they search (settings are per request)."""
 
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL's or COMPRESSIVE's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
+    """MEMORY_MODE_XL's, COMPRESSIVE's or SPALM's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
     searches: bool
-    """kNN-LM rows batch apart from base rows: a step waits for its search, so a slow or hung retrieval
-    service then holds only calls that asked for it (issue 9.2), never base-LM generations."""
+    """kNN-LM (and SPALM) rows batch apart from base rows: a step waits for its search, so a slow or hung
+    retrieval service then holds only calls that asked for it (issue 9.2), never base-LM generations."""
     attribution: int = 0
     """Top documents per generated token (issue 14), 0: none. An attributing lane decodes one row at a time
-    (max_batch 1), so that each of its searches is its one row's next token (the engine searches all its
-    rows at once and keeps which row is which to itself)."""
+    (max_batch 1): each search is its one row's next token (the engine keeps which row is which to itself)."""
 
 
 @dataclass(frozen=True)
@@ -204,10 +198,11 @@ class BatchSearcher:
 
 
 class Lane:
-    """One engine batch (one LaneKey), stepped by a thread of its own with the model's turn."""
+    """One engine batch (one LaneKey), stepped by a thread of its own with the model's turn; a lane of memory
+    kind "spalm" gives its engine the server's SPALM head (spalm_head)."""
 
     def __init__(self, key: LaneKey, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None,
-                 limits: EngineLimits, turns: ModelTurns, name: str) -> None:
+                 limits: EngineLimits, turns: ModelTurns, name: str, spalm_head: SpalmHead | None = None) -> None:
         self.key = key
         self._closed = threading.Event()
         self.gate = StepGate(turns, self._closed.is_set, turns.tenant(f"engine:{name}"))
@@ -220,7 +215,9 @@ class Lane:
         config = EngineConfig(max_batch=limits.max_batch, prefill_chunk=limits.prefill_chunk,
                               max_queue=limits.max_queue, max_tokens_in_flight=limits.max_tokens_in_flight,
                               memory=key.memory)
-        self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None)
+        spalm = key.memory is not None and key.memory.kind == "spalm"
+        self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None,
+                             spalm_head=spalm_head if spalm else None)
         self._thread = threading.Thread(target=self._run, name=f"memlm-engine-{name}", daemon=True)
         self._thread.start()
 
@@ -301,7 +298,7 @@ class Lane:
                 continue
             tokens = [e for e in events if isinstance(e, TokenEvent)]
             stream.produced += len(tokens)
-            if tokens and stream.handle.request.knn is not None:
+            if tokens and (stream.handle.request.knn or stream.handle.request.spalm) is not None:
                 if searched is not None:
                     stream.generations.add(searched[0])
                 if self.key.attribution:  # one row: the step's one search, its one token
@@ -328,8 +325,8 @@ class EnginePool:
     bound on tokens in flight, and the retry hint."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None, limits: EngineLimits,
-                 turns: ModelTurns) -> None:
-        self._model, self._tokenizer, self._searcher = model, tokenizer, searcher
+                 turns: ModelTurns, spalm_head: SpalmHead | None = None) -> None:
+        self._model, self._tokenizer, self._searcher, self._spalm_head = model, tokenizer, searcher, spalm_head
         self.limits = limits
         self._turns = turns
         self._lanes: dict[LaneKey, Lane] = {}
@@ -354,7 +351,8 @@ class EnginePool:
                 raise EngineFull(f"{MAX_LANES} batches of other settings", self._retry_hint(streams))
             self._lanes.pop(idle).close()
         self._made += 1
-        lane = Lane(key, self._model, self._tokenizer, self._searcher, self.limits, self._turns, str(self._made))
+        lane = Lane(key, self._model, self._tokenizer, self._searcher, self.limits, self._turns, str(self._made),
+                    self._spalm_head)
         self._lanes[key] = lane
         return lane
 
@@ -387,16 +385,16 @@ def engine_modes(model: object) -> tuple[int, ...]:
 
 
 def on_engine(model: object, memory: MemoryConfig | None) -> bool:
-    """Whether a Generate of this memory runs on the engine (engine_modes). Not SPALM yet: the engine's SPALM
-    rows (memlm.engine.spalm_rows) need the servicer's head in the lanes, which are not given it."""
-    return isinstance(model, Decoder) and (memory is None or memory.kind in ENGINE_MEMORY_KINDS and memory.kind != "spalm")
+    """Whether a Generate of this memory runs on the engine (engine_modes)."""
+    return isinstance(model, Decoder) and (memory is None or memory.kind in ENGINE_MEMORY_KINDS)
 
 
 def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingConfig, stop_sequences: list[str],
-                   knn: KNNLMConfig | None, boundary: int, eos_id: int | None, deadline: float | None) -> GenerationRequest:
+                   knn: KNNLMConfig | None, boundary: int, eos_id: int | None, deadline: float | None,
+                   spalm: SpalmSettings | None = None) -> GenerationRequest:
     """A parsed Generate as the engine takes it; deadline: time.monotonic() seconds or None."""
     return GenerationRequest(tuple(prompt), max_new_tokens, sampling, tuple(stop_sequences), boundary_token=boundary,
-                             eos_id=eos_id, knn=knn,
+                             eos_id=eos_id, knn=knn, spalm=spalm,
                              timeout_s=None if deadline is None else max(1e-6, deadline - time.monotonic()))
 
 

@@ -4,12 +4,12 @@ The servicer is thin (STYLE.md 14): it validates a request into library argument
 the library and encodes the result. Model work runs ONE forward step at a time (services.lm_scheduler): each
 client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
 its fair share, never for all of a long call. Concurrent Score calls of one key share forward steps
-(services.lm_score_batch). Generate with MEMORY_MODE_NONE, XL or COMPRESSIVE (kNN-LM or not) is a request in a running
+(services.lm_score_batch). Generate with MEMORY_MODE_NONE, XL, COMPRESSIVE (kNN-LM or not) or SPALM is a request in a running
 batch of the decoding engine (services.lm_engine, issue 12), which takes the model's turn like one more
 client; a cancelled call's row is free before the next step; admission is bounded (max_batch, max_queue,
 max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
-MEMORIZING and SPALM Generate (states the engine does not hold) run as a one-sequence iterator advanced
-one step per turn.
+MEMORIZING Generate (a state the engine does not hold) runs as a one-sequence iterator advanced one step
+per turn.
 
 Bounded work (issue 9): every request's cost, and every step's, is checked before any work, and every call
 hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
@@ -39,6 +39,7 @@ from typing import TypeVar
 import grpc
 import torch
 
+from memlm.engine.requests import SpalmSettings
 from memlm.errors import MemlmError
 from memlm.jobs.generate import generate
 from memlm.jobs.memorizing import saved_knn_attention
@@ -180,7 +181,7 @@ class LanguageModelServicer:
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
             max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
-        ), self.scheduler.turns)
+        ), self.scheduler.turns, spalm.head if spalm is not None else None)
         """The running Generate batches (services.lm_engine)."""
         self.score_batches = ScoreBatcher(self.scheduler, self._score_work)
         """Concurrent Score calls sharing forward steps (services.lm_score_batch)."""
@@ -280,9 +281,10 @@ class LanguageModelServicer:
         args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
         if on_engine(self._model, args.memory):  # a row of a running engine batch (services.lm_engine)
             stop.set()  # the gate and stop above are the one-sequence path's
+            spalm = SpalmSettings(args.spalm.k, args.spalm.options) if args.spalm is not None else None
             request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
-                                     self._boundary, self._tokenizer.eos_id, stop.deadline)
-            lane = LaneKey(args.memory, args.knn is not None, args.attribution)
+                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm)
+            lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution)
             async for response in stream_generation(self.engines, lane, request, stop.deadline, context, self._record):
                 yield response
             return
