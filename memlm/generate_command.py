@@ -1,7 +1,7 @@
 """`memlm generate`: continue one or more prompts through the decoding engine (memlm.engine, issue 12).
 
     memlm generate --model M [--datastore DIR | --retrieval ADDR] [--lambda L --knn-temperature T --k K]
-        [--memory none|xl --segment S --mem-len M --sink-tokens N] [--max-new-tokens N]
+        [--memory none|xl|compressive --segment S --mem-len M --sink-tokens N --cmem-len C --compress-rate R] [--max-new-tokens N]
         [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT]
         [--speculative [--draft-tokens N]] PROMPT...
 
@@ -41,8 +41,9 @@ from memlm.options import (
     refuse_given,
 )
 
-GENERATE_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
-"""The memory options the engine serves (--memory none or xl and the XL memory's sizes)."""
+GENERATE_MEMORY = ("kind", "segment", "mem_len", "sink_tokens", "cmem_len", "compress_rate", "compress_fn")
+"""The memory options the engine serves (--memory none, xl or compressive, pooled, and their sizes)."""
+COMPRESSIVE_ONLY = ("cmem_len", "compress_rate", "compress_fn")
 DEFAULT_MAX_NEW_TOKENS = 64
 """Tokens generated per prompt when --max-new-tokens is not given."""
 
@@ -124,16 +125,18 @@ def add_generate_parser(sub: Any) -> None:
     knn.add_argument("--datastore", default=None, help="datastore directory (searched in this process)")
     knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
     add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
-    add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": ("none", "xl")})
+    add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": ("none", "xl", "compressive")})
     add_speculative_options(p)
     p.set_defaults(func=cmd_generate)
 
 
 def memory_from(args: argparse.Namespace) -> MemoryConfig | None:
-    """--memory xl and its sizes (MemoryConfig's defaults for the rest); None: the plain KV cache."""
+    """--memory xl or compressive and its sizes (MemoryConfig's defaults for the rest); None: the plain KV cache."""
     if args.kind in (None, "none"):
-        refuse_given(args, GENERATE_MEMORY[1:], "needs --memory xl")
+        refuse_given(args, GENERATE_MEMORY[1:], "needs --memory xl or compressive")
         return None
+    if args.kind == "xl":
+        refuse_given(args, COMPRESSIVE_ONLY, "needs --memory compressive")
     return memory_config(args, MemoryConfig())
 
 

@@ -71,11 +71,31 @@ def test_knn_lm_over_a_built_datastore_and_xl_memory(capsys, tmp_path) -> None:
     assert "30 tokens" in out
 
 
+def test_compressive_memory_equals_the_library(capsys, tmp_path) -> None:
+    from memlm.jobs.generate import generate
+    from memlm.memory.config import MemoryConfig
+
+    out_json, prompt = tmp_path / "c.json", "a long prompt past a few segments of memory"
+    code, _, err = run(capsys, "generate", "--model", "tiny", "--memory", "compressive", "--segment", "4", "--mem-len",
+                       "6", "--cmem-len", "3", "--compress-rate", "2", "--sink-tokens", "2", "--max-new-tokens", "40",
+                       "--sampling-temperature", "0", "--json", str(out_json), prompt)
+    assert code == 0, err
+    tiny = load_pretrained("tiny")
+    memory = MemoryConfig("compressive", mem_len=6, cmem_len=3, compress_rate=2, sink_tokens=2, segment=4)
+    events = generate(tiny.model, tiny.tokenizer, tiny.tokenizer.encode(prompt), max_new_tokens=40,
+                      sampling=SamplingConfig(temperature=0.0), boundary_token=document_boundary(tiny.tokenizer),
+                      eos_id=tiny.tokenizer.eos_id, memory=memory)
+    (result,) = json.loads(out_json.read_text())["results"]
+    assert result["tokens"] == [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--segment", "8"], "--segment needs --memory xl"),
     (["--k", "8"], "--k needs --datastore or --retrieval"),
     (["--datastore", "a", "--retrieval", "b:1"], "not both"),
-    (["--memory", "compressive"], "invalid choice"),
+    (["--memory", "memorizing"], "invalid choice"),
+    (["--memory", "xl", "--cmem-len", "4"], "--cmem-len needs --memory compressive"),
+    (["--memory", "compressive", "--compress-fn", "conv"], "pooling"),
     (["--top-p", "1.5", "--sampling-temperature", "1"], "top_p must be in (0, 1]"),
 ])
 def test_refusals_are_one_line(capsys, flags, message) -> None:
