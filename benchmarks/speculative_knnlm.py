@@ -9,7 +9,8 @@ REST's premise that the continuation is in the datastore, and says so). Two figu
 1. greedy kNN-LM (the interpolated target, one search per token) vs speculative kNN-LM (drafts from the
    neighbours' successors, every fed position searched in one batched search per step);
 2. the base LM vs the base LM drafting from the datastore (the datastore only drafts: a search only when a
-   row's pointers ran out).
+   row's pointers ran out);
+3. the same with pointers from the suffix index when they ran out (REST's exact match, no search).
 Each prints tokens/s of both sides, the ratio, mean accepted tokens (tokens per verifying forward pass),
 searches per token, and whether every continuation is token-identical (it must be). Sides alternate over
 --repeats rounds (the median per side); the machine's load is printed (`uptime`), figures are noisy on a
@@ -56,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds per side (median)")
-    p.add_argument("--figures", default="1,2", help="1: kNN-LM, 2: the base LM drafting")
+    p.add_argument("--figures", default="1,2,3", help="1: kNN-LM, 2: the base LM drafting (pointers by search), "
+                   "3: the same with pointers by suffix match")
     p.add_argument("--in-datastore", action="store_true",
                    help="allow prompts from the datastore's own speeches (with --split 1990<=year<=2000): an upper "
                         "bound where the drafts are the speech itself, NOT the held-apart figure (printed so)")
@@ -145,11 +147,14 @@ def main() -> None:
     engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store,
                     draft_source(store.provenance, store.values))
     figures = {int(f) for f in args.figures.split(",")}
-    for number, name, setting in ((1, "1. kNN-LM", knn), (2, "2. base LM drafting from the datastore", None)):
+    suffix = dataclasses.replace(spec, base_pointers="suffix")
+    for number, name, setting, config in ((1, "1. kNN-LM", knn, spec),
+                                          (2, "2. base LM drafting from the datastore (pointers by search)", None, spec),
+                                          (3, "3. base LM drafting from the datastore (pointers by suffix)", None, suffix)):
         if number in figures:
             plain = [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=setting)
                      for p in prompts]
-            figure(name, engine, plain, spec, args.repeats)
+            figure(name, engine, plain, config, args.repeats)
 
 
 if __name__ == "__main__":

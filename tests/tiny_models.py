@@ -57,13 +57,12 @@ class RowWiseSearcher:
 def own_text_datastore(model, documents: list[list[int]]):
     """A datastore of `documents` (token ids, each starting with its boundary token) under `model`, for
     speculative decoding: (TorchExactSearcher over the keys, memlm.engine.drafts.DraftSource of its
-    successors). Entry i of a document is (key at input index i, token i + 1) at position i + 1, as the
+    successors and suffix index). Entry i of a document is (key at input index i, token i + 1) at position i + 1, as the
     builder writes them (memlm.retrieval.searcher.Provenance)."""
     import numpy as np
 
-    from memlm.engine.drafts import DraftSource
+    from memlm.engine.drafts import draft_source
     from memlm.retrieval.exact import TorchExactSearcher
-    from memlm.retrieval.pointers import successors
     from memlm.retrieval.searcher import Provenance
 
     keys, values, docs, positions = [], [], [], []
@@ -79,5 +78,4 @@ def own_text_datastore(model, documents: list[list[int]]):
     def lookup(ids):
         return Provenance(docs_np[ids], pos_np[ids])
 
-    return (TorchExactSearcher(torch.cat(keys), values_np),
-            DraftSource(successors(lookup, len(values)).next_ids, values_np))
+    return TorchExactSearcher(torch.cat(keys), values_np), draft_source(lookup, values_np)

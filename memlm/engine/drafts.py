@@ -31,6 +31,12 @@ from memlm.errors import MemlmError
 from memlm.retrieval.pointers import ProvenanceLookup, successors
 from memlm.retrieval.searcher import Neighbors
 
+BASE_POINTERS = ("search", "suffix")
+"""SpeculativeConfig.base_pointers' choices."""
+SUFFIX_POINTERS = 256
+"""Most pointers a suffix match gives (a frequent token ends thousands of entries; the first ones, in
+datastore order, are kept)."""
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -42,6 +48,10 @@ class SpeculativeConfig:
     draft_k: int = 64
     """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
     the neighbours of its own search, its k)."""
+    base_pointers: str = "search"
+    """How a base-LM row finds pointers when it has none (after the prompt, or when its walked ones ran
+    out): "search" the draft_k neighbours of its last position's key; "suffix" the entries that end
+    with the row's last two tokens (REST's exact suffix match, no search; DraftSource.suffix)."""
     min_agreeing: int = 2
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
@@ -52,6 +62,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
             raise MemlmError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
+        if self.base_pointers not in BASE_POINTERS:
+            raise MemlmError(f"base_pointers must be one of {', '.join(BASE_POINTERS)}, got {self.base_pointers!r}")
         if self.draft_k < 1 or self.min_agreeing < 1:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
 
@@ -65,12 +77,55 @@ class DraftSource:
     """(N,) int64 successor of every entry, -1 at a document's end (memlm.retrieval.pointers.Successors)."""
     values: np.ndarray
     """(N,) int32 stored next token of every entry."""
+    suffix: SuffixIndex | None = None
+    """The entries by their last two tokens, for SpeculativeConfig.base_pointers "suffix"; None: not built."""
 
     def __post_init__(self) -> None:
         n = self.next_ids.shape[0]
         if self.next_ids.ndim != 1 or self.values.shape != (n,):
             raise MemlmError(f"a draft source needs next_ids (N,) and values (N,), got {self.next_ids.shape} "
                              f"and {self.values.shape}")
+
+
+@dataclass(frozen=True)
+class SuffixIndex:
+    """Entries sorted by (their predecessor's value, their value): the entries whose text ends with tokens
+    a b are a sorted range (REST's exact match, here of the last two tokens, with one token as fallback)."""
+
+    pair_keys: np.ndarray
+    """(N,) int64 sorted (value of the predecessor + 1) * W + value (the predecessor's value is -1 at a
+    document's start), W = the largest value + 1."""
+    pair_order: np.ndarray
+    """(N,) int64 entry ids in pair_keys' order."""
+    value_keys: np.ndarray
+    """(N,) int64 sorted values."""
+    value_order: np.ndarray
+    """(N,) int64 entry ids in value_keys' order."""
+    width: int
+    """W."""
+
+    @classmethod
+    def build(cls, next_ids: np.ndarray, values: np.ndarray) -> SuffixIndex:
+        has_next = np.flatnonzero(next_ids >= 0)  # (M,)
+        prev_value = np.full(values.shape[0], -1, dtype=np.int64)  # (N,)
+        prev_value[next_ids[has_next]] = values[has_next]
+        width = int(values.max(initial=0)) + 1
+        keys = (prev_value + 1) * width + values  # (N,)
+        pair_order = np.argsort(keys, kind="stable")
+        value_order = np.argsort(values, kind="stable")
+        return cls(keys[pair_order], pair_order, values[value_order].astype(np.int64), value_order, width)
+
+    def pointers(self, last_two: list[int]) -> np.ndarray:
+        """(m,) entries whose value is last_two[-1] and whose predecessor's is last_two[-2] (when given and
+        any such entry exists; else all entries of value last_two[-1]), at most SUFFIX_POINTERS."""
+        b = last_two[-1]
+        if len(last_two) == 2 and b < self.width and last_two[0] < self.width:
+            key = (last_two[0] + 1) * self.width + b
+            lo, hi = np.searchsorted(self.pair_keys, [key, key + 1])
+            if hi > lo:
+                return self.pair_order[lo : min(hi, lo + SUFFIX_POINTERS)]
+        lo, hi = np.searchsorted(self.value_keys, [b, b + 1])
+        return self.value_order[lo : min(hi, lo + SUFFIX_POINTERS)]
 
 
 def matching(neighbors: Neighbors, chosen: int) -> np.ndarray:
@@ -133,6 +188,8 @@ def draft_from(pointers: np.ndarray, source: DraftSource, length: int, min_agree
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:
     """The DraftSource of a datastore from its provenance lookup (datastore.Datastore.provenance) and its
-    (N,) values: successors derived once (memlm.retrieval.pointers.successors), values read into memory."""
+    (N,) values: successors derived once (memlm.retrieval.pointers.successors), values read into memory,
+    the suffix index built."""
     values = np.asarray(values, dtype=np.int32)
-    return DraftSource(successors(lookup, values.shape[0]).next_ids, values)
+    next_ids = successors(lookup, values.shape[0]).next_ids
+    return DraftSource(next_ids, values, SuffixIndex.build(next_ids, values))

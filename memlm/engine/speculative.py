@@ -167,7 +167,7 @@ def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], knn: list
         if c is not None:
             queries.append(keys[b])  # (1+n, C)
             configs += [c] * keys[b].shape[0]
-        elif walked[b].size == 0:
+        elif walked[b].size == 0 and not _by_suffix(row, engine.drafts):
             queries.append(keys[b][accepted[b][1] : accepted[b][1] + 1])  # (1, C)
             configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
         else:
@@ -197,7 +197,14 @@ def _next_pointers(row: Row, accepted: tuple[list[int], int], neighbors: Neighbo
         fresh = matching(Neighbors(*(a[at : at + 1] for a in neighbors)), tokens[-1])  # (m,)
         if fresh.size:
             return fresh
+    if walked is not None and walked.size == 0 and _by_suffix(row, source):
+        return source.suffix.pointers((row.tokens + tokens)[-2:])  # the row's text after this pass
     return walked if walked is not None else advance(row.pointers, tokens, source)
+
+
+def _by_suffix(row: Row, source: DraftSource) -> bool:
+    """Whether a base-LM row without pointers takes them from the suffix index (no search)."""
+    return row.handle.request.speculative.base_pointers == "suffix" and source.suffix is not None
 
 
 def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingConfig, generator: torch.Generator,
@@ -249,12 +256,15 @@ def _emit(engine: Engine, row: Row, start: int, tokens: list[int], final_lp: tor
 def draft_first(engine: Engine, ready: list[Row], neighbors: list[Neighbors | None], keys: torch.Tensor) -> None:
     """Pointers after the token Engine._choose just chose for its speculative `ready` rows (their first
     generated token, or the first after a slide): from that choice's kNN-LM neighbours (per row, None
-    without kNN-LM), or, for base-LM rows, from one search of their keys (B, C) of draft_k neighbours.
-    Rows that ended are skipped."""
+    without kNN-LM), or, for base-LM rows, from one search of their keys (B, C) of draft_k neighbours
+    (base_pointers "search") or the suffix index ("suffix"). Rows that ended are skipped."""
     alive = [b for b, row in enumerate(ready) if row.handle.request.speculative is not None
              and engine._rows.get(row.slot) is row and row.to_feed == 1]
     neighbors = list(neighbors)
-    base = [b for b in alive if neighbors[b] is None]
+    for b in alive:
+        if neighbors[b] is None and _by_suffix(ready[b], engine.drafts):
+            ready[b].pointers = engine.drafts.suffix.pointers(ready[b].tokens[-2:])
+    base = [b for b in alive if neighbors[b] is None and not _by_suffix(ready[b], engine.drafts)]
     if base:
         configs = [KNNLMConfig(k=ready[b].handle.request.speculative.draft_k) for b in base]
         try:

@@ -20,6 +20,7 @@ from tiny_models import own_text_datastore, sharp_tiny_model
 from memlm.engine.drafts import (
     DraftSource,
     SpeculativeConfig,
+    SuffixIndex,
     advance,
     best_draft,
     draft_chains,
@@ -75,11 +76,14 @@ def engine(setting, max_batch: int = 4, **config) -> Engine:
     return Engine(model, TOK, EngineConfig(max_batch=max_batch, **config), searcher, drafts)
 
 
-@pytest.mark.parametrize("knn", [KNN, KNN_LOW, None], ids=["knnlm", "knnlm-cut", "base-drafting"])
-def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn) -> None:
+@pytest.mark.parametrize(("knn", "base_pointers"), [(KNN, "search"), (KNN_LOW, "search"), (None, "search"),
+                                                   (None, "suffix")],
+                         ids=["knnlm", "knnlm-cut", "base-drafting", "base-drafting-by-suffix"])
+def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, base_pointers) -> None:
     plain = [GenerationRequest(p, 24 + i % 7, GREEDY, boundary_token=BOUNDARY, knn=knn)
              for i, p in enumerate(prompts(setting[3], 24))]
-    spec = [dataclasses.replace(r, speculative=SPEC) for r in plain]
+    config = dataclasses.replace(SPEC, base_pointers=base_pointers)
+    spec = [dataclasses.replace(r, speculative=config) for r in plain]
     want = run_all(engine(setting), plain)
     got = run_all(engine(setting), spec)
     for w, g in zip(want, got):
@@ -95,6 +99,8 @@ def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn) -
     if knn is not None:  # plain kNN-LM searches once a token; speculative once a fed position
         assert [w[-1].searches for w in want] == [w[-1].completion_tokens for w in want]
         assert all(e.searches >= e.completion_tokens for e in ends)
+    elif base_pointers == "suffix":
+        assert all(e.searches == 0 for e in ends)  # the datastore drafts without a search
     else:
         assert all(w[-1].searches == 0 for w in want)
         # one search after the prompt, then only when a row's pointers ran out: at most one a pass
@@ -175,6 +181,11 @@ def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> Non
     assert draft_from(matching(nb, 8), source, 4, 1) == () and draft_from(pointers, source, 0, 1) == ()
     assert advance(pointers, [6, 7], source).tolist() == [2]  # only doc A went on with 6 7
     assert advance(pointers, [6, 7, 8], source).tolist() == [3] and advance(pointers, [6, 7, 8, 1], source).size == 0
+    index = SuffixIndex.build(next_ids, values)
+    assert index.pointers([5, 6]).tolist() == [1, 5] and index.pointers([7, 8]).tolist() == [3]
+    assert index.pointers([9, 6]).tolist() == [1, 5]  # no entry ends with 9 6: those ending with 6
+    assert index.pointers([6]).tolist() == [1, 5] and index.pointers([5]).tolist() == [0, 4]
+    assert index.pointers([3, 5]).tolist() == [0, 4]  # a document's first entry has no predecessor
     three = np.array([[6, 7, -1], [6, 9, 1], [6, 9, 2]])
     assert best_draft(three) == (6, 9, 1)  # most chains agree on 9
 
@@ -191,6 +202,8 @@ def test_refused_without_a_datastore_or_with_the_xl_memory(setting) -> None:
         SpeculativeConfig(draft_tokens=0)
     with pytest.raises(MemlmError, match="min_agreeing"):
         SpeculativeConfig(min_agreeing=0)
+    with pytest.raises(MemlmError, match="base_pointers"):
+        SpeculativeConfig(base_pointers="ngram")
 
 
 @pytest.mark.parametrize("lmbda", [0.1, 0.3, 0.6])
