@@ -6,8 +6,9 @@ free cache row. One `step`:
 2. admits waiting requests into free rows;
 3. prefills: rows with more than one token to feed get chunks of their prompt, at most
    EngineConfig.prefill_chunk tokens over all rows per step (so a long prompt never stalls the running
-   batch), in one left-padded forward pass (padding is never written to the cache);
-4. decodes: every row with exactly one token to feed (its last token) in one (B, 1) forward pass;
+   batch), left-padded (padding is never written to the cache);
+4. decodes every row with exactly one token to feed (its last token), in the SAME forward pass as the
+   prefill chunks (kv_cache.PackedStep: the weights are read once per step, decode rows are not padded);
 5. chooses the next token of every row whose prompt is done, at once (memlm.engine.sampling: one kNN-LM
    search for all the rows that use it, each with its own k, lambda and temperature), and emits
    TokenEvents; finished rows emit their GenerationEnd and leave. A failed search ends only the rows that
@@ -17,7 +18,9 @@ answered with memlm.jobs.scoring's SequenceScore (several clients' scores share 
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
 deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
-row attends to its sinks and last mem_len states, so it generates past the model's context.
+row attends to its sinks and last mem_len states, so it generates past the model's context; compressive
+rows also keep their evicted states pooled (memlm.engine.compression); SPALM rows take the head's logits
+(memlm.engine.spalm_rows).
 
 Work runs where `step` is called: in the caller's thread (a handle's `events()` steps the engine while
 no engine thread runs; memlm generate) or in the engine's own thread (`start`, for a server, whose
