@@ -9,7 +9,6 @@ free cache row. One `step`:
    batch), left-padded (padding is never written to the cache);
 4. decodes every row with exactly one token to feed (its last token), in the SAME forward pass as the
    prefill chunks (kv_cache.PackedStep: the weights are read once per step, decode rows are not padded);
-   speculative rows verify [last token, draft] in a pass of their own after step 5 (memlm.engine.speculative);
 5. chooses the next token of every row whose prompt is done, at once (memlm.engine.sampling: one kNN-LM
    search for all the rows that use it, each with its own k, lambda and temperature), and emits
    TokenEvents; finished rows emit their GenerationEnd and leave. A failed search ends only the rows that
