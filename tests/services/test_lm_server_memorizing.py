@@ -295,3 +295,12 @@ def test_a_service_backend_without_a_memory_service_is_refused(tiny, knn_attenti
     with pytest.raises(MemlmError, match=r"kNN backend 'service' needs a retrieval server with memory sessions"):
         module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=replace(LIMITS, knn_backend="service"),
                                         knn_attention=knn_attention))
+
+
+def test_serve_lm_refuses_a_knn_service_its_memory_would_not_use(checkpoint):
+    # The checkpoint's backend is "auto" (in process): --knn-service alone is refused in one line, not ignored.
+    done = subprocess.run([sys.executable, "-m", "memlm", "serve", "lm", "--model", str(checkpoint), "--port", "0",
+                           "--knn-service", "127.0.0.1:1"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 1 and done.stderr.splitlines()[-1] == (
+        "memlm: error: --knn-service needs a memorizing checkpoint served with --knn-backend service"), done.stderr
