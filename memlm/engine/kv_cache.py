@@ -219,7 +219,8 @@ class StepView:
         row_index = torch.tensor(rows)[:, None].expand(B, T)  # (B, T)
         self.write_rows = row_index[real_cpu].to(device)  # (n,)
         self.write_slots = cache.slot_of(pos_cpu)[real_cpu].to(device)  # (n,)
-        self.write_tokens = real_cpu.reshape(-1).nonzero()[:, 0].to(device)  # (n,) into B * T
+        # (n,) into B * T; None when every token is real (a decode step): the tokens are all of them, in order.
+        self.write_tokens = None if bool(real_cpu.all()) else real_cpu.reshape(-1).nonzero()[:, 0].to(device)
         cache.slot_pos[self.write_rows, self.write_slots] = pos_cpu[real_cpu].to(device)
         self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (B, 1, T, hs) each
         # The mask once per step for every layer, laid out as the grouped queries (B, 1, g*T, width).
@@ -258,10 +259,11 @@ class StepView:
         return self  # the cache was written in place by the layers' views
 
 
-def _tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x: (B, nkv, T, hs) -> the tokens `index` of the flattened (B * T), (n, nkv, hs)."""
+def _tokens(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """x: (B, nkv, T, hs) -> the tokens `index` of the flattened (B * T), (n, nkv, hs); None: all of them."""
     B, nkv, T, hs = x.shape
-    return x.transpose(1, 2).reshape(B * T, nkv, hs).index_select(0, index)  # (n, nkv, hs)
+    flat = x.transpose(1, 2).reshape(B * T, nkv, hs)  # (B*T, nkv, hs)
+    return flat if index is None else flat.index_select(0, index)  # (n, nkv, hs)
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
