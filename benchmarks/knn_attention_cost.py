@@ -8,7 +8,7 @@ memlm.memory.config.memorizing_layer (layer 6 of 8), top-k 32:
    64K-entry exact memory vs the same model and XL memory without it (goal <= 1.1x; lucidrains measured
    1.15x with one memorizing layer on this machine, with an approximate HNSW search), and over a 64K
    inverted-file memory (`--knn-backend ivf`, memlm.retrieval.faiss_memory.ivf_factory) with its recall@32
-   against exact on the same contents;
+   against exact on the same contents, and over a full 64-entry memory (what the layer costs besides its scan);
 2. the scan alone: one segment's queries over the full 64K memory by each backend (FAISS's float32 flat
    scan, the torch bfloat16 matmul + topk, the bfloat16 matmul without any top-k, the inverted file), with
    the GFLOP/s of the exact ones, and the FLOP budget: the step's own FLOPs (torch.utils.flop_counter) and
@@ -27,6 +27,7 @@ holds). The configurations compared run interleaved, step by step (segment by se
 load of a shared machine hits them alike; a ratio is the median of the adjacent pairs' ratios.
 
     python benchmarks/knn_attention_cost.py [--steps 3] [--eval-segments 4] [--repeats 3] [--threads N]
+        [--real-keys TOKENS]   # also the inverted file's recall on SmolLM2's real layer-22 keys (needs the model)
 
 Shape legend: B rows (1), T segment, S streams (B * nkv), d head size, M memory entries per stream.
 """
