@@ -230,3 +230,38 @@ def test_greedy_kNN_draft_cut_only_where_no_neighbours_could_accept(lmbda) -> No
         assert cut == (int(best_case.argmax()) != d) or abs(float(best_case.max() - best_case[d])) < 1e-3
     assert (0 < cuts < 200) if lmbda < 0.5 else cuts == 0  # lambda >= 1/2: p_kNN can always lift d to the top
     assert _cut(lm, (d,), None, GREEDY, 6) == 1 and _cut(lm, (d,), knn, SamplingConfig(temperature=1.0), 6) == 1
+
+
+class FailingAfter:
+    """A searcher whose searches fail from the n-th call on (a retrieval service going down)."""
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.n, self.calls = inner, n, 0
+
+    @property
+    def dim(self) -> int:
+        return self.inner.dim
+
+    def info(self):
+        return self.inner.info()
+
+    def search(self, xq, k, options=None):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise MemlmError("retrieval service unavailable")
+        return self.inner.search(xq, k, options)
+
+
+def test_a_failed_search_ends_the_speculative_knn_rows_only(setting) -> None:
+    """The step's one search fails: speculative kNN-LM rows end with its error; a plain base row and a
+    speculative base row (its draft search failed: it goes on without a draft) make their tokens alone."""
+    model, searcher, drafts, docs = setting
+    p = tuple(docs[0][1:12])
+    base = GenerationRequest(p, 16, GREEDY, boundary_token=BOUNDARY)
+    reqs = [dataclasses.replace(base, knn=KNN, speculative=SPEC), base, dataclasses.replace(base, speculative=SPEC)]
+    eng = Engine(model, TOK, EngineConfig(max_batch=3), FailingAfter(searcher, 3), drafts)
+    handles = [eng.submit(r) for r in reqs]
+    with pytest.raises(MemlmError, match="unavailable"):
+        list(handles[0].events())
+    alone = tokens(run_all(engine(setting, max_batch=1), [base])[0])
+    assert tokens(list(handles[1].events())) == alone and tokens(list(handles[2].events())) == alone
