@@ -110,7 +110,8 @@ def test_score_attribution_equals_the_library_local_and_remote(corpus, tiny, tmp
             with pytest.raises(ServiceError, match="attribution_top_n"):
                 c.score([text], knn=KnnRequest(attribution_top_n=65))
             # compressive Generate runs on the decoding engine now (issue 12), which attributes
-            deltas = c.generate(text, max_new_tokens=2, knn=KnnRequest(attribution_top_n=1), memory_mode="compressive")
+            deltas = c.generate(text, max_new_tokens=2, temperature=0.0, knn=KnnRequest(attribution_top_n=1),
+                                memory_mode="compressive")  # greedy: a sampled eos would end it early
             assert [len(d.attributions) for d in deltas if isinstance(d, TextDelta)] == [1, 1]
             (base,) = c.score([text])
             assert base.datastore_generations == ()
