@@ -44,9 +44,9 @@ SERVE_MEMORY = ("segment", "mem_len", "sink_tokens")
 CLIENT_KNN_MEMORY = ("knn_mem_size", "knn_top_k")
 """The memorizing options a request carries (MemoryOptions; the layer is the server's checkpoint's)."""
 CLIENT_KNN = ("k", "lmbda", "temperature", "nprobe")
+"""The kNN options a request carries (KnnRequest; exact re-rank is the server's setting)."""
 CLIENT_FEWER = ("pointers", "min_pointers", "adaptive_threshold", "adaptive_fraction")
 """The fewer-searches options a Score request carries (issue 15; the gate is the server's --adaptive-gate)."""
-"""The kNN options a request carries (KnnRequest; exact re-rank is the server's setting)."""
 
 # ---------------------------------------------------------------------------------------------------
 # fetch
