@@ -101,13 +101,13 @@ class SequenceScore:
     """(n,) per scored token its top documents (memlm.retrieval.attribution) when attribution was asked
     for with kNN-LM; empty otherwise."""
     searched: np.ndarray | None = None
-    """(n,) bool: a kNN search was made for the token (issue 15: fewer with a gate or pointers); None when
-    every token's neighbours came from a search, or without kNN-LM."""
+    """(n,) bool: a kNN search was made for the token (issue 15: fewer with a gate or pointers; all True
+    with plain kNN-LM); None without kNN-LM."""
 
     @property
     def searches(self) -> int:
-        """kNN searches made for the scored tokens (one per token with kNN-LM and no fewer searches)."""
-        return len(self.tokens) if self.searched is None else int(self.searched.sum())
+        """kNN searches made for the scored tokens (one per token with plain kNN-LM; 0 without kNN-LM)."""
+        return 0 if self.searched is None else int(self.searched.sum())
 
     @property
     def total_logprob(self) -> float:
@@ -435,9 +435,12 @@ def _final_scores(
     lm_lp: (n, V) base log-probabilities; targets: (n,); greedy: (n,) base-LM greedy flags (used
     without kNN-LM); nb: (n, k) neighbours of these tokens' keys (sourced with attribution), or None
     without kNN-LM. keep_base: (n,) bool, tokens whose final distribution is the base one (a gate skipped
-    their search); searched: (n,) bool, returned as the 7th item (None: every token searched).
+    their search); searched: (n,) bool, returned as the 7th item (None with nb: every token searched; None
+    without kNN-LM).
     """
     n = lm_lp.shape[0]
+    if nb is not None and searched is None:  # plain kNN-LM: a search per token (SequenceScore.searched)
+        searched = torch.ones(n, dtype=torch.bool)  # (n,)
     base_greedy = greedy
     base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
     attributed: list[TokenAttribution] = []

@@ -112,7 +112,8 @@ def score_spalm(
                 for r, seq, a, b in slices:
                     targets = batch.targets[r, a:b].to(device)  # (n,)
                     lp = logp[r, a:b]  # (n, V)
-                    parts[seq].append(_final_scores(lp, targets, lp.argmax(dim=-1) == targets, None, None, top_n))
+                    parts[seq].append(_final_scores(lp, targets, lp.argmax(dim=-1) == targets, None, None, top_n,
+                                                    searched=searched[r, a:b].cpu()))  # each target searched
                     gates[seq].append(out.gate[r, a:b].float().cpu())  # (n,)
     scores = _assemble(token_seqs, parts, prefix_lens, top_n)
     return SpalmScores(scores, [torch.cat(g).numpy() if g else np.zeros(0, np.float32) for g in gates])

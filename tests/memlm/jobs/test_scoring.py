@@ -169,6 +169,19 @@ def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
         assert (s.top_logprobs[:, 0] >= s.logprob - 1e-5).all()
 
 
+def test_searches_count_knn_searches_only(tiny, docs, searcher):
+    """SequenceScore.searched is None without kNN-LM (no search: searches 0) and marks every token with
+    plain kNN-LM (searches = tokens), windows and segments alike (review of issue 15)."""
+    knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+    memory = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
+    for score in (lambda **kw: score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=BOUNDARY, **kw),
+                  lambda **kw: score_tokens_segments(tiny.model, docs, memory=memory, boundary_token=BOUNDARY, **kw)):
+        for s in score():
+            assert len(s.tokens) > 0 and s.searched is None and s.searches == 0
+        for s in score(searcher=searcher, knn=knn):
+            assert s.searched.tolist() == [True] * len(s.tokens) and s.searches == len(s.tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # Segment-recurrent scoring (memory modes): oracle memlm.jobs.segment_eval.evaluate_segments
 

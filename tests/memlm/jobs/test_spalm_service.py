@@ -82,6 +82,7 @@ def test_scores_equal_evaluate_spalm_token_by_token(setup):
         np.testing.assert_array_equal(s.logprob, expected)
         np.testing.assert_array_equal(s.base_logprob, expected)  # no kNN-LM: SPALM's own
         assert s.top_ids.shape == (len(expected), 2)
+        assert s.searches == len(expected)  # SPALM searches every scored token (ScoreResult.searches)
     counts = np.bincount(searcher.values, minlength=model.config.vocab_size)
     ev = evaluate_spalm(model, head, docs, MEMORY, searcher, K, boundary_token=BOUNDARY, token_counts=counts,
                         batch_size=rows)
