@@ -212,7 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if args.retrieval:
             searcher.close()  # the RetrievalClient's channel
     seconds = time.perf_counter() - start
-    report = generation_report(args, results, seconds)
+    report = generation_report(args, results, seconds, speculative)
     for i, r in enumerate(report["results"]):
         print(f"--- [{i}] {r['finish_reason']}, {r['completion_tokens']} tokens")
         print(r["prompt"] + r["text"])
@@ -232,8 +232,10 @@ def one_sequence(model: Any, tokenizer: Any, request: Any, searcher: Any) -> lis
                          searcher=searcher if r.knn is not None else None, knn=r.knn))
 
 
-def generation_report(args: argparse.Namespace, results: list[list[Any]], seconds: float) -> dict[str, Any]:
-    """What --json writes: every prompt's tokens, texts and log-probs (nats), and the run's settings."""
+def generation_report(args: argparse.Namespace, results: list[list[Any]], seconds: float,
+                      speculative: Any) -> dict[str, Any]:
+    """What --json writes: every prompt's tokens, texts and log-probs (nats), and the run's settings;
+    speculative: the SpeculativeConfig that ran (None without --speculative), recorded field by field."""
     out = []
     for prompt, events in zip(args.prompts, results):
         toks = [e for e in events if isinstance(e, TokenEvent)]
@@ -255,7 +257,7 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
         "settings": {"max_new_tokens": args.max_new_tokens, "stop": args.stop or [],
                      **{k: getattr(args, k) for k in (*SAMPLING_OPTIONS, *KNN_OPTIONS, *GENERATE_MEMORY)},
                      "datastore": args.datastore, "retrieval": args.retrieval,
-                     "speculative": args.speculative, "draft_tokens": args.draft_tokens},
+                     "speculative": dataclasses.asdict(speculative) if speculative is not None else None},
     }
 
 

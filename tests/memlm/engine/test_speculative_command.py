@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from memlm.cli import main
+from memlm.engine.drafts import SpeculativeConfig
 
 TEXT = "the union is strong and the state of the union is strong"
 
@@ -50,7 +52,9 @@ def test_speculative_generate_makes_the_same_tokens(capsys, tmp_path, store, lmb
     assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
     assert plain["mean_accepted_tokens"] is None and spec["mean_accepted_tokens"] >= 1
     assert all(r["mean_accepted_tokens"] >= 1 for r in spec["results"])
-    assert spec["settings"]["speculative"] is True and spec["settings"]["draft_tokens"] == 3
+    # The effective SpeculativeConfig, every field (the defaults that ran, not only what was typed).
+    assert plain["settings"]["speculative"] is None
+    assert spec["settings"]["speculative"] == dataclasses.asdict(SpeculativeConfig(draft_tokens=3))
     if lmbda == "0":  # the target is the base LM: a search only to draft
         assert plain["searches"] == sum(r["completion_tokens"] for r in plain["results"])
         assert 0 < spec["searches"] <= plain["searches"]
