@@ -50,8 +50,11 @@ def test_speculative_generate_makes_the_same_tokens(capsys, tmp_path, store, lmb
     plain = generate(capsys, tmp_path, store, *knn)
     spec = generate(capsys, tmp_path, store, *knn, "--speculative", "--draft-tokens", "3")
     assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
-    assert plain["mean_accepted_tokens"] is None and spec["mean_accepted_tokens"] >= 1
-    assert all(r["mean_accepted_tokens"] >= 1 for r in spec["results"])
+    assert plain["mean_accepted_tokens"] is None
+    if lmbda == "0":  # the random tiny model's own greedy text is not the datastore's: few drafts hold
+        assert all(r["mean_accepted_tokens"] >= 1 for r in spec["results"])  # (the engine test's model takes them)
+    else:  # the mixture follows the datastore's sentence: drafts are accepted, more than one token a pass
+        assert spec["mean_accepted_tokens"] > 1 and all(r["mean_accepted_tokens"] > 1 for r in spec["results"])
     # The effective SpeculativeConfig, every field (the defaults that ran, not only what was typed).
     assert plain["settings"]["speculative"] is None
     assert spec["settings"]["speculative"] == dataclasses.asdict(SpeculativeConfig(draft_tokens=3))
