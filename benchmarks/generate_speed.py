@@ -21,7 +21,7 @@ over the median step time. Each figure is printed as soon as it is measured.
 
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
-        [--figures 1,2,3,4] [--repeats 1] [--clock wall|cpu]
+        [--figures 1,2,3,4] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256]
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens of the batch-1 figure vs transformers")
     p.add_argument("--streams", default="1,8,32", help="concurrent streams of the aggregate figure")
     p.add_argument("--stream-tokens", type=int, default=32, help="new tokens per stream")
+    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+                   help="the engine's prompt tokens per step (EngineConfig.prefill_chunk)")
     p.add_argument("--knn-batch", type=int, default=8)
     p.add_argument("--knn-tokens", type=int, default=4096, help="datastore size when --datastore is not given")
     p.add_argument("--datastore", default=None, help="a built datastore for the kNN-LM figure")
@@ -182,7 +184,7 @@ def aggregate(bench, hf, ps, streams: int, args, device) -> dict:
     ids = torch.tensor([[bench.boundary, *p] for p in ps[:streams]], device=device)  # (S, T), equal lengths
 
     def batched():
-        run_all(Engine(model, tok, EngineConfig(max_batch=streams)), reqs)
+        run_all(Engine(model, tok, EngineConfig(max_batch=streams, prefill_chunk=args.prefill_chunk)), reqs)
 
     def one_by_one():
         run_all(Engine(model, tok, EngineConfig(max_batch=1)), reqs)
@@ -300,7 +302,7 @@ def main() -> None:
     ps = prompts(bench, max(streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
     _common.synthetic_banner(bench.synthetic)
     print(f"model {bench.name}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
-          f"{args.clock} clock, "
+          f"{args.clock} clock, engine prefill_chunk {args.prefill_chunk}, "
           f"{args.repeats} alternating run(s) per side (median), after one warm-up of both")
     hf = hf_twin(bench.pre.model)
     warm = engine_requests(bench, ps[:2], 4)  # one-time costs (allocator, kernels, generation config) out of the timings
