@@ -159,8 +159,9 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
                    key_layer: str) -> FewerSources:
     """`memlm serve lm`'s FewerSources: the gate of --adaptive-gate (refused in one line when fitted for
     another model, key layer or datastore) and the pointers of its searcher: a local datastore.Datastore's
-    successors, values and keys (exact pointer distances), or a RetrievalClient's Successors rpc (remote:
-    no keys, pointers carry their predecessor's distance); made at the first request that asks."""
+    successors, values and keys (exact pointer distances; made at the first request that asks), or a
+    RetrievalClient's Successors rpc (remote: no keys, pointers carry their predecessor's distance; one
+    services.retrieval_walk.OneGeneration a request, which call_walk binds to the call's searches)."""
     from functools import cache
     from pathlib import Path
 
@@ -180,10 +181,29 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
         return FewerSources(gate, None)
 
     @cache
-    def pointers() -> PointerSource:
-        if remote:
-            return PointerSource(searcher, None)
+    def local() -> PointerSource:
         return PointerSource.local(successors(searcher.provenance, len(searcher)).next_ids, searcher.values,
                                    searcher.keys)
 
+    def pointers() -> PointerSource:
+        if remote:  # one walk's own (services.retrieval_walk): its ids are rows of one generation
+            from services.retrieval_walk import OneGeneration
+
+            return PointerSource(OneGeneration(searcher, searcher), None)
+        return local()
+
     return FewerSources(gate, pointers)
+
+
+def call_walk(searcher, retrieval: Retrieval | None):
+    """The searcher and Retrieval of one Score call (searcher: its services.lm_results.CallSearcher): a
+    remote pointer walk searches through the call's searcher and looks successors up, both held to one
+    datastore generation (services.retrieval_walk.OneGeneration); anything else as given."""
+    from dataclasses import replace
+
+    from services.retrieval_walk import OneGeneration
+
+    if retrieval is None or retrieval.source is None or not isinstance(retrieval.source.successors, OneGeneration):
+        return searcher, retrieval
+    walk = retrieval.source.successors.through(searcher)
+    return walk, replace(retrieval, source=PointerSource(walk, None))

@@ -54,13 +54,18 @@ class CallSearcher:
 
     def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
         """Searcher.search (xq (Q, d) -> (Q, k)), noting the generation that answered."""
+        return self.search_generation(xq, k, options)[0]
+
+    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
+                          ) -> tuple[Neighbors, int]:
+        """GenerationSearcher.search_generation (a remote pointer walk's, services.retrieval_walk), noted."""
         with self._outside():
             if isinstance(self._bounded, GenerationSearcher):
                 nb, generation = self._bounded.search_generation(xq, k, options)
             else:  # a searcher without generations (an in-memory exact one): 0, as SearchResponse.generation says
                 nb, generation = self._bounded.search(xq, k, options), 0
         self.generations.add(int(generation))
-        return nb
+        return nb, int(generation)
 
     def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
         """SourcedSearcher.search_sourced (attribution), noting the generation that answered."""

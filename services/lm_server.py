@@ -57,7 +57,7 @@ from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services import lm_results, lm_spalm
-from services.lm_args import NO_FEWER, FewerSources, server_sources
+from services.lm_args import NO_FEWER, FewerSources, call_walk, server_sources
 from services.lm_engine import (
     EngineLimits,
     EnginePool,
@@ -233,6 +233,7 @@ class LanguageModelServicer:
         """The library's Score of `args`, polling `gate` -> scores, SPALM gates (or None), generations searched."""
         searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
         generations = searcher.generations if searcher is not None else set()
+        walker, retrieval = call_walk(searcher, args.retrieval)  # a remote pointer walk: one generation
         if args.spalm is not None:
             return ScoreOutcome(*score_spalm(
                 self._model, self._spalm.head, args.token_seqs, memory=args.memory, searcher=searcher,
@@ -241,9 +242,9 @@ class LanguageModelServicer:
         if args.memory is None:
             return ScoreOutcome(score_tokens(
                 self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
-                boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n,
+                boundary_token=self._boundary, searcher=walker, knn=args.knn, top_n=args.top_n,
                 batch_size=args.batch_size, should_stop=gate, attribution=args.attribution,
-                retrieval=args.retrieval), None, generations)
+                retrieval=retrieval), None, generations)
         return ScoreOutcome(score_tokens_segments(
             self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
             boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n, batch_size=args.batch_size,

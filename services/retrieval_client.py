@@ -259,24 +259,31 @@ class RetrievalClient(ServiceClient):
         """search_sourced within a caller's deadline and should_stop, as search_until."""
         return self._search(xq, k, options, deadline, should_stop, True)[0]
 
-    def successors_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The Successors rpc (memlm.retrieval.pointers.SuccessorLookup): ids (M,) int64 datastore rows ->
-        (next_ids (M,) int64, -1 at a document's end; next_values (M,) int32), in calls that fit a message."""
+    def successors_generation(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The Successors rpc: ids (M,) int64 datastore rows -> (next_ids (M,) int64, -1 at a document's end;
+        next_values (M,) int32; the generation that answered, SuccessorsResponse.generation), in calls that fit
+        a message; calls answered by different generations: ServiceError ABORTED, as a split sourced search.
+        Rows are a generation's (compaction renumbers them, issue 14): a pointer walk compares the generation
+        with its searches' (services.retrieval_walk.OneGeneration, the walk's SuccessorLookup)."""
         ids = np.asarray(ids, dtype=np.int64)  # (M,)
         if ids.shape[0] == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int32)
+            return np.empty(0, np.int64), np.empty(0, np.int32), self.generation()
         info = self.server_info()
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
         step = max(1, (limit - 4096) // SUCCESSOR_BYTES)  # the response (12 B an id) is the bigger message
-        nxt, values = [], []
+        nxt, values, generations = [], [], set()
         for start in range(0, ids.shape[0], step):
             response = self._call(self._stub.Successors, retrieval_pb2.SuccessorsRequest(ids=to_tensor(ids[start : start + step])))
+            generations.add(int(response.generation))
             try:
                 nxt.append(from_tensor(response.next_ids, "next_ids", dtypes=(tensor_pb2.DTYPE_INT64,), ndim=1))
                 values.append(from_tensor(response.values, "values", dtypes=(tensor_pb2.DTYPE_INT32,), ndim=1))
             except TensorError as e:
                 raise ServiceError(self.address, grpc.StatusCode.INTERNAL, f"bad response: {e}") from None
-        return np.concatenate(nxt), np.concatenate(values)  # (M,), (M,)
+        if len(generations) > 1:
+            raise ServiceError(self.address, grpc.StatusCode.ABORTED, "the datastore changed generation during a "
+                               "successors lookup split into several calls; retry")
+        return np.concatenate(nxt), np.concatenate(values), generations.pop()  # (M,), (M,)
 
     def _search(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
                 should_stop: ShouldStop | None, with_documents: bool) -> tuple[Neighbors | SourcedNeighbors, int]:
