@@ -183,7 +183,8 @@ class Datastore:
             params = None
         else:
             params = index_lib.search_params(self.index, nprobe, self.live)
-        distances, ids = self.index.search(xq, k, params=params)  # (Q, k), (Q, k)
+        with index_lib.blas_calls(self.index):  # BLAS from BLAS_MIN_QUERIES queries for a large index
+            distances, ids = self.index.search(xq, k, params=params)  # (Q, k), (Q, k)
         missing = ids < 0
         distances = np.where(missing, np.float32(np.inf), distances).astype(np.float32)  # faiss pads with FLT_MAX
         if options.exact_rerank:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import faiss
@@ -308,33 +310,73 @@ plain kNN-LM's 1,024-query calls, and the savings showed as no time saved)."""
 
 
 BLAS_MIN_KEYS = 65_536
-"""Indexes of fewer keys keep FAISS's own threshold: a scan of them is cheap either way, and the query by
-query path gives each query the same distances whatever else is in its call (a BLAS product rounds by
-how the call is blocked), which tests that compare a remote search with a local one bit for bit rely on."""
+"""Indexes of fewer keys are searched with FAISS's own threshold: a scan of them is cheap either way, and
+the query by query path gives each query the same distances whatever else is in its call (a BLAS product
+rounds by how the call is blocked), which tests that compare a remote search with a local one bit for bit
+rely on."""
 
 
-def use_blas_from(index: faiss.Index) -> None:
-    """Set FAISS's process-wide BLAS threshold so that calls of BLAS_MIN_QUERIES queries or more use BLAS,
-    for an index of BLAS_MIN_KEYS keys or more. Called for every index read (the threshold is one global:
-    with indexes of different d in one process the last one read sets it, which moves the switch point
-    only). Above it a query's distances may differ by float32 rounding with what else is in its call."""
-    if index.ntotal >= BLAS_MIN_KEYS:
-        faiss.cvar.distance_compute_blas_threshold = BLAS_MIN_QUERIES * index.d
+class _BlasThreshold:
+    """FAISS's distance_compute_blas_threshold is one process-wide global (faiss.cvar), read by every brute-
+    force distance computation. blas_calls lowers it for the duration of a large index's search and puts
+    back what it was when the last overlapping such search ends (a count under a lock: searches of several
+    threads, as the retrieval server makes, overlap without one restoring under another). What stays true
+    of the global: while a large index's search runs, any other FAISS search that runs at the same moment
+    in another thread of the process (a small index, memlm.retrieval.faiss_memory's Flat scans) also takes
+    the BLAS path above BLAS_MIN_QUERIES queries, so its distances may differ by float32 rounding; searches
+    that do not overlap one are not affected."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        """Large-index searches running now."""
+        self.saved = 0
+        """The threshold before the first of them, restored after the last."""
+
+    @contextmanager
+    def lowered(self, d: int) -> Iterator[None]:
+        with self.lock:
+            if self.users == 0:
+                self.saved = faiss.cvar.distance_compute_blas_threshold
+                # Overlapping searches of indexes of another d keep the first's value (moves the switch only).
+                faiss.cvar.distance_compute_blas_threshold = BLAS_MIN_QUERIES * d
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    faiss.cvar.distance_compute_blas_threshold = self.saved
+
+
+_BLAS = _BlasThreshold()
+
+
+@contextmanager
+def blas_calls(index: faiss.Index) -> Iterator[None]:
+    """Around one search of `index`: calls of BLAS_MIN_QUERIES queries or more compute distances with BLAS
+    when the index holds BLAS_MIN_KEYS keys or more (FAISS's own threshold otherwise, and after the call;
+    _BlasThreshold says what the global means for searches of other threads meanwhile). Inside, a query's
+    distances may differ by float32 rounding with what else is in its call."""
+    if index.ntotal < BLAS_MIN_KEYS:
+        yield
+        return
+    with _BLAS.lowered(index.d):
+        yield
 
 
 def read_index(path: Path, mmap: bool = False) -> faiss.Index:
     """Load an index; with mmap the codes stay on disk and pages come in as searches touch them. The
     inverted lists of an on-disk index (IVFDATA_NAME beside `path`) are always mapped, from beside `path`.
-    Sets the BLAS threshold for it (use_blas_from)."""
+    Search it inside blas_calls (Datastore.search does)."""
     if (Path(path).parent / IVFDATA_NAME).exists():
         # IO_FLAG_MMAP includes IO_FLAG_SKIP_IVF_DATA, which leaves OnDiskInvertedLists unreadable
         # (measured: faiss 1.15.1 segfaults on the first search); its lists are mapped anyway.
         flags = faiss.IO_FLAG_READ_ONLY if mmap else 0
     else:
         flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
-    index = faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
-    use_blas_from(index)
-    return index
+    return faiss.read_index(str(path), flags | faiss.IO_FLAG_ONDISK_SAME_DIR)
 
 
 class LiveRows:

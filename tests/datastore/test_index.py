@@ -52,29 +52,73 @@ def test_pq_indexes_skip_polysemous_training(factory):
     assert faiss.downcast_index(ivf if ivf is not None else index).do_polysemous_training is False
 
 
-def test_reading_a_large_index_makes_small_search_calls_use_blas(tmp_path):
+def test_a_large_index_search_uses_blas_and_leaves_the_process_threshold_as_it_was(tmp_path, built, monkeypatch):
     """Issue 15: FAISS's default threshold left calls of tens of queries on its query-by-query scan (each
-    query reading every key); a large index read sets it to BLAS_MIN_QUERIES queries, a small one keeps it."""
+    query reading every key); a search of an index of BLAS_MIN_KEYS keys or more lowers it to
+    BLAS_MIN_QUERIES queries for that call only (datastore.index.blas_calls): reading an index, and searching
+    a small one, leave FAISS's process-wide threshold as it was, and overlapping calls of two threads restore
+    it once both are done (review of issue 15: reading a large index used to set it for the whole process)."""
+    import contextlib
+    import threading
+
     import numpy as np
 
-    from datastore.index import BLAS_MIN_KEYS, BLAS_MIN_QUERIES, read_index
+    from datastore import Datastore
+    from datastore import index as index_module
+    from datastore.index import BLAS_MIN_KEYS, BLAS_MIN_QUERIES, blas_calls, read_index
 
     default = faiss.cvar.distance_compute_blas_threshold
     try:
         d = 8
         rng = np.random.default_rng(0)
-        for n, expected in ((BLAS_MIN_KEYS - 1, default), (BLAS_MIN_KEYS, BLAS_MIN_QUERIES * d)):
-            faiss.cvar.distance_compute_blas_threshold = default
+        for n, inside in ((BLAS_MIN_KEYS - 1, default), (BLAS_MIN_KEYS, BLAS_MIN_QUERIES * d)):
             index = faiss.IndexFlatL2(d)
             index.add(rng.standard_normal((n, d)).astype(np.float32))
             faiss.write_index(index, str(tmp_path / f"{n}.faiss"))
             assert read_index(tmp_path / f"{n}.faiss").ntotal == n
-            assert faiss.cvar.distance_compute_blas_threshold == expected
+            assert faiss.cvar.distance_compute_blas_threshold == default  # reading sets nothing
+            with blas_calls(index):
+                assert faiss.cvar.distance_compute_blas_threshold == inside
+            assert faiss.cvar.distance_compute_blas_threshold == default
         xq = rng.standard_normal((BLAS_MIN_QUERIES, d)).astype(np.float32)  # BLAS path: the same neighbours
-        index = read_index(tmp_path / f"{BLAS_MIN_KEYS}.faiss")
-        _, blas_ids = index.search(xq, 10)
-        faiss.cvar.distance_compute_blas_threshold = default
+        with blas_calls(index):
+            _, blas_ids = index.search(xq, 10)
         _, scan_ids = index.search(xq, 10)
         assert (blas_ids == scan_ids).mean() > 0.99
+        # Two threads' calls overlap: the first one out does not restore under the second.
+        entered, leave = threading.Barrier(2), threading.Event()
+        seen = []
+
+        def call(first: bool) -> None:
+            with blas_calls(index):
+                entered.wait()
+                if first:
+                    return
+                leave.wait()
+                seen.append(faiss.cvar.distance_compute_blas_threshold)
+
+        threads = [threading.Thread(target=call, args=(first,)) for first in (True, False)]
+        for t in threads:
+            t.start()
+        threads[0].join()
+        leave.set()
+        threads[1].join()
+        assert seen == [BLAS_MIN_QUERIES * d] and faiss.cvar.distance_compute_blas_threshold == default
+        # The datastore's own search goes through it (its few keys counted as many: lowered inside only).
+        store = Datastore.open(built)
+        monkeypatch.setattr(index_module, "BLAS_MIN_KEYS", store.index.ntotal)
+        calls = []
+        real = index_module.blas_calls
+
+        @contextlib.contextmanager
+        def spy(index):
+            with real(index):
+                calls.append((index is store.index, faiss.cvar.distance_compute_blas_threshold))
+                yield
+
+        monkeypatch.setattr(index_module, "blas_calls", spy)
+        store.search(np.asarray(store.keys[:2], dtype=np.float32), 3)
+        assert calls == [(True, BLAS_MIN_QUERIES * store.dim)]
+        assert faiss.cvar.distance_compute_blas_threshold == default
     finally:
         faiss.cvar.distance_compute_blas_threshold = default
