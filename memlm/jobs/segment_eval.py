@@ -204,6 +204,9 @@ def evaluate_memory(
     if mcfg.kind == "compressive" and mcfg.compress_fn == "conv" and compressor is None:
         raise MemlmError("--compress-fn conv needs a trained compressor (a checkpoint from memlm train)")
     device = model.device
+    # Rows past the number of documents would only ever be idle (masked) work: one long document with
+    # --batch-size 4 ran 4x the forward for the same result.
+    batch_size = max(1, min(batch_size, sum(1 for d in token_docs if len(d) > 0)))
     stream = SegmentStream(token_docs, batch_size, segment, boundary_token)
     if reproject is None:
         reproject = compressor is not None and compressor.space == "x"
