@@ -70,6 +70,7 @@ from memlm.retrieval.attribution import (
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_client import MEMORY_MODES  # the one kind <-> wire mode map
 from services.lm_results import attribution_to_proto
 from services.lm_scheduler import ModelTurns, StepGate
 from services.retrieval_client import RetrievalClient, for_caller
@@ -84,8 +85,7 @@ FINISH_REASONS = {
     FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
 }
 """How a generation that ran to its end finished, on the wire (cancelled / deadline ends are statuses)."""
-ENGINE_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE,
-                       lm_pb2.MEMORY_MODE_SPALM)
+ENGINE_MEMORY_MODES = tuple(MEMORY_MODES[kind] for kind in ENGINE_MEMORY_KINDS)
 """Generate's modes on the engine (memlm.engine.requests.ENGINE_MEMORY_KINDS), GetInfo's engine_memory_modes."""
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata key of a RESOURCE_EXHAUSTED Generate: milliseconds after which a retry is likely admitted."""

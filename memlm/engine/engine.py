@@ -7,12 +7,12 @@ free cache row. One `step`:
 3. prefills: rows with more than one token to feed get chunks of their prompt, at most
    EngineConfig.prefill_chunk tokens over all rows per step (so a long prompt never stalls the running
    batch), left-padded (padding is never written to the cache);
-4. decodes every row with exactly one token to feed (its last token), in the SAME forward pass as the
-   prefill chunks (kv_cache.PackedStep: the weights are read once per step, decode rows are not padded);
-5. chooses the next token of every row whose prompt is done, at once (memlm.engine.sampling: one kNN-LM
-   search for all the rows that use it, each with its own k, lambda and temperature), and emits
-   TokenEvents; finished rows emit their GenerationEnd and leave. A failed search ends only the rows that
-   searched (they get its error); the others go on.
+4. decodes every non-speculative row with one token to feed (its last token), in the SAME forward pass as
+   the prefill chunks (kv_cache.PackedStep: the weights are read once per step, decode rows are not padded);
+5. chooses the next token of those rows at once (memlm.engine.sampling: one kNN-LM search for all that use
+   it, each with its own k, lambda and temperature) and emits TokenEvents; speculative rows then verify
+   their drafts in a pass and a search of their own (memlm.engine.speculative); finished rows emit their
+   GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
 Score requests (ScoreRequest) ride the same steps: fed like a prompt, with logits at every position, and
 answered with memlm.jobs.scoring's SequenceScore (several clients' scores share forward passes).
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
