@@ -315,7 +315,7 @@ class Engine:
                 budget -= n
         return sorted(plan, key=lambda p: p[0].slot)
 
-    def _inputs(self, plan: Sequence[tuple[Row | ScoreRow, int]]) -> tuple[torch.Tensor, StepView]:
+    def _inputs(self, plan: Sequence[tuple[Row | ScoreRow, int]], verify: bool = False) -> tuple[torch.Tensor, StepView]:
         """The left-padded token ids (B, T) of a pass feeding `plan` (rows sorted by slot, tokens each) and its
         cache view. Built on the host with whole-array operations (no per-row tensor ops: at 32 rows those
         cost more than the step's attention)."""
@@ -332,15 +332,15 @@ class Engine:
         window = window_starts(pos_t, generated_from, self.cache.layout.segment)  # (B, T)
         if self.cache.layout.cmem:
             compress_due(self.cache, [row for row, _ in plan], window[:, -1].tolist(), self.config.xl.compress_fn)
-        view = self.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window)
+        view = self.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window, verify)
         return torch.from_numpy(idx), view
 
     def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
-             ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+             verify: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
         Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all, (B, T, V) and (B, T, C))
-        and, per row, whether it has fed everything it had (its logits are the next token's)."""
-        idx, view = self._inputs(plan)
+        and, per row, whether it has fed everything it had (its logits are the next token's). verify: RowCache.view."""
+        idx, view = self._inputs(plan, verify)
         T = idx.shape[1]
         out = spalm_rows.forward(self, idx.to(self.model.device), view, 0 if every_position else T - 1)
         for row, n in plan:

@@ -168,14 +168,17 @@ class RowCache:
         sink, ring = self.layout.sink, self.layout.ring
         return torch.where(pos < sink, pos, sink + self.layout.cmem + torch.remainder(pos - sink, ring))
 
-    def view(self, rows: list[int], pos: torch.Tensor, real: torch.Tensor, window: torch.Tensor) -> StepView:
+    def view(self, rows: list[int], pos: torch.Tensor, real: torch.Tensor, window: torch.Tensor,
+             verify: bool = False) -> StepView:
         """The DecoderState of one forward pass over cache rows `rows` (B,), sorted.
 
         pos: (B, T) int64 on the host, the position of every token; real: (B, T) bool, False for padding (not written,
         output ignored); window: (B, T) int64, the start s of each token's attention segment (XL memory;
         ignored without one). Writes slot_pos for the real tokens now: the step's keys are visible to
-        the masks of every layer."""
-        return StepView(self, rows, pos, real, window)
+        the masks of every layer. verify: a speculative verification pass (memlm.engine.speculative), whose
+        attention is computed as a decode step's (float32 in bf16/fp16: _scores), so that its tokens are the
+        ones plain decoding would choose."""
+        return StepView(self, rows, pos, real, window, verify)
 
 
 def _sink_shift(layout: CacheLayout, window: torch.Tensor) -> torch.Tensor:
@@ -200,9 +203,12 @@ class StepView:
     """One forward pass over some cache rows: a DecoderState whose layers are CachedAttention views."""
 
     def __init__(self, cache: RowCache, rows: list[int], pos: torch.Tensor, real: torch.Tensor,
-                 window: torch.Tensor) -> None:
+                 window: torch.Tensor, verify: bool = False) -> None:
         layout, device = cache.layout, cache.device
         B, T = pos.shape
+        # Decode steps attend in float32 (faster in bf16 here: _scores); a verification pass must do the same
+        # products as the decode steps it stands for, or greedy tokens part ways in bf16 (issue 15).
+        self.float32_attention = T == 1 or verify
         # Slots in use: a position p never sits beyond slot p + cmem, so no row of this step uses more than this
         # (read from the host's positions: no device synchronisation).
         self.width = min(layout.slots, int(pos.max()) + 1 + layout.cmem)
@@ -299,7 +305,7 @@ class _LayerView(CachedAttention):
         # Grouped-query attention without repeating keys: query head h reads kv head h // g (HF layout).
         g = nh // nkv
         qg = q.reshape(B, nkv, g * T, hs)  # (B, nkv, g*T, hs)
-        if T == 1 and keys.dtype != torch.float32:  # decode in bf16/fp16: float32 is the faster here (_scores)
+        if step.float32_attention and keys.dtype != torch.float32:  # decode / verify in bf16/fp16 (_scores)
             qg, keys, values = qg.float(), keys.float(), values.float()
         scale = 1.0 / math.sqrt(hs)
         scores = _scores(qg, keys) * scale  # (B, nkv, g*T, width)

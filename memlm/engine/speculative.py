@@ -96,7 +96,8 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     starts = [row.fed for row in rows]
     for row, d in zip(rows, drafts):
         row.tokens += d  # fed by this pass, taken back below
-    logits, keys, _ = engine._run([(row, 1 + len(d)) for row, d in zip(rows, drafts)], every_position=True)
+    logits, keys, _ = engine._run([(row, 1 + len(d)) for row, d in zip(rows, drafts)], every_position=True,
+                                   verify=True)
     T = logits.shape[1]  # (B, T, V), (B, T, C)
     for row, d in zip(rows, drafts):
         del row.tokens[len(row.tokens) - len(d):]

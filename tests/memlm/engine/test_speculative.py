@@ -15,6 +15,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from tiny_models import own_text_datastore, sharp_tiny_model
 
 from memlm.engine.drafts import (
@@ -204,6 +205,22 @@ def test_refused_without_a_datastore_or_with_the_xl_memory(setting) -> None:
         SpeculativeConfig(min_agreeing=0)
     with pytest.raises(MemlmError, match="base_pointers"):
         SpeculativeConfig(base_pointers="ngram")
+
+
+@pytest.mark.parametrize("knn", [KNN, None], ids=["knnlm", "base-drafting"])
+def test_greedy_speculative_is_token_identical_in_bfloat16(knn) -> None:
+    """bfloat16 (the GPU default): a decode step attends in float32, so the verification pass must too (before
+    it did, 1 of 24 kNN-LM rows and 7 of 24 base rows parted from plain greedy decoding)."""
+    model = sharp_tiny_model().to(torch.bfloat16)
+    reqs = [GenerationRequest(tuple(TOK.encode(p)), 48, GREEDY, boundary_token=BOUNDARY) for p in SEEDS]
+    docs = [[BOUNDARY, *r.prompt_ids, *tokens(ev)] for r, ev in zip(reqs, run_all(Engine(model, TOK), reqs))]
+    bf16 = (model, *own_text_datastore(model, docs), docs)
+    plain = [GenerationRequest(p, 24 + i % 7, GREEDY, boundary_token=BOUNDARY, knn=knn)
+             for i, p in enumerate(prompts(docs, 24))]
+    want = run_all(engine(bf16), plain)
+    got = run_all(engine(bf16), [dataclasses.replace(r, speculative=SPEC) for r in plain])
+    assert [tokens(g) for g in got] == [tokens(w) for w in want]
+    assert sum(g[-1].mean_accepted_tokens for g in got) / len(got) > 1.5  # drafts were verified and taken
 
 
 @pytest.mark.parametrize("lmbda", [0.1, 0.3, 0.6])
