@@ -205,7 +205,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode", "memory")
+    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode", "memory", "speculative", "draft_tokens")
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,8 @@ class GenerateRequest(_message.Message):
     KNN_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: TokenIds
     max_new_tokens: int
@@ -222,7 +224,9 @@ class GenerateRequest(_message.Message):
     knn: KnnOptions
     memory_mode: MemoryMode
     memory: MemoryOptions
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ...) -> None: ...
+    speculative: bool
+    draft_tokens: int
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., speculative: _Optional[bool] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "text", "logprob", "base_logprob", "attribution")
@@ -247,18 +251,22 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinish(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence", "datastore_generations")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence", "datastore_generations", "searches", "mean_accepted_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DATASTORE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SEARCHES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str
     datastore_generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ..., datastore_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    searches: int
+    mean_accepted_tokens: float
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ..., datastore_generations: _Optional[_Iterable[int]] = ..., searches: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "finish")
