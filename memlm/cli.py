@@ -20,7 +20,7 @@ from memlm.errors import MemlmError
 from memlm.link_options import add_link_security, add_token_options, link_tls, secret
 from memlm.eval_command import add_eval_parser
 from memlm.gate_command import add_train_gate_parser
-from memlm.generate_command import add_generate_parser
+from memlm.generate_command import add_generate_parser, add_speculative_options
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     FEWER_SEARCHES_OPTIONS,
@@ -266,6 +266,7 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
     main_generate(
         args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.sampling_temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
+        speculative=args.speculative, draft_tokens=args.draft_tokens,
         tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 
@@ -413,6 +414,7 @@ def add_client_parser(sub: Any) -> None:
             c.add_argument("--top-p", type=float, default=None)
             c.add_argument("--seed", type=int, default=None)
             c.add_argument("--stop", action="append", help="stop sequence (repeat)")
+            add_speculative_options(c)  # issue 15 part 4: memlm generate's names and help, one place
             c.set_defaults(func=cmd_client_generate)
 
 

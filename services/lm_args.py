@@ -2,16 +2,19 @@
 fewer-searches part of KnnOptions (issue 15): adaptive retrieval's threshold or fraction over the gate the
 server loaded (`memlm serve lm --adaptive-gate DIR`, memlm.retrieval.adaptive) and RetoMaton pointers over
 the datastore's successors (memlm.retrieval.pointers; through the retrieval service's Successors rpc when the
-datastore is remote), as `memlm eval --adaptive-* / --pointers --min-pointers` takes them.
+datastore is remote), as `memlm eval --adaptive-* / --pointers --min-pointers` takes them; and Generate's
+speculative decoding (`memlm generate --speculative [--draft-tokens N]`), whose drafts read the same successors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
+import numpy as np
 
+from memlm.engine.drafts import DraftSource, SpeculativeConfig, SuffixIndex
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.memory.config import MemoryConfig
@@ -39,6 +42,9 @@ class FewerSources:
     """The gate of --adaptive-gate, checked against the model and the datastore; None: adaptive_* refused."""
     pointers: Callable[[], PointerSource] | None = None
     """The datastore's successors (made at the first call); None: pointers refused (no kNN source)."""
+    drafts: Callable[[], DraftSource] | None = None
+    """Speculative decoding's draft source over the same successors (made at the first speculative call);
+    None: speculative refused (no datastore in process)."""
 
 
 NO_FEWER = FewerSources()
@@ -57,6 +63,35 @@ def refuse_fewer(o: lm_pb2.KnnOptions, why: str) -> None:
             raise InvalidRequest(f"knn.{name}", why, UNIMPLEMENTED)
     if o.pointers:
         raise InvalidRequest("knn.pointers", why, UNIMPLEMENTED)
+
+
+def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None, attribution: int,
+                   sources: FewerSources, max_step_tokens: int, on_engine: bool) -> SpeculativeConfig | None:
+    """The SpeculativeConfig a GenerateRequest asks for (None without speculative), each refusal naming its
+    field; draft_tokens 0 = SpeculativeConfig's default (the one place it lives). on_engine: the call runs
+    on the decoding engine (services.lm_engine.on_engine), which alone verifies drafts."""
+    if not request.speculative:
+        if request.draft_tokens:
+            raise InvalidRequest("draft_tokens", "needs speculative")
+        return None
+    if sources.drafts is None:
+        raise InvalidRequest("speculative", "drafts read the successors of a datastore in process (memlm serve lm "
+                             "--datastore DIR): this server has none, or a retrieval service", FAILED_PRECONDITION)
+    if memory is not None:  # memlm.engine.speculative: a rejected draft would overwrite XL ring slots
+        raise InvalidRequest("speculative", f"served with MEMORY_MODE_NONE only (the plain KV cache), not "
+                             f"{memory.kind}", UNIMPLEMENTED)
+    if not on_engine:
+        raise InvalidRequest("speculative", "drafts are verified on the decoding engine only (memlm's decoder)",
+                             UNIMPLEMENTED)
+    if attribution:
+        raise InvalidRequest("speculative", "not with knn.attribution_top_n (a verifying pass makes several tokens)")
+    if request.draft_tokens < 0:
+        raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, must be >= 1 (0 = the default)")
+    if request.draft_tokens > max_step_tokens - 1:  # a verifying pass feeds 1 + draft_tokens tokens
+        raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, at most max_step_tokens - 1 = "
+                             f"{max_step_tokens - 1}", grpc.StatusCode.OUT_OF_RANGE)
+    config = SpeculativeConfig()
+    return replace(config, draft_tokens=request.draft_tokens) if request.draft_tokens else config
 
 
 def retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryConfig | None, attribution: int,
@@ -153,6 +188,8 @@ class GenerateArgs:
     """MEMORY_MODE_SPALM's search, None in the other modes."""
     attribution: int = 0
     """Top documents per generated token (KnnOptions.attribution_top_n), 0: none."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding from the datastore (GenerateRequest.speculative / draft_tokens); None: off."""
 
 
 def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_fingerprint: str,
@@ -161,7 +198,9 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
     another model, key layer or datastore) and the pointers of its searcher: a local datastore.Datastore's
     successors, values and keys (exact pointer distances; made at the first request that asks), or a
     RetrievalClient's Successors rpc (remote: no keys, pointers carry their predecessor's distance; one
-    services.retrieval_walk.OneGeneration a request, which call_walk binds to the call's searches)."""
+    services.retrieval_walk.OneGeneration a request, which call_walk binds to the call's searches). Speculative
+    drafts read the same successors table of a local datastore (none through a retrieval service: a
+    DraftSource holds whole arrays, not a lookup)."""
     from functools import cache
     from pathlib import Path
 
@@ -181,9 +220,17 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
         return FewerSources(gate, None)
 
     @cache
+    def next_ids() -> np.ndarray:  # (N,) the one successors table of pointers and drafts
+        return successors(searcher.provenance, len(searcher)).next_ids
+
+    @cache
     def local() -> PointerSource:
-        return PointerSource.local(successors(searcher.provenance, len(searcher)).next_ids, searcher.values,
-                                   searcher.keys)
+        return PointerSource.local(next_ids(), searcher.values, searcher.keys)
+
+    @cache
+    def drafts() -> DraftSource:
+        values = np.asarray(searcher.values, dtype=np.int32)  # (N,)
+        return DraftSource(next_ids(), values, SuffixIndex.build(next_ids(), values))
 
     def pointers() -> PointerSource:
         if remote:  # one walk's own (services.retrieval_walk): its ids are rows of one generation
@@ -192,7 +239,7 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
             return PointerSource(OneGeneration(searcher, searcher), None)
         return local()
 
-    return FewerSources(gate, pointers)
+    return FewerSources(gate, pointers, None if remote else drafts)
 
 
 def call_walk(searcher, retrieval: Retrieval | None):

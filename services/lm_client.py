@@ -138,6 +138,10 @@ class Finish:
     """The stop sequence that matched, else ""."""
     datastore_generations: tuple[int, ...] = ()
     """The datastore generations whose neighbours chose the tokens (kNN-LM); empty without searches."""
+    searches: int = 0
+    """kNN searches the generation made, in queries (on the server's decoding engine)."""
+    mean_accepted_tokens: float = 0.0
+    """With speculative: tokens per verifying forward pass (>= 1); 0 without."""
 
 
 @dataclass(frozen=True)
@@ -242,13 +246,17 @@ class LanguageModelClient(ServiceClient):
         memory_mode: str | None = None,
         memory: MemoryRequest | None = None,
         spalm: SpalmRequest | None = None,
+        speculative: bool = False,
+        draft_tokens: int | None = None,
     ) -> Iterator[TextDelta | Finish]:
         """Stream a continuation: TextDelta events, then one Finish. Closing the iterator early cancels
         the call (the server stops generating). temperature None = the server's default (1.0).
         memory_mode "xl": the decoder keeps an XL memory (memory: its sizes) instead of a KV cache, so
-        generation runs past the model's context without re-encoding."""
+        generation runs past the model's context without re-encoding. speculative: drafts from the server's
+        datastore verified in one pass each (`--speculative`); draft_tokens None = the server's default."""
         request = lm_pb2.GenerateRequest(
-            max_new_tokens=max_new_tokens, stop_sequences=list(stop), memory_mode=_memory_mode(memory_mode)
+            max_new_tokens=max_new_tokens, stop_sequences=list(stop), memory_mode=_memory_mode(memory_mode),
+            speculative=speculative, draft_tokens=draft_tokens or 0,
         )
         if memory is not None:
             request.memory.CopyFrom(memory.to_proto())
@@ -276,7 +284,7 @@ class LanguageModelClient(ServiceClient):
                 else:
                     f = response.finish
                     yield Finish(FINISH_NAMES.get(f.reason, "unspecified"), f.prompt_tokens, f.completion_tokens,
-                                 f.stop_sequence, tuple(f.datastore_generations))
+                                 f.stop_sequence, tuple(f.datastore_generations), f.searches, f.mean_accepted_tokens)
         except grpc.RpcError as e:
             raise ServiceError(self.address, e.code(), e.details() or "") from None
         finally:
@@ -392,6 +400,8 @@ def main_generate(
     memory_mode: str | None = None,
     memory: MemoryRequest | None = None,
     spalm: SpalmRequest | None = None,
+    speculative: bool = False,
+    draft_tokens: int | None = None,
     tls: ClientTls | None = None,
     token: str | None = None,
     timeout: float | None = 300.0,
@@ -407,7 +417,7 @@ def main_generate(
         print(prompt, end="", file=out, flush=True)
         for event in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=stop, knn=knn, memory_mode=memory_mode,
-                                     memory=memory, spalm=spalm):
+                                     memory=memory, spalm=spalm, speculative=speculative, draft_tokens=draft_tokens):
             if isinstance(event, TextDelta):
                 print(event.text, end="", file=out, flush=True)
                 attributed += [(t, a) for t, a in zip(event.texts, event.attributions) if a is not None]
@@ -421,6 +431,8 @@ def main_generate(
     stop_note = f" ({finish.stop_sequence!r})" if finish.stop_sequence else ""
     generations = f"; datastore generation {', '.join(map(str, finish.datastore_generations))}" \
         if finish.datastore_generations else ""
+    drafts = f"; searches {finish.searches}, mean_accepted_tokens {finish.mean_accepted_tokens:.2f}" \
+        if speculative else ""
     print(f"[finish: {finish.reason}{stop_note}; prompt {finish.prompt_tokens} tokens, "
-          f"generated {finish.completion_tokens}{generations}]", file=err, flush=True)
+          f"generated {finish.completion_tokens}{generations}{drafts}]", file=err, flush=True)
     return finish

@@ -30,12 +30,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from memlm.engine.drafts import DraftSource, SpeculativeConfig
 from memlm.engine.engine import Engine
 from memlm.engine.requests import (
     ENGINE_MEMORY_KINDS,
@@ -48,9 +49,6 @@ from memlm.engine.requests import (
 )
 from memlm.errors import MemlmError
 from memlm.jobs.generate import (
-    FINISH_EOS,
-    FINISH_LENGTH,
-    FINISH_STOP,
     GenerationEnd,
     SamplingConfig,
     TokenEvent,
@@ -71,7 +69,11 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_client import MEMORY_MODES  # the one kind <-> wire mode map
-from services.lm_results import attribution_to_proto
+from services.lm_generate_stream import (
+    GenerationRecord,
+    generate_responses,
+    token_response,
+)
 from services.lm_scheduler import ModelTurns, StepGate
 from services.retrieval_client import RetrievalClient, for_caller
 from services.server_common import ServiceError
@@ -79,12 +81,6 @@ from services.server_common import ServiceError
 _log = logging.getLogger(__name__)
 MAX_LANES = 8
 """Batches (distinct memory settings) running at once; one more setting closes an idle batch or is refused."""
-FINISH_REASONS = {
-    FINISH_LENGTH: lm_pb2.FINISH_REASON_LENGTH,
-    FINISH_STOP: lm_pb2.FINISH_REASON_STOP_SEQUENCE,
-    FINISH_EOS: lm_pb2.FINISH_REASON_END_OF_TEXT,
-}
-"""How a generation that ran to its end finished, on the wire (cancelled / deadline ends are statuses)."""
 ENGINE_MEMORY_MODES = tuple(MEMORY_MODES[kind] for kind in ENGINE_MEMORY_KINDS)
 """Generate's modes on the engine (memlm.engine.requests.ENGINE_MEMORY_KINDS), GetInfo's engine_memory_modes."""
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -103,6 +99,8 @@ class LaneKey:
     attribution: int = 0
     """Top documents per generated token (issue 14), 0: none. An attributing lane decodes one row at a time
     (max_batch 1): each search is its one row's next token (the engine keeps which row is which to itself)."""
+    speculative: bool = False
+    """Speculative rows (issue 15) batch in lanes whose engine holds the datastore's draft source."""
 
 
 @dataclass(frozen=True)
@@ -117,16 +115,6 @@ class EngineLimits:
     """Prompt + max_new_tokens summed over every running and waiting Generate call of the server."""
     prefill_chunk: int
     """Prompt tokens prefilled per step over all rows (LMLimits.max_step_tokens: a step stays bounded)."""
-
-
-@dataclass(frozen=True)
-class GenerationRecord:
-    """How one Generate call ended on the server (for tests and logs)."""
-
-    completion_tokens: int
-    """Tokens generated before the call ended."""
-    outcome: str
-    """"length" / "stop" / "eos", "cancelled" (client went away or deadline passed) or "error"."""
 
 
 class Stream:
@@ -202,7 +190,8 @@ class Lane:
     kind "spalm" gives its engine the server's SPALM head (spalm_head)."""
 
     def __init__(self, key: LaneKey, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None,
-                 limits: EngineLimits, turns: ModelTurns, name: str, spalm_head: SpalmHead | None = None) -> None:
+                 limits: EngineLimits, turns: ModelTurns, name: str, spalm_head: SpalmHead | None = None,
+                 drafts: DraftSource | None = None) -> None:
         self.key = key
         self._closed = threading.Event()
         self.gate = StepGate(turns, self._closed.is_set, turns.tenant(f"engine:{name}"))
@@ -217,7 +206,7 @@ class Lane:
                               memory=key.memory)
         spalm = key.memory is not None and key.memory.kind == "spalm"
         self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None,
-                             spalm_head=spalm_head if spalm else None)
+                             drafts, spalm_head=spalm_head if spalm else None)
         self._thread = threading.Thread(target=self._run, name=f"memlm-engine-{name}", daemon=True)
         self._thread.start()
 
@@ -247,7 +236,7 @@ class Lane:
             return not self._streams and not self.engine.busy
 
     def _searching(self) -> list[Stream]:
-        return [s for s in self.streams() if s.handle.request.knn is not None]
+        return [s for s in self.streams() if (s.handle.request.knn or s.handle.request.speculative) is not None]
 
     def latest_deadline(self) -> float | None:
         """The latest deadline of the batch's kNN-LM calls (None when one has none): how long its search may wait."""
@@ -325,8 +314,12 @@ class EnginePool:
     bound on tokens in flight, and the retry hint."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None, limits: EngineLimits,
-                 turns: ModelTurns, spalm_head: SpalmHead | None = None) -> None:
+                 turns: ModelTurns, spalm_head: SpalmHead | None = None,
+                 drafts: Callable[[], DraftSource] | None = None) -> None:
+        """drafts: the datastore's draft source (services.lm_args.FewerSources.drafts), made at the first
+        speculative lane."""
         self._model, self._tokenizer, self._searcher, self._spalm_head = model, tokenizer, searcher, spalm_head
+        self._drafts = drafts
         self.limits = limits
         self._turns = turns
         self._lanes: dict[LaneKey, Lane] = {}
@@ -351,8 +344,9 @@ class EnginePool:
                 raise EngineFull(f"{MAX_LANES} batches of other settings", self._retry_hint(streams))
             self._lanes.pop(idle).close()
         self._made += 1
+        drafts = self._drafts() if key.speculative and self._drafts is not None else None
         lane = Lane(key, self._model, self._tokenizer, self._searcher, self.limits, self._turns, str(self._made),
-                    self._spalm_head)
+                    self._spalm_head, drafts)
         self._lanes[key] = lane
         return lane
 
@@ -378,7 +372,6 @@ def retry_after_ms(e: EngineFull) -> int:
     return max(1, round(e.retry_after_s * 1000))
 
 
-
 def engine_modes(model: object) -> tuple[int, ...]:
     """ENGINE_MEMORY_MODES for memlm's decoder; none for a transformers model (the cache is the decoder's)."""
     return ENGINE_MEMORY_MODES if isinstance(model, Decoder) else ()
@@ -391,28 +384,11 @@ def on_engine(model: object, memory: MemoryConfig | None) -> bool:
 
 def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingConfig, stop_sequences: list[str],
                    knn: KNNLMConfig | None, boundary: int, eos_id: int | None, deadline: float | None,
-                   spalm: SpalmSettings | None = None) -> GenerationRequest:
+                   spalm: SpalmSettings | None = None, speculative: SpeculativeConfig | None = None) -> GenerationRequest:
     """A parsed Generate as the engine takes it; deadline: time.monotonic() seconds or None."""
     return GenerationRequest(tuple(prompt), max_new_tokens, sampling, tuple(stop_sequences), boundary_token=boundary,
-                             eos_id=eos_id, knn=knn, spalm=spalm,
+                             eos_id=eos_id, knn=knn, spalm=spalm, speculative=speculative,
                              timeout_s=None if deadline is None else max(1e-6, deadline - time.monotonic()))
-
-
-def token_response(event: TokenEvent, attribution: TokenAttribution | None = None) -> lm_pb2.GenerateResponse:
-    token = lm_pb2.GeneratedToken(token_id=event.token_id, text=event.text, logprob=event.logprob,
-                                  base_logprob=event.base_logprob,
-                                  attribution=attribution_to_proto(attribution) if attribution is not None else None)
-    return lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta, tokens=[token]))
-
-
-def end_responses(event: GenerationEnd, generations=()) -> list[lm_pb2.GenerateResponse]:
-    """The last text delta (if any) and the finish message of a generation that ran to its end; generations:
-    the datastore generations its searches were answered by."""
-    out = [lm_pb2.GenerateResponse(delta=lm_pb2.GenerateDelta(text=event.text_delta))] if event.text_delta else []
-    return out + [lm_pb2.GenerateResponse(finish=lm_pb2.GenerateFinish(
-        reason=FINISH_REASONS[event.reason], prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence,
-        datastore_generations=sorted(generations)))]
 
 
 async def _next_event(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> Event:
@@ -454,45 +430,3 @@ async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationR
             context, lambda: _next_event(stream, context, deadline), token, lambda: stream.generations,
             lambda: deadline is not None and time.monotonic() >= deadline, release, record):
         yield response
-
-
-async def generate_responses(
-    context: grpc.aio.ServicerContext, next_event: Callable[[], Awaitable[Event]],
-    token: Callable[[TokenEvent], lm_pb2.GenerateResponse], generations: Callable[[], Iterable[int]],
-    expired: Callable[[], bool], release: Callable[[], None], record: Callable[[GenerationRecord], None],
-) -> AsyncIterator[lm_pb2.GenerateResponse]:
-    """The Generate stream of one call, whichever path makes its events (an engine row or the one-sequence
-    generator): a response per token (token(event)), then the finish (end_responses with generations()).
-    An end that is not a finish (the engine's deadline or a cancel) and a deadline passed between tokens
-    end with DEADLINE_EXCEEDED; an exception is recorded as "cancelled" when expired() else "error".
-    release() frees what the call holds and record(GenerationRecord) counts it, however it ends."""
-    produced, outcome = 0, "cancelled"
-    try:
-        while True:
-            # Between tokens: a cancelled call never gets here (its await is cancelled); a call whose
-            # deadline passed is ended here even if grpc has not cancelled it yet.
-            if context.cancelled():
-                return
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                break  # to the DEADLINE_EXCEEDED below
-            event = await next_event()
-            if isinstance(event, TokenEvent):
-                produced += 1
-                yield token(event)
-                continue
-            if event.reason not in FINISH_REASONS:  # the engine's deadline (or a cancel): no finish message
-                break
-            outcome = event.reason
-            for response in end_responses(event, generations()):
-                yield response
-            return
-    except Exception:  # an abort (e.g. the retrieval service failed) or a bug; CancelledError is not one
-        outcome = "cancelled" if expired() else "error"  # a step stopped at the deadline is no error
-        raise
-    finally:
-        release()
-        record(GenerationRecord(produced, outcome))
-    # Ending the stream normally here would tell a client whose own timer has not fired yet that the
-    # generation finished (status OK, no finish message).
-    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed after {produced} generated tokens")

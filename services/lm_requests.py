@@ -44,6 +44,7 @@ from services.lm_args import (
     ScoreArgs,
     refuse_fewer,
     retrieval_of,
+    speculative_of,
 )
 from services.lm_spalm import SpalmSearch, check_search, parse_spalm_search
 from services.server_common import InvalidRequest
@@ -447,9 +448,11 @@ class RequestParser:
         if attribution and not self._on_engine(memory):  # the engine's lanes attribute (services.lm_engine)
             raise InvalidRequest("knn.attribution_top_n", "Generate attribution runs on the decoding engine only (its "
                                  "memory modes: GetInfo.engine_memory_modes)", grpc.StatusCode.UNIMPLEMENTED)
+        speculative = speculative_of(request, memory, attribution, self._fewer, self._limits.max_step_tokens,
+                                     self._on_engine(memory))
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
                             stop_sequences=list(request.stop_sequences), knn=knn, memory=memory, spalm=spalm,
-                            attribution=attribution)
+                            attribution=attribution, speculative=speculative)
 
     @staticmethod
     def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:

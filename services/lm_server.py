@@ -181,7 +181,7 @@ class LanguageModelServicer:
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
             max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
-        ), self.scheduler.turns, spalm.head if spalm is not None else None)
+        ), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts)
         """The running Generate batches (services.lm_engine)."""
         self.score_batches = ScoreBatcher(self.scheduler, self._score_work)
         """Concurrent Score calls sharing forward steps (services.lm_score_batch)."""
@@ -284,8 +284,9 @@ class LanguageModelServicer:
             stop.set()  # the gate and stop above are the one-sequence path's
             spalm = SpalmSettings(args.spalm.k, args.spalm.options) if args.spalm is not None else None
             request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
-                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm)
-            lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution)
+                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm, args.speculative)
+            lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution,
+                           args.speculative is not None)
             async for response in stream_generation(self.engines, lane, request, stop.deadline, context, self._record):
                 yield response
             return

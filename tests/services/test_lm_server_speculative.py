@@ -1,0 +1,150 @@
+"""Speculative decoding through the Generate rpc (issue 15 part 4), real servers on port 0: greedy Generate with
+`speculative` is token-identical to greedy Generate without it (kNN-LM and the base LM drafting from the
+datastore) over several prompts, with mean_accepted_tokens > 1 and searches in the finish; what cannot run is
+refused naming its field.
+
+The datastore is a real Flat datastore of the tiny model's own greedy text (REST's setting: the continuation is
+in the datastore, so drafts are often right), the prompts cut from it or unrelated to it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
+from memlm.engine.drafts import SpeculativeConfig
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.windows import WindowConfig
+from memlm.model.tokenizer import document_boundary
+from memlm.model.weights import load_pretrained
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_args import server_sources
+from services.lm_client import (
+    Finish,
+    KnnRequest,
+    LanguageModelClient,
+    MemoryRequest,
+    TextDelta,
+)
+from services.lm_requests import LMLimits
+from services.lm_server import start_lm_server
+from services.server_common import ServiceError
+
+WINDOW = WindowConfig(64, 32, 4)
+KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
+LIMITS = LMLimits(max_score_tokens=400, max_step_tokens=64)
+SEEDS = ["the cat sat", "once upon a time", "in the beginning", "hello world", "a b c d", "memory lane"]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_pretrained("tiny")
+
+
+@pytest.fixture(scope="module")
+def own_text(tiny) -> list[list[int]]:
+    """The tiny model's greedy continuations of SEEDS (prompt + 48 tokens each), token ids."""
+    tok = tiny.tokenizer
+    reqs = [GenerationRequest(tuple(tok.encode(p)), 48, SamplingConfig(temperature=0.0),
+                              boundary_token=document_boundary(tok)) for p in SEEDS]
+    runs = run_all(Engine(tiny.model, tok), reqs)
+    return [[*r.prompt_ids, *(e.token_id for e in ev if isinstance(e, TokenEvent))] for r, ev in zip(reqs, runs)]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, own_text, tmp_path_factory, module_loop):
+    """"spec": the own-text datastore in process with its draft source; "plain": no datastore."""
+    tok = tiny.tokenizer
+    source = BuildSource(model_name="tiny", model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint,
+                         corpus="own", corpus_fingerprint="c" * 64, boundary_token=document_boundary(tok))
+    out = build_from_tokens(tiny.model, own_text, tmp_path_factory.mktemp("spec") / "ds", source,
+                            BuildSettings(window=WINDOW, index_factory="Flat"), progress=False, log=lambda m: None)
+    store = Datastore.open(out)
+    fewer = server_sources(store, remote=False, gate_dir=None, model_fingerprint="", key_layer="")
+    spec = module_loop.run(start_lm_server("127.0.0.1:0", tiny, store, knn_defaults=KNN, limits=LIMITS, fewer=fewer))
+    plain = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=LIMITS))
+    module_loop.servers += [spec.running.server, plain.running.server]
+    return {"spec": f"127.0.0.1:{spec.running.port}", "plain": f"127.0.0.1:{plain.running.port}", "store": store}
+
+
+def prompts(docs: list[list[int]], n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts: cuts of the datastore's texts and unrelated token ids."""
+    rng = random.Random(seed)
+    out = [list(range(40, 46)), [120, 7, 99]]
+    while len(out) < n:
+        doc = rng.choice(docs)
+        out.append(doc[: rng.randrange(3, len(doc) - 8)])
+    return out
+
+
+def run(client: LanguageModelClient, prompt, **kwargs) -> tuple[list[int], Finish]:
+    ids, finish = [], None
+    for event in client.generate(prompt, max_new_tokens=NEW, temperature=0.0, **kwargs):
+        if isinstance(event, TextDelta):
+            ids += event.token_ids
+        else:
+            finish = event
+    return ids, finish
+
+
+@pytest.mark.parametrize("knn", [KnnRequest(), None], ids=["knn-lm", "base-lm"])
+def test_greedy_speculative_generate_is_token_identical_to_plain(servers, own_text, knn):
+    accepted = []
+    with LanguageModelClient(servers["spec"]) as client:
+        for prompt in prompts(own_text, 8):
+            plain, plain_end = run(client, prompt, knn=knn)
+            spec, spec_end = run(client, prompt, knn=knn, speculative=True)
+            assert spec == plain, prompt
+            assert spec_end.completion_tokens == plain_end.completion_tokens == len(plain)
+            assert plain_end.mean_accepted_tokens == 0.0 and spec_end.mean_accepted_tokens >= 1.0
+            if knn is not None:  # plain kNN-LM: one search a token; a speculative row searches each verified position
+                assert plain_end.searches == len(plain) and spec_end.searches >= 1
+            accepted.append(spec_end.mean_accepted_tokens)
+        one, _ = run(client, prompts(own_text, 3)[2], knn=knn, speculative=True, draft_tokens=1)
+        assert one == run(client, prompts(own_text, 3)[2], knn=knn)[0]
+    assert sum(accepted) / len(accepted) > 1.0, accepted  # drafts were accepted: fewer passes than tokens
+
+
+def refusal(address: str, **kwargs) -> ServiceError:
+    with LanguageModelClient(address) as client, pytest.raises(ServiceError) as e:
+        run(client, [40, 41, 42], **kwargs)
+    return e.value
+
+
+def test_refusals_name_their_field(servers):
+    e = refusal(servers["plain"], speculative=True)
+    assert e.code == grpc.StatusCode.FAILED_PRECONDITION and "speculative" in e.details
+    e = refusal(servers["spec"], speculative=True, memory_mode="xl", memory=MemoryRequest(segment_tokens=16))
+    assert e.code == grpc.StatusCode.UNIMPLEMENTED and "speculative" in e.details and "xl" in e.details
+    e = refusal(servers["spec"], speculative=True, knn=KnnRequest(attribution_top_n=2))
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "speculative" in e.details
+    e = refusal(servers["spec"], draft_tokens=3)
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_tokens" in e.details
+    e = refusal(servers["spec"], speculative=True, draft_tokens=LIMITS.max_step_tokens)
+    assert e.code == grpc.StatusCode.OUT_OF_RANGE and "draft_tokens" in e.details
+
+
+def test_negative_draft_tokens_and_the_default_on_the_wire(tiny, servers):
+    """draft_tokens < 0 is refused (the client sends only >= 1); 0 is SpeculativeConfig's default."""
+    from services.lm_args import NO_FEWER, FewerSources, speculative_of
+    from services.server_common import InvalidRequest
+
+    fewer = FewerSources(drafts=lambda: None)
+    assert speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, 64, True) == SpeculativeConfig()
+    got = speculative_of(lm_pb2.GenerateRequest(speculative=True, draft_tokens=7), None, 0, fewer, 64, True)
+    assert got.draft_tokens == 7
+    with pytest.raises(InvalidRequest, match="draft_tokens"):
+        speculative_of(lm_pb2.GenerateRequest(speculative=True, draft_tokens=-1), None, 0, fewer, 64, True)
+    with pytest.raises(InvalidRequest, match="speculative"):  # a transformers model: not on the engine
+        speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, 64, False)
+    with pytest.raises(InvalidRequest, match="speculative"):
+        speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, NO_FEWER, 64, True)
+    # Through a retrieval service the draft source is refused (it reads whole successor arrays).
+    assert server_sources(servers["store"], remote=True, gate_dir=None, model_fingerprint="", key_layer="").drafts is None
