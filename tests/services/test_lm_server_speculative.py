@@ -148,3 +148,19 @@ def test_negative_draft_tokens_and_the_default_on_the_wire(tiny, servers):
         speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, NO_FEWER, 64, True)
     # Through a retrieval service the draft source is refused (it reads whole successor arrays).
     assert server_sources(servers["store"], remote=True, gate_dir=None, model_fingerprint="", key_layer="").drafts is None
+
+
+def test_memlm_client_generate_speculative(servers, capsys):
+    """`memlm client generate --speculative --draft-tokens N`: the same text as without, and the finish line
+    reports searches and mean_accepted_tokens."""
+    from memlm.cli import main
+
+    base = ["client", "generate", "--address", servers["spec"], "--knn", "--temperature", "0", "--max-new-tokens", "12"]
+    assert main([*base, "the cat sat"]) == 0
+    plain = capsys.readouterr()
+    assert main([*base, "--speculative", "--draft-tokens", "3", "the cat sat"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and "mean_accepted_tokens" not in plain.err
+    assert "searches" in spec.err and "mean_accepted_tokens" in spec.err, spec.err
+    assert main(["client", "generate", "--address", servers["spec"], "--draft-tokens", "3", "hi"]) != 0
+    assert "draft_tokens" in capsys.readouterr().err
