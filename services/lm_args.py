@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 
 from memlm.engine.drafts import DraftSource, SpeculativeConfig, SuffixIndex
+from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.memory.config import MemoryConfig
@@ -90,6 +91,10 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
     if request.draft_tokens > max_step_tokens - 1:  # a verifying pass feeds 1 + draft_tokens tokens
         raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, at most max_step_tokens - 1 = "
                              f"{max_step_tokens - 1}", grpc.StatusCode.OUT_OF_RANGE)
+    try:
+        sources.drafts()  # made once (cached), here: a datastore without provenance is refused before streaming
+    except MemlmError as e:
+        raise InvalidRequest("speculative", str(e), FAILED_PRECONDITION) from None
     config = SpeculativeConfig()
     return replace(config, draft_tokens=request.draft_tokens) if request.draft_tokens else config
 
@@ -204,7 +209,6 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
     from functools import cache
     from pathlib import Path
 
-    from memlm.errors import MemlmError
     from memlm.retrieval.adaptive import load_gate
     from memlm.retrieval.pointers import successors
 

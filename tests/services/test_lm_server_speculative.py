@@ -34,6 +34,9 @@ from services.lm_client import (
 )
 from services.lm_requests import LMLimits
 from services.lm_server import start_lm_server
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+from services.retrieval_successors import successors_by_generation
 from services.server_common import ServiceError
 
 WINDOW = WindowConfig(64, 32, 4)
@@ -60,7 +63,8 @@ def own_text(tiny) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def servers(tiny, own_text, tmp_path_factory, module_loop):
-    """"spec": the own-text datastore in process with its draft source; "plain": no datastore."""
+    """"spec": the own-text datastore in process with its draft source; "plain": no datastore; "remote": the
+    datastore behind a real retrieval server (its Successors rpc serves pointers, not drafts)."""
     tok = tiny.tokenizer
     source = BuildSource(model_name="tiny", model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint,
                          corpus="own", corpus_fingerprint="c" * 64, boundary_token=document_boundary(tok))
@@ -70,8 +74,15 @@ def servers(tiny, own_text, tmp_path_factory, module_loop):
     fewer = server_sources(store, remote=False, gate_dir=None, model_fingerprint="", key_layer="")
     spec = module_loop.run(start_lm_server("127.0.0.1:0", tiny, store, knn_defaults=KNN, limits=LIMITS, fewer=fewer))
     plain = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=LIMITS))
-    module_loop.servers += [spec.running.server, plain.running.server]
-    return {"spec": f"127.0.0.1:{spec.running.port}", "plain": f"127.0.0.1:{plain.running.port}", "store": store}
+    retrieval = module_loop.start(create_retrieval_server, "127.0.0.1:0", store,
+                                  successors=successors_by_generation(lambda: (store, 0)))
+    link = RetrievalClient(f"127.0.0.1:{retrieval}")
+    remote = module_loop.run(start_lm_server("127.0.0.1:0", tiny, link, knn_defaults=KNN, limits=LIMITS, fewer=server_sources(
+        link, remote=True, gate_dir=None, model_fingerprint="", key_layer="")))
+    module_loop.servers += [spec.running.server, plain.running.server, remote.running.server]
+    yield {"spec": f"127.0.0.1:{spec.running.port}", "plain": f"127.0.0.1:{plain.running.port}",
+           "remote": f"127.0.0.1:{remote.running.port}"}
+    link.close()
 
 
 def prompts(docs: list[list[int]], n: int, seed: int = 0) -> list[list[int]]:
@@ -119,8 +130,9 @@ def refusal(address: str, **kwargs) -> ServiceError:
 
 
 def test_refusals_name_their_field(servers):
-    e = refusal(servers["plain"], speculative=True)
-    assert e.code == grpc.StatusCode.FAILED_PRECONDITION and "speculative" in e.details
+    for name, knn in (("plain", None), ("remote", KnnRequest())):  # no datastore; one through a retrieval service
+        e = refusal(servers[name], speculative=True, knn=knn)
+        assert e.code == grpc.StatusCode.FAILED_PRECONDITION and e.details.startswith("speculative:"), e.details
     e = refusal(servers["spec"], speculative=True, memory_mode="xl", memory=MemoryRequest(segment_tokens=16))
     assert e.code == grpc.StatusCode.UNIMPLEMENTED and "speculative" in e.details and "xl" in e.details
     e = refusal(servers["spec"], speculative=True, knn=KnnRequest(attribution_top_n=2))
@@ -131,8 +143,20 @@ def test_refusals_name_their_field(servers):
     assert e.code == grpc.StatusCode.OUT_OF_RANGE and "draft_tokens" in e.details
 
 
-def test_negative_draft_tokens_and_the_default_on_the_wire(tiny, servers):
+def test_sampled_speculative_generate_runs_to_its_length(servers, own_text):
+    """Sampled rows verify too (memlm.engine.speculative's exact rule; the distribution is the engine tests'):
+    a seeded call makes its tokens, reproducibly."""
+    with LanguageModelClient(servers["spec"]) as client:
+        calls = [[e for e in client.generate(own_text[0][:6], max_new_tokens=NEW, temperature=1.0, seed=3,
+                                             knn=KnnRequest(), speculative=True)] for _ in range(2)]
+    ends = [c[-1] for c in calls]
+    assert all(isinstance(f, Finish) and f.mean_accepted_tokens >= 1.0 for f in ends)
+    assert [d.token_ids for d in calls[0][:-1]] == [d.token_ids for d in calls[1][:-1]]
+
+
+def test_negative_draft_tokens_and_the_default_on_the_wire():
     """draft_tokens < 0 is refused (the client sends only >= 1); 0 is SpeculativeConfig's default."""
+    from memlm.errors import MemlmError
     from services.lm_args import NO_FEWER, FewerSources, speculative_of
     from services.server_common import InvalidRequest
 
@@ -146,8 +170,13 @@ def test_negative_draft_tokens_and_the_default_on_the_wire(tiny, servers):
         speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, 64, False)
     with pytest.raises(InvalidRequest, match="speculative"):
         speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, NO_FEWER, 64, True)
-    # Through a retrieval service the draft source is refused (it reads whole successor arrays).
-    assert server_sources(servers["store"], remote=True, gate_dir=None, model_fingerprint="", key_layer="").drafts is None
+
+    def no_provenance():
+        raise MemlmError("datastore d has format version 2, without each entry's document and position")
+
+    with pytest.raises(InvalidRequest, match="speculative") as e:  # refused before the stream, not mid-call
+        speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, FewerSources(drafts=no_provenance), 64, True)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "position" in str(e.value)
 
 
 def test_memlm_client_generate_speculative(servers, capsys):
