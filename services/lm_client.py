@@ -431,8 +431,8 @@ def main_generate(
     stop_note = f" ({finish.stop_sequence!r})" if finish.stop_sequence else ""
     generations = f"; datastore generation {', '.join(map(str, finish.datastore_generations))}" \
         if finish.datastore_generations else ""
-    drafts = f"; searches {finish.searches}, mean_accepted_tokens {finish.mean_accepted_tokens:.2f}" \
-        if speculative else ""
+    drafts = f"; searches {finish.searches}" if finish.searches else ""
+    drafts += f", mean_accepted_tokens {finish.mean_accepted_tokens:.2f}" if speculative else ""
     print(f"[finish: {finish.reason}{stop_note}; prompt {finish.prompt_tokens} tokens, "
           f"generated {finish.completion_tokens}{generations}{drafts}]", file=err, flush=True)
     return finish
