@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
-from memlm.engine.drafts import DraftSource, SpeculativeConfig, SuffixIndex
+from memlm.engine.drafts import DraftSource, SpeculativeConfig, draft_source_of
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.knnlm_pass import Retrieval
@@ -233,8 +233,7 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
 
     @cache
     def drafts() -> DraftSource:
-        values = np.asarray(searcher.values, dtype=np.int32)  # (N,)
-        return DraftSource(next_ids(), values, SuffixIndex.build(next_ids(), values))
+        return draft_source_of(next_ids(), searcher.values)
 
     def pointers() -> PointerSource:
         if remote:  # one walk's own (services.retrieval_walk): its ids are rows of one generation

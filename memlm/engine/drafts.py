@@ -190,6 +190,10 @@ def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:
     """The DraftSource of a datastore from its provenance lookup (datastore.Datastore.provenance) and its
     (N,) values: successors derived once (memlm.retrieval.pointers.successors), values read into memory,
     the suffix index built."""
-    values = np.asarray(values, dtype=np.int32)
-    next_ids = successors(lookup, values.shape[0]).next_ids
+    return draft_source_of(successors(lookup, len(values)).next_ids, values)
+
+
+def draft_source_of(next_ids: np.ndarray, values: np.ndarray) -> DraftSource:
+    """The DraftSource of a successors table next_ids (N,) (memlm.retrieval.pointers.successors) and values (N,)."""
+    values = np.asarray(values, dtype=np.int32)  # (N,)
     return DraftSource(next_ids, values, SuffixIndex.build(next_ids, values))
