@@ -52,7 +52,8 @@ class OneGeneration:
                           ) -> tuple[Neighbors, int]:
         """GenerationSearcher.search_generation, refused when another generation answered."""
         found, generation = self._searcher.search_generation(xq, k, options)
-        self._hold(generation)
+        if len(xq) > 0:  # an empty search is answered locally with generation 0: no server said which it read
+            self._hold(generation)
         return found, generation
 
     def successors_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

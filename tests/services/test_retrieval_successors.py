@@ -135,3 +135,9 @@ def test_a_walk_across_a_new_generation_is_aborted(loop_thread, store_dir, store
         fresh = OneGeneration(client, client)
         fresh.successors_of(fresh.search(np.asarray(store.keys[:6], dtype=np.float32), 4).ids.reshape(-1))
         assert fresh.generation == 1
+        # An empty first search is answered locally (generation 0): it must not hold a walk of generation 1 to 0.
+        empty_first = OneGeneration(client, client)
+        empty_first.search(np.empty((0, store.keys.shape[1]), np.float32), 4)
+        query = np.asarray(store.keys[:6], dtype=np.float32)
+        empty_first.successors_of(empty_first.search(query, 4).ids.reshape(-1))
+        assert empty_first.generation == 1
