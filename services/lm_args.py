@@ -8,11 +8,12 @@ speculative decoding (`memlm generate --speculative [--draft-tokens N]`), whose 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
-import numpy as np
 
 from memlm.engine.drafts import DraftSource, SpeculativeConfig, draft_source_of
 from memlm.errors import MemlmError
@@ -88,15 +89,16 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
         raise InvalidRequest("speculative", "not with knn.attribution_top_n (a verifying pass makes several tokens)")
     if request.draft_tokens < 0:
         raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, must be >= 1 (0 = the default)")
-    if request.draft_tokens > max_step_tokens - 1:  # a verifying pass feeds 1 + draft_tokens tokens
-        raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, at most max_step_tokens - 1 = "
+    config = SpeculativeConfig()
+    config = replace(config, draft_tokens=request.draft_tokens) if request.draft_tokens else config
+    if config.draft_tokens > max_step_tokens - 1:  # a verifying pass feeds 1 + draft_tokens tokens (the default too)
+        raise InvalidRequest("draft_tokens", f"{config.draft_tokens}, at most max_step_tokens - 1 = "
                              f"{max_step_tokens - 1}", grpc.StatusCode.OUT_OF_RANGE)
     try:
         sources.drafts()  # made once (cached), here: a datastore without provenance is refused before streaming
     except MemlmError as e:
         raise InvalidRequest("speculative", str(e), FAILED_PRECONDITION) from None
-    config = SpeculativeConfig()
-    return replace(config, draft_tokens=request.draft_tokens) if request.draft_tokens else config
+    return config
 
 
 def retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryConfig | None, attribution: int,
@@ -223,17 +225,20 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
     if searcher is None:
         return FewerSources(gate, None)
 
-    @cache
-    def next_ids() -> np.ndarray:  # (N,) the one successors table of pointers and drafts
-        return successors(searcher.provenance, len(searcher)).next_ids
+    building = threading.RLock()  # calls parse on several threads: the first builds a table, the others wait
 
-    @cache
-    def local() -> PointerSource:
-        return PointerSource.local(next_ids(), searcher.values, searcher.keys)
+    def once(make: Callable[[], Any]) -> Callable[[], Any]:
+        made = cache(make)
 
-    @cache
-    def drafts() -> DraftSource:
-        return draft_source_of(next_ids(), searcher.values)
+        def get() -> Any:
+            with building:
+                return made()
+        return get
+
+    # (N,) the one successors table of pointers and drafts, and what each makes of it: built at first use.
+    next_ids = once(lambda: successors(searcher.provenance, len(searcher)).next_ids)
+    local = once(lambda: PointerSource.local(next_ids(), searcher.values, searcher.keys))
+    drafts = once(lambda: draft_source_of(next_ids(), searcher.values))
 
     def pointers() -> PointerSource:
         if remote:  # one walk's own (services.retrieval_walk): its ids are rows of one generation

@@ -166,6 +166,9 @@ def test_negative_draft_tokens_and_the_default_on_the_wire():
     assert got.draft_tokens == 7
     with pytest.raises(InvalidRequest, match="draft_tokens"):
         speculative_of(lm_pb2.GenerateRequest(speculative=True, draft_tokens=-1), None, 0, fewer, 64, True)
+    default = SpeculativeConfig().draft_tokens  # the default is bounded by the step too, not only a sent value
+    with pytest.raises(InvalidRequest, match="draft_tokens"):
+        speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, default, True)
     with pytest.raises(InvalidRequest, match="speculative"):  # a transformers model: not on the engine
         speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, 64, False)
     with pytest.raises(InvalidRequest, match="speculative"):
