@@ -95,7 +95,9 @@ class LaneKey:
     """MEMORY_MODE_XL's, COMPRESSIVE's or SPALM's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
     searches: bool
     """kNN-LM (and SPALM) rows batch apart from base rows: a step waits for its search, so a slow or hung
-    retrieval service then holds only calls that asked for it (issue 9.2), never base-LM generations."""
+    retrieval service then holds only calls that asked for it (issue 9.2), never base-LM generations.
+    (Speculative base-LM rows search only the in-process datastore to draft: speculative is refused
+    through a retrieval service.)"""
     attribution: int = 0
     """Top documents per generated token (issue 14), 0: none. An attributing lane decodes one row at a time
     (max_batch 1): each search is its one row's next token (the engine keeps which row is which to itself)."""
@@ -316,8 +318,8 @@ class EnginePool:
     def __init__(self, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None, limits: EngineLimits,
                  turns: ModelTurns, spalm_head: SpalmHead | None = None,
                  drafts: Callable[[], DraftSource] | None = None) -> None:
-        """drafts: the datastore's draft source (services.lm_args.FewerSources.drafts), made at the first
-        speculative lane."""
+        """drafts: the datastore's draft source (services.lm_args.FewerSources.drafts), made by the request
+        parser (speculative_of) at the first speculative call; a lane reads the one it made."""
         self._model, self._tokenizer, self._searcher, self._spalm_head = model, tokenizer, searcher, spalm_head
         self._drafts = drafts
         self.limits = limits

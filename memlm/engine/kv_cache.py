@@ -278,7 +278,8 @@ def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     bmm copies the transposed key view to a contiguous one (2.5x slower than keys @ q^T), float32 does not.
     A decode step (T = 1) in bf16 casts to float32 first: per layer 29 us vs 55 us at 1 row, 80 vs 89 at 8,
     257 vs 200 at 32 (CPU time, one thread, q k^T + softmax + weights v), where the bf16 kernels' set-up
-    dominates; prefill chunks (T up to 256) keep the bf16 products."""
+    dominates; prefill chunks (T up to 256) keep the bf16 products; speculative verification passes cast to
+    float32 as decode steps do (StepView.float32_attention)."""
     if keys.dtype == torch.float32:
         return q @ keys.transpose(-1, -2)  # (B, nkv, g*T, width)
     return (keys @ q.transpose(-1, -2)).transpose(-1, -2).float()  # (B, nkv, g*T, width)
