@@ -79,3 +79,13 @@ def own_text_datastore(model, documents: list[list[int]]):
         return Provenance(docs_np[ids], pos_np[ids])
 
     return TorchExactSearcher(torch.cat(keys), values_np), draft_source(lookup, values_np)
+
+
+def repeated_phrase_documents(vocab_size: int) -> list[list[int]]:
+    """Four documents (7, 3, 9 and 5 phrases long) cycling through three random 9-token phrases of ids in
+    [2, vocab_size), so that RetoMaton pointers survive for several steps (issue 15 tests)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    phrases = [rng.integers(2, vocab_size, size=9).tolist() for _ in range(3)]
+    return [[t for j in range(n) for t in phrases[(i + j) % 3]] for i, n in enumerate((7, 3, 9, 5))]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+from tiny_models import phrase_documents, sharp_tiny_model
+
 from memlm.jobs.segment_eval import evaluate_memory
 from memlm.memory.config import MemoryConfig
-from tests.tiny_models import phrase_documents, sharp_tiny_model
 
 BOUNDARY = 0
 

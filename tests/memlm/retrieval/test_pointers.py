@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import RowWiseSearcher
+from tiny_models import RowWiseSearcher, repeated_phrase_documents
 
 from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from memlm.jobs.knnlm_eval import Retrieval, evaluate_knnlm
@@ -34,9 +34,7 @@ def model():
 @pytest.fixture(scope="module")
 def docs():
     """Documents with repeated phrases, so that pointers survive for several steps."""
-    rng = np.random.default_rng(1)
-    phrases = [rng.integers(2, V, size=9).tolist() for _ in range(3)]
-    return [[t for j in range(n) for t in phrases[(i + j) % 3]] for i, n in enumerate((7, 3, 9, 5))]
+    return repeated_phrase_documents(V)
 
 
 def entries(model, docs):
