@@ -90,8 +90,12 @@ class FaissMemory:
         self.train_size = 0 if ivf is None else TRAIN_POINTS_PER_LIST * ivf.nlist
         self.closed = False
 
-    def _new_index(self) -> faiss.Index:
-        index = faiss.index_factory(self.dim, self.factory, faiss.METRIC_INNER_PRODUCT)
+    def _new_index(self, saved: torch.Tensor | None = None) -> faiss.Index:
+        """A fresh index of the factory, or the one serialized in `saved` (state_dict's, uint8)."""
+        if saved is None:
+            index = faiss.index_factory(self.dim, self.factory, faiss.METRIC_INNER_PRODUCT)
+        else:
+            index = faiss.deserialize_index(np.ascontiguousarray(saved.cpu().numpy(), dtype=np.uint8))
         ivf = faiss.try_extract_index_ivf(index)
         if ivf is not None:
             ivf.nprobe = self.nprobe
@@ -169,17 +173,27 @@ class FaissMemory:
         self.buffer = RingBuffer(1, 1, 1, 1, "cpu", torch.float32)
 
     def state_dict(self) -> dict:
-        """The ring buffer's contents; the indexes are rebuilt from it on load (same entries, same ids;
-        an IVF quantizer is retrained on the live entries)."""
-        return {"backend": "faiss", "factory": self.factory, **self.buffer.state_dict()}
+        """The ring buffer's contents and each stream's index emptied, as faiss.serialize_index bytes (uint8):
+        an IVF quantizer stays the one trained on the entries of its time. On load the live entries go back
+        into it with the same ids, so a resumed memory is the uninterrupted one (a quantizer retrained on the
+        live entries would have other centroids, and probe other lists)."""
+        emptied = []
+        for index in self.indexes:
+            copy = faiss.clone_index(index)
+            copy.reset()  # the trained quantizer without the entries (they travel in the buffer)
+            emptied.append(torch.from_numpy(faiss.serialize_index(copy)))
+        return {"backend": "faiss", "factory": self.factory, "indexes": emptied, **self.buffer.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         if d.get("backend") != "faiss":
             raise ValueError(f"not a FAISS key/value memory's state: backend {d.get('backend')!r}")
         if d["factory"] != self.factory:
             raise ValueError(f"saved FAISS memory has index {d['factory']!r}, this one {self.factory!r}")
+        if len(d.get("indexes", ())) != self.streams:
+            raise ValueError(f"saved FAISS memory has {len(d.get('indexes', ()))} stream indexes, this one {self.streams} "
+                             "(a state saved before the indexes were kept cannot resume an IVF memory as it was)")
         self.buffer.load_state_dict(d)
-        self.indexes = [self._new_index() for _ in self.indexes]
+        self.indexes = [self._new_index(saved) for saved in d["indexes"]]
         for s in range(self.streams):
             ids = self._live_ids(s)
             if ids.size:

@@ -8,6 +8,7 @@ documents), the exact backend for FAISS, and the layer's own keys (from a KV cac
 
 from __future__ import annotations
 
+import faiss
 import pytest
 import torch
 from tiny_models import sharp_tiny_model as tiny_model
@@ -28,7 +29,7 @@ from memlm.memory.xl import XLMemory
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder, KVCache, LayerMemory
 from memlm.retrieval import memory_store
-from memlm.retrieval.faiss_memory import FaissMemory
+from memlm.retrieval.faiss_memory import IVF_NPROBE, FaissMemory
 from memlm.retrieval.memory_store import ExactMemory
 
 ZERO_GATE, ONE_GATE = -1e4, 1e4  # sigmoid gives exactly 0.0 and 1.0 in float32
@@ -42,13 +43,16 @@ def knn_module(model: Decoder, gate_logit: float = 0.0) -> KnnAttention:
 
 
 def memorizing(model: Decoder, B: int, module: KnnAttention, *, capacity: int = 256, top_k: int = 4,
-               layer: int | None = None, backend: str = "exact", mem_len: int = 16, sinks: int = 2) -> MemorizingMemory:
+               layer: int | None = None, backend: str = "exact", mem_len: int = 16, sinks: int = 2,
+               factory: str | None = None, nprobe: int = IVF_NPROBE) -> MemorizingMemory:
+    """factory, nprobe: a FAISS backend's index (FaissMemory's; default: its default_factory)."""
     cfg = model.config
     mcfg = MemoryConfig(kind="memorizing", mem_len=mem_len, sink_tokens=sinks, knn_layer=layer, knn_mem_size=capacity,
                         knn_top_k=top_k, knn_backend=backend)
     S, hs = B * cfg.n_kv_head, cfg.head_dim
     # float32 storage: exact comparisons (the CPU default, bfloat16, ranks to about 0.004).
-    store = ExactMemory(S, hs, hs, capacity, dtype=torch.float32) if backend == "exact" else FaissMemory(S, hs, hs, capacity)
+    store = (ExactMemory(S, hs, hs, capacity, dtype=torch.float32) if backend == "exact"
+             else FaissMemory(S, hs, hs, capacity, factory=factory, nprobe=nprobe))
     return new_memory(mcfg, B, knn_attention=module, knn_store=store, n_layer=cfg.n_layer)
 
 
@@ -276,13 +280,20 @@ def test_new_memory_refuses_what_does_not_fit():
 
 def test_an_ivf_memory_is_saved_with_the_state_and_resumes():
     # "ivf" is a local backend: its contents travel in the state (a resumed training run keeps its memory).
+    # A real inverted file, trained before the save (IVF4: 156 entries, of a capacity of 256; the tail
+    # evicts) and probing 1 of its 4 lists, so that which lists a query reads depends on the quantizer:
+    # the resumed memory must read the one trained then, as the uninterrupted one does.
     model = tiny_model()
     module = knn_module(model, 0.0)
-    x = torch.randint(0, 512, (2, 64))
-    want, _ = run(model, x, 16, memorizing(model, 2, module, capacity=24, backend="ivf"))
-    head, state = run(model, x[:, :32], 16, memorizing(model, 2, module, capacity=24, backend="ivf"))
+    x = torch.randint(0, 512, (2, 320))
+    ivf = {"capacity": 256, "backend": "ivf", "factory": "IVF4,Flat", "nprobe": 1}
+    want, _ = run(model, x, 16, memorizing(model, 2, module, **ivf))
+    head, state = run(model, x[:, :192], 16, memorizing(model, 2, module, **ivf))
     saved = state.state_dict()
     assert saved["backend"] == "ivf" and saved["store"] is not None
-    back = memory_from_state_dict(saved, knn_attention=module, knn_store=FaissMemory(4, 16, 16, 24))
-    tail, _ = run(model, x[:, 32:], 16, back)
+    trained = [faiss.deserialize_index(i.numpy()) for i in saved["store"]["indexes"]]
+    assert all(i.is_trained and i.ntotal == 0 for i in trained)  # the quantizer, without the entries
+    back = memory_from_state_dict(saved, knn_attention=module,
+                                  knn_store=FaissMemory(4, 16, 16, 256, factory="IVF4,Flat", nprobe=1))
+    tail, _ = run(model, x[:, 192:], 16, back)
     torch.testing.assert_close(torch.cat([head, tail], dim=1), want, atol=0, rtol=0)
