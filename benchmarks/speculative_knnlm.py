@@ -113,11 +113,11 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], spec: Spec
     n = sum(len(t) for t in tokens["plain"])
     same = sum(a == b for a, b in zip(tokens["plain"], tokens["speculative"]))
     ends = [ev[-1] for ev in results["speculative"]]
-    passes = sum((e.completion_tokens - 1) / e.mean_accepted_tokens for e in ends)
+    passes, verified = sum(e.verify_steps for e in ends), sum(e.verified_tokens for e in ends)
     rate = {s: n / statistics.median(t) for s, t in times.items()}
     print(f"{name}: plain {rate['plain']:.1f} tokens/s, speculative {rate['speculative']:.1f} tokens/s, "
           f"ratio {rate['speculative'] / rate['plain']:.2f}x; mean accepted tokens "
-          f"{(n - len(ends)) / passes:.2f}; searches per token plain "
+          f"{verified / passes:.2f}; searches per token plain "
           f"{sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
           f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
 

@@ -13,7 +13,8 @@ layer, boundary token) before generating. The option groups are memlm.options' (
 sampling group is defined here once. --speculative (issue 15 part 3, memlm.engine.speculative) drafts
 continuations from the --datastore's successors and verifies them in one forward pass: the same greedy
 tokens, the same sampled distribution; with --lambda 0 the target is the base LM and the datastore only
-drafts. Each result carries `searches` (kNN queries) and `mean_accepted_tokens`.
+drafts. Each result carries `searches` (kNN queries), `verify_steps`, `verified_tokens` (exact counts,
+GenerationEnd's) and `mean_accepted_tokens`.
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
             "finish_reason": end.reason, "stop_sequence": end.stop_sequence,
             "prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
             "searches": end.searches, "mean_accepted_tokens": end.mean_accepted_tokens,
+            "verify_steps": end.verify_steps, "verified_tokens": end.verified_tokens,
         })
     total = sum(r["completion_tokens"] for r in out)
     return {
@@ -262,10 +264,7 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
 
 
 def mean_accepted(results: list[dict[str, Any]]) -> float | None:
-    """Tokens per verifying forward pass over all prompts (each prompt's first token is not verified);
-    None without --speculative."""
-    spec = [r for r in results if r["mean_accepted_tokens"] is not None]
-    if not spec:
-        return None
-    passes = sum((r["completion_tokens"] - 1) / r["mean_accepted_tokens"] for r in spec)
-    return sum(r["completion_tokens"] - 1 for r in spec) / passes if passes else None
+    """Completion tokens per verifying forward pass over all prompts, from their exact counts
+    (GenerationEnd.verify_steps, verified_tokens); None without a verifying pass (without --speculative)."""
+    passes = sum(r["verify_steps"] for r in results)
+    return sum(r["verified_tokens"] for r in results) / passes if passes else None

@@ -419,7 +419,7 @@ class Engine:
             return
         tail = _flush(self.tokenizer, row.generated, row.emitted)
         row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
-                                     row.searches, row.mean_accepted_tokens))
+                                     row.searches, row.verify_steps, row.verified_tokens))
         self._release(row)
 
     def _release(self, row: Row | ScoreRow) -> None:

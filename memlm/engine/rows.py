@@ -75,7 +75,8 @@ class Row:
     verify_steps: int = 0
     """Speculative rows: decode steps that verified a draft (each yields >= 1 token)."""
     verified_tokens: int = 0
-    """Speculative rows: tokens those steps yielded (accepted draft tokens + the model's own)."""
+    """Speculative rows: completion tokens those steps yielded (accepted draft tokens + the model's own; eos
+    not counted, GenerationEnd.verified_tokens)."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None, layout: CacheLayout,
@@ -113,11 +114,6 @@ class Row:
     def steps_left(self) -> int:
         """At most this many more tokens before the request ends (the retry hint)."""
         return self.handle.request.max_new_tokens - len(self.generated)
-
-    @property
-    def mean_accepted_tokens(self) -> float | None:
-        """Speculative rows: tokens per verifying pass (GenerationEnd.mean_accepted_tokens); None: no pass."""
-        return self.verified_tokens / self.verify_steps if self.verify_steps else None
 
     def feed(self, n: int) -> tuple[list[int], list[int]]:
         """The next n tokens to feed and their positions (the caller advances `fed` after the pass)."""

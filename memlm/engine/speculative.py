@@ -246,7 +246,8 @@ def _emit(engine: Engine, row: Row, start: int, tokens: list[int], final_lp: tor
     row.verify_steps += 1
     for i, (token, lp, base) in enumerate(zip(tokens, *lps)):
         row.fed = start + 1 + i
-        row.verified_tokens += 1  # before: the row's GenerationEnd is made inside _advance
+        # Counted before _advance makes the row's GenerationEnd; eos is no completion token (not counted there).
+        row.verified_tokens += token != row.handle.request.eos_id
         engine._advance(row, token, lp, base)
         if engine._rows.get(row.slot) is not row:  # it ended
             return

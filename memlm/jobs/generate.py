@@ -115,9 +115,17 @@ class GenerationEnd:
     """The stop sequence that matched (token-id stop sequences as their decoded text); "" otherwise."""
     searches: int = 0
     """kNN searches made for this generation, in queries (the decoding engine counts them; issue 15 part 4)."""
-    mean_accepted_tokens: float | None = None
-    """Speculative decoding: tokens per verifying forward pass (accepted draft tokens + the model's own, so
-    >= 1); None without speculative decoding."""
+    verify_steps: int = 0
+    """Speculative decoding: forward passes that verified a draft (0 without speculative decoding)."""
+    verified_tokens: int = 0
+    """Completion tokens those passes yielded (accepted draft tokens + the model's own; an end-of-text token
+    is not counted, as completion_tokens does not count it). The others came from plain steps: the first
+    token, and the first after each slide of the row's cache."""
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """Speculative decoding: completion tokens per verifying pass; None without a verifying pass."""
+        return self.verified_tokens / self.verify_steps if self.verify_steps else None
 
 
 class _Opened(NamedTuple):

@@ -30,6 +30,7 @@ from memlm.engine.drafts import (
 )
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.engine.rows import Row
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.memory.config import MemoryConfig
@@ -90,13 +91,14 @@ def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, b
     for w, g in zip(want, got):
         assert tokens(g) == tokens(w)
         assert [e.logprob for e in g[:-1]] == pytest.approx([e.logprob for e in w[:-1]], abs=1e-4)
-        assert dataclasses.replace(g[-1], searches=0, mean_accepted_tokens=None) == \
+        assert dataclasses.replace(g[-1], searches=0, verify_steps=0, verified_tokens=0) == \
             dataclasses.replace(w[-1], searches=0)
     ends = [g[-1] for g in got]
     assert all(e.mean_accepted_tokens >= 1 for e in ends)
     # Drafts are taken: cuts of the datastore's texts go on as the texts do, several tokens a pass.
-    steps = sum(e.completion_tokens / e.mean_accepted_tokens for e in ends)
-    assert sum(e.completion_tokens for e in ends) / steps > 2.0
+    steps = sum(e.verify_steps for e in ends)
+    assert sum(e.verified_tokens for e in ends) / steps > 2.0
+    assert all(e.verified_tokens == e.completion_tokens - 1 for e in ends)  # all but the first (no slide here)
     if knn is not None:  # plain kNN-LM searches once a token; speculative once a fed position
         assert [w[-1].searches for w in want] == [w[-1].completion_tokens for w in want]
         assert all(e.searches >= e.completion_tokens for e in ends)
@@ -105,8 +107,7 @@ def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, b
     else:
         assert all(w[-1].searches == 0 for w in want)
         # one search after the prompt, then only when a row's pointers ran out: at most one a pass
-        passes = [(e.completion_tokens - 1) / e.mean_accepted_tokens for e in ends]
-        assert all(0 < e.searches <= 1 + round(p) for e, p in zip(ends, passes))
+        assert all(0 < e.searches <= 1 + e.verify_steps for e in ends)
 
 
 def test_inside_a_continuous_batch_with_plain_rows_joining_and_leaving(setting) -> None:
@@ -150,19 +151,26 @@ def test_stops_eos_and_max_new_tokens_inside_a_draft(setting) -> None:
         assert tokens(got) == tokens(want) and len(tokens(got)) < 30
         assert [e.text_delta for e in got] == [e.text_delta for e in want]
         end = got[-1]
-        assert dataclasses.replace(end, searches=0, mean_accepted_tokens=None) == dataclasses.replace(want[-1], searches=0)
+        assert dataclasses.replace(end, searches=0, verify_steps=0, verified_tokens=0) == \
+            dataclasses.replace(want[-1], searches=0)
+        # Every completion token but the first came from a verifying pass; an eos ending it is not counted.
+        assert end.verified_tokens == end.completion_tokens - 1, r
     long = run_all(engine(setting), [dataclasses.replace(base, speculative=SPEC)])[0][-1]
     assert long.mean_accepted_tokens > 2  # so the cuts above did fall inside drafts
 
 
-def test_a_row_that_fills_its_cache_slides_as_plain_decoding_does(setting) -> None:
+def test_a_row_that_fills_its_cache_slides_as_plain_decoding_does(setting, monkeypatch) -> None:
     """row_capacity 24: drafts are cut so a pass never runs past the row, and the slide comes after the
-    same token as in plain decoding."""
+    same token as in plain decoding; the token after each slide is a plain step's (not a verified one)."""
     doc = setting[3][2]
     r = GenerationRequest(tuple(doc[1:12]), 40, GREEDY, boundary_token=BOUNDARY, knn=KNN)
     want = run_all(engine(setting, row_capacity=24), [r])[0]
+    slides = []
+    slide = Row.slide
+    monkeypatch.setattr(Row, "slide", lambda row, keep: (slides.append(keep), slide(row, keep))[1])
     got = run_all(engine(setting, row_capacity=24), [dataclasses.replace(r, speculative=SPEC)])[0]
     assert tokens(got) == tokens(want) and len(tokens(got)) == 40
+    assert len(slides) > 0 and got[-1].verified_tokens == 40 - 1 - len(slides) and got[-1].verify_steps > 0
 
 
 def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> None:

@@ -50,7 +50,11 @@ def test_speculative_generate_makes_the_same_tokens(capsys, tmp_path, store, lmb
     plain = generate(capsys, tmp_path, store, *knn)
     spec = generate(capsys, tmp_path, store, *knn, "--speculative", "--draft-tokens", "3")
     assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
-    assert plain["mean_accepted_tokens"] is None
+    assert plain["mean_accepted_tokens"] is None and all(r["verify_steps"] == 0 for r in plain["results"])
+    # The run's mean from the exact counts: every completion token but each prompt's first was verified.
+    steps, verified = (sum(r[f] for r in spec["results"]) for f in ("verify_steps", "verified_tokens"))
+    assert spec["mean_accepted_tokens"] == verified / steps
+    assert all(r["verified_tokens"] == r["completion_tokens"] - 1 for r in spec["results"])
     if lmbda == "0":  # the random tiny model's own greedy text is not the datastore's: few drafts hold
         assert all(r["mean_accepted_tokens"] >= 1 for r in spec["results"])  # (the engine test's model takes them)
     else:  # the mixture follows the datastore's sentence: drafts are accepted, more than one token a pass
