@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from memlm.engine.kv_cache import RowCache, rotary_at
+from memlm.memory.compressive import pool_states
 from memlm.model.decoder import apply_rotary
 
 POOLS = ("mean", "max")
@@ -69,15 +70,12 @@ def compress_groups(cache: RowCache, rows: list[int], groups: list[int], pool: s
     src = cache.slot_of(positions).to(device)  # (Q, c)
     dst = (N + torch.remainder(j, layout.cmem)).to(device)  # (Q,)
     back = rotary_at(-positions.to(device), cache.inv_freq)  # (Q, 1, c, hs) each: undoes each key's rotation
-    mean = (first.double() + (c - 1) / 2)[:, None].to(device)  # (Q, 1) fractional
+    mean = layout.group_position(j)[:, None].to(device)  # (Q, 1) fractional
     forward = rotary_at(mean, cache.inv_freq)  # (Q, 1, 1, hs) each
     for kc, vc in zip(cache.k, cache.v):
         k = apply_rotary(kc[r[:, None], :, src].transpose(1, 2), *back)  # (Q, nkv, c, hs) un-rotated
         v = vc[r[:, None], :, src].transpose(1, 2)  # (Q, nkv, c, hs)
-        if pool == "max":
-            k, v = k.amax(dim=2, keepdim=True), v.amax(dim=2, keepdim=True)  # (Q, nkv, 1, hs)
-        else:
-            k, v = k.mean(dim=2, keepdim=True), v.mean(dim=2, keepdim=True)  # (Q, nkv, 1, hs)
-        kc[r, :, dst] = apply_rotary(k, *forward)[:, :, 0]  # (Q, nkv, hs)
-        vc[r, :, dst] = v[:, :, 0]  # (Q, nkv, hs)
+        k, v = pool_states(k, pool, dim=2), pool_states(v, pool, dim=2)  # (Q, nkv, hs) each
+        kc[r, :, dst] = apply_rotary(k[:, :, None], *forward)[:, :, 0]  # (Q, nkv, hs)
+        vc[r, :, dst] = v  # (Q, nkv, hs)
     cache.slot_pos[r, dst] = first.to(device)  # written: the masks show the slot (kv_cache.StepView._mask)

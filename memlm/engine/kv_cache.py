@@ -112,6 +112,11 @@ class CacheLayout:
         """Groups compressed (evicted from the memory) before a segment that starts at `window`."""
         return max(0, window - self.sink - self.mem_len) // self.rate
 
+    def group_position(self, group: torch.Tensor) -> torch.Tensor:
+        """Float64 position of compressed group(s) `group` (int64, any shape): the mean of its c positions,
+        (c - 1) / 2 past its first (memlm.memory.compressive.compress: fractional, exactly centred)."""
+        return (self.sink + group * self.rate).double() + (self.rate - 1) / 2
+
 
 class RowCache:
     """The cache tensors. Rows are cleared when a request takes them (`clear_row`); views write into them."""
@@ -195,7 +200,7 @@ def _sink_shift(layout: CacheLayout, window: torch.Tensor) -> torch.Tensor:
         c = layout.rate
         groups = torch.div(torch.clamp(s - N - layout.mem_len, min=0), c, rounding_mode="floor")  # (B, T)
         oldest = torch.clamp(groups - layout.cmem, min=0)  # (B, T) the oldest group kept
-        first = torch.where(groups > 0, (N + oldest * c).double() + (c - 1) / 2, first)  # (B, T)
+        first = torch.where(groups > 0, layout.group_position(oldest), first)  # (B, T)
     return torch.clamp(first - N, min=0)
 
 

@@ -73,6 +73,12 @@ class Compressor(nn.Module):
         return y.transpose(1, 2).reshape(B, -1, *x.shape[2:]).to(x.dtype)  # (B, E/c, ...)
 
 
+def pool_states(x: torch.Tensor, fn: str, dim: int) -> torch.Tensor:
+    """A group of states pooled by compress_fn "max" or "mean" over `dim` (removed): the one pooling rule
+    of this module and of the decoding engine's compressive rows (memlm.engine.compression)."""
+    return x.amax(dim=dim) if fn == "max" else x.mean(dim=dim)
+
+
 def compress(
     old: LayerMemory, rate: int, fn: str, compressor: Compressor | None = None, layer: int = 0
 ) -> LayerMemory:
@@ -104,18 +110,13 @@ def compress(
         if fn == "conv":
             x = compressor.compress_x(layer, old.x)  # (B, E/c, C)
         else:
-            xg = old.x.reshape(B, groups, rate, -1)  # (B, E/c, c, C)
-            x = xg.amax(dim=2) if fn == "max" else xg.mean(dim=2)  # (B, E/c, C)
+            x = pool_states(old.x.reshape(B, groups, rate, -1), fn, dim=2)  # (B, E/c, C)
         fn = "mean"
     if fn == "conv":
         k, v = compressor(layer, old.k, old.v)  # (B, E/c, nkv, hs) each
     else:
-        kg = old.k.reshape(B, groups, rate, nkv, hs)  # (B, E/c, c, nkv, hs)
-        vg = old.v.reshape(B, groups, rate, nkv, hs)
-        if fn == "max":
-            k, v = kg.amax(dim=2), vg.amax(dim=2)  # (B, E/c, nkv, hs)
-        else:
-            k, v = kg.mean(dim=2), vg.mean(dim=2)  # (B, E/c, nkv, hs)
+        k = pool_states(old.k.reshape(B, groups, rate, nkv, hs), fn, dim=2)  # (B, E/c, nkv, hs)
+        v = pool_states(old.v.reshape(B, groups, rate, nkv, hs), fn, dim=2)  # (B, E/c, nkv, hs)
     pos = old.pos.reshape(B, groups, rate).float().mean(dim=2)  # (B, E/c) fractional
     # push_fifo evicts whole groups, so a group is entirely valid or entirely padding.
     valid = old.valid.reshape(B, groups, rate).all(dim=2)  # (B, E/c)
