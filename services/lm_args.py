@@ -38,7 +38,7 @@ UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 
 @dataclass(frozen=True)
 class FewerSources:
-    """What a server holds for fewer searches (services.lm_server builds it at load)."""
+    """What a server holds for fewer searches (services.lm_servicer builds it at load)."""
 
     gate: tuple[RetrievalGate, GateSettings] | None = None
     """The gate of --adaptive-gate, checked against the model and the datastore; None: adaptive_* refused."""

@@ -1,5 +1,5 @@
 """The Generate stream of one call, whichever path makes its events (a decoding-engine row, services.lm_engine,
-or the one-sequence generator of services.lm_server): a response per token, then the finish with its counts
+or the one-sequence generator of services.lm_servicer): a response per token, then the finish with its counts
 (searches, speculative decoding's mean_accepted_tokens: issue 15 part 4), or a status.
 """
 

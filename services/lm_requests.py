@@ -4,7 +4,7 @@ Every check raises `InvalidRequest(field, message, code)`, which `services.serve
 status whose message starts with the field's name: INVALID_ARGUMENT for a value outside its domain,
 OUT_OF_RANGE for one past a limit of `LMLimits` (what GetInfo reports), FAILED_PRECONDITION for kNN-LM
 on a server without a datastore, UNIMPLEMENTED for a memory mode the server does not serve (naming what
-it lacks). Nothing here runs the model; the servicer (services.lm_server) runs what the parser returns, and
+it lacks). Nothing here runs the model; the servicer (services.lm_servicer) runs what the parser returns, and
 services.lm_results.encode_score turns the library's scores into the response.
 
 Every request's cost is bounded here, before any work (issue 9): the characters of its texts before

@@ -8,13 +8,15 @@ free cache row. One `step`:
    EngineConfig.prefill_chunk tokens over all rows per step (so a long prompt never stalls the running
    batch), left-padded (padding is never written to the cache);
 4. decodes every non-speculative row with one token to feed (its last token), in the SAME forward pass as
-   the prefill chunks (kv_cache.PackedStep: the weights are read once per step, decode rows are not padded);
+   the prefill chunks (memlm.engine.passes; kv_cache.PackedStep: the weights are read once per step, decode
+   rows are not padded);
 5. chooses the next token of those rows at once (memlm.engine.sampling: one kNN-LM search for all that use
    it, each with its own k, lambda and temperature) and emits TokenEvents; speculative rows then verify
    their drafts in a pass and a search of their own (memlm.engine.speculative); finished rows emit their
    GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
 Score requests (ScoreRequest) ride the same steps: fed like a prompt, with logits at every position, and
-answered with memlm.jobs.scoring's SequenceScore (several clients' scores share forward passes).
+answered with memlm.jobs.scoring's SequenceScore (memlm.engine.score_rows; several clients' scores share
+forward passes).
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
 deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
@@ -39,17 +41,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from memlm.engine import spalm_rows, speculative
-from memlm.engine.compression import compress_due
+from memlm.engine import passes, score_rows, spalm_rows, speculative
 from memlm.engine.kv_cache import (
     CacheLayout,
-    PackedGroup,
-    PackedStep,
     RowCache,
-    StepView,
 )
 from memlm.engine.requests import (
     FINISH_CANCELLED,
@@ -61,8 +58,9 @@ from memlm.engine.requests import (
     RequestHandle,
     ScoreRequest,
 )
-from memlm.engine.rows import Row, ScoreRow, sequence_score, window_starts
+from memlm.engine.rows import Row
 from memlm.engine.sampling import choose_tokens, search_rows
+from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 
 # The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
@@ -256,8 +254,10 @@ class Engine:
         in a pass of their own, with logits at every position), then every ready row's next token."""
         plan = self._prefill_plan()
         scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
-        if scoring:
-            self._score(scoring)
+        if scoring:  # a pass of their own, with logits at every position
+            starts = [row.fed for row, _ in scoring]
+            logits, _, done = passes.run(self, scoring, every_position=True)  # (B, T, V)
+            score_rows.take_scores(self, scoring, starts, logits, done)
         prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
         touched = {row.slot for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
@@ -265,9 +265,9 @@ class Engine:
         decoding, verifying = speculative.split(decoding)
         ready: list[Row] = []
         if prefilling and decoding:
-            logits, keys, ready = self._run_packed(prefilling, decoding)  # (B, V), (B, C)
+            logits, keys, ready = passes.run_packed(self, prefilling, decoding)  # (B, V), (B, C)
         elif prefilling or decoding:
-            logits, keys, done = self._run(prefilling or decoding)  # (B, V), (B, C)
+            logits, keys, done = passes.run(self, prefilling or decoding)  # (B, V), (B, C)
             index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
             ready, logits, keys = [(prefilling or decoding)[i][0] for i in index], logits[index], keys[index]
         if ready:
@@ -314,84 +314,6 @@ class Engine:
                 plan.append((row, n))
                 budget -= n
         return sorted(plan, key=lambda p: p[0].slot)
-
-    def _inputs(self, plan: Sequence[tuple[Row | ScoreRow, int]], verify: bool = False) -> tuple[torch.Tensor, StepView]:
-        """The left-padded token ids (B, T) of a pass feeding `plan` (rows sorted by slot, tokens each) and its
-        cache view. Built on the host with whole-array operations (no per-row tensor ops: at 32 rows those
-        cost more than the step's attention)."""
-        ns = np.array([n for _, n in plan])  # (B,)
-        T = int(ns.max())
-        first = np.array([row.fed - row.base for row, _ in plan])  # (B,) position of each row's first fed token
-        offset = np.arange(T)[None, :] - (T - ns)[:, None]  # (B, T) index in the row's chunk; < 0: padding
-        real = offset >= 0  # (B, T)
-        pos = first[:, None] + np.where(real, offset, ns[:, None] - 1)  # (B, T) padding: the last real position
-        idx = np.zeros(real.shape, dtype=np.int64)  # (B, T)
-        idx[real] = np.concatenate([row.tokens[row.fed : row.fed + n] for row, n in plan])
-        pos_t = torch.from_numpy(pos)  # (B, T)
-        generated_from = torch.tensor([[row.first_generated_pos] for row, _ in plan])  # (B, 1)
-        window = window_starts(pos_t, generated_from, self.cache.layout.segment)  # (B, T)
-        if self.cache.layout.cmem:
-            compress_due(self.cache, [row for row, _ in plan], window[:, -1].tolist(), self.config.xl.compress_fn)
-        view = self.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window, verify)
-        return torch.from_numpy(idx), view
-
-    def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
-             verify: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
-        Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all, (B, T, V) and (B, T, C))
-        and, per row, whether it has fed everything it had (its logits are the next token's). verify: RowCache.view."""
-        idx, view = self._inputs(plan, verify)
-        T = idx.shape[1]
-        out = spalm_rows.forward(self, idx.to(self.model.device), view, 0 if every_position else T - 1)
-        for row, n in plan:
-            row.fed += n
-        logits = out.logits if every_position else out.logits[:, -1]  # (B, T, V) or (B, V)
-        keys = out.knn_key if every_position else out.knn_key[:, -1]  # (B, T, C) or (B, C)
-        return logits, keys, [row.to_feed == 0 for row, _ in plan]
-
-    def _run_packed(self, prefilling: list[tuple[Row, int]], decoding: list[tuple[Row, int]],
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[Row]]:
-        """Prefill chunks and decode rows in ONE forward pass (kv_cache.PackedStep: the weights are read once
-        per step). The packed sequence puts the tokens whose logits are read last (the last token of each
-        prompt that completes now, then every decode row's), so the head runs on those only. Returns their
-        logits (b, V), kNN keys (b, C) and rows, prompts completed first, then the decode rows."""
-        p_idx, p_view = self._inputs(prefilling)
-        d_idx, d_view = self._inputs(decoding)
-        Tp = p_idx.shape[1]
-        real = p_view.real_cpu.reshape(-1).clone()  # (Bp*Tp,)
-        done = [row.to_feed == n for row, n in prefilling]
-        last = torch.tensor([i * Tp + Tp - 1 for i, d in enumerate(done) if d], dtype=torch.long)  # (b_p,)
-        real[last] = False
-        order = torch.cat([real.nonzero()[:, 0], last])  # (n_p,) flat indices, the read ones last
-        n_p, n_d = len(order), len(decoding)
-        device = self.model.device
-        groups = [PackedGroup(p_view, torch.arange(n_p, device=device), order.to(device)),
-                  PackedGroup(d_view, torch.arange(n_p, n_p + n_d, device=device), None)]
-        idx = torch.cat([p_idx.reshape(-1)[order], d_idx.reshape(-1)])[None]  # (1, N)
-        read = len(last) + n_d
-        out = spalm_rows.forward(self, idx.to(device), PackedStep(groups), idx.shape[1] - read)
-        for row, n in (*prefilling, *decoding):
-            row.fed += n
-        ready = [row for (row, _), d in zip(prefilling, done) if d] + [row for row, _ in decoding]
-        return out.logits[0], out.knn_key[0, -read:], ready  # (b, V), (b, C)
-
-    def _score(self, plan: list[tuple[ScoreRow, int]]) -> None:
-        """Feed score rows' chunks with logits at every position; keep the scored tokens' log-probabilities
-        (base LM; greedy = the argmax), and deliver each finished row's SequenceScore."""
-        starts = [row.fed for row, _ in plan]
-        logits, _, done = self._run(plan, every_position=True)  # (B, T, V)
-        T = logits.shape[1]
-        for i, ((row, n), lo) in enumerate(zip(plan, starts)):
-            targets = torch.tensor(row.tokens[lo + 1 : lo + 1 + n], device=logits.device)  # (n,) next tokens
-            lp = torch.log_softmax(logits[i, T - n :].float(), dim=-1)  # (n, V)
-            picked = lp.gather(1, targets[:, None])[:, 0]  # (n,)
-            greedy = lp.argmax(dim=-1) == targets  # (n,)
-            keep = slice(max(0, row.first_scored - 1 - lo), n)  # the context's own tokens are not scored
-            row.scored += zip(targets[keep].tolist(), picked[keep].tolist(), greedy[keep].tolist())
-        for (row, _), finished in zip(plan, done):
-            if finished:
-                row.handle.put(sequence_score(row))
-                self._release(row)
 
     # -- one token ------------------------------------------------------------------------------
     def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None:

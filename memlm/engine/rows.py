@@ -19,7 +19,6 @@ import torch
 from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import RequestHandle
 from memlm.jobs.generate import REPLACEMENT, TokenEvent, _as_stop
-from memlm.jobs.scoring import SequenceScore
 from memlm.model.tokenizer import Tokenizer
 
 
@@ -134,58 +133,3 @@ class Row:
         delta = self.stable[len(self.emitted):] if self.stable.startswith(self.emitted) else ""
         self.emitted += delta
         return TokenEvent(token, tokenizer.decode([token]), delta, logprob, base_logprob)
-
-
-@dataclass
-class ScoreRow:
-    """A score request in the running batch: its tokens are fed like a prompt (all but the last, whose
-    logits predict nothing), and each chunk's log-probabilities of the next tokens are kept."""
-
-    handle: RequestHandle
-    slot: int
-    deadline: float | None
-    tokens: list[int]
-    """[boundary, *context, *continuation]."""
-    first_scored: int
-    """Index in `tokens` of the first scored token (1 + the context's length)."""
-    fed: int = 0
-    base: int = 0
-    """Always 0 (a score never slides); window_starts' and the view's bookkeeping as for Row."""
-    scored: list[tuple[int, float, bool]] = field(default_factory=list)
-    """(token, base log-prob, greedy) of every scored token so far."""
-    compressed: int = 0
-    """Compressive rows: groups compressed so far (memlm.engine.compression)."""
-
-    @classmethod
-    def start(cls, handle: RequestHandle, slot: int, deadline: float | None) -> ScoreRow:
-        request = handle.request
-        return cls(handle, slot, deadline, request.prefix, 1 + len(request.context))
-
-    @property
-    def to_feed(self) -> int:
-        return len(self.tokens) - 1 - self.fed
-
-    @property
-    def cached(self) -> int:
-        return self.fed
-
-    @property
-    def first_generated_pos(self) -> int:
-        return len(self.tokens)  # every fed token is read in segments (XL), like a prompt
-
-    @property
-    def steps_left(self) -> int:
-        return self.to_feed
-
-    def feed(self, n: int) -> tuple[list[int], list[int]]:
-        lo = self.fed
-        return self.tokens[lo : lo + n], list(range(lo, lo + n))
-
-
-def sequence_score(row: ScoreRow) -> SequenceScore:
-    """memlm.jobs.scoring's result type for a finished score row (no kNN-LM: final = base; no top-n)."""
-    ids, lps, greedy = zip(*row.scored)
-    base = np.array(lps, dtype=np.float32)
-    return SequenceScore(np.array(ids, dtype=np.int64), base, base.copy(), np.array(greedy, dtype=bool),
-                         np.zeros((len(ids), 0), dtype=np.int64), np.zeros((len(ids), 0), dtype=np.float32),
-                         row.first_scored)

@@ -31,25 +31,26 @@ n a row's draft length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from memlm.engine import passes
 from memlm.engine.drafts import DraftSource, advance, draft_from, matching
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import GenerationRequest
-from memlm.engine.rows import Row, ScoreRow
+from memlm.engine.rows import Row
 from memlm.engine.sampling import search_rows
+from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, filter_logits
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
 from memlm.retrieval.searcher import Neighbors, Searcher
 
 
-class Engine(Protocol):
+class Engine(passes.Engine, Protocol):
     """What verification uses of memlm.engine.engine.Engine (a protocol: that module imports this one)."""
 
     cache: RowCache
@@ -57,9 +58,6 @@ class Engine(Protocol):
     drafts: DraftSource | None
     decodable: int
     _rows: dict[int, Row | ScoreRow]
-
-    def _run(self, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
-             verify: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[bool]]: ...
 
     def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None: ...
 
@@ -96,8 +94,8 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     starts = [row.fed for row in rows]
     for row, d in zip(rows, drafts):
         row.tokens += d  # fed by this pass, taken back below
-    logits, keys, _ = engine._run([(row, 1 + len(d)) for row, d in zip(rows, drafts)], every_position=True,
-                                   verify=True)
+    logits, keys, _ = passes.run(engine, [(row, 1 + len(d)) for row, d in zip(rows, drafts)], every_position=True,
+                                 verify=True)
     T = logits.shape[1]  # (B, T, V), (B, T, C)
     for row, d in zip(rows, drafts):
         del row.tokens[len(row.tokens) - len(d):]

@@ -35,11 +35,8 @@ from services.lm_client import (
     main_generate,
     main_score,
 )
-from services.lm_server import (
-    GenerationRecord,
-    LMLimits,
-    bind_lm_server,
-)
+from services.lm_engine import GenerationRecord
+from services.lm_server import LMLimits, bind_lm_server
 from services.retrieval_server import info_from_proto
 from services.server_common import ServerOptions, ServiceError
 
