@@ -1,11 +1,12 @@
-"""The LM server's Generate on the decoding engine (issue 12 part 3): one running batch per setting.
+"""The LM server's Generate and Score on the decoding engine (issue 12 part 3): one running batch per setting.
 
 Every Generate call with MEMORY_MODE_NONE, XL, COMPRESSIVE (with or without kNN-LM) or SPALM is a request in a
 running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or pass
 their deadline, and every step decodes all of them in one forward pass (with kNN-LM or SPALM: one batched
 search for every ready row, each with its own settings, memlm.engine.sampling / spalm_rows). The engine takes
 one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by whether they search
-(LaneKey); at most MAX_LANES lanes live at once (an idle one is closed to make room; none: RESOURCE_EXHAUSTED).
+(LaneKey); a Score of the engine's modes puts each input in the lane of its settings as a score row
+(services.lm_score_engine), beside the Generate rows; at most MAX_LANES lanes live at once (an idle one is closed to make room; none: RESOURCE_EXHAUSTED).
 
 Model turns (services.lm_scheduler): each lane's thread takes the model's turn like any call, as a tenant of
 its own ("engine:<lane>"), for one engine step at a time, passed on at every step boundary when Score calls
@@ -45,6 +46,7 @@ from memlm.engine.requests import (
     Event,
     GenerationRequest,
     RequestHandle,
+    ScoreRequest,
     SpalmSettings,
 )
 from memlm.errors import MemlmError
@@ -53,6 +55,7 @@ from memlm.jobs.generate import (
     SamplingConfig,
     TokenEvent,
 )
+from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
 from memlm.memory.spalm import SpalmHead
@@ -213,8 +216,9 @@ class Lane:
         self._thread.start()
 
     # -- the callers' side ----------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, deadline: float | None) -> Stream:
-        """Queue one call (EngineFull when this batch's queue is full)."""
+    def submit(self, request: GenerationRequest | ScoreRequest, loop: asyncio.AbstractEventLoop,
+               deadline: float | None) -> Stream:
+        """Queue one call (a Score: one input, services.lm_score_engine; EngineFull when this batch's queue is full)."""
         with self._lock:
             handle = self.engine.submit(request)
             stream = Stream(handle, loop, deadline)
@@ -238,7 +242,7 @@ class Lane:
             return not self._streams and not self.engine.busy
 
     def _searching(self) -> list[Stream]:
-        return [s for s in self.streams() if (s.handle.request.knn or s.handle.request.speculative) is not None]
+        return [s for s in self.streams() if _searches(s.handle.request)]
 
     def latest_deadline(self) -> float | None:
         """The latest deadline of the batch's kNN-LM calls (None when one has none): how long its search may wait."""
@@ -285,6 +289,10 @@ class Lane:
                 self._forget(stream)
                 stream.deliver(e)
                 continue
+            if searched is not None and isinstance(stream.handle.request, ScoreRequest) and _searches(stream.handle.request):
+                # A score row's search is not told apart from the step's others: a live kNN-LM Score counts
+                # every step's generation (at most one too many when the datastore switches meanwhile).
+                stream.generations.add(searched[0])
             if not events:
                 continue
             tokens = [e for e in events if isinstance(e, TokenEvent)]
@@ -294,7 +302,7 @@ class Lane:
                     stream.generations.add(searched[0])
                 if self.key.attribution:  # one row: the step's one search, its one token
                     stream.attributions.extend(self._attribute(stream, tokens, searched[1] if searched else None))
-            if isinstance(events[-1], GenerationEnd):
+            if isinstance(events[-1], (GenerationEnd, SequenceScore)):
                 self._forget(stream)
             stream.deliver(events)
 
@@ -328,7 +336,7 @@ class EnginePool:
         self._lock = threading.Lock()
         self._made = 0
 
-    def submit(self, key: LaneKey, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+    def submit(self, key: LaneKey, request: GenerationRequest | ScoreRequest, loop: asyncio.AbstractEventLoop,
                deadline: float | None) -> tuple[Lane, Stream]:
         """The call's lane and stream; EngineFull (with its retry hint) when the server is full."""
         with self._lock:
@@ -355,7 +363,8 @@ class EnginePool:
     def _retry_hint(self, streams: list[Stream]) -> float:
         """Seconds until some call is likely done: its tokens left x the slowest batch's mean step time."""
         step_s = max((lane.engine.step_time_s for lane in self._lanes.values()), default=0.05)
-        left = [s.handle.request.max_new_tokens - s.produced for s in streams]
+        left = [s.handle.request.max_new_tokens - s.produced for s in streams
+                if isinstance(s.handle.request, GenerationRequest)]
         return max(1, min(left, default=1)) * step_s
 
     def lanes(self) -> list[Lane]:
@@ -367,6 +376,13 @@ class EnginePool:
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             lane.close()
+
+
+def _searches(request: GenerationRequest | ScoreRequest) -> bool:
+    """The request searches the lane's datastore (kNN-LM; speculative drafts)."""
+    if isinstance(request, ScoreRequest):
+        return request.knn is not None
+    return (request.knn or request.speculative) is not None
 
 
 def retry_after_ms(e: EngineFull) -> int:

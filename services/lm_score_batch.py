@@ -1,4 +1,7 @@
-"""Score calls from different clients share forward passes (issue 12): one library run for concurrent calls.
+"""Score calls that the engine does not run share forward passes (issue 12): one library run for concurrent calls.
+
+Used for services.lm_score_engine.score_path's BATCHED calls only (attribution, whose searches carry
+provenance; a model the engine does not hold); Score with the engine's modes runs as engine rows.
 
 Score calls that arrive while the model is busy wait for its turn (services.lm_scheduler). Those of one
 `ScoreKey` (the same memory mode and sizes, window and stride, kNN-LM settings, top_n and rows per step)
@@ -16,7 +19,7 @@ segment rows alike.
 The batch's steps are charged to the client of its first call (one tenant of the model's turns). Its
 work stops (WorkStopped, within one step) only when every call of the batch gave up (cancelled, past its
 deadline, or the server closing); a remote kNN search ends by the latest deadline of the batch.
-MEMORY_MODE_MEMORIZING and SPALM Score (per-call memories / heads) run alone, as before.
+MEMORY_MODE_MEMORIZING, SPALM and fewer-search Score (per-call memories / heads / walks) run alone.
 """
 
 from __future__ import annotations
@@ -59,12 +62,6 @@ class ScoreKey:
     @classmethod
     def of(cls, args: ScoreArgs) -> ScoreKey:
         return cls(args.memory, args.context, args.stride, args.knn, args.top_n, args.batch_size, args.attribution)
-
-
-def batchable(args: ScoreArgs) -> bool:
-    """Calls whose memory is per sequence and made fresh (none, XL, compressive) can share a library call."""
-    # Fewer searches (issue 15) run alone: the pointer walk's streams follow the call's own forward steps.
-    return args.spalm is None and args.retrieval is None and (args.memory is None or args.memory.kind in ("xl", "compressive"))
 
 
 class _Member:

@@ -3,8 +3,12 @@
 The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm_requests), runs
 the library and encodes the result. Model work runs ONE forward step at a time (services.lm_scheduler): each
 client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
-its fair share, never for all of a long call. Concurrent Score calls of one key share forward steps
-(services.lm_score_batch). Generate with MEMORY_MODE_NONE, XL, COMPRESSIVE (kNN-LM or not) or SPALM is a request in a running
+its fair share, never for all of a long call. Score takes one of three paths, said by
+services.lm_score_engine.score_path: ENGINE (MEMORY_MODE_NONE sliding windows, XL and COMPRESSIVE, with or
+without kNN-LM and top_n: each input a score row of the decoding engine's running batch of its settings,
+sharing steps with other Score calls and with Generate rows), BATCHED (attribution, a model the engine does
+not hold: one library call for the concurrent calls of a key, services.lm_score_batch) or ALONE (SPALM,
+MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with MEMORY_MODE_NONE, XL, COMPRESSIVE (kNN-LM or not) or SPALM is a request in a running
 batch of the decoding engine (services.lm_engine, issue 12), which takes the model's turn like one more
 client; a cancelled call's row is free before the next step; admission is bounded (max_batch, max_queue,
 max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
@@ -67,7 +71,8 @@ from services.lm_engine import (
 from services.lm_requests import LMLimits, RequestParser, ScoreArgs
 from services.lm_results import CallSearcher, ScoreOutcome, encode_score
 from services.lm_scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
-from services.lm_score_batch import BatchStop, ScoreBatcher, batchable
+from services.lm_score_batch import BatchStop, ScoreBatcher
+from services.lm_score_engine import BATCHED, ENGINE, score_on_engine, score_path
 from services.retrieval_client import (
     RetrievalClient,
 )
@@ -241,11 +246,14 @@ class LanguageModelServicer:
         # Tokenizing (up to max_text_chars) and encoding the response are work too, but not the model's:
         # on a worker, off the event loop and without the turn.
         args = await self.scheduler.run_free(self._parser.score, request)
-        shared = batchable(args)  # forward steps shared with concurrent calls of its key (services.lm_score_batch)
+        path = score_path(args, self._model)  # the one routing rule (services.lm_score_engine)
         try:
-            running = (self.score_batches.score(args, stop, context.peer()) if shared
-                       else self.scheduler.run(gate, self._score_work, args, gate, stop))
-            out = await self._call_library(context, stop, running)
+            if path == ENGINE:  # rows of the engine's running batch of its settings
+                out = await score_on_engine(self.engines, self._model, args, self._boundary, stop.deadline, context)
+            else:
+                running = (self.score_batches.score(args, stop, context.peer()) if path == BATCHED
+                           else self.scheduler.run(gate, self._score_work, args, gate, stop))
+                out = await self._call_library(context, stop, running)
             gates = out.gates if out.gates is not None else [None] * len(out.scores)
             return await self.scheduler.run_free(lambda: lm_pb2.ScoreResponse(
                 results=[encode_score(s, self._pieces, g, args.knn is not None) for s, g in zip(out.scores, gates)],

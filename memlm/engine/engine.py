@@ -14,9 +14,10 @@ free cache row. One `step`:
    it, each with its own k, lambda and temperature) and emits TokenEvents; speculative rows then verify
    their drafts in a pass and a search of their own (memlm.engine.speculative); finished rows emit their
    GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
-Score requests (ScoreRequest) ride the same steps: fed like a prompt, with logits at every position, and
-answered with memlm.jobs.scoring's SequenceScore (memlm.engine.score_rows; several clients' scores share
-forward passes).
+Score requests (ScoreRequest) ride the same steps: fed like a prompt (score_tokens' sliding windows one after
+another, or XL segments), with logits at every position, and answered with memlm.jobs.scoring's SequenceScore
+(memlm.engine.score_rows: its per-token functions, kNN-LM and top-n included, one search for the step's score
+rows; several clients' scores share forward passes).
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
 deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
@@ -142,9 +143,7 @@ class Engine:
                              f"outside [0, {V})")
         spalm_rows.check_request(self, request)
         if isinstance(request, ScoreRequest):
-            if not self.cache.layout.wraps and len(request.prefix) - 1 > self.cache.layout.ring:
-                raise MemlmError(f"a score of {len(request.prefix)} tokens is over the rows' {self.cache.layout.ring}; "
-                                 "score it in windows (memlm.jobs.scoring) or with the XL memory")
+            score_rows.check_request(self, request)
         else:
             for s in request.stop_sequences:
                 _as_stop(s)
@@ -228,7 +227,7 @@ class Engine:
                 if reason is None:
                     kept.append((handle, deadline))
                 elif isinstance(handle.request, ScoreRequest):
-                    handle.put(MemlmError(f"score ended before it was done: {reason}"))
+                    handle.put(score_rows.ScoreEnded(reason))
                 else:
                     handle.put(_end_event(reason, "", len(handle.request.prompt_ids), 0, ""))
             self._waiting = kept
@@ -256,8 +255,8 @@ class Engine:
         scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
         if scoring:  # a pass of their own, with logits at every position
             starts = [row.fed for row, _ in scoring]
-            logits, _, done = passes.run(self, scoring, every_position=True)  # (B, T, V)
-            score_rows.take_scores(self, scoring, starts, logits, done)
+            logits, keys, _ = passes.run(self, scoring, every_position=True)  # (B, T, V), (B, T, C)
+            score_rows.take_scores(self, scoring, starts, logits, keys)
         prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
         touched = {row.slot for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
@@ -304,7 +303,10 @@ class Engine:
         """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""
         budget, segment = self.config.prefill_chunk, self.cache.layout.segment
         plan = []
-        for row in sorted(self._rows.values(), key=lambda r: r.handle.request_id):
+        # A score row that slid to a later window goes behind the rows on their first (a long text's windows
+        # never starve a newer call of the budget).
+        for row in sorted(self._rows.values(), key=lambda r: (r.at if isinstance(r, ScoreRow) else 0,
+                                                               r.handle.request_id)):
             if budget == 0:
                 break
             if row.to_feed > 1 or (isinstance(row, ScoreRow) and row.to_feed > 0):
@@ -336,7 +338,7 @@ class Engine:
 
     def _finish(self, row: Row | ScoreRow, reason: str, stop_sequence: str = "") -> None:
         if isinstance(row, ScoreRow):  # a partial score is no answer
-            row.handle.put(MemlmError(f"score ended before it was done: {reason}"))
+            row.handle.put(score_rows.ScoreEnded(reason))
             self._release(row)
             return
         tail = _flush(self.tokenizer, row.generated, row.emitted)

@@ -19,7 +19,8 @@ from memlm.engine.compression import POOLS
 from memlm.engine.drafts import SpeculativeConfig
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
-from memlm.jobs.scoring import SequenceScore
+from memlm.jobs.scoring import SequenceScore, plan_scored_windows
+from memlm.jobs.windows import Window, check_window
 from memlm.memory.config import MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import SearchOptions
@@ -141,7 +142,9 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class ScoreRequest:
     """Log-probabilities of a text's tokens (lm-evaluation-harness's loglikelihood and loglikelihood_rolling),
-    run in the same forward passes as generation (its prefill is chunked like a prompt's)."""
+    run in the same forward passes as generation (its prefill is chunked like a prompt's); the scores are
+    memlm.jobs.scoring's (score_tokens with `window`, score_tokens_segments in an XL engine), computed by its
+    own per-token functions (memlm.engine.score_rows)."""
 
     tokens: tuple[int, ...]
     """The tokens to score (the continuation), ids in [0, V); at least one."""
@@ -150,18 +153,41 @@ class ScoreRequest:
     context: tuple[int, ...] = ()
     """Tokens between the boundary and the continuation that condition it and are not scored."""
     timeout_s: float | None = None
-    """Seconds from submission after which the request fails (MemlmError "deadline"); None: no deadline."""
+    """Seconds from submission after which the request fails (ScoreEnded "deadline"); None: no deadline."""
+    window: tuple[int, int] | None = None
+    """(context L, stride s) of score_tokens' sliding windows (memlm.jobs.scoring.plan_scored_windows: every
+    token scored exactly once): the row reads each window from position 0, its cache cleared in between (a row
+    that slides); None: the whole text in one pass (an XL engine's segments, or a text that fits the row)."""
+    knn: KNNLMConfig | None = None
+    """kNN-LM over the engine's Searcher (its k, lambda, temperature; the step's score rows share one search);
+    None: the base LM."""
+    top_n: int = 0
+    """Alternatives per scored token under the final distribution (SequenceScore.top_ids), 0: none."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise MemlmError("nothing to score: the continuation is empty")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise MemlmError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.knn is not None and self.knn.needs_tuning:
+            raise MemlmError("kNN-LM scoring needs a fixed lambda and temperature")
+        if self.top_n < 0:
+            raise MemlmError(f"top_n must be >= 0, got {self.top_n}")
+        if self.window is not None:
+            check_window(*self.window)
 
     @property
     def prefix(self) -> list[int]:
         """Everything the model reads: [boundary, *context, *tokens]."""
         return [self.boundary_token, *self.context, *self.tokens]
+
+    @property
+    def windows(self) -> list[Window]:
+        """The passes over `prefix`'s input positions (all but the last token): score_tokens' windows, or one."""
+        n, first = len(self.tokens) + len(self.context), len(self.context)
+        if self.window is None:
+            return [Window(0, 0, n, first)]
+        return plan_scored_windows(n, first, *self.window)
 
     @property
     def tokens_in_flight(self) -> int:

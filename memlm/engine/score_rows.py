@@ -2,7 +2,17 @@
 logits at every position, answered with memlm.jobs.scoring's SequenceScore (several clients' scores share
 forward passes with each other and with generation).
 
-Shape legend: B rows in a forward pass, T tokens per row, n tokens of a row's chunk, V vocab.
+A row reads its request's windows one after another (ScoreRequest.windows: score_tokens' sliding windows, or
+one pass over the whole text in an XL engine), each from position 0 of its cache row, cleared in between.
+After each pass the scored tokens' log-probabilities, greedy flags, kNN-LM mixture and top-n alternatives are
+memlm.jobs.scoring's own per-token function (`_final_scores`, called, not copied, with memlm.retrieval.knnlm's
+math inside), and the finished text is assembled by its `_assemble`: the same SequenceScore as the library up
+to float32 rounding of the forward pass (the KV cache attends over preallocated slots, in other batch shapes).
+The step's kNN-LM score rows share one search (memlm.engine.sampling.search_rows: of the largest k asked,
+each row keeping its own nearest k); a failed search ends only the rows that searched.
+
+Shape legend: B rows in a forward pass, T tokens per row, n scored tokens of a row's chunk, V vocab,
+C key width, k neighbours.
 """
 
 from __future__ import annotations
@@ -12,45 +22,94 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from memlm.engine.requests import RequestHandle
-from memlm.jobs.scoring import SequenceScore
+from memlm.engine.kv_cache import RowCache
+from memlm.engine.requests import RequestHandle, ScoreRequest
+from memlm.engine.sampling import search_rows
+from memlm.errors import MemlmError
+from memlm.jobs.scoring import SequenceScore, _assemble, _final_scores
+from memlm.jobs.windows import Window
+from memlm.model.decoder import Decoder
+from memlm.retrieval.searcher import Neighbors, Searcher
 
 
 class Engine(Protocol):
     """What a score pass uses of memlm.engine.engine.Engine (a protocol: that module imports this one)."""
 
+    model: Decoder
+    cache: RowCache
+    searcher: Searcher | None
+
     def _release(self, row: ScoreRow) -> None: ...
+
+
+class ScoreEnded(MemlmError):
+    """A score request ended before it was done (a partial score is no answer): cancelled or past its deadline."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"score ended before it was done: {reason}")
+        self.reason = reason
+        """memlm.engine.requests.FINISH_CANCELLED or FINISH_DEADLINE."""
+
+
+def check_request(engine: Engine, request: ScoreRequest) -> None:
+    """Refuse (MemlmError) a score this engine cannot run: a window over the rows of a plain cache, kNN-LM
+    without a searcher."""
+    layout = engine.cache.layout
+    longest = max(w.end - w.start for w in request.windows)
+    if not layout.wraps and longest > layout.ring:
+        raise MemlmError(f"a score pass of {longest} tokens is over the rows' {layout.ring}; "
+                         "score it in windows (ScoreRequest.window) or with the XL memory")
+    if request.knn is not None and engine.searcher is None:
+        raise MemlmError("kNN-LM scoring needs a datastore: this engine has no searcher")
 
 
 @dataclass
 class ScoreRow:
-    """A score request in the running batch: its tokens are fed like a prompt (all but the last, whose
-    logits predict nothing), and each chunk's log-probabilities of the next tokens are kept."""
+    """A score request in the running batch: each window's tokens are fed like a prompt (all but the last,
+    whose logits predict nothing), and each chunk's scores of the next tokens are kept."""
 
     handle: RequestHandle
     slot: int
     deadline: float | None
-    tokens: list[int]
+    sequence: list[int]
     """[boundary, *context, *continuation]."""
-    first_scored: int
-    """Index in `tokens` of the first scored token (1 + the context's length)."""
+    windows: list[Window]
+    """The passes over the sequence's input positions (ScoreRequest.windows), read in order."""
+    at: int = 0
+    """The window being read."""
     fed: int = 0
+    """Tokens of the current window in the cache."""
     base: int = 0
-    """Always 0 (a score never slides); window_starts' and the view's bookkeeping as for Row."""
-    scored: list[tuple[int, float, bool]] = field(default_factory=list)
-    """(token, base log-prob, greedy) of every scored token so far."""
+    """Always 0 (a window starts at position 0); window_starts' and the view's bookkeeping as for Row."""
+    parts: list[tuple] = field(default_factory=list)
+    """memlm.jobs.scoring._final_scores' tuple per pass chunk, in order (memlm.jobs.scoring._assemble's input)."""
     compressed: int = 0
     """Compressive rows: groups compressed so far (memlm.engine.compression)."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None) -> ScoreRow:
         request = handle.request
-        return cls(handle, slot, deadline, request.prefix, 1 + len(request.context))
+        return cls(handle, slot, deadline, request.prefix, request.windows)
+
+    @property
+    def window(self) -> Window:
+        return self.windows[self.at]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The current window's inputs and its last target: sequence[start : end + 1]."""
+        return self.sequence[self.window.start : self.window.end + 1]
+
+    @property
+    def first_scored(self) -> int:
+        """Index in `tokens` of the window's first scored token."""
+        return self.window.score_from - self.window.start + 1
 
     @property
     def to_feed(self) -> int:
-        return len(self.tokens) - 1 - self.fed
+        return self.window.end - self.window.start - self.fed
 
     @property
     def cached(self) -> int:
@@ -62,36 +121,80 @@ class ScoreRow:
 
     @property
     def steps_left(self) -> int:
-        return self.to_feed
+        """Passes left (each window takes at least one step)."""
+        return len(self.windows) - self.at
 
     def feed(self, n: int) -> tuple[list[int], list[int]]:
         lo = self.fed
         return self.tokens[lo : lo + n], list(range(lo, lo + n))
 
 
-def sequence_score(row: ScoreRow) -> SequenceScore:
-    """memlm.jobs.scoring's result type for a finished score row (no kNN-LM: final = base; no top-n)."""
-    ids, lps, greedy = zip(*row.scored)
-    base = np.array(lps, dtype=np.float32)
-    return SequenceScore(np.array(ids, dtype=np.int64), base, base.copy(), np.array(greedy, dtype=bool),
-                         np.zeros((len(ids), 0), dtype=np.int64), np.zeros((len(ids), 0), dtype=np.float32),
-                         row.first_scored)
+def _scored_blocks(plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor, keys: torch.Tensor,
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per row of the pass: (log-probs (n, V) float32, targets (n,), base-LM greedy flags (n,), keys (n, C)) of
+    the tokens it scores in this chunk (the context's own are not scored). Rows are left-padded: a row's n fed
+    tokens are its last n positions."""
+    T = logits.shape[1]
+    blocks = []
+    for i, ((row, n), lo) in enumerate(zip(plan, starts)):
+        skip = max(0, row.first_scored - 1 - lo)
+        targets = torch.tensor(row.tokens[lo + 1 + skip : lo + 1 + n], device=logits.device)  # (n,) next tokens
+        lm_lp = F.log_softmax(logits[i, T - n + skip :].float(), dim=-1)  # (n, V)
+        blocks.append((lm_lp, targets, lm_lp.argmax(dim=-1) == targets, keys[i, T - n + skip :]))  # (n, C) keys
+    return blocks
+
+
+def _search(engine: Engine, plan: list[tuple[ScoreRow, int]], blocks: list[tuple]) -> list[Neighbors | None]:
+    """One search for every scored token of the step's kNN-LM rows -> per row its neighbours (n, k_i), None
+    for a row without kNN-LM (memlm.engine.sampling.search_rows' rule: one search of the largest k)."""
+    rows = [i for i, (row, _) in enumerate(plan) if row.handle.request.knn is not None and len(blocks[i][1])]
+    out: list[Neighbors | None] = [None] * len(plan)
+    if not rows:
+        return out
+    keys = torch.cat([blocks[i][3] for i in rows])  # (Q, C)
+    knn = [plan[i][0].handle.request.knn for i in rows for _ in range(len(blocks[i][1]))]
+    found = search_rows(engine.searcher, keys, knn)  # Q x (1, k_i)
+    at = 0
+    for i in rows:
+        n = len(blocks[i][1])
+        out[i] = Neighbors(*(np.concatenate([nb[f] for nb in found[at : at + n]]) for f in range(3)))  # (n, k_i)
+        at += n
+    return out
 
 
 def take_scores(engine: Engine, plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor,
-                done: list[bool]) -> None:
+                keys: torch.Tensor) -> None:
     """After a pass that fed score rows' chunks (`plan`, each row's `fed` before it in `starts`) with logits
-    (B, T, V) at every position: keep the scored tokens' log-probabilities (base LM; greedy = the argmax), and
-    deliver each finished row's (`done`) SequenceScore."""
-    T = logits.shape[1]
-    for i, ((row, n), lo) in enumerate(zip(plan, starts)):
-        targets = torch.tensor(row.tokens[lo + 1 : lo + 1 + n], device=logits.device)  # (n,) next tokens
-        lp = torch.log_softmax(logits[i, T - n :].float(), dim=-1)  # (n, V)
-        picked = lp.gather(1, targets[:, None])[:, 0]  # (n,)
-        greedy = lp.argmax(dim=-1) == targets  # (n,)
-        keep = slice(max(0, row.first_scored - 1 - lo), n)  # the context's own tokens are not scored
-        row.scored += zip(targets[keep].tolist(), picked[keep].tolist(), greedy[keep].tolist())
-    for (row, _), finished in zip(plan, done):
-        if finished:
-            row.handle.put(sequence_score(row))
-            engine._release(row)
+    (B, T, V) and kNN keys (B, T, C) at every position: keep each row's scores (memlm.jobs.scoring._final_scores:
+    base log-prob, the kNN-LM mixture, greedy flags and top-n under the final distribution); a row whose window
+    is done reads its next one from a cleared cache row, and a row whose last window is done delivers its
+    SequenceScore. A failed search ends the kNN-LM rows with its error; the others go on."""
+    blocks = _scored_blocks(plan, starts, logits, keys)
+    try:
+        neighbors = _search(engine, plan, blocks)
+    except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
+        for row, _ in plan:
+            if row.handle.request.knn is not None:
+                row.handle.put(e)
+                engine._release(row)
+        keep = [i for i, (row, _) in enumerate(plan) if row.handle.request.knn is None]
+        plan, blocks, neighbors = [plan[i] for i in keep], [blocks[i] for i in keep], [None] * len(keep)
+    V = engine.model.config.vocab_size
+    for (row, _), (lm_lp, targets, greedy, _), nb in zip(plan, blocks, neighbors):
+        request = row.handle.request
+        if len(targets):
+            row.parts.append(_final_scores(lm_lp, targets, greedy, nb, request.knn, min(request.top_n, V)))
+        if row.to_feed > 0:
+            continue
+        if row.at + 1 < len(row.windows):  # the next window, from position 0 of a cleared row
+            engine.cache.clear_row(row.slot)
+            row.at, row.fed = row.at + 1, 0
+            continue
+        row.handle.put(sequence_score(row, V))
+        engine._release(row)
+
+
+def sequence_score(row: ScoreRow, vocab: int) -> SequenceScore:
+    """memlm.jobs.scoring's result for a finished score row (its _assemble over the row's parts)."""
+    request = row.handle.request
+    return _assemble([request.tokens], [row.parts], [1 + len(request.context)], min(request.top_n, vocab))[0]

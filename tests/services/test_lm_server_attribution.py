@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 import threading
 import time
@@ -99,7 +100,10 @@ def test_score_attribution_equals_the_library_local_and_remote(corpus, tiny, tmp
             with LanguageModelClient(address, timeout=60) as c:
                 (got[name],) = c.score([text], knn=KnnRequest(attribution_top_n=3))
                 (plain,) = c.score([text], knn=KnnRequest())
-            assert [t.logprob for t in plain.tokens] == [t.logprob for t in got[name].tokens]
+            # Plain kNN-LM Score runs on the engine (services.lm_score_engine), attribution on the library: float32
+            # rounding of the engine's cache layout only.
+            assert all(math.isclose(p.logprob, a.logprob, rel_tol=1e-5, abs_tol=1e-6)
+                       for p, a in zip(plain.tokens, got[name].tokens))
             assert plain.tokens[0].attribution is None and got[name].datastore_generations == (0,)
         bare = loop.serve(start_lm_server("127.0.0.1:0", tiny, store.exact_searcher("cpu"), knn_defaults=KNN))
         with LanguageModelClient(bare, timeout=60) as c:  # exact search over the keys alone: no documents

@@ -30,13 +30,15 @@ def test_score_compressive_equals_the_library_and_memlm_eval(tiny, docs, servers
     local = score_tokens_segments(tiny.model, docs, memory=CONFIG, boundary_token=bos, top_n=2)
     for r, s in zip(remote, local):
         assert [t.token_id for t in r.tokens] == s.tokens.tolist()
-        assert [t.base_logprob for t in r.tokens] == s.base_logprob.tolist()  # bit for bit
+        # Score runs on the engine's compressive rows (services.lm_score_engine): float32 rounding only.
+        assert all(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6) for g, w in zip([t.base_logprob for t in r.tokens],
+                                                                                  s.base_logprob.tolist()))
         assert [[a.token_id for a in t.alternatives] for t in r.tokens] == s.top_ids.tolist()
     # Same rows as the server (LMLimits.score_batch_size 4), so the sums agree to rounding of the sum.
     result = evaluate_segments(tiny.model, docs, segment=8, memory="compressive", mem_len=8, cmem_len=4,
                                compress_rate=2, sink_tokens=2, batch_size=4, boundary_token=bos)
     total = sum(r.total_logprob for r in remote)
-    assert math.isclose(total, -result["nll"] * result["tokens"], rel_tol=1e-9)
+    assert math.isclose(total, -result["nll"] * result["tokens"], rel_tol=1e-6)
     assert abs(total - sum(r.total_logprob for r in xl)) > 1e-3  # the compressed memory is attended
     d = info.default_memory
     assert (d.compressed_memory_tokens, d.compression_rate) == (256, 4)

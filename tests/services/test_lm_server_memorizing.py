@@ -88,7 +88,8 @@ def test_score_equals_the_library_and_differs_from_xl(tiny, knn_attention, stub)
     xl = score(stub, seqs, lm_pb2.MEMORY_MODE_XL)
     assert not np.array_equal(got[0], xl[0])  # the retrieved pairs count
     # The segment before the first retrieval has no past to retrieve: equal to XL there.
-    np.testing.assert_array_equal(got[0][:MEMORY.segment - 1], xl[0][:MEMORY.segment - 1])
+    # (XL Score runs on the engine, services.lm_score_engine: float32 rounding of its cache layout only.)
+    np.testing.assert_allclose(got[0][:MEMORY.segment - 1], xl[0][:MEMORY.segment - 1], rtol=0, atol=2e-6)
 
 
 def test_generate_equals_the_library(tiny, knn_attention, stub):

@@ -152,11 +152,12 @@ def test_a_small_score_does_not_wait_for_a_long_one(tiny, lm):
         latencies.append(time.monotonic() - t0)
     assert not future.done(), "the long Score ended before the small ones: make it longer"
     assert max(latencies) < FAST_S, latencies
-    # The long Score went on meanwhile and its floats are those it gets alone (one window per step).
+    # The long Score went on meanwhile and its floats are the library's (one window per step), up to the float32
+    # rounding of the engine's cache layout (services.lm_score_engine; measured: 2^-20 at most).
     (got,) = base_logprobs(future.result(timeout=120))
     (alone,) = score_tokens(tiny.model, [ids(LONG)], context=WINDOW, stride=STRIDE,
                             boundary_token=document_boundary(tiny.tokenizer), batch_size=1)
-    np.testing.assert_array_equal(got, alone.base_logprob)
+    np.testing.assert_allclose(got, alone.base_logprob, rtol=0, atol=2e-6)
 
 
 def test_interleaved_scores_equal_each_alone(lm):
@@ -199,13 +200,10 @@ def test_the_step_budget_sets_windows_per_step_and_the_scores_stay_the_library_s
                 library = score_tokens_segments(tiny.model, seqs, memory=memory, boundary_token=boundary,
                                                 batch_size=rows)
         got[rows] = base_logprobs(response)
-        for g, s in zip(got[rows], library):
-            np.testing.assert_array_equal(g, s.base_logprob)
+        for g, s in zip(got[rows], library):  # Score runs on the engine: float32 rounding of its cache layout
+            np.testing.assert_allclose(g, s.base_logprob, rtol=0, atol=2e-6)
     for one, four in zip(got[1], got[4]):
-        if memory is None:
-            np.testing.assert_allclose(one, four, rtol=0, atol=2e-6)
-        else:
-            np.testing.assert_array_equal(one, four)
+        np.testing.assert_allclose(one, four, rtol=0, atol=2e-6)
 
 
 def test_steps_over_the_budget_are_refused_and_get_info_reports_the_limits(tiny, module_loop):

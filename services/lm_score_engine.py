@@ -1,0 +1,138 @@
+"""The Score rpc on the decoding engine (issue 12: "Score calls from different clients share forward passes").
+
+`score_path` is the one rule for where a Score runs:
+- ENGINE: MEMORY_MODE_NONE (the server's sliding windows), XL and COMPRESSIVE, with or without kNN-LM, with
+  top_n alternatives, on memlm's decoder. Each input is a memlm.engine ScoreRequest in the running batch of
+  the call's settings (services.lm_engine: the lane of its memory and whether it searches, shared with the
+  Generate calls of those settings): a row reads the input's windows one after another (or its XL segments),
+  in the same steps as other calls' score rows and the Generate rows; the step's kNN-LM score rows share one
+  search. Scores are memlm.jobs.scoring's per-token functions over the engine's forward passes
+  (memlm.engine.score_rows): the same tokens, greedy flags and alternatives, log-probs within float32 rounding.
+- BATCHED: attribution (its searches carry provenance, one library call a batch) and a model the engine does
+  not hold (transformers'): the library through services.lm_score_batch (calls of one key share a library call).
+- ALONE: SPALM (its head's gate per token), MEMORIZING (a per-call writable memory) and fewer searches
+  (pointer / adaptive walks follow the call's own steps): one library call with the call's own turns.
+
+Engine Score calls are admitted like Generate calls (max_queue per batch, max_tokens_in_flight: boundary +
+context + continuation per input; beyond, RESOURCE_EXHAUSTED with a retry hint); a cancelled call's rows are
+free before the next step; past its deadline a call answers DEADLINE_EXCEEDED at once (its rows end at the
+next step, a search in progress by the batch's latest deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from memlm.engine.requests import EngineFull, ScoreRequest
+from memlm.engine.score_rows import ScoreEnded
+from memlm.errors import MemlmError
+from memlm.jobs.scoring import SequenceScore, score_tokens
+from memlm.jobs.windows import WorkStopped
+from memlm.model.decoder import Decoder
+from services.lm_args import ScoreArgs
+from services.lm_engine import (
+    RETRY_AFTER_KEY,
+    EnginePool,
+    Lane,
+    LaneKey,
+    Stream,
+    on_engine,
+    retry_after_ms,
+)
+from services.lm_results import ScoreOutcome
+from services.server_common import ServiceError
+
+ENGINE, BATCHED, ALONE = "engine", "batched", "alone"
+"""Where a Score runs (score_path; module docstring)."""
+ENGINE_SCORE_KINDS = ("xl", "compressive")
+"""The memories (MemoryConfig.kind) whose Score rows the engine holds besides MEMORY_MODE_NONE's windows."""
+
+
+def score_path(args: ScoreArgs, model: object) -> str:
+    """ENGINE, BATCHED or ALONE for a validated Score (module docstring)."""
+    if args.spalm is not None or args.retrieval is not None:
+        return ALONE
+    if args.memory is not None and args.memory.kind not in ENGINE_SCORE_KINDS:
+        return ALONE  # MEMORIZING
+    if args.attribution or not isinstance(model, Decoder) or not on_engine(model, args.memory):
+        return BATCHED
+    return ENGINE
+
+
+def score_requests(args: ScoreArgs, boundary: int, deadline: float | None) -> list[ScoreRequest | None]:
+    """One engine request per input (None for an empty continuation: nothing to run); deadline: monotonic s."""
+    timeout = None if deadline is None else max(1e-6, deadline - time.monotonic())
+    window = (args.context, args.stride) if args.memory is None else None  # XL rows read their segments
+    return [ScoreRequest(tuple(tokens), boundary, tuple(context), timeout, window, args.knn, args.top_n)
+            if tokens else None for tokens, context in zip(args.token_seqs, args.contexts)]
+
+
+def _submit_all(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], loop: asyncio.AbstractEventLoop,
+                deadline: float | None) -> list[tuple[Lane, Stream]]:
+    """Every input into the lane, or none (EngineFull / MemlmError after cancelling those already in)."""
+    submitted: list[tuple[Lane, Stream]] = []
+    try:
+        for request in requests:
+            submitted.append(pool.submit(key, request, loop, deadline))
+    except BaseException:
+        for lane, stream in submitted:
+            lane.cancel(stream)
+        raise
+    return submitted
+
+
+async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> SequenceScore:
+    """The input's SequenceScore; its request's error as a status; DEADLINE_EXCEEDED as soon as the deadline
+    passes (the engine's step may be waiting on a remote search)."""
+    try:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return await asyncio.wait_for(stream.next_event(), timeout)
+    except asyncio.TimeoutError:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
+    except ScoreEnded as e:
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if e.reason == "deadline" else grpc.StatusCode.CANCELLED
+        await context.abort(code, f"{e}; the work was stopped")
+    except WorkStopped:  # the batch's search stopped: every caller gave up, its deadline passed or the server closes
+        if deadline is not None and time.monotonic() >= deadline:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
+        await context.abort(grpc.StatusCode.CANCELLED, "the work was stopped")
+    except ServiceError as e:  # the remote retrieval service failed: pass its code on
+        await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
+    except MemlmError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, boundary: int, deadline: float | None,
+                          context: grpc.aio.ServicerContext) -> ScoreOutcome:
+    """A Score whose score_path is ENGINE: every input a request in the lane of its settings; the scores in
+    input order and the datastore generations its searches were answered by. The call's requests are
+    cancelled when the handler ends for any reason."""
+    requests = score_requests(args, boundary, deadline)
+    key = LaneKey(args.memory, args.knn is not None)
+    live = [r for r in requests if r is not None]
+    try:
+        submitted = await asyncio.to_thread(_submit_all, pool, key, live, asyncio.get_running_loop(), deadline)
+    except EngineFull as e:
+        ms = retry_after_ms(e)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e.what} at its bound "
+                            f"(see GetInfo max_batch / max_queue / max_tokens_in_flight); retry after {ms} ms",
+                            trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
+    except MemlmError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    try:
+        done = iter([await _result(stream, context, deadline) for _, stream in submitted])
+    finally:  # a no-op for requests that ended; otherwise their rows are free before the next step
+        for lane, stream in submitted:
+            lane.cancel(stream)
+    scores = [next(done) if r is not None else _empty(model, args, i, boundary) for i, r in enumerate(requests)]
+    generations = {g for _, stream in submitted for g in stream.generations}
+    return ScoreOutcome(scores, None, generations)
+
+
+def _empty(model: Decoder, args: ScoreArgs, i: int, boundary: int) -> SequenceScore:
+    """The library's score of an input with nothing to score (no forward pass runs)."""
+    return score_tokens(model, [[]], context=args.context, stride=args.stride, boundary_token=boundary,
+                        contexts=[args.contexts[i]], top_n=args.top_n)[0]
