@@ -1,38 +1,52 @@
-"""Score calls from different clients share forward passes (services.lm_score_batch, issue 12).
+"""Score on the decoding engine (services.lm_score_engine, issue 12): calls from different clients, and Generate
+rows, share engine steps; each Score equals itself alone.
 
-Real servers on port 0 over the tiny model. Oracle: each call alone on the same server. Concurrent calls of
-one key are scored by one library call (ScoreBatcher.batches counts them); each comes back with the same
-tokens, greedy flags and alternatives as alone, its log-probs within float32 rounding (SHARED_ATOL).
+Real servers on port 0 over the tiny model. Oracle: each call alone on the same server (and the library, in
+tests/memlm/engine/test_engine_score.py and tests/services/test_lm_server.py). A call in a shared batch has the
+same tokens, greedy flags and alternatives as alone, its log-probs within float32 rounding (SHARED_RTOL).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import grpc
 import numpy as np
+import pytest
 
+from memlm.memory.config import MemoryConfig
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
+from services.lm_args import ScoreArgs
+from services.lm_engine import RETRY_AFTER_KEY, LaneKey
 from services.lm_requests import LMLimits
+from services.lm_score_engine import ALONE, BATCHED, ENGINE, score_path
 from services.lm_server import start_lm_server
 
-SHARED_ATOL = 1e-6
-"""Largest |log-prob difference| allowed between a Score in a shared batch and alone: float32 rounding of a
-forward pass over more rows (measured on the tiny model: 0 for 9 of these 12 calls, 4.8e-7 = 2^-21 for the
-others, sliding windows and XL segment rows alike)."""
+SHARED_RTOL = 1e-5
+"""|shared - alone| / |alone| of a log-prob: the rows' float32 rounding in a pass over other rows (and, with
+kNN-LM, a search over other queries) - a few ulps (float32 eps 1.2e-7), with margin."""
+WAIT_S = 30.0
+"""How long a poll for a state waits (not a latency bound: the assert after the poll decides)."""
+KNN = lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5, temperature=5.0)
 
 
 def ids(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + salt) % 250 + 1 for i in range(n)]  # ids the tiny tokenizer knows
 
 
-def start(module_loop, tiny, **limits):
-    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=dataclasses.replace(
-        LMLimits(max_score_tokens=4001, max_forward_tokens=1 << 22), **limits)))
+def start(module_loop, tiny, searcher=None, **limits):
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, searcher, limits=dataclasses.replace(
+        LMLimits(max_score_tokens=4001, max_forward_tokens=1 << 22, max_new_tokens=100_000), **limits)))
     module_loop.servers.append(started.running.server)
     return f"127.0.0.1:{started.running.port}", started.servicer
+
+
+def score(n: int, **kw) -> lm_pb2.ScoreRequest:
+    return lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(n, salt=n)))], **kw)
 
 
 def concurrently(stub, requests) -> list[lm_pb2.ScoreResponse]:
@@ -51,53 +65,126 @@ def concurrently(stub, requests) -> list[lm_pb2.ScoreResponse]:
     return out
 
 
-def logprobs(response) -> np.ndarray:
-    return np.array([t.logprob for r in response.results for t in r.tokens], dtype=np.float64)
+def same(got: lm_pb2.ScoreResponse, want: lm_pb2.ScoreResponse) -> None:
+    def exact(r):
+        return [[(t.token_id, t.is_greedy, [a.token_id for a in t.alternatives]) for t in x.tokens] for x in r.results]
+
+    assert exact(got) == exact(want)
+    for field in ("logprob", "base_logprob"):
+        np.testing.assert_allclose([getattr(t, field) for x in got.results for t in x.tokens],
+                                   [getattr(t, field) for x in want.results for t in x.tokens], rtol=SHARED_RTOL, atol=1e-6)
 
 
-def test_concurrent_scores_share_library_calls_and_equal_each_alone(tiny, module_loop):
+def steps(servicer) -> int:
+    return sum(lane.engine.steps for lane in servicer.engines.lanes())
+
+
+def test_concurrent_scores_share_engine_steps_and_equal_each_alone(tiny, module_loop):
     address, servicer = start(module_loop, tiny, max_step_tokens=256)
-    windows = [lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(n, salt=n)))],
-                                   window_tokens=64, stride_tokens=16, top_n=2) for n in (300, 500, 77, 410, 120, 90)]
-    xl = [lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(n, salt=n)))],
-                              memory_mode=lm_pb2.MEMORY_MODE_XL,
-                              memory=lm_pb2.MemoryOptions(segment_tokens=32, memory_tokens=64, sink_tokens=4))
+    windows = [score(n, window_tokens=64, stride_tokens=16, top_n=2) for n in (300, 500, 77, 410, 120, 90)]
+    xl = [score(n, memory_mode=lm_pb2.MEMORY_MODE_XL, top_n=1,
+                memory=lm_pb2.MemoryOptions(segment_tokens=32, memory_tokens=64, sink_tokens=4))
           for n in (300, 123, 77, 410, 5, 260)]
-    blocker = lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(4000)))],
-                                  window_tokens=256, stride_tokens=8)
     with grpc.insecure_channel(address) as channel:
         stub = lm_grpc.LanguageModelServiceStub(channel)
         for group in (windows, xl):
-            alone = [stub.Score(r, timeout=60) for r in group]
-            before = servicer.score_batches.batches
-            busy = stub.Score.future(blocker, timeout=120)  # the model is busy: the group queues up meanwhile
+            alone, alone_steps = [], 0
+            for r in group:
+                before = steps(servicer)
+                alone.append(stub.Score(r, timeout=60))
+                alone_steps += steps(servicer) - before
+            before = steps(servicer)
             together = concurrently(stub, group)
-            busy.cancel()
-            assert servicer.score_batches.batches - before < len(group)  # some calls shared a library call
+            assert steps(servicer) - before < alone_steps  # rows of several calls ran in the same steps
             for t, a in zip(together, alone):
-                assert [[(x.token_id, x.is_greedy, [y.token_id for y in x.alternatives]) for x in r.tokens]
-                        for r in t.results] == [[(x.token_id, x.is_greedy, [y.token_id for y in x.alternatives])
-                                                 for x in r.tokens] for r in a.results]
-                assert np.abs(logprobs(t) - logprobs(a)).max() <= SHARED_ATOL
+                same(t, a)
+    assert servicer.score_batches.batches == 0  # none took the library's batcher
 
 
-def test_a_member_that_gives_up_leaves_the_batch_and_the_others_are_served(tiny, module_loop):
+def test_a_score_beside_running_generations_equals_score_alone(tiny, index, module_loop):
+    address, servicer = start(module_loop, tiny, index, max_step_tokens=128)
+    quick = tiny.tokenizer.encode("The quick")  # no end-of-text for thousands of greedy tokens
+    generate = [lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=quick), max_new_tokens=100_000,
+                                       sampling=lm_pb2.SamplingOptions(temperature=0.0), knn=knn)
+                for knn in (KNN, lm_pb2.KnnOptions())]
+    calls = [score(n, top_n=2, knn=knn) for n in (200, 60) for knn in (KNN, lm_pb2.KnnOptions())]
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        alone = [stub.Score(r, timeout=60) for r in calls]
+        running = [stub.Generate(r, timeout=120) for r in generate]
+        for stream in running:
+            assert next(stream).HasField("delta")
+        lanes = {lane.key for lane in servicer.engines.lanes()}
+        beside = concurrently(stub, calls)
+        assert {lane.key for lane in servicer.engines.lanes()} == lanes  # in the Generate calls' batches
+        assert lanes == {LaneKey(None, True), LaneKey(None, False)}
+        for b, a in zip(beside, alone):
+            same(b, a)
+        assert [list(r.datastore_generations) for r in beside] == [[0], [], [0], []]  # searched (exact: 0)
+        for stream in running:
+            stream.cancel()
+
+
+def test_a_full_server_refuses_a_score_with_a_retry_hint_and_a_cancelled_call_frees_its_rows(tiny, module_loop):
+    address, servicer = start(module_loop, tiny, max_batch=1, max_queue=0)
+    with grpc.insecure_channel(address) as channel:
+        stub = lm_grpc.LanguageModelServiceStub(channel)
+        want = stub.Score(score(100, window_tokens=32, stride_tokens=16), timeout=60)
+        running = stub.Generate(lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(5)),
+                                                       max_new_tokens=100_000), timeout=120)
+        assert next(running).HasField("delta")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(score(100, window_tokens=32, stride_tokens=16), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in e.value.details()
+        assert int(dict(e.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 1
+        running.cancel()
+        deadline = time.monotonic() + WAIT_S
+        while not all(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        same(stub.Score(score(100, window_tokens=32, stride_tokens=16), timeout=30), want)
+
+
+def test_a_call_that_gives_up_leaves_the_batch_and_the_others_are_served(tiny, module_loop):
     address, servicer = start(module_loop, tiny, max_step_tokens=256)
-    requests = [lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(n, salt=n)))],
-                                    window_tokens=64, stride_tokens=16) for n in (200, 300, 250)]
-    blocker = lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(4000)))],
-                                  window_tokens=256, stride_tokens=8)
+    requests = [score(n, window_tokens=64, stride_tokens=16) for n in (200, 300, 250)]
+    blocker = score(4000, window_tokens=256, stride_tokens=8)
     with grpc.insecure_channel(address) as channel:
         stub = lm_grpc.LanguageModelServiceStub(channel)
         alone = [stub.Score(r, timeout=60) for r in requests]
         busy = stub.Score.future(blocker, timeout=120)
-        futures = [stub.Score.future(r, timeout=60) for r in requests]  # one batch, queued behind the blocker
+        futures = [stub.Score.future(r, timeout=60) for r in requests]
         futures[1].cancel()
         busy.cancel()
         for i in (0, 2):
-            got = futures[i].result(timeout=60)
-            assert [t.token_id for r in got.results for t in r.tokens] == [t.token_id for r in alone[i].results
-                                                                           for t in r.tokens]
-            assert np.abs(logprobs(got) - logprobs(alone[i])).max() <= SHARED_ATOL
-        assert futures[1].cancelled()
+            same(futures[i].result(timeout=60), alone[i])
+        assert futures[1].cancelled() and busy.cancelled()
+        deadline = time.monotonic() + WAIT_S
+        while not all(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(lane.idle for lane in servicer.engines.lanes())  # the cancelled calls' rows are free
         assert servicer.scheduler.turns.waiting() == 0
+
+
+def test_score_path_says_where_each_score_runs():
+    base = ScoreArgs(token_seqs=[[1]], contexts=[[]], context=8, stride=4, knn=None, top_n=0, memory=None,
+                     spalm=None, batch_size=1)
+    knn = KNNLMConfig(k=4, lmbda=0.5, temperature=1.0)
+
+    def with_(**kw) -> ScoreArgs:
+        return dataclasses.replace(base, **kw)
+
+    class NotOurDecoder:
+        pass
+
+    from memlm.model.weights import load_pretrained
+
+    model = load_pretrained("tiny").model
+    assert score_path(base, model) == ENGINE
+    assert score_path(with_(knn=knn, top_n=3), model) == ENGINE
+    for kind in ("xl", "compressive"):
+        assert score_path(with_(memory=MemoryConfig(kind), knn=knn), model) == ENGINE
+    assert score_path(with_(knn=knn, attribution=2), model) == BATCHED
+    assert score_path(base, NotOurDecoder()) == BATCHED
+    assert score_path(with_(memory=MemoryConfig("memorizing")), model) == ALONE
+    assert score_path(with_(spalm=object()), model) == ALONE
+    assert score_path(with_(knn=knn, retrieval=object()), model) == ALONE
