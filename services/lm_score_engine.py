@@ -27,7 +27,7 @@ import time
 import grpc
 
 from memlm.engine.requests import EngineFull, ScoreRequest
-from memlm.engine.score_rows import ScoreEnded
+from memlm.engine.score_rows import ScoreEnded, join_scores, split
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore, score_tokens
 from memlm.jobs.windows import WorkStopped
@@ -62,12 +62,18 @@ def score_path(args: ScoreArgs, model: object) -> str:
     return ENGINE
 
 
-def score_requests(args: ScoreArgs, boundary: int, deadline: float | None) -> list[ScoreRequest | None]:
-    """One engine request per input (None for an empty continuation: nothing to run); deadline: monotonic s."""
+def score_requests(args: ScoreArgs, boundary: int, deadline: float | None, max_batch: int) -> list[list[ScoreRequest]]:
+    """Per input its engine requests ([] for an empty continuation: nothing to run); deadline: monotonic s.
+
+    An input's sliding windows are split over up to args.batch_size rows (the windows a library pass would
+    run together, LMLimits.step_rows), at most max_batch rows for the whole call, so that a long text is
+    read by several rows side by side (memlm.engine.score_rows.split); XL rows read their segments in one row."""
     timeout = None if deadline is None else max(1e-6, deadline - time.monotonic())
-    window = (args.context, args.stride) if args.memory is None else None  # XL rows read their segments
-    return [ScoreRequest(tuple(tokens), boundary, tuple(context), timeout, window, args.knn, args.top_n)
-            if tokens else None for tokens, context in zip(args.token_seqs, args.contexts)]
+    window = (args.context, args.stride) if args.memory is None else None
+    live = sum(1 for tokens in args.token_seqs if tokens)
+    parts = min(args.batch_size, max(1, max_batch // max(1, live)))
+    return [split(ScoreRequest(tuple(tokens), boundary, tuple(context), timeout, window, args.knn, args.top_n), parts)
+            if tokens else [] for tokens, context in zip(args.token_seqs, args.contexts)]
 
 
 def _submit_all(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], loop: asyncio.AbstractEventLoop,
@@ -110,9 +116,9 @@ async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, bou
     """A Score whose score_path is ENGINE: every input a request in the lane of its settings; the scores in
     input order and the datastore generations its searches were answered by. The call's requests are
     cancelled when the handler ends for any reason."""
-    requests = score_requests(args, boundary, deadline)
+    requests = score_requests(args, boundary, deadline, pool.limits.max_batch)
     key = LaneKey(args.memory, args.knn is not None)
-    live = [r for r in requests if r is not None]
+    live = [r for parts in requests for r in parts]
     try:
         submitted = await asyncio.to_thread(_submit_all, pool, key, live, asyncio.get_running_loop(), deadline)
     except EngineFull as e:
@@ -127,7 +133,8 @@ async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, bou
     finally:  # a no-op for requests that ended; otherwise their rows are free before the next step
         for lane, stream in submitted:
             lane.cancel(stream)
-    scores = [next(done) if r is not None else _empty(model, args, i, boundary) for i, r in enumerate(requests)]
+    scores = [join_scores([next(done) for _ in parts]) if parts else _empty(model, args, i, boundary)
+              for i, parts in enumerate(requests)]
     generations = {g for _, stream in submitted for g in stream.generations}
     return ScoreOutcome(scores, None, generations)
 

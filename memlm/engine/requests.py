@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from memlm.engine.compression import POOLS
 from memlm.engine.drafts import SpeculativeConfig
@@ -163,6 +164,9 @@ class ScoreRequest:
     None: the base LM."""
     top_n: int = 0
     """Alternatives per scored token under the final distribution (SequenceScore.top_ids), 0: none."""
+    part: tuple[int, int] | None = None
+    """Windows [a, b) of the text's plan only (a long text read by several rows side by side:
+    memlm.engine.score_rows.split, its parts' scores put back in order by join_scores); None: every window."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -175,23 +179,38 @@ class ScoreRequest:
             raise MemlmError(f"top_n must be >= 0, got {self.top_n}")
         if self.window is not None:
             check_window(*self.window)
+        if self.part is not None and not 0 <= self.part[0] < self.part[1] <= len(self.plan):
+            raise MemlmError(f"part must be windows [a, b) with 0 <= a < b <= {len(self.plan)}, got {self.part}")
 
     @property
     def prefix(self) -> list[int]:
         """Everything the model reads: [boundary, *context, *tokens]."""
         return [self.boundary_token, *self.context, *self.tokens]
 
-    @property
-    def windows(self) -> list[Window]:
-        """The passes over `prefix`'s input positions (all but the last token): score_tokens' windows, or one."""
+    @cached_property  # planned once (a frozen dataclass keeps it in its __dict__)
+    def plan(self) -> list[Window]:
+        """The text's passes over `prefix`'s input positions (all but the last token): score_tokens' windows, or one."""
         n, first = len(self.tokens) + len(self.context), len(self.context)
         if self.window is None:
             return [Window(0, 0, n, first)]
         return plan_scored_windows(n, first, *self.window)
 
     @property
+    def windows(self) -> list[Window]:
+        """This request's passes: the plan, or its `part`."""
+        return self.plan if self.part is None else self.plan[self.part[0] : self.part[1]]
+
+    @property
+    def scored(self) -> tuple[int, ...]:
+        """The continuation tokens this request's windows score (all of `tokens` without a part)."""
+        windows, c = self.windows, len(self.context)
+        return self.tokens[windows[0].score_from - c : windows[-1].end - c]
+
+    @property
     def tokens_in_flight(self) -> int:
-        return len(self.prefix)
+        """The tokens its windows read (all of `prefix` for a text scored whole)."""
+        windows = self.windows
+        return windows[-1].end + 1 - windows[0].start
 
 
 class EngineFull(MemlmError):

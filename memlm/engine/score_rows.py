@@ -17,7 +17,8 @@ C key width, k neighbours.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -195,6 +196,33 @@ def take_scores(engine: Engine, plan: list[tuple[ScoreRow, int]], starts: list[i
 
 
 def sequence_score(row: ScoreRow, vocab: int) -> SequenceScore:
-    """memlm.jobs.scoring's result for a finished score row (its _assemble over the row's parts)."""
+    """memlm.jobs.scoring's result for a finished score row (its _assemble over the row's parts): the tokens
+    its windows scored (ScoreRequest.scored)."""
     request = row.handle.request
-    return _assemble([request.tokens], [row.parts], [1 + len(request.context)], min(request.top_n, vocab))[0]
+    return _assemble([request.scored], [row.parts], [1 + len(request.context)], min(request.top_n, vocab))[0]
+
+
+def split(request: ScoreRequest, parts: int) -> list[ScoreRequest]:
+    """A text's windows over at most `parts` requests of contiguous windows, so that several rows read one long
+    text side by side (as score_tokens runs batch_size windows a pass); join_scores puts their scores together.
+    A request without windows (XL segments) or already a part stays whole."""
+    if request.window is None or request.part is not None:
+        return [request]
+    w = len(request.plan)
+    n = max(1, min(parts, w))
+    bounds = [i * w // n for i in range(n + 1)]
+    return [replace(request, part=(a, b)) for a, b in itertools.pairwise(bounds)]
+
+
+def join_scores(scores: list[SequenceScore]) -> SequenceScore:
+    """The SequenceScore of a text from its parts' (split's requests, in order)."""
+    if len(scores) == 1:
+        return scores[0]
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(s, name) for s in scores])  # along the scored tokens
+
+    searched = None if scores[0].searched is None else cat("searched")
+    return SequenceScore(cat("tokens"), cat("base_logprob"), cat("logprob"), cat("greedy"), cat("top_ids"),
+                         cat("top_logprobs"), scores[0].context_tokens, tuple(a for s in scores for a in s.attribution),
+                         searched)

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from memlm.jobs.scoring import plan_scored_windows
 from memlm.memory.config import MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
@@ -99,6 +100,18 @@ def test_concurrent_scores_share_engine_steps_and_equal_each_alone(tiny, module_
             for t, a in zip(together, alone):
                 same(t, a)
     assert servicer.score_batches.batches == 0  # none took the library's batcher
+
+
+def test_a_long_text_is_read_by_several_rows_side_by_side(tiny, module_loop):
+    # max_step_tokens 256 at window 64: the library ran 4 windows a pass; the engine splits the text over 4 rows.
+    address, servicer = start(module_loop, tiny, max_step_tokens=256)
+    n, (window, stride) = 500, (64, 16)
+    windows = len(plan_scored_windows(n, 0, window, stride))
+    with grpc.insecure_channel(address) as channel:
+        got = lm_grpc.LanguageModelServiceStub(channel).Score(score(n, window_tokens=window, stride_tokens=stride),
+                                                              timeout=60)
+    assert len(got.results[0].tokens) == n
+    assert steps(servicer) == -(-windows // 4)  # 4 windows a step
 
 
 def test_a_score_beside_running_generations_equals_score_alone(tiny, index, module_loop):

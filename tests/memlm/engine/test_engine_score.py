@@ -21,7 +21,7 @@ from tiny_models import sharp_tiny_model
 
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
-from memlm.engine.score_rows import ScoreEnded
+from memlm.engine.score_rows import ScoreEnded, join_scores, split
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
@@ -94,6 +94,24 @@ def test_sliding_windows_equal_score_tokens(model, knn) -> None:
         close(g, w, KNN_RTOL)
     if knn is not None:  # the mixture is on: the final log-probs are not the base ones
         assert np.abs(got[0].logprob - got[0].base_logprob).max() > 0.05
+
+
+def test_a_text_split_over_rows_equals_score_tokens_in_fewer_steps(model) -> None:
+    """split: a long text's windows read by 3 rows side by side; join_scores: its score, as score_tokens'."""
+    searcher = datastore(model)
+    (whole,) = requests(KNN, WINDOW)[:1]
+    parts = split(whole, 3)
+    assert [p.part for p in parts] == [(0, 3), (3, 6), (6, 9)] and split(parts[0], 2) == [parts[0]]
+    assert sum(len(p.scored) for p in parts) == len(whole.tokens)
+    steps = {}
+    for name, batch in (("whole", [whole]), ("split", parts)):
+        engine = Engine(model, TOK, EngineConfig(max_batch=3, prefill_chunk=3 * WINDOW[0]), searcher)
+        got = join_scores([e for (e,) in run_all(engine, batch)])
+        steps[name] = engine.steps
+        (want,) = score_tokens(model, TEXTS[:1], context=WINDOW[0], stride=WINDOW[1], boundary_token=B,
+                               contexts=CONTEXTS[:1], searcher=searcher, knn=KNN, top_n=3)
+        close(got, want, KNN_RTOL)
+    assert steps == {"whole": 9, "split": 3}  # one window a step, or three
 
 
 @pytest.mark.parametrize("knn", [None, KNN], ids=["base", "knnlm"])
