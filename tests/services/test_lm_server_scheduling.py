@@ -166,7 +166,7 @@ def test_interleaved_scores_equal_each_alone(lm):
     alone = [stub.Score(r, timeout=60) for r in requests]
     futures = [stub.Score.future(r, timeout=60) for r in requests]  # now their steps interleave or are shared
     for f, a in zip(futures, alone):
-        # Calls of one key may share forward passes (services.lm_score_batch): every token, flag and
+        # Calls of one key may share forward passes (engine score rows, services.lm_score_engine): every token, flag and
         # alternative as alone, log-probs within float32 rounding (tests/services/test_lm_engine_score.py).
         got = f.result(timeout=60)
         assert [[(t.token_id, t.is_greedy, [x.token_id for x in t.alternatives]) for t in r.tokens] for r in got.results] == [

@@ -117,8 +117,8 @@ def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_t
         # kNN-LM through both TLS + token hops equals the in-process computation, token for token.
         local = score_tokens(pretrained.model, docs, context=48, stride=24,
                              boundary_token=document_boundary(pretrained.tokenizer), searcher=searcher, knn=knn)
-        for r, s in zip(remote, local):
-            assert [t.logprob for t in r.tokens] == s.logprob.tolist()
+        for r, s in zip(remote, local):  # Score runs on the engine: float32 rounding of its cache layout only
+            assert np.allclose([t.logprob for t in r.tokens], s.logprob, rtol=1e-5, atol=1e-6)
             assert [t.logprob for t in r.tokens] != [t.base_logprob for t in r.tokens]  # kNN-LM changed them
         for token, detail in ((None, "missing bearer token"), ("ret-token", "wrong bearer token")):
             with LanguageModelClient(address, tls=trust, token=token) as bad, pytest.raises(ServiceError) as e:
