@@ -20,6 +20,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from typing import NamedTuple, Protocol
@@ -130,15 +131,46 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
+def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether Linear runs oneDNN's GEMM instead of F.linear's: inference (grad disabled) in float32 on the
+    CPU, with oneDNN built in and not switched off (onednn_off).
+
+    Why: on this project's CPU (AMD EPYC, AVX-512; PyTorch's CPU wheel links MKL for float32 BLAS) MKL's sgemm
+    is slow at the decoder's shapes and oneDNN is not (issue 12; one thread, CPU time, the weights out of cache,
+    /tmp/rs4/P/mb4.py): 1536x576 at 1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us vs 219 / 317 / 573 / 2477
+    us; the 49152x576 head 7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms. The same products in float32, summed in
+    another order (within 1e-6 relative). bfloat16 and float16 CPU matmuls already run on oneDNN; autograd
+    takes F.linear (oneDNN's op has no backward)."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+
+
+def onednn_off() -> contextlib.AbstractContextManager:
+    """A context in which Linear takes F.linear (MKL's GEMM in float32, as transformers' nn.Linear): for
+    comparisons bit for bit with transformers and for measuring what oneDNN gives (benchmarks/generate_speed.py)."""
+    # None: the other oneDNN settings stay as they are (flags()' defaults would set TF32, which warns on a CPU build).
+    return torch.backends.mkldnn.flags(enabled=False, allow_tf32=None, fp32_precision=None)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose CPU float32 inference runs oneDNN's GEMM on the weight as it
+    is, without a packed copy (cpu_float32_gemm says when and why)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_float32_gemm(x, self.weight):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         hs = config.head_dim
-        self.q_proj = nn.Linear(config.n_embd, config.n_head * hs, bias=False)
-        self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * hs, bias=False)
-        self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * hs, bias=False)
-        self.o_proj = nn.Linear(config.n_head * hs, config.n_embd, bias=False)
+        self.q_proj = Linear(config.n_embd, config.n_head * hs, bias=False)
+        self.k_proj = Linear(config.n_embd, config.n_kv_head * hs, bias=False)
+        self.v_proj = Linear(config.n_embd, config.n_kv_head * hs, bias=False)
+        self.o_proj = Linear(config.n_head * hs, config.n_embd, bias=False)
 
     def forward(
         self, x: torch.Tensor, pos: torch.Tensor, memory: LayerMemory | CachedAttention | None
@@ -206,9 +238,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.gate_proj = Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -242,7 +274,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.apply(self._init_weights)

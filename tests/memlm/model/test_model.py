@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memlm.model.config import ModelConfig
-from memlm.model.decoder import Decoder, KVCache
+from memlm.model.decoder import Decoder, KVCache, onednn_off
 
 TOL = 2e-5
 """Max abs logit difference allowed against transformers (float32, CPU). Measured on these configs:
@@ -63,7 +63,8 @@ def test_logits_equal_transformers_sdpa_bit_for_bit(tie: bool, n_kv_head: int, h
     config = make_config(tie, n_kv_head=n_kv_head)
     model = make_model(config)
     idx = tokens(config)
-    with torch.no_grad():
+    # ... and the same GEMM: oneDNN off (memlm.model.decoder.cpu_float32_gemm), so both sides run MKL's.
+    with torch.no_grad(), onednn_off():
         ours = model(idx).logits  # (B, T, V)
         theirs = hf_llama(config, model.state_dict(), "sdpa")(idx).logits  # (B, T, V)
     assert torch.equal(ours, theirs)

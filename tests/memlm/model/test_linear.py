@@ -1,0 +1,53 @@
+"""memlm.model.decoder.Linear: CPU float32 inference on oneDNN's GEMM (cpu_float32_gemm), else F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memlm.model.decoder import Linear, cpu_float32_gemm, onednn_off
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+
+
+def make_linear(n_in: int, n_out: int, bias: bool) -> Linear:
+    layer = Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(0)))
+        if bias:
+            layer.bias.copy_(torch.randn(n_out, generator=torch.Generator().manual_seed(1)))
+    return layer
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (1, 64), (3, 64), (2, 5, 64), (1, 0, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_path_equals_f_linear(shape: tuple[int, ...], bias: bool) -> None:
+    layer = make_linear(64, 96, bias)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert cpu_float32_gemm(x, layer.weight)
+        ours = layer(x)
+        ref = F.linear(x, layer.weight, layer.bias)
+    assert ours.shape == ref.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)  # float32 sums in another order
+
+
+def test_strided_input_is_read_as_laid_out() -> None:
+    layer = make_linear(64, 32, False)
+    x = torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(3)).transpose(0, 1)  # (2, 5, 64), strided
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_grad_bfloat16_and_switched_off_take_f_linear() -> None:
+    layer = make_linear(16, 8, True)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert not cpu_float32_gemm(x, layer.weight)  # grad enabled: autograd's F.linear
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.detach().sum(0).expand(8, 16))  # d(sum W x)/dW = sum x
+    with torch.no_grad():
+        assert not cpu_float32_gemm(x.bfloat16(), layer.weight.bfloat16())
+        with onednn_off():
+            assert not cpu_float32_gemm(x, layer.weight)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
