@@ -26,6 +26,7 @@ its own ~1 ms a token is more than the search it saves).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -44,13 +45,17 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs += [("adaptive", {"fraction": f}) for f in args.fractions]
     runs += [("pointers", {"min_pointers": m}) for m in args.min_pointers]
     runs += [("pointers_kept", {"min_pointers": m, "keep": True}) for m in args.kept_min_pointers]
+    if args.clusters:
+        runs += [("clustered", {"min_pointers": m, "clusters": args.clusters}) for m in args.clustered_min_pointers]
     keep = {"keep": True} if args.both_keep else {}
+    if args.both_clustered:
+        keep["clusters"] = args.clusters
     runs += [("both", {"min_pointers": m, "fraction": f, **keep}) for m in args.both_min_pointers
              for f in args.both_fractions]
     return runs
 
 
-def retrieval_for(method: str, params: dict, source, gate, gate_settings):
+def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings):
     from memlm.jobs.knnlm_pass import Retrieval
     from memlm.retrieval.adaptive import AdaptiveConfig, threshold_for_fraction
     from memlm.retrieval.pointers import PointerConfig
@@ -60,12 +65,12 @@ def retrieval_for(method: str, params: dict, source, gate, gate_settings):
         adaptive = AdaptiveConfig(gate, gate_settings, threshold_for_fraction(gate_settings, params["fraction"]))
     if "min_pointers" in params:
         pointers = PointerConfig(min_pointers=params["min_pointers"], keep_pointers=params.get("keep", False))
-    return Retrieval(pointers, source if pointers else None, adaptive)
+    return Retrieval(pointers, sources[params.get("clusters", 0)] if pointers else None, adaptive)
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datastore", default="/tmp/demo_v4/ds-sotu-1990-2000")
+    p.add_argument("--datastore", default="/tmp/demo_v5/ds-sotu-1990-2000")
     p.add_argument("--data", default="sotu")
     p.add_argument("--eval-split", default="year>=2003")
     p.add_argument("--tune-split", default="2001<=year<=2002")
@@ -84,7 +89,14 @@ def parse() -> argparse.Namespace:
                    help="RetoMaton with the pointers kept beside each fresh search (retomaton.py's union)")
     p.add_argument("--both-min-pointers", type=int, nargs="*", default=[4, 16])
     p.add_argument("--both-keep", action="store_true", help="'both' keeps the pointers beside each search too")
-    p.add_argument("--gate-use-key", action="store_true", help="the gate reads the kNN key too (He et al.'s ctxt)")
+    p.add_argument("--gate-use-key", action="store_true", help="the gate reads the whole kNN key too (He et al.'s ctxt)")
+    p.add_argument("--gate-key-components", type=int, default=None, help="principal components of the key the gate "
+                   "reads (default GateConfig's)")
+    p.add_argument("--gate-objective", default=None, help="mixture or weighted_label (default GateConfig's)")
+    p.add_argument("--clusters", type=int, default=0, help="RetoMaton over clustered states: k-means clusters of the "
+                   "datastore's keys (0: none)")
+    p.add_argument("--clustered-min-pointers", type=int, nargs="*", default=[1, 4, 16])
+    p.add_argument("--both-clustered", action="store_true", help="'both' walks the clustered states")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
     p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's OUT.json")
@@ -137,7 +149,7 @@ def main() -> None:
     from memlm.retrieval.adaptive import GateConfig
     from memlm.retrieval.compat import check_searcher
     from memlm.retrieval.knnlm import KNNLMConfig
-    from memlm.retrieval.pointers import PointerSource, successors
+    from memlm.retrieval.pointers import PointerSource, cluster_states, successors
 
     bench = _common.load_model(None, False)
     model, boundary = bench.pre.model, bench.boundary
@@ -157,14 +169,24 @@ def main() -> None:
     tuned = tune(collect_tuning_data(model, tune_docs, store, window, KNNLMConfig(k=args.k, lmbda=None, temperature=None),
                                      boundary, progress=False))
     knn = KNNLMConfig(k=args.k, lmbda=tuned.lmbda, temperature=tuned.temperature)
+    g = GateConfig()
+    gate_config = GateConfig(use_key=args.gate_use_key, objective=args.gate_objective or g.objective,
+                             key_components=g.key_components if args.gate_key_components is None
+                             else args.gate_key_components)
     gate, gate_settings = train_gate(model, gate_docs, [], store, window, knn, boundary,
-                                     GateConfig(use_key=args.gate_use_key), model_fingerprint=bench.pre.fingerprint,
+                                     gate_config, model_fingerprint=bench.pre.fingerprint,
                                      tune_data=f"{args.data} {gate_split}", progress=False)
     print(f"# tuned lambda {knn.lmbda:g}, T {knn.temperature:g} on {args.tune_split}; fitted the gate on "
           f"{gate_settings.tokens} tokens of {gate_split} (retrieval helps {gate_settings.positive_rate:.1%}) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     found = successors(store.provenance, len(store))
-    source = PointerSource.local(found.next_ids, store.values, store.keys)
+    sources = {0: PointerSource.local(found.next_ids, store.values, store.keys)}
+    if args.clusters:
+        t0 = time.perf_counter()
+        sources[args.clusters] = PointerSource.local(found.next_ids, store.values, store.keys,
+                                                     cluster_states(store.keys, args.clusters))
+        print(f"# k-means of the keys into {args.clusters} clusters: {time.perf_counter() - t0:.0f} s (once per "
+              "datastore, not counted in the walks)", flush=True)
     print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
           f"faiss BLAS threshold {int(faiss.cvar.distance_compute_blas_threshold)} (queries x d), "
           f"{faiss.omp_get_max_threads()} thread(s)")
@@ -174,7 +196,7 @@ def main() -> None:
 
     rows = []
     for method, params in settings(args):
-        r, pass_seconds = run_setting(windows, total, forward, store, knn, retrieval_for(method, params, source, gate,
+        r, pass_seconds = run_setting(windows, total, forward, store, knn, retrieval_for(method, params, sources, gate,
                                                                                          gate_settings), args.repeats)
         row = {"method": method, **params, "pass_seconds": pass_seconds, "forward_seconds": forward,
                "wall_seconds": forward + pass_seconds, **{k: r[k] for k in KEYS if k in r}}
@@ -195,6 +217,7 @@ def main() -> None:
                "eval": f"{args.data} {args.eval_split}", "tune": f"{args.data} {args.tune_split}",
                "lambda": knn.lmbda, "temperature": knn.temperature, "k": knn.k, "forward_seconds": forward,
                "gate_tokens": gate_settings.tokens, "gate_accuracy": gate_settings.accuracy, "gate_split": gate_split,
+               "gate_config": dataclasses.asdict(gate_config), "clusters": args.clusters,
                "faiss_blas_threshold": int(faiss.cvar.distance_compute_blas_threshold),
                "threads": faiss.omp_get_max_threads(), "runs": rows}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -209,12 +232,14 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, marker in (("adaptive", "o"), ("pointers", "s"), ("pointers_kept", "D"), ("both", "^")):
+    for method, marker in (("adaptive", "o"), ("pointers", "s"), ("pointers_kept", "D"), ("clustered", "P"),
+                           ("both", "^")):
         if not any(r["method"] == method for r in rows):
             continue
         pts = sorted((r for r in rows if r["method"] in ("plain", method)), key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
         label = {"pointers": "RetoMaton pointers", "pointers_kept": "RetoMaton, pointers kept beside searches",
+                 "clustered": f"RetoMaton, {summary.get('clusters', 0)} clustered states",
                  "both": "adaptive + RetoMaton"}.get(method, "adaptive retrieval")
         a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=marker, label=label)
         line = b.plot(x, [r["wall_ratio"] for r in pts], marker=marker, label=label)[0]

@@ -19,7 +19,7 @@ from memlm.options import KNN_OPTIONS, add_options, knn_config, positive_int
 
 
 def add_train_gate_parser(sub: Any) -> None:
-    from memlm.retrieval.adaptive import GateConfig
+    from memlm.retrieval.adaptive import OBJECTIVES, GateConfig
 
     g = GateConfig()
     p = sub.add_parser("train-gate", help="fit adaptive retrieval's gate (when to search) on a tuning split")
@@ -32,7 +32,12 @@ def add_train_gate_parser(sub: Any) -> None:
     p.add_argument("--hidden", type=positive_int, default=None, help=f"hidden units (default {g.hidden})")
     p.add_argument("--steps", type=positive_int, default=None, help=f"full-batch fit steps (default {g.steps})")
     p.add_argument("--with-key", action="store_true", default=None,
-                   help="feed the kNN key too (default: the LM distribution's features only)")
+                   help="feed the whole kNN key too (default: the distribution features and the key's projection)")
+    p.add_argument("--key-components", type=int, default=None,
+                   help=f"principal components of the key fed to the gate, 0 for none (default {g.key_components})")
+    p.add_argument("--objective", choices=OBJECTIVES, default=None,
+                   help=f"mixture: predict lambda(x) by the kNN-LM likelihood (He et al. 2021); weighted_label: "
+                        f"the sign of the gain weighted by its size (default {g.objective})")
     p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -57,7 +62,9 @@ def cmd_train_gate(args: argparse.Namespace) -> None:
     knn = knn_config(args, allow_auto=True)
     base = GateConfig()
     config = dataclasses.replace(base, hidden=args.hidden or base.hidden, steps=args.steps or base.steps,
-                                 use_key=bool(args.with_key))
+                                 use_key=bool(args.with_key), objective=args.objective or base.objective,
+                                 key_components=base.key_components if args.key_components is None
+                                 else args.key_components)
     device = resolve_device(args.device)
     pretrained = load_pretrained(args.model, device=device)
     model, boundary = pretrained.model, document_boundary(pretrained.tokenizer)

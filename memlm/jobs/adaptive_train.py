@@ -3,7 +3,7 @@ split, in one pass of the LM and the searcher over it.
 
 The pass gives, per tuning token, the gate's inputs (distribution features and key), log p_LM(target) and
 its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_tune.tune), and the
-label is whether kNN-LM beats the base on the token at that lambda and T, weighted by how much. A separate command from `memlm train` because nothing of
+gate is fitted to how much kNN-LM at that lambda and T gains on each token (memlm.retrieval.adaptive.fit_gate). A separate command from `memlm train` because nothing of
 the LM trains and it needs a datastore; evaluation refuses a gate fitted on any evaluated document
 (GateSettings.fitted_documents, checked by the command line where the gate is opened).
 
@@ -30,7 +30,6 @@ from memlm.retrieval.adaptive import (
     RetrievalGate,
     distribution_features,
     fit_gate,
-    gate_inputs,
     score_quantiles,
 )
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
@@ -41,13 +40,14 @@ class GateData(NamedTuple):
     """What one pass over the tuning split gives."""
 
     tuning: TuningData  # log p_LM, distances (n, k), matches (n, k)
-    inputs: torch.Tensor  # (n, F) float32 gate inputs
+    distribution: torch.Tensor  # (n, 5) float32 distribution_features
+    keys: torch.Tensor  # (n, d) float32 CPU keys
 
 
 def collect_gate_data(model: Decoder, token_docs: Sequence[list[int]], searcher: Searcher, window: WindowConfig,
-                      knn: KNNLMConfig, boundary_token: int, use_key: bool, progress: bool = True) -> GateData:
+                      knn: KNNLMConfig, boundary_token: int, progress: bool = True) -> GateData:
     """One forward and one search per group of windows over the tuning documents."""
-    lm, dist, match, inputs = [], [], [], []
+    lm, dist, match, features, keys = [], [], [], [], []
     total = sum(len(d) for d in token_docs)
     stream = score_documents(model, token_docs, window, boundary_token, with_logprobs=True,
                              lm_features=distribution_features)
@@ -58,11 +58,12 @@ def collect_gate_data(model: Decoder, token_docs: Sequence[list[int]], searcher:
             lm.append(s.lm_logprob.float())
             dist.append(torch.from_numpy(nb.distances.astype(np.float32)))
             match.append(torch.from_numpy(nb.values.astype(np.int64)) == s.targets[:, None])
-            inputs.append(gate_inputs(s.features, s.keys, use_key))
+            features.append(s.features.float().cpu())
+            keys.append(s.keys.detach().float().cpu())
             bar.update(xq.shape[0])
     if not lm:
         raise MemlmError("the tuning split has no tokens; pass another --split")
-    return GateData(TuningData(torch.cat(lm), torch.cat(dist), torch.cat(match)), torch.cat(inputs))
+    return GateData(TuningData(torch.cat(lm), torch.cat(dist), torch.cat(match)), torch.cat(features), torch.cat(keys))
 
 
 HELD_OUT = 0.2
@@ -82,7 +83,7 @@ def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Se
                model_fingerprint: str, tune_data: str, progress: bool = True) -> tuple[RetrievalGate, GateSettings]:
     """Fit the gate on `token_docs` (whose document fingerprints are `fingerprints`, recorded so that no
     evaluation of them uses it). knn: k and search options; lambda/T None are tuned on the same pass."""
-    data = collect_gate_data(model, token_docs, searcher, window, knn, boundary_token, config.use_key, progress)
+    data = collect_gate_data(model, token_docs, searcher, window, knn, boundary_token, progress)
     lmbda, temperature = knn.lmbda, knn.temperature
     if knn.needs_tuning:
         tuned = tune(data.tuning, fixed_lmbda=knn.lmbda, fixed_temperature=knn.temperature)
@@ -92,16 +93,17 @@ def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Se
     gain = interpolate(lm, knn_lp, lmbda) - lm  # (n,) nats retrieval adds (> 0: it helps)
     helps = gain > 0
     fit, held = held_out_split(helps.shape[0], config.seed)
-    gate = fit_gate(data.inputs[fit], gain[fit], config)
-    scores = gate.scores(data.inputs[held])  # (h,) scores of tokens the fit did not see: honest quantiles
+    gate = fit_gate(data.distribution[fit], data.keys[fit], lm[fit], knn_lp[fit], float(lmbda), config)
+    x = gate.inputs(data.distribution[held], data.keys[held], config.use_key)  # (h, F)
+    scores = gate.scores(x)  # (h,) scores of tokens the fit did not see: honest quantiles
     helps_held = helps[held]
     info = searcher.info()
     settings = GateSettings(
         model_fingerprint=model_fingerprint, key_layer=model.config.key_description,
         datastore_corpus_fingerprint=info.corpus_fingerprint, k=knn.k, temperature=float(temperature),
-        lmbda=float(lmbda), config=config, n_features=int(data.inputs.shape[1]),
+        lmbda=float(lmbda), config=config, n_features=int(x.shape[1]),
         fitted_documents=tuple(fingerprints), tune_data=tune_data, tokens=int(helps.shape[0]),
-        positive_rate=float(helps.float().mean()), accuracy=float(((scores >= 0.5) == helps_held).float().mean()),
-        score_quantiles=score_quantiles(scores),
+        positive_rate=float(helps.float().mean()), accuracy=float(((scores >= scores.median()) == helps_held).float().mean()),
+        score_quantiles=score_quantiles(scores), key_dim=int(gate.projection.shape[0]),
     )
     return gate, settings

@@ -22,6 +22,7 @@ from memlm.retrieval.pointers import (
     PointerConfig,
     PointerSource,
     empty_candidates,
+    extend_by_clusters,
     follow,
     merge_rows,
     needs_search,
@@ -154,6 +155,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         prev_tok = b.block[movers, np.maximum(b.step[movers] - 1, 0)]  # (m,)
         cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source)  # (m, w)
         need = needs_search(cands, config.min_pointers) | fresh  # (m,)
+        cands = extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, b.ids.shape[1])  # clustered states
         go = need if allowed is None else need & allowed[tok]
         empty = fresh | (need & ~go)  # skipped by the gate: the base distribution, and nothing to follow
         if empty.any():

@@ -4,24 +4,33 @@ the next token, and the search is skipped where it will not (the token keeps the
 lambda 0 for it).
 
 Features (per token): the LM distribution's entropy, its top-3 log-probabilities and the top-1/top-2
-margin (He et al.'s "conf" and "ent"), and optionally the kNN key itself (their "ctxt", the context
-vector). The label is "the kNN-LM log-prob of the target beats the base's" (for lambda in (0, 1):
-p_kNN(target) > p_LM(target)), and each token weighs in the loss as much as retrieval gains or loses on it
-(|log p_kNN-LM - log p_LM| in nats at the tuned lambda): skipping the searches that matter little is what
-keeps perplexity. Measured on SOTU (3,000 tuning and 3,000 held-out tokens, SmolLM2, the 81k-key datastore):
-at half the searches skipped, perplexity 23.30 with this weighting and distribution features, 24.01 with
-class-balanced labels, 23.53 with the key as well (it overfits a tuning split this small), 21.90 for an
-oracle; plain kNN-LM 22.89, base 24.48. The gate (a 2-layer MLP, logistic output) is fitted on a tuning
-split by memlm.jobs.adaptive_train and saved as a directory, gate.pt beside settings.json (GateSettings);
-the evaluation documents must share no document with the ones it was fitted on (checked where opened).
+margin (He et al.'s "conf" and "ent"), and a small projection of the kNN key (their "ctxt", the context
+vector): its first GateConfig.key_components principal components on the tuning tokens (or, with use_key,
+the whole key). The fit (GateConfig.objective):
+- "mixture" (the default; He et al.'s objective, jxhe/efficient-knnlm adaptive_retrieval.py): the network
+  predicts the interpolation weight lambda(x) of each token and is fitted by the kNN-LM likelihood
+  log((1 - lambda(x)) p_LM + lambda(x) p_kNN) of the tuning targets; a token is searched when its
+  lambda(x) >= the threshold (the searched tokens keep the tuned constant lambda: He et al.'s "learned
+  mask, constant weights"). It learns how much retrieval is worth per token, not only its sign.
+- "weighted_label": the label "kNN-LM beats the base on the target" with each token weighing as much as
+  retrieval gains or loses on it (|log p_kNN-LM - log p_LM| at the tuned lambda).
+Measured on SOTU (SmolLM2, the 81,169-key 1990-2000 datastore, the first 6,000 tokens of 2003+, lambda
+0.1 / T 2.19; per-token records replayed offline, skipping the lowest-scored tokens): at half the searches
+skipped, +1.75% perplexity vs plain kNN-LM for weighted_label on the 5 distribution features fitted on
+the 4,651 tokens of 2001-2002, +0.90% for the entropy alone, +0.76% for "mixture" with 8 key components
+(+0.38% fitted on 30,000 tokens of 1980-1989); the whole key with weighted_label +0.98% / +1.89% (it
+overfits). The gate (a 2-layer MLP) is fitted on a tuning split by memlm.jobs.adaptive_train and saved as a
+directory, gate.pt beside settings.json (GateSettings); the evaluation documents must share no document
+with the ones it was fitted on (checked where opened).
 
-Shape legend: n tokens, V vocab, F features, d key dimension, H hidden units.
+Shape legend: n tokens, V vocab, F features, d key dimension, P key components, H hidden units.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +54,22 @@ def distribution_features(logprobs: torch.Tensor) -> torch.Tensor:
     return torch.stack([entropy, top[:, 0], top[:, 1], top[:, 2], top[:, 0] - top[:, 1]], dim=-1)  # (n, 5)
 
 
-def gate_inputs(distribution: torch.Tensor, keys: torch.Tensor, use_key: bool) -> torch.Tensor:
-    """The gate's input (n, F): distribution features (n, 5), then the float32 keys (n, d) if use_key."""
+def gate_inputs(distribution: torch.Tensor, keys: torch.Tensor, use_key: bool,
+                projection: torch.Tensor | None = None) -> torch.Tensor:
+    """The gate's input (n, F): distribution features (n, 5), then the keys' projection keys @ projection
+    (n, P) when there is one, then the float32 keys (n, d) if use_key."""
     parts = [distribution.float().cpu()]
+    if projection is not None and projection.numel():
+        parts.append(keys.detach().float().cpu() @ projection)  # (n, P)
     if use_key:
         parts.append(keys.detach().float().cpu())
     return torch.cat(parts, dim=1)  # (n, F)
+
+
+def key_projection(keys: torch.Tensor, components: int) -> torch.Tensor:
+    """(d, P) the first `components` principal directions of the (n, d) keys (P = min(components, n, d))."""
+    x = keys.float() - keys.float().mean(dim=0)  # (n, d)
+    return torch.linalg.svd(x, full_matrices=False).Vh[:components].T.contiguous()  # (d, P)
 
 
 @dataclass(frozen=True)
@@ -60,8 +79,13 @@ class GateConfig:
     hidden: int = 32
     """Hidden units of the 2-layer MLP."""
     use_key: bool = False
-    """Feed the kNN key (He et al.'s context vector) besides the distribution features (it needs a tuning
-    split far larger than the d key features; see the module docstring)."""
+    """Feed the whole kNN key (He et al.'s context vector) besides the distribution features (it needs a
+    tuning split far larger than the d key features; see the module docstring)."""
+    key_components: int = 8
+    """Principal components of the key fed besides the distribution features (0: none); the projection is
+    fitted on the tuning tokens and saved with the gate."""
+    objective: str = "mixture"
+    """"mixture" (He et al.: predict lambda(x) by the kNN-LM likelihood) or "weighted_label" (module docstring)."""
     steps: int = 400
     """Full-batch AdamW steps."""
     lr: float = 1e-2
@@ -70,6 +94,15 @@ class GateConfig:
     """AdamW weight decay (the tuning split is small)."""
     seed: int = 0
     """Initialisation seed."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise MemlmError(f"gate objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.key_components < 0:
+            raise MemlmError(f"--key-components must be >= 0, got {self.key_components}")
+
+
+OBJECTIVES = ("mixture", "weighted_label")
 
 
 @dataclass(frozen=True)
@@ -101,19 +134,29 @@ class GateSettings:
     positive_rate: float
     """Share of those tokens where retrieval helps."""
     accuracy: float
-    """Accuracy at threshold 0.5 on the held-out tuning tokens (memlm.jobs.adaptive_train.HELD_OUT)."""
+    """How often "score >= the median score" (half the searches saved) is "retrieval helps", on the held-out
+    tuning tokens (memlm.jobs.adaptive_train.HELD_OUT)."""
     score_quantiles: tuple[float, ...]
     """QUANTILES + 1 quantiles of the held-out tuning tokens' scores (for a target fraction saved)."""
+    key_dim: int = 0
+    """d of the key projection saved in gate.pt ((d, P); 0: the gate has none)."""
 
 
 class RetrievalGate(nn.Module):
-    """P(retrieval helps) from gate inputs (n, F): standardised, then Linear-ReLU-Linear-sigmoid."""
+    """A score in [0, 1] from gate inputs (n, F): standardised, then Linear-ReLU-Linear-sigmoid ("mixture":
+    the predicted lambda(x); "weighted_label": P(retrieval helps)). `projection` (d, P) (shape (0, 0): none)
+    is the key's projection its inputs take (gate_inputs)."""
 
-    def __init__(self, n_features: int, hidden: int) -> None:
+    def __init__(self, n_features: int, hidden: int, key_dim: int = 0, key_components: int = 0) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(n_features))
         self.register_buffer("std", torch.ones(n_features))
+        self.register_buffer("projection", torch.zeros(key_dim, key_components if key_dim else 0))
         self.net = nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def inputs(self, distribution: torch.Tensor, keys: torch.Tensor, use_key: bool) -> torch.Tensor:
+        """gate_inputs with this gate's key projection: (n, 5), (n, d) -> (n, F)."""
+        return gate_inputs(distribution, keys, use_key, self.projection)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.net((x - self.mean) / self.std)[:, 0]  # (n,)
@@ -124,20 +167,37 @@ class RetrievalGate(nn.Module):
         return torch.sigmoid(self.logits(x.float()))
 
 
-def fit_gate(x: torch.Tensor, gain: torch.Tensor, config: GateConfig) -> RetrievalGate:
-    """Fit a gate on inputs x (n, F) to gain (n,), the nats retrieval adds to each token's log-prob: label
-    gain > 0, weight |gain| (full batch BCE)."""
+KNN_LOGPROB_FLOOR = -1e4
+"""log p_kNN of a target no neighbour predicts, in the mixture loss (exp of it is 0; -inf has no gradient)."""
+
+
+def fit_gate(distribution: torch.Tensor, keys: torch.Tensor, lm: torch.Tensor, knn: torch.Tensor, lmbda: float,
+             config: GateConfig) -> RetrievalGate:
+    """Fit a gate on the tuning tokens' distribution features (n, 5) and keys (n, d) to their log p_LM (n,)
+    and log p_kNN (n,) of the target (full batch AdamW): "mixture" maximises the kNN-LM likelihood with the
+    predicted lambda(x); "weighted_label" fits the sign of the gain at `lmbda`, weighted by its size."""
     torch.manual_seed(config.seed)
-    gate = RetrievalGate(x.shape[1], config.hidden)
+    projection = key_projection(keys, config.key_components) if config.key_components else None  # (d, P)
+    x = gate_inputs(distribution, keys, config.use_key, projection)  # (n, F)
+    gate = RetrievalGate(x.shape[1], config.hidden, keys.shape[1] if projection is not None else 0,
+                         projection.shape[1] if projection is not None else 0)
+    if projection is not None:
+        gate.projection.copy_(projection)
     gate.mean.copy_(x.mean(dim=0))
     gate.std.copy_(x.std(dim=0).clamp(min=1e-6))
+    lm, knn = lm.float(), knn.float().clamp(min=KNN_LOGPROB_FLOOR)  # (n,), (n,)
+    gain = torch.logaddexp(lm + math.log1p(-lmbda), knn + math.log(lmbda)) - lm if 0 < lmbda < 1 else knn - lm
     y = (gain > 0).float()  # (n,)
-    weight = gain.abs().clamp(max=GAIN_CAP).float()  # (n,) a token matters as much as it gains or loses
+    weight = gain.abs().clamp(max=GAIN_CAP)  # (n,) a token matters as much as it gains or loses
     weight = weight / weight.mean() if float(weight.sum()) > 0 else torch.ones_like(weight)
-    opt = torch.optim.AdamW(gate.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    opt = torch.optim.AdamW(gate.net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     for _ in range(config.steps):
         opt.zero_grad()
-        loss = nn.functional.binary_cross_entropy_with_logits(gate.logits(x), y, weight=weight)
+        o = gate.logits(x)  # (n,) logit of lambda(x) / of P(helps)
+        if config.objective == "mixture":  # He et al. 2021: -log((1 - lambda) p_LM + lambda p_kNN)
+            loss = -torch.logaddexp(lm + nn.functional.logsigmoid(-o), knn + nn.functional.logsigmoid(o)).mean()
+        else:
+            loss = nn.functional.binary_cross_entropy_with_logits(o, y, weight=weight)
         loss.backward()
         opt.step()
     return gate.eval()
@@ -175,11 +235,14 @@ def load_gate(directory: Path) -> tuple[RetrievalGate, GateSettings]:
     if not (path / GATE_WEIGHTS).is_file() or not (path / GATE_SETTINGS).is_file():
         raise MemlmError(f"{path} is not a retrieval gate (memlm train-gate writes {GATE_WEIGHTS} and {GATE_SETTINGS})")
     raw = json.loads((path / GATE_SETTINGS).read_text())
+    known = {f.name for f in dataclasses.fields(GateConfig)}
+    if not set(raw["config"]) <= known or not set(raw) <= {f.name for f in dataclasses.fields(GateSettings)}:
+        raise MemlmError(f"{path} was written by another version of memlm train-gate; fit the gate again")
     raw["config"] = GateConfig(**raw["config"])
     raw["fitted_documents"] = tuple(raw["fitted_documents"])
     raw["score_quantiles"] = tuple(raw["score_quantiles"])
     settings = GateSettings(**raw)
-    gate = RetrievalGate(settings.n_features, settings.config.hidden)
+    gate = RetrievalGate(settings.n_features, settings.config.hidden, settings.key_dim, settings.config.key_components)
     gate.load_state_dict(torch.load(path / GATE_WEIGHTS, map_location="cpu", weights_only=True))
     return gate.eval(), settings
 
@@ -199,5 +262,5 @@ class AdaptiveConfig:
         """(n,) bool: the tokens that may search, from their distribution features (n, 5) and keys (n, d)."""
         if self.threshold <= 0.0:
             return torch.ones(distribution.shape[0], dtype=torch.bool)
-        x = gate_inputs(distribution, keys, self.settings.config.use_key)  # (n, F)
+        x = self.gate.inputs(distribution, keys, self.settings.config.use_key)  # (n, F)
         return self.gate.scores(x) >= self.threshold

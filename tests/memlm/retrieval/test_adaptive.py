@@ -102,11 +102,11 @@ def test_the_gate_keeps_the_searches_that_help_on_held_out_documents(model, sear
     gate, settings = fitted
     assert 0.1 < settings.positive_rate < 0.9  # both classes present in this setting
     assert settings.fitted_documents == tuple(f"tune-{i}" for i in range(6))
-    held = collect_gate_data(model, phrase_docs(4, 4), searcher, WINDOW, KNN, BOS, use_key=True, progress=False)
+    held = collect_gate_data(model, phrase_docs(4, 4), searcher, WINDOW, KNN, BOS, progress=False)
     lm = held.tuning.lm_logprob
     gain = interpolate(lm, knn_logprob_from_matches(held.tuning.distances, held.tuning.matches, KNN.temperature),
                        KNN.lmbda) - lm  # (n,) nats retrieval adds per token
-    keep = gate.scores(held.inputs) >= threshold_for_fraction(settings, 0.5)
+    keep = gate.scores(gate.inputs(held.distribution, held.keys, True)) >= threshold_for_fraction(settings, 0.5)
     assert gain[keep].mean() > gain[~keep].mean() + 0.1  # the kept searches are the ones that help
 
 
