@@ -5,8 +5,9 @@ running `memlm.engine.Engine` batch: requests join between steps, leave when the
 their deadline, and every step decodes all of them in one forward pass (with kNN-LM or SPALM: one batched
 search for every ready row, each with its own settings, memlm.engine.sampling / spalm_rows). The engine takes
 one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by whether they search
-(LaneKey); a Score of the engine's modes puts each input in the lane of its settings as a score row
-(services.lm_score_engine), beside the Generate rows; at most MAX_LANES lanes live at once (an idle one is closed to make room; none: RESOURCE_EXHAUSTED).
+(LaneKey); a Score of the engine's modes puts each input in the lane of its settings as score rows
+(services.lm_score_engine), beside the Generate rows; at most MAX_LANES lanes live at once (an idle one is
+closed to make room; none: RESOURCE_EXHAUSTED).
 
 Model turns (services.lm_scheduler): each lane's thread takes the model's turn like any call, as a tenant of
 its own ("engine:<lane>"), for one engine step at a time, passed on at every step boundary when Score calls
@@ -289,9 +290,10 @@ class Lane:
                 self._forget(stream)
                 stream.deliver(e)
                 continue
-            if searched is not None and isinstance(stream.handle.request, ScoreRequest) and _searches(stream.handle.request):
+            request = stream.handle.request
+            if searched is not None and isinstance(request, ScoreRequest) and _searches(request):
                 # A score row's search is not told apart from the step's others: a live kNN-LM Score counts
-                # every step's generation (at most one too many when the datastore switches meanwhile).
+                # every step's generation (one too many at most, when the datastore switches meanwhile).
                 stream.generations.add(searched[0])
             if not events:
                 continue

@@ -8,10 +8,12 @@ services.lm_score_engine.score_path: ENGINE (MEMORY_MODE_NONE sliding windows, X
 without kNN-LM and top_n: each input a score row of the decoding engine's running batch of its settings,
 sharing steps with other Score calls and with Generate rows), BATCHED (attribution, a model the engine does
 not hold: one library call for the concurrent calls of a key, services.lm_score_batch) or ALONE (SPALM,
-MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with MEMORY_MODE_NONE, XL, COMPRESSIVE (kNN-LM or not) or SPALM is a request in a running
-batch of the decoding engine (services.lm_engine, issue 12), which takes the model's turn like one more
-client; a cancelled call's row is free before the next step; admission is bounded (max_batch, max_queue,
-max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
+MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with
+MEMORY_MODE_NONE, XL, COMPRESSIVE (kNN-LM or not) or SPALM is a request in a running batch of the decoding
+engine (services.lm_engine, issue 12), which takes the model's turn like one more client; a cancelled call's
+row is free before the next step; admission of Generate and engine Score calls is bounded (max_batch,
+max_queue, max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata
+retry-after-ms).
 MEMORIZING Generate (a state the engine does not hold) runs as a one-sequence iterator advanced one step
 per turn.
 
@@ -23,10 +25,10 @@ gives the model's turn away while it waits and ends by the caller's deadline.
 kNN-LM searches the server's Searcher: a datastore in process (`--datastore`) or a RetrievalClient
 (`--retrieval`), with identical results (issue 4). Health is NOT_SERVING until model and searcher are loaded.
 
-Memory modes: NONE (sliding windows; the engine's sliding KV cache for Generate), XL (Transformer-XL memory
-with sinks: score_tokens_segments as `memlm eval --memory xl`; the engine's XL rows for Generate),
-COMPRESSIVE (Rae et al. 2019, mean pooling: no trained compressor; the engine's compressive rows for
-Generate), MEMORIZING (Wu et al. 2022) with a
+Memory modes: NONE (sliding windows: score_tokens' scores, on engine rows that read one window after another;
+the engine's sliding KV cache for Generate), XL (Transformer-XL memory with sinks: score_tokens_segments' scores
+as `memlm eval --memory xl`, on the engine's XL rows for Score and Generate), COMPRESSIVE (Rae et al. 2019,
+mean pooling: no trained compressor; the engine's compressive rows), MEMORIZING (Wu et al. 2022) with a
 `memlm train --memory memorizing` checkpoint's KnnAttention, SPALM (Yogatama et al. 2021; services.lm_spalm)
 with a SPALM checkpoint's head and a searcher. kNN-LM combines with all but SPALM. Others: UNIMPLEMENTED.
 """
