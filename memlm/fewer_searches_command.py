@@ -19,7 +19,12 @@ from memlm.errors import MemlmError
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.options import refuse_given
 from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
-from memlm.retrieval.pointers import PointerConfig, PointerSource, successors
+from memlm.retrieval.pointers import (
+    PointerConfig,
+    PointerSource,
+    cluster_states,
+    successors,
+)
 
 
 def shared_documents(fingerprints: Iterable[str], evaluation: Any) -> set[str]:
@@ -41,7 +46,8 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
     found = successors(store.provenance, len(store))
     if not found.contiguous:
         print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
-    return Retrieval(pointers, PointerSource.local(found.next_ids, store.values, store.keys), adaptive)
+    clusters = None if args.pointer_clusters is None else cluster_states(store.keys, args.pointer_clusters)
+    return Retrieval(pointers, PointerSource.local(found.next_ids, store.values, store.keys, clusters), adaptive)
 
 
 def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str
@@ -49,14 +55,16 @@ def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, 
     """The gate of --adaptive-gate (None without it) and what the result records about it; this and the
     refusals of flags given without theirs come before any datastore is opened."""
     if not args.pointers:
-        refuse_given(args, ("min_pointers",), "needs --pointers")
+        refuse_given(args, ("min_pointers", "pointer_clusters"), "needs --pointers")
+    clusters = {} if args.pointer_clusters is None else {"pointer_clusters": args.pointer_clusters}
     if args.adaptive_gate is None:
         refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")
-        return None, {}
+        return None, clusters
     adaptive = open_gate(args, evaluation, model_fingerprint, key_layer)
     s = adaptive.settings
     record = {"adaptive_gate": args.adaptive_gate, "gate_k": s.k, "gate_temperature": s.temperature,
-              "gate_tune_data": s.tune_data, "gate_tokens": s.tokens, "gate_accuracy": s.accuracy}
+              "gate_tune_data": s.tune_data, "gate_tokens": s.tokens, "gate_accuracy": s.accuracy,
+              "gate_objective": s.config.objective, "gate_key_components": s.config.key_components, **clusters}
     if args.adaptive_fraction is not None:
         record["adaptive_fraction"] = args.adaptive_fraction
     return adaptive, record

@@ -149,6 +149,8 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
            "and search only when fewer than --min-pointers survive"),
     Option("--min-pointers", "min_pointers", positive_int, "with --pointers: search when fewer pointers survive "
            "(above --k: a search for every token)", _P.min_pointers),
+    Option("--pointer-clusters", "pointer_clusters", positive_int, "with --pointers: RetoMaton over clustered "
+           "states, k-means of the datastore's keys into this many clusters (entries of one share pointers)"),
     Option("--adaptive-gate", "adaptive_gate", str, "adaptive retrieval (He et al. 2021): a gate directory from "
            "memlm train-gate, fitted on documents that are not evaluated"),
     Option("--adaptive-threshold", "adaptive_threshold", fraction, "with --adaptive-gate: search when the gate's "

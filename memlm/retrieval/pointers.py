@@ -201,10 +201,15 @@ def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0) -> StateClu
     km = faiss.Kmeans(x.shape[1], n_clusters, niter=CLUSTER_ITERATIONS, seed=seed,
                       max_points_per_centroid=CLUSTER_SAMPLE, verbose=False)
     km.train(x)
-    assign = km.index.search(x, 1)[1][:, 0].astype(np.int64)  # (N,)
+    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed)
+
+
+def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int) -> StateClusters:
+    """StateClusters of a given assignment (N,) in [0, n_clusters) of the (N, d) keys."""
+    assign = np.asarray(assign, dtype=np.int64)
     members = np.argsort(assign, kind="stable")  # (N,)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=n_clusters))]).astype(np.int64)
-    member_keys = torch.from_numpy(x[members])  # (N, d)
+    member_keys = torch.from_numpy(np.ascontiguousarray(keys[members], dtype=np.float32))  # (N, d)
     return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), seed)
 
 

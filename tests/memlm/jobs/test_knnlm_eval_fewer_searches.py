@@ -64,6 +64,15 @@ def test_pointers_and_gate_combine_and_report_searches(capsys, tmp_path, setting
     assert always["knnlm_nll"] == plain["knnlm_nll"] and always["searches_saved"] == 0
 
 
+def test_clustered_states_are_recorded_and_a_minimum_above_k_stays_plain(capsys, tmp_path, setting):
+    plain = evaluate(capsys, tmp_path, setting)
+    clustered = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "2", "--pointer-clusters", "8")
+    assert clustered["pointer_clusters"] == 8 and clustered["searches_saved"] > 0
+    assert clustered["searches"] + clustered["searches_saved"] == clustered["tokens"]
+    everything = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "9", "--pointer-clusters", "8")
+    assert everything["knnlm_nll"] == pytest.approx(plain["knnlm_nll"], rel=1e-6) and everything["searches_saved"] == 0
+
+
 def test_a_gate_fitted_on_an_evaluated_document_is_refused(capsys, setting):
     corpus, store, gate = setting
     code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1997",
@@ -87,6 +96,7 @@ def test_a_gate_fitted_with_another_datastore_is_refused(capsys, tmp_path, setti
 
 @pytest.mark.parametrize("flags, message", [
     (["--min-pointers", "3"], "--min-pointers needs --pointers"),
+    (["--pointer-clusters", "4"], "--pointer-clusters needs --pointers"),
     (["--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
     (["--adaptive-gate", "GATE"], "needs one of --adaptive-threshold X or --adaptive-fraction F"),
     (["--adaptive-gate", "GATE", "--adaptive-threshold", "0.5", "--adaptive-fraction", "0.5"], "needs one of"),
