@@ -233,15 +233,38 @@ class StepView:
         # (n,) into B * T; None when every token is real (a decode step): the tokens are all of them, in order.
         self.write_tokens = None if bool(real_cpu.all()) else real_cpu.reshape(-1).nonzero()[:, 0].to(device)
         cache.slot_pos[self.write_rows, self.write_slots] = pos_cpu[real_cpu].to(device)
+        nkv = cache.config.n_kv_head
+        self._flat: tuple[int, torch.Tensor] | None = None  # write_flat's (allocated, rows)
         self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (B, 1, T, hs) each
+        self.sin_signed = _signed(self.sin)  # (B, 1, T, hs): rotate() in 4 ops, not apply_rotary's 8
         # The mask once per step for every layer, laid out as the grouped queries (B, 1, g*T, width).
-        g = cache.config.n_head // cache.config.n_kv_head
+        g = cache.config.n_head // nkv
         seen = self._mask(window.to(device))  # (B, 1, T, width)
         self.hidden = ~seen[:, :, None].expand(B, 1, g, T, self.width).reshape(B, 1, g * T, self.width)
         self.shift = None
         if layout.sink > 0 and self.width > 0:
             shift = _sink_shift(layout, window.to(device))  # (B, T)
             self.shift = rotary_at(-shift, cache.inv_freq)  # rotates the queries back by the shift
+        # A decode step without sinks attends in float32 through baddbmm: the scale and the mask (0 or -inf,
+        # built here once for all layers) in the product's one call, laid out (B * nkv, g, width).
+        self.bias = None
+        if T == 1 and self.shift is None:
+            bias = torch.zeros(B, nkv, g, self.width, device=device).masked_fill_(
+                self.hidden[:, :, None].expand(B, 1, nkv, g, self.width).reshape(B, nkv, g, self.width), float("-inf"))
+            self.bias = bias.reshape(B * nkv, g, self.width)  # (B*nkv, g, width)
+
+    def write_flat(self) -> torch.Tensor:
+        """(n * nkv,) the rows of the real tokens' keys in a layer's (R * nkv * allocated, hs) view: every layer's
+        cache is (R, nkv, allocated, hs), contiguous, so the writes are one index_copy_ per tensor (an index_put_
+        over (row, :, slot) cost 3x as much per layer at a decode step). Recomputed if the cache grew since (the
+        other group of a PackedStep reserved more slots)."""
+        allocated = self.cache.allocated
+        if self._flat is None or self._flat[0] != allocated:
+            nkv = self.cache.config.n_kv_head
+            heads = torch.arange(nkv, device=self.cache.device)[None, :]  # (1, nkv)
+            flat = ((self.write_rows[:, None] * nkv + heads) * allocated + self.write_slots[:, None])  # (n, nkv)
+            self._flat = (allocated, flat.reshape(-1))
+        return self._flat[1]
 
     def _mask(self, window: torch.Tensor) -> torch.Tensor:
         """(B, 1, T, width) bool: the slots each query attends to."""
@@ -277,6 +300,20 @@ def _tokens(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return flat if index is None else flat.index_select(0, index)  # (n, nkv, hs)
 
 
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """sin (..., hs) -> its first half negated: rotate(x) = x cos + roll(x, hs/2) sin_signed is apply_rotary's
+    x cos + cat(-x2, x1) sin, bit for bit ((-a) b = a (-b) in IEEE arithmetic)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: (B, h, T, hs) -> rotated, as memlm.model.decoder.apply_rotary (same values, fewer ops: a decode
+    step calls it twice per layer)."""
+    x32 = x.float()
+    return (x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin_signed).to(x.dtype)
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q: (B, nkv, g*T, hs), keys: (B, nkv, width, hs), a strided view of the cache -> q . k, (B, nkv, g*T, width)
     float32. The same products either way; measured on this CPU (2 cores, avx512_bf16) at 32 rows: CPU bf16
@@ -299,12 +336,12 @@ class _LayerView(CachedAttention):
         step, cache = self.step, self.step.cache
         B, nh, T, hs = q.shape
         nkv = k.shape[1]
-        q = apply_rotary(q, step.cos, step.sin)  # (B, nh, T, hs)
-        k = apply_rotary(k, step.cos, step.sin)  # (B, nkv, T, hs)
+        q = rotate(q, step.cos, step.sin_signed)  # (B, nh, T, hs)
+        k = rotate(k, step.cos, step.sin_signed)  # (B, nkv, T, hs)
         kc, vc = cache.k[self.layer], cache.v[self.layer]
-        # Only the real tokens are written: (n, nkv, hs) rows picked from (B, T, nkv, hs).
-        kc[step.write_rows, :, step.write_slots] = _tokens(k, step.write_tokens).to(kc.dtype)
-        vc[step.write_rows, :, step.write_slots] = _tokens(v, step.write_tokens).to(vc.dtype)
+        # Only the real tokens are written: (n, nkv, hs) rows picked from (B, T, nkv, hs), into the flat view.
+        kc.view(-1, hs).index_copy_(0, step.write_flat(), _tokens(k, step.write_tokens).reshape(-1, hs).to(kc.dtype))
+        vc.view(-1, hs).index_copy_(0, step.write_flat(), _tokens(v, step.write_tokens).reshape(-1, hs).to(vc.dtype))
         keys = step._rows_of(kc)[:, :, : step.width]  # (B, nkv, width, hs)
         values = step._rows_of(vc)[:, :, : step.width]  # (B, nkv, width, hs)
 
@@ -314,6 +351,13 @@ class _LayerView(CachedAttention):
         if step.float32_attention and keys.dtype != torch.float32:  # decode / verify in bf16/fp16 (_scores)
             qg, keys, values = qg.float(), keys.float(), values.float()
         scale = 1.0 / math.sqrt(hs)
+        if step.bias is not None:  # a decode step (T = 1) without sinks: 4 calls (StepView.bias)
+            W = step.width
+            # (B, nkv, width, hs) views of the cache merge B and nkv without a copy (nkv's stride divides B's).
+            scores = torch.baddbmm(step.bias, qg.reshape(B * nkv, g, hs), keys.reshape(B * nkv, W, hs).transpose(1, 2),
+                                   alpha=scale)  # (B*nkv, g, width)
+            y = torch.bmm(scores.softmax(dim=-1), values.reshape(B * nkv, W, hs))  # (B*nkv, g, hs)
+            return y.to(q.dtype).reshape(B, nh, T, hs)  # (B, nh, 1, hs)
         scores = _scores(qg, keys) * scale  # (B, nkv, g*T, width)
         N = min(cache.layout.sink, step.width)
         if step.shift is not None and N > 0:
