@@ -200,18 +200,20 @@ class Engine:
 
     def _step(self) -> bool:
         start = time.perf_counter()
-        try:
-            self._end_cancelled()
-            self._admit()
-            ran = bool(self._rows)
-            if ran:
-                with torch.inference_mode():
+        # The whole step in inference mode: the cache grows inside a pass (inference tensors), and a row that
+        # ends between passes moves the last row into its slot, an in-place update of those tensors.
+        with torch.inference_mode():
+            try:
+                self._end_cancelled()
+                self._admit()
+                ran = bool(self._rows)
+                if ran:
                     self._forward_and_choose()
-        except Exception as e:  # the requests of this batch cannot continue; the engine can
-            for row in list(self._rows.values()):
-                row.handle.put(e)
-                self._release(row)
-            raise
+            except Exception as e:  # the requests of this batch cannot continue; the engine can
+                for row in list(self._rows.values()):
+                    row.handle.put(e)
+                    self._release(row)
+                raise
         if ran:
             elapsed = time.perf_counter() - start
             self.step_time_s = STEP_TIME_DECAY * self.step_time_s + (1 - STEP_TIME_DECAY) * elapsed

@@ -207,3 +207,21 @@ def test_a_long_texts_later_windows_do_not_starve_a_new_score(model) -> None:
     assert steps == 1
     (done,) = list(long.events())
     assert len(done.tokens) == len(TOK.encode("a long text read in windows " * 12))
+
+
+def test_a_cancelled_row_before_others_frees_its_slot_and_the_others_go_on(model) -> None:
+    """Cancelling a row that has rows after it moves the last one into its slot (between steps, outside the
+    forward pass, once the cache grew past its first 64 slots inside one): the others finish as alone."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=3, prefill_chunk=300))
+    texts = [tuple(TOK.encode(t * 30)) for t in ("first ", "second ", "third ")]
+    handles = [engine.submit(ScoreRequest(t, B, window=(96, 48))) for t in texts]
+    engine.step()
+    assert engine.cache.allocated > 64
+    handles[0].cancel()
+    with pytest.raises(ScoreEnded, match="cancelled"):
+        list(handles[0].events())
+    for h, t in zip(handles[1:], texts[1:]):
+        (got,) = list(h.events())
+        (alone,) = run_all(Engine(model, TOK, EngineConfig(max_batch=1)), [ScoreRequest(t, B, window=(96, 48))])[0]
+        close(got, alone, BASE_RTOL)
+    assert engine.slots_in_use == []
