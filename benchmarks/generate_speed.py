@@ -21,12 +21,19 @@ over the median step time. Each figure is printed as soon as it is measured.
 
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
-        [--figures 1,2,3,4] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256]
+        [--figures 1,2,3,4] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256] [--engine-gemm onednn|mkl]
+
+The engine and transformers do the same work per token, and the engine more: greedy on both sides, logits of
+the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob
+(a logsumexp over V per row) where generate gives none. Our decoder's float32 CPU projections run oneDNN's
+GEMM (memlm.model.decoder.cpu_float32_gemm), transformers' nn.Linear MKL's: --engine-gemm mkl runs our side
+on MKL's too (memlm.model.decoder.onednn_off), to show what the kernel gives and what the rest of the engine does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -38,6 +45,7 @@ from forward_throughput import hf_twin
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.model.decoder import onednn_off
 from memlm.model.device import synchronize
 from memlm.retrieval.knnlm import KNNLMConfig
 
@@ -65,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--figures", default="1,2,3,4", help="which figures to measure (e.g. 2 for batch-1 only)")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall time, or process CPU time (cpu: "
                    "for a CPU shared with other jobs, with OMP_NUM_THREADS=1; tokens/s then per CPU-second)")
+    p.add_argument("--engine-gemm", default="onednn", choices=sorted(ENGINE_GEMMS),
+                   help="our side's float32 CPU GEMM: the decoder's default (oneDNN), or MKL's as transformers' nn.Linear")
     _common.add_synthetic_flag(p)
     return p.parse_args()
 
@@ -99,6 +109,15 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """--clock: wall time, or this process's CPU time (on a shared CPU with one torch thread, the time spent
 working, not waiting for a core other jobs hold; GPU work is not in it)."""
 CLOCK = CLOCKS["wall"]
+ENGINE_GEMMS = {"onednn": contextlib.nullcontext, "mkl": onednn_off}
+"""--engine-gemm: the context our side (engine, full recomputation) runs in; transformers' side runs as it is."""
+ENGINE_GEMM = ENGINE_GEMMS["onednn"]
+
+
+def run_engine(engine: Engine, requests: list[GenerationRequest]) -> list:
+    """run_all on our side's GEMM (--engine-gemm)."""
+    with ENGINE_GEMM():
+        return run_all(engine, requests)
 
 
 def timed(fn, device: torch.device) -> float:
@@ -166,7 +185,7 @@ def batch1_vs_transformers(bench, hf, prompt, args, device) -> dict:
     out = {}
 
     def ours():
-        out["ours"] = generated(run_all(Engine(model, tok, EngineConfig(max_batch=1)), req)[0])
+        out["ours"] = generated(run_engine(Engine(model, tok, EngineConfig(max_batch=1)), req)[0])
 
     def theirs():
         with torch.inference_mode():
@@ -184,10 +203,10 @@ def aggregate(bench, hf, ps, streams: int, args, device) -> dict:
     ids = torch.tensor([[bench.boundary, *p] for p in ps[:streams]], device=device)  # (S, T), equal lengths
 
     def batched():
-        run_all(Engine(model, tok, EngineConfig(max_batch=streams, prefill_chunk=args.prefill_chunk)), reqs)
+        run_engine(Engine(model, tok, EngineConfig(max_batch=streams, prefill_chunk=args.prefill_chunk)), reqs)
 
     def one_by_one():
-        run_all(Engine(model, tok, EngineConfig(max_batch=1)), reqs)
+        run_engine(Engine(model, tok, EngineConfig(max_batch=1)), reqs)
 
     def hf_static():
         with torch.inference_mode():
@@ -228,8 +247,8 @@ def knn_vs_base(bench, ps, args, device) -> tuple[dict, str]:
     knn = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens, KNNLMConfig())
     config = EngineConfig(max_batch=args.knn_batch)
     sides = {
-        "base": lambda: run_all(Engine(model, tok, config), base),
-        "knn": lambda: run_all(Engine(model, tok, config, searcher), knn),
+        "base": lambda: run_engine(Engine(model, tok, config), base),
+        "knn": lambda: run_engine(Engine(model, tok, config, searcher), knn),
     }
     return alternate(sides, args.repeats, device), what
 
@@ -290,9 +309,10 @@ def report_bandwidth(args, bench, fig1) -> None:
 
 
 def main() -> None:
-    global CLOCK
+    global CLOCK, ENGINE_GEMM
     args = parse_args()
     CLOCK = CLOCKS[args.clock]
+    ENGINE_GEMM = ENGINE_GEMMS[args.engine_gemm]
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise SystemExit("--clock cpu measures one CPU thread: run with OMP_NUM_THREADS=1 on --device cpu")
     device = torch.device(args.device)
@@ -302,17 +322,18 @@ def main() -> None:
     ps = prompts(bench, max(streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
     _common.synthetic_banner(bench.synthetic)
     print(f"model {bench.name}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
-          f"{args.clock} clock, engine prefill_chunk {args.prefill_chunk}, "
+          f"{args.clock} clock, engine prefill_chunk {args.prefill_chunk}, our GEMM {args.engine_gemm}, "
           f"{args.repeats} alternating run(s) per side (median), after one warm-up of both")
     hf = hf_twin(bench.pre.model)
     warm = engine_requests(bench, ps[:2], 4)  # one-time costs (allocator, kernels, generation config) out of the timings
-    run_all(Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=2)), warm)
+    run_engine(Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=2)), warm)
     with torch.inference_mode():
         hf_generate(hf, torch.tensor([[bench.boundary, *p] for p in ps[:2]], device=device), 4)
     t0 = time.perf_counter()
     figures = {int(f) for f in args.figures.split(",")}
     if 1 in figures:
-        fig1 = cached_vs_recomputation(bench, ps[0], args, device)
+        with ENGINE_GEMM():
+            fig1 = cached_vs_recomputation(bench, ps[0], args, device)
         report_recomputation(args, fig1)
         if args.peak_gbs:
             report_bandwidth(args, bench, fig1)
