@@ -127,3 +127,47 @@ def test_rows_grow_past_the_first_allocation() -> None:
     prompt = [(7 * i) % 500 for i in range(3 * INITIAL_SLOTS + 44)]
     cached, full, diff = greedy_both_ways(model, prompt, 4)
     assert cached == full and diff < 1e-5
+
+
+def test_rotate_is_apply_rotary_bit_for_bit() -> None:
+    """kv_cache.rotate (roll and a signed sine, fewer ops) gives apply_rotary's values exactly."""
+    from memlm.engine.kv_cache import _signed, rotate
+    from memlm.model.decoder import apply_rotary
+
+    pos = torch.tensor([[0, 5, 63, 10**7]])  # (B, T)
+    cos, sin = rotary_at(pos, rotary_inv_freq(16, 10000.0, "cpu"))  # (B, 1, T, hs)
+    x = torch.randn(1, 3, 4, 16, generator=torch.Generator().manual_seed(0))  # (B, h, T, hs)
+    assert torch.equal(rotate(x, cos, _signed(sin)), apply_rotary(x, cos, sin))
+    xb = x.bfloat16()
+    assert torch.equal(rotate(xb, cos, _signed(sin)), apply_rotary(xb, cos, sin))
+
+
+def test_packed_step_whose_decode_group_grows_the_cache() -> None:
+    """One packed pass: a new prompt's group (its view made first), then a decode row at position INITIAL_SLOTS,
+    whose view grows the cache; both write where the grown cache's flat views say (StepView.write_flat)."""
+    from memlm.engine.kv_cache import INITIAL_SLOTS, PackedGroup, PackedStep
+
+    def view(cache: RowCache, row: int, start: int, n: int):
+        pos = torch.arange(start, start + n)[None]  # (1, n)
+        return cache.view([row], pos, torch.ones_like(pos, dtype=torch.bool), torch.zeros_like(pos))
+
+    model = sharp_tiny_model()
+    cache = plain_cache(model, rows=2, ring=4 * INITIAL_SLOTS)
+    a = [(5 * i + 3) % 500 for i in range(INITIAL_SLOTS)]  # row 0 fills the first allocation
+    b = [3, 17, 250, 9]  # row 1's prompt
+    with torch.inference_mode():
+        nxt = int(feed(model, cache, [0], [a], [0])[0].argmax())
+        assert cache.allocated == INITIAL_SLOTS
+        prompt = view(cache, 1, 0, len(b))
+        decode = view(cache, 0, INITIAL_SLOTS, 1)
+        assert cache.allocated > INITIAL_SLOTS  # grown after the prompt's view was made
+        step = PackedStep([PackedGroup(prompt, torch.arange(len(b)), None),
+                           PackedGroup(decode, torch.tensor([len(b)]), None)])
+        packed = model(torch.tensor([[*b, nxt]]), state=step).logits[0]  # (len(b) + 1, V)
+        ref_b = model(torch.tensor([b])).logits[0, -1]  # (V,)
+        ref_a = model(torch.tensor([[*a, nxt]])).logits[0, -1]  # (V,)
+        again = feed(model, cache, [0, 1], [[7], [7]], [INITIAL_SLOTS + 1, len(b)])  # (2, V): reads what was written
+        ref_again = [model(torch.tensor([s])).logits[0, -1] for s in ([*a, nxt, 7], [*b, 7])]
+    for got, ref in [(packed[len(b) - 1], ref_b), (packed[len(b)], ref_a), (again[0], ref_again[0]),
+                     (again[1], ref_again[1])]:
+        assert float((got - ref).abs().max()) < 1e-5 * float(ref.abs().max())
