@@ -44,7 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memlm.engine import passes, score_rows, spalm_rows, speculative
+from memlm.engine import memorizing_rows, passes, score_rows, spalm_rows, speculative
 from memlm.engine.kv_cache import (
     CacheLayout,
     RowCache,
@@ -74,9 +74,11 @@ from memlm.jobs.generate import (
     _flush,
     _match_stop,
 )
+from memlm.memory.memorizing import KnnAttention
 from memlm.memory.spalm import SpalmHead
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.memory_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Searcher
 
 _log = logging.getLogger(__name__)
@@ -103,9 +105,11 @@ class Engine:
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  searcher: Searcher | None = None, drafts: speculative.DraftSource | None = None,
-                 spalm_head: SpalmHead | None = None) -> None:
+                 spalm_head: SpalmHead | None = None, knn_attention: KnnAttention | None = None,
+                 knn_service: KeyValueMemoryFactory | None = None) -> None:
         """config None: EngineConfig's defaults. searcher: the kNN-LM (or SPALM) datastore; drafts: its successors;
-        spalm_head: the head of memory kind "spalm" (memlm.engine.spalm_rows)."""
+        spalm_head: the head of memory kind "spalm" (memlm.engine.spalm_rows); knn_attention: the layer of memory
+        kind "memorizing", knn_service: its rows' memories for knn_backend "service" (memlm.engine.memorizing_rows)."""
         config = config or EngineConfig()
         spalm_rows.check_engine(config, spalm_head, searcher)
         xl = config.xl
@@ -120,6 +124,7 @@ class Engine:
         self.searcher = searcher
         self.drafts = drafts
         self.spalm_head = spalm_head
+        self.memorizing = memorizing_rows.for_engine(model, config, knn_attention, knn_service)
         self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
         self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
         self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
@@ -142,6 +147,7 @@ class Engine:
             raise MemlmError(f"{'prompt' if isinstance(request, GenerationRequest) else 'text'} has token ids "
                              f"outside [0, {V})")
         spalm_rows.check_request(self, request)
+        memorizing_rows.check_request(self, request)
         if isinstance(request, ScoreRequest):
             score_rows.check_request(self, request)
         else:
@@ -239,6 +245,7 @@ class Engine:
                 self._finish(row, reason)
 
     def _admit(self) -> None:
+        admitted: list[Row] = []
         with self._lock:
             free = [i for i in range(self.config.max_batch) if i not in self._rows]
             while free and self._waiting:
@@ -249,6 +256,8 @@ class Engine:
                     self._rows[slot] = ScoreRow.start(handle, slot, deadline)
                 else:
                     self._rows[slot] = Row.start(handle, slot, deadline, self.cache.layout, self.model.device)
+                    admitted.append(self._rows[slot])
+        memorizing_rows.admit(self, admitted)  # their kNN memories (a service session: outside the lock)
 
     def _forward_and_choose(self) -> None:
         """One forward pass for the step's prompt chunks and decode rows (packed when both run; score rows
@@ -278,6 +287,7 @@ class Engine:
     def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
         """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
         with its error and the others go on (a retrieval fault never stalls the rest of the batch)."""
+        ready, logits, keys = memorizing_rows.end_failed(self, ready, logits, keys)  # a kNN memory failed: ends
         ready, logits, keys = spalm_rows.head_logits(self, ready, logits, keys)  # SPALM: the head's logits
         knn = [r.handle.request.knn for r in ready]
         neighbors: list = [None] * len(ready)
@@ -351,6 +361,7 @@ class Engine:
     def _release(self, row: Row | ScoreRow) -> None:
         """The row leaves; the last row moves into its slot (rows stay packed at the front: contiguous rows
         are a view of the cache in the next steps, kv_cache.StepView). Between forward passes only."""
+        memorizing_rows.close_row(self, row)  # its kNN memory (a service session: dropped, outside the lock)
         with self._lock:  # submit() reads the rows (tokens in flight, the retry hint) from other threads
             if self._rows.pop(row.slot, None) is None:
                 return

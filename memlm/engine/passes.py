@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from memlm.engine import spalm_rows
+from memlm.engine import memorizing_rows, spalm_rows
 from memlm.engine.compression import compress_due
 from memlm.engine.kv_cache import PackedGroup, PackedStep, RowCache, StepView
 from memlm.engine.requests import EngineConfig
@@ -63,7 +63,8 @@ def run(engine: Engine, plan: Sequence[tuple[Row | ScoreRow, int]], every_positi
     and, per row, whether it has fed everything it had (its logits are the next token's). verify: RowCache.view."""
     idx, view = inputs(engine, plan, verify)
     T = idx.shape[1]
-    out = spalm_rows.forward(engine, idx.to(engine.model.device), view, 0 if every_position else T - 1)
+    state = memorizing_rows.attach(engine, [[row for row, _ in plan]], view)  # memorizing: kNN attention
+    out = spalm_rows.forward(engine, idx.to(engine.model.device), state, 0 if every_position else T - 1)
     for row, n in plan:
         row.fed += n
     logits = out.logits if every_position else out.logits[:, -1]  # (B, T, V) or (B, V)
@@ -91,7 +92,8 @@ def run_packed(engine: Engine, prefilling: list[tuple[Row, int]], decoding: list
               PackedGroup(d_view, torch.arange(n_p, n_p + n_d, device=device), None)]
     idx = torch.cat([p_idx.reshape(-1)[order], d_idx.reshape(-1)])[None]  # (1, N)
     read = len(last) + n_d
-    out = spalm_rows.forward(engine, idx.to(device), PackedStep(groups), idx.shape[1] - read)
+    state = memorizing_rows.attach(engine, [[r for r, _ in prefilling], [r for r, _ in decoding]], PackedStep(groups))
+    out = spalm_rows.forward(engine, idx.to(device), state, idx.shape[1] - read)
     for row, n in (*prefilling, *decoding):
         row.fed += n
     ready = [row for (row, _), d in zip(prefilling, done) if d] + [row for row, _ in decoding]

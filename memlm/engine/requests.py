@@ -32,9 +32,9 @@ FINISH_CANCELLED = "cancelled"
 """GenerationEnd.reason of a request cancelled by its caller (its slot is freed before the next step)."""
 FINISH_DEADLINE = "deadline"
 """GenerationEnd.reason of a request still running when its timeout passed."""
-ENGINE_MEMORY_KINDS = ("none", "xl", "compressive", "spalm")
+ENGINE_MEMORY_KINDS = ("none", "xl", "compressive", "spalm", "memorizing")
 """The memories (MemoryConfig.kind) whose per-row states the engine holds (SPALM's is the XL memory, its head
-is the engine's spalm_head); memorizing runs on memlm.jobs.generate's one-sequence path."""
+is the engine's spalm_head; memorizing's is the XL memory plus each row's kNN memory, memlm.engine.memorizing_rows)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ class EngineConfig:
     """kind "xl" (with its sinks, mem_len and segment): each row carries an XL memory, so generation runs
     past the context; kind "compressive" (compress_fn "mean" or "max"): an XL memory whose evicted groups are
     kept compressed (memlm.engine.compression); kind "spalm": XL rows whose logits come from SPALM's head
-    (memlm.engine.spalm_rows; every request gives its SpalmSettings); None or kind "none": a plain KV cache."""
+    (memlm.engine.spalm_rows; every request gives its SpalmSettings); kind "memorizing": XL rows whose layer
+    knn_layer also attends to the row's own kNN memory (memlm.engine.memorizing_rows; the engine's knn_attention);
+    None or kind "none": a plain KV cache."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 1:
@@ -71,8 +73,8 @@ class EngineConfig:
 
     @property
     def xl(self) -> MemoryConfig | None:
-        """The XL memory (kind "xl"; "compressive": with compressed groups; "spalm": SPALM's short-term memory),
-        or None for a plain KV cache."""
+        """The XL memory (kind "xl"; "compressive": with compressed groups; "spalm": SPALM's short-term memory;
+        "memorizing": the local memory of every layer, Wu et al. 2022's XL cache), or None for a plain KV cache."""
         return self.memory if self.memory is not None and self.memory.kind in ENGINE_MEMORY_KINDS[1:] else None
 
 
