@@ -1,7 +1,7 @@
 """The LM server's Generate and Score on the decoding engine (issue 12 part 3): one running batch per setting.
 
-Every Generate call with MEMORY_MODE_NONE, XL, COMPRESSIVE (with or without kNN-LM) or SPALM is a request in a
-running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or pass
+Every Generate call with MEMORY_MODE_NONE, XL, COMPRESSIVE, MEMORIZING (with or without kNN-LM) or SPALM is a request
+in a running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or pass
 their deadline, and every step decodes all of them in one forward pass (with kNN-LM or SPALM: one batched
 search for every ready row, each with its own settings, memlm.engine.sampling / spalm_rows). The engine takes
 one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by whether they search
@@ -59,6 +59,7 @@ from memlm.jobs.generate import (
 from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
+from memlm.memory.memorizing import KnnAttention
 from memlm.memory.spalm import SpalmHead
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
@@ -70,6 +71,7 @@ from memlm.retrieval.attribution import (
     require_sourced,
 )
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.memory_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_client import MEMORY_MODES  # the one kind <-> wire mode map
@@ -96,7 +98,7 @@ class LaneKey:
     """What one engine batch is made for: its rows' memory, and whether they search (settings are per request)."""
 
     memory: MemoryConfig | None
-    """MEMORY_MODE_XL's, COMPRESSIVE's or SPALM's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
+    """MEMORY_MODE_XL's, COMPRESSIVE's, MEMORIZING's or SPALM's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
     searches: bool
     """kNN-LM (and SPALM) rows batch apart from base rows: a step waits for its search, so a slow or hung
     retrieval service then holds only calls that asked for it (issue 9.2), never base-LM generations.
@@ -193,11 +195,12 @@ class BatchSearcher:
 
 class Lane:
     """One engine batch (one LaneKey), stepped by a thread of its own with the model's turn; a lane of memory
-    kind "spalm" gives its engine the server's SPALM head (spalm_head)."""
+    kind "spalm" gives its engine the server's SPALM head (spalm_head), one of kind "memorizing" the server's
+    memorizing layer and memory service (memories: each row's kNN memory, memlm.engine.memorizing_rows)."""
 
     def __init__(self, key: LaneKey, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None,
                  limits: EngineLimits, turns: ModelTurns, name: str, spalm_head: SpalmHead | None = None,
-                 drafts: DraftSource | None = None) -> None:
+                 drafts: DraftSource | None = None, memories: Memorizing | None = None) -> None:
         self.key = key
         self._closed = threading.Event()
         self.gate = StepGate(turns, self._closed.is_set, turns.tenant(f"engine:{name}"))
@@ -210,9 +213,12 @@ class Lane:
         config = EngineConfig(max_batch=limits.max_batch, prefill_chunk=limits.prefill_chunk,
                               max_queue=limits.max_queue, max_tokens_in_flight=limits.max_tokens_in_flight,
                               memory=key.memory)
-        spalm = key.memory is not None and key.memory.kind == "spalm"
+        kind = key.memory.kind if key.memory is not None else "none"
+        memories = memories if kind == "memorizing" else None
         self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None,
-                             drafts, spalm_head=spalm_head if spalm else None)
+                             drafts, spalm_head=spalm_head if kind == "spalm" else None,
+                             knn_attention=memories.knn_attention if memories is not None else None,
+                             knn_service=memories.service if memories is not None else None)
         self._thread = threading.Thread(target=self._run, name=f"memlm-engine-{name}", daemon=True)
         self._thread.start()
 
@@ -321,17 +327,29 @@ class Lane:
             self._streams.pop(stream.handle.request_id, None)
 
 
+@dataclass(frozen=True)
+class Memorizing:
+    """What a server's MEMORY_MODE_MEMORIZING lanes take (LanguageModelServicer.load's)."""
+
+    knn_attention: KnnAttention
+    """The memorizing layer's parameters (a `memlm train --memory memorizing` checkpoint's)."""
+    service: KeyValueMemoryFactory | None
+    """The retrieval server's memory sessions for knn_backend "service"; None: the memories live in process."""
+
+
 class EnginePool:
     """The server's lanes: the batch of a call's settings (made on first use), the server-wide admission
     bound on tokens in flight, and the retry hint."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, searcher: Searcher | None, limits: EngineLimits,
                  turns: ModelTurns, spalm_head: SpalmHead | None = None,
-                 drafts: Callable[[], DraftSource] | None = None) -> None:
+                 drafts: Callable[[], DraftSource] | None = None, memories: Memorizing | None = None) -> None:
         """drafts: the datastore's draft source (services.lm_args.FewerSources.drafts), made by the request
-        parser (speculative_of) at the first speculative call; a lane reads the one it made."""
+        parser (speculative_of) at the first speculative call; a lane reads the one it made. memories: what
+        MEMORIZING lanes take (None: the server does not serve it)."""
         self._model, self._tokenizer, self._searcher, self._spalm_head = model, tokenizer, searcher, spalm_head
         self._drafts = drafts
+        self._memories = memories
         self.limits = limits
         self._turns = turns
         self._lanes: dict[LaneKey, Lane] = {}
@@ -358,7 +376,7 @@ class EnginePool:
         self._made += 1
         drafts = self._drafts() if key.speculative and self._drafts is not None else None
         lane = Lane(key, self._model, self._tokenizer, self._searcher, self.limits, self._turns, str(self._made),
-                    self._spalm_head, drafts)
+                    self._spalm_head, drafts, self._memories)
         self._lanes[key] = lane
         return lane
 

@@ -8,14 +8,13 @@ services.lm_score_engine.score_path: ENGINE (MEMORY_MODE_NONE sliding windows, X
 without kNN-LM and top_n: each input a score row of the decoding engine's running batch of its settings,
 sharing steps with other Score calls and with Generate rows), BATCHED (attribution, a model the engine does
 not hold: one library call for the concurrent calls of a key, services.lm_score_batch) or ALONE (SPALM,
-MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with
-MEMORY_MODE_NONE, XL, COMPRESSIVE (kNN-LM or not) or SPALM is a request in a running batch of the decoding
-engine (services.lm_engine, issue 12), which takes the model's turn like one more client; a cancelled call's
-row is free before the next step; admission of Generate and engine Score calls is bounded (max_batch,
-max_queue, max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata
-retry-after-ms).
-MEMORIZING Generate (a state the engine does not hold) runs as a one-sequence iterator advanced one step
-per turn.
+MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with memlm's
+decoder (every memory mode, kNN-LM or not) is a request in a running batch of the decoding engine
+(services.lm_engine, issue 12), which takes the model's turn like one more client; a cancelled call's row is
+free before the next step; admission of Generate and engine Score calls is bounded (max_batch, max_queue,
+max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
+Generate with a transformers model (issue 13: its KV cache is transformers' own, no engine rows) runs as a
+one-sequence iterator advanced one step per turn.
 
 Bounded work (issue 9): every request's cost, and every step's, is checked before any work, and every call
 hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
@@ -63,6 +62,7 @@ from services.lm_engine import (
     EnginePool,
     GenerationRecord,
     LaneKey,
+    Memorizing,
     engine_modes,
     engine_request,
     generate_responses,
@@ -168,7 +168,8 @@ class LanguageModelServicer:
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
             max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
-        ), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts)
+        ), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts,
+            Memorizing(knn_attention, knn_service) if knn_attention is not None else None)
         """The running Generate batches (services.lm_engine)."""
         self.score_batches = ScoreBatcher(self.scheduler, self._score_work)
         """Concurrent Score calls sharing forward steps (services.lm_score_batch)."""
