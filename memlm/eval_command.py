@@ -91,12 +91,7 @@ def add_eval_parser(sub: Any) -> None:
     add_options(p, "fewer kNN-LM searches (with --datastore; issue 15)", FEWER_SEARCHES_OPTIONS)
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
     add_spalm_eval_options(p)
-    # The one definition of a client link's TLS and token flags: memlm.link_options.
-    from memlm.link_options import add_link_security
-
-    p.add_argument("--knn-service", default=None, metavar="HOST:PORT",
-                   help="retrieval service with memory sessions (memlm serve retrieval) for --knn-backend service")
-    add_link_security(p, KNN_SERVICE, "memory service", KNN_SERVICE_ENV)
+    add_knn_service_options(p)
     cache = p.add_argument_group("continuous cache (Grave et al. 2017; memlm.jobs.continuous_cache)")
     cache.add_argument("--continuous-cache", action="store_true", default=None,
                        help="report the base and the base with a cache of the document's own past (kNN-LM over "
@@ -104,6 +99,16 @@ def add_eval_parser(sub: Any) -> None:
     cache.add_argument("--cache-size", type=positive_int, default=None,
                        help=f"positions of earlier segments the cache holds per document (default {DEFAULT_CACHE_SIZE})")
     p.set_defaults(func=cmd_eval)
+
+
+def add_knn_service_options(p: argparse.ArgumentParser) -> None:
+    """--knn-service HOST:PORT and its TLS and token flags (memlm eval and memlm generate; memory_service reads them)."""
+    # The one definition of a client link's TLS and token flags: memlm.link_options.
+    from memlm.link_options import add_link_security
+
+    p.add_argument("--knn-service", default=None, metavar="HOST:PORT",
+                   help="retrieval service with memory sessions (memlm serve retrieval) for --knn-backend service")
+    add_link_security(p, KNN_SERVICE, "memory service", KNN_SERVICE_ENV)
 
 
 def load_tokens(tokenizer: Any, data: str, split: str | None, max_tokens: int | None) -> Any:

@@ -1,7 +1,8 @@
 """`memlm generate`: continue one or more prompts through the decoding engine (memlm.engine, issue 12).
 
     memlm generate --model M [--datastore DIR | --retrieval ADDR] [--lambda L --knn-temperature T --k K]
-        [--memory none|xl|compressive --segment S --mem-len M --sink-tokens N --cmem-len C --compress-rate R] [--max-new-tokens N]
+        [--memory none|xl|compressive|memorizing --segment S --mem-len M --sink-tokens N --cmem-len C --compress-rate R
+         --knn-layer L --knn-mem-size M --knn-top-k K --knn-backend B --knn-service HOST:PORT] [--max-new-tokens N]
         [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT]
         [--speculative [--draft-tokens N]] PROMPT...
 
@@ -14,7 +15,10 @@ sampling group is defined here once. --speculative (issue 15 part 3, memlm.engin
 continuations from the --datastore's successors and verifies them in one forward pass: the same greedy
 tokens, the same sampled distribution; with --lambda 0 the target is the base LM and the datastore only
 drafts. Each result carries `searches` (kNN queries), `verify_steps`, `verified_tokens` (exact counts,
-GenerationEnd's) and `mean_accepted_tokens`.
+GenerationEnd's) and `mean_accepted_tokens`. --memory memorizing (Wu et al. 2022, issue 10) takes a `memlm train
+--memory memorizing` checkpoint's kNN attention (any other model: a fresh, untrained gate, said on stderr and
+recorded) and keeps every prompt's kNN memory in process or, with --knn-backend service, in the memory
+sessions of --knn-service (memlm.engine.memorizing_rows); --json records the layer, sizes, backend and gates.
 """
 
 from __future__ import annotations
@@ -26,12 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
+from memlm.eval_command import (
+    add_knn_service_options,
+    knn_attention_for,
+    memory_service,
+)
 from memlm.files import check_writable_file
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.link_options import add_link_security, link_tls, secret
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
     KNN_OPTIONS,
+    MEMORIZING_ONLY,
     MEMORY_OPTIONS,
     Option,
     add_options,
@@ -42,8 +52,10 @@ from memlm.options import (
     refuse_given,
 )
 
-GENERATE_MEMORY = ("kind", "segment", "mem_len", "sink_tokens", "cmem_len", "compress_rate", "compress_fn")
-"""The memory options the engine serves (--memory none, xl or compressive, pooled, and their sizes)."""
+GENERATE_MEMORY = ("kind", "segment", "mem_len", "sink_tokens", "cmem_len", "compress_rate", "compress_fn",
+                   *MEMORIZING_ONLY)
+"""The memory options the engine serves (--memory none, xl, compressive (pooled) or memorizing, and their sizes)."""
+GENERATE_KINDS = ("none", "xl", "compressive", "memorizing")
 COMPRESSIVE_ONLY = ("cmem_len", "compress_rate", "compress_fn")
 DEFAULT_MAX_NEW_TOKENS = 64
 """Tokens generated per prompt when --max-new-tokens is not given."""
@@ -126,19 +138,35 @@ def add_generate_parser(sub: Any) -> None:
     knn.add_argument("--datastore", default=None, help="datastore directory (searched in this process)")
     knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
     add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
-    add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": ("none", "xl", "compressive")})
+    add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": GENERATE_KINDS})
+    add_knn_service_options(p)
     add_speculative_options(p)
     p.set_defaults(func=cmd_generate)
 
 
 def memory_from(args: argparse.Namespace) -> MemoryConfig | None:
-    """--memory xl or compressive and its sizes (MemoryConfig's defaults for the rest); None: the plain KV cache."""
+    """--memory xl, compressive or memorizing and its sizes (MemoryConfig's defaults for the rest); None: the plain KV
+    cache."""
     if args.kind in (None, "none"):
-        refuse_given(args, GENERATE_MEMORY[1:], "needs --memory xl or compressive")
+        refuse_given(args, GENERATE_MEMORY[1:], "needs --memory xl, compressive or memorizing")
         return None
-    if args.kind == "xl":
+    if args.kind in ("xl", "memorizing"):
         refuse_given(args, COMPRESSIVE_ONLY, "needs --memory compressive")
     return memory_config(args, MemoryConfig())
+
+
+def checkpoint_memorizing(args: argparse.Namespace, memory: MemoryConfig, boundary: int) -> MemoryConfig:
+    """--memory memorizing over a `memlm train --memory memorizing` checkpoint: the memory its settings.json
+    records (its layer above all), as memlm eval takes it (eval_command.checkpoint_memory: an unset flag takes the
+    checkpoint's, a different one is refused; the kNN sizes and backend are free). Other models: `memory`."""
+    from memlm.eval_command import checkpoint_memory, checkpoint_settings
+
+    if memory.kind != "memorizing" or not Path(args.model).is_dir():
+        return memory
+    settings = checkpoint_settings(args.model, boundary)
+    if settings is None or settings.memory.kind != "memorizing":
+        return memory
+    return MemoryConfig(**checkpoint_memory(args, given(args, MEMORY_OPTIONS), settings.memory))
 
 
 def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
@@ -172,6 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.engine import Engine, run_all
     from memlm.engine.requests import EngineConfig, GenerationRequest
     from memlm.jobs.evaluate import write_json
+    from memlm.jobs.memorizing import memorizing_record
     from memlm.model.decoder import Decoder
     from memlm.model.device import resolve_device, resolve_dtype
     from memlm.model.pretrained import require_decoder
@@ -186,21 +215,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
     speculative = speculative_config(args)
     if speculative is not None and knn is not None and knn.lmbda == 0:
         knn = None  # lambda 0 is the base LM exactly (memlm.retrieval.knnlm.interpolate): the datastore only drafts
+    service = memory_service(args, memory or MemoryConfig("none"))  # --knn-backend service: its memory sessions
     device = resolve_device(args.device)
     pretrained = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
     searcher = open_searcher(args, pretrained)
     tokenizer = pretrained.tokenizer
+    boundary = document_boundary(tokenizer)
+    memory = checkpoint_memorizing(args, memory, boundary) if memory is not None else None
+    knn_attention, trained = knn_attention_for(args.model, pretrained.model, memory or MemoryConfig("none"))
     config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory)
     if args.prefill_chunk is not None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
-    boundary = document_boundary(tokenizer)
     requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),
                                   boundary, tokenizer.eos_id, knn=knn, speculative=speculative) for p in args.prompts]
     start = time.perf_counter()
     try:
         if isinstance(pretrained.model, Decoder):
             drafts = draft_source(searcher.provenance, searcher.values) if speculative is not None else None
-            results = run_all(Engine(pretrained.model, tokenizer, config, searcher, drafts), requests)
+            engine = Engine(pretrained.model, tokenizer, config, searcher, drafts, knn_attention=knn_attention,
+                            knn_service=service)
+            results = run_all(engine, requests)
         else:
             # A transformers model has no engine cache (its KV cache is transformers' own): its prompts run
             # one after another through the one-sequence generator, as the LM server runs them.
@@ -212,8 +246,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     finally:
         if args.retrieval:
             searcher.close()  # the RetrievalClient's channel
+        if service is not None:
+            service.close()  # the memory service's channel (every row dropped its session when it ended)
     seconds = time.perf_counter() - start
     report = generation_report(args, results, seconds, speculative)
+    if memory is not None and memory.kind == "memorizing":
+        report["settings"]["memorizing"] = memorizing_record(memory, pretrained.model.config.n_layer, knn_attention,
+                                                             trained)
     for i, r in enumerate(report["results"]):
         print(f"--- [{i}] {r['finish_reason']}, {r['completion_tokens']} tokens")
         print(r["prompt"] + r["text"])

@@ -238,8 +238,8 @@ def test_engine_thread_serves_concurrent_callers(model) -> None:
 
 
 def test_refusals(model) -> None:
-    with pytest.raises(MemlmError, match="memory none, xl, compressive, spalm, not memorizing"):
-        EngineConfig(memory=MemoryConfig(kind="memorizing"))
+    with pytest.raises(MemlmError, match="memorizing needs a KnnAttention"):  # memlm.engine.memorizing_rows
+        Engine(model, TOK, EngineConfig(memory=MemoryConfig(kind="memorizing")))
     with pytest.raises(MemlmError, match="max_new_tokens"):
         request("x", 0)
     with pytest.raises(MemlmError, match="no searcher"):
