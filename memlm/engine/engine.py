@@ -23,7 +23,8 @@ deltas that hold back split UTF-8 characters, stop strings and token ids, eos, m
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
 row attends to its sinks and last mem_len states, so it generates past the model's context; compressive
 rows also keep their evicted states pooled (memlm.engine.compression); SPALM rows take the head's logits
-(memlm.engine.spalm_rows).
+(memlm.engine.spalm_rows); memorizing rows each carry a kNN memory of their past keys and values that the layer
+knn_layer attends to (memlm.engine.memorizing_rows; closed, a service session dropped, when the row leaves).
 
 Work runs where `step` is called: in the caller's thread (a handle's `events()` steps the engine while
 no engine thread runs; memlm generate) or in the engine's own thread (`start`, for a server, whose

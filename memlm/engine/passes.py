@@ -3,7 +3,8 @@
 `run` feeds a plan of rows (sorted by slot, tokens each), left-padded to the longest; `run_packed` feeds the
 step's prompt chunks and decode rows in ONE pass (kv_cache.PackedStep: the weights are read once per step,
 decode rows are not padded to the chunk). Both go through memlm.engine.spalm_rows.forward, which gives the
-decoder's logits or, for SPALM rows, keeps what the head needs.
+decoder's logits or, for SPALM rows, keeps what the head needs; a memorizing engine's passes attend to each
+row's kNN memory at its layer (memlm.engine.memorizing_rows.attach).
 
 Shape legend: B rows in a forward pass, T tokens per row, V vocab, C key width, N packed tokens.
 """
