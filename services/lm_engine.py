@@ -261,11 +261,14 @@ class Lane:
         return self._closed.is_set() or all(s.handle.cancelled for s in self._searching())
 
     def close(self) -> None:
-        """Stop the thread after its step in progress (the server stopped; its calls were cancelled)."""
+        """Stop the thread after its step in progress (the server stopped; its calls were cancelled); the rows still
+        in the batch release their kNN memories (memorizing: a service session is dropped, not left to expire)."""
         self._closed.set()
         with self._lock:
             self._lock.notify_all()
         self._thread.join()
+        if self.engine.memorizing is not None:
+            self.engine.memorizing.close_all()
 
     # -- the lane's thread ----------------------------------------------------------------------
     def _run(self) -> None:

@@ -100,6 +100,13 @@ class MemorizingRows:
         except Exception as e:  # noqa: BLE001 - the row is gone either way; a session left behind expires idle
             _log.warning("could not release a memorizing row's kNN memory: %s", e)
 
+    def close_all(self) -> None:
+        """Every row's memory released (the engine is discarded with rows still in it: a server that stops)."""
+        for mem in list(self.rows.values()):
+            self.close(mem.row)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
     def retrieve(self, rows: list[Row], q: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per row, its queries q (1, nh, T, hs) -> (memory attention (1, nh, T, hs), gate (1, nh, T)), or None where
         the layer is local attention alone (an empty or failed memory). A failure is kept in the row's memory."""

@@ -8,6 +8,7 @@ Shape legend: T tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -158,5 +159,26 @@ def test_lm_server_generate_runs_on_the_engine_and_a_cancelled_call_drops_its_se
         stream.cancel()
     deadline = time.monotonic() + 10
     while sessions(memories) and time.monotonic() < deadline:  # the row leaves at the engine's next step
+        threading.Event().wait(0.05)
+    assert sessions(memories) == 0
+
+
+def test_a_stopping_lm_server_drops_the_sessions_of_its_running_rows(tiny, knn_attention, module_loop,
+                                                                      memories) -> None:
+    limits = LMLimits(knn_layer=1, max_knn_top_k=8, knn_backend="service")
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=limits, knn_attention=knn_attention,
+                                              knn_service=memories))
+    options = lm_pb2.MemoryOptions(segment_tokens=16, memory_tokens=16, sink_tokens=2, knn_mem_size=48, knn_top_k=4)
+    call = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(20, 9)), max_new_tokens=4000,
+                                  memory_mode=lm_pb2.MEMORY_MODE_MEMORIZING, memory=options)
+    with grpc.insecure_channel(f"127.0.0.1:{started.running.port}") as channel:
+        stream = lm_grpc.LanguageModelServiceStub(channel).Generate(call, timeout=60)
+        next(r for r in stream if r.HasField("delta"))
+        assert sessions(memories) == 1
+        module_loop.run(started.running.server.stop(0.2))  # the calls are cancelled, the lanes closed
+        with contextlib.suppress(grpc.RpcError):  # ended one way or another (a status, or the finish of a cancel)
+            list(stream)
+    deadline = time.monotonic() + 10
+    while sessions(memories) and time.monotonic() < deadline:  # the servicer closes after the server stopped
         threading.Event().wait(0.05)
     assert sessions(memories) == 0
