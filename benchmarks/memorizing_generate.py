@@ -1,0 +1,112 @@
+"""Memorizing generation (Wu et al. 2022) through the decoding engine vs memlm.jobs.generate's one-sequence path it
+replaced in `memlm generate` and the Generate rpc (issues 10 and 12), ratios measured side by side in one run on the
+same weights, prompts and memory settings:
+
+1. identical greedy tokens, engine (all --streams rows in one batch) vs one sequence, per prompt;
+2. aggregate tokens/s of --streams requests in one engine batch vs the same requests one after another on the
+   one-sequence path (the server's old Generate: MEMORIZING calls took turns, one token each);
+3. batch-1 tokens/s, engine vs one sequence (the XL ring with rotary applied once vs the library's XL memory).
+Prompts are --prompt-tokens of different SOTU speeches (longer than a segment: the kNN memory fills during the
+prompt and is read at every step). The kNN attention is a fresh module (its gate does not change the cost).
+
+    python benchmarks/memorizing_generate.py [--model M] [--streams 8] [--prompt-tokens 256] [--new-tokens 32]
+        [--segment 128] [--mem-len 128] [--knn-mem-size 4096] [--knn-top-k 32] [--knn-backend exact]
+        [--repeats 1] [--synthetic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import _common
+import torch
+
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from memlm.jobs.memorizing import fresh_knn_attention
+from memlm.memory.config import MemoryConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def tokens(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def one_sequence(bench, memory: MemoryConfig, module, req: GenerationRequest) -> list[int]:
+    pre = bench.pre
+    return tokens(generate(pre.model, pre.tokenizer, list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                           sampling=req.sampling, boundary_token=req.boundary_token, memory=memory,
+                           knn_attention=module))
+
+
+def engine_run(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest], batch: int) -> list[list[int]]:
+    config = EngineConfig(max_batch=batch, memory=memory)
+    return [tokens(ev) for ev in run_all(Engine(bench.pre.model, bench.pre.tokenizer, config, knn_attention=module),
+                                         reqs)]
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: smollm2-135m (random presets only with --synthetic)")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--segment", type=int, default=128)
+    p.add_argument("--mem-len", type=int, default=128)
+    p.add_argument("--knn-mem-size", type=int, default=4096)
+    p.add_argument("--knn-top-k", type=int, default=32)
+    p.add_argument("--knn-backend", default="exact")
+    p.add_argument("--repeats", type=int, default=1)
+    _common.add_synthetic_flag(p)
+    args = p.parse_args()
+
+    bench = _common.load_model(args.model, args.synthetic)
+    docs, random_tokens = _common.load_tokens(bench, "sotu", None, args.streams * 15000,  # ~10K tokens a speech
+                                              args.synthetic)
+    _common.synthetic_banner(bench.synthetic or random_tokens)
+    prompts = [d[: args.prompt_tokens] for d in docs if len(d) >= args.prompt_tokens][: args.streams]
+    if len(prompts) < args.streams:
+        raise SystemExit(f"only {len(prompts)} documents of >= {args.prompt_tokens} tokens")
+    memory = MemoryConfig("memorizing", segment=args.segment, mem_len=args.mem_len, knn_mem_size=args.knn_mem_size,
+                          knn_top_k=args.knn_top_k, knn_backend=args.knn_backend)
+    module = fresh_knn_attention(bench.pre.model)
+    reqs = [GenerationRequest(tuple(pr), args.new_tokens, GREEDY, boundary_token=bench.boundary) for pr in prompts]
+    print(f"model {bench.name}, {args.streams} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
+          f"each; memorizing layer {module.n_head} heads, segment {args.segment}, mem_len {args.mem_len}, "
+          f"knn_mem_size {args.knn_mem_size}, top-k {args.knn_top_k}, backend {args.knn_backend}; "
+          f"torch threads {torch.get_num_threads()}")
+    batched, serial, eng1, seq1 = [], [], [], []
+    for _ in range(args.repeats):
+        s_batch, got = timed(lambda: engine_run(bench, memory, module, reqs, args.streams))
+        s_serial, want = timed(lambda: [one_sequence(bench, memory, module, r) for r in reqs])
+        same = sum(g == w for g, w in zip(got, want))
+        print(f"1. identical greedy tokens, engine batch {args.streams} vs one sequence: {same}/{len(reqs)}")
+        s_e1, _ = timed(lambda: engine_run(bench, memory, module, reqs[:1], 1))
+        s_s1, _ = timed(lambda: one_sequence(bench, memory, module, reqs[0]))
+        n = args.new_tokens
+        batched.append(len(reqs) * n / s_batch)
+        serial.append(len(reqs) * n / s_serial)
+        eng1.append(n / s_e1)
+        seq1.append(n / s_s1)
+        print(f"2. {args.streams} streams: engine {batched[-1]:.1f} tokens/s vs one sequence after another "
+              f"{serial[-1]:.1f} tokens/s: {batched[-1] / serial[-1]:.2f}x (prefill included)")
+        print(f"3. batch 1: engine {eng1[-1]:.1f} tokens/s vs one sequence {seq1[-1]:.1f} tokens/s: "
+              f"{eng1[-1] / seq1[-1]:.2f}x")
+    if args.repeats > 1:
+        med = statistics.median
+        print(f"median of {args.repeats}: {args.streams} streams {med(b / s for b, s in zip(batched, serial)):.2f}x, "
+              f"batch 1 {med(e / s for e, s in zip(eng1, seq1)):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
