@@ -52,7 +52,6 @@ _log = logging.getLogger(__name__)
 class Engine(Protocol):
     """What memorizing rows use of memlm.engine.engine.Engine (a protocol: that module imports this one)."""
 
-    model: Decoder
     memorizing: MemorizingRows | None
     """The kNN memories of an engine of memory kind "memorizing"; None otherwise."""
 
