@@ -5,13 +5,16 @@ same weights, prompts and memory settings:
 1. identical greedy tokens, engine (all --streams rows in one batch) vs one sequence, per prompt;
 2. aggregate tokens/s of --streams requests in one engine batch vs the same requests one after another on the
    one-sequence path (the server's old Generate: MEMORIZING calls took turns, one token each);
-3. batch-1 tokens/s, engine vs one sequence (the XL ring with rotary applied once vs the library's XL memory).
+3. batch-1 tokens/s, engine vs one sequence (the XL ring with rotary applied once vs the library's XL memory);
+4. with --knn-service HOST:PORT (`memlm serve retrieval --memories --port 0`): the --streams rows with their memories
+   in that server's sessions, their searches sent at once (memlm.engine.memorizing_rows.MemorizingRows.pool) vs
+   one after another, and vs the in-process exact backend.
 Prompts are --prompt-tokens of different SOTU speeches (longer than a segment: the kNN memory fills during the
 prompt and is read at every step). The kNN attention is a fresh module (its gate does not change the cost).
 
     python benchmarks/memorizing_generate.py [--model M] [--streams 8] [--prompt-tokens 256] [--new-tokens 32]
         [--segment 128] [--mem-len 128] [--knn-mem-size 4096] [--knn-top-k 32] [--knn-backend exact]
-        [--repeats 1] [--synthetic]
+        [--repeats 1] [--knn-service HOST:PORT] [--synthetic]
 """
 
 from __future__ import annotations
@@ -43,10 +46,33 @@ def one_sequence(bench, memory: MemoryConfig, module, req: GenerationRequest) ->
                            knn_attention=module))
 
 
-def engine_run(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest], batch: int) -> list[list[int]]:
+def engine_run(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest], batch: int, service=None,
+               at_once: bool = True) -> list[list[int]]:
     config = EngineConfig(max_batch=batch, memory=memory)
-    return [tokens(ev) for ev in run_all(Engine(bench.pre.model, bench.pre.tokenizer, config, knn_attention=module),
-                                         reqs)]
+    engine = Engine(bench.pre.model, bench.pre.tokenizer, config, knn_attention=module, knn_service=service)
+    if not at_once:  # the comparison of figure 4: the rows' service searches one after another
+        engine.memorizing.pool = None
+    return [tokens(ev) for ev in run_all(engine, reqs)]
+
+
+def service_figure(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest], address: str) -> None:
+    """Figure 4: the rows' memories in a memory server's sessions, searches at once vs one after another."""
+    import dataclasses
+
+    from services.memory_client import remote_memory_factory
+
+    remote = dataclasses.replace(memory, knn_backend="service")
+    client = remote_memory_factory(address, timeout=120)
+    try:
+        s_local, want = timed(lambda: engine_run(bench, memory, module, reqs, len(reqs)))
+        s_once, got = timed(lambda: engine_run(bench, remote, module, reqs, len(reqs), client))
+        s_serial, got_serial = timed(lambda: engine_run(bench, remote, module, reqs, len(reqs), client, False))
+    finally:
+        client.close()
+    same = sum(g == w == s for g, w, s in zip(got, want, got_serial))
+    print(f"4. service backend, {len(reqs)} streams: identical tokens {same}/{len(reqs)}; searches at once "
+          f"{s_serial / s_once:.2f}x of one after another; service (at once) {s_local / s_once:.2f}x of in-process "
+          f"{memory.knn_backend} (wall {s_once:.1f} s, {s_serial:.1f} s, {s_local:.1f} s)")
 
 
 def timed(fn) -> tuple[float, object]:
@@ -67,6 +93,7 @@ def main() -> None:
     p.add_argument("--knn-top-k", type=int, default=32)
     p.add_argument("--knn-backend", default="exact")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--knn-service", default=None, metavar="HOST:PORT", help="a memory server: figure 4")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
 
@@ -102,6 +129,8 @@ def main() -> None:
               f"{serial[-1]:.1f} tokens/s: {batched[-1] / serial[-1]:.2f}x (prefill included)")
         print(f"3. batch 1: engine {eng1[-1]:.1f} tokens/s vs one sequence {seq1[-1]:.1f} tokens/s: "
               f"{eng1[-1] / seq1[-1]:.2f}x")
+        if args.knn_service is not None:
+            service_figure(bench, memory, module, reqs, args.knn_service)
     if args.repeats > 1:
         med = statistics.median
         print(f"median of {args.repeats}: {args.streams} streams {med(b / s for b, s in zip(batched, serial)):.2f}x, "

@@ -83,7 +83,8 @@ class MemorizingRows:
         self.rows: dict[int, RowMemory] = {}
         """Request id -> its memory (request ids stay when rows move slots)."""
         remote = resolve_knn_backend(memory) == "service"
-        self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="memlm-knn") if remote and max_batch > 1 else None
+        self.pool = ThreadPoolExecutor(max_batch, thread_name_prefix="memlm-knn") if remote and max_batch > 1 else None
+        """Sends the rows' searches at once (the service backend: round trips that overlap); None: one after another."""
 
     def open(self, row: Row) -> None:
         """An empty memory for an admitted row (may raise: a full memory server refuses a session)."""
@@ -103,8 +104,8 @@ class MemorizingRows:
         """Every row's memory released (the engine is discarded with rows still in it: a server that stops)."""
         for mem in list(self.rows.values()):
             self.close(mem.row)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
 
     def retrieve(self, rows: list[Row], q: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per row, its queries q (1, nh, T, hs) -> (memory attention (1, nh, T, hs), gate (1, nh, T)), or None where
@@ -123,8 +124,8 @@ class MemorizingRows:
                 return None
 
         searching = [i for i, m in enumerate(mems) if m.error is None and m.held > 0]
-        if self._pool is not None and len(searching) > 1:
-            return list(self._pool.map(one, range(len(rows))))
+        if self.pool is not None and len(searching) > 1:
+            return list(self.pool.map(one, range(len(rows))))
         return [one(i) for i in range(len(rows))]
 
     def keep(self, row: Row, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
