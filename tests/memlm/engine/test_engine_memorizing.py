@@ -158,6 +158,23 @@ def test_a_failed_memory_ends_its_row_only(setup) -> None:
     assert eng.memorizing.rows == {}
 
 
+def test_a_memory_failing_during_its_prompt_ends_its_row_at_the_next_step(setup) -> None:
+    model, module = setup
+    eng = engine(model, module, prefill_chunk=4)  # boundary + 40 prompt tokens: 11 steps
+    broken = eng.submit(request(list(range(60, 100)), 5))
+    for _ in range(4):  # 16 tokens in: two segments in the memory, the layer searches it
+        eng.step()
+    mem = eng.memorizing.rows[broken.request_id]
+    assert mem.held == 16 and broken.ready() == []
+    mem.store.close()
+    eng.step()  # the search fails inside the pass: the row is still prefilling, nothing is emitted
+    assert mem.error is not None and broken.ready() == []
+    eng.step()  # the step boundary ends it with the error
+    assert eng.memorizing.rows == {} and not eng.busy
+    with pytest.raises(ValueError, match="was closed"):
+        broken.ready()
+
+
 def test_refusals(setup) -> None:
     model, module = setup
     with pytest.raises(MemlmError, match="needs a KnnAttention"):
