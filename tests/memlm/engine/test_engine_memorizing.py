@@ -10,6 +10,7 @@ Shape legend: T tokens.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -173,6 +174,18 @@ def test_a_memory_failing_during_its_prompt_ends_its_row_at_the_next_step(setup)
     assert eng.memorizing.rows == {} and not eng.busy
     with pytest.raises(ValueError, match="was closed"):
         broken.ready()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_memorizing_rows_equal_one_sequence_generation(setup) -> None:
+    # On the device the exact backend is the torch scan over float16 keys (memory_store.storage_dtype), the same
+    # store on both sides: greedy tokens equal.
+    model, module = (copy.deepcopy(m).to("cuda") for m in setup)
+    docs = phrase_documents(2, 40, seed=13)
+    reqs = [request(docs[0][:30], 40), request(docs[1][:11], 30)]
+    for req, events in zip(reqs, run_all(engine(model, module), reqs)):
+        assert [t for t, _ in pairs(events)] == [t for t, _ in pairs(library(model, module, req))]
 
 
 def test_refusals(setup) -> None:
