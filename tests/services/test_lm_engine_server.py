@@ -147,7 +147,8 @@ def test_tokens_in_flight_bound_and_get_info(tiny, module_loop):
         info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
         assert (info.max_batch, info.max_queue, info.max_tokens_in_flight) == (3, 5, 300)
         assert list(info.engine_memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL,
-                                                  lm_pb2.MEMORY_MODE_COMPRESSIVE, lm_pb2.MEMORY_MODE_SPALM]
+                                                  lm_pb2.MEMORY_MODE_COMPRESSIVE, lm_pb2.MEMORY_MODE_SPALM,
+                                                  lm_pb2.MEMORY_MODE_MEMORIZING]
         quick = tiny.tokenizer.encode("The quick")  # no end-of-text for thousands of greedy tokens
         running = stub.Generate(request(quick, 250), timeout=60)  # 1 + len(quick) + 250 tokens in flight
         assert next(running).HasField("delta")
