@@ -6,7 +6,9 @@ same weights, prompts and memory settings:
 2. aggregate tokens/s of --streams requests in one engine batch vs the same requests one after another on the
    one-sequence path (the server's old Generate: MEMORIZING calls took turns, one token each);
 3. batch-1 tokens/s, engine vs one sequence (the XL ring with rotary applied once vs the library's XL memory);
-4. with --knn-service HOST:PORT (`memlm serve retrieval --memories --port 0`): the --streams rows with their memories
+4. what the kNN memory costs in the engine: --streams memorizing rows vs the same rows with the XL memory alone
+   (the same segment, mem_len and sinks);
+5. with --knn-service HOST:PORT (`memlm serve retrieval --memories --port 0`): the --streams rows with their memories
    in that server's sessions, their searches sent at once (memlm.engine.memorizing_rows.MemorizingRows.pool) vs
    one after another (runs in the order ABBA), and vs the in-process backend (one run, counted twice).
 Prompts are --prompt-tokens of different SOTU speeches (longer than a segment: the kNN memory fills during the
@@ -20,6 +22,7 @@ prompt and is read at every step). The kNN attention is a fresh module (its gate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -50,15 +53,13 @@ def engine_run(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest
                at_once: bool = True) -> list[list[int]]:
     config = EngineConfig(max_batch=batch, memory=memory)
     engine = Engine(bench.pre.model, bench.pre.tokenizer, config, knn_attention=module, knn_service=service)
-    if not at_once:  # the comparison of figure 4: the rows' service searches one after another
+    if not at_once:  # the comparison of figure 5: the rows' service searches one after another
         engine.memorizing.pool = None
     return [tokens(ev) for ev in run_all(engine, reqs)]
 
 
 def service_figure(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest], address: str) -> None:
-    """Figure 4: the rows' memories in a memory server's sessions, searches at once vs one after another."""
-    import dataclasses
-
+    """Figure 5: the rows' memories in a memory server's sessions, searches at once vs one after another."""
     from services.memory_client import remote_memory_factory
 
     remote = dataclasses.replace(memory, knn_backend="service")
@@ -74,7 +75,7 @@ def service_figure(bench, memory: MemoryConfig, module, reqs: list[GenerationReq
     finally:
         client.close()
     s_local *= 2  # the same two runs' worth as each side
-    print(f"4. service backend, {len(reqs)} streams: identical tokens {same}/{len(reqs)}; searches at once "
+    print(f"5. service backend, {len(reqs)} streams: identical tokens {same}/{len(reqs)}; searches at once "
           f"{s_serial / s_once:.2f}x of one after another; service (at once) {s_local / s_once:.2f}x of in-process "
           f"{memory.knn_backend} (wall of two runs each: {s_once:.1f} s, {s_serial:.1f} s, {s_local:.1f} s)")
 
@@ -97,7 +98,7 @@ def main() -> None:
     p.add_argument("--knn-top-k", type=int, default=32)
     p.add_argument("--knn-backend", default="exact")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--knn-service", default=None, metavar="HOST:PORT", help="a memory server: figure 4")
+    p.add_argument("--knn-service", default=None, metavar="HOST:PORT", help="a memory server: figure 5")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
 
@@ -133,6 +134,8 @@ def main() -> None:
               f"{serial[-1]:.1f} tokens/s: {batched[-1] / serial[-1]:.2f}x (prefill included)")
         print(f"3. batch 1: engine {eng1[-1]:.1f} tokens/s vs one sequence {seq1[-1]:.1f} tokens/s: "
               f"{eng1[-1] / seq1[-1]:.2f}x")
+        s_xl, _ = timed(lambda: engine_run(bench, dataclasses.replace(memory, kind="xl"), None, reqs, args.streams))
+        print(f"4. {args.streams} streams on the engine: memorizing {s_xl / s_batch:.2f}x of XL alone's tokens/s")
         if args.knn_service is not None:
             service_figure(bench, memory, module, reqs, args.knn_service)
     if args.repeats > 1:
