@@ -45,11 +45,10 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs += [("adaptive", {"fraction": f}) for f in args.fractions]
     runs += [("pointers", {"min_pointers": m}) for m in args.min_pointers]
     runs += [("pointers_kept", {"min_pointers": m, "keep": True}) for m in args.kept_min_pointers]
-    if args.clusters:
-        runs += [("clustered", {"min_pointers": m, "clusters": args.clusters}) for m in args.clustered_min_pointers]
+    runs += [("clustered", {"min_pointers": m, "clusters": c}) for c in args.clusters for m in args.clustered_min_pointers]
     keep = {"keep": True} if args.both_keep else {}
-    if args.both_clustered:
-        keep["clusters"] = args.clusters
+    if args.both_clusters:
+        keep["clusters"] = args.both_clusters
     runs += [("both", {"min_pointers": m, "fraction": f, **keep}) for m in args.both_min_pointers
              for f in args.both_fractions]
     return runs
@@ -93,10 +92,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gate-key-components", type=int, default=None, help="principal components of the key the gate "
                    "reads (default GateConfig's)")
     p.add_argument("--gate-objective", default=None, help="mixture or weighted_label (default GateConfig's)")
-    p.add_argument("--clusters", type=int, default=0, help="RetoMaton over clustered states: k-means clusters of the "
-                   "datastore's keys (0: none)")
+    p.add_argument("--clusters", type=int, nargs="*", default=[], help="RetoMaton over clustered states: k-means "
+                   "clusters of the datastore's keys, one walk per count and --clustered-min-pointers")
     p.add_argument("--clustered-min-pointers", type=int, nargs="*", default=[1, 4, 16])
-    p.add_argument("--both-clustered", action="store_true", help="'both' walks the clustered states")
+    p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
+                   "(one of --clusters; 0: pointers alone)")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
     p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's OUT.json")
@@ -181,12 +181,13 @@ def main() -> None:
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     found = successors(store.provenance, len(store))
     sources = {0: PointerSource.local(found.next_ids, store.values, store.keys)}
-    if args.clusters:
+    if args.both_clusters and args.both_clusters not in args.clusters:
+        raise SystemExit("--both-clusters must be one of --clusters")
+    for c in args.clusters:
         t0 = time.perf_counter()
-        sources[args.clusters] = PointerSource.local(found.next_ids, store.values, store.keys,
-                                                     cluster_states(store.keys, args.clusters))
-        print(f"# k-means of the keys into {args.clusters} clusters: {time.perf_counter() - t0:.0f} s (once per "
-              "datastore, not counted in the walks)", flush=True)
+        sources[c] = PointerSource.local(found.next_ids, store.values, store.keys, cluster_states(store.keys, c))
+        print(f"# k-means of the keys into {c} clusters: {time.perf_counter() - t0:.0f} s (once per datastore, not "
+              "counted in the walks)", flush=True)
     print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
           f"faiss BLAS threshold {int(faiss.cvar.distance_compute_blas_threshold)} (queries x d), "
           f"{faiss.omp_get_max_threads()} thread(s)")
@@ -232,18 +233,18 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, marker in (("adaptive", "o"), ("pointers", "s"), ("pointers_kept", "D"), ("clustered", "P"),
-                           ("both", "^")):
-        if not any(r["method"] == method for r in rows):
-            continue
-        pts = sorted((r for r in rows if r["method"] in ("plain", method)), key=lambda r: r["searches_saved_fraction"])
+    markers = {"adaptive": "o", "pointers": "s", "pointers_kept": "D", "clustered": "P", "both": "^"}
+    curves = list(dict.fromkeys((r["method"], r.get("clusters", 0)) for r in rows if r["method"] != "plain"))
+    for method, clusters in curves:  # one curve per method and cluster count
+        pts = sorted((r for r in rows if r["method"] == "plain" or (r["method"], r.get("clusters", 0)) == (method, clusters)),
+                     key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
         label = {"pointers": "RetoMaton pointers", "pointers_kept": "RetoMaton, pointers kept beside searches",
-                 "clustered": f"RetoMaton, {summary.get('clusters', 0)} clustered states",
-                 "both": "adaptive + RetoMaton"}.get(method, "adaptive retrieval")
-        a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=marker, label=label)
-        line = b.plot(x, [r["wall_ratio"] for r in pts], marker=marker, label=label)[0]
-        b.plot(x, [r["pass_ratio"] for r in pts], marker=marker, ls="--", color=line.get_color(), alpha=0.6)
+                 "clustered": "RetoMaton", "both": "adaptive + RetoMaton"}.get(method, "adaptive retrieval")
+        label += f", {clusters} clustered states" if clusters else ""
+        a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=markers[method], label=label)
+        line = b.plot(x, [r["wall_ratio"] for r in pts], marker=markers[method], label=label)[0]
+        b.plot(x, [r["pass_ratio"] for r in pts], marker=markers[method], ls="--", color=line.get_color(), alpha=0.6)
     plain = rows[0]
     a.axhline(plain["knnlm_perplexity"] * 1.01, color="grey", ls=":", label="plain kNN-LM +1%")
     a.axhline(plain["knnlm_perplexity"], color="grey", ls="-", lw=0.8, label="plain kNN-LM")
