@@ -311,6 +311,10 @@ def test_knn_calls_fail_at_once_while_the_retrieval_link_is_down(tiny, index, mo
                 time.sleep(0.05)
             assert link.link_up is False
             busy = stub.Score.future(score_request([ids(LONG)], WINDOW, STRIDE), timeout=120)  # the model is busy
+            deadline = time.monotonic() + 10  # its engine batch (services.lm_score_engine) is made and stepping
+            while not any(lane.engine.steps for lane in servicer.engines.lanes() if not lane.key.searches) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
             time.sleep(0.2)
             entries = turns.entries
             t0 = time.monotonic()
