@@ -13,8 +13,9 @@
 - ALONE: SPALM (its head's gate per token), MEMORIZING (a per-call writable memory) and fewer searches
   (pointer / adaptive walks follow the call's own steps): one library call with the call's own turns.
 
-Engine Score calls are admitted like Generate calls (max_queue per batch, max_tokens_in_flight: boundary +
-context + continuation per input; beyond, RESOURCE_EXHAUSTED with a retry hint); a cancelled call's rows are
+Engine Score calls are admitted like Generate calls (max_queue per batch, max_tokens_in_flight: the tokens each
+request's windows read): a call's requests beyond the bounds wait for its own earlier ones to end, and the call
+is refused (RESOURCE_EXHAUSTED with a retry hint) only when none of its own is in; a cancelled call's rows are
 free before the next step; past its deadline a call answers DEADLINE_EXCEEDED at once (its rows end at the
 next step, a search in progress by the batch's latest deadline).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import grpc
 
@@ -76,18 +78,16 @@ def score_requests(args: ScoreArgs, boundary: int, deadline: float | None, max_b
             if tokens else [] for tokens, context in zip(args.token_seqs, args.contexts)]
 
 
-def _submit_all(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], loop: asyncio.AbstractEventLoop,
-                deadline: float | None) -> list[tuple[Lane, Stream]]:
-    """Every input into the lane, or none (EngineFull / MemlmError after cancelling those already in)."""
+def _submit_some(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], loop: asyncio.AbstractEventLoop,
+                 deadline: float | None) -> tuple[list[tuple[Lane, Stream]], EngineFull | None]:
+    """As many of `requests` (in order) as the lane admits now, and the refusal that stopped the rest (None)."""
     submitted: list[tuple[Lane, Stream]] = []
-    try:
-        for request in requests:
+    for request in requests:
+        try:
             submitted.append(pool.submit(key, request, loop, deadline))
-    except BaseException:
-        for lane, stream in submitted:
-            lane.cancel(stream)
-        raise
-    return submitted
+        except EngineFull as e:
+            return submitted, e
+    return submitted, None
 
 
 async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> SequenceScore:
@@ -113,29 +113,39 @@ async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: f
 
 async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, boundary: int, deadline: float | None,
                           context: grpc.aio.ServicerContext) -> ScoreOutcome:
-    """A Score whose score_path is ENGINE: every input a request in the lane of its settings; the scores in
-    input order and the datastore generations its searches were answered by. The call's requests are
-    cancelled when the handler ends for any reason."""
+    """A Score whose score_path is ENGINE: every input a request (or several: split) in the lane of its settings,
+    submitted as the lane admits them; the scores in input order and the datastore generations its searches
+    were answered by. The call's requests are cancelled when the handler ends for any reason."""
     requests = score_requests(args, boundary, deadline, pool.limits.max_batch)
     key = LaneKey(args.memory, args.knn is not None)
-    live = [r for parts in requests for r in parts]
+    waiting = deque(r for parts in requests for r in parts)
+    running: deque[tuple[Lane, Stream]] = deque()
+    done: list[SequenceScore] = []
+    generations: set[int] = set()
     try:
-        submitted = await asyncio.to_thread(_submit_all, pool, key, live, asyncio.get_running_loop(), deadline)
-    except EngineFull as e:
-        ms = retry_after_ms(e)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e.what} at its bound "
-                            f"(see GetInfo max_batch / max_queue / max_tokens_in_flight); retry after {ms} ms",
-                            trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
-    except MemlmError as e:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    try:
-        done = iter([await _result(stream, context, deadline) for _, stream in submitted])
+        while waiting or running:
+            if waiting:  # a call over the queue's bound waits for its own rows, never beside a full queue
+                try:
+                    submitted, full = await asyncio.to_thread(_submit_some, pool, key, list(waiting),
+                                                              asyncio.get_running_loop(), deadline)
+                except MemlmError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                for _ in submitted:
+                    waiting.popleft()
+                running.extend(submitted)
+                if full is not None and not running:  # none of its own to wait for: the server is full
+                    ms = retry_after_ms(full)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {full.what} at its bound "
+                                        f"(see GetInfo max_batch / max_queue / max_tokens_in_flight); retry after {ms} ms",
+                                        trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
+            done.append(await _result(running[0][1], context, deadline))
+            generations |= running.popleft()[1].generations
     finally:  # a no-op for requests that ended; otherwise their rows are free before the next step
-        for lane, stream in submitted:
+        for lane, stream in running:
             lane.cancel(stream)
-    scores = [join_scores([next(done) for _ in parts]) if parts else _empty(model, args, i, boundary)
+    results = iter(done)
+    scores = [join_scores([next(results) for _ in parts]) if parts else _empty(model, args, i, boundary)
               for i, parts in enumerate(requests)]
-    generations = {g for _, stream in submitted for g in stream.generations}
     return ScoreOutcome(scores, None, generations)
 
 

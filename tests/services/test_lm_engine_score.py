@@ -16,8 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
-from memlm.jobs.scoring import plan_scored_windows
+from memlm.jobs.scoring import plan_scored_windows, score_tokens
 from memlm.memory.config import MemoryConfig
+from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
@@ -155,6 +156,19 @@ def test_a_full_server_refuses_a_score_with_a_retry_hint_and_a_cancelled_call_fr
         while not all(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
             time.sleep(0.01)
         same(stub.Score(score(100, window_tokens=32, stride_tokens=16), timeout=30), want)
+
+
+def test_a_call_with_more_inputs_than_the_queue_holds_waits_for_its_own_rows(tiny, module_loop):
+    address, _ = start(module_loop, tiny, max_batch=2, max_queue=1)
+    seqs = [ids(n, salt=n) for n in (90, 40, 130, 7, 60, 75, 20, 100)]
+    request = lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=s)) for s in seqs],
+                                  window_tokens=32, stride_tokens=16)
+    with grpc.insecure_channel(address) as channel:
+        got = lm_grpc.LanguageModelServiceStub(channel).Score(request, timeout=60)
+    want = score_tokens(tiny.model, seqs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer))
+    for r, w in zip(got.results, want):
+        assert [t.token_id for t in r.tokens] == w.tokens.tolist()
+        np.testing.assert_allclose([t.logprob for t in r.tokens], w.logprob, rtol=SHARED_RTOL, atol=1e-6)
 
 
 def test_a_call_that_gives_up_leaves_the_batch_and_the_others_are_served(tiny, module_loop):
