@@ -50,7 +50,9 @@ from services.server_common import ServiceError
 ENGINE, BATCHED, ALONE = "engine", "batched", "alone"
 """Where a Score runs (score_path; module docstring)."""
 ENGINE_SCORE_KINDS = ("xl", "compressive")
-"""The memories (MemoryConfig.kind) whose Score rows the engine holds besides MEMORY_MODE_NONE's windows."""
+"""The memories (MemoryConfig.kind) whose Score rows the engine holds besides MEMORY_MODE_NONE's windows: of the
+engine's (memlm.engine.requests.ENGINE_MEMORY_KINDS), those whose rows score (memlm.engine.score_rows); SPALM
+scores are memlm.jobs.spalm_scoring's, MEMORIZING's the library's (its rows generate only)."""
 
 
 def score_path(args: ScoreArgs, model: object) -> str:
@@ -59,7 +61,7 @@ def score_path(args: ScoreArgs, model: object) -> str:
         return ALONE
     if args.memory is not None and args.memory.kind not in ENGINE_SCORE_KINDS:
         return ALONE  # MEMORIZING
-    if args.attribution or not isinstance(model, Decoder) or not on_engine(model, args.memory):
+    if args.attribution or not on_engine(model, args.memory):  # on_engine: memlm's decoder, a memory it holds
         return BATCHED
     return ENGINE
 
