@@ -353,7 +353,7 @@ class _LayerView(CachedAttention):
         scale = 1.0 / math.sqrt(hs)
         if step.bias is not None:  # a decode step (T = 1) without sinks: 4 calls (StepView.bias)
             W = step.width
-            # (B, nkv, width, hs) views of the cache merge B and nkv without a copy (nkv's stride divides B's).
+            # (B, nkv, width, hs) views of the cache merge B and nkv without a copy (B's stride is nkv times nkv's).
             scores = torch.baddbmm(step.bias, qg.reshape(B * nkv, g, hs), keys.reshape(B * nkv, W, hs).transpose(1, 2),
                                    alpha=scale)  # (B*nkv, g, width)
             y = torch.bmm(scores.softmax(dim=-1), values.reshape(B * nkv, W, hs))  # (B*nkv, g, hs)

@@ -136,11 +136,13 @@ def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     CPU, with oneDNN built in and not switched off (onednn_off).
 
     Why: on this project's CPU (AMD EPYC, AVX-512; PyTorch's CPU wheel links MKL for float32 BLAS) MKL's sgemm
-    is slow at the decoder's shapes and oneDNN is not (issue 12; one thread, CPU time, the weights out of cache,
-    /tmp/rs4/P/mb4.py): 1536x576 at 1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us vs 219 / 317 / 573 / 2477
-    us; the 49152x576 head 7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms. The same products in float32, summed in
-    another order (within 1e-6 relative). bfloat16 and float16 CPU matmuls already run on oneDNN; autograd
-    takes F.linear (oneDNN's op has no backward)."""
+    is slow at the decoder's shapes and oneDNN is not (issue 12; measured 1 Dec, one thread, CPU time, weights out
+    of cache): a 1536x576 weight at 1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us on MKL, 219 / 317 / 573 /
+    2477 us on oneDNN; the 49152x576 head 7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms (end to end:
+    benchmarks/generate_speed.py --engine-gemm mkl|onednn). The same float32 products summed in another order:
+    SmolLM2's logits over 2 x 256 SOTU tokens differ from transformers' by at most 9e-5 (max |logit| 40), where
+    transformers' own eager and SDPA attention differ by 5e-5. bfloat16 and float16 CPU matmuls already run on
+    oneDNN; autograd takes F.linear (oneDNN's op has no backward)."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
 
