@@ -124,11 +124,14 @@ class LMLimits:
     SmolLM2-135M on 2 CPU cores (~480 tokens/s), milliseconds on a GPU. The default admits the default
     1024-token window; MEMORY_MODE_XL memory states are attended besides (they are no inputs)."""
     max_batch: int = EngineConfig.max_batch
-    """Generate calls decoded together in one engine step (rows of one running batch, services.lm_engine)."""
+    """Rows decoded together in one engine step (Generate calls, engine Score inputs: rows of one running batch,
+    services.lm_engine)."""
     max_queue: int = EngineConfig.max_queue
-    """Generate calls waiting for a row of a batch; one more is refused with RESOURCE_EXHAUSTED and a retry hint."""
+    """Requests waiting for a row of a batch; one more is refused with RESOURCE_EXHAUSTED and a retry hint (a Score
+    over it waits for its own rows instead, services.lm_score_engine)."""
     max_tokens_in_flight: int = EngineConfig.max_tokens_in_flight
-    """Prompt + max_new_tokens summed over every running and waiting Generate call; beyond, RESOURCE_EXHAUSTED."""
+    """Prompt + max_new_tokens summed over every running and waiting Generate call, plus the tokens engine Score
+    requests read; beyond, RESOURCE_EXHAUSTED."""
 
     def step_rows(self, tokens: int) -> int:
         """Windows (or segment rows) of `tokens` tokens per forward step: score_batch_size, fewer when
