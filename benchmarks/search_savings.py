@@ -2,7 +2,7 @@
 2021), RetoMaton pointers (Alon et al. 2022) and both together, against plain kNN-LM, in one run.
 
 The setting is the README's kNN-LM one: SmolLM2-135M-Instruct Q4_1, a datastore of SOTU speeches (default
-/tmp/demo_v4/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512), evaluation
+/tmp/demo_v5/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512), evaluation
 on the first --eval-tokens tokens of sotu "year>=2003", lambda and T tuned on "2001<=year<=2002" (its first
 --tune-tokens tokens), on which the gate (memlm.jobs.adaptive_train) is fitted too: the two splits share no
 year, so no document. The decoder runs once over the evaluation tokens (timed: the forward); every setting
@@ -11,16 +11,16 @@ after the forward, with the same lambda, T and k. A setting's wall time is the f
 (search + pointer walk + gate + interpolation, all of it timed by one clock), and its ratio to plain kNN-LM's
 is printed beside its perplexity and searches saved. Writes the numbers as JSON and the curves as a PNG.
 
-    python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 12000] [--tune-tokens 10000] \
-        [--gate-split SPLIT --gate-tokens 30000] [--repeats 2] [--out docs/figures/search_savings_sotu_1990_2000]
+    python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 6000] [--tune-tokens 10000] \
+        [--gate-split SPLIT --gate-tokens 30000] [--clusters 500 2000] [--both-clusters 2000] [--repeats 2] \
+        [--out docs/figures/search_savings_sotu_1990_2000]
 
-Measured here (docs/figures/search_savings_sotu_*.json; 12,000 tokens, one thread, load 8-11 on 2 shared
-cores): on the 81,169-key Flat datastore, lambda 0.1 / T 2.18 tuned on 2001-2002 and the gate fitted on
-30,000 tokens of 1980-1989, plain kNN-LM 23.494 (base 24.563); adaptive 0.5 saves 48.6% at +1.80% with
-the kNN-LM part 0.42x plain's (wall 0.89x: the forward is 94 s of 116 s); pointers --min-pointers 16 save
-38.3% at +1.06% (0.93x), 64: 27.1% at +0.55% (1.06x). On the 208,427-key IVF2048,SQ8 datastore (searches
-cost 0.7 ms a query there) adaptive still saves time (0.73x at 48.5%), the pointer walk does not (1.5-2.3x:
-its own ~1 ms a token is more than the search it saves).
+Measured here (docs/figures/search_savings_sotu_*.json; the first 6,000 tokens of 2003+, one thread on 2
+shared cores, load 5.8-6.6; the gate fitted on the 4,651 tokens of 2001-2002 with GateConfig's defaults):
+on the 81,169-key Flat datastore, lambda 0.1 / T 2.18, plain kNN-LM 23.089 (base 24.095); adaptive
+--adaptive-fraction 0.4 saves 50.1% at +0.74% (wall 0.87x); RetoMaton over 500 clustered states min 1
+73.9% at +0.74% (0.93x), pointers alone min 1 56.7% at +3.04%; both (2,000 clusters, min 1, fraction 0.5)
+82.7% at +0.78% (0.85x). The 208,427-key IVF2048,SQ8 datastore: the README.
 """
 
 from __future__ import annotations
