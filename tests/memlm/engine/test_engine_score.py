@@ -114,10 +114,16 @@ def test_a_text_split_over_rows_equals_score_tokens_in_fewer_steps(model) -> Non
     assert steps == {"whole": 9, "split": 3}  # one window a step, or three
 
 
+MEMORIES = {"xl": MemoryConfig(kind="xl", mem_len=12, segment=8, sink_tokens=4),
+            "compressive": MemoryConfig(kind="compressive", mem_len=8, segment=8, sink_tokens=2, cmem_len=4,
+                                        compress_rate=2, compress_fn="mean")}
+
+
+@pytest.mark.parametrize("kind", list(MEMORIES))
 @pytest.mark.parametrize("knn", [None, KNN], ids=["base", "knnlm"])
-def test_xl_rows_past_the_context_equal_score_tokens_segments(short, knn) -> None:
-    """Texts three times a 32-token context, through XL rows (prefill chunks cutting segments)."""
-    memory = MemoryConfig(kind="xl", mem_len=12, segment=8, sink_tokens=4)
+def test_xl_rows_past_the_context_equal_score_tokens_segments(short, knn, kind) -> None:
+    """Texts three times a 32-token context, through XL (compressive) rows (prefill chunks cutting segments)."""
+    memory = MEMORIES[kind]
     searcher = datastore(short)
     engine = Engine(short, TOK, EngineConfig(max_batch=2, prefill_chunk=5, memory=memory), searcher)
     got = [e for (e,) in run_all(engine, requests(knn, None, top_n=2))]
