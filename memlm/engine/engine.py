@@ -265,10 +265,10 @@ class Engine:
         in a pass of their own, with logits at every position), then every ready row's next token."""
         plan = self._prefill_plan()
         scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
-        if scoring:  # a pass of their own, with logits at every position
-            starts = [row.fed for row, _ in scoring]
-            logits, keys, _ = passes.run(self, scoring, every_position=True)  # (B, T, V), (B, T, C)
-            score_rows.take_scores(self, scoring, starts, logits, keys)
+        for group in score_rows.passes(scoring, self.config.prefill_chunk):  # passes of their own, every position
+            starts = [row.fed for row, _ in group]
+            logits, keys, _ = passes.run(self, group, every_position=True)  # (B, T, V), (B, T, C)
+            score_rows.take_scores(self, group, starts, logits, keys)
         prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
         touched = {row.slot for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())

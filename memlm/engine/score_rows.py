@@ -18,6 +18,7 @@ C key width, k neighbours.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -128,6 +129,20 @@ class ScoreRow:
     def feed(self, n: int) -> tuple[list[int], list[int]]:
         lo = self.fed
         return self.tokens[lo : lo + n], list(range(lo, lo + n))
+
+
+def passes(plan: list[tuple[ScoreRow, int]], budget: int) -> Iterator[list[tuple[ScoreRow, int]]]:
+    """The step's score rows (row, tokens) in passes whose left-padded block holds at most `budget` positions
+    (EngineConfig.prefill_chunk): their logits are kept at every position, (B, T, V), so one long chunk beside
+    short ones must not pad them all to its length (8 rows x 1024 x V 49152 float32 would be 1.6 GB; a pass
+    stays within the library's one step of max_step_tokens). Longest chunks first; each pass in slot order,
+    taken when it runs (an earlier pass's finished rows move others into their slots)."""
+    left = sorted(plan, key=lambda p: -p[1])
+    while left:
+        longest, group = left[0][1], []
+        while left and (len(group) + 1) * longest <= max(budget, longest):
+            group.append(left.pop(0))
+        yield sorted(group, key=lambda p: p[0].slot)
 
 
 def _scored_blocks(plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor, keys: torch.Tensor,

@@ -19,9 +19,10 @@ import pytest
 import torch
 from tiny_models import sharp_tiny_model
 
+from memlm.engine import score_rows
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
-from memlm.engine.score_rows import ScoreEnded, join_scores, split
+from memlm.engine.score_rows import ScoreEnded, ScoreRow, join_scores, split
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
@@ -231,3 +232,19 @@ def test_a_cancelled_row_before_others_frees_its_slot_and_the_others_go_on(model
         (alone,) = run_all(Engine(model, TOK, EngineConfig(max_batch=1)), [ScoreRequest(t, B, window=(96, 48))])[0]
         close(got, alone, BASE_RTOL)
     assert engine.slots_in_use == []
+
+
+def test_a_long_chunk_beside_short_ones_runs_in_a_pass_of_its_own(model) -> None:
+    """Score passes keep logits at every position: a 60-token chunk and six 2-token ones in one left-padded pass
+    would hold 7 x 60 positions; within the 64-token budget they run as [60] and [2 x 6], and score as alone."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=7, prefill_chunk=64))
+    long = ScoreRequest(tuple(TOK.encode("x" * 60)), B)
+    short = [ScoreRequest(tuple(TOK.encode(c * 2)), B) for c in "abcdef"]
+    groups = list(score_rows.passes([(ScoreRow.start(engine.submit(r), i, None), len(r.tokens))
+                                     for i, r in enumerate([*short[:3], long, *short[3:]])], 64))
+    assert [[n for _, n in g] for g in groups] == [[60], [2] * 6]
+    assert [[row.slot for row, _ in g] for g in groups] == [[3], [0, 1, 2, 4, 5, 6]]
+    engine = Engine(model, TOK, EngineConfig(max_batch=7, prefill_chunk=64))
+    for got, request in zip(run_all(engine, [long, *short]), [long, *short]):
+        (alone,) = run_all(Engine(model, TOK, EngineConfig(max_batch=1)), [request])[0]
+        close(got[0], alone, BASE_RTOL)
