@@ -270,9 +270,9 @@ class Engine:
             logits, keys, _ = passes.run(self, group, every_position=True)  # (B, T, V), (B, T, C)
             score_rows.take_scores(self, group, starts, logits, keys)
         prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
-        touched = {row.slot for row, _ in plan}
+        touched = {id(row) for row, _ in plan}  # by row: a finished score row's release moved another into its slot
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
-                    if s not in touched and isinstance(r, Row) and r.to_feed == 1]
+                    if id(r) not in touched and isinstance(r, Row) and r.to_feed == 1]
         decoding, verifying = speculative.split(decoding)
         ready: list[Row] = []
         if prefilling and decoding:

@@ -248,3 +248,18 @@ def test_a_long_chunk_beside_short_ones_runs_in_a_pass_of_its_own(model) -> None
     for got, request in zip(run_all(engine, [long, *short]), [long, *short]):
         (alone,) = run_all(Engine(model, TOK, EngineConfig(max_batch=1)), [request])[0]
         close(got[0], alone, BASE_RTOL)
+
+
+def test_a_decode_row_moved_into_a_finished_score_rows_slot_still_decodes_that_step(model) -> None:
+    """A score row that finishes in a step leaves before the decode pass; the generation moved into its slot
+    still makes its token in that step (it was skipped once, as if its new slot had been fed already)."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, prefill_chunk=16))
+    score = engine.submit(ScoreRequest(tuple(TOK.encode("x" * 40)), B, window=(16, 8)))
+    engine.step()
+    gen = engine.submit(GenerationRequest(tuple(TOK.encode("ab")), 20, SamplingConfig(temperature=0),
+                                          boundary_token=B))
+    per_step = []
+    while not score.ready():
+        engine.step()
+        per_step.append(len(gen.ready()))
+    assert engine.slots_in_use == [0] and per_step == [1] * len(per_step)  # a token every step, the last too
