@@ -45,7 +45,14 @@ from collections.abc import Sequence
 
 import torch
 
-from memlm.engine import memorizing_rows, passes, score_rows, spalm_rows, speculative
+from memlm.engine import (
+    fewer_rows,
+    memorizing_rows,
+    passes,
+    score_rows,
+    spalm_rows,
+    speculative,
+)
 from memlm.engine.kv_cache import (
     CacheLayout,
     RowCache,
@@ -61,7 +68,7 @@ from memlm.engine.requests import (
     ScoreRequest,
 )
 from memlm.engine.rows import Row
-from memlm.engine.sampling import choose_tokens, search_rows
+from memlm.engine.sampling import choose_tokens
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 
@@ -157,6 +164,7 @@ class Engine:
             if request.knn is not None and self.searcher is None:
                 raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
             speculative.check_request(self, request)
+            fewer_rows.check_request(request)
         with self._lock:
             free = self.config.max_batch - len(self._rows)
             if len(self._waiting) >= self.config.max_queue + free:
@@ -294,7 +302,7 @@ class Engine:
         neighbors: list = [None] * len(ready)
         if any(c is not None for c in knn):
             try:
-                neighbors = search_rows(self.searcher, keys, knn)
+                neighbors = fewer_rows.search(self, ready, logits, keys, knn)  # pointers, gate, one search
             except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
                 for row, c in zip(ready, knn):
                     if c is not None:
@@ -308,7 +316,6 @@ class Engine:
         choices = choose_tokens(logits, [r.handle.request.sampling for r in ready], [r.generator for r in ready],
                                 self.decodable, knn, neighbors)
         for row, c, token, lp, base in zip(ready, knn, *choices):
-            row.searches += c is not None
             self._advance(row, token, lp, base)
         speculative.draft_first(self, ready, neighbors, keys)  # speculative rows: pointers after this token
 
@@ -356,7 +363,7 @@ class Engine:
             return
         tail = _flush(self.tokenizer, row.generated, row.emitted)
         row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
-                                     row.searches, row.verify_steps, row.verified_tokens))
+                                     row.searches, row.verify_steps, row.verified_tokens, row.searches_saved))
         self._release(row)
 
     def _release(self, row: Row | ScoreRow) -> None:

@@ -20,6 +20,7 @@ from memlm.engine.compression import POOLS
 from memlm.engine.drafts import SpeculativeConfig
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_pass import Retrieval
 from memlm.jobs.scoring import SequenceScore, plan_scored_windows
 from memlm.jobs.windows import Window, check_window
 from memlm.memory.config import MemoryConfig
@@ -118,6 +119,9 @@ class GenerationRequest:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding with drafts from the engine's datastore (memlm.engine.speculative: the same
     tokens greedy, the same distribution sampled); None: one token per step."""
+    fewer: Retrieval | None = None
+    """Fewer kNN-LM searches (issue 15, memlm.engine.fewer_rows): RetoMaton pointers along the generated tokens
+    and/or the adaptive gate, as `memlm eval --pointers / --adaptive-*` take them; None: a search every token."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -128,6 +132,8 @@ class GenerationRequest:
             raise MemlmError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.knn is not None and self.knn.needs_tuning:
             raise MemlmError("kNN-LM generation needs a fixed lambda and temperature")
+        if self.fewer is not None and self.knn is None:
+            raise MemlmError("fewer searches (--pointers, --adaptive-*) need kNN-LM generation")
         if self.knn is not None and self.spalm is not None:
             raise MemlmError("kNN-LM interpolation does not combine with SPALM generation (it mixes by its gate)")
 

@@ -20,6 +20,7 @@ from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import RequestHandle
 from memlm.jobs.generate import REPLACEMENT, TokenEvent, _as_stop
 from memlm.model.tokenizer import Tokenizer
+from memlm.retrieval.searcher import Neighbors
 
 
 def fresh_seed() -> int:
@@ -71,6 +72,12 @@ class Row:
     pointers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Speculative rows: (m,) int64 datastore entries whose value is the last generated token, aligned
     with the row's text; the next draft follows their successors (memlm.engine.drafts)."""
+    searches_saved: int = 0
+    """kNN-LM tokens chosen without a search: from RetoMaton pointers, or on the base LM where the adaptive
+    gate skipped the search (memlm.engine.fewer_rows)."""
+    candidates: Neighbors | None = None
+    """Pointer rows (memlm.engine.fewer_rows): (1, w) the kNN candidates (searched or pointed) of the position
+    that chose the last generated token; None: nothing to follow (before the first token, after a gate skip)."""
     verify_steps: int = 0
     """Speculative rows: decode steps that verified a draft (each yields >= 1 token)."""
     verified_tokens: int = 0

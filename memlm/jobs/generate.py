@@ -121,6 +121,9 @@ class GenerationEnd:
     """Completion tokens those passes yielded (accepted draft tokens + the model's own; an end-of-text token
     is not counted, as completion_tokens does not count it). The others came from plain steps: the first
     token, and the first after each slide of the row's cache."""
+    searches_saved: int = 0
+    """kNN-LM tokens chosen without a search (RetoMaton pointers, or the adaptive gate's base-LM tokens; the
+    decoding engine counts them, memlm.engine.fewer_rows): searches + searches_saved = the kNN-LM tokens."""
 
     @property
     def mean_accepted_tokens(self) -> float | None:

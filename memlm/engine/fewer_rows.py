@@ -1,0 +1,124 @@
+"""Fewer kNN-LM searches in generation rows (issue 15 parts 1, 2 and 4): RetoMaton pointers along the tokens
+a row generates and/or adaptive retrieval's gate, inside the step's one batched search (memlm.engine.sampling).
+
+A row whose GenerationRequest.fewer is set, at each chosen token:
+- pointers (Alon et al. 2022; memlm.retrieval.pointers, whose functions are called here, never copied): the
+  candidates for step t+1 are the successors of the row's step-t candidates (Row.candidates, searched or
+  pointed) whose value is the token it chose (`follow`, exact distances from the stored keys in process, the
+  predecessor's distance through the retrieval service's Successors rpc); the row is searched only when fewer
+  than min_pointers survive (`needs_search`; a row's first token and the one after a gate skip have nothing
+  to follow), and keeps the k nearest then, so a minimum above k is plain kNN-LM exactly; clustered states
+  extend the pointed rows as in evaluation (`extend_by_clusters`);
+- the gate (He et al. 2021; memlm.retrieval.adaptive): a row that would search asks the gate over its LM
+  distribution's features and its key (as memlm.jobs.fewer_scoring feeds it); where the score is below the
+  threshold the search is skipped and the token comes from the base LM (lambda 0 for it), the row's pointers
+  starting again from nothing (memlm.jobs.pointer_walk's rule). Threshold 0 searches always: plain kNN-LM.
+Rows searched are counted in Row.searches, the others in Row.searches_saved (GenerationEnd's).
+
+Shape legend: B ready rows, C key width, V vocab, k neighbours, w candidates of a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from memlm.engine.requests import GenerationRequest
+from memlm.engine.rows import Row
+from memlm.engine.sampling import search_rows
+from memlm.errors import MemlmError
+from memlm.retrieval.adaptive import distribution_features
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import extend_by_clusters, follow, needs_search
+from memlm.retrieval.searcher import Neighbors, Searcher
+
+
+class Engine(Protocol):
+    """What the rows use of memlm.engine.engine.Engine (a protocol: that module imports this one)."""
+
+    searcher: Searcher | None
+
+
+def check_request(request: GenerationRequest) -> None:
+    """Refuse in one line what fewer-search generation does not serve."""
+    fewer = request.fewer
+    if fewer is None:
+        return
+    if request.speculative is not None:
+        raise MemlmError("--pointers / --adaptive-* do not combine with --speculative (drafts keep pointers of "
+                         "their own and verify every drafted position)")
+    if fewer.pointers is not None and fewer.pointers.keep_pointers:
+        raise MemlmError("generation keeps a searched row's k nearest only (PointerConfig.keep_pointers is off)")
+
+
+def search(engine: Engine, ready: Sequence[Row], logits: torch.Tensor, keys: torch.Tensor,
+           knn: Sequence[KNNLMConfig | None]) -> list[Neighbors | None]:
+    """The neighbours of every ready row (logits (B, V), keys (B, C); knn per row, None without kNN-LM):
+    pointed candidates, a row's share of the one search, or None (no kNN-LM, or skipped by the gate: the
+    base LM). Counts each kNN row's search or saving, and keeps pointer rows' candidates for the next step."""
+    fewer = [row.handle.request.fewer if c is not None else None for row, c in zip(ready, knn)]
+    ask: list[KNNLMConfig | None] = list(knn)  # the rows searched now
+    out: list[Neighbors | None] = [None] * len(ready)
+    if any(f is not None and f.pointers is not None for f in fewer):
+        xq = keys.detach().float().cpu().numpy()  # (B, C) float32, as search_keys sends it
+        for i, cands in _pointed(ready, fewer, xq).items():
+            out[i], ask[i] = cands, None
+    gated = [i for i, (c, f) in enumerate(zip(ask, fewer)) if c is not None and f is not None and f.adaptive is not None]
+    if gated:
+        lm = F.log_softmax(logits[gated].float(), dim=-1)  # (G, V)
+        features = distribution_features(lm)  # (G, 5)
+        for adaptive in {id(fewer[i].adaptive): fewer[i].adaptive for i in gated}.values():
+            mine = [j for j, i in enumerate(gated) if fewer[i].adaptive is adaptive]
+            allowed = adaptive.allowed(features[mine], keys[[gated[j] for j in mine]])  # (g,)
+            for j, go in zip(mine, allowed.tolist()):
+                if not go:
+                    ask[gated[j]] = None  # the base LM for this token; nothing to follow after it
+    for i, (row, c) in enumerate(zip(ready, knn)):
+        if c is not None:
+            searched = ask[i] is not None
+            row.searches += searched
+            row.searches_saved += not searched
+    if any(c is not None for c in ask):
+        found = search_rows(engine.searcher, keys, ask)  # one search for every row that needs one
+        for i, c in enumerate(ask):
+            if c is not None:
+                out[i] = found[i]
+    for i, (row, f) in enumerate(zip(ready, fewer)):
+        if f is not None and f.pointers is not None:
+            row.candidates = out[i]  # (1, w) what the next step follows; None after a gate skip
+    return out
+
+
+def _pointed(ready: Sequence[Row], fewer: list, xq: np.ndarray) -> dict[int, Neighbors]:
+    """Pointer rows with enough candidates after following their last token: row index -> (1, w) candidates.
+    One `follow` per pointer source (the rows of one datastore together), vectorised over its rows."""
+    walking = [i for i, f in enumerate(fewer) if f is not None and f.pointers is not None
+               and ready[i].candidates is not None]
+    out: dict[int, Neighbors] = {}
+    for source in {id(fewer[i].source): fewer[i].source for i in walking}.values():
+        rows = [i for i in walking if fewer[i].source is source]
+        prev = _stack([ready[i].candidates for i in rows])  # (r, w)
+        targets = np.array([ready[i].tokens[-1] for i in rows], dtype=np.int64)  # (r,) the tokens they chose
+        cands = follow(prev, targets, xq[rows], source)  # (r, w')
+        minimum = np.array([fewer[i].pointers.min_pointers for i in rows])  # (r,)
+        enough = np.flatnonzero(~needs_search(cands, minimum))  # (e,)
+        k = [ready[i].handle.request.knn.k for i in rows]
+        cands = extend_by_clusters(cands, enough, xq[rows], source, max(k))  # clustered states (none: as is)
+        for j in enough.tolist():
+            out[rows[j]] = Neighbors(*(a[j : j + 1, : k[j]] for a in cands))  # (1, w' <= its k) nearest first
+    return out
+
+
+def _stack(parts: list[Neighbors]) -> Neighbors:
+    """Rows' (1, w_i) candidates -> (r, max w_i), padded with missing entries (id -1, value -1, distance inf)."""
+    width = max(p.ids.shape[1] for p in parts)
+    out = [np.full((len(parts), width), fill, dtype=dtype)
+           for fill, dtype in ((np.inf, np.float32), (-1, np.int64), (-1, np.int32))]  # (r, width) each
+    for j, p in enumerate(parts):
+        for o, a in zip(out, p):
+            o[j, : a.shape[1]] = a[0]
+    return Neighbors(*out)

@@ -1,0 +1,168 @@
+"""Fewer kNN-LM searches in engine generation (issue 15; memlm.engine.fewer_rows). Oracle: plain kNN-LM
+generation on the engine. A gate threshold of 0 and a RetoMaton minimum above k generate the same tokens with
+the same searches; with pointers on, searches are saved and every pointer is the same-document successor of
+a candidate whose value is the token chosen; a pointer/gated row among joining and leaving rows equals it
+alone (greedy and seeded).
+
+Shape legend: N datastore entries, C key width, k neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import (
+    RowWiseSearcher,
+    own_text_datastore,
+    repeated_phrase_documents,
+    sharp_tiny_model,
+)
+
+from memlm.engine import fewer_rows
+from memlm.engine.drafts import SpeculativeConfig
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.errors import MemlmError
+from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_pass import Retrieval
+from memlm.model.tokenizer import Tokenizer, document_boundary
+from memlm.retrieval.adaptive import (
+    AdaptiveConfig,
+    GateConfig,
+    GateSettings,
+    RetrievalGate,
+    distribution_features,
+)
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig, PointerSource
+
+TOK = Tokenizer.byte_level()
+BOUNDARY = document_boundary(TOK)
+KNN = KNNLMConfig(k=8, lmbda=0.8, temperature=5.0)
+GREEDY = SamplingConfig(temperature=0.0)
+SEEDED = SamplingConfig(temperature=1.0, top_k=20, seed=7)
+
+
+@pytest.fixture(scope="module")
+def setting():
+    """The model, a row-wise exact searcher over documents of repeated phrases, their PointerSource and
+    each entry's (document, position)."""
+    model = sharp_tiny_model()
+    docs = [[BOUNDARY, *d] for d in repeated_phrase_documents(256)]
+    exact, drafts = own_text_datastore(model, docs)
+    source = PointerSource.local(drafts.next_ids, drafts.values, exact.keys.half().numpy())
+    where = np.array([(d, p) for d, ids in enumerate(docs) for p in range(1, len(ids))])  # (N, 2)
+    return model, RowWiseSearcher(exact), source, docs, where
+
+
+def gate(threshold: float | None, model=None, docs=None) -> AdaptiveConfig:
+    """A random gate (fixed seed) over the 5 distribution features; threshold None: standardised on the
+    documents' features under the model, at their median score (about half of the searches skipped)."""
+    settings = GateSettings("m", "k", "c", KNN.k, KNN.temperature, KNN.lmbda, GateConfig(hidden=8, key_components=0),
+                            5, (), "t", 1, 0.5, 0.5, tuple(np.linspace(0, 1, 1001).tolist()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        net = RetrievalGate(5, 8).eval()
+    if threshold is None:
+        with torch.inference_mode():
+            x = torch.cat([distribution_features(model(torch.tensor([d])).logits[0].float().log_softmax(-1))
+                           for d in docs])  # (n, 5)
+        net.mean.copy_(x.mean(dim=0))
+        net.std.copy_(x.std(dim=0))
+        threshold = float(net.scores(x).median())
+    return AdaptiveConfig(net, settings, threshold)
+
+
+def prompts(docs) -> list[tuple[int, ...]]:
+    return [tuple(docs[0][1:10]), tuple(docs[2][5:12]), tuple(TOK.encode("the cat")), tuple(docs[3][2:20])]
+
+
+def run(model, searcher, reqs, max_batch=4, prefill_chunk=64):
+    engine = Engine(model, TOK, EngineConfig(max_batch=max_batch, prefill_chunk=prefill_chunk), searcher=searcher)
+    out = run_all(engine, reqs)
+    return [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in out], [ev[-1] for ev in out]
+
+
+def request(prompt, fewer=None, sampling=GREEDY, n=24):
+    return GenerationRequest(prompt, n, sampling, boundary_token=BOUNDARY, knn=KNN, fewer=fewer)
+
+
+def test_threshold_zero_and_a_minimum_above_k_generate_as_plain_knnlm(setting) -> None:
+    model, searcher, source, docs, _ = setting
+    plain, plain_end = run(model, searcher, [request(p) for p in prompts(docs)])
+    for how in (Retrieval(adaptive=gate(0.0)), Retrieval(PointerConfig(min_pointers=KNN.k + 1), source),
+                Retrieval(PointerConfig(min_pointers=KNN.k + 1), source, gate(0.0))):
+        got, end = run(model, searcher, [request(p, how) for p in prompts(docs)])
+        assert got == plain
+        assert [e.searches for e in end] == [e.searches for e in plain_end] == [len(t) for t in plain]
+        assert all(e.searches_saved == 0 for e in end)
+
+
+def test_pointers_save_searches_and_stay_in_their_document(setting, monkeypatch) -> None:
+    model, searcher, source, docs, where = setting
+    followed = []
+
+    def spy(prev, targets, xq, src):
+        out = real(prev, targets, xq, src)
+        followed.append((prev, targets, out))
+        return out
+
+    real = fewer_rows.follow
+    monkeypatch.setattr(fewer_rows, "follow", spy)
+    got, end = run(model, searcher, [request(p, Retrieval(PointerConfig(min_pointers=1), source)) for p in prompts(docs)])
+    saved, searched = sum(e.searches_saved for e in end), sum(e.searches for e in end)
+    assert 0 < saved and searched + saved == sum(len(t) for t in got)
+    assert all(e.searches >= 1 for e in end)  # the first token has nothing to follow
+    for prev, targets, out in followed:  # each pointer: the next entry of a matching candidate's document
+        for r in range(out.ids.shape[0]):
+            for i in out.ids[r][out.ids[r] >= 0]:
+                pred = prev.ids[r][(prev.ids[r] >= 0) & (prev.values[r] == targets[r])]
+                assert any(where[j, 0] == where[i, 0] and where[j, 1] + 1 == where[i, 1] for j in pred)
+                assert i - 1 in pred  # the builder's order: the successor is the next row
+
+
+def test_a_gate_saves_searches_with_base_tokens(setting) -> None:
+    model, searcher, source, docs, _ = setting
+    half = gate(None, model, docs)
+    for how in (Retrieval(adaptive=half), Retrieval(PointerConfig(min_pointers=2), source, half)):
+        got, end = run(model, searcher, [request(p, how) for p in prompts(docs)])
+        saved = sum(e.searches_saved for e in end)
+        assert 0 < saved < sum(len(t) for t in got)
+        assert all(e.searches + e.searches_saved == len(t) for e, t in zip(end, got))
+    engine = Engine(model, TOK, EngineConfig(max_batch=4), searcher=searcher)
+    events = run_all(engine, [request(p, Retrieval(adaptive=half)) for p in prompts(docs)])
+    for ev in events:  # a skipped token is the base LM's (its final log-prob is the base one, bit for bit)
+        base = sum(e.logprob == e.base_logprob for e in ev if isinstance(e, TokenEvent))
+        assert base == ev[-1].searches_saved
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_fewer_row_among_joiners_and_leavers_equals_it_alone(setting, sampling) -> None:
+    model, searcher, source, docs, _ = setting
+    how = Retrieval(PointerConfig(min_pointers=2), source, gate(None, model, docs))
+    ps = prompts(docs)
+    mine = request(ps[0], how, sampling, n=30)
+    alone, alone_end = run(model, searcher, [mine], max_batch=1)
+    others = [request(ps[1], n=5), request(ps[2], None, SEEDED, n=9), mine, request(ps[3], how, n=3),
+              GenerationRequest(ps[1], 12, GREEDY, boundary_token=BOUNDARY), request(ps[2], how, sampling, n=7)]
+    together, end = run(model, searcher, others, max_batch=3, prefill_chunk=5)
+    assert together[2] == alone[0]
+    assert (end[2].searches, end[2].searches_saved) == (alone_end[0].searches, alone_end[0].searches_saved)
+    assert alone_end[0].searches_saved > 0
+
+
+def test_refusals(setting) -> None:
+    model, searcher, source, docs, _ = setting
+    how = Retrieval(PointerConfig(min_pointers=2), source)
+    with pytest.raises(MemlmError, match="need kNN-LM"):
+        GenerationRequest(prompts(docs)[0], 4, boundary_token=BOUNDARY, fewer=how)
+    engine = Engine(model, TOK, EngineConfig(max_batch=2), searcher=searcher)
+    with pytest.raises(MemlmError, match="speculative"):
+        engine.submit(dataclasses.replace(request(prompts(docs)[0], how), speculative=SpeculativeConfig()))
+    kept = Retrieval(PointerConfig(min_pointers=2, keep_pointers=True), source)
+    with pytest.raises(MemlmError, match="keep_pointers"):
+        engine.submit(request(prompts(docs)[0], kept))
+    assert isinstance(GenerationEnd("length", "", 0, 0, "").searches_saved, int)
