@@ -37,9 +37,7 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
     """The Retrieval the flags ask for over the opened datastore `store` (a datastore.Datastore): RetoMaton
     pointers over its successors, values and keys, and the gate from `gate_for` (refused when fitted with
     another datastore)."""
-    if adaptive is not None and adaptive.settings.datastore_corpus_fingerprint != store.info().corpus_fingerprint:
-        raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted with another datastore (its labels are "
-                         f"that datastore's searches); fit one for {args.datastore} with memlm train-gate")
+    _check_gate_datastore(args, store, adaptive)
     if not args.pointers:
         return Retrieval(adaptive=adaptive)
     pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers)
@@ -48,6 +46,38 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
         print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
     clusters = None if args.pointer_clusters is None else cluster_states(store.keys, args.pointer_clusters)
     return Retrieval(pointers, PointerSource.local(found.next_ids, store.values, store.keys, clusters), adaptive)
+
+
+def generation_fewer(args: argparse.Namespace, searcher: Any, model_fingerprint: str, key_layer: str,
+                     remote_pointers: Any = None) -> tuple[Retrieval | None, dict[str, Any]]:
+    """`memlm generate`'s fewer searches (the same flags as memlm eval's; memlm.engine.fewer_rows): the
+    Retrieval over its --datastore (a datastore.Datastore) or retrieval link, and what the result records;
+    (None, {}) without the flags. remote_pointers: the PointerSource of a retrieval service's Successors rpc
+    (the caller makes it: memlm does not import services), None for a local datastore. Prompts are no
+    evaluation documents: the gate's overlap rule does not apply."""
+    if not any(getattr(args, name, None) for name in ("pointers", "adaptive_gate", "min_pointers",
+                                                      "pointer_clusters", "adaptive_threshold", "adaptive_fraction")):
+        return None, {}
+    if searcher is None:
+        raise MemlmError("--pointers and --adaptive-* need kNN-LM generation (--datastore or --retrieval)")
+    adaptive, record = gate_for(args, None, model_fingerprint, key_layer)
+    if remote_pointers is None:
+        retrieval = fewer_searches(args, searcher, adaptive)
+    else:
+        if args.pointer_clusters is not None:
+            raise MemlmError("--pointer-clusters needs a local --datastore (the clusters are k-means of its keys)")
+        _check_gate_datastore(args, searcher, adaptive)
+        pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers) if args.pointers else None
+        retrieval = Retrieval(pointers, remote_pointers if args.pointers else None, adaptive)
+    if args.pointers:
+        record["min_pointers"] = retrieval.pointers.min_pointers
+    return retrieval, {"pointers": bool(args.pointers), **record}
+
+
+def _check_gate_datastore(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfig | None) -> None:
+    if adaptive is not None and adaptive.settings.datastore_corpus_fingerprint != store.info().corpus_fingerprint:
+        raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted with another datastore (its labels are "
+                         f"that datastore's searches); fit one for {args.datastore} with memlm train-gate")
 
 
 def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str
@@ -72,14 +102,15 @@ def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, 
 
 def open_gate(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, key_layer: str) -> AdaptiveConfig:
     """The gate of --adaptive-gate with the threshold of --adaptive-threshold or --adaptive-fraction (one of
-    them), refused when fitted for another model or on a document that is evaluated."""
+    them), refused when fitted for another model or on a document that is evaluated (evaluation None:
+    generation, whose prompts are no evaluation documents)."""
     if (args.adaptive_threshold is None) == (args.adaptive_fraction is None):
         raise MemlmError("--adaptive-gate needs one of --adaptive-threshold X or --adaptive-fraction F")
     gate, settings = load_gate(Path(args.adaptive_gate))
     if settings.model_fingerprint != model_fingerprint or settings.key_layer != key_layer:
         raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted for another model or key layer "
                          f"({settings.key_layer}); fit one for this model with memlm train-gate")
-    shared = shared_documents(settings.fitted_documents, evaluation)
+    shared = shared_documents(settings.fitted_documents, evaluation) if evaluation is not None else set()
     if shared:
         raise MemlmError(f"--adaptive-gate {args.adaptive_gate} was fitted on {len(shared)} document(s) of the "
                          f"evaluation data (--split {args.split!r}): the gate must never see evaluation tokens; "

@@ -4,7 +4,8 @@
         [--memory none|xl|compressive|memorizing --segment S --mem-len M --sink-tokens N --cmem-len C --compress-rate R
          --knn-layer L --knn-mem-size M --knn-top-k K --knn-backend B --knn-service HOST:PORT] [--max-new-tokens N]
         [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT]
-        [--speculative [--draft-tokens N]] PROMPT...
+        [--speculative [--draft-tokens N]] [--pointers [--min-pointers N] [--pointer-clusters C]]
+        [--adaptive-gate DIR (--adaptive-threshold X | --adaptive-fraction F)] PROMPT...
 
 All prompts run as one continuous batch (each its own request: its own sampler, seeded by --seed, so a
 prompt yields the same tokens alone or among others). Prints each continuation and the tokens/s; --json
@@ -19,6 +20,11 @@ GenerationEnd's) and `mean_accepted_tokens`. --memory memorizing (Wu et al. 2022
 --memory memorizing` checkpoint's kNN attention (any other model: a fresh, untrained gate, said on stderr and
 recorded) and keeps every prompt's kNN memory in process or, with --knn-backend service, in the memory
 sessions of --knn-service (memlm.engine.memorizing_rows); --json records the layer, sizes, backend and gates.
+Fewer searches (issue 15; memlm eval's flags, memlm.options.FEWER_SEARCHES_OPTIONS; memlm.engine.fewer_rows):
+--pointers follows RetoMaton pointers along the generated tokens and searches only when fewer than
+--min-pointers survive (through --retrieval, by the service's Successors rpc); --adaptive-gate skips the
+search where the gate says retrieval will not help, the token then comes from the base LM. Each result
+carries `searches` and `searches_saved`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.link_options import add_link_security, link_tls, secret
 from memlm.memory.config import MemoryConfig
 from memlm.options import (
+    FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORIZING_ONLY,
     MEMORY_OPTIONS,
@@ -141,6 +148,7 @@ def add_generate_parser(sub: Any) -> None:
     add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": GENERATE_KINDS})
     add_knn_service_options(p)
     add_speculative_options(p)
+    add_options(p, "fewer kNN-LM searches (issue 15)", FEWER_SEARCHES_OPTIONS)
     p.set_defaults(func=cmd_generate)
 
 
@@ -195,6 +203,24 @@ def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
     return searcher
 
 
+def fewer_for(args: argparse.Namespace, searcher: Any, pretrained: Any) -> tuple[Any, dict[str, Any], Any]:
+    """The Retrieval of the fewer-searches flags over `searcher` (None without kNN-LM), its record
+    (memlm.fewer_searches_command.generation_fewer) and the engine's searcher: through --retrieval with
+    --pointers, one services.retrieval_walk.OneGeneration answers the searches and the Successors lookups,
+    all held to one datastore generation (a change mid-run is refused); else `searcher`."""
+    from memlm.fewer_searches_command import generation_fewer
+    from memlm.retrieval.pointers import PointerSource
+
+    remote = None
+    if args.retrieval and args.pointers:
+        from services.retrieval_walk import OneGeneration
+
+        remote = PointerSource(OneGeneration(searcher, searcher), None)
+    retrieval, record = generation_fewer(args, searcher, pretrained.fingerprint, pretrained.model.config.key_description,
+                                         remote)
+    return retrieval, record, searcher if remote is None else remote.successors
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.drafts import draft_source
     from memlm.engine.engine import Engine, run_all
@@ -221,18 +247,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     searcher = open_searcher(args, pretrained)
     tokenizer = pretrained.tokenizer
     boundary = document_boundary(tokenizer)
+    fewer, fewer_record, engine_searcher = fewer_for(args, searcher if knn is not None else None, pretrained)
     memory = checkpoint_memorizing(args, memory, boundary) if memory is not None else None
     knn_attention, trained = knn_attention_for(args.model, pretrained.model, memory or MemoryConfig("none"))
     config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory)
     if args.prefill_chunk is not None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
     requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),
-                                  boundary, tokenizer.eos_id, knn=knn, speculative=speculative) for p in args.prompts]
+                                  boundary, tokenizer.eos_id, knn=knn, speculative=speculative, fewer=fewer)
+                for p in args.prompts]
     start = time.perf_counter()
     try:
         if isinstance(pretrained.model, Decoder):
             drafts = draft_source(searcher.provenance, searcher.values) if speculative is not None else None
-            engine = Engine(pretrained.model, tokenizer, config, searcher, drafts, knn_attention=knn_attention,
+            engine = Engine(pretrained.model, tokenizer, config, engine_searcher or searcher, drafts, knn_attention=knn_attention,
                             knn_service=service)
             results = run_all(engine, requests)
         else:
@@ -240,8 +268,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             # one after another through the one-sequence generator, as the LM server runs them.
             if memory is not None:
                 require_decoder(pretrained.model, f"--memory {memory.kind}")  # refused: memories need memlm's decoder
-            if speculative is not None:
-                require_decoder(pretrained.model, "--speculative")  # the engine verifies drafts
+            if speculative is not None or fewer is not None:  # the engine verifies drafts, walks pointers
+                require_decoder(pretrained.model, "--speculative" if fewer is None else "--pointers / --adaptive-*")
             results = [one_sequence(pretrained.model, tokenizer, r, searcher) for r in requests]
     finally:
         if args.retrieval:
@@ -250,6 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             service.close()  # the memory service's channel (every row dropped its session when it ended)
     seconds = time.perf_counter() - start
     report = generation_report(args, results, seconds, speculative)
+    report["settings"]["fewer_searches"] = fewer_record
     if memory is not None and memory.kind == "memorizing":
         report["settings"]["memorizing"] = memorizing_record(memory, pretrained.model.config.n_layer, knn_attention,
                                                              trained)
@@ -286,7 +315,7 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
             "logprobs": [e.logprob for e in toks], "base_logprobs": [e.base_logprob for e in toks],
             "finish_reason": end.reason, "stop_sequence": end.stop_sequence,
             "prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
-            "searches": end.searches, "mean_accepted_tokens": end.mean_accepted_tokens,
+            "searches": end.searches, "searches_saved": end.searches_saved, "mean_accepted_tokens": end.mean_accepted_tokens,
             "verify_steps": end.verify_steps, "verified_tokens": end.verified_tokens,
         })
     total = sum(r["completion_tokens"] for r in out)
@@ -294,6 +323,7 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
         "model": args.model, "results": out, "completion_tokens": total, "seconds": seconds,
         "tokens_per_s": total / seconds if seconds > 0 else 0.0,
         "searches": sum(r["searches"] for r in out),
+        "searches_saved": sum(r["searches_saved"] for r in out),
         "mean_accepted_tokens": mean_accepted(out),
         "settings": {"max_new_tokens": args.max_new_tokens, "stop": args.stop or [],
                      **{k: getattr(args, k) for k in (*SAMPLING_OPTIONS, *KNN_OPTIONS, *GENERATE_MEMORY)},
