@@ -245,16 +245,21 @@ def memory_request(args: argparse.Namespace) -> dict[str, Any]:
                                     knn_mem_size=args.knn_mem_size, knn_top_k=args.knn_top_k)}
 
 
-def cmd_client_score(args: argparse.Namespace) -> None:
+def knn_with_fewer(args: argparse.Namespace):
+    """The call's KnnRequest with the fewer-searches flags it was given (Score and Generate alike)."""
     import dataclasses
-
-    from services.lm_client import main_score
 
     knn, fewer = knn_request(args), given(args, {n: FEWER_SEARCHES_OPTIONS[n] for n in CLIENT_FEWER})
     if knn is None and fewer:
         raise MemlmError("--pointers, --min-pointers and --adaptive-* need --knn")
+    return knn and dataclasses.replace(knn, **fewer)
+
+
+def cmd_client_score(args: argparse.Namespace) -> None:
+    from services.lm_client import main_score
+
     main_score(
-        args.address, args.text, contexts=args.prefix or None, knn=knn and dataclasses.replace(knn, **fewer), top_n=args.top_n,
+        args.address, args.text, contexts=args.prefix or None, knn=knn_with_fewer(args), top_n=args.top_n,
         window_tokens=args.context, stride_tokens=args.stride, per_token=args.per_token,
         tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
@@ -265,7 +270,7 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
 
     main_generate(
         args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.sampling_temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_request(args),
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_with_fewer(args),
         speculative=args.speculative, draft_tokens=args.draft_tokens,
         tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
@@ -397,12 +402,12 @@ def add_client_parser(sub: Any) -> None:
         add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)
         add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY, *CLIENT_KNN_MEMORY),
                     choices={"kind": ("none", "xl", "memorizing", "spalm")})
+        add_options(c, "fewer kNN-LM searches (issue 15; the server's gate)", FEWER_SEARCHES_OPTIONS, CLIENT_FEWER)
         if name == "score":
             c.add_argument("text", nargs="+", help="texts to score")
             c.add_argument("--prefix", action="append", help="text each text continues (its loglikelihood given it)")
             c.add_argument("--top-n", type=int, default=0, help="alternatives per token")
             add_options(c, "sliding windows (unset: the server's)", WINDOW_OPTIONS)
-            add_options(c, "fewer kNN-LM searches (issue 15; the server's gate)", FEWER_SEARCHES_OPTIONS, CLIENT_FEWER)
             c.add_argument("--per-token", action="store_true", help="print every token's log-probability")
             c.set_defaults(func=cmd_client_score)
         else:

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from memlm.engine.drafts import DraftSource, SpeculativeConfig, draft_source_of
+from memlm.engine.speculative import refusal
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
 from memlm.jobs.knnlm_pass import Retrieval
@@ -76,12 +77,9 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
         if request.draft_tokens:
             raise InvalidRequest("draft_tokens", "needs speculative")
         return None
-    if sources.drafts is None:
-        raise InvalidRequest("speculative", "drafts read the successors of a datastore in process (memlm serve lm "
-                             "--datastore DIR): this server has none, or a retrieval service", FAILED_PRECONDITION)
-    if memory is not None:  # memlm.engine.speculative: a rejected draft would overwrite XL ring slots
-        raise InvalidRequest("speculative", f"served with MEMORY_MODE_NONE only (the plain KV cache), not "
-                             f"{memory.kind}", UNIMPLEMENTED)
+    why = refusal(sources.drafts is not None, memory.kind if memory is not None else None, fewer_asked(request.knn))
+    if why is not None:  # the engine's rules (memlm.engine.speculative.refusal), named by the field
+        raise InvalidRequest("speculative", why.message, FAILED_PRECONDITION if why.precondition else UNIMPLEMENTED)
     if not on_engine:
         raise InvalidRequest("speculative", "drafts are verified on the decoding engine only (memlm's decoder)",
                              UNIMPLEMENTED)
@@ -103,8 +101,8 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
 
 def retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryConfig | None, attribution: int,
                  sources: FewerSources) -> Retrieval | None:
-    """The Retrieval a Score request's KnnOptions ask for (None: a search for every token), each refusal
-    naming its field."""
+    """The Retrieval a Score or Generate request's KnnOptions ask for (None: a search for every token), each
+    refusal naming its field."""
     if not fewer_asked(o):
         return None
     field = "knn.pointers" if o.pointers or o.HasField("min_pointers") else "knn.adaptive_threshold"
@@ -197,6 +195,9 @@ class GenerateArgs:
     """Top documents per generated token (KnnOptions.attribution_top_n), 0: none."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding from the datastore (GenerateRequest.speculative / draft_tokens); None: off."""
+    retrieval: Retrieval | None = None
+    """Fewer searches (KnnOptions adaptive_* / pointers, issue 15; on the engine, memlm.engine.fewer_rows);
+    None: a search for every token."""
 
 
 def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_fingerprint: str,

@@ -142,6 +142,8 @@ class Finish:
     """kNN searches the generation made, in queries (on the server's decoding engine)."""
     mean_accepted_tokens: float = 0.0
     """With speculative: tokens per verifying forward pass (>= 1); 0 without."""
+    searches_saved: int = 0
+    """kNN-LM tokens chosen without a search (KnnRequest's pointers / adaptive_*; on the decoding engine)."""
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,8 @@ class LanguageModelClient(ServiceClient):
                 else:
                     f = response.finish
                     yield Finish(FINISH_NAMES.get(f.reason, "unspecified"), f.prompt_tokens, f.completion_tokens,
-                                 f.stop_sequence, tuple(f.datastore_generations), f.searches, f.mean_accepted_tokens)
+                                 f.stop_sequence, tuple(f.datastore_generations), f.searches, f.mean_accepted_tokens,
+                                 f.searches_saved)
         except grpc.RpcError as e:
             raise ServiceError(self.address, e.code(), e.details() or "") from None
         finally:
@@ -431,7 +434,7 @@ def main_generate(
     stop_note = f" ({finish.stop_sequence!r})" if finish.stop_sequence else ""
     generations = f"; datastore generation {', '.join(map(str, finish.datastore_generations))}" \
         if finish.datastore_generations else ""
-    drafts = f"; searches {finish.searches}" if finish.searches else ""
+    drafts = f"; searches {finish.searches}, searches_saved {finish.searches_saved}" if finish.searches else ""
     drafts += f", mean_accepted_tokens {finish.mean_accepted_tokens:.2f}" if speculative else ""
     print(f"[finish: {finish.reason}{stop_note}; prompt {finish.prompt_tokens} tokens, "
           f"generated {finish.completion_tokens}{generations}{drafts}]", file=err, flush=True)

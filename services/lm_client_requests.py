@@ -53,11 +53,11 @@ class KnnRequest:
     attribution_top_n: int = 0
     """Documents per token to attribute its probability to (ScoredToken / TextDelta attribution), 0: none."""
     adaptive_threshold: float | None = None
-    """Adaptive retrieval (issue 15): search only where the server's gate scores at least this (Score only)."""
+    """Adaptive retrieval (issue 15): search only where the server's gate scores at least this (Score, Generate)."""
     adaptive_fraction: float | None = None
     """Adaptive retrieval by the fraction of searches to save, in [0, 1) (instead of adaptive_threshold)."""
     pointers: bool = False
-    """RetoMaton pointers: search only when fewer than min_pointers survive (Score only)."""
+    """RetoMaton pointers: search only when fewer than min_pointers survive (Score, and Generate on the engine)."""
     min_pointers: int | None = None
     """With pointers: the minimum (None: the server's, 1)."""
 

@@ -56,6 +56,7 @@ from memlm.jobs.generate import (
     SamplingConfig,
     TokenEvent,
 )
+from memlm.jobs.knnlm_pass import Retrieval
 from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig
@@ -425,10 +426,11 @@ def on_engine(model: object, memory: MemoryConfig | None) -> bool:
 
 def engine_request(prompt: list[int], max_new_tokens: int, sampling: SamplingConfig, stop_sequences: list[str],
                    knn: KNNLMConfig | None, boundary: int, eos_id: int | None, deadline: float | None,
-                   spalm: SpalmSettings | None = None, speculative: SpeculativeConfig | None = None) -> GenerationRequest:
+                   spalm: SpalmSettings | None = None, speculative: SpeculativeConfig | None = None,
+                   fewer: Retrieval | None = None) -> GenerationRequest:
     """A parsed Generate as the engine takes it; deadline: time.monotonic() seconds or None."""
     return GenerationRequest(tuple(prompt), max_new_tokens, sampling, tuple(stop_sequences), boundary_token=boundary,
-                             eos_id=eos_id, knn=knn, spalm=spalm, speculative=speculative,
+                             eos_id=eos_id, knn=knn, spalm=spalm, speculative=speculative, fewer=fewer,
                              timeout_s=None if deadline is None else max(1e-6, deadline - time.monotonic()))
 
 

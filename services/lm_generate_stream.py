@@ -54,7 +54,7 @@ def end_responses(event: GenerationEnd, generations=()) -> list[lm_pb2.GenerateR
     return out + [lm_pb2.GenerateResponse(finish=lm_pb2.GenerateFinish(
         reason=FINISH_REASONS[event.reason], prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens, stop_sequence=event.stop_sequence,
-        datastore_generations=sorted(generations), searches=event.searches,
+        datastore_generations=sorted(generations), searches=event.searches, searches_saved=event.searches_saved,
         mean_accepted_tokens=event.mean_accepted_tokens or 0.0))]
 
 

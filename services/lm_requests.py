@@ -419,7 +419,6 @@ class RequestParser:
                                  OUT_OF_RANGE)
 
     def generate(self, request: lm_pb2.GenerateRequest) -> GenerateArgs:
-        refuse_fewer(request.knn, "Generate with fewer searches is not served (issue 15: Score only)")
         which = request.WhichOneof("prompt")
         if which == "prompt_text":
             self.text_budget([request.prompt_text], "prompt_text")
@@ -453,9 +452,12 @@ class RequestParser:
                                  "memory modes: GetInfo.engine_memory_modes)", grpc.StatusCode.UNIMPLEMENTED)
         speculative = speculative_of(request, memory, attribution, self._fewer, self._limits.max_step_tokens,
                                      self._on_engine(memory))
+        if not self._on_engine(memory):  # memlm.engine.fewer_rows: the engine's rows walk pointers and ask the gate
+            refuse_fewer(request.knn, "Generate with fewer searches runs on the decoding engine only (memlm's decoder)")
+        retrieval = retrieval_of(request.knn, knn, memory, attribution, self._fewer)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
                             stop_sequences=list(request.stop_sequences), knn=knn, memory=memory, spalm=spalm,
-                            attribution=attribution, speculative=speculative)
+                            attribution=attribution, speculative=speculative, retrieval=retrieval)
 
     @staticmethod
     def sampling(s: lm_pb2.SamplingOptions) -> SamplingConfig:

@@ -275,7 +275,8 @@ class LanguageModelServicer:
             stop.set()  # the gate and stop above are the one-sequence path's
             spalm = SpalmSettings(args.spalm.k, args.spalm.options) if args.spalm is not None else None
             request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
-                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm, args.speculative)
+                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm, args.speculative,
+                                     args.retrieval)
             lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution,
                            args.speculative is not None)
             async for response in stream_generation(self.engines, lane, request, stop.deadline, context, self._record):

@@ -48,9 +48,7 @@ def check_request(request: GenerationRequest) -> None:
     fewer = request.fewer
     if fewer is None:
         return
-    if request.speculative is not None:
-        raise MemlmError("--pointers / --adaptive-* do not combine with --speculative (drafts keep pointers of "
-                         "their own and verify every drafted position)")
+    # With --speculative: refused by memlm.engine.speculative.refusal (the one place of those rules).
     if fewer.pointers is not None and fewer.pointers.keep_pointers:
         raise MemlmError("generation keeps a searched row's k nearest only (PointerConfig.keep_pointers is off)")
 

@@ -31,7 +31,7 @@ n a row's draft length.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -64,14 +64,39 @@ class Engine(passes.Engine, Protocol):
     def _release(self, row: Row | ScoreRow) -> None: ...
 
 
+class Refusal(NamedTuple):
+    """Why a speculative request is not served (`refusal`)."""
+
+    message: str
+    precondition: bool
+    """What is missing is the server's (a datastore in process: FAILED_PRECONDITION), not a mode it does not
+    serve (UNIMPLEMENTED)."""
+
+
+def refusal(has_drafts: bool, memory_kind: str | None, fewer: bool) -> Refusal | None:
+    """The one place of speculative decoding's refusals (the engine's check_request, the Generate parser's
+    services.lm_args.speculative_of): drafts read a datastore in process; only the plain KV cache (a rejected
+    position would overwrite XL ring slots the memory still needs); not with fewer searches (drafts keep
+    pointers of their own, memlm.engine.drafts, and every drafted position is searched). None: served."""
+    if not has_drafts:
+        return Refusal("speculative decoding drafts from a datastore in process (give --datastore DIR): there is "
+                       "none here, or a retrieval service", True)
+    if memory_kind is not None:
+        return Refusal(f"speculative decoding serves the plain KV cache, not --memory {memory_kind}", False)
+    if fewer:
+        return Refusal("--pointers / --adaptive-* do not combine with --speculative (drafts keep pointers of their "
+                       "own and verify every drafted position)", False)
+    return None
+
+
 def check_request(engine: Engine, request: GenerationRequest) -> None:
-    """Refuse a speculative request the engine cannot serve, in one line."""
+    """Refuse a speculative request the engine cannot serve, in one line (`refusal`)."""
     if request.speculative is None:
         return
-    if engine.drafts is None or engine.searcher is None:
-        raise MemlmError("speculative decoding drafts from a datastore: this engine has none (give --datastore)")
-    if engine.cache.layout.wraps:
-        raise MemlmError("speculative decoding serves the plain KV cache, not --memory xl")
+    why = refusal(engine.drafts is not None and engine.searcher is not None,
+                  engine.config.xl.kind if engine.config.xl is not None else None, request.fewer is not None)
+    if why is not None:
+        raise MemlmError(why.message)
 
 
 def split(decoding: list[tuple[Row, int]]) -> tuple[list[tuple[Row, int]], list[Row]]:

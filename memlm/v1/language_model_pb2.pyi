@@ -251,7 +251,7 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinish(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence", "datastore_generations", "searches", "mean_accepted_tokens")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "stop_sequence", "datastore_generations", "searches", "mean_accepted_tokens", "searches_saved")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class GenerateFinish(_message.Message):
     DATASTORE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     SEARCHES_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEARCHES_SAVED_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
@@ -266,7 +267,8 @@ class GenerateFinish(_message.Message):
     datastore_generations: _containers.RepeatedScalarFieldContainer[int]
     searches: int
     mean_accepted_tokens: float
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ..., datastore_generations: _Optional[_Iterable[int]] = ..., searches: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ...) -> None: ...
+    searches_saved: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stop_sequence: _Optional[str] = ..., datastore_generations: _Optional[_Iterable[int]] = ..., searches: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., searches_saved: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "finish")

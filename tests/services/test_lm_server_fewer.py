@@ -147,5 +147,5 @@ def test_fewer_searches_refusals_name_the_field(tiny, servers):
                 c.score(["the lazy dog"], **kwargs)
             assert e.value.code == code and e.value.details.startswith(field), e.value.details
         with pytest.raises(ServiceError) as e:
-            list(c.generate("the lazy", max_new_tokens=2, knn=KnnRequest(pointers=True)))
+            list(c.generate("the lazy", max_new_tokens=2, knn=KnnRequest(pointers=True), memory_mode="xl"))
         assert e.value.code == grpc.StatusCode.UNIMPLEMENTED and e.value.details.startswith("knn.pointers")

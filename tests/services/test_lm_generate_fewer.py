@@ -1,0 +1,155 @@
+"""Generate with fewer kNN-LM searches (issue 15): KnnOptions pointers/min_pointers and adaptive_threshold through
+a real LM server on port 0 equal `memlm generate`'s engine path (memlm.engine.fewer_rows with the same Retrieval)
+token for token with the same searches and searches_saved, with the datastore in process and behind a real
+retrieval server (pointers through its Successors rpc, carrying their predecessor's distance); speculative with
+pointers is refused naming the field."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.windows import WindowConfig, score_documents
+from memlm.model.tokenizer import document_boundary
+from memlm.model.weights import load_pretrained
+from memlm.retrieval.adaptive import (
+    AdaptiveConfig,
+    GateConfig,
+    GateSettings,
+    RetrievalGate,
+    distribution_features,
+    score_quantiles,
+    threshold_for_fraction,
+)
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig, PointerSource
+from services.lm_args import FewerSources, server_sources
+from services.lm_client import Finish, KnnRequest, LanguageModelClient, TextDelta
+from services.lm_requests import LMLimits
+from services.lm_server import start_lm_server
+from services.retrieval_client import RetrievalClient
+from services.retrieval_server import create_retrieval_server
+from services.retrieval_successors import successors_by_generation, table_of
+from services.server_common import ServiceError
+
+WINDOW = WindowConfig(48, 24, 4)
+KNN = KNNLMConfig(k=8, lmbda=0.8, temperature=5.0)
+PROMPTS = ["the lazy dog and", "The quick brown", "a fox"]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_pretrained("tiny")
+
+
+@pytest.fixture(scope="module")
+def store(tiny, tmp_path_factory):
+    tok = tiny.tokenizer
+    docs = [tok.encode(t) for t in ("the lazy dog and the quick fox " * 5, "The quick brown fox jumps. " * 4)]
+    source = BuildSource(model_name="tiny", model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint,
+                         corpus="texts", corpus_fingerprint="c" * 64, boundary_token=document_boundary(tok))
+    out = build_from_tokens(tiny.model, docs, tmp_path_factory.mktemp("gen_fewer") / "ds", source,
+                            BuildSettings(window=WINDOW, index_factory="Flat"), progress=False, log=lambda m: None)
+    return Datastore.open(out)
+
+
+def gate(tiny) -> tuple[RetrievalGate, GateSettings]:
+    """A random gate standardised on the prompts' continuations' features, its quantiles their scores."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        net = RetrievalGate(5, 8)
+    docs = [tiny.tokenizer.encode(p + " the quick fox jumps over the lazy dog") for p in PROMPTS]
+    x = torch.cat([s.features for s in score_documents(tiny.model, docs, WINDOW, document_boundary(tiny.tokenizer),
+                                                       lm_features=distribution_features)])  # (n, 5)
+    net.mean.copy_(x.mean(dim=0))
+    net.std.copy_(x.std(dim=0))
+    return net.eval(), GateSettings("m", "k", "c" * 64, KNN.k, KNN.temperature, KNN.lmbda, GateConfig(hidden=8), 5, (),
+                                    "t", 1, 0.5, 0.5, score_quantiles(net.scores(x)))
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, store, module_loop):
+    """"local": the datastore in process with a gate; "remote": through a real retrieval server."""
+    local_sources = FewerSources(gate(tiny), server_sources(store, remote=False, gate_dir=None, model_fingerprint="",
+                                                        key_layer="").pointers)
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, store, knn_defaults=KNN, limits=LMLimits(),
+                                              fewer=local_sources))
+    module_loop.servers.append(started.running.server)
+    retrieval = module_loop.start(create_retrieval_server, "127.0.0.1:0", store,
+                                  successors=successors_by_generation(lambda: (store, 0)))
+    link = RetrievalClient(f"127.0.0.1:{retrieval}")
+    remote = module_loop.run(start_lm_server("127.0.0.1:0", tiny, link, knn_defaults=KNN, limits=LMLimits(),
+                                             fewer=server_sources(link, remote=True, gate_dir=None, model_fingerprint="",
+                                                                  key_layer="")))
+    module_loop.servers.append(remote.running.server)
+    yield {"local": f"127.0.0.1:{started.running.port}", "remote": f"127.0.0.1:{remote.running.port}",
+           "local_sources": local_sources}
+    link.close()
+
+
+def rpc(address, asked: KnnRequest, seed=None):
+    """Per prompt: (token ids, Finish) of a Generate call."""
+    out = []
+    with LanguageModelClient(address) as c:
+        for p in PROMPTS:
+            events = list(c.generate(p, max_new_tokens=N, temperature=0.0 if seed is None else 1.0, seed=seed, knn=asked))
+            out.append(([t for e in events if isinstance(e, TextDelta) for t in e.token_ids],
+                        next(e for e in events if isinstance(e, Finish))))
+    return out
+
+
+def engine(tiny, searcher, retrieval, seed=None):
+    """Per prompt: (token ids, GenerationEnd) of memlm generate's engine path, one row at a time."""
+    tok = tiny.tokenizer
+    sampling = SamplingConfig(temperature=0.0 if seed is None else 1.0, seed=seed)
+    reqs = [GenerationRequest(tuple(tok.encode(p)), N, sampling, boundary_token=document_boundary(tok), eos_id=tok.eos_id,
+                              knn=KNN, fewer=retrieval) for p in PROMPTS]
+    out = run_all(Engine(tiny.model, tok, EngineConfig(max_batch=1), searcher=searcher), reqs)
+    return [([e.token_id for e in ev if isinstance(e, TokenEvent)], ev[-1]) for ev in out]
+
+
+def assert_equal(got, want):
+    for (g_tokens, g_end), (w_tokens, w_end) in zip(got, want):
+        assert g_tokens == w_tokens
+        assert (g_end.searches, g_end.searches_saved) == (w_end.searches, w_end.searches_saved)
+
+
+def test_pointer_generate_equals_the_engine_in_process_and_through_the_retrieval_service(tiny, store, servers):
+    asked = KnnRequest(pointers=True, min_pointers=1)
+    local = rpc(servers["local"], asked)
+    assert_equal(local, engine(tiny, store, Retrieval(PointerConfig(min_pointers=1), servers["local_sources"].pointers())))
+    assert sum(end.searches_saved for _, end in local) > 0
+    remote = rpc(servers["remote"], asked)
+    carried = engine(tiny, store, Retrieval(PointerConfig(min_pointers=1), PointerSource(table_of(store), None)))
+    assert_equal(remote, carried)  # the remote walk has no keys: pointers carry their predecessor's distance
+    plain = rpc(servers["local"], KnnRequest())
+    assert all(end.searches_saved == 0 and end.searches > 0 for _, end in plain)
+
+
+def test_adaptive_generate_equals_the_engine(tiny, store, servers):
+    net, settings = servers["local_sources"].gate
+    median = threshold_for_fraction(settings, 0.5)
+    for asked, seed in ((KnnRequest(adaptive_fraction=0.5), None), (KnnRequest(adaptive_threshold=median, pointers=True), 5)):
+        got = rpc(servers["local"], asked, seed)
+        pointers = (PointerConfig(), servers["local_sources"].pointers()) if asked.pointers else (None, None)
+        assert_equal(got, engine(tiny, store, Retrieval(*pointers, AdaptiveConfig(net, settings, median)), seed))
+        saved = sum(end.searches_saved for _, end in got)
+        assert 0 < saved < sum(end.searches + end.searches_saved for _, end in got)
+
+
+def test_refusals_name_the_field(servers):
+    with LanguageModelClient(servers["local"]) as c:
+        for kwargs, code, field in (
+            ({"knn": KnnRequest(pointers=True), "speculative": True}, grpc.StatusCode.FAILED_PRECONDITION, "speculative"),
+            ({"knn": KnnRequest(min_pointers=2)}, grpc.StatusCode.INVALID_ARGUMENT, "knn.min_pointers"),
+        ):
+            with pytest.raises(ServiceError) as e:
+                list(c.generate("a fox", max_new_tokens=2, **kwargs))
+            assert e.value.code == code and e.value.details.startswith(field), e.value.details
