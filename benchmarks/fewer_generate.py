@@ -1,0 +1,125 @@
+"""Fewer searches in kNN-LM generation (issue 15; memlm.engine.fewer_rows): greedy kNN-LM tokens/s with RetoMaton
+pointers (and optionally adaptive retrieval's gate) vs plain kNN-LM, the same engine, weights and datastore,
+measured side by side in this one run.
+
+Setting: speculative_knnlm.py's (its functions, called): the SOTU datastore of scripts/demo.sh, lambda, T and k
+tuned on 2001-2002 (knnlm.json beside the datastore), prompts cut from held-apart speeches (year >= 2003, checked
+not in the datastore). Per --min-pointers value one figure: plain vs pointers (sides alternate over --repeats
+rounds, the median per side), with tokens/s of both, the ratio, searches per token, the share of searches saved,
+and how many continuations are token-identical to plain kNN-LM (pointers change the neighbours, so the tokens
+may differ; the first differing token's index is printed). The machine's load is printed (`uptime`).
+
+    OMP_NUM_THREADS=1 python benchmarks/fewer_generate.py [--datastore /tmp/demo_v5/ds-sotu-1990-2000]
+        [--prompts 6] [--prompt-tokens 64] [--new-tokens 48] [--min-pointers 1 4] [--adaptive-gate DIR
+        --adaptive-fraction F] [--batch 1] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+import _common
+import torch
+from speculative_knnlm import held_apart_prompts, knn_settings, timed
+
+from memlm.engine.engine import Engine
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_pass import Retrieval
+from memlm.retrieval.pointers import PointerConfig, PointerSource, successors
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datastore", default="/tmp/demo_v5/ds-sotu-1990-2000", help="a datastore built by scripts/demo.sh")
+    p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
+    p.add_argument("--split", default="year>=2003", help="the evaluation split the prompts are cut from")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--min-pointers", type=int, nargs="+", default=[PointerConfig().min_pointers])
+    p.add_argument("--adaptive-gate", default=None, help="a gate of memlm train-gate for this model and datastore")
+    p.add_argument("--adaptive-fraction", type=float, default=0.5, help="with --adaptive-gate: searches to skip")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
+    p.add_argument("--repeats", type=int, default=1, help="alternating rounds per side (median)")
+    args = p.parse_args()
+    args.in_datastore = False  # held_apart_prompts' check stays on
+    return args
+
+
+def gate(args: argparse.Namespace, bench: _common.BenchModel, store):
+    """The AdaptiveConfig of --adaptive-gate at --adaptive-fraction (checked against the model and datastore)."""
+    from memlm.retrieval.adaptive import (
+        AdaptiveConfig,
+        load_gate,
+        threshold_for_fraction,
+    )
+
+    net, settings = load_gate(Path(args.adaptive_gate))
+    model = bench.pre.model
+    if (settings.model_fingerprint, settings.key_layer) != (bench.pre.fingerprint, model.config.key_description) or \
+            settings.datastore_corpus_fingerprint != store.info().corpus_fingerprint:
+        raise SystemExit(f"--adaptive-gate {args.adaptive_gate} was fitted for another model or datastore")
+    return AdaptiveConfig(net, settings, threshold_for_fraction(settings, args.adaptive_fraction))
+
+
+def figure(name: str, engine: Engine, plain: list[GenerationRequest], fewer: Retrieval, repeats: int) -> None:
+    walked = [dataclasses.replace(r, fewer=fewer) for r in plain]
+    times: dict[str, list[float]] = {"plain": [], "fewer": []}
+    results: dict[str, list[list]] = {}
+    for _ in range(repeats):
+        for side, reqs in (("plain", plain), ("fewer", walked)):
+            seconds, results[side] = timed(engine, reqs)
+            times[side].append(seconds)
+    tokens = {s: [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in results[s]] for s in results}
+    n = {s: sum(len(t) for t in tokens[s]) for s in tokens}
+    same = sum(a == b for a, b in zip(tokens["plain"], tokens["fewer"]))
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(tokens["plain"], tokens["fewer"])]
+    ends = {s: [ev[-1] for ev in results[s]] for s in results}
+    searches = {s: sum(e.searches for e in ends[s]) for s in ends}
+    saved = sum(e.searches_saved for e in ends["fewer"])
+    rate = {s: n[s] / statistics.median(t) for s, t in times.items()}
+    print(f"{name}: plain {rate['plain']:.1f} tokens/s, fewer {rate['fewer']:.1f} tokens/s, ratio "
+          f"{rate['fewer'] / rate['plain']:.2f}x; searches per token plain {searches['plain'] / n['plain']:.2f}, "
+          f"fewer {searches['fewer'] / n['fewer']:.2f} ({saved / (saved + searches['fewer']):.1%} saved); "
+          f"token-identical {same}/{len(plain)} (first differing token {first}; {n['plain']} tokens)", flush=True)
+
+
+def main() -> None:
+    from datastore import Datastore
+    from memlm.retrieval.compat import check_searcher
+
+    args = parse_args()
+    print("# load:", subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
+          f"| torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
+    bench = _common.load_model(None, False)
+    model, tok = bench.pre.model, bench.pre.tokenizer
+    store = Datastore.open(args.datastore)
+    check_searcher(store.info(), model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tok.fingerprint,
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary)
+    knn = knn_settings(args)
+    prompts = held_apart_prompts(bench, store, args)
+    source = PointerSource.local(successors(store.provenance, len(store)).next_ids, store.values, store.keys)
+    adaptive = gate(args, bench, store) if args.adaptive_gate else None
+    print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({store.info().n} entries, {store.info().index}), "
+          f"k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts of {args.prompt_tokens} "
+          f"tokens from {args.split}, {args.new_tokens} new tokens greedy, batch {args.batch}"
+          + (f", gate {args.adaptive_gate} at fraction {args.adaptive_fraction}" if adaptive else ""), flush=True)
+    engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store)
+    plain = [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=knn) for p in prompts]
+    for m in args.min_pointers:
+        figure(f"pointers min {m}" + (" + gate" if adaptive else ""), engine, plain,
+               Retrieval(PointerConfig(min_pointers=m), source, adaptive), args.repeats)
+    if adaptive is not None:
+        figure("gate alone", engine, plain, Retrieval(adaptive=adaptive), args.repeats)
+
+
+if __name__ == "__main__":
+    main()
