@@ -11,9 +11,10 @@ free cache row. One `step`:
    the prefill chunks (memlm.engine.passes; kv_cache.PackedStep: the weights are read once per step, decode
    rows are not padded);
 5. chooses the next token of those rows at once (memlm.engine.sampling: one kNN-LM search for all that use
-   it, each with its own k, lambda and temperature) and emits TokenEvents; speculative rows then verify
-   their drafts in a pass and a search of their own (memlm.engine.speculative); finished rows emit their
-   GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
+   it, each with its own k, lambda and temperature; rows with fewer searches follow RetoMaton pointers or ask
+   the adaptive gate first and search only where they must, memlm.engine.fewer_rows) and emits TokenEvents;
+   speculative rows then verify their drafts in a pass and a search of their own (memlm.engine.speculative);
+   finished rows emit their GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
 Score requests (ScoreRequest) ride the same steps: fed like a prompt (score_tokens' sliding windows one after
 another, or XL segments), with logits at every position, and answered with memlm.jobs.scoring's SequenceScore
 (memlm.engine.score_rows: its per-token functions, kNN-LM and top-n included, one search for the step's score

@@ -67,7 +67,8 @@ class Row:
     compressed: int = 0
     """Compressive rows: groups compressed so far (memlm.engine.compression)."""
     searches: int = 0
-    """kNN searches made for this row, in queries (kNN-LM: one per chosen token; speculative: one per
+    """kNN searches made for this row, in queries (kNN-LM: one per chosen token, fewer with pointers or a gate,
+    memlm.engine.fewer_rows; speculative: one per
     fed position, or one per step to draft from when the target is the base LM)."""
     pointers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Speculative rows: (m,) int64 datastore entries whose value is the last generated token, aligned
