@@ -45,7 +45,9 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs += [("adaptive", {"fraction": f}) for f in args.fractions]
     runs += [("pointers", {"min_pointers": m}) for m in args.min_pointers]
     runs += [("pointers_kept", {"min_pointers": m, "keep": True}) for m in args.kept_min_pointers]
-    runs += [("clustered", {"min_pointers": m, "clusters": c}) for c in args.clusters for m in args.clustered_min_pointers]
+    kept = {"keep": True} if args.clustered_keep else {}
+    runs += [("clustered", {"min_pointers": m, "clusters": c, **kept}) for c in args.clusters
+             for m in args.clustered_min_pointers]
     keep = {"keep": True} if args.both_keep else {}
     if args.both_clusters:
         keep["clusters"] = args.both_clusters
@@ -95,6 +97,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--clusters", type=int, nargs="*", default=[], help="RetoMaton over clustered states: k-means "
                    "clusters of the datastore's keys, one walk per count and --clustered-min-pointers")
     p.add_argument("--clustered-min-pointers", type=int, nargs="*", default=[1, 4, 16])
+    p.add_argument("--clustered-keep", action="store_true", help="the clustered walks keep the pointers beside each "
+                   "search too (retomaton.py's union)")
     p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
                    "(one of --clusters; 0: pointers alone)")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
