@@ -12,9 +12,9 @@ within max_step_tokens: the rows per step are the key's). Each call gets its own
 A call that comes while its key's batch is running opens the next batch.
 
 Equal to Score alone? The same windows (segments) are run and scored, but in forward passes over more
-rows, which changes float32 rounding only: measured in tests/services/test_lm_engine_score.py, the same
+rows, which changes float32 rounding only: measured when every Score mode went through here (the same
 tokens, greedy flags and alternatives, log-probs equal or 4.8e-7 (2^-21) apart, sliding windows and XL
-segment rows alike.
+segment rows alike); the merging itself is tested in tests/services/test_lm_score_batch.py.
 
 The batch's steps are charged to the client of its first call (one tenant of the model's turns). Its
 work stops (WorkStopped, within one step) only when every call of the batch gave up (cancelled, past its
