@@ -28,7 +28,9 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
    on the pointers before they are extended, as retomaton.py does; the extension adds candidates, so more
    of them survive the next step. Measured on the 81,169-key SOTU datastore (6,000 tokens of 2003+,
    k 1024, 2,000 clusters of ~41 entries): min 4 saves 59% of the searches at +0.6% perplexity, against
-   48% at +2.2% without clusters (benchmarks/search_savings.py).
+   48% at +2.2% without clusters; 500 clusters, min 1: 73.9% at +0.74%; 50 clusters with keep_pointers:
+   79.5% at +0.43%, but reading ~1,600 members' keys per cluster then costs 2.3x the searches it saves
+   (benchmarks/search_savings.py).
 
 Shape legend: N datastore entries, S streams walked together, w candidates per stream (<= k), d key
 dimension, M candidates over all streams, C clusters.
