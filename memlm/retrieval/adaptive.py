@@ -240,7 +240,7 @@ def load_gate(directory: Path) -> tuple[RetrievalGate, GateSettings]:
         raise MemlmError(f"{path} is not a retrieval gate (memlm train-gate writes {GATE_WEIGHTS} and {GATE_SETTINGS})")
     raw = json.loads((path / GATE_SETTINGS).read_text())
     known = {f.name for f in dataclasses.fields(GateConfig)}
-    if not set(raw["config"]) <= known or not set(raw) <= {f.name for f in dataclasses.fields(GateSettings)}:
+    if set(raw["config"]) != known or set(raw) != {f.name for f in dataclasses.fields(GateSettings)}:
         raise MemlmError(f"{path} was written by another version of memlm train-gate; fit the gate again")
     raw["config"] = GateConfig(**raw["config"])
     raw["fitted_documents"] = tuple(raw["fitted_documents"])

@@ -116,3 +116,17 @@ def test_a_saved_gate_reopens_with_the_same_scores(tmp_path, fitted):
     assert same == settings
     x = torch.randn(7, settings.n_features)
     torch.testing.assert_close(again.scores(x), gate.scores(x), rtol=0, atol=0)
+
+
+def test_a_gate_of_an_earlier_train_gate_is_refused_in_one_line(tmp_path, fitted):
+    import json
+
+    from memlm.errors import MemlmError
+
+    gate, settings = fitted
+    path = save_gate(gate, settings, tmp_path / "old")
+    raw = json.loads((path / "settings.json").read_text())
+    del raw["config"]["objective"], raw["config"]["key_components"], raw["key_dim"]  # as the first version wrote it
+    (path / "settings.json").write_text(json.dumps(raw))
+    with pytest.raises(MemlmError, match="another version of memlm train-gate; fit the gate again"):
+        load_gate(path)
