@@ -28,7 +28,7 @@ from collections import deque
 
 import grpc
 
-from memlm.engine.requests import EngineFull, ScoreRequest
+from memlm.engine.requests import FINISH_DEADLINE, EngineFull, ScoreRequest
 from memlm.engine.score_rows import ScoreEnded, join_scores, split
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore, score_tokens
@@ -101,7 +101,7 @@ async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: f
     except asyncio.TimeoutError:
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
     except ScoreEnded as e:
-        code = grpc.StatusCode.DEADLINE_EXCEEDED if e.reason == "deadline" else grpc.StatusCode.CANCELLED
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if e.reason == FINISH_DEADLINE else grpc.StatusCode.CANCELLED
         await context.abort(code, f"{e}; the work was stopped")
     except WorkStopped:  # the batch's search stopped: every caller gave up, its deadline passed or the server closes
         if deadline is not None and time.monotonic() >= deadline:

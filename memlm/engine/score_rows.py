@@ -9,7 +9,9 @@ memlm.jobs.scoring's own per-token function (`_final_scores`, called, not copied
 math inside), and the finished text is assembled by its `_assemble`: the same SequenceScore as the library up
 to float32 rounding of the forward pass (the KV cache attends over preallocated slots, in other batch shapes).
 The step's kNN-LM score rows share one search (memlm.engine.sampling.search_rows: of the largest k asked,
-each row keeping its own nearest k); a failed search ends only the rows that searched.
+each row keeping its own nearest k); a failed search ends only the rows that searched. `passes` keeps each
+score pass's padded (B, T, V) logits within one prefill budget; `split` / `join_scores` let several rows read
+one long text's windows side by side.
 
 Shape legend: B rows in a forward pass, T tokens per row, n scored tokens of a row's chunk, V vocab,
 C key width, k neighbours.
