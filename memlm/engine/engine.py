@@ -278,7 +278,9 @@ class Engine:
             starts = [row.fed for row, _ in group]
             logits, keys, _ = passes.run(self, group, every_position=True)  # (B, T, V), (B, T, C)
             score_rows.take_scores(self, group, starts, logits, keys)
-        prefilling = [(r, n) for r, n in plan if not isinstance(r, ScoreRow)]
+        # Sorted by slot again: a score row that finished above was released and the last row moved into its
+        # slot, and a pass reads its rows as one slice of the cache only when they are in slot order.
+        prefilling = sorted(((r, n) for r, n in plan if not isinstance(r, ScoreRow)), key=lambda p: p[0].slot)
         touched = {id(row) for row, _ in plan}  # by row: a finished score row's release moved another into its slot
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
                     if id(r) not in touched and isinstance(r, Row) and r.to_feed == 1]

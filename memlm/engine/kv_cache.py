@@ -222,7 +222,8 @@ class StepView:
         self.pos = pos.to(device)  # (B, T) int64
         lo, hi = rows[0], rows[-1] + 1
         # Rows next to each other are a view of the cache (no copy); others are gathered once per layer.
-        self.rows = slice(lo, hi) if hi - lo == len(rows) else torch.tensor(rows, device=device)
+        # (A slice only for rows that ARE lo..hi - 1 in order: [0, 3, 2] has three rows in three slots too.)
+        self.rows = slice(lo, hi) if rows == list(range(lo, hi)) else torch.tensor(rows, device=device)
         # Which (row, slot) each real token goes to, picked on the host (a boolean index on the device
         # would wait for it): (n,) each, and the tokens' flat indices into (B * T).
         pos_cpu, real_cpu = pos.cpu(), real.cpu()

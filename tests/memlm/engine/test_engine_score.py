@@ -24,7 +24,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.engine.score_rows import ScoreEnded, ScoreRow, join_scores, split
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig
+from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
 from memlm.memory.config import MemoryConfig
 from memlm.model.config import ModelConfig
@@ -263,3 +263,30 @@ def test_a_decode_row_moved_into_a_finished_score_rows_slot_still_decodes_that_s
         engine.step()
         per_step.append(len(gen.ready()))
     assert engine.slots_in_use == [0] and per_step == [1] * len(per_step)  # a token every step, the last too
+
+
+def test_prompt_rows_never_read_another_rows_cache_after_a_score_leaves() -> None:
+    """A score row that finishes in a step is released before that step's prompt pass, and the last row moves
+    into its slot: the prompt rows were then out of slot order ([0, 3, 2]), read as one slice of the cache, so a
+    prompt attended to a live generation's keys (review of this session: B's first token was D's). Every row
+    must yield exactly what it yields alone."""
+    model = sharp_tiny_model()
+    greedy = SamplingConfig(temperature=0.0)
+
+    def gen(prompt: str, n: int = 6) -> GenerationRequest:
+        return GenerationRequest(tuple(TOK.encode(prompt)), n, sampling=greedy, boundary_token=B)
+
+    def tokens(events) -> list[int]:
+        return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+    X, D = gen("x", 1), gen("d", 12)
+    A = gen("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron")  # > one chunk
+    Bq, C = gen("the union is strong"), gen("a third prompt here")
+    cfg = EngineConfig(max_batch=5, prefill_chunk=64)
+    alone = [tokens(run_all(Engine(model, TOK, cfg), [r])[0]) for r in (A, D, Bq, C)]
+    engine = Engine(model, TOK, cfg)
+    handles = [engine.submit(r) for r in (X, D, A)]  # slots 0 X, 1 D, 2 A
+    engine.step()  # X ends: A moves into slot 0 with prompt left; D decodes from now on
+    handles += [engine.submit(r) for r in (ScoreRequest(tuple(TOK.encode("short")), B), Bq, C)]  # slots 2, 3, 4
+    got = [tokens(list(h.events())) for h in handles]
+    assert [got[2], got[1], got[4], got[5]] == alone
