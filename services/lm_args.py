@@ -2,7 +2,7 @@
 fewer-searches part of KnnOptions (issue 15): adaptive retrieval's threshold or fraction over the gate the
 server loaded (`memlm serve lm --adaptive-gate DIR`, memlm.retrieval.adaptive) and RetoMaton pointers over
 the datastore's successors (memlm.retrieval.pointers; through the retrieval service's Successors rpc when the
-datastore is remote), as `memlm eval --adaptive-* / --pointers --min-pointers` takes them; and Generate's
+datastore is remote, for Score only: generate_retrieval_of), as `memlm eval --adaptive-* / --pointers --min-pointers` takes them; and Generate's
 speculative decoding (`memlm generate --speculative [--draft-tokens N]`), whose drafts read the same successors.
 """
 
@@ -48,6 +48,9 @@ class FewerSources:
     drafts: Callable[[], DraftSource] | None = None
     """Speculative decoding's draft source over the same successors (made at the first speculative call);
     None: speculative refused (no datastore in process)."""
+    remote: bool = False
+    """The pointers are a retrieval service's Successors rpc (services.retrieval_walk.OneGeneration): served to
+    Score only (`generate_retrieval_of` says why)."""
 
 
 NO_FEWER = FewerSources()
@@ -125,6 +128,20 @@ def retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryCo
     return Retrieval(pointers, source, _adaptive(o, sources))
 
 
+def generate_retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryConfig | None,
+                          attribution: int, sources: FewerSources) -> Retrieval | None:
+    """retrieval_of for a Generate request, which refuses pointers through a retrieval service
+    (FAILED_PRECONDITION naming knn.pointers). On the engine a lane's searches go through the lane's searcher
+    and a row's Successors lookups through its own walk, so nothing holds them to one datastore generation
+    (issue 14: compaction renumbers rows, and the walk would follow other documents' rows silently), and the
+    lookup inside a step is bounded by no caller's deadline (issue 9). Score holds both (call_walk)."""
+    retrieval = retrieval_of(o, knn, memory, attribution, sources)
+    if o.pointers and sources.remote:
+        raise InvalidRequest("knn.pointers", "Generate follows pointers over a datastore in process only (this server's "
+                             "is behind a retrieval service: Score follows them there)", FAILED_PRECONDITION)
+    return retrieval
+
+
 def _adaptive(o: lm_pb2.KnnOptions, sources: FewerSources) -> AdaptiveConfig | None:
     if not (o.HasField("adaptive_threshold") or o.HasField("adaptive_fraction")):
         return None
@@ -196,8 +213,8 @@ class GenerateArgs:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding from the datastore (GenerateRequest.speculative / draft_tokens); None: off."""
     retrieval: Retrieval | None = None
-    """Fewer searches (KnnOptions adaptive_* / pointers, issue 15; on the engine, memlm.engine.fewer_rows);
-    None: a search for every token."""
+    """Fewer searches (KnnOptions adaptive_* / pointers, issue 15; on the engine, memlm.engine.fewer_rows;
+    pointers over a datastore in process only: generate_retrieval_of); None: a search for every token."""
 
 
 def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_fingerprint: str,
@@ -206,7 +223,8 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
     another model, key layer or datastore) and the pointers of its searcher: a local datastore.Datastore's
     successors, values and keys (exact pointer distances; made at the first request that asks), or a
     RetrievalClient's Successors rpc (remote: no keys, pointers carry their predecessor's distance; one
-    services.retrieval_walk.OneGeneration a request, which call_walk binds to the call's searches). Speculative
+    services.retrieval_walk.OneGeneration a request, which call_walk binds to the call's searches; Score only,
+    generate_retrieval_of refuses them in Generate). Speculative
     drafts read the same successors table of a local datastore (none through a retrieval service: a
     DraftSource holds whole arrays, not a lookup)."""
     from functools import cache
@@ -248,7 +266,7 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
             return PointerSource(OneGeneration(searcher, searcher), None)
         return local()
 
-    return FewerSources(gate, pointers, None if remote else drafts)
+    return FewerSources(gate, pointers, None if remote else drafts, remote)
 
 
 def call_walk(searcher, retrieval: Retrieval | None):

@@ -42,6 +42,7 @@ from services.lm_args import (
     FewerSources,
     GenerateArgs,
     ScoreArgs,
+    generate_retrieval_of,
     refuse_fewer,
     retrieval_of,
     speculative_of,
@@ -454,7 +455,7 @@ class RequestParser:
                                      self._on_engine(memory))
         if not self._on_engine(memory):  # memlm.engine.fewer_rows: the engine's rows walk pointers and ask the gate
             refuse_fewer(request.knn, "Generate with fewer searches runs on the decoding engine only (memlm's decoder)")
-        retrieval = retrieval_of(request.knn, knn, memory, attribution, self._fewer)
+        retrieval = generate_retrieval_of(request.knn, knn, memory, attribution, self._fewer)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),
                             stop_sequences=list(request.stop_sequences), knn=knn, memory=memory, spalm=spalm,
                             attribution=attribution, speculative=speculative, retrieval=retrieval)

@@ -1,8 +1,9 @@
 """Generate with fewer kNN-LM searches (issue 15): KnnOptions pointers/min_pointers and adaptive_threshold through
 a real LM server on port 0 equal `memlm generate`'s engine path (memlm.engine.fewer_rows with the same Retrieval)
-token for token with the same searches and searches_saved, with the datastore in process and behind a real
-retrieval server (pointers through its Successors rpc, carrying their predecessor's distance); speculative with
-pointers is refused naming the field."""
+token for token with the same searches and searches_saved, with the datastore in process; pointers through a
+real retrieval server (its Successors rpc) are refused with FAILED_PRECONDITION naming knn.pointers (nothing
+holds the lane's searches and a row's lookups to one datastore generation: services.lm_args.generate_retrieval_of),
+and so is speculative with pointers."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ from memlm.retrieval.adaptive import (
     threshold_for_fraction,
 )
 from memlm.retrieval.knnlm import KNNLMConfig
-from memlm.retrieval.pointers import PointerConfig, PointerSource
+from memlm.retrieval.pointers import PointerConfig
 from services.lm_args import FewerSources, server_sources
 from services.lm_client import Finish, KnnRequest, LanguageModelClient, TextDelta
 from services.lm_requests import LMLimits
 from services.lm_server import start_lm_server
 from services.retrieval_client import RetrievalClient
 from services.retrieval_server import create_retrieval_server
-from services.retrieval_successors import successors_by_generation, table_of
+from services.retrieval_successors import successors_by_generation
 from services.server_common import ServiceError
 
 WINDOW = WindowConfig(48, 24, 4)
@@ -121,14 +122,11 @@ def assert_equal(got, want):
         assert (g_end.searches, g_end.searches_saved) == (w_end.searches, w_end.searches_saved)
 
 
-def test_pointer_generate_equals_the_engine_in_process_and_through_the_retrieval_service(tiny, store, servers):
+def test_pointer_generate_equals_the_engine_in_process(tiny, store, servers):
     asked = KnnRequest(pointers=True, min_pointers=1)
     local = rpc(servers["local"], asked)
     assert_equal(local, engine(tiny, store, Retrieval(PointerConfig(min_pointers=1), servers["local_sources"].pointers())))
     assert sum(end.searches_saved for _, end in local) > 0
-    remote = rpc(servers["remote"], asked)
-    carried = engine(tiny, store, Retrieval(PointerConfig(min_pointers=1), PointerSource(table_of(store), None)))
-    assert_equal(remote, carried)  # the remote walk has no keys: pointers carry their predecessor's distance
     plain = rpc(servers["local"], KnnRequest())
     assert all(end.searches_saved == 0 and end.searches > 0 for _, end in plain)
 
@@ -142,6 +140,17 @@ def test_adaptive_generate_equals_the_engine(tiny, store, servers):
         assert_equal(got, engine(tiny, store, Retrieval(*pointers, AdaptiveConfig(net, settings, median)), seed))
         saved = sum(end.searches_saved for _, end in got)
         assert 0 < saved < sum(end.searches + end.searches_saved for _, end in got)
+
+
+def test_pointers_through_a_retrieval_service_are_refused_and_plain_knn_is_served(servers):
+    with LanguageModelClient(servers["remote"]) as c:
+        with pytest.raises(ServiceError) as e:
+            list(c.generate("a fox", max_new_tokens=2, knn=KnnRequest(pointers=True, min_pointers=1)))
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.details.startswith("knn.pointers"), \
+            e.value.details
+        plain = [e for e in c.generate("a fox", max_new_tokens=3, temperature=0.0, knn=KnnRequest())
+                 if isinstance(e, Finish)]
+    assert plain[0].searches == 3 and plain[0].searches_saved == 0
 
 
 def test_refusals_name_the_field(servers):
