@@ -92,6 +92,26 @@ def _submit_some(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], l
     return submitted, None
 
 
+async def _submit(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], deadline: float | None
+                  ) -> tuple[list[tuple[Lane, Stream]], EngineFull | None]:
+    """_submit_some in a worker thread (the lane's first submit builds its engine). When the call is cancelled
+    while the thread submits, every stream the thread submitted is cancelled as soon as it returns: those never
+    reach the caller's `running`, and their rows would read all their windows for nobody (issue 12)."""
+    task = asyncio.ensure_future(asyncio.to_thread(_submit_some, pool, key, requests, asyncio.get_running_loop(),
+                                                   deadline))
+    try:
+        return await asyncio.shield(task)  # the thread goes on when the call is cancelled: its streams are cancelled
+    except asyncio.CancelledError:
+        task.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _cancel_submitted(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        for lane, stream in task.result()[0]:
+            lane.cancel(stream)
+
+
 async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> SequenceScore:
     """The input's SequenceScore; its request's error as a status; DEADLINE_EXCEEDED as soon as the deadline
     passes (the engine's step may be waiting on a remote search)."""
@@ -128,8 +148,7 @@ async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, bou
         while waiting or running:
             if waiting:  # a call over the queue's bound waits for its own rows, never beside a full queue
                 try:
-                    submitted, full = await asyncio.to_thread(_submit_some, pool, key, list(waiting),
-                                                              asyncio.get_running_loop(), deadline)
+                    submitted, full = await _submit(pool, key, list(waiting), deadline)
                 except MemlmError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 for _ in submitted:

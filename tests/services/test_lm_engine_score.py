@@ -215,3 +215,35 @@ def test_score_path_says_where_each_score_runs():
     assert score_path(with_(memory=MemoryConfig("memorizing")), model) == ALONE
     assert score_path(with_(spalm=object()), model) == ALONE
     assert score_path(with_(knn=knn, retrieval=object()), model) == ALONE
+
+
+def test_a_call_cancelled_while_its_inputs_are_submitted_cancels_every_stream_it_submitted(tiny, module_loop,
+                                                                                          monkeypatch):
+    from services import lm_score_engine
+
+    real, submitted, release = lm_score_engine._submit_some, [], threading.Event()
+
+    def held(*args):  # submits, then holds the worker thread until the client has cancelled
+        out = real(*args)
+        submitted.extend(stream for _, stream in out[0])
+        release.wait(WAIT_S)
+        return out
+
+    monkeypatch.setattr(lm_score_engine, "_submit_some", held)
+    address, servicer = start(module_loop, tiny, max_step_tokens=256)
+    with grpc.insecure_channel(address) as channel:
+        call = lm_grpc.LanguageModelServiceStub(channel).Score.future(score(4000, window_tokens=256, stride_tokens=8),
+                                                                      timeout=120)
+        deadline = time.monotonic() + WAIT_S
+        while not submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert submitted
+        call.cancel()
+        time.sleep(0.5)  # the server sees the cancel while the worker thread still holds the submitted streams
+        release.set()
+        deadline = time.monotonic() + WAIT_S
+        while not all(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert call.cancelled()
+    assert all(s.handle.cancelled for s in submitted)  # cancelled, not left to read all their windows
+    assert all(lane.idle for lane in servicer.engines.lanes())
