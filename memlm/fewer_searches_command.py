@@ -17,7 +17,7 @@ from typing import Any
 
 from memlm.errors import MemlmError
 from memlm.jobs.knnlm_pass import Retrieval
-from memlm.options import refuse_given
+from memlm.options import FEWER_SEARCHES_OPTIONS, given, refuse_given
 from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
 from memlm.retrieval.pointers import (
     PointerConfig,
@@ -40,7 +40,7 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
     _check_gate_datastore(args, store, adaptive)
     if not args.pointers:
         return Retrieval(adaptive=adaptive)
-    pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers)
+    pointers = pointer_config(args)
     found = successors(store.provenance, len(store))
     if not found.contiguous:
         print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
@@ -55,8 +55,7 @@ def generation_fewer(args: argparse.Namespace, searcher: Any, model_fingerprint:
     (None, {}) without the flags. remote_pointers: the PointerSource of a retrieval service's Successors rpc
     (the caller makes it: memlm does not import services), None for a local datastore. Prompts are no
     evaluation documents: the gate's overlap rule does not apply."""
-    if not any(getattr(args, name, None) for name in ("pointers", "adaptive_gate", "min_pointers",
-                                                      "pointer_clusters", "adaptive_threshold", "adaptive_fraction")):
+    if not given(args, FEWER_SEARCHES_OPTIONS):  # none set (a value 0 is set: gate_for refuses it without its flag)
         return None, {}
     if searcher is None:
         raise MemlmError("--pointers and --adaptive-* need kNN-LM generation (--datastore or --retrieval)")
@@ -67,11 +66,16 @@ def generation_fewer(args: argparse.Namespace, searcher: Any, model_fingerprint:
         if args.pointer_clusters is not None:
             raise MemlmError("--pointer-clusters needs a local --datastore (the clusters are k-means of its keys)")
         _check_gate_datastore(args, searcher, adaptive)
-        pointers = PointerConfig(min_pointers=args.min_pointers or PointerConfig().min_pointers) if args.pointers else None
+        pointers = pointer_config(args) if args.pointers else None
         retrieval = Retrieval(pointers, remote_pointers if args.pointers else None, adaptive)
     if args.pointers:
         record["min_pointers"] = retrieval.pointers.min_pointers
     return retrieval, {"pointers": bool(args.pointers), **record}
+
+
+def pointer_config(args: argparse.Namespace) -> PointerConfig:
+    """The PointerConfig of --pointers [--min-pointers N]: PointerConfig's own default without the flag."""
+    return PointerConfig() if args.min_pointers is None else PointerConfig(min_pointers=args.min_pointers)
 
 
 def _check_gate_datastore(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfig | None) -> None:

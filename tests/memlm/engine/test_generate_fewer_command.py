@@ -94,6 +94,7 @@ def test_no_savings_is_plain_knnlm_and_savings_are_reported(capsys, tmp_path, st
     (["--pointers"], "need kNN-LM generation"),
     (["--datastore", "STORE", "--min-pointers", "2"], "--min-pointers needs --pointers"),
     (["--datastore", "STORE", "--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
+    (["--datastore", "STORE", "--adaptive-threshold", "0"], "--adaptive-threshold needs --adaptive-gate"),
     (["--datastore", "STORE", "--pointers", "--speculative"], "do not combine with --speculative"),
 ])
 def test_refusals_are_one_line(capsys, store, flags, message) -> None:
