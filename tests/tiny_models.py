@@ -89,3 +89,20 @@ def repeated_phrase_documents(vocab_size: int) -> list[list[int]]:
     rng = np.random.default_rng(1)
     phrases = [rng.integers(2, vocab_size, size=9).tolist() for _ in range(3)]
     return [[t for j in range(n) for t in phrases[(i + j) % 3]] for i, n in enumerate((7, 3, 9, 5))]
+
+
+ENGINE_LOGPROB_RTOL, ENGINE_LOGPROB_ATOL = 1e-5, 1e-6
+"""How far a log-prob from the decoding engine (a Score or Generate row in a shared batch, its cache layout) may
+be from another path's (the library's one-sequence functions, or the same call alone): float32 rounding of
+another summation order only, a few ulps (float32 eps 1.2e-7) with margin. Measured over the four services
+tests that use it (test_lm_server, _windows, test_security, test_lm_engine_score): at most 3.3e-6 (relative
+1.3e-6), 0.13 of the bound; the old 1024-token windows that test_lm_server_windows tells apart: 5.7."""
+
+
+def logprobs_close(got, want) -> bool:
+    """Same length and |got - want| <= ENGINE_LOGPROB_ATOL + ENGINE_LOGPROB_RTOL * |want| for every token (equal
+    infinities are close): the one tolerance of engine-vs-library log-probs in the services tests."""
+    import numpy as np
+
+    g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return g.shape == w.shape and bool(np.isclose(g, w, rtol=ENGINE_LOGPROB_RTOL, atol=ENGINE_LOGPROB_ATOL).all())

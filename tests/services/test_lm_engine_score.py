@@ -3,7 +3,7 @@ rows, share engine steps; each Score equals itself alone.
 
 Real servers on port 0 over the tiny model. Oracle: each call alone on the same server (and the library, in
 tests/memlm/engine/test_engine_score.py and tests/services/test_lm_server.py). A call in a shared batch has the
-same tokens, greedy flags and alternatives as alone, its log-probs within float32 rounding (SHARED_RTOL).
+same tokens, greedy flags and alternatives as alone, its log-probs within float32 rounding (tiny_models.logprobs_close).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
+from tiny_models import logprobs_close
 
 from memlm.jobs.scoring import plan_scored_windows, score_tokens
 from memlm.memory.config import MemoryConfig
@@ -28,9 +28,6 @@ from services.lm_requests import LMLimits
 from services.lm_score_engine import ALONE, BATCHED, ENGINE, score_path
 from services.lm_server import start_lm_server
 
-SHARED_RTOL = 1e-5
-"""|shared - alone| / |alone| of a log-prob: the rows' float32 rounding in a pass over other rows (and, with
-kNN-LM, a search over other queries) - a few ulps (float32 eps 1.2e-7), with margin."""
 WAIT_S = 30.0
 """How long a poll for a state waits (not a latency bound: the assert after the poll decides)."""
 KNN = lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5, temperature=5.0)
@@ -73,8 +70,8 @@ def same(got: lm_pb2.ScoreResponse, want: lm_pb2.ScoreResponse) -> None:
 
     assert exact(got) == exact(want)
     for field in ("logprob", "base_logprob"):
-        np.testing.assert_allclose([getattr(t, field) for x in got.results for t in x.tokens],
-                                   [getattr(t, field) for x in want.results for t in x.tokens], rtol=SHARED_RTOL, atol=1e-6)
+        g, w = ([getattr(t, field) for x in r.results for t in x.tokens] for r in (got, want))
+        assert logprobs_close(g, w), (field, g, w)
 
 
 def steps(servicer) -> int:
@@ -168,7 +165,7 @@ def test_a_call_with_more_inputs_than_the_queue_holds_waits_for_its_own_rows(tin
     want = score_tokens(tiny.model, seqs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer))
     for r, w in zip(got.results, want):
         assert [t.token_id for t in r.tokens] == w.tokens.tolist()
-        np.testing.assert_allclose([t.logprob for t in r.tokens], w.logprob, rtol=SHARED_RTOL, atol=1e-6)
+        assert logprobs_close([t.logprob for t in r.tokens], w.logprob)
 
 
 def test_a_call_that_gives_up_leaves_the_batch_and_the_others_are_served(tiny, module_loop):

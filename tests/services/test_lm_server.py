@@ -15,6 +15,7 @@ import math
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny_models import logprobs_close
 
 from memlm.errors import MemlmError
 from memlm.jobs.evaluate import evaluate_perplexity
@@ -43,8 +44,7 @@ from services.server_common import ServerOptions, ServiceError
 
 def assert_logprobs_close(got: list[float], want: list[float]) -> None:
     """Engine log-probs against the one-sequence path's: float32 rounding of another cache layout only."""
-    assert len(got) == len(want)
-    assert all(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6) for g, w in zip(got, want)), (got, want)
+    assert logprobs_close(got, want), (got, want)
 
 
 def client(address: str) -> LanguageModelClient:

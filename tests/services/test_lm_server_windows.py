@@ -3,7 +3,7 @@ them unset (issue 8: one rule for an artifact's settings; before, the server's o
 
 from __future__ import annotations
 
-import numpy as np
+from tiny_models import logprobs_close
 
 from memlm.jobs.scoring import score_tokens
 from memlm.jobs.windows import WindowConfig
@@ -33,6 +33,6 @@ def test_unset_windows_are_the_datastores(loop_thread):
                             searcher=index if knn else None, knn=knn)[0].logprob.tolist()
 
     # Score runs on the engine (services.lm_score_engine): float32 rounding of its cache layout only.
-    assert np.allclose(got, in_process(48, 24), rtol=1e-5, atol=1e-6)
-    assert np.allclose(no_knn, in_process(48, 24, knn=None), rtol=1e-5, atol=1e-6)  # the datastore's windows
-    assert not np.allclose(got, in_process(1024, 512), rtol=1e-5, atol=1e-6)  # tells them from the old default
+    assert logprobs_close(got, in_process(48, 24))
+    assert logprobs_close(no_knn, in_process(48, 24, knn=None))  # the datastore's windows
+    assert not logprobs_close(got, in_process(1024, 512))  # tells them from the old default

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny_models import logprobs_close
 
 from memlm.jobs.scoring import score_tokens
 from memlm.model.tokenizer import document_boundary
@@ -118,7 +119,7 @@ def test_lm_server_with_tls_and_token_over_a_tls_and_token_retrieval_link(loop_t
         local = score_tokens(pretrained.model, docs, context=48, stride=24,
                              boundary_token=document_boundary(pretrained.tokenizer), searcher=searcher, knn=knn)
         for r, s in zip(remote, local):  # Score runs on the engine: float32 rounding of its cache layout only
-            assert np.allclose([t.logprob for t in r.tokens], s.logprob, rtol=1e-5, atol=1e-6)
+            assert logprobs_close([t.logprob for t in r.tokens], s.logprob)
             assert [t.logprob for t in r.tokens] != [t.base_logprob for t in r.tokens]  # kNN-LM changed them
         for token, detail in ((None, "missing bearer token"), ("ret-token", "wrong bearer token")):
             with LanguageModelClient(address, tls=trust, token=token) as bad, pytest.raises(ServiceError) as e:
