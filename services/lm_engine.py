@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -85,6 +86,7 @@ from services.lm_scheduler import ModelTurns, StepGate
 from services.retrieval_client import RetrievalClient, for_caller
 from services.server_common import ServiceError
 
+T = TypeVar("T")
 _log = logging.getLogger(__name__)
 MAX_LANES = 8
 """Batches (distinct memory settings) running at once; one more setting closes an idle batch or is refused."""
@@ -448,6 +450,20 @@ async def _next_event(stream: Stream, context: grpc.aio.ServicerContext, deadlin
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
+async def submit_in_thread(submit: Callable[[], T], abandon: Callable[[T], None]) -> T:
+    """submit() in a worker thread (a lane's first submit builds its engine), shielded: when the call is cancelled
+    while the thread runs, the thread goes on and what it submitted is given to abandon() as soon as it returns
+    (it would never reach the call's handler, and its rows would run for nobody: issue 12, a cancelled call's
+    rows are free at once). An exception of submit() is raised here, as by a plain await."""
+    task = asyncio.ensure_future(asyncio.to_thread(submit))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda done: None if done.cancelled() or done.exception() is not None
+                               else abandon(done.result()))
+        raise
+
+
 async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationRequest, deadline: float | None,
                             context: grpc.aio.ServicerContext, record: Callable[[GenerationRecord], None],
                             ) -> AsyncIterator[lm_pb2.GenerateResponse]:
@@ -455,9 +471,12 @@ async def stream_generation(pool: EnginePool, key: LaneKey, request: GenerationR
 
     Refused with RESOURCE_EXHAUSTED (retry hint in the message and RETRY_AFTER_KEY) when the server is full.
     record(GenerationRecord) is called once the call ends. The call's request is cancelled when the handler ends
-    for any reason, so its row is free before the next step."""
+    for any reason, so its row is free before the next step (a call cancelled while its request is being
+    submitted too: submit_in_thread)."""
+    loop = asyncio.get_running_loop()
     try:
-        lane, stream = await asyncio.to_thread(pool.submit, key, request, asyncio.get_running_loop(), deadline)
+        lane, stream = await submit_in_thread(lambda: pool.submit(key, request, loop, deadline),
+                                              lambda submitted: submitted[0].cancel(submitted[1]))
     except EngineFull as e:
         ms = retry_after_ms(e)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e.what} at its bound "

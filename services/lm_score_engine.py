@@ -43,6 +43,7 @@ from services.lm_engine import (
     Stream,
     on_engine,
     retry_after_ms,
+    submit_in_thread,
 )
 from services.lm_results import ScoreOutcome
 from services.server_common import ServiceError
@@ -94,22 +95,15 @@ def _submit_some(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], l
 
 async def _submit(pool: EnginePool, key: LaneKey, requests: list[ScoreRequest], deadline: float | None
                   ) -> tuple[list[tuple[Lane, Stream]], EngineFull | None]:
-    """_submit_some in a worker thread (the lane's first submit builds its engine). When the call is cancelled
-    while the thread submits, every stream the thread submitted is cancelled as soon as it returns: those never
-    reach the caller's `running`, and their rows would read all their windows for nobody (issue 12)."""
-    task = asyncio.ensure_future(asyncio.to_thread(_submit_some, pool, key, requests, asyncio.get_running_loop(),
-                                                   deadline))
-    try:
-        return await asyncio.shield(task)  # the thread goes on when the call is cancelled: its streams are cancelled
-    except asyncio.CancelledError:
-        task.add_done_callback(_cancel_submitted)
-        raise
+    """_submit_some in a worker thread; a call cancelled meanwhile cancels every stream it submitted as soon as the
+    thread returns (services.lm_engine.submit_in_thread): they never reach the caller's `running`."""
+    loop = asyncio.get_running_loop()
 
-
-def _cancel_submitted(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is None:
-        for lane, stream in task.result()[0]:
+    def abandon(submitted: tuple[list[tuple[Lane, Stream]], EngineFull | None]) -> None:
+        for lane, stream in submitted[0]:
             lane.cancel(stream)
+
+    return await submit_in_thread(lambda: _submit_some(pool, key, requests, loop, deadline), abandon)
 
 
 async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: float | None) -> SequenceScore:

@@ -304,3 +304,34 @@ def test_batches_of_other_settings_are_bounded(tiny, module_loop):
         assert len(servicer.engines.lanes()) == MAX_LANES
         for stream in running[1:]:
             stream.cancel()
+
+
+def test_a_generate_cancelled_while_its_request_is_submitted_frees_its_row(tiny, module_loop, monkeypatch):
+    """The submit runs in a worker thread; a call cancelled before it returns must still cancel what it submitted
+    (services.lm_engine.submit_in_thread), or the row generates all its tokens for nobody."""
+    from services.lm_engine import EnginePool
+
+    real, submitted, release = EnginePool.submit, [], threading.Event()
+
+    def held(self, *args):  # submits, then holds the worker thread until the client has cancelled
+        out = real(self, *args)
+        submitted.append(out[1])
+        release.wait(WAIT_S)
+        return out
+
+    monkeypatch.setattr(EnginePool, "submit", held)
+    address, servicer = start(module_loop, tiny)
+    with grpc.insecure_channel(address) as channel:
+        call = lm_grpc.LanguageModelServiceStub(channel).Generate(request(ids(8), 400), timeout=120)
+        deadline = time.monotonic() + WAIT_S
+        while not submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert submitted
+        call.cancel()
+        time.sleep(0.5)  # the server sees the cancel while the worker thread still holds the submitted stream
+        release.set()
+        deadline = time.monotonic() + WAIT_S
+        while not all(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert submitted[0].handle.cancelled  # cancelled, not left to generate its 400 tokens
+    assert all(lane.idle for lane in servicer.engines.lanes())
