@@ -142,7 +142,9 @@ def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     benchmarks/generate_speed.py --engine-gemm mkl|onednn). The same float32 products summed in another order:
     SmolLM2's logits over 2 x 256 SOTU tokens differ from transformers' by at most 9e-5 (max |logit| 40), where
     transformers' own eager and SDPA attention differ by 5e-5. bfloat16 and float16 CPU matmuls already run on
-    oneDNN; autograd takes F.linear (oneDNN's op has no backward)."""
+    oneDNN; autograd takes F.linear (oneDNN's op has no backward). On a CPU shared with other jobs give torch
+    free cores: with 2 threads while other processes held a core, oneDNN's parallel GEMMs stalled at their
+    barriers (batch-1 decode 3.8 tokens/s vs 24.8 on MKL's GEMM, load 4; near idle 38.0 vs 25.2)."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
 
