@@ -16,10 +16,12 @@ import contextlib
 import json
 from typing import NamedTuple
 
+import grpc
 import numpy as np
 
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore
+from memlm.jobs.windows import WorkStopped
 from memlm.retrieval.attribution import (
     GenerationSearcher,
     SourcedNeighbors,
@@ -30,6 +32,7 @@ from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOp
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm_scheduler import StepGate
 from services.retrieval_client import RetrievalClient, for_caller
+from services.server_common import ServiceError
 
 
 class CallSearcher:
@@ -130,3 +133,20 @@ class ScoreOutcome(NamedTuple):
     """MEMORY_MODE_SPALM: each sequence's gates (n,); None in the other modes."""
     generations: set[int]
     """The datastore generations that answered its searches (ScoreResponse.datastore_generations)."""
+
+
+LIBRARY_ERRORS = (WorkStopped, ServiceError, MemlmError)
+"""What a call's library work (or its engine rows) may fail with and abort_library_error turns into a status."""
+
+
+async def abort_library_error(context, error: BaseException, expired: bool) -> None:
+    """The one mapping of a call's failed work to its status: WorkStopped (the caller gave up, its deadline passed
+    or the server closes) -> DEADLINE_EXCEEDED when `expired`, else CANCELLED; a remote retrieval service's
+    failure -> its own code; MemlmError -> INVALID_ARGUMENT (the message names the field). Aborts (raises)."""
+    if isinstance(error, WorkStopped):
+        if expired:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
+        await context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled; the work was stopped")
+    if isinstance(error, ServiceError):  # the remote retrieval service failed: pass its code on
+        await context.abort(error.code, f"retrieval service {error.address}: {error.details}")
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

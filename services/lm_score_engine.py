@@ -32,7 +32,6 @@ from memlm.engine.requests import FINISH_DEADLINE, EngineFull, ScoreRequest
 from memlm.engine.score_rows import ScoreEnded, join_scores, split
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore, score_tokens
-from memlm.jobs.windows import WorkStopped
 from memlm.model.decoder import Decoder
 from services.lm_args import ScoreArgs
 from services.lm_engine import (
@@ -45,8 +44,7 @@ from services.lm_engine import (
     retry_after_ms,
     submit_in_thread,
 )
-from services.lm_results import ScoreOutcome
-from services.server_common import ServiceError
+from services.lm_results import LIBRARY_ERRORS, ScoreOutcome, abort_library_error
 
 ENGINE, BATCHED, ALONE = "engine", "batched", "alone"
 """Where a Score runs (score_path; module docstring)."""
@@ -117,14 +115,8 @@ async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: f
     except ScoreEnded as e:
         code = grpc.StatusCode.DEADLINE_EXCEEDED if e.reason == FINISH_DEADLINE else grpc.StatusCode.CANCELLED
         await context.abort(code, f"{e}; the work was stopped")
-    except WorkStopped:  # the batch's search stopped: every caller gave up, its deadline passed or the server closes
-        if deadline is not None and time.monotonic() >= deadline:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
-        await context.abort(grpc.StatusCode.CANCELLED, "the work was stopped")
-    except ServiceError as e:  # the remote retrieval service failed: pass its code on
-        await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
-    except MemlmError as e:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except LIBRARY_ERRORS as e:  # WorkStopped: the batch's search stopped (every caller gave up, or the server closes)
+        await abort_library_error(context, e, deadline is not None and time.monotonic() >= deadline)
 
 
 async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, boundary: int, deadline: float | None,

@@ -45,7 +45,6 @@ from memlm.errors import MemlmError
 from memlm.jobs.generate import generate
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.spalm_scoring import score_spalm, spalm_step
-from memlm.jobs.windows import WorkStopped
 from memlm.memory.config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
 from memlm.model.pretrained import Pretrained
@@ -71,7 +70,13 @@ from services.lm_engine import (
     token_response,
 )
 from services.lm_requests import LMLimits, RequestParser, ScoreArgs
-from services.lm_results import CallSearcher, ScoreOutcome, encode_score
+from services.lm_results import (
+    LIBRARY_ERRORS,
+    CallSearcher,
+    ScoreOutcome,
+    abort_library_error,
+    encode_score,
+)
 from services.lm_scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
 from services.lm_score_batch import BatchStop, ScoreBatcher
 from services.lm_score_engine import BATCHED, ENGINE, score_on_engine, score_path
@@ -79,9 +84,6 @@ from services.retrieval_client import (
     RetrievalClient,
 )
 from services.retrieval_server import info_to_proto
-from services.server_common import (
-    ServiceError,
-)
 
 T = TypeVar("T")
 
@@ -208,14 +210,8 @@ class LanguageModelServicer:
         """
         try:
             return await running
-        except WorkStopped:
-            if stop.expired():
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
-            await context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled; the work was stopped")
-        except ServiceError as e:  # the remote retrieval service failed: pass its code on
-            await context.abort(e.code, f"retrieval service {e.address}: {e.details}")
-        except MemlmError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LIBRARY_ERRORS as e:
+            await abort_library_error(context, e, stop.expired())
 
     def _score_work(self, args: ScoreArgs, gate: StepGate, stop: CallStop | BatchStop) -> ScoreOutcome:
         """The library's Score of `args`, polling `gate` -> scores, SPALM gates (or None), generations searched."""
