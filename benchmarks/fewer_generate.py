@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
-import subprocess
 from pathlib import Path
 
 import _common
-import torch
-from speculative_knnlm import held_apart_prompts, knn_settings, timed
+from speculative_knnlm import held_apart_prompts, knn_settings, open_setting, timed
 
 from memlm.engine.engine import Engine
 from memlm.engine.requests import EngineConfig, GenerationRequest
@@ -93,17 +90,9 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], fewer: Ret
 
 
 def main() -> None:
-    from datastore import Datastore
-    from memlm.retrieval.compat import check_searcher
-
     args = parse_args()
-    print("# load:", subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
-          f"| torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
-    bench = _common.load_model(None, False)
+    bench, store = open_setting(args)
     model, tok = bench.pre.model, bench.pre.tokenizer
-    store = Datastore.open(args.datastore)
-    check_searcher(store.info(), model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tok.fingerprint,
-                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary)
     knn = knn_settings(args)
     prompts = held_apart_prompts(bench, store, args)
     source = PointerSource.local(successors(store.provenance, len(store)).next_ids, store.values, store.keys)

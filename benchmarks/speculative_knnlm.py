@@ -122,11 +122,12 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], spec: Spec
           f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
 
 
-def main() -> None:
+def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
+    """Print the load line, load SmolLM2 and open --datastore, checked against it (this benchmark's and
+    benchmarks/fewer_generate.py's setting)."""
     from datastore import Datastore
     from memlm.retrieval.compat import check_searcher
 
-    args = parse_args()
     print("# load:", subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
           f"| torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
     bench = _common.load_model(None, False)
@@ -134,6 +135,13 @@ def main() -> None:
     store = Datastore.open(args.datastore)
     check_searcher(store.info(), model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tok.fingerprint,
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary)
+    return bench, store
+
+
+def main() -> None:
+    args = parse_args()
+    bench, store = open_setting(args)
+    model, tok = bench.pre.model, bench.pre.tokenizer
     knn = knn_settings(args)
     spec = SpeculativeConfig(draft_tokens=args.draft_tokens, min_agreeing=args.min_agreeing)
     prompts = held_apart_prompts(bench, store, args)
