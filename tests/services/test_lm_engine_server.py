@@ -308,30 +308,29 @@ def test_batches_of_other_settings_are_bounded(tiny, module_loop):
 
 def test_a_generate_cancelled_while_its_request_is_submitted_frees_its_row(tiny, module_loop, monkeypatch):
     """The submit runs in a worker thread; a call cancelled before it returns must still cancel what it submitted
-    (services.lm_engine.submit_in_thread), or the row generates all its tokens for nobody."""
+    (services.lm_engine.submit_in_thread), or the row generates all its tokens for nobody. The worker is held
+    until the client has cancelled, then submits: the request exists only after the cancel."""
     from services.lm_engine import EnginePool
 
-    real, submitted, release = EnginePool.submit, [], threading.Event()
+    real, submitted, entered, release = EnginePool.submit, [], threading.Event(), threading.Event()
 
-    def held(self, *args):  # submits, then holds the worker thread until the client has cancelled
+    def held(self, *args):
+        entered.set()
+        release.wait(WAIT_S)
         out = real(self, *args)
         submitted.append(out[1])
-        release.wait(WAIT_S)
         return out
 
     monkeypatch.setattr(EnginePool, "submit", held)
     address, servicer = start(module_loop, tiny)
     with grpc.insecure_channel(address) as channel:
-        call = lm_grpc.LanguageModelServiceStub(channel).Generate(request(ids(8), 400), timeout=120)
-        deadline = time.monotonic() + WAIT_S
-        while not submitted and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert submitted
+        call = lm_grpc.LanguageModelServiceStub(channel).Generate(request(ids(8), 4000), timeout=120)
+        assert entered.wait(WAIT_S)
         call.cancel()
-        time.sleep(0.5)  # the server sees the cancel while the worker thread still holds the submitted stream
+        time.sleep(0.5)  # the server sees the cancel while the worker thread is still in submit
         release.set()
         deadline = time.monotonic() + WAIT_S
-        while not all(lane.idle for lane in servicer.engines.lanes()) and time.monotonic() < deadline:
+        while not (submitted and all(lane.idle for lane in servicer.engines.lanes())) and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert submitted[0].handle.cancelled  # cancelled, not left to generate its 400 tokens
+    assert submitted and submitted[0].handle.cancelled  # cancelled, not left to generate its tokens for nobody
     assert all(lane.idle for lane in servicer.engines.lanes())
