@@ -145,8 +145,11 @@ def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     oneDNN; autograd takes F.linear (oneDNN's op has no backward). On a CPU shared with other jobs give torch
     free cores: with 2 threads while other processes held a core, oneDNN's parallel GEMMs stalled at their
     barriers (batch-1 decode 3.8 tokens/s vs 24.8 on MKL's GEMM, load 4; near idle 38.0 vs 25.2)."""
+    # Not under torch.compile: Inductor cannot lower mkldnn._linear_pointwise with dynamic shapes (LoweringException)
+    # and picks its own GEMM for F.linear.
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and not torch.compiler.is_compiling())
 
 
 def onednn_off() -> contextlib.AbstractContextManager:
