@@ -33,7 +33,6 @@ on MKL's too (memlm.model.decoder.onednn_off), to show what the kernel gives and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -45,7 +44,7 @@ from forward_throughput import hf_twin
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.model.decoder import onednn_off
+from memlm.model.decoder import CPU_GEMMS, DEFAULT_CPU_GEMM
 from memlm.model.device import synchronize
 from memlm.retrieval.knnlm import KNNLMConfig
 
@@ -73,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--figures", default="1,2,3,4", help="which figures to measure (e.g. 2 for batch-1 only)")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall time, or process CPU time (cpu: "
                    "for a CPU shared with other jobs, with OMP_NUM_THREADS=1; tokens/s then per CPU-second)")
-    p.add_argument("--engine-gemm", default="onednn", choices=sorted(ENGINE_GEMMS),
+    p.add_argument("--engine-gemm", default=DEFAULT_CPU_GEMM, choices=sorted(CPU_GEMMS),
                    help="our side's float32 CPU GEMM: the decoder's default (oneDNN), or MKL's as transformers' nn.Linear")
     _common.add_synthetic_flag(p)
     return p.parse_args()
@@ -109,9 +108,8 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """--clock: wall time, or this process's CPU time (on a shared CPU with one torch thread, the time spent
 working, not waiting for a core other jobs hold; GPU work is not in it)."""
 CLOCK = CLOCKS["wall"]
-ENGINE_GEMMS = {"onednn": contextlib.nullcontext, "mkl": onednn_off}
+ENGINE_GEMM = CPU_GEMMS[DEFAULT_CPU_GEMM]
 """--engine-gemm: the context our side (engine, full recomputation) runs in; transformers' side runs as it is."""
-ENGINE_GEMM = ENGINE_GEMMS["onednn"]
 
 
 def run_engine(engine: Engine, requests: list[GenerationRequest]) -> list:
@@ -312,7 +310,7 @@ def main() -> None:
     global CLOCK, ENGINE_GEMM
     args = parse_args()
     CLOCK = CLOCKS[args.clock]
-    ENGINE_GEMM = ENGINE_GEMMS[args.engine_gemm]
+    ENGINE_GEMM = CPU_GEMMS[args.engine_gemm]
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise SystemExit("--clock cpu measures one CPU thread: run with OMP_NUM_THREADS=1 on --device cpu")
     device = torch.device(args.device)

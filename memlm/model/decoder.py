@@ -159,6 +159,14 @@ def onednn_off() -> contextlib.AbstractContextManager:
     return torch.backends.mkldnn.flags(enabled=False, allow_tf32=None, fp32_precision=None)
 
 
+CPU_GEMMS = {"onednn": contextlib.nullcontext, "mkl": onednn_off}
+"""The CPU float32 GEMM Linear runs, by name (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm): the
+context a command runs in. "onednn" (the default) is the faster kernel on an idle CPU; "mkl" is the one that
+keeps its speed when other processes hold cores (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall
+at their barriers there). The flag is process-wide (torch.backends.mkldnn), so every thread of a server sees it."""
+DEFAULT_CPU_GEMM = "onednn"
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and names) whose CPU float32 inference runs oneDNN's GEMM on the weight as it
     is, without a packed copy (cpu_float32_gemm says when and why)."""

@@ -284,3 +284,33 @@ def test_serve_lm_takes_a_checkpoints_memory_defaults_or_refuses_others(capsys, 
                                                                   MemoryConfig.sink_tokens)
     code, _, err = run(capsys, "serve", "lm", "--model", str(tmp_path / "c"), "--sink-tokens", "4")
     assert code == 1 and "--sink-tokens 4 differs from checkpoint" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("gemm, onednn_enabled", [("mkl", False), ("onednn", True)])
+def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatch, gemm, onednn_enabled):
+    # `memlm --cpu-gemm mkl COMMAND`: the command (a server's threads too: the flag is process-wide) runs with
+    # oneDNN's float32 GEMM off, so the decoder's Linear takes F.linear (memlm.model.decoder.cpu_float32_gemm).
+    import torch
+
+    import memlm.cli
+    from memlm.model.decoder import Linear, cpu_float32_gemm
+
+    seen = {}
+
+    def fake_fetch(name):
+        layer = Linear(4, 3)
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            seen["gemm"] = cpu_float32_gemm(x, layer.weight)
+            seen["out"] = layer(x)
+            seen["reference"] = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        seen["enabled"] = torch.backends.mkldnn.enabled
+
+    before = torch.backends.mkldnn.enabled
+    monkeypatch.setattr(memlm.cli, "cmd_fetch", fake_fetch)
+    code, _, _ = run(capsys, "--cpu-gemm", gemm, "fetch", "anything")
+    assert code == 0
+    assert seen["enabled"] is onednn_enabled and seen["gemm"] is (onednn_enabled and torch.backends.mkldnn.is_available())
+    if not onednn_enabled:
+        assert torch.equal(seen["out"], seen["reference"])  # F.linear itself, bit for bit
+    assert torch.backends.mkldnn.enabled is before
