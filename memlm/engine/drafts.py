@@ -23,6 +23,7 @@ Shape legend: k neighbours, m matching neighbours (chains), L draft length, N da
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,8 @@ from memlm.retrieval.searcher import Neighbors
 
 BASE_POINTERS = ("search", "suffix")
 """SpeculativeConfig.base_pointers' choices."""
+DRAFT_FROM = ("datastore", "history", "both")
+"""SpeculativeConfig.draft_from's choices (`--draft-from`)."""
 SUFFIX_POINTERS = 256
 """Most pointers a suffix match gives (a frequent token ends thousands of entries; the first ones, in
 datastore order, are kept)."""
@@ -52,6 +55,15 @@ class SpeculativeConfig:
     """How a base-LM row finds pointers when it has none (after the prompt, or when its walked ones ran
     out): "search" the draft_k neighbours of its last position's key; "suffix" the entries that end
     with the row's last two tokens (REST's exact suffix match, no search; DraftSource.suffix)."""
+    draft_from: str = "datastore"
+    """Where drafts come from: "datastore" the neighbours' successors (REST); "history" the row's own text
+    (prompt lookup decoding: what followed the latest earlier occurrence of its last tokens,
+    `history_draft`); "both" the history's draft when the row's text has a match (of at least
+    history_min_match tokens), else the datastore's."""
+    history_max_match: int = 3
+    """Longest suffix of the row's text looked up in its own past (longer matches are tried first)."""
+    history_min_match: int = 1
+    """Shortest suffix looked up (with draft_from "both", no match this long leaves the draft to the datastore)."""
     min_agreeing: int = 2
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
@@ -59,11 +71,22 @@ class SpeculativeConfig:
     (benchmarks/speculative_knnlm.py's), 2 keeps 1.31 tokens a pass of 1's 1.32 at 2.2 searches a token
     instead of 3.4 (draft_tokens 4)."""
 
+    @property
+    def uses_datastore(self) -> bool:
+        """Whether drafts read the datastore's successors (so rows keep pointers; a base-LM row searches or
+        looks up the suffix index for them)."""
+        return self.draft_from != "history"
+
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
             raise MemlmError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
         if self.base_pointers not in BASE_POINTERS:
             raise MemlmError(f"base_pointers must be one of {', '.join(BASE_POINTERS)}, got {self.base_pointers!r}")
+        if self.draft_from not in DRAFT_FROM:
+            raise MemlmError(f"--draft-from must be one of {', '.join(DRAFT_FROM)}, got {self.draft_from!r}")
+        if not 1 <= self.history_min_match <= self.history_max_match:
+            raise MemlmError("history matches need 1 <= history_min_match <= history_max_match, got "
+                             f"{self.history_min_match}, {self.history_max_match}")
         if self.draft_k < 1 or self.min_agreeing < 1:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
 
@@ -184,6 +207,43 @@ def draft_from(pointers: np.ndarray, source: DraftSource, length: int, min_agree
     """The draft the engine verifies after the pointers' token (at most `length` tokens; () when fewer than
     min_agreeing pointers agree on its first token)."""
     return best_draft(draft_chains(pointers, source, length), min_agreeing) if length > 0 else ()
+
+
+def history_draft(text: Sequence[int], length: int, max_match: int, min_match: int) -> tuple[tuple[int, ...], int]:
+    """Prompt lookup decoding (Saxena 2023; LLMA, Yang et al. 2023; the document's own past as a datastore,
+    as the continuous cache of Grave et al. 2017): the longest suffix of `text` (max_match down to min_match
+    tokens) that also occurs earlier in it, and the tokens that followed its latest earlier occurrence, at
+    most `length`. Returns (draft, the match's length); ((), 0) when no suffix recurs.
+
+    The latest occurrence, not the first: a small greedy model that repeats itself repeats its latest
+    phrase. When the continuation runs into the suffix itself (the text has period P = the distance between
+    the two occurrences, shorter than the draft), the draft goes on with that period: tokens
+    text[s + n + (i mod P)], the text's own continuation if the period holds."""
+    if length < 1 or len(text) < 2:
+        return (), 0
+    arr = np.asarray(text, dtype=np.int64)  # (L,)
+    L = arr.shape[0]
+    for n in range(min(max_match, L - 1), min_match - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # (L-n, n): starts 0 .. L-1-n
+        hits = np.flatnonzero((windows == arr[L - n :]).all(axis=1))  # earlier occurrences of the suffix
+        if hits.size:
+            after = int(hits[-1]) + n  # the latest one's next token (<= L - 1)
+            period = L - after
+            return tuple(arr[after + np.arange(length) % period].tolist()), n
+    return (), 0
+
+
+def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
+              spec: SpeculativeConfig) -> tuple[int, ...]:
+    """The draft a row verifies after its `text` (boundary, prompt, generated; pointers: memlm.engine.rows.Row's)
+    under spec.draft_from, at most `length` tokens."""
+    if length < 1:
+        return ()
+    if spec.draft_from != "datastore":
+        draft, _ = history_draft(text, length, spec.history_max_match, spec.history_min_match)
+        if draft or spec.draft_from == "history":
+            return draft
+    return draft_from(pointers, source, length, spec.min_agreeing)
 
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:

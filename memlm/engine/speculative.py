@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.engine import passes
-from memlm.engine.drafts import DraftSource, advance, draft_from, matching
+from memlm.engine.drafts import DraftSource, advance, matching, row_draft
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import GenerationRequest
 from memlm.engine.rows import Row
@@ -115,7 +115,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     for row in rows:  # cut: no slide inside the pass, nothing drafted past max_new_tokens
         spec = row.handle.request.speculative
         cap = min(spec.draft_tokens, ring - row.cached - 1, row.steps_left - 1)
-        drafts.append(draft_from(row.pointers, source, cap, spec.min_agreeing))
+        drafts.append(row_draft(row.tokens, row.pointers, source, cap, spec))
     starts = [row.fed for row in rows]
     for row, d in zip(rows, drafts):
         row.tokens += d  # fed by this pass, taken back below
@@ -191,7 +191,7 @@ def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], knn: list
         if c is not None:
             queries.append(keys[b])  # (1+n, C)
             configs += [c] * keys[b].shape[0]
-        elif walked[b].size == 0 and not _by_suffix(row, engine.drafts):
+        elif walked[b].size == 0 and _by_search(row, engine.drafts):
             queries.append(keys[b][accepted[b][1] : accepted[b][1] + 1])  # (1, C)
             configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
         else:
@@ -228,7 +228,13 @@ def _next_pointers(row: Row, accepted: tuple[list[int], int], neighbors: Neighbo
 
 def _by_suffix(row: Row, source: DraftSource) -> bool:
     """Whether a base-LM row without pointers takes them from the suffix index (no search)."""
-    return row.handle.request.speculative.base_pointers == "suffix" and source.suffix is not None
+    spec = row.handle.request.speculative
+    return spec.uses_datastore and spec.base_pointers == "suffix" and source.suffix is not None
+
+
+def _by_search(row: Row, source: DraftSource) -> bool:
+    """Whether a base-LM row without pointers searches for them (draft_k neighbours of its last key)."""
+    return row.handle.request.speculative.uses_datastore and not _by_suffix(row, source)
 
 
 def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingConfig, generator: torch.Generator,
@@ -289,7 +295,7 @@ def draft_first(engine: Engine, ready: list[Row], neighbors: list[Neighbors | No
     for b in alive:
         if neighbors[b] is None and _by_suffix(ready[b], engine.drafts):
             ready[b].pointers = engine.drafts.suffix.pointers(ready[b].tokens[-2:])
-    base = [b for b in alive if neighbors[b] is None and not _by_suffix(ready[b], engine.drafts)]
+    base = [b for b in alive if neighbors[b] is None and _by_search(ready[b], engine.drafts)]
     if base:
         configs = [KNNLMConfig(k=ready[b].handle.request.speculative.draft_k) for b in base]
         try:

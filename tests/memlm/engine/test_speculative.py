@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_models import own_text_datastore, sharp_tiny_model
+from tiny_models import own_text_datastore, phrase_documents, sharp_tiny_model
 
 from memlm.engine.drafts import (
     DraftSource,
@@ -78,13 +78,17 @@ def engine(setting, max_batch: int = 4, **config) -> Engine:
     return Engine(model, TOK, EngineConfig(max_batch=max_batch, **config), searcher, drafts)
 
 
-@pytest.mark.parametrize(("knn", "base_pointers"), [(KNN, "search"), (KNN_LOW, "search"), (None, "search"),
-                                                   (None, "suffix")],
-                         ids=["knnlm", "knnlm-cut", "base-drafting", "base-drafting-by-suffix"])
-def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, base_pointers) -> None:
+@pytest.mark.parametrize(("knn", "base_pointers", "draft_from"),
+                         [(KNN, "search", "datastore"), (KNN_LOW, "search", "datastore"), (None, "search", "datastore"),
+                          (None, "suffix", "datastore"), (KNN, "search", "history"), (KNN_LOW, "search", "history"),
+                          (None, "search", "history"), (KNN, "search", "both"), (KNN_LOW, "search", "both"),
+                          (None, "search", "both")],
+                         ids=["knnlm", "knnlm-cut", "base-drafting", "base-drafting-by-suffix", "knnlm-history",
+                              "knnlm-cut-history", "base-history", "knnlm-both", "knnlm-cut-both", "base-both"])
+def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, base_pointers, draft_from) -> None:
     plain = [GenerationRequest(p, 24 + i % 7, GREEDY, boundary_token=BOUNDARY, knn=knn)
              for i, p in enumerate(prompts(setting[3], 24))]
-    config = dataclasses.replace(SPEC, base_pointers=base_pointers)
+    config = dataclasses.replace(SPEC, base_pointers=base_pointers, draft_from=draft_from)
     spec = [dataclasses.replace(r, speculative=config) for r in plain]
     want = run_all(engine(setting), plain)
     got = run_all(engine(setting), spec)
@@ -95,15 +99,17 @@ def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, b
             dataclasses.replace(w[-1], searches=0)
     ends = [g[-1] for g in got]
     assert all(e.mean_accepted_tokens >= 1 for e in ends)
-    # Drafts are taken: cuts of the datastore's texts go on as the texts do, several tokens a pass.
+    # Drafts are taken: cuts of the datastore's texts go on as the texts do, several tokens a pass. The tiny
+    # random model's text seldom repeats itself, so history drafts are mostly rejected (the rejection path),
+    # and some are accepted (the acceptance path: more tokens than passes).
     steps = sum(e.verify_steps for e in ends)
-    assert sum(e.verified_tokens for e in ends) / steps > 2.0
+    assert sum(e.verified_tokens for e in ends) / steps > (2.0 if draft_from == "datastore" else 1.0)
     assert all(e.verified_tokens == e.completion_tokens - 1 for e in ends)  # all but the first (no slide here)
     if knn is not None:  # plain kNN-LM searches once a token; speculative once a fed position
         assert [w[-1].searches for w in want] == [w[-1].completion_tokens for w in want]
         assert all(e.searches >= e.completion_tokens for e in ends)
-    elif base_pointers == "suffix":
-        assert all(e.searches == 0 for e in ends)  # the datastore drafts without a search
+    elif base_pointers == "suffix" or draft_from == "history":
+        assert all(e.searches == 0 for e in ends)  # drafts without a search
     else:
         assert all(w[-1].searches == 0 for w in want)
         # one search after the prompt, then only when a row's pointers ran out: at most one a pass
@@ -290,3 +296,86 @@ def test_a_failed_search_ends_the_speculative_knn_rows_only(setting) -> None:
         list(handles[0].events())
     alone = tokens(run_all(engine(setting, max_batch=1), [base])[0])
     assert tokens(list(handles[1].events())) == alone and tokens(list(handles[2].events())) == alone
+
+
+def _history_oracle(text: list[int], length: int, max_match: int, min_match: int) -> tuple[tuple[int, ...], int]:
+    """history_draft by brute force: for n = max_match .. min_match, the last start s < len - n with
+    text[s:s+n] == text[-n:]; then text, extended by itself, read from s + n (the text's continuation as if it
+    went on the way it went on after s: token i is the one after text[s + n + i - 1] at the same distance)."""
+    for n in range(min(max_match, len(text) - 1), min_match - 1, -1):
+        starts = [s for s in range(len(text) - n) if text[s : s + n] == text[len(text) - n :]]
+        if starts:
+            out = list(text)
+            after = starts[-1] + n
+            for i in range(length):  # copy forwards: the continuation repeats what followed the occurrence
+                out.append(out[after + i])
+            return tuple(out[len(text) :]), n
+    return (), 0
+
+
+def test_history_draft_is_the_continuation_of_the_latest_earlier_match() -> None:
+    from memlm.engine.drafts import history_draft
+
+    # The longest suffix that recurs wins; its latest earlier occurrence's continuation is drafted.
+    text = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert history_draft(text, 4, 3, 1) == ((7, 8, 5, 2), 2)  # "2 3" last at 6..7; 3-token suffix "5 2 3" absent
+    assert history_draft(text, 2, 1, 1) == ((7, 8), 1)  # "3" alone: latest earlier occurrence at 7
+    assert history_draft(text, 4, 3, 3) == ((), 0)  # no 3-token match
+    assert history_draft([4, 5, 6, 4, 5], 5, 2, 1) == ((6, 4, 5, 6, 4), 2)  # period 3 goes on past the text's end
+    assert history_draft([7, 7, 7], 3, 3, 1) == ((7, 7, 7), 2)
+    assert history_draft([1, 2], 3, 2, 1) == ((), 0) and history_draft([5], 3, 2, 1) == ((), 0)
+    assert history_draft(text, 0, 3, 1) == ((), 0)
+    rng = random.Random(0)
+    for _ in range(500):  # against brute force over small alphabets (many repeats)
+        seq = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(rng.randrange(1, 40))]
+        length, mx = rng.randrange(1, 9), rng.randrange(1, 5)
+        mn = rng.randrange(1, mx + 1)
+        assert history_draft(seq, length, mx, mn) == _history_oracle(seq, length, mx, mn), (seq, length, mx, mn)
+
+
+def test_row_draft_takes_the_history_then_the_datastore() -> None:
+    from memlm.engine.drafts import row_draft
+
+    values = np.array([5, 6, 7, 8], dtype=np.int32)
+    source = DraftSource(np.array([1, 2, 3, -1]), values)
+    pointers = np.array([0])  # after token 5: the datastore drafts 6 7 8
+    spec = SpeculativeConfig(min_agreeing=1, history_min_match=2)
+    repeats = [1, 3, 4, 1, 3, 5]  # "1 3" recurs: the history drafts 4 1 3 ...
+    plain = [2, 3, 4, 1, 3, 5]  # no 2-token suffix recurs
+    assert row_draft(repeats, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore" (the default)
+    assert row_draft(repeats, pointers, source, 3, dataclasses.replace(spec, draft_from="history")) == ()
+    assert row_draft([*repeats[:-1]], pointers, source, 3, dataclasses.replace(spec, draft_from="history")) == (4, 1, 3)
+    both = dataclasses.replace(spec, draft_from="both")
+    assert row_draft(repeats[:-1], pointers, source, 3, both) == (4, 1, 3)
+    assert row_draft(plain, pointers, source, 3, both) == (6, 7, 8)  # no match: the datastore's
+    assert row_draft(repeats[:-1], pointers, source, 0, both) == ()  # never past the cap
+    with pytest.raises(MemlmError, match="--draft-from"):
+        SpeculativeConfig(draft_from="ngram")
+    with pytest.raises(MemlmError, match="history_min_match"):
+        SpeculativeConfig(history_min_match=3, history_max_match=2)
+
+
+@pytest.mark.parametrize("draft_from", ["history", "both"])
+def test_history_drafts_of_a_repeating_text_are_taken_and_never_run_past_the_row(draft_from) -> None:
+    """kNN-LM over a datastore of phrase-repeating documents goes on repeating the prompt's phrase, which the
+    row's own text then drafts (prompt lookup): the continuation is the document's, several tokens a pass,
+    token for token plain greedy's, and a max_new_tokens or a stop inside a history draft ends it where
+    plain decoding does (the draft is cut at max_new_tokens: every completion token but the first verified)."""
+    model = sharp_tiny_model()
+    docs = [[BOUNDARY, *d] for d in phrase_documents(6, 60)]
+    searcher, drafts = own_text_datastore(model, docs)
+    spec = dataclasses.replace(SPEC, draft_from=draft_from)
+    eng = Engine(model, TOK, EngineConfig(max_batch=4), searcher, drafts)
+    plain = [GenerationRequest(tuple(d[1:30]), 30, GREEDY, boundary_token=BOUNDARY, knn=KNN) for d in docs]
+    want = run_all(eng, plain)
+    got = run_all(eng, [dataclasses.replace(r, speculative=spec) for r in plain])
+    assert [tokens(g) for g in got] == [tokens(w) for w in want] == [d[30:60] for d in docs]
+    ends = [g[-1] for g in got]
+    assert sum(e.verified_tokens for e in ends) / sum(e.verify_steps for e in ends) > 4
+    assert [e.searches for e in ends] == [e.completion_tokens for e in ends]  # right drafts: one search a token
+    cut = [dataclasses.replace(plain[0], max_new_tokens=n) for n in (1, 2, 3, 5, 9, 14)]
+    cut.append(dataclasses.replace(plain[0], stop_sequences=(TOK.decode(docs[0][36:38]),)))
+    for r in cut:
+        w, g = run_all(eng, [r])[0], run_all(eng, [dataclasses.replace(r, speculative=spec)])[0]
+        assert tokens(g) == tokens(w) and [e.text_delta for e in g] == [e.text_delta for e in w]
+        assert g[-1].reason == w[-1].reason and g[-1].verified_tokens == g[-1].completion_tokens - 1
