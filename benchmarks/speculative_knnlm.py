@@ -1,23 +1,25 @@
-"""Speculative kNN-LM decoding from the datastore (issue 15 part 3, REST, He et al. 2023): greedy tokens/s
-with drafts vs without, the same engine, weights and datastore, measured side by side in this one run.
+"""Speculative kNN-LM decoding (issue 15 part 3): greedy tokens/s with drafts vs without, the same engine,
+weights and datastore, measured side by side in this one run; drafts from the datastore (REST, He et al.
+2023), from the row's own text (prompt lookup decoding) or both (memlm.engine.drafts, --draft-from).
 
 Setting: the SOTU kNN-LM setting of scripts/demo.sh (the datastore of the 1990-2000 speeches, lambda and
 T tuned on 2001-2002, read from the run's knnlm.json beside the datastore); the prompts are cut from the
 evaluation split's speeches (year >= 2003, --split), never from the datastore's (checked: no prompt
 speech's fingerprint is in the datastore's documents table; --in-datastore lifts that for an upper bound,
-REST's premise that the continuation is in the datastore, and says so). Two figures, each a ratio in one run:
-1. greedy kNN-LM (the interpolated target, one search per token) vs speculative kNN-LM (drafts from the
-   neighbours' successors, every fed position searched in one batched search per step);
-2. the base LM vs the base LM drafting from the datastore (the datastore only drafts: a search only when a
-   row's pointers ran out);
-3. the same with pointers from the suffix index when they ran out (REST's exact match, no search).
-Each prints tokens/s of both sides, the ratio, mean accepted tokens (tokens per verifying forward pass),
-searches per token, and whether every continuation is token-identical (it must be). Sides alternate over
---repeats rounds (the median per side); the machine's load is printed (`uptime`), figures are noisy on a
-shared CPU.
+REST's premise that the continuation is in the datastore, and says so). Figures, each ratios in one run, one line per draft source of --draft-from against the same plain side:
+1. greedy kNN-LM (the interpolated target, one search per token) vs speculative kNN-LM (every fed position
+   searched in one batched search per step; drafts from the neighbours' successors and/or the row's text);
+2. the base LM vs the base LM drafting (from the datastore: a search only when a row's pointers ran out);
+3. the same with the datastore's pointers from the suffix index when they ran out (REST's exact match, no
+   search).
+Each line prints tokens/s of both sides, the ratio, mean accepted tokens (tokens per verifying forward pass),
+searches per token, and whether every continuation is token-identical (it must be). Within a figure the
+sides alternate (plain, then each source) over --repeats rounds (the median per side); the machine's load is
+printed (`uptime`), figures are noisy on a shared CPU.
 
-    python benchmarks/speculative_knnlm.py [--datastore /tmp/demo_v4/ds-sotu-1990-2000] [--prompts 8]
-        [--prompt-tokens 64] [--new-tokens 64] [--draft-tokens 4] [--min-agreeing 2] [--batch 1] [--repeats 1] [--quick]
+    python benchmarks/speculative_knnlm.py [--datastore ~/.cache/memlm/demo/ds-sotu-1990-2000] [--prompts 8]
+        [--prompt-tokens 64] [--new-tokens 64] [--draft-from datastore,history,both] [--draft-tokens N]
+        [--min-agreeing 2] [--figures 1,2] [--batch 1] [--repeats 2] [--quick]
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ from pathlib import Path
 import _common
 import torch
 
-from memlm.engine.drafts import SpeculativeConfig, draft_source
+from memlm.engine.drafts import DRAFT_FROM, SpeculativeConfig, draft_source
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.retrieval.knnlm import KNNLMConfig
 
 GREEDY = SamplingConfig(temperature=0.0)
-DEFAULT_DATASTORE = "/tmp/demo_v4/ds-sotu-1990-2000"
+DEFAULT_DATASTORE = str(Path.home() / ".cache/memlm/demo/ds-sotu-1990-2000")
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,11 +55,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--draft-from", default=",".join(DRAFT_FROM),
+                   help=f"draft sources to measure, comma-separated ({', '.join(DRAFT_FROM)}), each against the "
+                        "same plain side")
     p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
     p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
-    p.add_argument("--repeats", type=int, default=1, help="alternating rounds per side (median)")
-    p.add_argument("--figures", default="1,2,3", help="1: kNN-LM, 2: the base LM drafting (pointers by search), "
+    p.add_argument("--repeats", type=int, default=2, help="alternating rounds per side (median)")
+    p.add_argument("--figures", default="1,2", help="1: kNN-LM, 2: the base LM drafting (pointers by search), "
                    "3: the same with pointers by suffix match")
     p.add_argument("--in-datastore", action="store_true",
                    help="allow prompts from the datastore's own speeches (with --split 1990<=year<=2000): an upper "
@@ -100,26 +105,41 @@ def timed(engine: Engine, requests: list[GenerationRequest]) -> tuple[float, lis
     return time.perf_counter() - start, results
 
 
-def figure(name: str, engine: Engine, plain: list[GenerationRequest], spec: SpeculativeConfig, repeats: int) -> None:
-    """Plain vs speculative over the same requests, alternating; prints the figure's line."""
-    drafted = [dataclasses.replace(r, speculative=spec) for r in plain]
-    times: dict[str, list[float]] = {"plain": [], "speculative": []}
+def timed_both(engine: Engine, requests: list[GenerationRequest]) -> tuple[float, float, list[list]]:
+    """Wall seconds, this process's CPU seconds (one torch and FAISS thread: what other jobs on a shared CPU
+    do not stretch, but for memory bandwidth), and the events of `requests`."""
+    cpu = time.process_time()
+    seconds, results = timed(engine, requests)
+    return seconds, time.process_time() - cpu, results
+
+
+def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dict[str, SpeculativeConfig],
+           repeats: int) -> None:
+    """Plain vs speculative with each draft source over the same requests, alternating (plain, then each
+    source, per round); prints one line per source."""
+    sides = {"plain": plain, **{src: [dataclasses.replace(r, speculative=c) for r in plain] for src, c in specs.items()}}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}
     results: dict[str, list[list]] = {}
     for _ in range(repeats):
-        for side, reqs in (("plain", plain), ("speculative", drafted)):
-            seconds, results[side] = timed(engine, reqs)
+        for side, reqs in sides.items():
+            seconds, cpu_seconds, results[side] = timed_both(engine, reqs)
             times[side].append(seconds)
+            cpu[side].append(cpu_seconds)
     tokens = {s: [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in results[s]] for s in results}
     n = sum(len(t) for t in tokens["plain"])
-    same = sum(a == b for a, b in zip(tokens["plain"], tokens["speculative"]))
-    ends = [ev[-1] for ev in results["speculative"]]
-    passes, verified = sum(e.verify_steps for e in ends), sum(e.verified_tokens for e in ends)
     rate = {s: n / statistics.median(t) for s, t in times.items()}
-    print(f"{name}: plain {rate['plain']:.1f} tokens/s, speculative {rate['speculative']:.1f} tokens/s, "
-          f"ratio {rate['speculative'] / rate['plain']:.2f}x; mean accepted tokens "
-          f"{verified / passes:.2f}; searches per token plain "
-          f"{sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
-          f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
+    cpu_rate = {s: n / statistics.median(t) for s, t in cpu.items()}
+    for src in specs:
+        same = sum(a == b for a, b in zip(tokens["plain"], tokens[src]))
+        ends = [ev[-1] for ev in results[src]]
+        passes, verified = sum(e.verify_steps for e in ends), sum(e.verified_tokens for e in ends)
+        print(f"{name}, drafts from {src}: plain {rate['plain']:.1f} tokens/s, speculative {rate[src]:.1f} tokens/s, "
+              f"ratio {rate[src] / rate['plain']:.2f}x (CPU clock {cpu_rate[src] / cpu_rate['plain']:.2f}x); mean accepted tokens {verified / passes:.2f}; searches per "
+              f"token plain {sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
+              f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
+    print(f"# {name}: wall / CPU seconds per round " + "; ".join(
+        f"{s} " + " ".join(f"{t:.1f}/{c:.1f}" for t, c in zip(times[s], cpu[s])) for s in sides), flush=True)
 
 
 def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
@@ -143,26 +163,31 @@ def main() -> None:
     bench, store = open_setting(args)
     model, tok = bench.pre.model, bench.pre.tokenizer
     knn = knn_settings(args)
-    spec = SpeculativeConfig(draft_tokens=args.draft_tokens, min_agreeing=args.min_agreeing)
+    sources = args.draft_from.split(",")
+    specs = {src: SpeculativeConfig(draft_tokens=args.draft_tokens, min_agreeing=args.min_agreeing, draft_from=src)
+             for src in sources}
+    spec = specs[sources[0]]
     prompts = held_apart_prompts(bench, store, args)
     if args.in_datastore:
         print("# --in-datastore: prompts may come from the datastore's own speeches; NOT the held-apart figure")
     print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({store.info().n} entries, "
           f"{store.info().index}), k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts "
           f"of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens greedy, batch "
-          f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}",
+          f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
+          f"history matches {spec.history_max_match}..{spec.history_min_match} (first from {spec.history_first_match}); "
+          f"{args.repeats} rounds",
           flush=True)
     engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store,
                     draft_source(store.provenance, store.values))
     figures = {int(f) for f in args.figures.split(",")}
-    suffix = dataclasses.replace(spec, base_pointers="suffix")
-    for number, name, setting, config in ((1, "1. kNN-LM", knn, spec),
-                                          (2, "2. base LM drafting from the datastore (pointers by search)", None, spec),
-                                          (3, "3. base LM drafting from the datastore (pointers by suffix)", None, suffix)):
-        if number in figures:
+    suffix = {src: dataclasses.replace(c, base_pointers="suffix") for src, c in specs.items() if c.uses_datastore}
+    for number, name, setting, configs in ((1, "1. kNN-LM", knn, specs),
+                                           (2, "2. base LM drafting (pointers by search)", None, specs),
+                                           (3, "3. base LM drafting (pointers by suffix)", None, suffix)):
+        if number in figures and configs:
             plain = [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=setting)
                      for p in prompts]
-            figure(name, engine, plain, config, args.repeats)
+            figure(name, engine, plain, configs, args.repeats)
 
 
 if __name__ == "__main__":

@@ -58,12 +58,15 @@ class SpeculativeConfig:
     draft_from: str = "datastore"
     """Where drafts come from: "datastore" the neighbours' successors (REST); "history" the row's own text
     (prompt lookup decoding: what followed the latest earlier occurrence of its last tokens,
-    `history_draft`); "both" the history's draft when the row's text has a match (of at least
-    history_min_match tokens), else the datastore's."""
+    `history_draft`); "both" the history's draft when the row's text has a match of at least
+    history_first_match tokens, else the datastore's, else a shorter history match's (`row_draft`)."""
     history_max_match: int = 3
     """Longest suffix of the row's text looked up in its own past (longer matches are tried first)."""
     history_min_match: int = 1
-    """Shortest suffix looked up (with draft_from "both", no match this long leaves the draft to the datastore)."""
+    """Shortest suffix of the row's text drafted from."""
+    history_first_match: int = 2
+    """draft_from "both": a history match of at least this many tokens goes before the datastore's draft (a
+    one-token match is often a common token, where the datastore's chains say more)."""
     min_agreeing: int = 2
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
@@ -84,9 +87,10 @@ class SpeculativeConfig:
             raise MemlmError(f"base_pointers must be one of {', '.join(BASE_POINTERS)}, got {self.base_pointers!r}")
         if self.draft_from not in DRAFT_FROM:
             raise MemlmError(f"--draft-from must be one of {', '.join(DRAFT_FROM)}, got {self.draft_from!r}")
-        if not 1 <= self.history_min_match <= self.history_max_match:
-            raise MemlmError("history matches need 1 <= history_min_match <= history_max_match, got "
-                             f"{self.history_min_match}, {self.history_max_match}")
+        if not 1 <= self.history_min_match <= self.history_max_match or self.history_first_match < 1:
+            raise MemlmError("history matches need 1 <= history_min_match <= history_max_match and "
+                             f"history_first_match >= 1, got {self.history_min_match}, {self.history_max_match}, "
+                             f"{self.history_first_match}")
         if self.draft_k < 1 or self.min_agreeing < 1:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
 
@@ -239,11 +243,12 @@ def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, le
     under spec.draft_from, at most `length` tokens."""
     if length < 1:
         return ()
-    if spec.draft_from != "datastore":
-        draft, _ = history_draft(text, length, spec.history_max_match, spec.history_min_match)
-        if draft or spec.draft_from == "history":
-            return draft
-    return draft_from(pointers, source, length, spec.min_agreeing)
+    if spec.draft_from == "datastore":
+        return draft_from(pointers, source, length, spec.min_agreeing)
+    history, matched = history_draft(text, length, spec.history_max_match, spec.history_min_match)
+    if spec.draft_from == "history" or matched >= spec.history_first_match:
+        return history
+    return draft_from(pointers, source, length, spec.min_agreeing) or history
 
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:

@@ -339,16 +339,22 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
     values = np.array([5, 6, 7, 8], dtype=np.int32)
     source = DraftSource(np.array([1, 2, 3, -1]), values)
     pointers = np.array([0])  # after token 5: the datastore drafts 6 7 8
-    spec = SpeculativeConfig(min_agreeing=1, history_min_match=2)
-    repeats = [1, 3, 4, 1, 3, 5]  # "1 3" recurs: the history drafts 4 1 3 ...
-    plain = [2, 3, 4, 1, 3, 5]  # no 2-token suffix recurs
-    assert row_draft(repeats, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore" (the default)
-    assert row_draft(repeats, pointers, source, 3, dataclasses.replace(spec, draft_from="history")) == ()
-    assert row_draft([*repeats[:-1]], pointers, source, 3, dataclasses.replace(spec, draft_from="history")) == (4, 1, 3)
+    spec = SpeculativeConfig(min_agreeing=1)
+    two = [1, 3, 4, 1, 3]  # "1 3" recurs: the history drafts 4 1 3 (a 2-token match)
+    one = [2, 3, 4, 1, 3]  # only "3" recurs: 4 1 3 from a 1-token match
+    none = [2, 3, 4, 1, 6]  # nothing recurs
+    history = dataclasses.replace(spec, draft_from="history")
     both = dataclasses.replace(spec, draft_from="both")
-    assert row_draft(repeats[:-1], pointers, source, 3, both) == (4, 1, 3)
-    assert row_draft(plain, pointers, source, 3, both) == (6, 7, 8)  # no match: the datastore's
-    assert row_draft(repeats[:-1], pointers, source, 0, both) == ()  # never past the cap
+    assert row_draft(two, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore" (the default)
+    assert row_draft(two, pointers, source, 3, history) == row_draft(one, pointers, source, 3, history) == (4, 1, 3)
+    assert row_draft(none, pointers, source, 3, history) == ()
+    assert row_draft(one, pointers, source, 3, dataclasses.replace(history, history_min_match=2)) == ()
+    assert row_draft(two, pointers, source, 3, both) == (4, 1, 3)  # a 2-token match goes first
+    assert row_draft(one, pointers, source, 3, both) == (6, 7, 8)  # a 1-token match: the datastore's first
+    assert row_draft(one, pointers[:0], source, 3, both) == (4, 1, 3)  # ... unless it drafts nothing
+    assert row_draft(one, pointers, source, 3, dataclasses.replace(both, history_first_match=1)) == (4, 1, 3)
+    assert row_draft(none, pointers, source, 3, both) == (6, 7, 8)
+    assert row_draft(two, pointers, source, 2, both) == (4, 1) and row_draft(two, pointers, source, 0, both) == ()
     with pytest.raises(MemlmError, match="--draft-from"):
         SpeculativeConfig(draft_from="ngram")
     with pytest.raises(MemlmError, match="history_min_match"):
