@@ -17,8 +17,8 @@ free cache row. One `step`:
    finished rows emit their GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
 Score requests (ScoreRequest) ride the same steps: fed like a prompt (score_tokens' sliding windows one after
 another, or XL segments), with logits at every position, and answered with memlm.jobs.scoring's SequenceScore
-(memlm.engine.score_rows: its per-token functions, kNN-LM and top-n included, one search for the step's score
-rows; several clients' scores share forward passes).
+(memlm.engine.score_rows: its per-token functions, kNN-LM and top-n included; several clients' scores share
+forward passes). The step's kNN-LM search is ONE for its decode rows and its score rows' scored tokens together.
 Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
 deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
@@ -69,7 +69,7 @@ from memlm.engine.requests import (
     ScoreRequest,
 )
 from memlm.engine.rows import Row
-from memlm.engine.sampling import choose_tokens
+from memlm.engine.sampling import choose_tokens, search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 
@@ -274,53 +274,68 @@ class Engine:
         in a pass of their own, with logits at every position), then every ready row's next token."""
         plan = self._prefill_plan()
         scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
+        pending = []  # score passes waiting for the step's one search (_choose); no row leaves before it
         for group in score_rows.passes(scoring, self.config.prefill_chunk):  # passes of their own, every position
             starts = [row.fed for row, _ in group]
             logits, keys, _ = passes.run(self, group, every_position=True)  # (B, T, V), (B, T, C)
-            score_rows.take_scores(self, group, starts, logits, keys)
-        # Sorted by slot again: a score row that finished above was released and the last row moved into its
-        # slot, and a pass reads its rows as one slice of the cache only when they are in slot order.
+            pending.append(score_rows.scored(group, starts, logits, keys))
+        # A pass reads its rows as one slice of the cache only when they are in slot order (the plan is oldest first).
         prefilling = sorted(((r, n) for r, n in plan if not isinstance(r, ScoreRow)), key=lambda p: p[0].slot)
-        touched = {id(row) for row, _ in plan}  # by row: a finished score row's release moved another into its slot
+        touched = {id(row) for row, _ in plan}
         decoding = [(r, 1) for s, r in sorted(self._rows.items())
                     if id(r) not in touched and isinstance(r, Row) and r.to_feed == 1]
         decoding, verifying = speculative.split(decoding)
         ready: list[Row] = []
+        logits = keys = None
         if prefilling and decoding:
             logits, keys, ready = passes.run_packed(self, prefilling, decoding)  # (B, V), (B, C)
         elif prefilling or decoding:
             logits, keys, done = passes.run(self, prefilling or decoding)  # (B, V), (B, C)
             index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now
             ready, logits, keys = [(prefilling or decoding)[i][0] for i in index], logits[index], keys[index]
-        if ready:
-            self._choose(ready, logits, keys)
+        if ready or pending:
+            self._choose(ready, logits, keys, pending)
         speculative.verify(self, verifying)  # a pass of their own, after _choose's releases
 
-    def _choose(self, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor) -> None:
-        """Search once for the kNN rows, choose every row's token, emit. A failed search ends the kNN rows
-        with its error and the others go on (a retrieval fault never stalls the rest of the batch)."""
-        ready, logits, keys = memorizing_rows.end_failed(self, ready, logits, keys)  # a kNN memory failed: ends
-        ready, logits, keys = spalm_rows.head_logits(self, ready, logits, keys)  # SPALM: the head's logits
+    def _choose(self, ready: list[Row], logits: torch.Tensor | None, keys: torch.Tensor | None,
+                pending: list[score_rows.ScoredPass]) -> None:
+        """The step's ONE kNN-LM search, for the ready rows that search (logits (B, V), keys (B, C); None when
+        no row is ready) and every scored token of the score passes (`pending`); then every ready row's token
+        (emitted) and the score rows' scores. A failed search ends the rows that searched with its error and
+        the others go on (a retrieval fault never stalls the rest of the batch)."""
+        if ready:
+            ready, logits, keys = memorizing_rows.end_failed(self, ready, logits, keys)  # a kNN memory failed: ends
+            ready, logits, keys = spalm_rows.head_logits(self, ready, logits, keys)  # SPALM: the head's logits
         knn = [r.handle.request.knn for r in ready]
-        neighbors: list = [None] * len(ready)
-        if any(c is not None for c in knn):
+        ask, neighbors = fewer_rows.plan_searches(ready, logits, keys, knn) if ready else ([], [])  # pointers, gate
+        score_keys, score_knn = score_rows.queries(pending)  # (Q, C), Q settings
+        score_found: list = []
+        failed = None
+        if any(c is not None for c in ask) or score_knn:
+            step_keys = torch.cat([k for k in (keys, score_keys) if k is not None])  # (B + Q, C)
             try:
-                neighbors = fewer_rows.search(self, ready, logits, keys, knn)  # pointers, gate, one search
+                found = search_rows(self.searcher, step_keys, [*ask, *score_knn])
             except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
-                for row, c in zip(ready, knn):
-                    if c is not None:
-                        row.handle.put(e)
-                        self._release(row)
-                keep = [i for i, c in enumerate(knn) if c is None]
-                ready, logits, keys = [ready[i] for i in keep], logits[keep], keys[keep]
-                knn = neighbors = [None] * len(keep)
-        if not ready:
-            return
-        choices = choose_tokens(logits, [r.handle.request.sampling for r in ready], [r.generator for r in ready],
-                                self.decodable, knn, neighbors)
-        for row, c, token, lp, base in zip(ready, knn, *choices):
-            self._advance(row, token, lp, base)
-        speculative.draft_first(self, ready, neighbors, keys)  # speculative rows: pointers after this token
+                failed = e
+            else:
+                neighbors = [f if c is not None else nb for c, f, nb in zip(ask, found, neighbors)]
+                score_found = found[len(ask):]
+        if failed is not None and ready:
+            for row, c in zip(ready, knn):
+                if c is not None:
+                    row.handle.put(failed)
+                    self._release(row)
+            keep = [i for i, c in enumerate(knn) if c is None]
+            ready, logits, keys = [ready[i] for i in keep], logits[keep], keys[keep]
+            knn = neighbors = [None] * len(keep)
+        if ready:
+            fewer_rows.keep_candidates(ready, knn, neighbors)
+            choices = choose_tokens(logits, [r.handle.request.sampling for r in ready],
+                                    [r.generator for r in ready], self.decodable, knn, neighbors)
+            for row, c, token, lp, base in zip(ready, knn, *choices):
+                self._advance(row, token, lp, base)
+            speculative.draft_first(self, ready, neighbors, keys)  # speculative rows: pointers after this token
+        score_rows.take_scores(self, pending, score_found, failed)
 
     def _prefill_plan(self) -> list[tuple[Row, int]]:
         """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""

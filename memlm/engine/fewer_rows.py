@@ -1,5 +1,5 @@
 """Fewer kNN-LM searches in generation rows (issue 15 parts 1, 2 and 4): RetoMaton pointers along the tokens
-a row generates and/or adaptive retrieval's gate, inside the step's one batched search (memlm.engine.sampling).
+a row generates and/or adaptive retrieval's gate, inside the step's one batched search (memlm.engine.engine.Engine._choose).
 
 A row whose GenerationRequest.fewer is set, at each chosen token:
 - pointers (Alon et al. 2022; memlm.retrieval.pointers, whose functions are called here, never copied): the
@@ -25,7 +25,6 @@ Shape legend: B ready rows, C key width, V vocab, k neighbours, w candidates of 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -33,18 +32,11 @@ import torch.nn.functional as F
 
 from memlm.engine.requests import GenerationRequest
 from memlm.engine.rows import Row
-from memlm.engine.sampling import search_rows
 from memlm.errors import MemlmError
 from memlm.retrieval.adaptive import distribution_features
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import extend_by_clusters, follow, needs_search
-from memlm.retrieval.searcher import Neighbors, Searcher
-
-
-class Engine(Protocol):
-    """What the rows use of memlm.engine.engine.Engine (a protocol: that module imports this one)."""
-
-    searcher: Searcher | None
+from memlm.retrieval.searcher import Neighbors
 
 
 def check_request(request: GenerationRequest) -> None:
@@ -57,11 +49,12 @@ def check_request(request: GenerationRequest) -> None:
         raise MemlmError("generation keeps a searched row's k nearest only (PointerConfig.keep_pointers is off)")
 
 
-def search(engine: Engine, ready: Sequence[Row], logits: torch.Tensor, keys: torch.Tensor,
-           knn: Sequence[KNNLMConfig | None]) -> list[Neighbors | None]:
-    """The neighbours of every ready row (logits (B, V), keys (B, C); knn per row, None without kNN-LM):
-    pointed candidates, a row's share of the one search, or None (no kNN-LM, or skipped by the gate: the
-    base LM). Counts each kNN row's search or saving, and keeps pointer rows' candidates for the next step."""
+def plan_searches(ready: Sequence[Row], logits: torch.Tensor, keys: torch.Tensor,
+                  knn: Sequence[KNNLMConfig | None]) -> tuple[list[KNNLMConfig | None], list[Neighbors | None]]:
+    """Which ready rows are searched in the step's one search (memlm.engine.engine.Engine._choose) and the
+    others' neighbours (logits (B, V), keys (B, C); knn per row, None without kNN-LM): (ask, pointed), ask[i]
+    the row's settings when it is searched, pointed[i] its pointed candidates (1, w) or None (no kNN-LM,
+    searched, or skipped by the gate: the base LM). Counts each kNN row's search or saving."""
     fewer = [row.handle.request.fewer if c is not None else None for row, c in zip(ready, knn)]
     ask: list[KNNLMConfig | None] = list(knn)  # the rows searched now
     out: list[Neighbors | None] = [None] * len(ready)
@@ -84,15 +77,15 @@ def search(engine: Engine, ready: Sequence[Row], logits: torch.Tensor, keys: tor
             searched = ask[i] is not None
             row.searches += searched
             row.searches_saved += not searched
-    if any(c is not None for c in ask):
-        found = search_rows(engine.searcher, keys, ask)  # one search for every row that needs one
-        for i, c in enumerate(ask):
-            if c is not None:
-                out[i] = found[i]
-    for i, (row, f) in enumerate(zip(ready, fewer)):
-        if f is not None and f.pointers is not None:
-            row.candidates = out[i]  # (1, w) what the next step follows; None after a gate skip
-    return out
+    return ask, out
+
+
+def keep_candidates(ready: Sequence[Row], knn: Sequence[KNNLMConfig | None], neighbors: Sequence[Neighbors | None]) -> None:
+    """After the step's search: pointer rows keep their (1, w) neighbours, what the next step follows (None after
+    a gate skip)."""
+    for row, c, nb in zip(ready, knn, neighbors):
+        if c is not None and row.handle.request.fewer is not None and row.handle.request.fewer.pointers is not None:
+            row.candidates = nb
 
 
 def _pointed(ready: Sequence[Row], fewer: list, xq: np.ndarray) -> dict[int, Neighbors]:

@@ -8,8 +8,11 @@ After each pass the scored tokens' log-probabilities, greedy flags, kNN-LM mixtu
 memlm.jobs.scoring's own per-token function (`_final_scores`, called, not copied, with memlm.retrieval.knnlm's
 math inside), and the finished text is assembled by its `_assemble`: the same SequenceScore as the library up
 to float32 rounding of the forward pass (the KV cache attends over preallocated slots, in other batch shapes).
-The step's kNN-LM score rows share one search (memlm.engine.sampling.search_rows: of the largest k asked,
-each row keeping its own nearest k); a failed search ends only the rows that searched. `passes` keeps each
+Every scored token of the step's kNN-LM score rows is searched in the step's ONE search, with the decode rows'
+keys (memlm.engine.engine.Engine._choose; memlm.engine.sampling.search_rows: of the largest k asked, each
+query keeping its row's nearest k): a pass's scores wait (`ScoredPass`) until that search, so a lane with
+Score and Generate calls scans the datastore once a step, not once for each. A failed search ends only the
+rows that searched. `passes` keeps each
 score pass's padded (B, T, V) logits within one prefill budget; `split` / `join_scores` let several rows read
 one long text's windows side by side.
 
@@ -30,11 +33,11 @@ import torch.nn.functional as F
 
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import RequestHandle, ScoreRequest
-from memlm.engine.sampling import search_rows
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore, _assemble, _final_scores
 from memlm.jobs.windows import Window
 from memlm.model.decoder import Decoder
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher
 
 
@@ -162,54 +165,70 @@ def _scored_blocks(plan: list[tuple[ScoreRow, int]], starts: list[int], logits: 
     return blocks
 
 
-def _search(engine: Engine, plan: list[tuple[ScoreRow, int]], blocks: list[tuple]) -> list[Neighbors | None]:
-    """One search for every scored token of the step's kNN-LM rows -> per row its neighbours (n, k_i), None
-    for a row without kNN-LM (memlm.engine.sampling.search_rows' rule: one search of the largest k)."""
-    rows = [i for i, (row, _) in enumerate(plan) if row.handle.request.knn is not None and len(blocks[i][1])]
-    out: list[Neighbors | None] = [None] * len(plan)
-    if not rows:
-        return out
-    keys = torch.cat([blocks[i][3] for i in rows])  # (Q, C)
-    knn = [plan[i][0].handle.request.knn for i in rows for _ in range(len(blocks[i][1]))]
-    found = search_rows(engine.searcher, keys, knn)  # Q x (1, k_i)
-    at = 0
-    for i in rows:
-        n = len(blocks[i][1])
-        out[i] = Neighbors(*(np.concatenate([nb[f] for nb in found[at : at + n]]) for f in range(3)))  # (n, k_i)
-        at += n
-    return out
+@dataclass(frozen=True)
+class ScoredPass:
+    """A score pass's rows and what each scores (`scored`), waiting for the step's one search."""
+
+    plan: list[tuple[ScoreRow, int]]
+    """(row, tokens fed) in the pass's order."""
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    """Per row: log-probs (n, V) float32, targets (n,), base-LM greedy flags (n,), keys (n, C) (_scored_blocks)."""
 
 
-def take_scores(engine: Engine, plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor,
-                keys: torch.Tensor) -> None:
+def scored(plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor, keys: torch.Tensor) -> ScoredPass:
     """After a pass that fed score rows' chunks (`plan`, each row's `fed` before it in `starts`) with logits
-    (B, T, V) and kNN keys (B, T, C) at every position: keep each row's scores (memlm.jobs.scoring._final_scores:
-    base log-prob, the kNN-LM mixture, greedy flags and top-n under the final distribution); a row whose window
-    is done reads its next one from a cleared cache row, and a row whose last window is done delivers its
-    SequenceScore. A failed search ends the kNN-LM rows with its error; the others go on."""
-    blocks = _scored_blocks(plan, starts, logits, keys)
-    try:
-        neighbors = _search(engine, plan, blocks)
-    except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
-        for row, _ in plan:
-            if row.handle.request.knn is not None:
-                row.handle.put(e)
-                engine._release(row)
-        keep = [i for i, (row, _) in enumerate(plan) if row.handle.request.knn is None]
-        plan, blocks, neighbors = [plan[i] for i in keep], [blocks[i] for i in keep], [None] * len(keep)
+    (B, T, V) and kNN keys (B, T, C) at every position: what its rows score, kept until the step's search
+    (the (B, T, V) logits are not: n x V log-probs of the scored tokens only)."""
+    return ScoredPass(plan, _scored_blocks(plan, starts, logits, keys))
+
+
+def _searching(pending: list[ScoredPass]) -> Iterator[tuple[ScoreRow, tuple]]:
+    """(row, block) of every kNN-LM row with tokens to score, pass by pass and row by row: `queries`' order."""
+    for p in pending:
+        for (row, _), block in zip(p.plan, p.blocks):
+            if row.handle.request.knn is not None and len(block[1]):
+                yield row, block
+
+
+def queries(pending: list[ScoredPass]) -> tuple[torch.Tensor | None, list[KNNLMConfig]]:
+    """The step's score queries: every scored token's key of the kNN-LM rows, (Q, C) (None: none), and its
+    row's settings, Q entries."""
+    searching = list(_searching(pending))
+    knn = [row.handle.request.knn for row, block in searching for _ in range(len(block[1]))]
+    return (torch.cat([block[3] for _, block in searching]) if searching else None), knn  # (Q, C)
+
+
+def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors | None],
+                failed: Exception | None) -> None:
+    """Keep each row's scores (memlm.jobs.scoring._final_scores: base log-prob, the kNN-LM mixture, greedy flags
+    and top-n under the final distribution) with `found`, the step search's (1, k_i) neighbours of `queries`
+    in its order; a row whose window is done reads its next one from a cleared cache row, and a row whose last
+    window is done delivers its SequenceScore. `failed`, the search's error (found is then empty), ends the
+    kNN-LM rows with it; the others go on."""
     V = engine.model.config.vocab_size
-    for (row, _), (lm_lp, targets, greedy, _), nb in zip(plan, blocks, neighbors):
-        request = row.handle.request
-        if len(targets):
-            row.parts.append(_final_scores(lm_lp, targets, greedy, nb, request.knn, min(request.top_n, V)))
-        if row.to_feed > 0:
-            continue
-        if row.at + 1 < len(row.windows):  # the next window, from position 0 of a cleared row
-            engine.cache.clear_row(row.slot)
-            row.at, row.fed = row.at + 1, 0
-            continue
-        row.handle.put(sequence_score(row, V))
-        engine._release(row)
+    at = 0
+    for p in pending:
+        for (row, _), (lm_lp, targets, greedy, _) in zip(p.plan, p.blocks):
+            request = row.handle.request
+            nb = None
+            if request.knn is not None and failed is not None:
+                row.handle.put(failed)
+                engine._release(row)
+                continue
+            if request.knn is not None and len(targets):
+                mine = found[at : at + len(targets)]  # n x (1, k_i)
+                nb = Neighbors(*(np.concatenate([q[f] for q in mine]) for f in range(3)))  # (n, k_i)
+                at += len(targets)
+            if len(targets):
+                row.parts.append(_final_scores(lm_lp, targets, greedy, nb, request.knn, min(request.top_n, V)))
+            if row.to_feed > 0:
+                continue
+            if row.at + 1 < len(row.windows):  # the next window, from position 0 of a cleared row
+                engine.cache.clear_row(row.slot)
+                row.at, row.fed = row.at + 1, 0
+                continue
+            row.handle.put(sequence_score(row, V))
+            engine._release(row)
 
 
 def sequence_score(row: ScoreRow, vocab: int) -> SequenceScore:

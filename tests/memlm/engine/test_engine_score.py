@@ -158,6 +158,43 @@ def test_score_in_a_shared_batch_equals_score_alone(model, knn) -> None:
     assert not engine.busy
 
 
+class CountingSearcher:
+    """The datastore, counting its searches."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.dim, self.calls = inner, inner.dim, 0
+
+    def info(self):
+        return self.inner.info()
+
+    def search(self, xq, k, options=None):
+        self.calls += 1
+        return self.inner.search(xq, k, options)
+
+
+def test_a_step_with_score_and_decode_rows_searches_the_datastore_once(model) -> None:
+    # Issue 12: one kNN-LM search per step for every row of the lane, the score rows' scored tokens included
+    # (they used to search on their own, a second scan of the datastore in every step that had both).
+    searcher = CountingSearcher(datastore(model))
+    greedy = SamplingConfig(temperature=0)
+    gen_request = GenerationRequest(tuple(TOK.encode("generating")), 6, greedy, boundary_token=B, knn=KNN)
+    score_request = ScoreRequest(tuple(TOK.encode("a text to score")), B, knn=KNN, top_n=2)
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, prefill_chunk=64), searcher)
+    gen = engine.submit(gen_request)
+    engine.step()  # the prompt in, its first token chosen
+    score = engine.submit(score_request)
+    before = searcher.calls
+    engine.step()  # the whole text to score beside the decode row
+    assert searcher.calls == before + 1
+    (scored,) = list(score.events())
+    tokens = [e.token_id for e in gen.events() if isinstance(e, TokenEvent)]
+    (alone_score,) = run_all(Engine(model, TOK, EngineConfig(max_batch=1), searcher), [score_request])[0]
+    alone_tokens = [e.token_id for e in run_all(Engine(model, TOK, EngineConfig(max_batch=1), searcher),
+                                                [gen_request])[0] if isinstance(e, TokenEvent)]
+    close(scored, alone_score, KNN_RTOL)
+    assert tokens == alone_tokens and len(tokens) == 6
+
+
 def test_score_refusals_and_cancellation(model) -> None:
     engine = Engine(model, TOK, EngineConfig(max_batch=1, row_capacity=16))
     with pytest.raises(MemlmError, match="of 40 tokens is over the rows' 16"):
