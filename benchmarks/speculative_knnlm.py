@@ -6,7 +6,8 @@ Setting: the SOTU kNN-LM setting of scripts/demo.sh (the datastore of the 1990-2
 T tuned on 2001-2002, read from the run's knnlm.json beside the datastore); the prompts are cut from the
 evaluation split's speeches (year >= 2003, --split), never from the datastore's (checked: no prompt
 speech's fingerprint is in the datastore's documents table; --in-datastore lifts that for an upper bound,
-REST's premise that the continuation is in the datastore, and says so). Figures, each ratios in one run, one line per draft source of --draft-from against the same plain side:
+REST's premise that the continuation is in the datastore, and says so). Figures, each ratios in one run, one
+line per draft source of --draft-from against the same plain side:
 1. greedy kNN-LM (the interpolated target, one search per token) vs speculative kNN-LM (every fed position
    searched in one batched search per step; drafts from the neighbours' successors and/or the row's text);
 2. the base LM vs the base LM drafting (from the datastore: a search only when a row's pointers ran out);
@@ -135,7 +136,8 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dic
         ends = [ev[-1] for ev in results[src]]
         passes, verified = sum(e.verify_steps for e in ends), sum(e.verified_tokens for e in ends)
         print(f"{name}, drafts from {src}: plain {rate['plain']:.1f} tokens/s, speculative {rate[src]:.1f} tokens/s, "
-              f"ratio {rate[src] / rate['plain']:.2f}x (CPU clock {cpu_rate[src] / cpu_rate['plain']:.2f}x); mean accepted tokens {verified / passes:.2f}; searches per "
+              f"ratio {rate[src] / rate['plain']:.2f}x (CPU clock {cpu_rate[src] / cpu_rate['plain']:.2f}x); "
+              f"mean accepted tokens {verified / passes:.2f}; searches per "
               f"token plain {sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
               f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
     print(f"# {name}: wall / CPU seconds per round " + "; ".join(

@@ -272,7 +272,7 @@ def cmd_client_generate(args: argparse.Namespace) -> None:
     main_generate(
         args.address, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.sampling_temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (), knn=knn_with_fewer(args),
-        speculative=args.speculative, draft_tokens=args.draft_tokens,
+        speculative=args.speculative, draft_tokens=args.draft_tokens, draft_from=args.draft_from,
         tls=link_tls(args, ""), token=token_from(args), timeout=args.timeout, **memory_request(args),
     )
 

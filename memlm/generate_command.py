@@ -96,8 +96,9 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
 
 
 def add_speculative_options(p: argparse.ArgumentParser) -> None:
-    """--speculative [--draft-tokens N] (the names of issue 15 part 4; defaults: SpeculativeConfig's)."""
-    from memlm.engine.drafts import SpeculativeConfig
+    """--speculative [--draft-tokens N] [--draft-from SOURCE] (the names of issue 15 part 4; defaults:
+    SpeculativeConfig's)."""
+    from memlm.engine.drafts import DRAFT_FROM, SpeculativeConfig
 
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", action="store_true",
@@ -105,6 +106,9 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
                         "same greedy tokens, the same sampled distribution (needs --datastore)")
     g.add_argument("--draft-tokens", type=positive_int, default=None,
                    help=f"most draft tokens verified per step (default {SpeculativeConfig.draft_tokens})")
+    g.add_argument("--draft-from", choices=DRAFT_FROM, default=None,
+                   help="where drafts come from: the datastore's successors, the text's own past (prompt lookup), "
+                        f"or both (default {SpeculativeConfig.draft_from})")
 
 
 def speculative_config(args: argparse.Namespace) -> Any:
@@ -112,14 +116,16 @@ def speculative_config(args: argparse.Namespace) -> Any:
     from memlm.engine.drafts import SpeculativeConfig
 
     if not args.speculative:
-        if args.draft_tokens is not None:
-            raise MemlmError("--draft-tokens needs --speculative")
+        for flag, value in (("--draft-tokens", args.draft_tokens), ("--draft-from", args.draft_from)):
+            if value is not None:
+                raise MemlmError(f"{flag} needs --speculative")
         return None
     if not args.datastore:
         raise MemlmError("--speculative drafts from a local --datastore (the retrieval service has no "
                          "successors lookup)")
     config = SpeculativeConfig()
-    return config if args.draft_tokens is None else dataclasses.replace(config, draft_tokens=args.draft_tokens)
+    config = config if args.draft_tokens is None else dataclasses.replace(config, draft_tokens=args.draft_tokens)
+    return config if args.draft_from is None else dataclasses.replace(config, draft_from=args.draft_from)
 
 
 def add_generate_parser(sub: Any) -> None:

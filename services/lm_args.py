@@ -30,6 +30,7 @@ from memlm.retrieval.adaptive import (
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig, PointerSource
 from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm_client import DRAFT_FROM_VALUES
 from services.lm_spalm import SpalmSearch
 from services.server_common import InvalidRequest
 
@@ -74,11 +75,14 @@ def refuse_fewer(o: lm_pb2.KnnOptions, why: str) -> None:
 def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None, attribution: int,
                    sources: FewerSources, max_step_tokens: int, on_engine: bool) -> SpeculativeConfig | None:
     """The SpeculativeConfig a GenerateRequest asks for (None without speculative), each refusal naming its
-    field; draft_tokens 0 = SpeculativeConfig's default (the one place it lives). on_engine: the call runs
-    on the decoding engine (services.lm_engine.on_engine), which alone verifies drafts."""
+    field; draft_tokens 0 and draft_from DRAFT_FROM_UNSPECIFIED = SpeculativeConfig's defaults (the one place
+    they live). on_engine: the call runs on the decoding engine (services.lm_engine.on_engine), which alone
+    verifies drafts."""
     if not request.speculative:
         if request.draft_tokens:
             raise InvalidRequest("draft_tokens", "needs speculative")
+        if request.draft_from:
+            raise InvalidRequest("draft_from", "needs speculative")
         return None
     why = refusal(sources.drafts is not None, memory.kind if memory is not None else None, fewer_asked(request.knn))
     if why is not None:  # the engine's rules (memlm.engine.speculative.refusal), named by the field
@@ -92,6 +96,11 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
         raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, must be >= 1 (0 = the default)")
     config = SpeculativeConfig()
     config = replace(config, draft_tokens=request.draft_tokens) if request.draft_tokens else config
+    if request.draft_from:
+        names = {value: name for name, value in DRAFT_FROM_VALUES.items()}
+        if request.draft_from not in names:
+            raise InvalidRequest("draft_from", f"{request.draft_from} is not a DraftFrom value")
+        config = replace(config, draft_from=names[request.draft_from])
     if config.draft_tokens > max_step_tokens - 1:  # a verifying pass feeds 1 + draft_tokens tokens (the default too)
         raise InvalidRequest("draft_tokens", f"{config.draft_tokens}, at most max_step_tokens - 1 = "
                              f"{max_step_tokens - 1}", grpc.StatusCode.OUT_OF_RANGE)

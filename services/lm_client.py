@@ -36,6 +36,12 @@ MEMORY_MODES = {
     "memorizing": lm_pb2.MEMORY_MODE_MEMORIZING,
     "spalm": lm_pb2.MEMORY_MODE_SPALM,
 }
+DRAFT_FROM_VALUES = {
+    "datastore": lm_pb2.DRAFT_FROM_DATASTORE,
+    "history": lm_pb2.DRAFT_FROM_HISTORY,
+    "both": lm_pb2.DRAFT_FROM_BOTH,
+}
+"""GenerateRequest.draft_from by memlm.engine.drafts.DRAFT_FROM's names (services.lm_args reads it back)."""
 FINISH_NAMES = {
     lm_pb2.FINISH_REASON_LENGTH: "length",
     lm_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
@@ -250,15 +256,20 @@ class LanguageModelClient(ServiceClient):
         spalm: SpalmRequest | None = None,
         speculative: bool = False,
         draft_tokens: int | None = None,
+        draft_from: str | None = None,
     ) -> Iterator[TextDelta | Finish]:
         """Stream a continuation: TextDelta events, then one Finish. Closing the iterator early cancels
         the call (the server stops generating). temperature None = the server's default (1.0).
         memory_mode "xl": the decoder keeps an XL memory (memory: its sizes) instead of a KV cache, so
         generation runs past the model's context without re-encoding. speculative: drafts from the server's
-        datastore verified in one pass each (`--speculative`); draft_tokens None = the server's default."""
+        datastore verified in one pass each (`--speculative`); draft_tokens, draft_from (DRAFT_FROM_VALUES' names)
+        None = the server's default."""
+        if draft_from is not None and draft_from not in DRAFT_FROM_VALUES:
+            raise MemlmError(f"draft_from must be one of {', '.join(DRAFT_FROM_VALUES)}, got {draft_from!r}")
         request = lm_pb2.GenerateRequest(
             max_new_tokens=max_new_tokens, stop_sequences=list(stop), memory_mode=_memory_mode(memory_mode),
             speculative=speculative, draft_tokens=draft_tokens or 0,
+            draft_from=DRAFT_FROM_VALUES.get(draft_from, lm_pb2.DRAFT_FROM_UNSPECIFIED),
         )
         if memory is not None:
             request.memory.CopyFrom(memory.to_proto())
@@ -405,6 +416,7 @@ def main_generate(
     spalm: SpalmRequest | None = None,
     speculative: bool = False,
     draft_tokens: int | None = None,
+    draft_from: str | None = None,
     tls: ClientTls | None = None,
     token: str | None = None,
     timeout: float | None = 300.0,
@@ -420,7 +432,8 @@ def main_generate(
         print(prompt, end="", file=out, flush=True)
         for event in client.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=stop, knn=knn, memory_mode=memory_mode,
-                                     memory=memory, spalm=spalm, speculative=speculative, draft_tokens=draft_tokens):
+                                     memory=memory, spalm=spalm, speculative=speculative, draft_tokens=draft_tokens,
+                                     draft_from=draft_from):
             if isinstance(event, TextDelta):
                 print(event.text, end="", file=out, flush=True)
                 attributed += [(t, a) for t, a in zip(event.texts, event.attributions) if a is not None]

@@ -23,6 +23,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
     FINISH_REASON_END_OF_TEXT: _ClassVar[FinishReason]
+
+class DraftFrom(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_FROM_UNSPECIFIED: _ClassVar[DraftFrom]
+    DRAFT_FROM_DATASTORE: _ClassVar[DraftFrom]
+    DRAFT_FROM_HISTORY: _ClassVar[DraftFrom]
+    DRAFT_FROM_BOTH: _ClassVar[DraftFrom]
 MEMORY_MODE_UNSPECIFIED: MemoryMode
 MEMORY_MODE_NONE: MemoryMode
 MEMORY_MODE_XL: MemoryMode
@@ -33,6 +40,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 FINISH_REASON_END_OF_TEXT: FinishReason
+DRAFT_FROM_UNSPECIFIED: DraftFrom
+DRAFT_FROM_DATASTORE: DraftFrom
+DRAFT_FROM_HISTORY: DraftFrom
+DRAFT_FROM_BOTH: DraftFrom
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -205,7 +216,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode", "memory", "speculative", "draft_tokens")
+    __slots__ = ("prompt_text", "prompt_token_ids", "max_new_tokens", "sampling", "stop_sequences", "knn", "memory_mode", "memory", "speculative", "draft_tokens", "draft_from")
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +227,7 @@ class GenerateRequest(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FROM_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: TokenIds
     max_new_tokens: int
@@ -226,7 +238,8 @@ class GenerateRequest(_message.Message):
     memory: MemoryOptions
     speculative: bool
     draft_tokens: int
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., speculative: _Optional[bool] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
+    draft_from: DraftFrom
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., knn: _Optional[_Union[KnnOptions, _Mapping]] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., speculative: _Optional[bool] = ..., draft_tokens: _Optional[int] = ..., draft_from: _Optional[_Union[DraftFrom, str]] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "text", "logprob", "base_logprob", "attribution")

@@ -141,6 +141,46 @@ def test_refusals_name_their_field(servers):
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_tokens" in e.details
     e = refusal(servers["spec"], speculative=True, draft_tokens=LIMITS.max_step_tokens)
     assert e.code == grpc.StatusCode.OUT_OF_RANGE and "draft_tokens" in e.details
+    e = refusal(servers["spec"], draft_from="history")
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_from" in e.details
+
+
+@pytest.mark.parametrize("source", ["history", "both", "datastore"])
+@pytest.mark.parametrize("knn", [KnnRequest(), None], ids=["knn-lm", "base-lm"])
+def test_greedy_generate_with_each_draft_source_is_token_identical(servers, own_text, source, knn):
+    """GenerateRequest.draft_from reaches the engine: the same tokens as plain Generate, drafts verified; a
+    base-LM row drafting from its own text alone never searches (from the datastore it does)."""
+    searches = 0
+    with LanguageModelClient(servers["spec"]) as client:
+        for prompt in prompts(own_text, 4):
+            plain, _ = run(client, prompt, knn=knn)
+            spec, end = run(client, prompt, knn=knn, speculative=True, draft_from=source)
+            assert spec == plain and end.mean_accepted_tokens >= 1.0, prompt
+            searches += end.searches
+    if knn is None:
+        assert (searches == 0) == (source == "history"), searches
+
+
+def test_draft_from_on_the_wire():
+    """Every SpeculativeConfig source has its DraftFrom value and back; unset = the default; an unknown value and
+    the field without speculative are refused naming it."""
+    from memlm.engine.drafts import DRAFT_FROM
+    from services.lm_args import FewerSources, speculative_of
+    from services.lm_client import DRAFT_FROM_VALUES
+    from services.server_common import InvalidRequest
+
+    assert set(DRAFT_FROM_VALUES) == set(DRAFT_FROM)
+    assert sorted(DRAFT_FROM_VALUES.values()) == [v for v in lm_pb2.DraftFrom.values() if v]  # all of the enum
+    fewer = FewerSources(drafts=lambda: None)
+    for name, value in DRAFT_FROM_VALUES.items():
+        got = speculative_of(lm_pb2.GenerateRequest(speculative=True, draft_from=value), None, 0, fewer, 64, True)
+        assert got.draft_from == name
+    unset = speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, 64, True)
+    assert unset.draft_from == SpeculativeConfig().draft_from
+    with pytest.raises(InvalidRequest, match="draft_from"):
+        speculative_of(lm_pb2.GenerateRequest(speculative=True, draft_from=9), None, 0, fewer, 64, True)
+    with pytest.raises(InvalidRequest, match="draft_from"):
+        speculative_of(lm_pb2.GenerateRequest(draft_from=lm_pb2.DRAFT_FROM_HISTORY), None, 0, fewer, 64, True)
 
 
 def test_sampled_speculative_generate_runs_to_its_length(servers, own_text):
@@ -197,3 +237,12 @@ def test_memlm_client_generate_speculative(servers, capsys):
     assert "searches" in spec.err and "mean_accepted_tokens" in spec.err, spec.err
     assert main(["client", "generate", "--address", servers["spec"], "--draft-tokens", "3", "hi"]) != 0
     assert "draft_tokens" in capsys.readouterr().err
+    assert main([*base, "--speculative", "--draft-from", "history", "the cat sat"]) == 0
+    assert capsys.readouterr().out == plain.out
+    # --draft-from travels: the base LM drafting from its own text makes no search, from the datastore it does.
+    lm = ["client", "generate", "--address", servers["spec"], "--temperature", "0", "--max-new-tokens", "12",
+          "--speculative"]
+    assert main([*lm, "--draft-from", "history", "the cat sat"]) == 0
+    assert "searches" not in capsys.readouterr().err
+    assert main([*lm, "--draft-from", "datastore", "the cat sat"]) == 0
+    assert "searches" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`memlm generate --speculative [--draft-tokens N]` over a built datastore: the same tokens as without,
+"""`memlm generate --speculative [--draft-tokens N] [--draft-from SOURCE]` over a built datastore: the same tokens as without,
 `searches` and `mean_accepted_tokens` in --json, --lambda 0 drafting for the base LM, one-line refusals."""
 
 from __future__ import annotations
@@ -70,8 +70,21 @@ def test_speculative_generate_makes_the_same_tokens(capsys, tmp_path, store, lmb
         assert spec["searches"] >= plain["searches"]
 
 
+@pytest.mark.parametrize("source", ["history", "both", "datastore"])
+def test_draft_from_makes_the_same_tokens_and_is_recorded(capsys, tmp_path, store, source) -> None:
+    knn = ("--lambda", "0.5", "--knn-temperature", "10")
+    plain = generate(capsys, tmp_path, store, *knn)
+    spec = generate(capsys, tmp_path, store, *knn, "--speculative", "--draft-from", source)
+    assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
+    assert spec["settings"]["speculative"] == dataclasses.asdict(SpeculativeConfig(draft_from=source))
+    # The repeated sentence comes back in the generated text's own past too: drafts are accepted.
+    assert spec["mean_accepted_tokens"] > 1
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (("--draft-tokens", "3"), "--draft-tokens needs --speculative"),
+    (("--draft-from", "history"), "--draft-from needs --speculative"),
+    (("--speculative", "--draft-from", "ngram"), "--draft-from"),
     (("--speculative",), "drafts from a local --datastore"),
     (("--speculative", "--draft-tokens", "0"), "--draft-tokens"),
 ])
