@@ -46,14 +46,26 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs += [("pointers", {"min_pointers": m}) for m in args.min_pointers]
     runs += [("pointers_kept", {"min_pointers": m, "keep": True}) for m in args.kept_min_pointers]
     kept = {"keep": True} if args.clustered_keep else {}
-    runs += [("clustered", {"min_pointers": m, "clusters": c, **kept}) for c in args.clusters
-             for m in args.clustered_min_pointers]
+    runs += [("clustered", {"min_pointers": m, "clusters": c, **kept, **scoring}) for c in args.clusters
+             for scoring in clustered_scorings(args) for m in args.clustered_min_pointers]
     keep = {"keep": True} if args.both_keep else {}
     if args.both_clusters:
         keep["clusters"] = args.both_clusters
     runs += [("both", {"min_pointers": m, "fraction": f, **keep}) for m in args.both_min_pointers
              for f in args.both_fractions]
     return runs
+
+
+def clustered_scorings(args: argparse.Namespace) -> list[dict]:
+    """How the clustered walks score and keep members: every member exactly (sketch 0), or ranked by a
+    KeySketch of --sketch-dims components with --exact-members scored exactly, each with every
+    --clustered-widths (0: as many as a searched row, k)."""
+    out = []
+    for dims in args.sketch_dims:
+        for width in args.clustered_widths:
+            scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": args.exact_members}
+            out.append({**scoring, **({"cluster_width": width} if width else {})})
+    return out
 
 
 def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings):
@@ -65,8 +77,10 @@ def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings)
     if "fraction" in params:
         adaptive = AdaptiveConfig(gate, gate_settings, threshold_for_fraction(gate_settings, params["fraction"]))
     if "min_pointers" in params:
-        pointers = PointerConfig(min_pointers=params["min_pointers"], keep_pointers=params.get("keep", False))
-    return Retrieval(pointers, sources[params.get("clusters", 0)] if pointers else None, adaptive)
+        pointers = PointerConfig(min_pointers=params["min_pointers"], keep_pointers=params.get("keep", False),
+                                 cluster_width=params.get("cluster_width"))
+    key = (params.get("clusters", 0), params.get("sketch", 0), params.get("exact_members", 0))
+    return Retrieval(pointers, sources[key] if pointers else None, adaptive)
 
 
 def parse() -> argparse.Namespace:
@@ -99,6 +113,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--clustered-min-pointers", type=int, nargs="*", default=[1, 4, 16])
     p.add_argument("--clustered-keep", action="store_true", help="the clustered walks keep the pointers beside each "
                    "search too (retomaton.py's union)")
+    p.add_argument("--sketch-dims", type=int, nargs="*", default=[0], help="clustered walks: members ranked by a "
+                   "KeySketch of this many principal components before their exact distances (0: every member "
+                   "scored exactly); one walk per value")
+    p.add_argument("--exact-members", type=int, default=1024, help="with a sketch: members a row scores exactly")
+    p.add_argument("--clustered-widths", type=int, nargs="*", default=[0], help="candidates a clustered row keeps "
+                   "(PointerConfig.cluster_width; 0: k); one walk per value")
     p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
                    "(one of --clusters; 0: pointers alone)")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
@@ -153,7 +173,7 @@ def main() -> None:
     from memlm.retrieval.adaptive import GateConfig
     from memlm.retrieval.compat import check_searcher
     from memlm.retrieval.knnlm import KNNLMConfig
-    from memlm.retrieval.pointers import PointerSource, cluster_states, successors
+    from memlm.retrieval.pointers import PointerSource, cluster_states, key_sketch, successors
 
     bench = _common.load_model(None, False)
     model, boundary = bench.pre.model, bench.boundary
@@ -184,14 +204,19 @@ def main() -> None:
           f"{gate_settings.tokens} tokens of {gate_split} (retrieval helps {gate_settings.positive_rate:.1%}) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     found = successors(store.provenance, len(store))
-    sources = {0: PointerSource.local(found.next_ids, store.values, store.keys)}
+    sources = {(0, 0, 0): PointerSource.local(found.next_ids, store.values, store.keys)}
     if args.both_clusters and args.both_clusters not in args.clusters:
         raise SystemExit("--both-clusters must be one of --clusters")
     for c in args.clusters:
         t0 = time.perf_counter()
-        sources[c] = PointerSource.local(found.next_ids, store.values, store.keys, cluster_states(store.keys, c))
-        print(f"# k-means of the keys into {c} clusters: {time.perf_counter() - t0:.0f} s (once per datastore, not "
-              "counted in the walks)", flush=True)
+        states = cluster_states(store.keys, c, sketch_dims=0)
+        sources[(c, 0, 0)] = PointerSource.local(found.next_ids, store.values, store.keys, states)
+        for dims in (d for d in args.sketch_dims if d):  # the same clusters, their members ranked by a sketch
+            sketched = dataclasses.replace(states, sketch=key_sketch(states.member_keys, dims, args.exact_members))
+            sources[(c, dims, args.exact_members)] = PointerSource.local(found.next_ids, store.values, store.keys,
+                                                                         sketched)
+        print(f"# k-means of the keys into {c} clusters (and sketches {args.sketch_dims}): "
+              f"{time.perf_counter() - t0:.0f} s (once per datastore, not counted in the walks)", flush=True)
     print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
           f"faiss BLAS threshold {int(faiss.cvar.distance_compute_blas_threshold)} (queries x d), "
           f"{faiss.omp_get_max_threads()} thread(s)")
@@ -238,14 +263,20 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     markers = {"adaptive": "o", "pointers": "s", "pointers_kept": "D", "clustered": "P", "both": "^"}
-    curves = list(dict.fromkeys((r["method"], r.get("clusters", 0)) for r in rows if r["method"] != "plain"))
-    for method, clusters in curves:  # one curve per method and cluster count
-        pts = sorted((r for r in rows if r["method"] == "plain" or (r["method"], r.get("clusters", 0)) == (method, clusters)),
+    def curve(r: dict) -> tuple:
+        return (r["method"], r.get("clusters", 0), r.get("sketch", 0), r.get("cluster_width", 0), r.get("keep", False))
+
+    curves = list(dict.fromkeys(curve(r) for r in rows if r["method"] != "plain"))
+    for method, clusters, sketch, width, keep in curves:  # one curve per method, cluster count and scoring
+        pts = sorted((r for r in rows if r["method"] == "plain" or curve(r) == (method, clusters, sketch, width, keep)),
                      key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
         label = {"pointers": "RetoMaton pointers", "pointers_kept": "RetoMaton, pointers kept beside searches",
                  "clustered": "RetoMaton", "both": "adaptive + RetoMaton"}.get(method, "adaptive retrieval")
         label += f", {clusters} clustered states" if clusters else ""
+        label += f", sketch {sketch}" if sketch else ""
+        label += f", keeps {width}" if width else ""
+        label += ", kept" if keep and method == "clustered" else ""
         a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=markers[method], label=label)
         line = b.plot(x, [r["wall_ratio"] for r in pts], marker=markers[method], label=label)[0]
         b.plot(x, [r["pass_ratio"] for r in pts], marker=markers[method], ls="--", color=line.get_color(), alpha=0.6)
@@ -259,7 +290,7 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
           title=f"wall (solid; forward {summary['forward_seconds']:.0f} s in it), kNN-LM part (dashed)")
     for ax in (a, b):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6)
     fig.suptitle(f"{summary['model']} kNN-LM, {summary['datastore_size']:,} keys ({summary['index']}), "
                  f"{plain['tokens']:,} tokens of {summary['eval']}, k {summary['k']}", fontsize=9)
     fig.tight_layout()

@@ -35,7 +35,7 @@ from memlm.engine.rows import Row
 from memlm.errors import MemlmError
 from memlm.retrieval.adaptive import distribution_features
 from memlm.retrieval.knnlm import KNNLMConfig
-from memlm.retrieval.pointers import extend_by_clusters, follow, needs_search
+from memlm.retrieval.pointers import extend_by_clusters, follow, followed_distances_used, needs_search
 from memlm.retrieval.searcher import Neighbors
 
 
@@ -98,13 +98,14 @@ def _pointed(ready: Sequence[Row], fewer: list, xq: np.ndarray) -> dict[int, Nei
         rows = [i for i in walking if fewer[i].source is source]
         prev = _stack([ready[i].candidates for i in rows])  # (r, w)
         targets = np.array([ready[i].tokens[-1] for i in rows], dtype=np.int64)  # (r,) the tokens they chose
-        cands = follow(prev, targets, xq[rows], source)  # (r, w')
+        # keep_pointers is refused in generation (check_request): a searched row keeps its k nearest only
+        cands = follow(prev, targets, xq[rows], source, followed_distances_used(source, False))  # (r, w')
         minimum = np.array([fewer[i].pointers.min_pointers for i in rows])  # (r,)
         enough = np.flatnonzero(~needs_search(cands, minimum))  # (e,)
-        k = [ready[i].handle.request.knn.k for i in rows]
-        cands = extend_by_clusters(cands, enough, xq[rows], source, max(k))  # clustered states (none: as is)
+        width = [fewer[i].pointers.extended_width(ready[i].handle.request.knn.k) for i in rows]
+        cands = extend_by_clusters(cands, enough, xq[rows], source, max(width))  # clustered states (none: as is)
         for j in enough.tolist():
-            out[rows[j]] = Neighbors(*(a[j : j + 1, : k[j]] for a in cands))  # (1, w' <= its k) nearest first
+            out[rows[j]] = Neighbors(*(a[j : j + 1, : width[j]] for a in cands))  # (1, w' <= its width) best first
     return out
 
 

@@ -24,6 +24,7 @@ from memlm.retrieval.pointers import (
     empty_candidates,
     extend_by_clusters,
     follow,
+    followed_distances_used,
     merge_rows,
     needs_search,
     union_candidates,
@@ -80,7 +81,7 @@ def walk(
     walking is parked, all of them are searched in one call. PointerConfig.streams walk at once, a stream
     that ends is replaced by the next, and while fewer than that wait for a call more are started, so that
     calls hold PointerConfig.streams queries until the group's last streams."""
-    q, width = xq.shape[0], 2 * k if config.keep_pointers else k  # kept pointers: up to k beside the k nearest
+    q, width = xq.shape[0], config.width(k)  # kept pointers, clustered states: more than k
     kept = Neighbors(np.full((q, width), np.inf, np.float32), np.full((q, width), -1, np.int64),
                      np.full((q, width), -1, np.int32)) if collect else None  # (Q, width)
     out = Walked(torch.full((q,), NEG_INF), np.zeros(q, bool), np.zeros(q, bool), 0, kept)
@@ -120,7 +121,8 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
                   options: SearchOptions, temperature: float, config: PointerConfig, source: PointerSource,
                   allowed: np.ndarray | None, search_timer: AbstractContextManager, out: Walked) -> int:
     """Walk the streams `block` (S, L), writing into `out`; returns the searches made at a stream's first token."""
-    b = _Block(block, 2 * k if config.keep_pointers else k)
+    b = _Block(block, config.width(k))
+    distances = followed_distances_used(source, config.keep_pointers)
     first = admitted = 0
     while True:
         unfinished = b.step < b.lengths  # (S,)
@@ -141,7 +143,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
                 found = searcher.search(xq[tok], k, options)  # (r, k)
             if config.keep_pointers:  # the pointers that were too few, beside the fresh search
                 found = union_candidates(found, b.rows(rows))  # (r, k + w)
-                found = Neighbors(*(a[:, : b.ids.shape[1]] for a in found))  # (r, <= 2k) the nearest kept
+                found = Neighbors(*(a[:, : config.searched_width(k)] for a in found))  # (r, <= 2k) the nearest kept
             b.store(rows, found)
             _keep(out.neighbors, tok, found)
             out.knn_logprob[torch.from_numpy(tok)] = knn_target_logprob(found, targets[tok], temperature)
@@ -153,9 +155,9 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         tok = b.block[movers, b.step[movers]]  # (m,)
         fresh = b.step[movers] == 0  # a stream's first token: nothing to follow
         prev_tok = b.block[movers, np.maximum(b.step[movers] - 1, 0)]  # (m,)
-        cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source)  # (m, w)
+        cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source, distances)  # (m, w)
         need = needs_search(cands, config.min_pointers) | fresh  # (m,)
-        cands = extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, b.ids.shape[1])  # clustered states
+        cands = extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, config.extended_width(k))
         go = need if allowed is None else need & allowed[tok]
         empty = fresh | (need & ~go)  # skipped by the gate: the base distribution, and nothing to follow
         if empty.any():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -112,6 +113,22 @@ class PointerConfig:
     ~4 ms a query with BLAS, which datastore.index.BLAS_MIN_QUERIES turns on from 4 queries: the fixed
     part is amortised only over many queries a call)."""
 
+    cluster_width: int | None = None
+    """Candidates a row extended by clustered states keeps at most (extend_by_clusters); None: as many as a
+    searched row holds (`searched_width`). Wider keeps more pointers alive at the next step."""
+
+    def searched_width(self, k: int) -> int:
+        """Candidates a searched row holds: its k nearest, and up to k kept pointers beside with keep_pointers."""
+        return 2 * k if self.keep_pointers else k
+
+    def extended_width(self, k: int) -> int:
+        """Candidates a row extended by clustered states holds at most."""
+        return self.cluster_width or self.searched_width(k)
+
+    def width(self, k: int) -> int:
+        """Candidates any walked row holds at most."""
+        return max(self.searched_width(k), self.extended_width(k))
+
     @property
     def group_tokens(self) -> int:
         """Evaluation tokens walked as one group (their keys are held at once): twice the streams' worth."""
@@ -128,6 +145,8 @@ class PointerConfig:
             raise MemlmError(f"--min-pointers must be at least 1, got {self.min_pointers}")
         if self.stream_tokens < 1 or self.streams < 1:
             raise MemlmError("stream_tokens and streams must be at least 1")
+        if self.cluster_width is not None and self.cluster_width < 1:
+            raise MemlmError(f"cluster_width must be at least 1, got {self.cluster_width}")
 
 
 class SuccessorLookup(Protocol):
@@ -162,6 +181,38 @@ class SuccessorTable:
         return nxt, np.where(nxt >= 0, self.values[np.maximum(nxt, 0)], -1).astype(np.int32)  # (M,), (M,)
 
 
+class KeySketch(NamedTuple):
+    """A cheap stand-in for the stored keys that ranks cluster members before their exact distances are
+    computed (extend_by_clusters): the keys' top p principal directions. For a query q and a key x,
+    ||q - x||^2 = ||x - mean||^2 - 2 (x - mean).(q - mean) + ||q - mean||^2 exactly; the sketch keeps the
+    first term exactly (centred_norms), the second only on the basis (its part outside the p directions is
+    dropped: the approximation), and the third is the same for all of a query's members, so it is left out."""
+
+    mean: torch.Tensor  # (d,) float32 mean key
+    basis: torch.Tensor  # (d, p) float32 orthonormal: the covariance's top p eigenvectors
+    codes: torch.Tensor  # (N, p) float32 (x - mean) @ basis, in StateClusters.members order
+    centred_norms: torch.Tensor  # (N,) float32 ||x - mean||^2, in members order
+    exact_members: int  # the best members by the ranking that get exact distances (the others: followed only)
+
+
+SKETCH_DIMS = 64
+"""Principal components in a KeySketch by default (cluster_states): the ranking reads 64 of d 576 floats a
+member (9x fewer than the exact distances it replaces; measured in benchmarks/search_savings.py)."""
+EXACT_MEMBERS = 256
+"""Members of a row scored exactly by default, the best by a KeySketch's ranking (extend_by_clusters)."""
+
+
+def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS) -> KeySketch:
+    """The KeySketch of (N, d) float32 keys with the top `dims` (< d) principal directions."""
+    if exact_members < 1:
+        raise MemlmError(f"exact_members must be at least 1, got {exact_members}")
+    mean = keys.mean(dim=0)  # (d,)
+    centred = keys - mean  # (N, d)
+    cov = (centred.T @ centred).double()  # (d, d)
+    basis = torch.linalg.eigh(cov).eigenvectors[:, -dims:].flip(1).float().contiguous()  # (d, p) largest first
+    return KeySketch(mean, basis, (centred @ basis).contiguous(), centred.pow(2).sum(dim=1), exact_members)
+
+
 @dataclass(frozen=True)
 class StateClusters:
     """A k-means clustering of the datastore's keys (`cluster_states`): entries of one cluster share
@@ -180,10 +231,20 @@ class StateClusters:
     """(N,) float32 squared norms of member_keys."""
     seed: int
     """k-means seed, for the record."""
+    sketch: KeySketch | None = None
+    """Ranks the members before their exact distances (extend_by_clusters); None: every member of a row's
+    clusters is scored exactly (a walk then reads every such member's d floats: slow with few, large clusters)."""
 
     @property
     def n_clusters(self) -> int:
         return self.offsets.shape[0] - 1
+
+    @cached_property
+    def position(self) -> np.ndarray:
+        """(N,) int64 each entry's place in `members` (members[position[i]] == i)."""
+        out = np.empty_like(self.members)  # (N,)
+        out[self.members] = np.arange(self.members.shape[0])
+        return out
 
 
 CLUSTER_ITERATIONS = 10
@@ -192,8 +253,11 @@ CLUSTER_SAMPLE = 64
 """Training points per centroid k-means reads at most (faiss' max_points_per_centroid)."""
 
 
-def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0) -> StateClusters:
-    """k-means (faiss, squared L2) of the (N, d) stored keys into n_clusters (at most N) clusters."""
+def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0, sketch_dims: int = SKETCH_DIMS,
+                   exact_members: int = EXACT_MEMBERS) -> StateClusters:
+    """k-means (faiss, squared L2) of the (N, d) stored keys into n_clusters (at most N) clusters, with a
+    KeySketch of sketch_dims principal components keeping exact_members a row (sketch_dims 0, or at least d:
+    none, every member scored exactly)."""
     import faiss
 
     n = keys.shape[0]
@@ -203,16 +267,19 @@ def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0) -> StateClu
     km = faiss.Kmeans(x.shape[1], n_clusters, niter=CLUSTER_ITERATIONS, seed=seed,
                       max_points_per_centroid=CLUSTER_SAMPLE, verbose=False)
     km.train(x)
-    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed)
+    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed, sketch_dims, exact_members)
 
 
-def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int) -> StateClusters:
-    """StateClusters of a given assignment (N,) in [0, n_clusters) of the (N, d) keys."""
+def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int, sketch_dims: int = SKETCH_DIMS,
+                exact_members: int = EXACT_MEMBERS) -> StateClusters:
+    """StateClusters of a given assignment (N,) in [0, n_clusters) of the (N, d) keys, with a KeySketch of
+    sketch_dims components keeping exact_members a row (sketch_dims 0, or at least d: none)."""
     assign = np.asarray(assign, dtype=np.int64)
     members = np.argsort(assign, kind="stable")  # (N,)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=n_clusters))]).astype(np.int64)
     member_keys = torch.from_numpy(np.ascontiguousarray(keys[members], dtype=np.float32))  # (N, d)
-    return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), seed)
+    sketch = key_sketch(member_keys, sketch_dims, exact_members) if 0 < sketch_dims < member_keys.shape[1] else None
+    return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), seed, sketch)
 
 
 @dataclass(frozen=True)
@@ -251,12 +318,15 @@ def empty_candidates(rows: int) -> Neighbors:
                      np.full((rows, 1), -1, np.int32))
 
 
-def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: PointerSource) -> Neighbors:
+def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: PointerSource,
+           distances: bool = True) -> Neighbors:
     """Step t+1's pointer candidates from step t's candidates `prev` (S, w) and the tokens that came next
     `prev_targets` (S,): the successors of the neighbours whose value was that token, nearest first,
     padded with missing entries (id -1, value -1, distance inf) to the longest row.
 
     xq: (S, d) float32 queries of step t+1 (distances are recomputed from source.keys when it has them).
+    distances: False gives every pointer distance inf, in prev's order, for a caller that rescores them all
+    (`followed_distances_used`): their exact distances cost a gather of each one's key.
     """
     ids = prev.ids  # (S, w)
     match = (ids >= 0) & (prev.values == prev_targets[:, None])  # (S, w) the token that came next
@@ -271,6 +341,8 @@ def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: Po
     keep = np.take_along_axis(alive, order, axis=1)  # (S, w')
     new_ids = np.where(keep, np.take_along_axis(nxt, order, axis=1), -1)  # (S, w')
     values = np.where(keep, np.take_along_axis(nxt_values, order, axis=1), -1).astype(np.int32)  # (S, w')
+    if not distances:
+        return Neighbors(np.full(new_ids.shape, np.inf, np.float32), new_ids, values)  # (S, w')
     if source.keys is None:
         dist = np.where(keep, np.take_along_axis(prev.distances, order, axis=1), np.inf).astype(np.float32)
     else:
@@ -278,6 +350,13 @@ def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: Po
     resort = np.argsort(dist, axis=1, kind="stable")  # (S, w') nearest first, as a search returns them
     return Neighbors(np.take_along_axis(dist, resort, axis=1), np.take_along_axis(new_ids, resort, axis=1),
                      np.take_along_axis(values, resort, axis=1))
+
+
+def followed_distances_used(source: PointerSource, keep_pointers: bool) -> bool:
+    """Whether a walk reads the distances `follow` gives: not when every pointed row it keeps is rescored by
+    extend_by_clusters (clustered states) and a searched row drops its pointers (keep_pointers off); then
+    `follow(..., distances=False)` saves their keys' gather."""
+    return source.clusters is None or keep_pointers
 
 
 def _exact_distances(xq: np.ndarray, ids: np.ndarray, keep: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -295,63 +374,117 @@ def _exact_distances(xq: np.ndarray, ids: np.ndarray, keep: np.ndarray, keys: np
     return out
 
 
-EXTEND_CHUNK = 1 << 15
-"""Cluster members whose keys are gathered at once by extend_by_clusters ((M, d) float32 at most this many)."""
-
-
 def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, source: PointerSource,
                        width: int) -> Neighbors:
-    """`candidates` (S, w) with each row of `rows` (r,) replaced by every member of its candidates'
-    clusters (each once: an entry is in one cluster, so the candidates are among them), at their exact
-    distances to the row's query xq (S, d), nearest first, at most `width`; (S, w') padded with missing
-    entries. Rows not in `rows`, and everything without source.clusters, are returned as they are."""
+    """`candidates` (S, w) with each row of `rows` (r,) replaced by the nearest `width` members of its
+    candidates' clusters (each member once: an entry is in one cluster, so the candidates are among them),
+    at their exact distances to the row's query xq (S, d), nearest first; (S, w') padded with missing
+    entries. Rows not in `rows`, and everything without source.clusters, are returned as they are.
+
+    What is exact and what is not. Without a sketch (StateClusters.sketch None) the members kept are
+    exactly the nearest `width`, at their exact distances (squared L2 in float32 from the stored keys, as
+    `follow`'s). With one, the members are ranked by the sketch (a few principal components: approximate,
+    `KeySketch`), the row's own candidates first (retomaton.py keeps its pointers before the clusters'
+    members too), and the best `width` by that ranking are kept: its own candidates and the best others up
+    to KeySketch.exact_members in all at their exact distances, the others at distance inf: followed at the
+    next step like any candidate, but of no weight in this step's p_kNN (knnlm.knn_logprob_from_matches
+    gives inf no weight), so the kNN distribution is built from exact distances only. A row whose clusters hold
+    at most exact_members members is therefore exact (but for its own candidates, kept first), and so is a
+    sketch that ranks like the exact distances; the scored come first, nearest first, then the followed only
+    distances (tests/memlm/retrieval/test_pointers_clusters.py)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
     ids = candidates.ids[rows]  # (r, w)
+    r, n_cl = rows.shape[0], cl.n_clusters
     r_idx, c_idx = np.nonzero(ids >= 0)  # (m,), (m,)
-    pairs = np.unique(r_idx * cl.n_clusters + cl.assign[ids[r_idx, c_idx]])  # (p,) (row, cluster), each once
-    p_row, p_cl = pairs // cl.n_clusters, pairs % cl.n_clusters  # (p,), (p,)
+    pairs = np.unique(r_idx * n_cl + cl.assign[ids[r_idx, c_idx]])  # (p,) (row, cluster), each once, by row
+    p_row, p_cl = pairs // n_cl, pairs % n_cl  # (p,), (p,)
     sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
-    m_row = np.repeat(p_row, sizes)  # (M,) row (of `rows`) of each member
-    start = np.repeat(cl.offsets[p_cl] - np.cumsum(sizes) + sizes, sizes)  # (M,)
-    m_ids = cl.members[start + np.arange(m_row.shape[0])]  # (M,)
-    dist = _member_distances(xq[rows], m_row, m_ids, p_row, p_cl, sizes, source)  # (M,)
-    order = np.lexsort((dist, m_row))  # (M,) by row, nearest first
-    m_row, m_ids, dist = m_row[order], m_ids[order], dist[order]
-    first = np.searchsorted(m_row, np.arange(rows.shape[0]))  # (r,) each row's first member
-    rank = np.arange(m_row.shape[0]) - first[m_row]  # (M,)
-    keep = rank < width
-    m_row, m_ids, dist, rank = m_row[keep], m_ids[keep], dist[keep], rank[keep]
-    w = max(candidates.ids.shape[1], int(rank.max(initial=-1)) + 1)
+    held = np.bincount(p_row, weights=sizes, minlength=r).astype(np.int64)  # (r,) members per row
+    row_start = np.cumsum(held) - held  # (r,) each row's first pair's place among the (p,) pairs' members
+    p_col = np.cumsum(sizes) - sizes - row_start[p_row]  # (p,) the pair's first column in its row
+    cols = int(held.max(initial=0))  # the widest row's members
+    q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
+    score = _rank_scores(q, p_row, p_cl, p_col, cols, cl)  # (r, cols) nearest lowest, inf past a row's members
+    sk = cl.sketch
+    take = min(cols, width)
+    if sk is not None:  # the row's own candidates ranked first: all of them are scored exactly
+        own = cl.position[ids[r_idx, c_idx]]  # (m,) their places in `members`
+        pair = np.searchsorted(pairs, r_idx * n_cl + cl.assign[ids[r_idx, c_idx]])  # (m,)
+        score[torch.from_numpy(r_idx), torch.from_numpy(p_col[pair] + own - cl.offsets[p_cl[pair]])] = -np.inf
+        n_own = np.bincount(r_idx, minlength=r)  # (r,)
+        take = min(cols, max(width, int(n_own.max(initial=0))))  # more than `width`: all scored, the nearest kept
+    best = torch.topk(score, take, dim=1, largest=False, sorted=sk is None).indices  # (r, take)
+    scored = None
+    if sk is not None:  # a row's own candidates and the best others, exact_members in all (or its own), exactly
+        n_scored = torch.from_numpy(np.maximum(sk.exact_members, n_own))  # (r,)
+        e = min(take, int(n_scored.max()))
+        first = torch.topk(torch.gather(score, 1, best), e, dim=1, largest=False).indices  # (r, e) best first
+        mine = torch.arange(e)[None, :] < n_scored[:, None]  # (r, e) the row's own count of them
+        scored = torch.zeros(best.shape, dtype=torch.bool).scatter_(1, first, mine).numpy()  # (r, take)
+    best = best.numpy()
+    valid = np.take_along_axis(np.arange(cols)[None, :] < held[:, None], best, axis=1)  # (r, take)
+    # the pair holding column c of row i: the last pair of row i whose first column is <= c
+    key = p_row * (cols + 1) + p_col  # (p,) ascending (pairs by row, columns by pair)
+    at = np.searchsorted(key, np.arange(r)[:, None] * (cols + 1) + best, side="right") - 1  # (r, take)
+    at = np.clip(at, 0, max(0, pairs.shape[0] - 1))  # a missing column (past a row's members) is masked below
+    pos = np.where(valid, cl.offsets[p_cl[at]] + best - p_col[at], 0)  # (r, take) places in `members`
+    m_ids = np.where(valid, cl.members[pos], -1)  # (r, take)
+    if sk is None:  # the ranking was the exact distance, nearest first
+        dist = np.where(valid, np.maximum(np.take_along_axis(score.numpy(), best, axis=1), 0.0), np.inf)
+    else:  # the scored get exact distances; the others are followed only (inf); missing last (nan sorts last)
+        dist = _exact_member_distances(q, pos, scored & valid, cl)  # (r, take)
+        order = np.argsort(np.where(valid, dist, np.nan), axis=1)  # scored nearest first
+        dist, m_ids, valid = (np.take_along_axis(a, order, axis=1) for a in (dist, m_ids, valid))
+    found = Neighbors(dist.astype(np.float32), m_ids,
+                      np.where(valid, source.values[np.maximum(m_ids, 0)], -1).astype(np.int32))
+    found = Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
+    w = max(candidates.ids.shape[1], found.ids.shape[1])
     out = [_pad(a, w, fill) for a, fill in zip(candidates, (np.inf, -1, -1))]  # (S, w') each
-    for a, fill in zip(out, (np.inf, -1, -1)):
+    for a, new, fill in zip(out, found, (np.inf, -1, -1)):
         a[rows] = fill
-    out[0][rows[m_row], rank], out[1][rows[m_row], rank] = dist, m_ids
-    out[2][rows[m_row], rank] = source.values[m_ids]
+        a[rows, : new.shape[1]] = new
     return Neighbors(*out)
 
 
-def _member_distances(xq: np.ndarray, m_row: np.ndarray, m_ids: np.ndarray, p_row: np.ndarray, p_cl: np.ndarray,
-                      sizes: np.ndarray, source: PointerSource) -> np.ndarray:
-    """Squared L2 (M,) float32 of each member m_ids (M,) to its row's query xq[m_row] (r, d), one matmul per
-    cluster in the call: the members of cluster c (contiguous in source.clusters.members) against every
-    row that asked for c. Members are listed pair by pair ((row, cluster) pairs p_row, p_cl (p,), sizes)."""
-    cl = source.clusters
-    q = torch.from_numpy(np.ascontiguousarray(xq, dtype=np.float32))  # (r, d)
-    qn = q.pow(2).sum(dim=1)  # (r,)
-    out = torch.empty(m_ids.shape[0], dtype=torch.float32)  # (M,)
-    pair_start = np.cumsum(sizes) - sizes  # (p,) each pair's first member in the (M,) list
+def _rank_scores(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, p_col: np.ndarray, cols: int,
+                 cl: StateClusters) -> torch.Tensor:
+    """(r, cols) float32 ranking score of every member of each row's (row, cluster) pairs (p_row, p_cl, the
+    pair's first column p_col (p,)) for the rows' queries q (r, d), inf past a row's members: the exact
+    squared L2 without a sketch, the sketch's estimate (minus the row's constant) with one. One matmul per
+    cluster in the call: the members of cluster c (contiguous in cl.members) against every row that asked for c."""
+    sk = cl.sketch
+    if sk is None:
+        block, norms, qq, qn = cl.member_keys, cl.member_norms, q, q.pow(2).sum(dim=1)  # (N, d), (N,), (r, d), (r,)
+    else:  # (x - mean) . (q - mean) ~ its part on the basis; ||q - mean||^2 is the row's constant, left out
+        block, norms = sk.codes, sk.centred_norms  # (N, p), (N,)
+        qq, qn = (q - sk.mean) @ sk.basis, torch.zeros(q.shape[0])  # (r, p), (r,)
+    out = torch.full((q.shape[0], cols), np.inf)  # (r, cols)
+    flat = out.view(-1)  # (r * cols,)
     by_cluster = np.argsort(p_cl, kind="stable")  # (p,)
     cuts = np.flatnonzero(np.diff(p_cl[by_cluster])) + 1
     for group in np.split(by_cluster, cuts):  # the pairs of one cluster
         c = int(p_cl[group[0]])
         lo, hi = int(cl.offsets[c]), int(cl.offsets[c + 1])
-        rows = torch.from_numpy(p_row[group])  # (g,)
-        d = cl.member_norms[lo:hi, None] - 2.0 * (cl.member_keys[lo:hi] @ q[rows].T) + qn[rows][None, :]  # (s, g)
-        at = torch.from_numpy(pair_start[group])[None, :] + torch.arange(hi - lo)[:, None]  # (s, g)
-        out[at.reshape(-1)] = d.reshape(-1)
-    return out.clamp(min=0.0).numpy()
+        g_rows = torch.from_numpy(p_row[group])  # (g,)
+        d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0) + qn[g_rows][:, None]  # (g, s)
+        at = torch.from_numpy(p_row[group] * cols + p_col[group])[:, None] + torch.arange(hi - lo)[None, :]  # (g, s)
+        flat[at.reshape(-1)] = d.reshape(-1)  # each row's members: one contiguous run of its columns
+    return out
+
+
+def _exact_member_distances(q: torch.Tensor, pos: np.ndarray, scored: np.ndarray, cl: StateClusters) -> np.ndarray:
+    """(r, t) float32 squared L2 of the members at places pos (r, t) of cl.members where `scored` (r, t), to
+    the rows' queries q (r, d), from their float32 keys, inf elsewhere: a row at a time (numpy's take and one
+    matrix-vector product measured 3x faster here than torch's gather and batched matmul over many rows)."""
+    keys, norms, qs = cl.member_keys.numpy(), cl.member_norms.numpy(), q.numpy()  # (N, d), (N,), (r, d)
+    out = np.full(pos.shape, np.inf, dtype=np.float32)  # (r, t)
+    for i in range(pos.shape[0]):
+        cols = np.flatnonzero(scored[i])  # (e_i,)
+        at = pos[i, cols]  # (e_i,)
+        out[i, cols] = np.maximum(norms[at] - 2.0 * (np.take(keys, at, axis=0) @ qs[i]) + qs[i] @ qs[i], 0.0)
+    return out
 
 
 def needs_search(candidates: Neighbors, min_pointers: int) -> np.ndarray:
@@ -390,6 +523,6 @@ def union_candidates(searched: Neighbors, pointed: Neighbors) -> Neighbors:
     np.put_along_axis(dup, by_id, again, axis=1)  # (S, k + w) a later copy of an id in its row
     missing = dup | (ids < 0)
     ids, dist, vals = np.where(missing, -1, ids), np.where(missing, np.inf, dist).astype(np.float32), np.where(missing, -1, vals)
-    order = np.argsort(dist, axis=1, kind="stable")  # nearest first, missing last
+    order = np.lexsort((dist, missing), axis=1)  # nearest first, missing last (after any at distance inf)
     return Neighbors(np.take_along_axis(dist, order, axis=1), np.take_along_axis(ids, order, axis=1),
                      np.take_along_axis(vals, order, axis=1).astype(np.int32))

@@ -41,7 +41,7 @@ from memlm.retrieval.adaptive import (
     distribution_features,
 )
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate
-from memlm.retrieval.pointers import PointerConfig, PointerSource
+from memlm.retrieval.pointers import PointerConfig, PointerSource, cluster_states
 
 TOK = Tokenizer.byte_level()
 BOUNDARY = document_boundary(TOK)
@@ -53,6 +53,12 @@ WALK_ATOL = 2e-6
 time, the walk's from one forward over the whole text (float32 rounding of another summation order): measured
 at most 3.6e-7 over this file's prompts (min_pointers 1 and 2), while pointer distances 1% off in the engine
 show as up to 7.9e-6 (test_the_walk_oracle_sees_pointer_distances_one_percent_off)."""
+
+
+CLUSTERED_WALK_ATOL = 5e-4
+"""As WALK_ATOL with clustered states: the candidates are whole clusters' members, farther from the query than
+pointers alone, so the engine's and the walk's float32 queries (up to 3.4e-6 apart) move their distances more
+(up to 4.6e-5): measured at most 1.0e-4 over this file's prompts scored exactly, within WALK_ATOL with the sketch."""
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +132,8 @@ def test_pointers_save_searches_and_stay_in_their_document(setting, monkeypatch)
     model, searcher, source, docs, where = setting
     followed = []
 
-    def spy(prev, targets, xq, src):
-        out = real(prev, targets, xq, src)
+    def spy(prev, targets, xq, src, distances):
+        out = real(prev, targets, xq, src, distances)
         followed.append((prev, targets, out))
         return out
 
@@ -235,10 +241,26 @@ def test_pointer_generation_equals_evaluations_walk_over_its_own_text(setting, c
 def test_the_walk_oracle_sees_pointer_distances_one_percent_off(setting, crossing, monkeypatch) -> None:
     real = fewer_rows.follow
 
-    def off(prev, targets, xq, src):  # the engine's pointed candidates only (the walk imports its own follow)
-        out = real(prev, targets, xq, src)
+    def off(prev, targets, xq, src, distances):  # the engine's pointed candidates only (the walk imports its own)
+        out = real(prev, targets, xq, src, distances)
         return out._replace(distances=out.distances * 1.01)
 
     monkeypatch.setattr(fewer_rows, "follow", off)
     worst, _, _ = against_the_walk(setting, crossing, PointerConfig(min_pointers=1))
     assert worst > WALK_ATOL
+
+
+@pytest.mark.parametrize("sketch_dims, exact_members, cluster_width", [(0, 1, None), (4, 3, 16)])
+def test_clustered_generation_equals_evaluations_walk(setting, crossing, sketch_dims, exact_members,
+                                                      cluster_width) -> None:
+    """Clustered states in generation, scored exactly or by a KeySketch (3 exact a row, the others followed
+    only, 16 kept: wider than k 8): the engine's rows and evaluation's walk call the same extend_by_clusters,
+    so the same log-probs and the same tokens searched."""
+    model, searcher, source = crossing
+    clusters = cluster_states(source.keys, 6, sketch_dims=sketch_dims, exact_members=exact_members)
+    assert (clusters.sketch is None) == (sketch_dims == 0)
+    clustered = PointerSource.local(source.successors.next_ids, source.successors.values, source.keys, clusters)
+    config = PointerConfig(min_pointers=1, cluster_width=cluster_width)
+    worst, same_searches, saved = against_the_walk(setting, (model, searcher, clustered), config)
+    assert same_searches and saved > 0  # the candidate sets decide which tokens search: exactly the same
+    assert worst <= CLUSTERED_WALK_ATOL

@@ -1,7 +1,9 @@
 """RetoMaton over clustered states (memlm.retrieval.pointers.extend_by_clusters, Alon et al. 2022 section 3.2):
 the extension against a brute-force oracle (every member of the pointers' clusters, each once, at its exact
-distance, the nearest `width`), singleton clusters walk exactly as pointers alone, a minimum above k is
-plain kNN-LM with clusters too, and clusters let more pointers survive on repeated text."""
+distance, the nearest `width`), with and without the members' KeySketch (exact where the sketch's ranking
+cannot matter or cannot err; otherwise exact distances, the row's own candidates kept), singleton clusters
+walk exactly as pointers alone, a minimum above k is plain kNN-LM with clusters too, and clusters let more
+pointers survive on repeated text."""
 
 from __future__ import annotations
 
@@ -28,30 +30,105 @@ V, BOS = 40, 1
 WINDOW = WindowConfig(context=32, stride=16, batch_size=4)
 
 
-def test_extension_matches_a_brute_force_oracle():
-    rng = np.random.default_rng(0)
-    n, d = 60, 5
-    keys = rng.normal(size=(n, d)).astype(np.float16)
+ROWS = np.array([0, 2, 3])
+"""The rows extended in the oracle tests (row 1 has no candidates and is not asked for)."""
+
+
+def oracle_case(keys: np.ndarray, sketch_dims: int, exact_members: int = 4, seed: int = 0):
+    """A 60-entry store in 7 random clusters, four rows of candidates and their queries."""
+    rng = np.random.default_rng(seed)
+    n, d = keys.shape
     values = rng.integers(0, 9, size=n).astype(np.int32)
     assign = rng.integers(0, 7, size=n)
-    source = PointerSource.local(np.full(n, -1), values, keys, clusters_of(assign, keys, 7, seed=0))
+    clusters = clusters_of(assign, keys, 7, seed=0, sketch_dims=sketch_dims, exact_members=exact_members)
+    source = PointerSource.local(np.full(n, -1), values, keys, clusters)
     ids = np.array([[3, 10, -1], [-1, -1, -1], [5, 6, 7], [11, -1, -1]])
-    cands = Neighbors(np.where(ids >= 0, 1.0, np.inf).astype(np.float32), ids, np.where(ids >= 0, values[ids], -1))
-    xq = rng.normal(size=(4, d)).astype(np.float32)
-    rows = np.array([0, 2, 3])
+    xq = (keys[rng.integers(0, n, size=4)].astype(np.float32) + rng.normal(size=(4, d)).astype(np.float32))
+    return source, candidates(ids, xq, keys, values), xq, assign, values
+
+
+def candidates(ids: np.ndarray, xq: np.ndarray, keys: np.ndarray, values: np.ndarray) -> Neighbors:
+    """Rows of candidates at their exact distances to the rows' queries, as `follow` gives them."""
+    dist = ((keys[np.maximum(ids, 0)].astype(np.float32) - xq[:, None, :]) ** 2).sum(-1)  # (r, w)
+    return Neighbors(np.where(ids >= 0, dist, np.inf).astype(np.float32), ids, np.where(ids >= 0, values[ids], -1))
+
+
+def check_against_oracle(got, source, cands, xq, assign, values, width, keys, own_first=False):
+    """Every member of the row's clusters once, at its exact distance, the nearest `width`, nearest first;
+    own_first: the row's own candidates kept whatever their distance, the nearest others beside them."""
+    np.testing.assert_array_equal(got.ids[1], -1)  # a row not asked for is as it was
+    for r in ROWS:
+        ids = cands.ids[r][cands.ids[r] >= 0]
+        members = np.flatnonzero(np.isin(assign, assign[ids]))  # each once
+        others = np.setdiff1d(members, ids) if own_first else members
+        dist = ((keys[others].astype(np.float32) - xq[r]) ** 2).sum(1)
+        want = others[np.argsort(dist, kind="stable")[: width - (ids.size if own_first else 0)]]
+        if own_first:
+            want = np.concatenate([ids, want])
+        live = got.ids[r] >= 0
+        assert live.sum() == len(want) and set(got.ids[r][live]) == set(want)
+        exact = ((keys[got.ids[r][live]].astype(np.float32) - xq[r]) ** 2).sum(1)
+        np.testing.assert_allclose(got.distances[r][live], exact, rtol=1e-4, atol=1e-3)
+        assert (np.diff(got.distances[r][live]) >= 0).all()
+        np.testing.assert_array_equal(got.values[r][live], values[got.ids[r][live]])
+
+
+def test_extension_matches_a_brute_force_oracle():
+    keys = np.random.default_rng(1).normal(size=(60, 5)).astype(np.float16)
+    source, cands, xq, assign, values = oracle_case(keys, sketch_dims=0)
+    assert source.clusters.sketch is None
     for width in (4, 100):
-        got = extend_by_clusters(cands, rows, xq, source, width)
-        np.testing.assert_array_equal(got.ids[1], -1)  # a row not asked for is as it was
-        for r in rows:
-            members = np.flatnonzero(np.isin(assign, assign[ids[r][ids[r] >= 0]]))  # each once
-            dist = ((keys[members].astype(np.float32) - xq[r]) ** 2).sum(1)
-            order = np.argsort(dist, kind="stable")[:width]
-            live = got.ids[r] >= 0
-            assert live.sum() == len(order) and set(got.ids[r][live]) == set(members[order])
-            np.testing.assert_allclose(got.distances[r][live], dist[order], rtol=1e-4, atol=1e-4)
-            assert (np.diff(got.distances[r][live]) >= 0).all()
-            np.testing.assert_array_equal(got.values[r][live], values[got.ids[r][live]])
-    assert extend_by_clusters(cands, rows, xq, PointerSource.local(np.full(n, -1), values, keys), 4) is cands
+        got = extend_by_clusters(cands, ROWS, xq, source, width)
+        check_against_oracle(got, source, cands, xq, assign, values, width, keys)
+    n = keys.shape[0]
+    assert extend_by_clusters(cands, ROWS, xq, PointerSource.local(np.full(n, -1), values, keys), 4) is cands
+
+
+def test_a_sketch_is_exact_where_its_ranking_cannot_matter_or_cannot_err():
+    """Room for every member (exact_members and width 100): all are scored exactly. Keys in a 2-dimensional
+    subspace (plus float16 rounding) and a 2-component sketch scoring 4 exactly: its ranking is the exact
+    one, so beside the row's own candidates (kept first, as retomaton.py keeps its pointers before the
+    clusters' members) the nearest others are found."""
+    rng = np.random.default_rng(2)
+    full = rng.normal(size=(60, 8)).astype(np.float16)
+    source, cands, xq, assign, values = oracle_case(full, sketch_dims=2, exact_members=100)
+    assert source.clusters.sketch is not None and source.clusters.sketch.codes.shape == (60, 2)
+    check_against_oracle(extend_by_clusters(cands, ROWS, xq, source, 100), source, cands, xq, assign, values, 100, full)
+    flat = (rng.normal(size=(60, 2)) @ rng.normal(size=(2, 8)) * 4.0 + 8.0).astype(np.float16)  # rank 2, off centre
+    source, cands, xq, assign, values = oracle_case(flat, sketch_dims=2)
+    xq = flat[[0, 0, 20, 40]].astype(np.float32) + 0.1  # near the subspace: the dropped part is the same for all
+    cands = candidates(cands.ids, xq, flat, values)
+    check_against_oracle(extend_by_clusters(cands, ROWS, xq, source, 4), source, cands, xq, assign, values, 4, flat,
+                         own_first=True)
+
+
+def test_a_poor_sketch_still_gives_exact_distances_and_keeps_the_rows_own_candidates():
+    """A 1-component sketch of full-rank keys ranks badly, and scores 2 exactly: a row keeps `width` members
+    of its clusters, each once: its own candidates (never dropped for the sketch's error) and the best by
+    the sketch; its own and the best others up to 2 in all at their exact distances, nearest first, then
+    the others at inf (followed at the next step, no weight in p_kNN)."""
+    keys = np.random.default_rng(3).normal(size=(60, 8)).astype(np.float16)
+    source, cands, xq, assign, values = oracle_case(keys, sketch_dims=1, exact_members=2)
+    width = 6
+    got = extend_by_clusters(cands, ROWS, xq, source, width)
+    for r in ROWS:
+        own = cands.ids[r][cands.ids[r] >= 0]
+        members = np.flatnonzero(np.isin(assign, assign[own]))
+        live = got.ids[r] >= 0
+        ids, dist = got.ids[r][live], got.distances[r][live]
+        assert live.sum() == min(width, members.size) and len(set(ids)) == live.sum() and set(ids) <= set(members)
+        scored = np.isfinite(dist)
+        assert scored.sum() == max(2, own.size) and set(own) <= set(ids[scored])
+        assert not scored[scored.sum():].any()  # the scored first, then the followed-only
+        exact = ((keys[ids[scored]].astype(np.float32) - xq[r]) ** 2).sum(1)
+        np.testing.assert_allclose(dist[scored], exact, rtol=1e-4, atol=1e-3)
+        assert (np.diff(dist[scored]) >= 0).all()
+        np.testing.assert_array_equal(got.values[r][live], values[ids])
+    at = np.array([10, -1, 7, 11])  # each row's query on one of its own candidates, room for 1: that one is kept
+    xq = keys[np.maximum(at, 0)].astype(np.float32)
+    got = extend_by_clusters(candidates(cands.ids, xq, keys, values), ROWS, xq, source, 1)
+    np.testing.assert_array_equal(got.ids[ROWS, 0], at[ROWS])
+    np.testing.assert_allclose(got.distances[ROWS, 0], 0.0, atol=1e-5)
 
 
 def walk_data():
