@@ -57,14 +57,15 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 
 def clustered_scorings(args: argparse.Namespace) -> list[dict]:
-    """How the clustered walks score and keep members: every member exactly (sketch 0), or ranked by a
-    KeySketch of --sketch-dims components with --exact-members scored exactly, each with every
-    --clustered-widths (0: as many as a searched row, k)."""
+    """How the clustered walks score and keep members, pairs of --sketch-dims and --clustered-widths: every
+    member exactly (sketch 0) or ranked by a KeySketch of that many components with --exact-members scored
+    exactly, keeping that many candidates a clustered row (0: as many as a searched row, k)."""
+    if len(args.sketch_dims) != len(args.clustered_widths):
+        raise SystemExit("--sketch-dims and --clustered-widths are pairs: give as many of each")
     out = []
-    for dims in args.sketch_dims:
-        for width in args.clustered_widths:
-            scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": args.exact_members}
-            out.append({**scoring, **({"cluster_width": width} if width else {})})
+    for dims, width in zip(args.sketch_dims, args.clustered_widths):
+        scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": args.exact_members}
+        out.append({**scoring, **({"cluster_width": width} if width else {})})
     return out
 
 
@@ -115,10 +116,10 @@ def parse() -> argparse.Namespace:
                    "search too (retomaton.py's union)")
     p.add_argument("--sketch-dims", type=int, nargs="*", default=[0], help="clustered walks: members ranked by a "
                    "KeySketch of this many principal components before their exact distances (0: every member "
-                   "scored exactly); one walk per value")
+                   "scored exactly); one walk per value, paired with --clustered-widths")
     p.add_argument("--exact-members", type=int, default=1024, help="with a sketch: members a row scores exactly")
     p.add_argument("--clustered-widths", type=int, nargs="*", default=[0], help="candidates a clustered row keeps "
-                   "(PointerConfig.cluster_width; 0: k); one walk per value")
+                   "(PointerConfig.cluster_width; 0: k), the i-th with the i-th --sketch-dims")
     p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
                    "(one of --clusters; 0: pointers alone)")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
