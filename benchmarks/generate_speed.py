@@ -27,7 +27,7 @@ The engine and transformers do the same work per token, and the engine more: gre
 the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob
 (a logsumexp over V per row) where generate gives none. Our decoder's float32 CPU projections run oneDNN's
 GEMM (memlm.model.decoder.cpu_float32_gemm), transformers' nn.Linear MKL's: --engine-gemm mkl runs our side
-on MKL's too (memlm.model.decoder.onednn_off), to show what the kernel gives and what the rest of the engine does.
+on MKL's too (memlm.model.decoder.float32_gemm_on_mkl), to show what the kernel gives and what the rest of the engine does.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall time, or process CPU time (cpu: "
                    "for a CPU shared with other jobs, with OMP_NUM_THREADS=1; tokens/s then per CPU-second)")
     p.add_argument("--engine-gemm", default=DEFAULT_CPU_GEMM, choices=sorted(CPU_GEMMS),
-                   help="our side's float32 CPU GEMM: the decoder's default (oneDNN), or MKL's as transformers' nn.Linear")
+                   help=f"our side's float32 CPU GEMM: the decoder's default ({DEFAULT_CPU_GEMM}), or MKL's as transformers' nn.Linear")
     _common.add_synthetic_flag(p)
     return p.parse_args()
 

@@ -302,7 +302,8 @@ class Engine:
         """The step's ONE kNN-LM search, for the ready rows that search (logits (B, V), keys (B, C); None when
         no row is ready) and every scored token of the score passes (`pending`); then every ready row's token
         (emitted) and the score rows' scores. A failed search ends the rows that searched with its error and
-        the others go on (a retrieval fault never stalls the rest of the batch)."""
+        the others go on (a retrieval fault never stalls the rest of the batch). Speculative rows verify after
+        this, with a search of their own (memlm.engine.speculative)."""
         if ready:
             ready, logits, keys = memorizing_rows.end_failed(self, ready, logits, keys)  # a kNN memory failed: ends
             ready, logits, keys = spalm_rows.head_logits(self, ready, logits, keys)  # SPALM: the head's logits
@@ -320,14 +321,14 @@ class Engine:
             else:
                 neighbors = [f if c is not None else nb for c, f, nb in zip(ask, found, neighbors)]
                 score_found = found[len(ask):]
-        if failed is not None and ready:
-            for row, c in zip(ready, knn):
+        if failed is not None and ready:  # only the rows in the search end (not those pointed or gate-skipped)
+            for row, c in zip(ready, ask):
                 if c is not None:
                     row.handle.put(failed)
                     self._release(row)
-            keep = [i for i, c in enumerate(knn) if c is None]
+            keep = [i for i, c in enumerate(ask) if c is None]
             ready, logits, keys = [ready[i] for i in keep], logits[keep], keys[keep]
-            knn = neighbors = [None] * len(keep)
+            knn, neighbors = [knn[i] for i in keep], [neighbors[i] for i in keep]
         if ready:
             fewer_rows.keep_candidates(ready, knn, neighbors)
             choices = choose_tokens(logits, [r.handle.request.sampling for r in ready],

@@ -204,14 +204,14 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
     and top-n under the final distribution) with `found`, the step search's (1, k_i) neighbours of `queries`
     in its order; a row whose window is done reads its next one from a cleared cache row, and a row whose last
     window is done delivers its SequenceScore. `failed`, the search's error (found is then empty), ends the
-    kNN-LM rows with it; the others go on."""
+    kNN-LM rows that had tokens in the search with it; the others go on."""
     V = engine.model.config.vocab_size
     at = 0
     for p in pending:
         for (row, _), (lm_lp, targets, greedy, _) in zip(p.plan, p.blocks):
             request = row.handle.request
             nb = None
-            if request.knn is not None and failed is not None:
+            if request.knn is not None and len(targets) and failed is not None:  # in the search: ends
                 row.handle.put(failed)
                 engine._release(row)
                 continue

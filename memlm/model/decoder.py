@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from abc import ABC, abstractmethod
 from typing import NamedTuple, Protocol
 
@@ -131,9 +132,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
+_float32_onednn = True
+"""Whether cpu_float32_gemm may take oneDNN: off inside float32_gemm_on_mkl. Process-wide (one kernel choice for
+every thread of a server, as torch.backends' own flags), and only float32's: bfloat16 and float16 CPU matmuls
+keep oneDNN (torch.backends.mkldnn stays on: switched off, a bfloat16 (8, 576) x (576, 1536) linear took 3093 us
+against 587, measured 1 Dec)."""
+
+
 def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether Linear runs oneDNN's GEMM instead of F.linear's: inference (grad disabled) in float32 on the
-    CPU, with oneDNN built in and not switched off (onednn_off).
+    CPU, with oneDNN built in and float32's not switched off (float32_gemm_on_mkl, `memlm --cpu-gemm mkl`).
 
     Why: on this project's CPU (AMD EPYC, AVX-512; PyTorch's CPU wheel links MKL for float32 BLAS) MKL's sgemm
     is slow at the decoder's shapes and oneDNN is not (issue 12; measured 1 Dec, one thread, CPU time, weights out
@@ -149,21 +157,27 @@ def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # and picks its own GEMM for F.linear.
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and not torch.compiler.is_compiling())
+            and _float32_onednn and not torch.compiler.is_compiling())
 
 
-def onednn_off() -> contextlib.AbstractContextManager:
-    """A context in which Linear takes F.linear (MKL's GEMM in float32, as transformers' nn.Linear): for
-    comparisons bit for bit with transformers and for measuring what oneDNN gives (benchmarks/generate_speed.py)."""
-    # None: the other oneDNN settings stay as they are (flags()' defaults would set TF32, which warns on a CPU build).
-    return torch.backends.mkldnn.flags(enabled=False, allow_tf32=None, fp32_precision=None)
+@contextlib.contextmanager
+def float32_gemm_on_mkl() -> Iterator[None]:
+    """A context in which Linear's CPU float32 inference takes F.linear (MKL's GEMM in float32, as transformers'
+    nn.Linear); other dtypes unchanged: for a CPU shared with other processes, comparisons bit for bit with
+    transformers and measuring what oneDNN gives (benchmarks/generate_speed.py --engine-gemm mkl)."""
+    global _float32_onednn
+    before, _float32_onednn = _float32_onednn, False
+    try:
+        yield
+    finally:
+        _float32_onednn = before
 
 
-CPU_GEMMS = {"onednn": contextlib.nullcontext, "mkl": onednn_off}
+CPU_GEMMS = {"onednn": contextlib.nullcontext, "mkl": float32_gemm_on_mkl}
 """The CPU float32 GEMM Linear runs, by name (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm): the
 context a command runs in. "onednn" (the default) is the faster kernel on an idle CPU; "mkl" is the one that
 keeps its speed when other processes hold cores (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall
-at their barriers there). The flag is process-wide (torch.backends.mkldnn), so every thread of a server sees it."""
+at their barriers there)."""
 DEFAULT_CPU_GEMM = "onednn"
 
 

@@ -286,10 +286,11 @@ def test_serve_lm_takes_a_checkpoints_memory_defaults_or_refuses_others(capsys, 
     assert code == 1 and "--sink-tokens 4 differs from checkpoint" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("gemm, onednn_enabled", [("mkl", False), ("onednn", True)])
-def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatch, gemm, onednn_enabled):
-    # `memlm --cpu-gemm mkl COMMAND`: the command (a server's threads too: the flag is process-wide) runs with
-    # oneDNN's float32 GEMM off, so the decoder's Linear takes F.linear (memlm.model.decoder.cpu_float32_gemm).
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatch, gemm):
+    # `memlm --cpu-gemm mkl COMMAND`: the command (a server's threads too: the choice is process-wide) runs the
+    # decoder's CPU float32 Linear on F.linear (memlm.model.decoder.cpu_float32_gemm), and only that: oneDNN
+    # stays on for bfloat16 / float16 matmuls.
     import torch
 
     import memlm.cli
@@ -306,11 +307,15 @@ def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatc
             seen["reference"] = torch.nn.functional.linear(x, layer.weight, layer.bias)
         seen["enabled"] = torch.backends.mkldnn.enabled
 
-    before = torch.backends.mkldnn.enabled
+    assert cpu_float32_gemm(torch.randn(2, 4), torch.randn(3, 4)) is False  # grad enabled: F.linear always
+    with torch.no_grad():
+        before = cpu_float32_gemm(torch.randn(2, 4), torch.randn(3, 4))
     monkeypatch.setattr(memlm.cli, "cmd_fetch", fake_fetch)
     code, _, _ = run(capsys, "--cpu-gemm", gemm, "fetch", "anything")
     assert code == 0
-    assert seen["enabled"] is onednn_enabled and seen["gemm"] is (onednn_enabled and torch.backends.mkldnn.is_available())
-    if not onednn_enabled:
+    assert seen["enabled"] is torch.backends.mkldnn.is_available()  # oneDNN itself stays on
+    assert seen["gemm"] is (gemm == "onednn" and torch.backends.mkldnn.is_available())
+    if gemm == "mkl":
         assert torch.equal(seen["out"], seen["reference"])  # F.linear itself, bit for bit
-    assert torch.backends.mkldnn.enabled is before
+    with torch.no_grad():
+        assert cpu_float32_gemm(torch.randn(2, 4), torch.randn(3, 4)) is before  # restored after the command

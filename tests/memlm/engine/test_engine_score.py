@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import sharp_tiny_model
+from tiny_models import RowWiseSearcher, own_text_datastore, repeated_phrase_documents, sharp_tiny_model
 
 from memlm.engine import score_rows
 from memlm.engine.engine import Engine, run_all
@@ -25,6 +25,7 @@ from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.engine.score_rows import ScoreEnded, ScoreRow, join_scores, split
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_pass import Retrieval
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
 from memlm.memory.config import MemoryConfig
 from memlm.model.config import ModelConfig
@@ -32,6 +33,7 @@ from memlm.model.decoder import build_model
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig, PointerSource
 
 TOK = Tokenizer.byte_level()
 B = document_boundary(TOK)
@@ -234,6 +236,45 @@ def test_a_failed_search_ends_only_the_rows_that_searched(model) -> None:
     (got,) = list(plain.events())
     (alone,) = run_all(Engine(model, TOK, EngineConfig(max_batch=1)), [base])[0]
     close(got, alone, BASE_RTOL)
+
+
+class ToggledSearcher(CountingSearcher):
+    """The datastore, failing while `fail` is set."""
+
+    fail = False
+
+    def search(self, xq, k, options=None):
+        if self.fail:
+            raise RuntimeError("the retrieval service is down")
+        return super().search(xq, k, options)
+
+
+def test_a_failed_step_search_ends_the_score_rows_in_it_not_a_generate_row_that_followed_pointers(model) -> None:
+    # The step's one search holds the score rows' tokens and the decode rows that search; a Generate row that
+    # follows its RetoMaton pointers this step is not in it, so a failure of that search does not end it.
+    docs = [[B, *d] for d in repeated_phrase_documents(256)]
+    exact, drafts = own_text_datastore(model, docs)
+    source = PointerSource.local(drafts.next_ids, drafts.values, exact.keys.half().numpy())
+    searcher = ToggledSearcher(RowWiseSearcher(exact))
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, prefill_chunk=64), searcher)
+    gen = engine.submit(GenerationRequest(tuple(docs[0][1:10]), 40, SamplingConfig(temperature=0), boundary_token=B,
+                                          knn=KNN, fewer=Retrieval(PointerConfig(min_pointers=1), source)))
+    for _ in range(40):  # until a step where the row follows pointers
+        engine.step()
+        (row,) = engine._rows.values()
+        if row.searches_saved > 0:
+            break
+    assert row.searches_saved > 0
+    searched = row.searches
+    score = engine.submit(ScoreRequest(tuple(TOK.encode("a text to score")), B, knn=KNN))
+    searcher.fail = True
+    engine.step()
+    assert row.searches == searched  # it followed its pointers in the failed step
+    with pytest.raises(RuntimeError, match="is down"):
+        list(score.events())
+    searcher.fail = False
+    events = list(gen.events())  # it goes on to its end (an error would be raised here)
+    assert sum(isinstance(e, TokenEvent) for e in events) == 40
 
 
 def test_a_long_texts_later_windows_do_not_starve_a_new_score(model) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlm.model.decoder import Linear, cpu_float32_gemm, onednn_off
+from memlm.model.decoder import Linear, cpu_float32_gemm, float32_gemm_on_mkl
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 
@@ -48,6 +48,6 @@ def test_grad_bfloat16_and_switched_off_take_f_linear() -> None:
     torch.testing.assert_close(layer.weight.grad, x.detach().sum(0).expand(8, 16))  # d(sum W x)/dW = sum x
     with torch.no_grad():
         assert not cpu_float32_gemm(x.bfloat16(), layer.weight.bfloat16())
-        with onednn_off():
+        with float32_gemm_on_mkl():
             assert not cpu_float32_gemm(x, layer.weight)
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))

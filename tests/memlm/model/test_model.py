@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memlm.model.config import ModelConfig
-from memlm.model.decoder import Decoder, KVCache, onednn_off
+from memlm.model.decoder import Decoder, KVCache, float32_gemm_on_mkl
 
 TOL = 2e-5
 """Max abs logit difference allowed against transformers (float32, CPU). Measured on these configs:
@@ -64,7 +64,7 @@ def test_logits_equal_transformers_sdpa_bit_for_bit(tie: bool, n_kv_head: int, h
     model = make_model(config)
     idx = tokens(config)
     # ... and the same GEMM: oneDNN off (memlm.model.decoder.cpu_float32_gemm), so both sides run MKL's.
-    with torch.no_grad(), onednn_off():
+    with torch.no_grad(), float32_gemm_on_mkl():
         ours = model(idx).logits  # (B, T, V)
         theirs = hf_llama(config, model.state_dict(), "sdpa")(idx).logits  # (B, T, V)
     assert torch.equal(ours, theirs)
