@@ -11,7 +11,8 @@ may differ; the first differing token's index is printed). The machine's load is
 
     OMP_NUM_THREADS=1 python benchmarks/fewer_generate.py [--datastore /tmp/demo_v5/ds-sotu-1990-2000]
         [--prompts 6] [--prompt-tokens 64] [--new-tokens 48] [--min-pointers 1 4] [--adaptive-gate DIR
-        --adaptive-fraction F] [--batch 1] [--repeats 1]
+        --adaptive-fraction F] [--batch 1] [--repeats 1] [--clusters C [--sketch-dims P --exact-members E]
+        [--cluster-width W]]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from memlm.engine.engine import Engine
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.jobs.knnlm_pass import Retrieval
-from memlm.retrieval.pointers import PointerConfig, PointerSource, successors
+from memlm.retrieval.pointers import PointerConfig, PointerSource, cluster_states, successors
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -46,6 +47,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adaptive-fraction", type=float, default=0.5, help="with --adaptive-gate: searches to skip")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds per side (median)")
+    p.add_argument("--clusters", type=int, default=0, help="RetoMaton over this many clustered states (0: pointers "
+                   "alone), as benchmarks/search_savings.py --clusters")
+    p.add_argument("--sketch-dims", type=int, default=0, help="with --clusters: members ranked by a KeySketch of this "
+                   "many components (0: every member scored exactly)")
+    p.add_argument("--exact-members", type=int, default=1024, help="with --sketch-dims: members a row scores exactly")
+    p.add_argument("--cluster-width", type=int, default=0, help="with --clusters: candidates a clustered row keeps "
+                   "(PointerConfig.cluster_width; 0: k)")
     args = p.parse_args()
     args.in_datastore = False  # held_apart_prompts' check stays on
     return args
@@ -95,17 +103,25 @@ def main() -> None:
     model, tok = bench.pre.model, bench.pre.tokenizer
     knn = knn_settings(args)
     prompts = held_apart_prompts(bench, store, args)
-    source = PointerSource.local(successors(store.provenance, len(store)).next_ids, store.values, store.keys)
+    clusters = None
+    if args.clusters:
+        clusters = cluster_states(store.keys, args.clusters, sketch_dims=args.sketch_dims,
+                                  exact_members=args.exact_members)
+    source = PointerSource.local(successors(store.provenance, len(store)).next_ids, store.values, store.keys,
+                                 clusters)
     adaptive = gate(args, bench, store) if args.adaptive_gate else None
     print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({store.info().n} entries, {store.info().index}), "
           f"k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts of {args.prompt_tokens} "
           f"tokens from {args.split}, {args.new_tokens} new tokens greedy, batch {args.batch}"
-          + (f", gate {args.adaptive_gate} at fraction {args.adaptive_fraction}" if adaptive else ""), flush=True)
+          + (f", gate {args.adaptive_gate} at fraction {args.adaptive_fraction}" if adaptive else "")
+          + (f", {args.clusters} clustered states (sketch {args.sketch_dims}, keeping {args.cluster_width or knn.k})"
+             if clusters else ""), flush=True)
     engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store)
     plain = [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=knn) for p in prompts]
     for m in args.min_pointers:
         figure(f"pointers min {m}" + (" + gate" if adaptive else ""), engine, plain,
-               Retrieval(PointerConfig(min_pointers=m), source, adaptive), args.repeats)
+               Retrieval(PointerConfig(min_pointers=m, cluster_width=args.cluster_width or None), source, adaptive),
+               args.repeats)
     if adaptive is not None:
         figure("gate alone", engine, plain, Retrieval(adaptive=adaptive), args.repeats)
 

@@ -262,7 +262,7 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2))
     markers = {"adaptive": "o", "pointers": "s", "pointers_kept": "D", "clustered": "P", "both": "^"}
     def curve(r: dict) -> tuple:
         return (r["method"], r.get("clusters", 0), r.get("sketch", 0), r.get("cluster_width", 0), r.get("keep", False))
@@ -278,9 +278,10 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
         label += f", sketch {sketch}" if sketch else ""
         label += f", keeps {width}" if width else ""
         label += ", kept" if keep and method == "clustered" else ""
-        a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=markers[method], label=label)
-        line = b.plot(x, [r["wall_ratio"] for r in pts], marker=markers[method], label=label)[0]
-        b.plot(x, [r["pass_ratio"] for r in pts], marker=markers[method], ls="--", color=line.get_color(), alpha=0.6)
+        color = plt.cm.tab20(curves.index((method, clusters, sketch, width, keep)) % 20)  # distinct for 20 curves
+        a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=markers[method], label=label, color=color)
+        b.plot(x, [r["wall_ratio"] for r in pts], marker=markers[method], label=label, color=color)
+        b.plot(x, [r["pass_ratio"] for r in pts], marker=markers[method], ls="--", color=color, alpha=0.6)
     plain = rows[0]
     a.axhline(plain["knnlm_perplexity"] * 1.01, color="grey", ls=":", label="plain kNN-LM +1%")
     a.axhline(plain["knnlm_perplexity"], color="grey", ls="-", lw=0.8, label="plain kNN-LM")

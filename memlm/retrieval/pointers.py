@@ -23,17 +23,23 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
    would drop, and so a minimum above k is plain kNN-LM exactly (issue 15).
 4. optionally over clustered states (Alon et al. 2022, section 3.2; retomaton.py
    `extend_pointers_using_clusters`): the entries are clustered by key (k-means, `cluster_states`), and a
-   row that is not searched takes every member of its pointers' clusters as candidates (the pointers are
-   members of their own clusters), the nearest `width` kept (`extend_by_clusters`). The minimum is checked
-   on the pointers before they are extended, as retomaton.py does; the extension adds candidates, so more
-   of them survive the next step. Measured on the 81,169-key SOTU datastore (6,000 tokens of 2003+,
-   k 1024, 2,000 clusters of ~41 entries): min 4 saves 59% of the searches at +0.6% perplexity, against
-   48% at +2.2% without clusters; 500 clusters, min 1: 73.9% at +0.74%; 50 clusters with keep_pointers:
-   79.5% at +0.43%, but reading ~1,600 members' keys per cluster then costs 2.3x the searches it saves
-   (benchmarks/search_savings.py).
+   row that is not searched takes the members of its pointers' clusters as candidates (the pointers are
+   members of their own clusters; `extend_by_clusters`), at most PointerConfig.extended_width of them. The
+   minimum is checked on the pointers before they are extended, as retomaton.py does; the extension adds
+   candidates, so more of them survive the next step. The members are scored either all exactly (the
+   default: one matmul per cluster against every row asking for it, the nearest kept), or ranked first by
+   a KeySketch (the keys' top principal components) with the row's own candidates ranked first (as
+   retomaton.py keeps its pointers before the members) and only KeySketch.exact_members of them scored
+   exactly; the others kept are followed at the next step but weigh nothing in p_kNN (distance inf), so
+   a wide PointerConfig.cluster_width keeps pointers alive without the cost of their exact distances.
+   Measured (benchmarks/search_savings.py, README "Fewer searches"): see the table there; on the 81,169-key
+   SOTU datastore 50 clusters scored exactly save 77.6% at +0.46%, and ranked by a 64-component sketch,
+   1,024 exact, keeping 4,096: 80.7% at +0.51% (20 clusters: 81.4% at +0.17%), but slower than plain
+   kNN-LM there: a pointed row still reads 1,024 keys for its exact distances, about what a batched Flat
+   search costs a query on 81K keys.
 
-Shape legend: N datastore entries, S streams walked together, w candidates per stream (<= k), d key
-dimension, M candidates over all streams, C clusters.
+Shape legend: N datastore entries, S streams walked together, w candidates per stream, d key dimension,
+M candidates over all streams, C clusters, r rows extended, p sketch components.
 """
 
 from __future__ import annotations
@@ -197,8 +203,9 @@ class KeySketch(NamedTuple):
 
 EXACT_MEMBERS = 1024
 """Members of a row scored exactly by default, the best by a KeySketch's ranking (extend_by_clusters): with
-fewer the kNN distribution loses weight that counts (over the SOTU demo's searches, the 1024 nearest beyond
-the 256th hold 17.5% of p_kNN's mass on average at T 2.18; 256 scored exactly cost +0.3% perplexity)."""
+fewer the kNN distribution loses weight that counts (over 600 of the SOTU demo's searches, the 1024 nearest
+beyond the 256th hold 17.5% of p_kNN's mass on average at T 2.18; with 50 clusters keeping 4,096, 256 scored
+exactly gave +0.85% perplexity against +0.51% with 1,024)."""
 
 
 def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS) -> KeySketch:
