@@ -176,7 +176,7 @@ def main() -> None:
           f"{store.info().index}), k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts "
           f"of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens greedy, batch "
           f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
-          f"history matches {spec.history_max_match}..{spec.history_min_match} (first from {spec.history_first_match}); "
+          f"history matches {spec.history_max_match}..{spec.history_min_match} tokens; "
           f"{args.repeats} rounds",
           flush=True)
     engine = Engine(model, tok, EngineConfig(max_batch=args.batch), store,

@@ -1,5 +1,6 @@
-"""Draft continuations from the datastore for speculative decoding (REST, He et al. 2023, "REST:
-Retrieval-Based Speculative Decoding"), issue 15 part 3.
+"""Draft continuations for speculative decoding (issue 15 part 3): from the datastore (REST, He et al. 2023,
+"REST: Retrieval-Based Speculative Decoding"), from the row's own text (prompt lookup decoding), or both
+(SpeculativeConfig.draft_from, `--draft-from`).
 
 What is drafted: after a row's token y was chosen at a position whose query key had the neighbours N
 (the kNN-LM search of that position, or a search made only to draft when the target is the base LM), the
@@ -17,6 +18,14 @@ base-LM row searches only when its walked pointers ran out. Why: REST drafts fro
 instead of a small draft model, and a kNN-LM engine already has the datastore and the neighbours of the
 current position, so a draft costs a few array lookups; whether a draft is right is decided only by
 verification (memlm.engine.speculative), so any draft keeps the output exact.
+
+From the row's own text (`history_draft`; prompt lookup decoding, Saxena 2023; LLMA, Yang et al. 2023; the
+document's own past as a datastore, as in the continuous cache of Grave et al. 2017): the longest suffix of the
+row's tokens (boundary, prompt, generated) that occurred before in them, and what followed it there. Why: held-
+apart speeches seldom go on as the 1990s speeches did (the datastore's drafts are right for ~1.3 tokens a pass
+there), while a small model's greedy text repeats its prompt's phrases and itself. "both" (`row_draft`) takes the
+history's draft when the row's last tokens recur (SpeculativeConfig.history_min_match: then it is often right for
+many tokens), else the datastore's.
 
 Shape legend: k neighbours, m matching neighbours (chains), L draft length, N datastore entries.
 """
@@ -58,15 +67,14 @@ class SpeculativeConfig:
     draft_from: str = "datastore"
     """Where drafts come from: "datastore" the neighbours' successors (REST); "history" the row's own text
     (prompt lookup decoding: what followed the latest earlier occurrence of its last tokens,
-    `history_draft`); "both" the history's draft when the row's text has a match of at least
-    history_first_match tokens, else the datastore's, else a shorter history match's (`row_draft`)."""
+    `history_draft`); "both" the history's draft when the row's text has a match, else the datastore's."""
     history_max_match: int = 3
     """Longest suffix of the row's text looked up in its own past (longer matches are tried first)."""
-    history_min_match: int = 1
-    """Shortest suffix of the row's text drafted from."""
-    history_first_match: int = 2
-    """draft_from "both": a history match of at least this many tokens goes before the datastore's draft (a
-    one-token match is often a common token, where the datastore's chains say more)."""
+    history_min_match: int = 2
+    """Shortest suffix of the row's text drafted from. Why not 1: a verifying pass of 1 + n tokens costs 1.34x
+    (n = 1) to 1.9x (n = 16) a plain step on one CPU thread (benchmarks/speculative_knnlm.py's setting), and the
+    drafts of a one-token match were right for 1.55 tokens a pass (a 2-token match's for 4.7, a 3-token one's
+    for 10.6; greedy kNN-LM over 8 held-apart speeches, draft_tokens 16)."""
     min_agreeing: int = 2
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
@@ -87,10 +95,9 @@ class SpeculativeConfig:
             raise MemlmError(f"base_pointers must be one of {', '.join(BASE_POINTERS)}, got {self.base_pointers!r}")
         if self.draft_from not in DRAFT_FROM:
             raise MemlmError(f"--draft-from must be one of {', '.join(DRAFT_FROM)}, got {self.draft_from!r}")
-        if not 1 <= self.history_min_match <= self.history_max_match or self.history_first_match < 1:
-            raise MemlmError("history matches need 1 <= history_min_match <= history_max_match and "
-                             f"history_first_match >= 1, got {self.history_min_match}, {self.history_max_match}, "
-                             f"{self.history_first_match}")
+        if not 1 <= self.history_min_match <= self.history_max_match:
+            raise MemlmError("history matches need 1 <= history_min_match <= history_max_match, got "
+                             f"{self.history_min_match}, {self.history_max_match}")
         if self.draft_k < 1 or self.min_agreeing < 1:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
 
@@ -245,10 +252,10 @@ def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, le
         return ()
     if spec.draft_from == "datastore":
         return draft_from(pointers, source, length, spec.min_agreeing)
-    history, matched = history_draft(text, length, spec.history_max_match, spec.history_min_match)
-    if spec.draft_from == "history" or matched >= spec.history_first_match:
+    history, _ = history_draft(text, length, spec.history_max_match, spec.history_min_match)
+    if history or spec.draft_from == "history":
         return history
-    return draft_from(pointers, source, length, spec.min_agreeing) or history
+    return draft_from(pointers, source, length, spec.min_agreeing)
 
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:

@@ -1,12 +1,13 @@
-"""Speculative decoding from the datastore inside continuous batching (issue 15 part 3; REST, He et al.
-2023, drafts from memlm.engine.drafts).
+"""Speculative decoding inside continuous batching (issue 15 part 3; drafts from memlm.engine.drafts: the
+datastore's successors (REST, He et al. 2023), the row's own text (prompt lookup), or both).
 
 A speculative row whose last token x_t is not yet fed feeds [x_t, d_1 .. d_n] (its draft, n <= draft_tokens)
 in one forward pass with logits at every position; every speculative row of the step shares that pass
-(left-padded, Engine._run). Then ONE search for the whole step: every fed position's key of the rows
-with kNN-LM (the interpolated distribution p_i is needed at every position to verify), and for the rows
-whose target is the base LM the key of their last accepted position, only when their pointers ran out
-(the datastore then only drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's
+(left-padded, Engine._run). Then one search for the whole step: the keys of the kNN-LM rows' positions that
+verification needs (the interpolated distribution p_i; a greedy row's up to the first draft token the base LM
+rejects, _lm_stop, and a further search in the rare pass where the neighbours lift that token; a sampled
+row's every position), and for the rows whose target is the base LM the key of their last accepted
+position, only when their pointers ran out (the datastore then only drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's
 rules: the kNN-LM mixture, ids beyond the tokenizer's vocabulary never chosen, temperature, top-k, top-p):
 - greedy: accept the longest prefix d_1 .. d_j with d_i = argmax p_{i-1}, then the model's own token
   argmax p_j: one pass always yields >= 1 token, and exactly plain greedy decoding's tokens;
@@ -19,9 +20,10 @@ The row's cache keeps x_t, d_1 .. d_j: the rejected positions' slots are marked 
 per-row lengths; they are overwritten as the row goes on). Eos, stops, max_new_tokens and sliding hold as
 in plain decoding: the tokens go through Engine._advance one at a time and the row stops at the first
 that ends it (a stop inside an accepted draft cuts it there); a draft is cut so that the pass never
-runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. The next draft follows the
+runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. A datastore draft follows the
 row's pointers (memlm.engine.drafts): the neighbours of the position that chose the last token whose
-value it is, or the old pointers walked along the tokens; a base-LM row searches only when those ran out.
+value it is, or the old pointers walked along the tokens; a base-LM row searches only when those ran out
+(never when it drafts from its own text alone).
 Only the plain KV cache: with the XL memory a rejected position would have overwritten a ring slot that
 the memory still needs.
 
@@ -127,24 +129,48 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     lm_lp = [F.log_softmax(logits[b, T - 1 - len(d):].float(), dim=-1) for b, d in enumerate(drafts)]  # (1+n, V)
     rkeys = [keys[b, T - 1 - len(d):] for b, d in enumerate(drafts)]  # (1+n, C)
     knn = [row.handle.request.knn for row in rows]
-    checked = [d[: _cut(lm, d, c, row.handle.request.sampling, engine.decodable)]  # what can be accepted
-               for lm, d, c, row in zip(lm_lp, drafts, knn, rows)]
-    lm_lp = [lm[: 1 + len(d)] for lm, d in zip(lm_lp, checked)]  # (1+n', V): only these positions are searched
-    rkeys = [k[: 1 + len(d)] for k, d in zip(rkeys, checked)]  # (1+n', C)
     accepted: list[tuple[list[int], int] | None] = [None] * len(rows)
     walked: list[np.ndarray | None] = [None] * len(rows)  # base rows' pointers walked along their tokens
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
-            accepted[b] = accept(lm_lp[b], checked[b], row.handle.request.sampling, row.generator, engine.decodable)
+            accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
             walked[b] = advance(row.pointers, accepted[b][0], source)
-    neighbors, failed = _search(engine, rows, rkeys, knn, accepted, walked)
+    # kNN-LM rows: the positions lo..hi to search next. Greedy rows search up to the first draft token the base
+    # LM rejects (_lm_stop) and go on past it only where the mixture took it all the same; sampled rows need
+    # every position's distribution.
+    greedy = {b: rows[b].handle.request.sampling.temperature == 0 for b in range(len(rows)) if knn[b] is not None}
+    lm_best = {b: lm_lp[b][:, : engine.decodable].argmax(dim=-1).tolist() for b, g in greedy.items() if g}  # (1+n,)
+    spans = {b: (0, _lm_stop(lm_best[b], drafts[b], 0) if g else len(drafts[b])) for b, g in greedy.items()}
+    found: list[list[Neighbors]] = [[] for _ in rows]  # per kNN-LM row: the neighbours of each searched span
+    mixed: list[list[torch.Tensor]] = [[] for _ in rows]  # per kNN-LM row: final log-probs of each span
+    neighbors: list[Neighbors | None] = [None] * len(rows)
+    failed, drafting = None, True
+    while spans or drafting:  # one search a round (one in the common case)
+        got, failed = _search(engine, rows, rkeys, spans, accepted, walked, drafting)
+        if drafting:  # base rows' searches to draft from: the first round only
+            neighbors = [got[b] if knn[b] is None else None for b in range(len(rows))]
+            drafting = False
+        if failed is not None:
+            break
+        further = {}
+        for b, (lo, hi) in spans.items():
+            c = knn[b]
+            knn_lp = knn_log_distribution(got[b], lm_lp[b].shape[-1], c.temperature).to(lm_lp[b].device)  # (q, V)
+            mix = interpolate(lm_lp[b][lo : hi + 1], knn_lp, c.lmbda)  # (q, V)
+            found[b].append(got[b])
+            mixed[b].append(mix)
+            taken = mix[:, : engine.decodable].argmax(dim=-1).tolist()  # (q,)
+            if greedy[b] and hi < len(drafts[b]) and taken == list(drafts[b][lo : hi + 1]):
+                further[b] = (hi + 1, _lm_stop(lm_best[b], drafts[b], hi + 1))  # all taken: search on
+        spans = further
     final = list(lm_lp)
     for b, row in enumerate(rows):
         if knn[b] is not None and failed is None:
-            nb = neighbors[b]  # (1+n, k)
-            knn_lp = knn_log_distribution(nb, lm_lp[b].shape[-1], knn[b].temperature).to(lm_lp[b].device)  # (1+n, V)
-            final[b] = interpolate(lm_lp[b], knn_lp, knn[b].lmbda)  # (1+n, V)
-            accepted[b] = accept(final[b], checked[b], row.handle.request.sampling, row.generator, engine.decodable)
+            final[b] = torch.cat(mixed[b])  # (s, V): positions 0 .. s-1
+            neighbors[b] = Neighbors(*(np.concatenate(parts) for parts in zip(*found[b])))  # (s, k)
+            searched = final[b].shape[0] - 1  # the draft tokens those positions verify
+            accepted[b] = accept(final[b], drafts[b][:searched], row.handle.request.sampling, row.generator,
+                                 engine.decodable)
     pointers = [_next_pointers(row, a, nb, w, source) if a is not None else None
                 for row, a, nb, w in zip(rows, accepted, neighbors, walked)]
     for b, row in enumerate(rows):  # roll back before any row leaves (a release moves rows)
@@ -159,39 +185,31 @@ def verify(engine: Engine, rows: list[Row]) -> None:
         _emit(engine, row, starts[b], accepted[b][0], final[b], lm_lp[b], pointers[b])
 
 
-CUT_MARGIN = 1e-4
-"""Slack on _cut's bound, far above the float32 error of the probabilities it compares."""
+def _lm_stop(lm_best: list[int], draft: tuple[int, ...], start: int) -> int:
+    """Greedy kNN-LM: the last position to search from `start`: the first i >= start whose draft token is not
+    the base LM's argmax lm_best[i] (that position's mixture still chooses a token, the draft's where the
+    neighbours lift it), len(draft) if none. Why search no further at once: at a small lambda the mixture
+    seldom takes a token the LM rejects, so the positions after it are rarely needed; where it does take it
+    verify searches on from there (one more search), so the output stays exact at any lambda. Measured
+    (greedy kNN-LM at lambda 0.1 over 8 held-apart speeches, drafts from both), against searching every
+    position up to where no p_kNN could lift the token: searches per token 1.20 -> 1.01, tokens a pass
+    2.24 -> 2.22, CPU time 6-8% less."""
+    return next((i for i in range(start, len(draft)) if lm_best[i] != draft[i]), len(draft))
 
 
-def _cut(lm_lp: torch.Tensor, draft: tuple[int, ...], knn: KNNLMConfig | None, sampling: SamplingConfig,
-         decodable: int) -> int:
-    """Greedy kNN-LM: the first draft index i whose token d_(i+1) cannot be the mixture's argmax whatever the
-    neighbours, len(draft) if none. p = (1 - lambda) p_LM + lambda p_kNN and 0 <= p_kNN <= 1, so a token
-    a with (1 - lambda) (p_LM(a) - p_LM(d)) > lambda beats d under any p_kNN: d is rejected for certain,
-    and the positions after i need no search (the pass yields at most the tokens chosen at 0..i).
-    lm_lp: (1+n, V) base log-probabilities. Other rows (base LM, sampling): the whole draft."""
-    if knn is None or sampling.temperature != 0 or not draft:
-        return len(draft)
-    p = lm_lp[: len(draft), :decodable].exp()  # (n, V')
-    ids = torch.tensor(draft, device=p.device)[:, None]  # (n, 1)
-    p_draft = torch.where(ids < decodable, p.gather(1, ids.clamp(max=decodable - 1)), 0.0)[:, 0]  # (n,)
-    certain = (1 - knn.lmbda) * (p.max(dim=-1).values - p_draft) > knn.lmbda + CUT_MARGIN  # (n,)
-    first = certain.nonzero()
-    return int(first[0, 0]) if first.numel() else len(draft)
-
-
-def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], knn: list[KNNLMConfig | None],
-            accepted: list[tuple[list[int], int] | None], walked: list[np.ndarray | None],
+def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: dict[int, tuple[int, int]],
+            accepted: list[tuple[list[int], int] | None], walked: list[np.ndarray | None], drafting: bool,
             ) -> tuple[list[Neighbors | None], Exception | None]:
-    """The step's one search: kNN-LM rows' every position, and the last accepted position of base rows
-    whose pointers ran out (to draft from). Per row its Neighbors (1+n, k) or (1, draft_k) or None (not
-    searched); on failure (None per row, the error)."""
+    """One search call: the positions lo..hi of the kNN-LM rows in spans, and (drafting) the last accepted
+    position of base rows whose pointers ran out (to draft from). Per row its Neighbors (q, k) or
+    (1, draft_k) or None (not searched); on failure (None per row, the error)."""
     queries, configs, owner = [], [], []
-    for b, (row, c) in enumerate(zip(rows, knn)):
-        if c is not None:
-            queries.append(keys[b])  # (1+n, C)
-            configs += [c] * keys[b].shape[0]
-        elif walked[b].size == 0 and _by_search(row, engine.drafts):
+    for b, row in enumerate(rows):
+        if b in spans:
+            lo, hi = spans[b]
+            queries.append(keys[b][lo : hi + 1])  # (q, C)
+            configs += [row.handle.request.knn] * (hi + 1 - lo)
+        elif drafting and row.handle.request.knn is None and walked[b].size == 0 and _by_search(row, engine.drafts):
             queries.append(keys[b][accepted[b][1] : accepted[b][1] + 1])  # (1, C)
             configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
         else:

@@ -43,7 +43,7 @@ BOUNDARY = document_boundary(TOK)
 GREEDY = SamplingConfig(temperature=0.0)
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
 KNN_LOW = KNNLMConfig(k=8, lmbda=0.1, temperature=5.0)
-"""lambda < 1/2: drafts are cut where no neighbours could make them the argmax (speculative._cut)."""
+"""The demo's tuned lambda (speculative._cut's setting: the neighbours seldom lift a token the LM rejects)."""
 SPEC = SpeculativeConfig(draft_tokens=6, draft_k=16, min_agreeing=1)
 """Drafts from the tiny datastore's few neighbours (k 8): one chain is enough to draft."""
 SEEDS = ["the cat sat", "once upon a time", "in the beginning", "hello world", "a b c d", "memory lane"]
@@ -117,11 +117,12 @@ def test_greedy_speculative_is_token_identical_over_many_prompts(setting, knn, b
 
 
 def test_inside_a_continuous_batch_with_plain_rows_joining_and_leaving(setting) -> None:
-    """Speculative and plain rows (kNN-LM and base, different lengths) submitted at different steps into
-    a batch of 3: each yields exactly its tokens alone (plain greedy)."""
+    """Speculative rows (each draft source) and plain rows (kNN-LM and base, different lengths) submitted at
+    different steps into a batch of 3: each yields exactly its tokens alone (plain greedy)."""
     ps = prompts(setting[3], 12, seed=1)
+    sources = [dataclasses.replace(SPEC, draft_from=f) for f in ("datastore", "history", "both")]
     reqs = [GenerationRequest(p, 6 + 5 * (i % 4), GREEDY, boundary_token=BOUNDARY, knn=KNN if i % 3 else None,
-                              speculative=SPEC if i % 2 else None) for i, p in enumerate(ps)]
+                              speculative=sources[i // 2 % 3] if i % 2 else None) for i, p in enumerate(ps)]
     eng = engine(setting, max_batch=3, prefill_chunk=7)
     handles, results, pending = [], {}, list(enumerate(reqs))
     while pending or eng.busy:
@@ -237,30 +238,23 @@ def test_greedy_speculative_is_token_identical_in_bfloat16(knn) -> None:
     assert sum(g[-1].mean_accepted_tokens for g in got) / len(got) > 1.5  # drafts were verified and taken
 
 
-@pytest.mark.parametrize("lmbda", [0.1, 0.3, 0.6])
-def test_greedy_kNN_draft_cut_only_where_no_neighbours_could_accept(lmbda) -> None:
-    """speculative._cut: a draft token is cut (its position and the later ones not searched) only when even
-    all of p_kNN on it leaves another token the mixture's argmax; where it is not cut, some p_kNN makes it
-    the argmax (the bound is the tight one for a one-hot p_kNN on the draft token)."""
-    import torch
+def test_greedy_kNN_search_stops_at_the_first_token_the_lm_rejects() -> None:
+    """speculative._lm_stop: a greedy kNN-LM row searches from `start` up to its first draft token that is
+    not the base LM's argmax (that position included: it still chooses a token), or to the draft's end.
+    (That the output stays exact when the neighbours lift such a token is the identity tests' part: KNN at
+    lambda 0.5 follows its datastore where the tiny LM does not, test_history_drafts_of_a_repeating_text.)"""
+    from memlm.engine.speculative import _lm_stop
 
-    from memlm.engine.speculative import _cut
-    from memlm.retrieval.knnlm import interpolate
-
-    gen = torch.Generator().manual_seed(0)
-    knn = KNNLMConfig(k=4, lmbda=lmbda, temperature=1.0)
-    cuts = 0
-    for _ in range(200):
-        lm = torch.log_softmax(3 * torch.randn(2, 6, generator=gen), -1)  # (1+n, V), n = 1
-        d = int(torch.randint(0, 6, (1,), generator=gen))
-        onehot = torch.full((1, 6), float("-inf"))
-        onehot[0, d] = 0.0  # log p_kNN: all mass on the draft token
-        best_case = interpolate(lm[:1], onehot, lmbda)[0]  # (V,) the mixture most favourable to d
-        cut = _cut(lm, (d,), knn, GREEDY, 6) == 0
-        cuts += cut
-        assert cut == (int(best_case.argmax()) != d) or abs(float(best_case.max() - best_case[d])) < 1e-3
-    assert (0 < cuts < 200) if lmbda < 0.5 else cuts == 0  # lambda >= 1/2: p_kNN can always lift d to the top
-    assert _cut(lm, (d,), None, GREEDY, 6) == 1 and _cut(lm, (d,), knn, SamplingConfig(temperature=1.0), 6) == 1
+    rng = random.Random(0)
+    stops = set()
+    for _ in range(300):
+        best = [rng.randrange(4) for _ in range(5)]  # (1+n,) the LM's argmax per position, n = 4
+        draft = tuple(t if rng.random() < 0.7 else rng.randrange(4) for t in best[:4])
+        start = rng.randrange(5)
+        want = next((i for i in range(start, 4) if draft[i] != best[i]), 4)
+        assert _lm_stop(best, draft, start) == want
+        stops.add(want)
+    assert stops == {0, 1, 2, 3, 4} and _lm_stop([1], (), 0) == 0
 
 
 class FailingAfter:
@@ -341,19 +335,16 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
     pointers = np.array([0])  # after token 5: the datastore drafts 6 7 8
     spec = SpeculativeConfig(min_agreeing=1)
     two = [1, 3, 4, 1, 3]  # "1 3" recurs: the history drafts 4 1 3 (a 2-token match)
-    one = [2, 3, 4, 1, 3]  # only "3" recurs: 4 1 3 from a 1-token match
-    none = [2, 3, 4, 1, 6]  # nothing recurs
+    one = [2, 3, 4, 1, 3]  # only "3" recurs: 4 1 3 from a 1-token match, below history_min_match 2
     history = dataclasses.replace(spec, draft_from="history")
     both = dataclasses.replace(spec, draft_from="both")
     assert row_draft(two, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore" (the default)
-    assert row_draft(two, pointers, source, 3, history) == row_draft(one, pointers, source, 3, history) == (4, 1, 3)
-    assert row_draft(none, pointers, source, 3, history) == ()
-    assert row_draft(one, pointers, source, 3, dataclasses.replace(history, history_min_match=2)) == ()
-    assert row_draft(two, pointers, source, 3, both) == (4, 1, 3)  # a 2-token match goes first
-    assert row_draft(one, pointers, source, 3, both) == (6, 7, 8)  # a 1-token match: the datastore's first
-    assert row_draft(one, pointers[:0], source, 3, both) == (4, 1, 3)  # ... unless it drafts nothing
-    assert row_draft(one, pointers, source, 3, dataclasses.replace(both, history_first_match=1)) == (4, 1, 3)
-    assert row_draft(none, pointers, source, 3, both) == (6, 7, 8)
+    assert row_draft(two, pointers, source, 3, history) == (4, 1, 3)
+    assert row_draft(one, pointers, source, 3, history) == ()
+    assert row_draft(one, pointers, source, 3, dataclasses.replace(history, history_min_match=1)) == (4, 1, 3)
+    assert row_draft(two, pointers, source, 3, both) == (4, 1, 3)  # a history match goes first
+    assert row_draft(one, pointers, source, 3, both) == (6, 7, 8)  # none: the datastore's
+    assert row_draft(one, pointers[:0], source, 3, both) == ()
     assert row_draft(two, pointers, source, 2, both) == (4, 1) and row_draft(two, pointers, source, 0, both) == ()
     with pytest.raises(MemlmError, match="--draft-from"):
         SpeculativeConfig(draft_from="ngram")

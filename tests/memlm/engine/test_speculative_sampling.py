@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from scipy.stats import chisquare
-from tiny_models import own_text_datastore, sharp_tiny_model
+from tiny_models import own_text_datastore, phrase_documents, sharp_tiny_model
 
 from memlm.engine import speculative
 from memlm.engine.drafts import SpeculativeConfig
@@ -52,6 +52,16 @@ def setting():
     return model, searcher, drafts, tuple(docs[0][1:16])
 
 
+@pytest.fixture(scope="module")
+def phrases():
+    """For drafts from the row's own text: a datastore of phrase-repeating documents, which kNN-LM goes on
+    repeating, and a prompt of two and a half phrases (its own past drafts the next phrase)."""
+    model = sharp_tiny_model()
+    docs = [[BOUNDARY, *d] for d in phrase_documents(6, 60)]
+    searcher, drafts = own_text_datastore(model, docs)
+    return model, searcher, drafts, tuple(docs[0][1:30])
+
+
 def target(model, searcher, prefix: list[int]) -> torch.Tensor:
     """The plain sampler's distribution (V,) of the next token after `prefix`, by full recomputation."""
     with torch.inference_mode():
@@ -76,9 +86,9 @@ def exact_outcomes(model, searcher, prefix: list[int]) -> dict[tuple[int, ...], 
     return out
 
 
-def sampled(setting, speculate: bool) -> Counter:
+def sampled(setting, speculate: bool, draft_from: str = "datastore") -> Counter:
     model, searcher, drafts, prompt = setting
-    spec = SpeculativeConfig(draft_tokens=4, draft_k=8, min_agreeing=1) if speculate else None
+    spec = SpeculativeConfig(draft_tokens=4, draft_k=8, min_agreeing=1, draft_from=draft_from) if speculate else None
     reqs = [GenerationRequest(prompt, TOKENS, dataclasses.replace(SAMPLING, seed=s), boundary_token=BOUNDARY,
                               knn=KNN, speculative=spec) for s in SEEDS]
     results = run_all(Engine(model, TOK, EngineConfig(max_batch=64), searcher, drafts), reqs)
@@ -101,10 +111,24 @@ def exact(setting):
     return exact_outcomes(model, searcher, [BOUNDARY, *prompt])
 
 
+@pytest.fixture(scope="module")
+def exact_phrases(phrases):
+    model, searcher, _, prompt = phrases
+    return exact_outcomes(model, searcher, [BOUNDARY, *prompt])
+
+
 def test_speculative_sampling_matches_the_plain_samplers_distribution(setting, exact) -> None:
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
     assert p_value(sampled(setting, speculate=False), exact) > 1e-3  # the oracle is the plain sampler's
     assert p_value(sampled(setting, speculate=True), exact) > 1e-3
+
+
+@pytest.mark.parametrize("draft_from", ["history", "both"])
+def test_sampling_with_history_drafts_matches_the_plain_samplers_distribution(phrases, exact_phrases,
+                                                                              draft_from) -> None:
+    assert sum(exact_phrases.values()) == pytest.approx(1.0, abs=1e-5)
+    assert p_value(sampled(phrases, speculate=False), exact_phrases) > 1e-3
+    assert p_value(sampled(phrases, speculate=True, draft_from=draft_from), exact_phrases) > 1e-3
 
 
 def wrong_accept(final_lp, draft, sampling, generator, decodable):
@@ -118,18 +142,20 @@ def wrong_accept(final_lp, draft, sampling, generator, decodable):
     raise AssertionError("unreachable")
 
 
-def test_a_wrong_acceptance_rule_fails_the_test(setting, exact, monkeypatch) -> None:
+def test_a_wrong_acceptance_rule_fails_the_test(setting, exact, phrases, exact_phrases, monkeypatch) -> None:
     monkeypatch.setattr(speculative, "accept", wrong_accept)
     assert p_value(sampled(setting, speculate=True), exact) < 1e-6
+    assert p_value(sampled(phrases, speculate=True, draft_from="history"), exact_phrases) < 1e-6
 
 
-def test_drafts_were_verified_in_the_sampled_runs(setting) -> None:
+@pytest.mark.parametrize("draft_from", ["datastore", "history"])
+def test_drafts_were_verified_in_the_sampled_runs(setting, phrases, draft_from) -> None:
     """The statistical test is about drafts: most of its rows verify one (and some of its tokens are
     accepted, some rejected)."""
-    model, searcher, drafts, prompt = setting
+    model, searcher, drafts, prompt = setting if draft_from == "datastore" else phrases
+    spec = SpeculativeConfig(draft_tokens=4, draft_k=8, min_agreeing=1, draft_from=draft_from)
     reqs = [GenerationRequest(prompt, TOKENS, dataclasses.replace(SAMPLING, seed=s), boundary_token=BOUNDARY,
-                              knn=KNN, speculative=SpeculativeConfig(draft_tokens=4, draft_k=8, min_agreeing=1))
-            for s in itertools.islice(SEEDS, 200)]
+                              knn=KNN, speculative=spec) for s in itertools.islice(SEEDS, 200)]
     ends = [ev[-1] for ev in run_all(Engine(model, TOK, EngineConfig(max_batch=64), searcher, drafts), reqs)]
     passes = [e.verify_steps for e in ends]
     assert sum(p < 2 for p in passes) > 20 and sum(p == 2 for p in passes) > 20  # accepted / rejected
