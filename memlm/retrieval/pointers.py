@@ -382,22 +382,22 @@ def _exact_distances(xq: np.ndarray, ids: np.ndarray, keep: np.ndarray, keys: np
 
 def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, source: PointerSource,
                        width: int) -> Neighbors:
-    """`candidates` (S, w) with each row of `rows` (r,) replaced by the nearest `width` members of its
-    candidates' clusters (each member once: an entry is in one cluster, so the candidates are among them),
-    at their exact distances to the row's query xq (S, d), nearest first; (S, w') padded with missing
-    entries. Rows not in `rows`, and everything without source.clusters, are returned as they are.
+    """`candidates` (S, w) with each row of `rows` (r,) replaced by at most `width` members of its candidates'
+    clusters (each member once: an entry is in one cluster, so the candidates are among them), for the row's
+    query xq (S, d); (S, w') padded with missing entries. Rows not in `rows`, and everything without
+    source.clusters, are returned as they are.
 
-    What is exact and what is not. Without a sketch (StateClusters.sketch None) the members kept are
-    exactly the nearest `width`, at their exact distances (squared L2 in float32 from the stored keys, as
-    `follow`'s). With one, the members are ranked by the sketch (a few principal components: approximate,
-    `KeySketch`), the row's own candidates first (retomaton.py keeps its pointers before the clusters'
-    members too), and the best `width` by that ranking are kept: its own candidates and the best others up
-    to KeySketch.exact_members in all at their exact distances, the others at distance inf: followed at the
-    next step like any candidate, but of no weight in this step's p_kNN (knnlm.knn_logprob_from_matches
-    gives inf no weight), so the kNN distribution is built from exact distances only. A row whose clusters hold
-    at most exact_members members is therefore exact (but for its own candidates, kept first), and so is a
-    sketch that ranks like the exact distances; the scored come first, nearest first, then the followed only
-    distances (tests/memlm/retrieval/test_pointers_clusters.py)."""
+    What is exact and what is not. Without a sketch (StateClusters.sketch None): the nearest `width`
+    members at their exact distances (squared L2 in float32 from the stored keys, as `follow`'s), nearest
+    first. With a KeySketch the members are ranked by the sketch (approximate), the row's own candidates
+    first (retomaton.py keeps its pointers before the clusters' members too), and the best `width` by that
+    ranking are kept (all of its own, if more, then cut to the nearest `width`). Its own candidates and the
+    best others, KeySketch.exact_members in all (or all of its own, if more), get exact distances and come
+    first, nearest first; the others get distance inf: followed at the next step like any candidate, but of
+    no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
+    exact distances only. So a row whose clusters hold at most exact_members members, or a sketch that
+    ranks like the exact distances, keeps the exact nearest beside its own candidates
+    (tests/memlm/retrieval/test_pointers_clusters.py)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
