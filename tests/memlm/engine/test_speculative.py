@@ -333,12 +333,12 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
     values = np.array([5, 6, 7, 8], dtype=np.int32)
     source = DraftSource(np.array([1, 2, 3, -1]), values)
     pointers = np.array([0])  # after token 5: the datastore drafts 6 7 8
-    spec = SpeculativeConfig(min_agreeing=1)
+    spec = SpeculativeConfig(min_agreeing=1, draft_from="datastore")
     two = [1, 3, 4, 1, 3]  # "1 3" recurs: the history drafts 4 1 3 (a 2-token match)
     one = [2, 3, 4, 1, 3]  # only "3" recurs: 4 1 3 from a 1-token match, below history_min_match 2
     history = dataclasses.replace(spec, draft_from="history")
     both = dataclasses.replace(spec, draft_from="both")
-    assert row_draft(two, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore" (the default)
+    assert row_draft(two, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore"
     assert row_draft(two, pointers, source, 3, history) == (4, 1, 3)
     assert row_draft(one, pointers, source, 3, history) == ()
     assert row_draft(one, pointers, source, 3, dataclasses.replace(history, history_min_match=1)) == (4, 1, 3)
