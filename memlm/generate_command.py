@@ -4,7 +4,7 @@
         [--memory none|xl|compressive|memorizing --segment S --mem-len M --sink-tokens N --cmem-len C --compress-rate R
          --knn-layer L --knn-mem-size M --knn-top-k K --knn-backend B --knn-service HOST:PORT] [--max-new-tokens N]
         [--sampling-temperature X --top-k K --top-p P --seed S] [--stop TEXT] [--json OUT]
-        [--speculative [--draft-tokens N]] [--pointers [--min-pointers N] [--pointer-clusters C]]
+        [--speculative [--draft-tokens N] [--draft-from datastore|history|both]] [--pointers [--min-pointers N] [--pointer-clusters C]]
         [--adaptive-gate DIR (--adaptive-threshold X | --adaptive-fraction F)] PROMPT...
 
 All prompts run as one continuous batch (each its own request: its own sampler, seeded by --seed, so a
