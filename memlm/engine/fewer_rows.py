@@ -102,10 +102,12 @@ def _pointed(ready: Sequence[Row], fewer: list, xq: np.ndarray) -> dict[int, Nei
         cands = follow(prev, targets, xq[rows], source, followed_distances_used(source, False))  # (r, w')
         minimum = np.array([fewer[i].pointers.min_pointers for i in rows])  # (r,)
         enough = np.flatnonzero(~needs_search(cands, minimum))  # (e,)
-        width = [fewer[i].pointers.extended_width(ready[i].handle.request.knn.k) for i in rows]
-        cands = extend_by_clusters(cands, enough, xq[rows], source, max(width))  # clustered states (none: as is)
-        for j in enough.tolist():
-            out[rows[j]] = Neighbors(*(a[j : j + 1, : width[j]] for a in cands))  # (1, w' <= its width) best first
+        width = np.array([fewer[i].pointers.extended_width(ready[i].handle.request.knn.k) for i in rows])  # (r,)
+        for w in np.unique(width[enough]).tolist():  # one call per width: a row's members never depend on another's
+            group = enough[width[enough] == w]  # (g,)
+            extended = extend_by_clusters(cands, group, xq[rows], source, w)  # clustered states (none: as is)
+            for j in group.tolist():
+                out[rows[j]] = Neighbors(*(a[j : j + 1, :w] for a in extended))  # (1, w' <= w) best first
     return out
 
 

@@ -395,7 +395,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     best others, KeySketch.exact_members in all (or all of its own, if more), get exact distances and come
     first, nearest first; the others get distance inf: followed at the next step like any candidate, but of
     no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
-    exact distances only. So a row whose clusters hold at most exact_members members, or a sketch that
+    exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all ranked, all scored), or a sketch that
     ranks like the exact distances, keeps the exact nearest beside its own candidates
     (tests/memlm/retrieval/test_pointers_clusters.py)."""
     cl = source.clusters
@@ -421,14 +421,11 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         score[torch.from_numpy(r_idx), torch.from_numpy(p_col[pair] + own - cl.offsets[p_cl[pair]])] = -np.inf
         n_own = np.bincount(r_idx, minlength=r)  # (r,)
         take = min(cols, max(width, int(n_own.max(initial=0))))  # more than `width`: all scored, the nearest kept
-    best = torch.topk(score, take, dim=1, largest=False, sorted=sk is None).indices  # (r, take)
+    best = _lowest_stable(score, take)  # (r, take) best first, ties by column
     scored = None
     if sk is not None:  # a row's own candidates and the best others, exact_members in all (or its own), exactly
-        n_scored = torch.from_numpy(np.maximum(sk.exact_members, n_own))  # (r,)
-        e = min(take, int(n_scored.max()))
-        first = torch.topk(torch.gather(score, 1, best), e, dim=1, largest=False).indices  # (r, e) best first
-        mine = torch.arange(e)[None, :] < n_scored[:, None]  # (r, e) the row's own count of them
-        scored = torch.zeros(best.shape, dtype=torch.bool).scatter_(1, first, mine).numpy()  # (r, take)
+        n_scored = np.maximum(sk.exact_members, n_own)  # (r,)
+        scored = np.arange(take)[None, :] < n_scored[:, None]  # (r, take) the first of the ranking
     best = best.numpy()
     valid = np.take_along_axis(np.arange(cols)[None, :] < held[:, None], best, axis=1)  # (r, take)
     # the pair holding column c of row i: the last pair of row i whose first column is <= c
@@ -441,7 +438,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         dist = np.where(valid, np.maximum(np.take_along_axis(score.numpy(), best, axis=1), 0.0), np.inf)
     else:  # the scored get exact distances; the others are followed only (inf); missing last (nan sorts last)
         dist = _exact_member_distances(q, pos, scored & valid, cl)  # (r, take)
-        order = np.argsort(np.where(valid, dist, np.nan), axis=1)  # scored nearest first
+        order = np.argsort(np.where(valid, dist, np.nan), axis=1, kind="stable")  # scored nearest first
         dist, m_ids, valid = (np.take_along_axis(a, order, axis=1) for a in (dist, m_ids, valid))
     found = Neighbors(dist.astype(np.float32), m_ids,
                       np.where(valid, source.values[np.maximum(m_ids, 0)], -1).astype(np.int32))
@@ -452,6 +449,21 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         a[rows] = fill
         a[rows, : new.shape[1]] = new
     return Neighbors(*out)
+
+
+def _lowest_stable(score: torch.Tensor, take: int) -> torch.Tensor:
+    """(r, take) columns of each row's `take` lowest scores (r, cols), lowest first, ties by column (the lower
+    first): the same members in the same order whatever the other rows of the call make `cols` (torch.topk's
+    choice among equal scores depends on the width; duplicate keys, such as every document's first, tie)."""
+    values, best = torch.topk(score, take, dim=1, largest=False, sorted=True)  # (r, take)
+    kth = values[:, -1:]  # (r, 1) the cut's score
+    # rows whose tied members straddle the cut (a finite tie: past a row's members the scores are inf, masked later)
+    straddle = (torch.isfinite(kth[:, 0]) & ((score == kth).sum(1) > (values == kth).sum(1))).nonzero().flatten()
+    if straddle.numel():
+        best[straddle] = torch.sort(score[straddle], dim=1, stable=True).indices[:, :take]
+    best = best.sort(dim=1).values  # (r, take) by column
+    order = torch.sort(torch.gather(score, 1, best), dim=1, stable=True).indices  # lowest first, ties by column
+    return torch.gather(best, 1, order)
 
 
 def _rank_scores(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, p_col: np.ndarray, cols: int,

@@ -178,3 +178,26 @@ def test_clusters_let_more_pointers_survive():
     clustered = run(keys, values, d, PointerSource.local(nxt, values, keys.numpy(), cluster_states(keys.numpy(), 16)),
                     8, k=64)
     assert clustered.searched.sum() < alone.searched.sum()
+
+
+def test_tied_members_at_the_width_cut_are_kept_the_same_alone_and_beside_other_rows():
+    # Duplicate keys tie (every document's first key, repeated texts): which of them a row keeps, and in what
+    # order, must not depend on the other rows of the call (torch.topk's tie order depends on the matrix width).
+    rng = np.random.default_rng(0)
+    d = 8
+    base = rng.normal(size=(1, d)).astype(np.float16)
+    keys = np.concatenate([np.repeat(base, 40, 0), rng.normal(size=(200, d)).astype(np.float16)])  # 40 identical
+    n = keys.shape[0]
+    values = np.arange(n, dtype=np.int32) % 30
+    assign = np.concatenate([np.zeros(40, int), 1 + np.arange(200) % 2])  # cluster 0: the duplicates
+    source = PointerSource.local(np.full(n, -1), values, keys, clusters_of(assign, keys, 3, seed=0))
+    xq = np.repeat(base.astype(np.float32) + 0.01, 2, 0)
+
+    def cands(ids):
+        ids = np.array(ids)
+        return Neighbors(np.zeros(ids.shape, np.float32), ids, np.where(ids >= 0, values[np.maximum(ids, 0)], -1))
+
+    alone = extend_by_clusters(cands([[0, -1, -1]]), np.array([0]), xq[:1], source, 8)
+    beside = extend_by_clusters(cands([[0, -1, -1], [40, 41, 42]]), np.array([0, 1]), xq, source, 8)
+    assert alone.ids[0].tolist() == beside.ids[0].tolist() == list(range(8))  # ties by member order
+    np.testing.assert_array_equal(alone.distances[0], beside.distances[0])
