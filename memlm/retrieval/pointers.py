@@ -395,9 +395,9 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     best others, KeySketch.exact_members in all (or all of its own, if more), get exact distances and come
     first, nearest first; the others get distance inf: followed at the next step like any candidate, but of
     no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
-    exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all ranked, all scored), or a sketch that
-    ranks like the exact distances, keeps the exact nearest beside its own candidates
-    (tests/memlm/retrieval/test_pointers_clusters.py)."""
+    exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
+    all scored), or a sketch that ranks like the exact distances, keeps the exact nearest beside its own
+    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (_lowest_stable)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
