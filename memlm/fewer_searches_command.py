@@ -20,6 +20,7 @@ from memlm.jobs.knnlm_pass import Retrieval
 from memlm.options import FEWER_SEARCHES_OPTIONS, given, refuse_given
 from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
 from memlm.retrieval.pointers import (
+    EXACT_MEMBERS,
     PointerConfig,
     PointerSource,
     cluster_states,
@@ -44,7 +45,11 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
     found = successors(store.provenance, len(store))
     if not found.contiguous:
         print("the datastore's entries are not in document order; successors found by sorting", file=sys.stderr)
-    clusters = None if args.pointer_clusters is None else cluster_states(store.keys, args.pointer_clusters)
+    clusters = None
+    if args.pointer_clusters is not None:
+        exact = EXACT_MEMBERS if args.pointer_exact is None else args.pointer_exact
+        clusters = cluster_states(store.keys, args.pointer_clusters, sketch_dims=args.pointer_sketch or 0,
+                                  exact_members=exact)
     return Retrieval(pointers, PointerSource.local(found.next_ids, store.values, store.keys, clusters), adaptive)
 
 
@@ -74,8 +79,11 @@ def generation_fewer(args: argparse.Namespace, searcher: Any, model_fingerprint:
 
 
 def pointer_config(args: argparse.Namespace) -> PointerConfig:
-    """The PointerConfig of --pointers [--min-pointers N]: PointerConfig's own default without the flag."""
-    return PointerConfig() if args.min_pointers is None else PointerConfig(min_pointers=args.min_pointers)
+    """The PointerConfig of --pointers [--min-pointers N] [--pointer-width W]: PointerConfig's own defaults
+    for the flags not given."""
+    defaults = PointerConfig()
+    return PointerConfig(min_pointers=defaults.min_pointers if args.min_pointers is None else args.min_pointers,
+                         cluster_width=defaults.cluster_width if args.pointer_width is None else args.pointer_width)
 
 
 def _check_gate_datastore(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfig | None) -> None:
@@ -90,7 +98,13 @@ def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, 
     refusals of flags given without theirs come before any datastore is opened."""
     if not args.pointers:
         refuse_given(args, ("min_pointers", "pointer_clusters"), "needs --pointers")
+    if args.pointer_clusters is None:
+        refuse_given(args, ("pointer_sketch", "pointer_width"), "needs --pointer-clusters")
+    if args.pointer_sketch is None:
+        refuse_given(args, ("pointer_exact",), "needs --pointer-sketch")
     clusters = {} if args.pointer_clusters is None else {"pointer_clusters": args.pointer_clusters}
+    clusters.update({name: getattr(args, name) for name in ("pointer_sketch", "pointer_exact", "pointer_width")
+                     if getattr(args, name) is not None})
     if args.adaptive_gate is None:
         refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")
         return None, clusters

@@ -22,7 +22,7 @@ from memlm.jobs.memorizing import DEFAULT_KNN_TRAIN, KNN_TRAIN_MODES
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
-from memlm.retrieval.pointers import PointerConfig
+from memlm.retrieval.pointers import EXACT_MEMBERS, PointerConfig
 from memlm.retrieval.searcher import MAX_K
 
 AUTO = "auto"
@@ -151,6 +151,13 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
            "(above --k: a search for every token)", _P.min_pointers),
     Option("--pointer-clusters", "pointer_clusters", positive_int, "with --pointers: RetoMaton over clustered "
            "states, k-means of the datastore's keys into this many clusters (entries of one share pointers)"),
+    Option("--pointer-sketch", "pointer_sketch", positive_int, "with --pointer-clusters: rank the clusters' members "
+           "by this many principal components of the keys and score only --pointer-exact of them exactly "
+           "(default: every member scored exactly; memlm.retrieval.pointers.KeySketch)"),
+    Option("--pointer-exact", "pointer_exact", positive_int, "with --pointer-sketch: members a row scores exactly "
+           "(its own pointers first); the other kept ones are followed but weigh nothing in p_kNN", EXACT_MEMBERS),
+    Option("--pointer-width", "pointer_width", positive_int, "with --pointer-clusters: candidates a clustered row "
+           "keeps at most (default: --k); wider keeps more pointers alive"),
     Option("--adaptive-gate", "adaptive_gate", str, "adaptive retrieval (He et al. 2021): a gate directory from "
            "memlm train-gate, fitted on documents that are not evaluated"),
     Option("--adaptive-threshold", "adaptive_threshold", fraction, "with --adaptive-gate: search when the gate's "

@@ -71,6 +71,12 @@ def test_clustered_states_are_recorded_and_a_minimum_above_k_stays_plain(capsys,
     assert clustered["searches"] + clustered["searches_saved"] == clustered["tokens"]
     everything = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "9", "--pointer-clusters", "8")
     assert everything["knnlm_nll"] == pytest.approx(plain["knnlm_nll"], rel=1e-6) and everything["searches_saved"] == 0
+    sketch = ("--pointer-clusters", "8", "--pointer-sketch", "4", "--pointer-exact", "6", "--pointer-width", "16")
+    sketched = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "2", *sketch)
+    assert (sketched["pointer_sketch"], sketched["pointer_exact"], sketched["pointer_width"]) == (4, 6, 16)
+    assert sketched["searches_saved"] > 0 and sketched["knnlm_nll"] != clustered["knnlm_nll"]  # the options act
+    everything = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "9", *sketch)
+    assert everything["knnlm_nll"] == pytest.approx(plain["knnlm_nll"], rel=1e-6) and everything["searches_saved"] == 0
 
 
 def test_a_gate_fitted_on_an_evaluated_document_is_refused(capsys, setting):
@@ -97,6 +103,9 @@ def test_a_gate_fitted_with_another_datastore_is_refused(capsys, tmp_path, setti
 @pytest.mark.parametrize("flags, message", [
     (["--min-pointers", "3"], "--min-pointers needs --pointers"),
     (["--pointer-clusters", "4"], "--pointer-clusters needs --pointers"),
+    (["--pointers", "--pointer-sketch", "4"], "--pointer-sketch needs --pointer-clusters"),
+    (["--pointers", "--pointer-width", "16"], "--pointer-width needs --pointer-clusters"),
+    (["--pointers", "--pointer-clusters", "4", "--pointer-exact", "8"], "--pointer-exact needs --pointer-sketch"),
     (["--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
     (["--adaptive-gate", "GATE"], "needs one of --adaptive-threshold X or --adaptive-fraction F"),
     (["--adaptive-gate", "GATE", "--adaptive-threshold", "0.5", "--adaptive-fraction", "0.5"], "needs one of"),
