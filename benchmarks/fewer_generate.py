@@ -29,7 +29,8 @@ from memlm.engine.engine import Engine
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.jobs.knnlm_pass import Retrieval
-from memlm.retrieval.pointers import PointerConfig, PointerSource, cluster_states, successors
+from memlm.retrieval.clustered_states import cluster_states
+from memlm.retrieval.pointers import PointerConfig, PointerSource, successors
 
 GREEDY = SamplingConfig(temperature=0.0)
 

@@ -175,7 +175,8 @@ def main() -> None:
     from memlm.retrieval.adaptive import GateConfig
     from memlm.retrieval.compat import check_searcher
     from memlm.retrieval.knnlm import KNNLMConfig
-    from memlm.retrieval.pointers import PointerSource, cluster_states, key_sketch, successors
+    from memlm.retrieval.clustered_states import cluster_states, key_sketch
+    from memlm.retrieval.pointers import PointerSource, successors
 
     bench = _common.load_model(None, False)
     model, boundary = bench.pre.model, bench.boundary

@@ -19,13 +19,8 @@ from memlm.errors import MemlmError
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.options import FEWER_SEARCHES_OPTIONS, given, refuse_given
 from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
-from memlm.retrieval.pointers import (
-    EXACT_MEMBERS,
-    PointerConfig,
-    PointerSource,
-    cluster_states,
-    successors,
-)
+from memlm.retrieval.clustered_states import EXACT_MEMBERS, cluster_states
+from memlm.retrieval.pointers import PointerConfig, PointerSource, successors
 
 
 def shared_documents(fingerprints: Iterable[str], evaluation: Any) -> set[str]:

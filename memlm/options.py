@@ -21,8 +21,9 @@ from memlm.errors import MemlmError
 from memlm.jobs.memorizing import DEFAULT_KNN_TRAIN, KNN_TRAIN_MODES
 from memlm.jobs.windows import WindowConfig
 from memlm.memory.config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
+from memlm.retrieval.clustered_states import EXACT_MEMBERS
 from memlm.retrieval.knnlm import KNNLMConfig
-from memlm.retrieval.pointers import EXACT_MEMBERS, PointerConfig
+from memlm.retrieval.pointers import PointerConfig
 from memlm.retrieval.searcher import MAX_K
 
 AUTO = "auto"
@@ -153,7 +154,7 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
            "states, k-means of the datastore's keys into this many clusters (entries of one share pointers)"),
     Option("--pointer-sketch", "pointer_sketch", positive_int, "with --pointer-clusters: rank the clusters' members "
            "by this many principal components of the keys and score only --pointer-exact of them exactly "
-           "(default: every member scored exactly; memlm.retrieval.pointers.KeySketch)"),
+           "(default: every member scored exactly; memlm.retrieval.clustered_states.KeySketch)"),
     Option("--pointer-exact", "pointer_exact", positive_int, "with --pointer-sketch: members a row scores exactly "
            "(its own pointers first); the other kept ones are followed but weigh nothing in p_kNN", EXACT_MEMBERS),
     Option("--pointer-width", "pointer_width", positive_int, "with --pointer-clusters: candidates a clustered row "

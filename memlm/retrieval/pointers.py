@@ -22,7 +22,7 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
    nearest only: pointers that are not among them are farther than the k-th neighbour, which kNN-LM
    would drop, and so a minimum above k is plain kNN-LM exactly (issue 15).
 4. optionally over clustered states (Alon et al. 2022, section 3.2; retomaton.py
-   `extend_pointers_using_clusters`): the entries are clustered by key (k-means, `cluster_states`), and a
+   `extend_pointers_using_clusters`): the entries are clustered by key (k-means, memlm.retrieval.clustered_states), and a
    row that is not searched takes the members of its pointers' clusters as candidates (the pointers are
    members of their own clusters; `extend_by_clusters`), at most PointerConfig.extended_width of them. The
    minimum is checked on the pointers before they are extended, as retomaton.py does; the extension adds
@@ -46,13 +46,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from memlm.errors import MemlmError
+from memlm.retrieval.clustered_states import (
+    StateClusters,
+    exact_member_distances,
+    lowest_stable,
+    rank_scores,
+)
 from memlm.retrieval.searcher import Neighbors, Provenance
 
 ProvenanceLookup = Callable[[np.ndarray], Provenance]
@@ -187,107 +192,6 @@ class SuccessorTable:
         return nxt, np.where(nxt >= 0, self.values[np.maximum(nxt, 0)], -1).astype(np.int32)  # (M,), (M,)
 
 
-class KeySketch(NamedTuple):
-    """A cheap stand-in for the stored keys that ranks cluster members before their exact distances are
-    computed (extend_by_clusters): the keys' top p principal directions. For a query q and a key x,
-    ||q - x||^2 = ||x - mean||^2 - 2 (x - mean).(q - mean) + ||q - mean||^2 exactly; the sketch keeps the
-    first term exactly (centred_norms), the second only on the basis (its part outside the p directions is
-    dropped: the approximation), and the third is the same for all of a query's members, so it is left out."""
-
-    mean: torch.Tensor  # (d,) float32 mean key
-    basis: torch.Tensor  # (d, p) float32 orthonormal: the covariance's top p eigenvectors
-    codes: torch.Tensor  # (N, p) float32 (x - mean) @ basis, in StateClusters.members order
-    centred_norms: torch.Tensor  # (N,) float32 ||x - mean||^2, in members order
-    exact_members: int  # the best members by the ranking that get exact distances (the others: followed only)
-
-
-EXACT_MEMBERS = 1024
-"""Members of a row scored exactly by default, the best by a KeySketch's ranking (extend_by_clusters): with
-fewer the kNN distribution loses weight that counts (over 600 of the SOTU demo's searches, the 1024 nearest
-beyond the 256th hold 17.5% of p_kNN's mass on average at T 2.18; with 50 clusters keeping 4,096, 256 scored
-exactly gave +0.85% perplexity against +0.51% with 1,024)."""
-
-
-def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS) -> KeySketch:
-    """The KeySketch of (N, d) float32 keys with the top `dims` (< d) principal directions."""
-    if exact_members < 1:
-        raise MemlmError(f"exact_members must be at least 1, got {exact_members}")
-    mean = keys.mean(dim=0)  # (d,)
-    centred = keys - mean  # (N, d)
-    cov = (centred.T @ centred).double()  # (d, d)
-    basis = torch.linalg.eigh(cov).eigenvectors[:, -dims:].flip(1).float().contiguous()  # (d, p) largest first
-    return KeySketch(mean, basis, (centred @ basis).contiguous(), centred.pow(2).sum(dim=1), exact_members)
-
-
-@dataclass(frozen=True)
-class StateClusters:
-    """A k-means clustering of the datastore's keys (`cluster_states`): entries of one cluster share
-    pointers (RetoMaton's clustered states)."""
-
-    assign: np.ndarray
-    """(N,) int64 cluster of each entry."""
-    members: np.ndarray
-    """(N,) int64 entry ids ordered by cluster: cluster c's members are members[offsets[c]:offsets[c + 1]]."""
-    offsets: np.ndarray
-    """(C + 1,) int64 start of each cluster in `members`."""
-    member_keys: torch.Tensor
-    """(N, d) float32 keys in `members` order: a cluster's keys are one contiguous block (a pointer walk
-    reads them by cluster; float32 so that no block is converted per read)."""
-    member_norms: torch.Tensor
-    """(N,) float32 squared norms of member_keys."""
-    seed: int
-    """k-means seed, for the record."""
-    sketch: KeySketch | None = None
-    """Ranks the members before their exact distances (extend_by_clusters); None: every member of a row's
-    clusters is scored exactly (a walk then reads every such member's d floats: slow with few, large clusters)."""
-
-    @property
-    def n_clusters(self) -> int:
-        return self.offsets.shape[0] - 1
-
-    @cached_property
-    def position(self) -> np.ndarray:
-        """(N,) int64 each entry's place in `members` (members[position[i]] == i)."""
-        out = np.empty_like(self.members)  # (N,)
-        out[self.members] = np.arange(self.members.shape[0])
-        return out
-
-
-CLUSTER_ITERATIONS = 10
-"""k-means iterations of cluster_states (faiss.Kmeans' default 25 moves the SOTU clusters little after 10)."""
-CLUSTER_SAMPLE = 64
-"""Training points per centroid k-means reads at most (faiss' max_points_per_centroid)."""
-
-
-def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0, sketch_dims: int = 0,
-                   exact_members: int = EXACT_MEMBERS) -> StateClusters:
-    """k-means (faiss, squared L2) of the (N, d) stored keys into n_clusters (at most N) clusters, with a
-    KeySketch of sketch_dims principal components keeping exact_members a row (sketch_dims 0, or at least d:
-    none, every member scored exactly)."""
-    import faiss
-
-    n = keys.shape[0]
-    if not 1 <= n_clusters <= n:
-        raise MemlmError(f"--pointer-clusters must be in [1, {n}] (the datastore's entries), got {n_clusters}")
-    x = np.ascontiguousarray(keys, dtype=np.float32)  # (N, d)
-    km = faiss.Kmeans(x.shape[1], n_clusters, niter=CLUSTER_ITERATIONS, seed=seed,
-                      max_points_per_centroid=CLUSTER_SAMPLE, verbose=False)
-    km.train(x)
-    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed, sketch_dims, exact_members)
-
-
-def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int, sketch_dims: int = 0,
-                exact_members: int = EXACT_MEMBERS) -> StateClusters:
-    """StateClusters of a given assignment (N,) in [0, n_clusters) of the (N, d) keys, with a KeySketch of
-    sketch_dims components keeping exact_members a row (sketch_dims 0, or at least d: none)."""
-    assign = np.asarray(assign, dtype=np.int64)
-    members = np.argsort(assign, kind="stable")  # (N,)
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=n_clusters))]).astype(np.int64)
-    member_keys = torch.from_numpy(np.ascontiguousarray(keys[members], dtype=np.float32))  # (N, d)
-    sketch = key_sketch(member_keys, sketch_dims, exact_members) if 0 < sketch_dims < member_keys.shape[1] else None
-    return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), seed, sketch)
-
-
 @dataclass(frozen=True)
 class PointerSource:
     """What the walk reads from the datastore besides searches (the command line fills it in)."""
@@ -397,7 +301,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
     exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
     all scored), or a sketch that ranks like the exact distances, keeps the exact nearest beside its own
-    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (_lowest_stable)."""
+    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (lowest_stable)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
@@ -412,7 +316,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     p_col = np.cumsum(sizes) - sizes - row_start[p_row]  # (p,) the pair's first column in its row
     cols = int(held.max(initial=0))  # the widest row's members
     q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
-    score = _rank_scores(q, p_row, p_cl, p_col, cols, cl)  # (r, cols) nearest lowest, inf past a row's members
+    score = rank_scores(q, p_row, p_cl, p_col, cols, cl)  # (r, cols) nearest lowest, inf past a row's members
     sk = cl.sketch
     take = min(cols, width)
     if sk is not None:  # the row's own candidates ranked first: all of them are scored exactly
@@ -421,7 +325,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         score[torch.from_numpy(r_idx), torch.from_numpy(p_col[pair] + own - cl.offsets[p_cl[pair]])] = -np.inf
         n_own = np.bincount(r_idx, minlength=r)  # (r,)
         take = min(cols, max(width, int(n_own.max(initial=0))))  # more than `width`: all scored, the nearest kept
-    best = _lowest_stable(score, take)  # (r, take) best first, ties by column
+    best = lowest_stable(score, take)  # (r, take) best first, ties by column
     scored = None
     if sk is not None:  # a row's own candidates and the best others, exact_members in all (or its own), exactly
         n_scored = np.maximum(sk.exact_members, n_own)  # (r,)
@@ -437,7 +341,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     if sk is None:  # the ranking was the exact distance, nearest first
         dist = np.where(valid, np.maximum(np.take_along_axis(score.numpy(), best, axis=1), 0.0), np.inf)
     else:  # the scored get exact distances; the others are followed only (inf); missing last (nan sorts last)
-        dist = _exact_member_distances(q, pos, scored & valid, cl)  # (r, take)
+        dist = exact_member_distances(q, pos, scored & valid, cl)  # (r, take)
         order = np.argsort(np.where(valid, dist, np.nan), axis=1, kind="stable")  # scored nearest first
         dist, m_ids, valid = (np.take_along_axis(a, order, axis=1) for a in (dist, m_ids, valid))
     found = Neighbors(dist.astype(np.float32), m_ids,
@@ -449,60 +353,6 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         a[rows] = fill
         a[rows, : new.shape[1]] = new
     return Neighbors(*out)
-
-
-def _lowest_stable(score: torch.Tensor, take: int) -> torch.Tensor:
-    """(r, take) columns of each row's `take` lowest scores (r, cols), lowest first, ties by column (the lower
-    first): the same members in the same order whatever the other rows of the call make `cols` (torch.topk's
-    choice among equal scores depends on the width; duplicate keys, such as every document's first, tie)."""
-    values, best = torch.topk(score, take, dim=1, largest=False, sorted=True)  # (r, take)
-    kth = values[:, -1:]  # (r, 1) the cut's score
-    # rows whose tied members straddle the cut (a finite tie: past a row's members the scores are inf, masked later)
-    straddle = (torch.isfinite(kth[:, 0]) & ((score == kth).sum(1) > (values == kth).sum(1))).nonzero().flatten()
-    if straddle.numel():
-        best[straddle] = torch.sort(score[straddle], dim=1, stable=True).indices[:, :take]
-    best = best.sort(dim=1).values  # (r, take) by column
-    order = torch.sort(torch.gather(score, 1, best), dim=1, stable=True).indices  # lowest first, ties by column
-    return torch.gather(best, 1, order)
-
-
-def _rank_scores(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, p_col: np.ndarray, cols: int,
-                 cl: StateClusters) -> torch.Tensor:
-    """(r, cols) float32 ranking score of every member of each row's (row, cluster) pairs (p_row, p_cl, the
-    pair's first column p_col (p,)) for the rows' queries q (r, d), inf past a row's members: the exact
-    squared L2 without a sketch, the sketch's estimate (minus the row's constant) with one. One matmul per
-    cluster in the call: the members of cluster c (contiguous in cl.members) against every row that asked for c."""
-    sk = cl.sketch
-    if sk is None:
-        block, norms, qq, qn = cl.member_keys, cl.member_norms, q, q.pow(2).sum(dim=1)  # (N, d), (N,), (r, d), (r,)
-    else:  # (x - mean) . (q - mean) ~ its part on the basis; ||q - mean||^2 is the row's constant, left out
-        block, norms = sk.codes, sk.centred_norms  # (N, p), (N,)
-        qq, qn = (q - sk.mean) @ sk.basis, torch.zeros(q.shape[0])  # (r, p), (r,)
-    out = torch.full((q.shape[0], cols), np.inf)  # (r, cols)
-    flat = out.view(-1)  # (r * cols,)
-    by_cluster = np.argsort(p_cl, kind="stable")  # (p,)
-    cuts = np.flatnonzero(np.diff(p_cl[by_cluster])) + 1
-    for group in np.split(by_cluster, cuts):  # the pairs of one cluster
-        c = int(p_cl[group[0]])
-        lo, hi = int(cl.offsets[c]), int(cl.offsets[c + 1])
-        g_rows = torch.from_numpy(p_row[group])  # (g,)
-        d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0) + qn[g_rows][:, None]  # (g, s)
-        at = torch.from_numpy(p_row[group] * cols + p_col[group])[:, None] + torch.arange(hi - lo)[None, :]  # (g, s)
-        flat[at.reshape(-1)] = d.reshape(-1)  # each row's members: one contiguous run of its columns
-    return out
-
-
-def _exact_member_distances(q: torch.Tensor, pos: np.ndarray, scored: np.ndarray, cl: StateClusters) -> np.ndarray:
-    """(r, t) float32 squared L2 of the members at places pos (r, t) of cl.members where `scored` (r, t), to
-    the rows' queries q (r, d), from their float32 keys, inf elsewhere: a row at a time (numpy's take and one
-    matrix-vector product measured 3x faster here than torch's gather and batched matmul over many rows)."""
-    keys, norms, qs = cl.member_keys.numpy(), cl.member_norms.numpy(), q.numpy()  # (N, d), (N,), (r, d)
-    out = np.full(pos.shape, np.inf, dtype=np.float32)  # (r, t)
-    for i in range(pos.shape[0]):
-        cols = np.flatnonzero(scored[i])  # (e_i,)
-        at = pos[i, cols]  # (e_i,)
-        out[i, cols] = np.maximum(norms[at] - 2.0 * (np.take(keys, at, axis=0) @ qs[i]) + qs[i] @ qs[i], 0.0)
-    return out
 
 
 def needs_search(candidates: Neighbors, min_pointers: int) -> np.ndarray:

@@ -40,8 +40,9 @@ from memlm.retrieval.adaptive import (
     RetrievalGate,
     distribution_features,
 )
+from memlm.retrieval.clustered_states import cluster_states
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate
-from memlm.retrieval.pointers import PointerConfig, PointerSource, cluster_states
+from memlm.retrieval.pointers import PointerConfig, PointerSource
 
 TOK = Tokenizer.byte_level()
 BOUNDARY = document_boundary(TOK)

@@ -15,15 +15,9 @@ from memlm.jobs.pointer_walk import walk
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
+from memlm.retrieval.clustered_states import cluster_states, clusters_of
 from memlm.retrieval.exact import TorchExactSearcher
-from memlm.retrieval.pointers import (
-    PointerConfig,
-    PointerSource,
-    cluster_states,
-    clusters_of,
-    extend_by_clusters,
-    successors,
-)
+from memlm.retrieval.pointers import PointerConfig, PointerSource, extend_by_clusters, successors
 from memlm.retrieval.searcher import Neighbors, Provenance, SearchOptions
 
 V, BOS = 40, 1
