@@ -106,3 +106,43 @@ def logprobs_close(got, want) -> bool:
 
     g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     return g.shape == w.shape and bool(np.isclose(g, w, rtol=ENGINE_LOGPROB_RTOL, atol=ENGINE_LOGPROB_ATOL).all())
+
+
+FOX_TEXTS = ("the lazy dog and the quick fox " * 5, "The quick brown fox jumps. " * 4)
+"""The two texts of the fewer-searches service tests' datastore."""
+
+
+def fox_datastore(pretrained, directory, window):
+    """A Flat datastore of FOX_TEXTS under `pretrained` (load_pretrained("tiny")) with `window`
+    (a WindowConfig), built in `directory` and opened."""
+    from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
+    from memlm.model.tokenizer import document_boundary
+
+    tok = pretrained.tokenizer
+    docs = [tok.encode(t) for t in FOX_TEXTS]
+    source = BuildSource(model_name="tiny", model_fingerprint=pretrained.fingerprint,
+                         tokenizer_fingerprint=tok.fingerprint, corpus="texts", corpus_fingerprint="c" * 64,
+                         boundary_token=document_boundary(tok))
+    out = build_from_tokens(pretrained.model, docs, directory / "ds", source,
+                            BuildSettings(window=window, index_factory="Flat"), progress=False, log=lambda m: None)
+    return Datastore.open(out)
+
+
+def standardised_gate(pretrained, texts, window, knn):
+    """A random retrieval gate (hidden 8, seed 3) standardised on the features of `texts` under `pretrained`,
+    its score quantiles theirs: (RetrievalGate, GateSettings) recorded for `knn` (a KNNLMConfig)."""
+    from memlm.jobs.windows import score_documents
+    from memlm.model.tokenizer import document_boundary
+    from memlm.retrieval.adaptive import GateConfig, GateSettings, RetrievalGate, distribution_features, score_quantiles
+
+    with torch.random.fork_rng(devices=[]):  # the global RNG stays as other tests expect it
+        torch.manual_seed(3)
+        net = RetrievalGate(5, 8)
+    docs = [pretrained.tokenizer.encode(t) for t in texts]
+    x = torch.cat([s.features for s in score_documents(pretrained.model, docs, window,
+                                                       document_boundary(pretrained.tokenizer),
+                                                       lm_features=distribution_features)])  # (n, 5)
+    net.mean.copy_(x.mean(dim=0))
+    net.std.copy_(x.std(dim=0))
+    return net.eval(), GateSettings("m", "k", "c" * 64, knn.k, knn.temperature, knn.lmbda, GateConfig(hidden=8), 5, (),
+                                    "t", 1, 0.5, 0.5, score_quantiles(net.scores(x)))

@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import grpc
 import pytest
-import torch
+from tiny_models import fox_datastore, standardised_gate
 
-from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.jobs.scoring import score_tokens
-from memlm.jobs.windows import WindowConfig, score_documents
+from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
 from memlm.retrieval.adaptive import (
     AdaptiveConfig,
-    GateConfig,
     GateSettings,
     RetrievalGate,
-    distribution_features,
-    score_quantiles,
     threshold_for_fraction,
 )
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -48,27 +44,11 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def store(tiny, tmp_path_factory):
-    tok = tiny.tokenizer
-    docs = [tok.encode(t) for t in ("the lazy dog and the quick fox " * 5, "The quick brown fox jumps. " * 4)]
-    source = BuildSource(model_name="tiny", model_fingerprint=tiny.fingerprint, tokenizer_fingerprint=tok.fingerprint,
-                         corpus="texts", corpus_fingerprint="c" * 64, boundary_token=document_boundary(tok))
-    out = build_from_tokens(tiny.model, docs, tmp_path_factory.mktemp("fewer") / "ds", source,
-                            BuildSettings(window=WINDOW, index_factory="Flat"), progress=False, log=lambda m: None)
-    return Datastore.open(out)
+    return fox_datastore(tiny, tmp_path_factory.mktemp("fewer"), WINDOW)
 
 
 def gate(tiny) -> tuple[RetrievalGate, GateSettings]:
-    """A random gate standardised on TEXTS' features, its score quantiles theirs (the median splits them)."""
-    with torch.random.fork_rng(devices=[]):  # the global RNG stays as other tests expect it
-        torch.manual_seed(3)
-        net = RetrievalGate(5, 8)
-    docs = [tiny.tokenizer.encode(t) for t in TEXTS]
-    x = torch.cat([s.features for s in score_documents(tiny.model, docs, WINDOW, document_boundary(tiny.tokenizer),
-                                                       lm_features=distribution_features)])  # (n, 5)
-    net.mean.copy_(x.mean(dim=0))
-    net.std.copy_(x.std(dim=0))
-    return net, GateSettings("m", "k", "c" * 64, KNN.k, KNN.temperature, KNN.lmbda, GateConfig(hidden=8), 5, (), "t",
-                             1, 0.5, 0.5, score_quantiles(net.scores(x)))
+    return standardised_gate(tiny, TEXTS, WINDOW, KNN)
 
 
 @pytest.fixture(scope="module")
