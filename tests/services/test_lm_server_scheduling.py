@@ -230,9 +230,11 @@ def test_steps_over_the_budget_are_refused_and_get_info_reports_the_limits(tiny,
         stub.Score(score_request([ids(50)], 128, 64), timeout=10)
         # A 100-token prompt without a memory: the engine prefills it in chunks of 64 (it was refused when
         # the one-sequence path encoded a prompt in one forward pass).
-        plain = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(100)), max_new_tokens=2)
+        # Greedy: sampled (the default), a draw of eos ended the call with no tokens now and then.
+        greedy = lm_pb2.SamplingOptions(temperature=0.0)
+        plain = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(100)), max_new_tokens=2, sampling=greedy)
         assert list(stub.Generate(plain, timeout=10))[-1].finish.completion_tokens == 2
-        xl = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(100)), max_new_tokens=2,
+        xl = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=ids(100)), max_new_tokens=2, sampling=greedy,
                                     memory_mode=lm_pb2.MEMORY_MODE_XL, memory=lm_pb2.MemoryOptions(segment_tokens=32))
         assert list(stub.Generate(xl, timeout=10))[-1].HasField("finish")
 
