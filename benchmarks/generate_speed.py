@@ -13,7 +13,10 @@ the same weights, device and dtype:
    batch (goal >= 1.0x);
 4. kNN-LM decoding vs base decoding at batch 8 (goal >= 0.8x): one search per step for all rows, over a
    datastore of the model's own keys (--datastore DIR, or an in-memory exact one over --knn-tokens
-   SOTU tokens, default; its size is printed).
+   SOTU tokens, default; its size is printed);
+6. fixed-shape decode steps (EngineConfig.cuda_graphs: a CUDA graph per row bucket on a GPU, the same step run
+   eagerly on a CPU, memlm.engine.decode_graphs) vs the ordinary step, at each of --graph-streams streams,
+   --decode-tokens greedy tokens each; tokens compared (they must be identical). Not in the default figures.
 Prompts are real SOTU text (--prompt-tokens each, from different speeches). SmolLM2 by default; a random
 model only with --synthetic (the output then says so). With --peak-gbs (the card's memory bandwidth) the
 batch-1 decode bandwidth utilisation is printed (with figure 1): bytes of weights and KV cache read per step
@@ -21,7 +24,7 @@ over the median step time. Each figure is printed as soon as it is measured.
 
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
-        [--figures 1,2,3,4] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256] [--engine-gemm onednn|mkl]
+        [--figures 1,2,3,4,6] [--graph-streams 1,8] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256] [--engine-gemm onednn|mkl]
 
 The engine and transformers do the same work per token, and the engine more: greedy on both sides, logits of
 the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob
@@ -69,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--datastore", default=None, help="a built datastore for the kNN-LM figure")
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per side (median)")
     p.add_argument("--peak-gbs", type=float, default=None, help="the device's memory bandwidth, GB/s")
+    p.add_argument("--graph-streams", default="1,8", help="concurrent streams of figure 6 (fixed-shape steps)")
     p.add_argument("--figures", default="1,2,3,4", help="which figures to measure (e.g. 2 for batch-1 only)")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall time, or process CPU time (cpu: "
                    "for a CPU shared with other jobs, with OMP_NUM_THREADS=1; tokens/s then per CPU-second)")
@@ -251,6 +255,31 @@ def knn_vs_base(bench, ps, args, device) -> tuple[dict, str]:
     return alternate(sides, args.repeats, device), what
 
 
+def graphs_vs_ordinary(bench, ps, streams: int, args, device) -> dict:
+    """Figure 6 at `streams`: the same greedy requests through an engine with fixed-shape decode steps (CUDA graphs
+    on a GPU) and one without; each side's median step time of its decode-only steps too (for the bandwidth)."""
+    model, tok = bench.pre.model, bench.pre.tokenizer
+    reqs = engine_requests(bench, ps[:streams], args.decode_tokens)
+    out: dict = {}
+
+    def side(graphs: bool):
+        def run():
+            engine = Engine(model, tok, EngineConfig(max_batch=streams, cuda_graphs=graphs))
+            handles = [engine.submit(r) for r in reqs]
+            steps = []
+            while engine.busy:
+                steps.append(timed(engine.step, device))
+            out[graphs] = ([generated(h.events()) for h in handles], statistics.median(steps[1:]))
+        return run
+
+    with ENGINE_GEMM():
+        side(True)()  # warm-up: the bucket's graph is captured at its first step
+        secs = alternate({"graphs": side(True), "ordinary": side(False)}, args.repeats, device)
+    secs["same"] = out[True][0] == out[False][0]
+    secs["step_graphs"], secs["step_ordinary"] = out[True][1], out[False][1]
+    return secs
+
+
 def bandwidth(bench, step_s: float, positions: int) -> float:
     """Bytes one batch-1 decode step reads: every weight once (tied ones once) + the cache's keys and values."""
     model = bench.pre.model
@@ -306,6 +335,19 @@ def report_bandwidth(args, bench, fig1) -> None:
           f"({100 * gbs / args.peak_gbs:.1f}%), median step {1e3 * step:.2f} ms")
 
 
+def report_graphs(args, bench, fig6) -> None:
+    where = "CUDA graphs" if args.device.startswith("cuda") else "the fixed-shape step run eagerly (no graphs on a CPU)"
+    print(f"6. fixed-shape decode steps ({where}) vs the ordinary step, {args.decode_tokens} greedy tokens per stream")
+    for streams, secs in fig6.items():
+        line = (f"   {streams:>3} streams: {secs['ordinary'] / secs['graphs']:.2f}x (median step "
+                f"{1e3 * secs['step_graphs']:.2f} vs {1e3 * secs['step_ordinary']:.2f} ms; tokens identical: {secs['same']})")
+        if args.peak_gbs and streams == 1:
+            positions = args.prompt_tokens + args.decode_tokens // 2
+            line += (f"; batch-1 bandwidth {bandwidth(bench, secs['step_graphs'], positions):.0f} vs "
+                     f"{bandwidth(bench, secs['step_ordinary'], positions):.0f} GB/s of {args.peak_gbs:.0f}")
+        print(line)
+
+
 def main() -> None:
     global CLOCK, ENGINE_GEMM
     args = parse_args()
@@ -317,7 +359,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     bench = load_bench(args, dtype)
     streams = [int(s) for s in args.streams.split(",")]
-    ps = prompts(bench, max(streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
+    graph_streams = [int(s) for s in args.graph_streams.split(",")]
+    ps = prompts(bench, max(streams + graph_streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
     _common.synthetic_banner(bench.synthetic)
     print(f"model {bench.name}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
           f"{args.clock} clock, engine prefill_chunk {args.prefill_chunk}, our GEMM {args.engine_gemm}, "
@@ -341,6 +384,8 @@ def main() -> None:
         report_aggregate(args, {s: aggregate(bench, hf, ps, s, args, device) for s in streams})
     if 4 in figures:
         report_knn(args, *knn_vs_base(bench, ps, args, device))
+    if 6 in figures:
+        report_graphs(args, bench, {s: graphs_vs_ordinary(bench, ps, s, args, device) for s in graph_streams})
     print(f"(whole run {time.perf_counter() - t0:.0f} s)")
 
 

@@ -27,5 +27,10 @@ if ! "$PY" -c "from memlm.model.weights import model_path; import sys; sys.exit(
   flags+=(--synthetic)
 fi
 out=${OUT:-/tmp}
+# The GPU tests first (CUDA graphs replay = the eager step, the engine on the device = on the CPU), where the
+# image has pytest; their output goes beside the figures.
+if "$PY" -c "import pytest" 2>/dev/null; then
+  "$PY" -m pytest -q -m gpu tests/memlm/engine 2>&1 | tail -15 | tee "$out/gpu_tests.txt" || true
+fi
 "$PY" benchmarks/generate_speed.py --device cuda --dtype bfloat16 --peak-gbs "${PEAK_GBS:-4800}" \
-  --repeats 3 "${flags[@]}" "$@" 2>&1 | tee "$out/generate_speed_gpu.txt"
+  --repeats 3 --figures 1,2,3,4,6 "${flags[@]}" "$@" 2>&1 | tee "$out/generate_speed_gpu.txt"

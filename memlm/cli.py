@@ -197,7 +197,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                         max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens,
                         knn_layer=memory.knn_layer, knn_mem_size=memory.knn_mem_size, knn_top_k=memory.knn_top_k,
                         knn_backend=memory.knn_backend, max_batch=args.max_batch, max_queue=args.max_queue,
-                        max_tokens_in_flight=args.max_tokens_in_flight),
+                        max_tokens_in_flight=args.max_tokens_in_flight, cuda_graphs=args.cuda_graphs),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
         knn_service=knn_service, adaptive_gate=args.adaptive_gate,
@@ -337,6 +337,7 @@ def add_serve_parser(sub: Any) -> None:
     ro.set_defaults(func=cmd_serve_router)
     lm = ssub.add_parser("lm", help="LanguageModelService: Score, Generate, Tokenize")
     lm.add_argument("--model", required=True, help="preset, .gguf file, HF or memlm checkpoint dir")
+    from memlm.engine.decode_graphs import CUDA_GRAPHS_HELP
     from memlm.model.hf_model import KEY_MODULE_HELP
 
     lm.add_argument("--key-module", default=None, metavar="PATH", help=KEY_MODULE_HELP)
@@ -358,6 +359,7 @@ def add_serve_parser(sub: Any) -> None:
                        ("max_queue", "Generate calls waiting for a row (more: RESOURCE_EXHAUSTED, retry-after-ms)"),
                        ("max_tokens_in_flight", "prompt + max_new_tokens over all Generate calls (more: refused)")):
         lm.add_argument(flag(name), type=positive_int, default=getattr(LMLimits, name), help=what)
+    lm.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
     add_options(lm, "memorizing checkpoint (MEMORY_MODE_MEMORIZING): where its kNN memories live", MEMORY_OPTIONS,
                 ("knn_backend",))

@@ -129,6 +129,7 @@ def speculative_config(args: argparse.Namespace) -> Any:
 
 
 def add_generate_parser(sub: Any) -> None:
+    from memlm.engine.decode_graphs import CUDA_GRAPHS_HELP
     from memlm.engine.requests import EngineConfig
 
     p = sub.add_parser("generate", help="continue prompts through the decoding engine (one continuous batch)")
@@ -145,6 +146,7 @@ def add_generate_parser(sub: Any) -> None:
                         help="rows decoded together (default: one per prompt)")
     engine.add_argument("--prefill-chunk", type=positive_int, default=None,
                         help=f"prompt tokens prefilled per step (default {EngineConfig.prefill_chunk})")
+    engine.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
     add_options(p, "sampling", SAMPLING_OPTIONS)
     add_options(p, "kNN-LM", KNN_OPTIONS)
     knn = p.add_argument_group("kNN-LM datastore")
@@ -256,7 +258,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     fewer, fewer_record, engine_searcher = fewer_for(args, searcher if knn is not None else None, pretrained)
     memory = checkpoint_memorizing(args, memory, boundary) if memory is not None else None
     knn_attention, trained = knn_attention_for(args.model, pretrained.model, memory or MemoryConfig("none"))
-    config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory)
+    config = EngineConfig(max_batch=args.max_batch or len(args.prompts), memory=memory, cuda_graphs=args.cuda_graphs)
     if args.prefill_chunk is not None:
         config = dataclasses.replace(config, prefill_chunk=args.prefill_chunk)
     requests = [GenerationRequest(tuple(tokenizer.encode(p)), args.max_new_tokens, sampling, tuple(args.stop or ()),

@@ -126,6 +126,8 @@ class EngineLimits:
     """Prompt + max_new_tokens summed over every running and waiting Generate call of the server."""
     prefill_chunk: int
     """Prompt tokens prefilled per step over all rows (LMLimits.max_step_tokens: a step stays bounded)."""
+    cuda_graphs: bool
+    """Batches without a memory decode in fixed-shape steps (LMLimits.cuda_graphs)."""
 
 
 class Stream:
@@ -216,6 +218,8 @@ class Lane:
         config = EngineConfig(max_batch=limits.max_batch, prefill_chunk=limits.prefill_chunk,
                               max_queue=limits.max_queue, max_tokens_in_flight=limits.max_tokens_in_flight,
                               memory=key.memory)
+        if limits.cuda_graphs and config.xl is None:  # the fixed-shape step serves the plain KV cache only
+            config = dataclasses.replace(config, cuda_graphs=True)
         kind = key.memory.kind if key.memory is not None else "none"
         memories = memories if kind == "memorizing" else None
         self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None,

@@ -133,6 +133,9 @@ class LMLimits:
     max_tokens_in_flight: int = EngineConfig.max_tokens_in_flight
     """Prompt + max_new_tokens summed over every running and waiting Generate call, plus the tokens engine Score
     requests read; beyond, RESOURCE_EXHAUSTED."""
+    cuda_graphs: bool = EngineConfig.cuda_graphs
+    """Generate batches of the plain KV cache (MEMORY_MODE_NONE) decode in fixed-shape steps, a CUDA graph per row
+    bucket on a GPU (EngineConfig.cuda_graphs, memlm.engine.decode_graphs)."""
 
     def step_rows(self, tokens: int) -> int:
         """Windows (or segment rows) of `tokens` tokens per forward step: score_batch_size, fewer when

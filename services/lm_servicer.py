@@ -170,7 +170,7 @@ class LanguageModelServicer:
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
             max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
-        ), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts,
+            cuda_graphs=self._limits.cuda_graphs), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts,
             Memorizing(knn_attention, knn_service) if knn_attention is not None else None)
         """The running Generate batches (services.lm_engine)."""
         self.score_batches = ScoreBatcher(self.scheduler, self._score_work)

@@ -54,6 +54,7 @@ from memlm.engine import (
     spalm_rows,
     speculative,
 )
+from memlm.engine.decode_graphs import DecodeGraphs
 from memlm.engine.kv_cache import (
     CacheLayout,
     RowCache,
@@ -135,6 +136,7 @@ class Engine:
         self.spalm_head = spalm_head
         self.memorizing = memorizing_rows.for_engine(model, config, knn_attention, knn_service)
         self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
+        self.graphs = DecodeGraphs(model, self.cache) if config.cuda_graphs else None
         self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
         self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
         self._rows: dict[int, Row | ScoreRow] = {}  # cache row -> its request
@@ -289,6 +291,9 @@ class Engine:
         logits = keys = None
         if prefilling and decoding:
             logits, keys, ready = passes.run_packed(self, prefilling, decoding)  # (B, V), (B, C)
+        elif decoding and self.graphs is not None and self.graphs.takes(decoding, len(self._rows)):
+            logits, keys = self.graphs.run(decoding)  # (B, V), (B, C): fixed shapes, a CUDA graph on a GPU
+            ready = [row for row, _ in decoding]
         elif prefilling or decoding:
             logits, keys, done = passes.run(self, prefilling or decoding)  # (B, V), (B, C)
             index = [i for i, d in enumerate(done) if d]  # rows whose prompt is in: their next token now

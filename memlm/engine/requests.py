@@ -61,6 +61,10 @@ class EngineConfig:
     (memlm.engine.spalm_rows; every request gives its SpalmSettings); kind "memorizing": XL rows whose layer
     knn_layer also attends to the row's own kNN memory (memlm.engine.memorizing_rows; the engine's knn_attention);
     None or kind "none": a plain KV cache."""
+    cuda_graphs: bool = False
+    """Decode-only steps of a plain KV cache run with fixed shapes, replayed as a CUDA graph per row bucket on a
+    GPU (memlm.engine.decode_graphs; on a CPU the same step runs eagerly). Off by default: not yet measured on a
+    GPU (benchmarks/gpu_generate.sh)."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 1:
@@ -71,6 +75,8 @@ class EngineConfig:
             raise MemlmError(f"the engine serves --memory {', '.join(ENGINE_MEMORY_KINDS)}, not {self.memory.kind}")
         if self.memory is not None and self.memory.kind == "compressive" and self.memory.compress_fn not in POOLS:
             raise MemlmError(f"the engine compresses by pooling ({', '.join(POOLS)}), not {self.memory.compress_fn}")
+        if self.cuda_graphs and self.xl is not None:
+            raise MemlmError(f"cuda_graphs serve the plain KV cache only, not --memory {self.memory.kind}")
 
     @property
     def xl(self) -> MemoryConfig | None:

@@ -334,3 +334,24 @@ def test_a_generate_cancelled_while_its_request_is_submitted_frees_its_row(tiny,
             time.sleep(0.01)
     assert submitted and submitted[0].handle.cancelled  # cancelled, not left to generate its tokens for nobody
     assert all(lane.idle for lane in servicer.engines.lanes())
+
+
+def test_cuda_graphs_server_gives_the_same_tokens(tiny, module_loop):
+    """LMLimits.cuda_graphs: the server's batches without a memory decode in fixed-shape steps (eagerly on a CPU,
+    memlm.engine.decode_graphs); concurrent calls yield what a server without it yields, and an XL lane (which
+    the fixed step does not serve) runs the ordinary way."""
+    plain_address, _ = start(module_loop, tiny, max_batch=4)
+    address, servicer = start(module_loop, tiny, max_batch=4, cuda_graphs=True)
+    seeded = lm_pb2.SamplingOptions(temperature=0.9, top_k=40, seed=5)
+    xl = {"memory_mode": lm_pb2.MEMORY_MODE_XL,
+          "memory": lm_pb2.MemoryOptions(segment_tokens=16, memory_tokens=24, sink_tokens=2)}
+    requests = [request(ids(4 + 7 * i, salt=i), 12 + 5 * i, seeded if i % 2 else None) for i in range(5)]
+    requests.append(request(ids(20, salt=7), 15, **xl))
+    with grpc.insecure_channel(plain_address) as channel:
+        expected = run_concurrently(lm_grpc.LanguageModelServiceStub(channel), requests)
+    with grpc.insecure_channel(address) as channel:
+        got = run_concurrently(lm_grpc.LanguageModelServiceStub(channel), requests)
+    for g, e in zip(got, expected):
+        assert [tok for tok, _ in tokens(g)] == [tok for tok, _ in tokens(e)]
+    graphs = {lane.key.memory is None: lane.engine.graphs for lane in servicer.engines.lanes()}
+    assert graphs[True].replays > 10 and graphs[False] is None

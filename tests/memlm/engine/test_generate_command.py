@@ -104,3 +104,16 @@ def test_compressive_memory_equals_the_library(capsys, tmp_path) -> None:
 def test_refusals_are_one_line(capsys, flags, message) -> None:
     code, _, err = run(capsys, "generate", "--model", "tiny", *flags, "hello")
     assert code in (1, 2) and message in err and err.count("\n") == 1, err
+
+
+def test_cuda_graphs_flag_gives_the_same_tokens(capsys, tmp_path) -> None:
+    # --cuda-graphs on a CPU runs the fixed-shape decode step eagerly (memlm.engine.decode_graphs): same tokens
+    prompts = ["hello world", "the cat sat", "x"]
+    out_json = tmp_path / "g.json"
+    code, _, err = run(capsys, "generate", "--model", "tiny", "--max-new-tokens", "9", "--sampling-temperature",
+                       "0.8", "--seed", "11", "--cuda-graphs", "--json", str(out_json), *prompts)
+    assert code == 0, err
+    got = [r["tokens"] for r in json.loads(out_json.read_text())["results"]]
+    assert got == engine_tokens(prompts, 9, SamplingConfig(temperature=0.8, seed=11))
+    code, _, err = run(capsys, "generate", "--model", "tiny", "--memory", "xl", "--cuda-graphs", "hi")
+    assert code != 0 and "plain KV cache" in err
