@@ -81,6 +81,11 @@ class StateClusters:
         return self.offsets.shape[0] - 1
 
     @cached_property
+    def places(self) -> np.ndarray:
+        """(N,) int64 0..N-1: the members' places in `members` (the low bits of rank_keys' keys)."""
+        return np.arange(self.members.shape[0], dtype=np.int64)
+
+    @cached_property
     def position(self) -> np.ndarray:
         """(N,) int64 each entry's place in `members` (members[position[i]] == i)."""
         out = np.empty_like(self.members)  # (N,)
@@ -124,35 +129,46 @@ def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int
 
 
 
-def lowest_stable(score: torch.Tensor, take: int) -> torch.Tensor:
-    """(r, take) columns of each row's `take` lowest scores (r, cols), lowest first, ties by column (the lower
-    first): the same members in the same order whatever the other rows of the call make `cols` (torch.topk's
-    choice among equal scores depends on the width; duplicate keys, such as every document's first, tie)."""
-    values, best = torch.topk(score, take, dim=1, largest=False, sorted=True)  # (r, take)
-    kth = values[:, -1:]  # (r, 1) the cut's score
-    # rows whose tied members straddle the cut (a finite tie: past a row's members the scores are inf, masked later)
-    straddle = (torch.isfinite(kth[:, 0]) & ((score == kth).sum(1) > (values == kth).sum(1))).nonzero().flatten()
-    if straddle.numel():
-        best[straddle] = torch.sort(score[straddle], dim=1, stable=True).indices[:, :take]
-    best = best.sort(dim=1).values  # (r, take) by column
-    order = torch.sort(torch.gather(score, 1, best), dim=1, stable=True).indices  # lowest first, ties by column
-    return torch.gather(best, 1, order)
+PAD_KEY = np.iinfo(np.int64).max
+"""rank_keys' key past a row's members: above every member's (a float32 score's order bits are < 2^31 - 1)."""
 
 
-def rank_scores(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, p_col: np.ndarray, cols: int,
-                 cl: StateClusters) -> torch.Tensor:
-    """(r, cols) float32 ranking score of every member of each row's (row, cluster) pairs (p_row, p_cl, the
-    pair's first column p_col (p,)) for the rows' queries q (r, d), inf past a row's members: the exact
-    squared L2 without a sketch, the sketch's estimate (minus the row's constant) with one. One matmul per
-    cluster in the call: the members of cluster c (contiguous in cl.members) against every row that asked for c."""
+def order_bits(score: np.ndarray) -> np.ndarray:
+    """int32 of the same shape whose signed order is float32 `score`'s (no nan): -0.0 and 0.0 both 0, as they
+    compare equal (so that they tie, and the tie goes by member place)."""
+    b = (score + np.float32(0.0)).view(np.int32)  # -0.0 + 0.0 == +0.0
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))  # negatives: magnitude bits flipped, so more negative is lower
+
+
+PLACE_MASK = (1 << 32) - 1
+"""The low 32 bits of a rank_keys key: the member's place in StateClusters.members (N < 2^32)."""
+OWN_KEY = np.int64(order_bits(np.array([-np.inf], np.float32))[0]) << 32
+"""A rank_keys key's high part for a score of -inf: OWN_KEY | place ranks a member before every scored one."""
+
+
+def score_of(key: np.ndarray) -> np.ndarray:
+    """The float32 score of rank_keys' int64 keys (order_bits inverted; PAD_KEY gives nan)."""
+    t = (key >> 32).astype(np.int32)
+    return (t ^ ((t >> 31) & np.int32(0x7FFFFFFF))).view(np.float32)
+
+
+def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClusters) -> np.ndarray:
+    """(T,) int64 sort keys of every member of the (row, cluster) pairs (p_row, p_cl) (p,) for the rows'
+    queries q (r, d), the pairs' members one after another in pair order (T: their clusters' sizes summed):
+    order_bits(score) << 32 | the member's place in cl.members. The score is the exact squared L2 without a
+    sketch, the sketch's estimate (minus the row's constant) with one. Sorting keys orders members by
+    (score, place), and keys are unique, so any selection of the lowest (a partition) is the stable one,
+    whatever else is in the call. One matmul per cluster in the call: the members of cluster c (contiguous in
+    cl.members) against every row that asked for c."""
     sk = cl.sketch
     if sk is None:
         block, norms, qq, qn = cl.member_keys, cl.member_norms, q, q.pow(2).sum(dim=1)  # (N, d), (N,), (r, d), (r,)
     else:  # (x - mean) . (q - mean) ~ its part on the basis; ||q - mean||^2 is the row's constant, left out
         block, norms = sk.codes, sk.centred_norms  # (N, p), (N,)
         qq, qn = (q - sk.mean) @ sk.basis, torch.zeros(q.shape[0])  # (r, p), (r,)
-    out = torch.full((q.shape[0], cols), np.inf)  # (r, cols)
-    flat = out.view(-1)  # (r * cols,)
+    sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
+    starts = (np.cumsum(sizes) - sizes).tolist()  # each pair's first key
+    out = np.empty(int(sizes.sum()), dtype=np.int64)  # (T,)
     by_cluster = np.argsort(p_cl, kind="stable")  # (p,)
     cuts = np.flatnonzero(np.diff(p_cl[by_cluster])) + 1
     for group in np.split(by_cluster, cuts):  # the pairs of one cluster
@@ -160,19 +176,39 @@ def rank_scores(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, p_col: np.
         lo, hi = int(cl.offsets[c]), int(cl.offsets[c + 1])
         g_rows = torch.from_numpy(p_row[group])  # (g,)
         d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0) + qn[g_rows][:, None]  # (g, s)
-        at = torch.from_numpy(p_row[group] * cols + p_col[group])[:, None] + torch.arange(hi - lo)[None, :]  # (g, s)
-        flat[at.reshape(-1)] = d.reshape(-1)  # each row's members: one contiguous run of its columns
+        key = order_bits(d.numpy()).astype(np.int64)  # (g, s)
+        key <<= 32
+        key |= cl.places[lo:hi]
+        for j, pair in enumerate(group.tolist()):
+            out[starts[pair] : starts[pair] + hi - lo] = key[j]
     return out
 
 
-def exact_member_distances(q: torch.Tensor, pos: np.ndarray, scored: np.ndarray, cl: StateClusters) -> np.ndarray:
-    """(r, t) float32 squared L2 of the members at places pos (r, t) of cl.members where `scored` (r, t), to
-    the rows' queries q (r, d), from their float32 keys, inf elsewhere: a row at a time (numpy's take and one
-    matrix-vector product measured 3x faster here than torch's gather and batched matmul over many rows)."""
+def lowest_keys(keys: np.ndarray, bounds: np.ndarray, take: int) -> np.ndarray:
+    """(r, take) int64 each row's `take` lowest of rank_keys' keys (T,), row i's being keys[bounds[i]:
+    bounds[i + 1]] (bounds (r + 1,)), lowest first: its members by (score, place), PAD_KEY past its members.
+    The keys are unique, so a partition picks what a stable sort would. Reorders `keys` in place."""
+    r = bounds.shape[0] - 1
+    out = np.full((r, take), PAD_KEY, dtype=np.int64)  # (r, take)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        row = keys[lo:hi]  # (h,) a view: partitioned and sorted in place
+        t = min(take, hi - lo)
+        if t < hi - lo:
+            row.partition(t - 1)
+        head = row[:t]
+        head.sort()
+        out[i, :t] = head
+    return out
+
+
+def exact_member_distances(q: torch.Tensor, pos: np.ndarray, counts: np.ndarray, cl: StateClusters) -> np.ndarray:
+    """(r, e) float32 squared L2 of the first counts[i] (counts (r,)) members at places pos (r, e) of cl.members
+    in each row i, to the rows' queries q (r, d), from their float32 keys, inf after them: a row at a time
+    (numpy's take and one matrix-vector product measured 3x faster here than torch's gather and batched matmul
+    over many rows)."""
     keys, norms, qs = cl.member_keys.numpy(), cl.member_norms.numpy(), q.numpy()  # (N, d), (N,), (r, d)
-    out = np.full(pos.shape, np.inf, dtype=np.float32)  # (r, t)
-    for i in range(pos.shape[0]):
-        cols = np.flatnonzero(scored[i])  # (e_i,)
-        at = pos[i, cols]  # (e_i,)
-        out[i, cols] = np.maximum(norms[at] - 2.0 * (np.take(keys, at, axis=0) @ qs[i]) + qs[i] @ qs[i], 0.0)
+    out = np.full(pos.shape, np.inf, dtype=np.float32)  # (r, e)
+    for i, n in enumerate(counts.tolist()):
+        at = pos[i, :n]  # (n,)
+        out[i, :n] = np.maximum(norms[at] - 2.0 * (np.take(keys, at, axis=0) @ qs[i]) + qs[i] @ qs[i], 0.0)
     return out

@@ -53,10 +53,14 @@ import torch
 
 from memlm.errors import MemlmError
 from memlm.retrieval.clustered_states import (
+    OWN_KEY,
+    PAD_KEY,
+    PLACE_MASK,
     StateClusters,
     exact_member_distances,
-    lowest_stable,
-    rank_scores,
+    lowest_keys,
+    rank_keys,
+    score_of,
 )
 from memlm.retrieval.searcher import Neighbors, Provenance
 
@@ -301,49 +305,45 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
     exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
     all scored), or a sketch that ranks like the exact distances, keeps the exact nearest beside its own
-    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (lowest_stable)."""
+    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
     ids = candidates.ids[rows]  # (r, w)
     r, n_cl = rows.shape[0], cl.n_clusters
     r_idx, c_idx = np.nonzero(ids >= 0)  # (m,), (m,)
-    pairs = np.unique(r_idx * n_cl + cl.assign[ids[r_idx, c_idx]])  # (p,) (row, cluster), each once, by row
+    own_cl = cl.assign[ids[r_idx, c_idx]]  # (m,)
+    pairs = np.unique(r_idx * n_cl + own_cl)  # (p,) (row, cluster), each once, by row then cluster
     p_row, p_cl = pairs // n_cl, pairs % n_cl  # (p,), (p,)
     sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
     held = np.bincount(p_row, weights=sizes, minlength=r).astype(np.int64)  # (r,) members per row
-    row_start = np.cumsum(held) - held  # (r,) each row's first pair's place among the (p,) pairs' members
-    p_col = np.cumsum(sizes) - sizes - row_start[p_row]  # (p,) the pair's first column in its row
-    cols = int(held.max(initial=0))  # the widest row's members
+    bounds = np.concatenate([[0], np.cumsum(held)])  # (r + 1,) each row's keys, one after another
     q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
-    score = rank_scores(q, p_row, p_cl, p_col, cols, cl)  # (r, cols) nearest lowest, inf past a row's members
+    keys = rank_keys(q, p_row, p_cl, cl)  # (T,) (score, place) keys of the pairs' members, in pair order
     sk = cl.sketch
-    take = min(cols, width)
+    take = min(int(held.max(initial=0)), width)
     if sk is not None:  # the row's own candidates ranked first: all of them are scored exactly
         own = cl.position[ids[r_idx, c_idx]]  # (m,) their places in `members`
-        pair = np.searchsorted(pairs, r_idx * n_cl + cl.assign[ids[r_idx, c_idx]])  # (m,)
-        score[torch.from_numpy(r_idx), torch.from_numpy(p_col[pair] + own - cl.offsets[p_cl[pair]])] = -np.inf
+        pair = np.searchsorted(pairs, r_idx * n_cl + own_cl)  # (m,)
+        first = np.cumsum(sizes) - sizes  # (p,) each pair's first key
+        keys[first[pair] + own - cl.offsets[p_cl[pair]]] = OWN_KEY | own  # score -inf, ties by place
         n_own = np.bincount(r_idx, minlength=r)  # (r,)
-        take = min(cols, max(width, int(n_own.max(initial=0))))  # more than `width`: all scored, the nearest kept
-    best = lowest_stable(score, take)  # (r, take) best first, ties by column
-    scored = None
-    if sk is not None:  # a row's own candidates and the best others, exact_members in all (or its own), exactly
-        n_scored = np.maximum(sk.exact_members, n_own)  # (r,)
-        scored = np.arange(take)[None, :] < n_scored[:, None]  # (r, take) the first of the ranking
-    best = best.numpy()
-    valid = np.take_along_axis(np.arange(cols)[None, :] < held[:, None], best, axis=1)  # (r, take)
-    # the pair holding column c of row i: the last pair of row i whose first column is <= c
-    key = p_row * (cols + 1) + p_col  # (p,) ascending (pairs by row, columns by pair)
-    at = np.searchsorted(key, np.arange(r)[:, None] * (cols + 1) + best, side="right") - 1  # (r, take)
-    at = np.clip(at, 0, max(0, pairs.shape[0] - 1))  # a missing column (past a row's members) is masked below
-    pos = np.where(valid, cl.offsets[p_cl[at]] + best - p_col[at], 0)  # (r, take) places in `members`
+        take = min(int(held.max(initial=0)), max(width, int(n_own.max(initial=0))))  # all own kept if more
+    best = lowest_keys(keys, bounds, take)  # (r, take) best first, ties by place
+    valid = best != PAD_KEY  # (r, take) past a row's members: missing
+    pos = np.where(valid, best & PLACE_MASK, 0)  # (r, take) places in `members`
     m_ids = np.where(valid, cl.members[pos], -1)  # (r, take)
     if sk is None:  # the ranking was the exact distance, nearest first
-        dist = np.where(valid, np.maximum(np.take_along_axis(score.numpy(), best, axis=1), 0.0), np.inf)
-    else:  # the scored get exact distances; the others are followed only (inf); missing last (nan sorts last)
-        dist = exact_member_distances(q, pos, scored & valid, cl)  # (r, take)
-        order = np.argsort(np.where(valid, dist, np.nan), axis=1, kind="stable")  # scored nearest first
-        dist, m_ids, valid = (np.take_along_axis(a, order, axis=1) for a in (dist, m_ids, valid))
+        dist = np.where(valid, np.maximum(score_of(best), 0.0), np.inf)
+    else:  # a row's own candidates and the best others, exact_members in all (or its own), exactly, first,
+        # nearest first (ties in ranking order); then the others at inf (followed only) and the missing
+        n_scored = np.minimum(np.maximum(sk.exact_members, n_own), np.minimum(held, take))  # (r,) a prefix
+        e = int(n_scored.max(initial=0))
+        dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, take)
+        dist[:, :e] = exact_member_distances(q, pos[:, :e], n_scored, cl)  # (r, e)
+        order = np.argsort(dist[:, :e], axis=1, kind="stable")  # (r, e) past a row's scored: inf, in order
+        for a in (dist, m_ids, valid):
+            a[:, :e] = np.take_along_axis(a[:, :e], order, axis=1)
     found = Neighbors(dist.astype(np.float32), m_ids,
                       np.where(valid, source.values[np.maximum(m_ids, 0)], -1).astype(np.int32))
     found = Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
