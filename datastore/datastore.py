@@ -39,8 +39,10 @@ from memlm.model.device import resolve_device
 from memlm.retrieval.attribution import SourcedNeighbors, sources_of
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.searcher import (
+    DEFAULT_SEARCH_BACKEND,
     MAX_K,
     MAX_QUERY_ABS,
+    SEARCH_BACKENDS,
     Neighbors,
     Provenance,
     Searcher,
@@ -79,7 +81,7 @@ class Datastore:
         *,
         mmap: bool = False,
         verify: bool = True,
-        backend: str = "faiss",
+        backend: str = DEFAULT_SEARCH_BACKEND,
         device: str | None = None,
         verified: Manifest | None = None,
     ) -> "Datastore":
@@ -136,8 +138,8 @@ class Datastore:
                 if gpu_index is not None:
                     index = gpu_index
                     _set_gpu_nprobe(index, manifest.nprobe)
-        elif backend != "torch":
-            raise MemlmError(f"search backend must be faiss or torch, got {backend!r}")
+        elif backend not in SEARCH_BACKENDS:
+            raise MemlmError(f"search backend must be one of {', '.join(SEARCH_BACKENDS)}, got {backend!r}")
         store = cls(path, manifest, index, keys, values, provenance, live=live)
         store._documents = documents
         if backend == "torch":

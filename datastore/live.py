@@ -31,7 +31,7 @@ from datastore.datastore import Datastore
 from datastore.manifest import Manifest
 from memlm.errors import MemlmError
 from memlm.retrieval.attribution import SourcedNeighbors
-from memlm.retrieval.searcher import Neighbors, Provenance, SearcherInfo, SearchOptions
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, Neighbors, Provenance, SearcherInfo, SearchOptions
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class OpenOptions:
 
     mmap: bool = False
     """Memory-map the FAISS index instead of loading it."""
-    backend: str = "faiss"
-    """"faiss" or "torch" (exact search on `device`)."""
+    backend: str = DEFAULT_SEARCH_BACKEND
+    """One of memlm.retrieval.searcher.SEARCH_BACKENDS ("torch": exact search on `device`)."""
     device: str | None = None
     """Device of the torch backend or of FAISS GPU clones; None: Datastore.open's default."""
 

@@ -27,6 +27,7 @@ from memlm.options import (
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORY_OPTIONS,
+    SEARCH_BACKEND_OPTIONS,
     WINDOW_OPTIONS,
     add_options,
     flag,
@@ -38,6 +39,7 @@ from memlm.options import (
     refuse_given,
 )
 from memlm.plan_command import add_plan_parser
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, SEARCH_BACKENDS
 from memlm.train_command import add_train_parser
 
 SERVE_MEMORY = ("segment", "mem_len", "sink_tokens")
@@ -184,6 +186,8 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         raise MemlmError("give --datastore DIR or --retrieval HOST:PORT, not both")
     if not (args.datastore or args.retrieval):
         refuse_given(args, KNN_OPTIONS, "needs --datastore or --retrieval (the server has no kNN-LM without one)")
+    if not args.datastore:
+        refuse_given(args, SEARCH_BACKEND_OPTIONS, "needs --datastore (a retrieval service searches its own way)")
     device = resolve_device(args.device)
     memory = serve_memory_defaults(args)
     knn_service = serve_knn_service(args, memory)
@@ -201,6 +205,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
         knn_service=knn_service, adaptive_gate=args.adaptive_gate,
+        search_backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
     ))
 
 
@@ -317,7 +322,7 @@ def add_serve_parser(sub: Any) -> None:
     r.add_argument("--datastore", default=None, help="datastore directory (may be left out with --memories)")
     r.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
     r.add_argument("--no-micro-batching", action="store_true", help="one FAISS search per call")
-    r.add_argument("--search-backend", default="faiss", choices=["faiss", "torch"],
+    r.add_argument("--search-backend", default=DEFAULT_SEARCH_BACKEND, choices=SEARCH_BACKENDS,
                    help="faiss index, or exact torch search over the keys on --device")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda: where the search runs")
     # services.memory_sessions is the one home of the session limits' defaults.
@@ -360,6 +365,7 @@ def add_serve_parser(sub: Any) -> None:
                        ("max_tokens_in_flight", "prompt + max_new_tokens over all Generate calls (more: refused)")):
         lm.add_argument(flag(name), type=positive_int, default=getattr(LMLimits, name), help=what)
     lm.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
+    add_options(lm, "kNN-LM datastore", SEARCH_BACKEND_OPTIONS)
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
     add_options(lm, "memorizing checkpoint (MEMORY_MODE_MEMORIZING): where its kNN memories live", MEMORY_OPTIONS,
                 ("knn_backend",))

@@ -36,6 +36,7 @@ from memlm.options import (
     KNN_OPTIONS,
     MEMORIZING_ONLY,
     MEMORY_OPTIONS,
+    SEARCH_BACKEND_OPTIONS,
     WINDOW_OPTIONS,
     add_options,
     flag,
@@ -46,6 +47,7 @@ from memlm.options import (
     refuse_unless_memorizing,
 )
 from memlm.retrieval.attribution import DEFAULT_ATTRIBUTION_TOP_N, AttributionWriter
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND
 from memlm.spalm_command import add_spalm_eval_options, run_spalm_eval, wants_spalm
 
 KNN_ONLY = ("search_backend", "tune_data", "tune_split", "tune_max_tokens", "allow_tune_overlap")
@@ -75,9 +77,7 @@ def add_eval_parser(sub: Any) -> None:
     add_options(p, "kNN-LM", KNN_OPTIONS)
     knn = p.add_argument_group("kNN-LM datastore and tuning")
     knn.add_argument("--datastore", default=None, help="datastore directory: report base and kNN-LM perplexity")
-    knn.add_argument("--search-backend", default=None, choices=["faiss", "torch"],
-                     help="faiss index (GPU clone when faiss-gpu sees CUDA), or exact torch search on the "
-                          "model's device (default faiss)")
+    SEARCH_BACKEND_OPTIONS["search_backend"].add_to(knn, None)
     knn.add_argument("--tune-data", default=None, help="corpus for --lambda/--knn-temperature auto")
     knn.add_argument("--tune-split", default=None, help="split of --tune-data (no document may be evaluated too)")
     knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
@@ -395,7 +395,8 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     if knn.needs_tuning and tune_docs is None:
         raise MemlmError("--lambda auto / --knn-temperature auto need --tune-data (never tuned on the evaluation split)")
     adaptive, gate_record = gate_for(args, evaluation, pretrained.fingerprint, model.config.key_description)
-    store = Datastore.open(Path(args.datastore), backend=args.search_backend or "faiss", device=str(model.device))
+    store = Datastore.open(Path(args.datastore), backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
+                           device=str(model.device))
     info = store.info()
     window = window_config(args, model.config.max_seq_len, recorded=info)
     check_searcher(info, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=pretrained.tokenizer.fingerprint,

@@ -50,6 +50,7 @@ from memlm.options import (
     KNN_OPTIONS,
     MEMORIZING_ONLY,
     MEMORY_OPTIONS,
+    SEARCH_BACKEND_OPTIONS,
     Option,
     add_options,
     given,
@@ -58,6 +59,7 @@ from memlm.options import (
     positive_int,
     refuse_given,
 )
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND
 
 GENERATE_MEMORY = ("kind", "segment", "mem_len", "sink_tokens", "cmem_len", "compress_rate", "compress_fn",
                    *MEMORIZING_ONLY)
@@ -152,6 +154,7 @@ def add_generate_parser(sub: Any) -> None:
     knn = p.add_argument_group("kNN-LM datastore")
     knn.add_argument("--datastore", default=None, help="datastore directory (searched in this process)")
     knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
+    SEARCH_BACKEND_OPTIONS["search_backend"].add_to(knn, None)
     add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
     add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": GENERATE_KINDS})
     add_knn_service_options(p)
@@ -192,10 +195,13 @@ def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
 
     if args.datastore and args.retrieval:
         raise MemlmError("give --datastore DIR or --retrieval HOST:PORT, not both")
+    if not args.datastore:
+        refuse_given(args, SEARCH_BACKEND_OPTIONS, "needs --datastore (a retrieval service searches its own way)")
     if args.datastore:
         from datastore import Datastore
 
-        searcher = Datastore.open(Path(args.datastore), device=str(pretrained.model.device))
+        searcher = Datastore.open(Path(args.datastore), backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
+                                  device=str(pretrained.model.device))
     elif args.retrieval:
         from services.retrieval_client import RetrievalClient
 

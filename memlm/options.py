@@ -24,7 +24,7 @@ from memlm.memory.config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, Memory
 from memlm.retrieval.clustered_states import EXACT_MEMBERS
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig
-from memlm.retrieval.searcher import MAX_K
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, MAX_K, SEARCH_BACKENDS
 
 AUTO = "auto"
 
@@ -125,6 +125,11 @@ MEMORY_OPTIONS = {o.dest: o for o in (
            _M.knn_top_k),
     Option("--knn-backend", "knn_backend", str, "memorizing: kNN memory backend (auto: exact up to "
            "memlm.memory.config.EXACT_MAX_ENTRIES entries, faiss beyond)", _M.knn_backend, KNN_BACKENDS),
+)}
+SEARCH_BACKEND_OPTIONS = {o.dest: o for o in (
+    Option("--search-backend", "search_backend", str, "how the datastore searches: its faiss index (a GPU clone "
+           "when faiss-gpu sees CUDA), or exact torch search over its float16 keys on the model's device",
+           DEFAULT_SEARCH_BACKEND, SEARCH_BACKENDS),
 )}
 MEMORIZING_ONLY = ("knn_layer", "knn_mem_size", "knn_top_k", "knn_backend")
 """MEMORY_OPTIONS that apply to --memory memorizing only (refused with any other kind)."""

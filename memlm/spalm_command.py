@@ -33,6 +33,7 @@ from memlm.options import (
     given,
     refuse_given,
 )
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND
 
 SPALM_MEMORY = ("kind", "segment", "mem_len", "sink_tokens")
 """The memory options of SPALM (its short-term memory is the XL memory)."""
@@ -122,7 +123,7 @@ def open_spalm_datastore(directory: str, pretrained: Any, keys_fingerprint: str,
     from memlm.retrieval.compat import check_searcher
 
     model = pretrained.model
-    store = Datastore.open(Path(directory), backend=search_backend or "faiss", device=str(model.device))
+    store = Datastore.open(Path(directory), backend=search_backend or DEFAULT_SEARCH_BACKEND, device=str(model.device))
     check_searcher(store.info(), model_fingerprint=keys_fingerprint, tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
     return store

@@ -20,7 +20,7 @@ from memlm.memory.memorizing import KnnAttention
 from memlm.model.pretrained import Pretrained
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.memory_store import KeyValueMemoryFactory
-from memlm.retrieval.searcher import Searcher
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services import lm_spalm
@@ -143,8 +143,11 @@ def open_model_and_searcher(
     dtype: torch.dtype = torch.float32,
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
+    search_backend: str = DEFAULT_SEARCH_BACKEND,
 ) -> tuple[Pretrained, Searcher | None]:
-    """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None)."""
+    """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None).
+    search_backend: how a --datastore searches (memlm.retrieval.searcher.SEARCH_BACKENDS; "torch": on the
+    model's device)."""
     from memlm.model.weights import load_pretrained
 
     if datastore is not None and retrieval is not None:
@@ -155,7 +158,8 @@ def open_model_and_searcher(
     if datastore is not None:
         from datastore.datastore import Datastore
 
-        ds = Datastore.open(datastore)  # checked against the model by check_searcher in load()
+        # checked against the model by check_searcher in load()
+        ds = Datastore.open(datastore, backend=search_backend, device=str(pretrained.model.device))
         return pretrained, ds
     return pretrained, link
 
@@ -175,6 +179,7 @@ async def serve_lm(
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
     knn_service: MemoryClient | None = None, adaptive_gate: str | None = None,
+    search_backend: str = DEFAULT_SEARCH_BACKEND,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
     then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls.
@@ -185,6 +190,7 @@ async def serve_lm(
         pretrained, searcher = await asyncio.to_thread(
             open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
             retrieval_tls=retrieval_tls, retrieval_token=retrieval_token, key_module=key_module,
+            search_backend=search_backend,
         )
         # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None

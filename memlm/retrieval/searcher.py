@@ -24,6 +24,12 @@ MAX_K = 4096
 """Most neighbours one search may ask for: results are (Q, k) arrays allocated before searching, so a
 larger k (e.g. 10**9: 16 TB for 1,000 queries) is refused up front (issue 9, finding 6)."""
 
+SEARCH_BACKENDS = ("faiss", "torch")
+"""How a datastore searches (datastore.Datastore.open's backend): its FAISS index (cloned to the GPUs when faiss-gpu
+sees CUDA), or exact chunked matmuls over all its float16 keys on a torch device (memlm.retrieval.exact), for a
+datastore that fits in the device's memory: the search then runs where the model runs."""
+DEFAULT_SEARCH_BACKEND = SEARCH_BACKENDS[0]
+
 MAX_QUERY_ABS = 65504.0
 """Largest |coordinate| of a query: float16's largest finite value, the range of the stored keys. Beyond
 it float32 squared L2 stops ordering neighbours (measured with FAISS: at |x| ~ 1e15 every distance

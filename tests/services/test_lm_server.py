@@ -355,3 +355,21 @@ def test_knn_score_with_a_window_other_than_the_datastores_is_refused(docs, serv
         same = c.score(docs, knn=KnnRequest(), window_tokens=48, stride_tokens=24)
         unset = c.score(docs, knn=KnnRequest())
     assert same == unset
+
+
+def test_serve_lm_search_backend_torch_searches_the_keys_on_the_models_device(tmp_path):
+    """`memlm serve lm --datastore DIR --search-backend torch`: the server's datastore searches its float16 keys
+    exactly with torch (memlm.retrieval.exact) on the model's device; over a Flat index the same neighbours."""
+    import numpy as np
+
+    from datastore import build_datastore
+    from services.lm_server import open_model_and_searcher
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the union is strong and the people are free. " * 12)
+    store = build_datastore("tiny", str(corpus), tmp_path / "store", context=32, stride=16, progress=False)
+    _, flat = open_model_and_searcher("tiny", datastore=str(store))
+    _, exact = open_model_and_searcher("tiny", datastore=str(store), search_backend="torch")
+    assert flat.exact is None and exact.exact is not None
+    queries = np.asarray(flat.keys[:16], dtype=np.float32)  # (16, C)
+    assert (exact.search(queries, 4).ids == flat.search(queries, 4).ids).mean() >= 0.95  # ties may swap

@@ -65,6 +65,15 @@ def test_knn_lm_over_a_built_datastore_and_xl_memory(capsys, tmp_path) -> None:
     assert code == 0, err
     results = json.loads(out_json.read_text())["results"]
     assert all(r["logprobs"] != r["base_logprobs"] for r in results)  # the mixture, not the base LM
+    # --search-backend torch: exact search over the float16 keys on the model's device, the Flat index's neighbours
+    code, out, err = run(capsys, "generate", "--model", "tiny", "--datastore", str(store), "--k", "8", "--lambda",
+                         "0.9", "--knn-temperature", "1", "--sampling-temperature", "0", "--max-new-tokens", "6",
+                         "--search-backend", "torch", "--json", str(out_json), "Speech", "the union")
+    assert code == 0, err
+    torch_results = json.loads(out_json.read_text())["results"]
+    assert [r["tokens"] for r in torch_results] == [r["tokens"] for r in results]
+    for a, b in zip(torch_results, results):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
     code, out, err = run(capsys, "generate", "--model", "tiny", "--memory", "xl", "--segment", "4", "--mem-len", "8",
                          "--max-new-tokens", "30", "--sampling-temperature", "0", "a long prompt past one segment")
     assert code == 0, err
@@ -92,6 +101,7 @@ def test_compressive_memory_equals_the_library(capsys, tmp_path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--segment", "8"], "--segment needs --memory xl"),
     (["--k", "8"], "--k needs --datastore or --retrieval"),
+    (["--retrieval", "b:1", "--search-backend", "torch"], "--search-backend needs --datastore"),
     (["--datastore", "a", "--retrieval", "b:1"], "not both"),
     (["--memory", "spalm"], "invalid choice"),
     (["--memory", "xl", "--knn-top-k", "4"], "--knn-top-k applies to --memory memorizing only, not xl"),
