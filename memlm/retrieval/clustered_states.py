@@ -184,13 +184,13 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
     return out
 
 
-def lowest_keys(keys: np.ndarray, bounds: np.ndarray, take: int) -> np.ndarray:
-    """(r, take) int64 each row's `take` lowest of rank_keys' keys (T,), row i's being keys[bounds[i]:
-    bounds[i + 1]] (bounds (r + 1,)), lowest first: its members by (score, place), PAD_KEY past its members.
-    The keys are unique, so a partition picks what a stable sort would. Reorders `keys` in place."""
-    r = bounds.shape[0] - 1
-    out = np.full((r, take), PAD_KEY, dtype=np.int64)  # (r, take)
-    for i, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+def lowest_keys(keys: np.ndarray, bounds: np.ndarray, takes: np.ndarray) -> np.ndarray:
+    """(r, t) int64 the takes[i] (takes (r,), t their most) lowest of row i's rank_keys keys, keys[bounds[i]:
+    bounds[i + 1]] (keys (T,), bounds (r + 1,)), lowest first: its members by (score, place), PAD_KEY after
+    them (all of a row's keys if fewer). The keys are unique, so a partition picks what a stable sort would.
+    Reorders `keys` in place."""
+    out = np.full((takes.shape[0], int(takes.max(initial=0))), PAD_KEY, dtype=np.int64)  # (r, t)
+    for i, (lo, hi, take) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), takes.tolist())):
         row = keys[lo:hi]  # (h,) a view: partitioned and sorted in place
         t = min(take, hi - lo)
         if t < hi - lo:

@@ -321,25 +321,25 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
     keys = rank_keys(q, p_row, p_cl, cl)  # (T,) (score, place) keys of the pairs' members, in pair order
     sk = cl.sketch
-    take = min(int(held.max(initial=0)), width)
+    takes = np.minimum(held, width)  # (r,) members kept
     if sk is not None:  # the row's own candidates ranked first: all of them are scored exactly
         own = cl.position[ids[r_idx, c_idx]]  # (m,) their places in `members`
         pair = np.searchsorted(pairs, r_idx * n_cl + own_cl)  # (m,)
         first = np.cumsum(sizes) - sizes  # (p,) each pair's first key
         keys[first[pair] + own - cl.offsets[p_cl[pair]]] = OWN_KEY | own  # score -inf, ties by place
         n_own = np.bincount(r_idx, minlength=r)  # (r,)
-        take = min(int(held.max(initial=0)), max(width, int(n_own.max(initial=0))))  # all own kept if more
-    best = lowest_keys(keys, bounds, take)  # (r, take) best first, ties by place
-    valid = best != PAD_KEY  # (r, take) past a row's members: missing
-    pos = np.where(valid, best & PLACE_MASK, 0)  # (r, take) places in `members`
-    m_ids = np.where(valid, cl.members[pos], -1)  # (r, take)
+        takes = np.minimum(held, np.maximum(width, n_own))  # all its own if more than `width`, cut below
+    best = lowest_keys(keys, bounds, takes)  # (r, t) best first, ties by place
+    valid = best != PAD_KEY  # (r, t) past a row's kept: missing
+    pos = np.where(valid, best & PLACE_MASK, 0)  # (r, t) places in `members`
+    m_ids = np.where(valid, cl.members[pos], -1)  # (r, t)
     if sk is None:  # the ranking was the exact distance, nearest first
         dist = np.where(valid, np.maximum(score_of(best), 0.0), np.inf)
     else:  # a row's own candidates and the best others, exact_members in all (or its own), exactly, first,
         # nearest first (ties in ranking order); then the others at inf (followed only) and the missing
-        n_scored = np.minimum(np.maximum(sk.exact_members, n_own), np.minimum(held, take))  # (r,) a prefix
+        n_scored = np.minimum(np.maximum(sk.exact_members, n_own), takes)  # (r,) a prefix of the kept
         e = int(n_scored.max(initial=0))
-        dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, take)
+        dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, t)
         dist[:, :e] = exact_member_distances(q, pos[:, :e], n_scored, cl)  # (r, e)
         order = np.argsort(dist[:, :e], axis=1, kind="stable")  # (r, e) past a row's scored: inf, in order
         for a in (dist, m_ids, valid):
