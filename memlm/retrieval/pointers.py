@@ -61,6 +61,7 @@ from memlm.retrieval.clustered_states import (
     lowest_keys,
     rank_keys,
     score_of,
+    stable_argsort,
 )
 from memlm.retrieval.searcher import Neighbors, Provenance
 
@@ -341,7 +342,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         e = int(n_scored.max(initial=0))
         dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, t)
         dist[:, :e] = exact_member_distances(q, pos[:, :e], n_scored, cl)  # (r, e)
-        order = np.argsort(dist[:, :e], axis=1, kind="stable")  # (r, e) past a row's scored: inf, in order
+        order = stable_argsort(dist[:, :e])  # (r, e) past a row's scored: inf, in order
         for a in (dist, m_ids, valid):
             a[:, :e] = np.take_along_axis(a[:, :e], order, axis=1)
     found = Neighbors(dist.astype(np.float32), m_ids,
