@@ -133,11 +133,14 @@ PAD_KEY = np.iinfo(np.int64).max
 """rank_keys' key past a row's members: above every member's (a float32 score's order bits are < 2^31 - 1)."""
 
 
-def order_bits(score: np.ndarray) -> np.ndarray:
+def order_bits(score: np.ndarray, in_place: bool = False) -> np.ndarray:
     """int32 of the same shape whose signed order is float32 `score`'s (no nan): -0.0 and 0.0 both 0, as they
-    compare equal (so that they tie, and the tie goes by member place)."""
-    b = (score + np.float32(0.0)).view(np.int32)  # -0.0 + 0.0 == +0.0
-    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))  # negatives: magnitude bits flipped, so more negative is lower
+    compare equal (so that they tie, and the tie goes by member place). in_place: reuse score's memory."""
+    b = np.add(score, np.float32(0.0), out=score if in_place else None).view(np.int32)  # -0.0 + 0.0 == +0.0
+    flip = b >> 31  # (..) -1 where negative
+    flip &= np.int32(0x7FFFFFFF)
+    b ^= flip  # negatives: magnitude bits flipped, so more negative is lower
+    return b
 
 
 PLACE_MASK = (1 << 32) - 1
@@ -178,7 +181,7 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0)  # (g, s)
         if qn is not None:
             d += qn[g_rows][:, None]
-        key = order_bits(d.numpy()).astype(np.int64)  # (g, s)
+        key = order_bits(d.numpy(), in_place=True).astype(np.int64)  # (g, s)
         key <<= 32
         key |= cl.places[lo:hi]
         for j, pair in enumerate(group.tolist()):

@@ -245,23 +245,23 @@ def follow(prev: Neighbors, prev_targets: np.ndarray, xq: np.ndarray, source: Po
     """
     ids = prev.ids  # (S, w)
     match = (ids >= 0) & (prev.values == prev_targets[:, None])  # (S, w) the token that came next
-    rows, cols = np.nonzero(match)  # (M,), (M,)
+    rows, cols = np.nonzero(match)  # (M,), (M,) row by row, in prev's order
     found, found_values = source.successors.successors_of(ids[rows, cols])  # (M,), (M,) only these are asked
-    nxt = np.full(ids.shape, -1, dtype=np.int64)  # (S, w)
-    nxt_values = np.full(ids.shape, -1, dtype=np.int32)  # (S, w)
-    nxt[rows, cols], nxt_values[rows, cols] = found, found_values
-    alive = match & (nxt >= 0)  # (S, w) ... and with a successor
-    width = max(1, int(alive.sum(axis=1).max(initial=0)))
-    order = np.argsort(~alive, axis=1, kind="stable")[:, :width]  # (S, w') survivors first, in prev's order
-    keep = np.take_along_axis(alive, order, axis=1)  # (S, w')
-    new_ids = np.where(keep, np.take_along_axis(nxt, order, axis=1), -1)  # (S, w')
-    values = np.where(keep, np.take_along_axis(nxt_values, order, axis=1), -1).astype(np.int32)  # (S, w')
+    alive = found >= 0  # (M,) ... and with a successor
+    rows, cols, found, found_values = rows[alive], cols[alive], found[alive], found_values[alive]  # (A,)
+    counts = np.bincount(rows, minlength=ids.shape[0])  # (S,) survivors per row
+    shape = (ids.shape[0], max(1, int(counts.max(initial=0))))  # (S, w')
+    place = np.arange(rows.size) - (np.cumsum(counts) - counts)[rows]  # (A,) survivors first, in prev's order
+    new_ids = np.full(shape, -1, dtype=np.int64)  # (S, w')
+    values = np.full(shape, -1, dtype=np.int32)  # (S, w')
+    new_ids[rows, place], values[rows, place] = found, found_values
     if not distances:
-        return Neighbors(np.full(new_ids.shape, np.inf, np.float32), new_ids, values)  # (S, w')
+        return Neighbors(np.full(shape, np.inf, np.float32), new_ids, values)  # (S, w')
     if source.keys is None:
-        dist = np.where(keep, np.take_along_axis(prev.distances, order, axis=1), np.inf).astype(np.float32)
+        dist = np.full(shape, np.inf, dtype=np.float32)  # (S, w')
+        dist[rows, place] = prev.distances[rows, cols]
     else:
-        dist = _exact_distances(xq, new_ids, keep, source.keys)  # (S, w')
+        dist = _exact_distances(xq, new_ids, new_ids >= 0, source.keys)  # (S, w')
     resort = np.argsort(dist, axis=1, kind="stable")  # (S, w') nearest first, as a search returns them
     return Neighbors(np.take_along_axis(dist, resort, axis=1), np.take_along_axis(new_ids, resort, axis=1),
                      np.take_along_axis(values, resort, axis=1))
