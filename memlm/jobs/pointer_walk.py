@@ -28,6 +28,7 @@ from memlm.retrieval.pointers import (
     merge_rows,
     needs_search,
     union_candidates,
+    weighed,
 )
 from memlm.retrieval.searcher import Neighbors, Searcher, SearchOptions
 
@@ -167,7 +168,8 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         if moved.any():
             mine = Neighbors(*(a[moved] for a in cands))
             _keep(out.neighbors, tok[moved], mine)
-            out.knn_logprob[torch.from_numpy(tok[moved])] = knn_target_logprob(mine, targets[tok[moved]], temperature)
+            out.knn_logprob[torch.from_numpy(tok[moved])] = knn_target_logprob(weighed(mine), targets[tok[moved]],
+                                                                                temperature)
         out.skipped[tok[need & ~go]] = True
         b.step[movers[moved]] += 1
         b.parked[movers[go]] = True

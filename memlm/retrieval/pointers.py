@@ -356,6 +356,15 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     return Neighbors(*out)
 
 
+def weighed(candidates: Neighbors) -> Neighbors:
+    """`candidates` (S, w) cut after the last column holding a finite distance in any row (at least one
+    column): the candidates after it weigh nothing in p_kNN (distance inf: clustered states' followed-only
+    members, missing entries), so log p_kNN of the cut rows is theirs, over fewer columns."""
+    finite = np.flatnonzero(np.isfinite(candidates.distances).any(axis=0))  # (f,) columns with a weight
+    w = int(finite[-1]) + 1 if finite.size else 1
+    return candidates if w == candidates.ids.shape[1] else Neighbors(*(a[:, :w] for a in candidates))  # (S, w')
+
+
 def needs_search(candidates: Neighbors, min_pointers: int) -> np.ndarray:
     """(S,) bool: rows with fewer than min_pointers candidates, which a search replaces."""
     return (candidates.ids >= 0).sum(axis=1) < min_pointers
