@@ -2,12 +2,16 @@
 `extend_pointers_using_clusters`; issue 15 part 2): the datastore's keys clustered by k-means
 (`cluster_states`), held in cluster order (`StateClusters`), optionally with a `KeySketch` of their top
 principal components, and the scoring pieces memlm.retrieval.pointers.extend_by_clusters builds a row's
-extension from: every member of a row's clusters ranked in one padded matrix (`rank_scores`, one matmul per
-cluster against every row asking for it), the best kept in a stable order (`lowest_stable`), and exact
-float32 distances for those the sketch path scores (`exact_member_distances`).
+extension from: every member of a row's clusters given a unique int64 key, its ranking score's order bits
+above its place in cluster order (`rank_keys`, one matmul per cluster against every row asking for it, the
+rows' members one after another in one flat array), each row's best by an in-place partition and a sort of
+those keys (`lowest_keys`: ties by place, whatever else is in the call, with no padded matrix and no tie
+repair), and exact float32 distances for those the sketch path scores (`exact_member_distances`, one faiss
+call), the same members in the same order as the padded float matrix and torch.topk they replaced
+(tests/memlm/retrieval/test_clustered_order.py: a row-by-row oracle, element for element).
 
 Shape legend: N datastore entries, d key dimension, C clusters, r rows extended, p sketch components,
-cols the widest row's members, e scored members of a row.
+T the members of all rows of a call, t members a row keeps at most, e scored members of a row.
 """
 
 from __future__ import annotations
