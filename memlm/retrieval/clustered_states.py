@@ -132,7 +132,6 @@ def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int
     return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), seed, sketch)
 
 
-
 PAD_KEY = np.iinfo(np.int64).max
 """rank_keys' key past a row's members: above every member's (a float32 score's order bits are < 2^31 - 1)."""
 
