@@ -15,15 +15,14 @@ is printed beside its perplexity and searches saved. Writes the numbers as JSON 
         [--gate-split SPLIT --gate-tokens 30000] [--clusters 500 2000] [--sketch-dims 0 64 --clustered-widths 0 4096] \
         [--both-clusters 2000] [--repeats 2] [--out docs/figures/search_savings_sotu_1990_2000]
 
-Measured here (docs/figures/search_savings_sotu_1990_2000.json; the first 6,000 tokens of 2003+, one thread on 2
-shared cores, load 1.2-2.8; the gate fitted on the 4,651 tokens of 2001-2002 with GateConfig's defaults): on the
-81,169-key Flat datastore, lambda 0.1 / T 2.18, plain kNN-LM 23.089 (base 24.095); adaptive --fractions 0.45
-saves 52.4% at +0.87% (wall 0.90x); RetoMaton alone over 50 clustered states ranked by a 64-component sketch
-(--sketch-dims 64 --exact-members 1024 --clustered-widths 4096) 80.7% at +0.51% and 20 clusters 81.4% at +0.17%,
-at 0.88x and 0.89x plain's wall time (kNN-LM part 0.61x and 0.65x; a run of those two and plain alone, 3 repeats,
-load 1.2-1.9, after the clustered walk's rewrite; it was 1.06x, part 1.3x); 200 clusters scored exactly 76.0% at
-+0.44% (0.94x, before the rewrite); both
-(2,000 clusters, min 1, fraction 0.5) 82.5% at +0.70% (0.90x). The 208,427-key IVF2048,SQ8 datastore: the README.
+Measured here (the README's command, docs/figures/search_savings_sotu_1990_2000.json; the first 6,000 tokens of
+2003+, one thread on 2 shared cores, load 1.25-1.8; the gate fitted on the 4,651 tokens of 2001-2002 with
+GateConfig's defaults): on the 81,169-key Flat datastore, lambda 0.1 / T 2.18, plain kNN-LM 23.089 (base 24.095);
+adaptive --fractions 0.45 saves 52.4% at +0.87% (wall 0.88x); RetoMaton alone over 50 clustered states ranked by a
+64-component sketch (--sketch-dims 64 --exact-members 1024 --clustered-widths 4096) 80.7% at +0.51% and 20 clusters
+81.4% at +0.17%, at 0.91x and 0.92x plain's wall time (kNN-LM part 0.62x and 0.64x; before the clustered walk's
+rewrite 1.06x, part 1.3x); 200 clusters scored exactly 76.0% at +0.44% (0.92x); both (2,000 clusters, min 1,
+fraction 0.5) 82.5% at +0.70% (0.85x). The 208,427-key IVF2048,SQ8 datastore: the README.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
    a wide PointerConfig.cluster_width keeps pointers alive without the cost of their exact distances.
    Measured (benchmarks/search_savings.py, README "Fewer searches"): see the table there; on the 81,169-key
    SOTU datastore 50 clusters scored exactly save 77.6% at +0.46%, and ranked by a 64-component sketch,
-   1,024 exact, keeping 4,096: 80.7% at +0.51% (20 clusters: 81.4% at +0.17%), in 0.61x (0.65x) of plain
+   1,024 exact, keeping 4,096: 80.7% at +0.51% (20 clusters: 81.4% at +0.17%), in 0.62x (0.64x) of plain
    kNN-LM's pass time: a pointed row's extension (its members ranked, the best kept, 1,024 exact distances
    reading each key once) costs about a third of a query's share of a batched Flat search of 81K keys.
 
