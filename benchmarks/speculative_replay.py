@@ -1,0 +1,157 @@
+"""Replay of speculative drafting over recorded greedy kNN-LM continuations (issue 15 part 3): the exact tokens a
+verifying pass would yield for draft policies the engine does not run, e.g. several drafts verified as a tree.
+
+Greedy speculative decoding yields exactly plain greedy decoding's tokens, so a pass's outcome is decided by the
+plain continuation alone: a pass after the row's text yields the longest prefix of its draft that the
+continuation spells, and one token more. This script decodes the prompts of benchmarks/speculative_knnlm.py
+(the same held-apart prompts, setting and datastore) once, plainly, and replays each policy over the recorded
+continuations: tokens a pass (what speed-up a pass can buy) and draft positions a pass (what a pass feeds
+beyond x_t: for a tree the nodes of the drafts' prefix tree, which a tree-masked pass would feed). No timing:
+what a position costs is benchmarks/speculative_knnlm.py's part (README, issue 15).
+
+Pointers (memlm.engine.drafts) come from the neighbours of one whole-text forward pass's keys at each
+position (one search), not from the decode steps' own keys, so a datastore draft may differ in a rare near tie
+from the engine's; the single-draft lines are printed beside the benchmark's measured tokens a pass to check.
+
+    python benchmarks/speculative_replay.py [--prompts 8] [--new-tokens 64] [--draft-tokens 16] [--trees 2,3,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import speculative_knnlm as bench_setting
+import torch
+
+from memlm.engine.drafts import (DRAFT_FROM, DraftSource, SpeculativeConfig, advance, best_draft, draft_chains,
+                                 draft_source, matching, row_draft)
+from memlm.engine.engine import Engine, run_all
+from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.jobs.generate import TokenEvent
+from memlm.model.device import DTYPES
+from memlm.retrieval.searcher import Neighbors
+
+Policy = Callable[[list[int], np.ndarray, int], list[tuple[int, ...]]]
+"""(row text, pointers, cap) -> the candidate drafts a pass verifies (one for the engine's sources)."""
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datastore", default=bench_setting.DEFAULT_DATASTORE)
+    p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
+    p.add_argument("--split", default="year>=2003")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
+    p.add_argument("--trees", default="2,3,4", help="tree widths to replay: that many history continuations and "
+                   "that many datastore branches per pass")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    args = p.parse_args()
+    args.in_datastore, args.quick = False, False  # speculative_knnlm's helpers read them
+    return args
+
+
+def history_candidates(text: Sequence[int], length: int, width: int, max_match: int, min_match: int
+                       ) -> list[tuple[int, ...]]:
+    """Up to `width` distinct drafts from the row's own text: what followed the latest earlier occurrences of
+    its last max_match .. min_match tokens, longest match first, latest first (drafts.history_draft's rule,
+    period included, for the first of them)."""
+    arr = np.asarray(text, dtype=np.int64)  # (L,)
+    L, out = arr.shape[0], []
+    for n in range(min(max_match, L - 1), min_match - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # (L-n, n)
+        for hit in np.flatnonzero((windows == arr[L - n :]).all(axis=1))[::-1]:
+            after = int(hit) + n
+            draft = tuple(arr[after + np.arange(length) % (L - after)].tolist())
+            if draft not in out:
+                out.append(draft)
+            if len(out) == width:
+                return out
+    return out
+
+
+def datastore_candidates(pointers: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int
+                         ) -> list[tuple[int, ...]]:
+    """Up to `width` drafts from the pointers' chains: under each of the most agreed-on first tokens, the
+    best-first path of the chains that start with it (drafts.best_draft)."""
+    chains = draft_chains(pointers, source, length)  # (m, L)
+    first = chains[:, 0] if chains.shape[0] else chains[:0, 0]  # (m,)
+    tokens, counts = np.unique(first[first >= 0], return_counts=True)
+    out = []
+    for i in np.argsort(-counts, kind="stable")[:width]:
+        if counts[i] >= min_agreeing:
+            out.append(best_draft(chains[first == tokens[i]], min_agreeing))
+    return [d for d in out if d]
+
+
+def tree_nodes(drafts: list[tuple[int, ...]]) -> int:
+    """Positions a tree-masked pass feeds beyond x_t: the drafts' prefix tree's nodes."""
+    return len({d[:i] for d in drafts for i in range(1, len(d) + 1)})
+
+
+def record(args: argparse.Namespace) -> tuple[list[tuple[list[int], int, list[np.ndarray]]], DraftSource]:
+    """Per prompt: the full text (boundary, prompt, plain greedy continuation), where the continuation starts,
+    and the pointers after each generated token."""
+    bench, store = bench_setting.open_setting(args)
+    knn = bench_setting.knn_settings(args)
+    source = draft_source(store.provenance, store.values)
+    engine = Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=1), store, source)
+    runs = []
+    for prompt in bench_setting.held_apart_prompts(bench, store, args):
+        request = GenerationRequest(prompt, args.new_tokens, bench_setting.GREEDY, boundary_token=bench.boundary,
+                                    knn=knn)
+        generated = [e.token_id for e in run_all(engine, [request])[0] if isinstance(e, TokenEvent)]
+        text = [bench.boundary, *prompt, *generated]
+        start = 1 + len(prompt)
+        with torch.no_grad():
+            keys = bench.pre.model(torch.tensor([text[:-1]]), logits_from=len(text) - 2).knn_key[0]  # (L-1, C)
+        found = store.search(keys[start - 1 :].float().numpy(), knn.k)  # (g, k): the positions that chose them
+        runs.append((text, start, [matching(Neighbors(*(a[i : i + 1] for a in found)), t)
+                                   for i, t in enumerate(generated)]))
+    return runs, source
+
+
+def replay(runs, source: DraftSource, policy: Policy, draft_tokens: int) -> tuple[float, float]:
+    """(tokens a pass, draft positions a pass) of `policy` over the recorded runs; the first token of each run
+    comes from the prompt's step, as in the engine."""
+    passes = tokens = fed = 0
+    for text, start, after in runs:
+        g, pointers, n = 1, after[0], len(text) - start
+        while g < n:
+            at = start + g
+            cap = min(draft_tokens, n - g - 1)  # nothing drafted past max_new_tokens
+            drafts = [d[:cap] for d in (policy(text[:at], pointers, cap) if cap > 0 else []) if d]
+            right = max((next((j for j, (a, b) in enumerate(zip(d, text[at:])) if a != b), len(d)) for d in drafts),
+                        default=0)
+            y = min(right + 1, n - g)
+            fresh = after[g + y - 1]
+            pointers = fresh if fresh.size else advance(pointers, text[at : at + y], source)
+            passes, tokens, fed, g = passes + 1, tokens + y, fed + tree_nodes(drafts), g + y
+    return tokens / passes, fed / passes
+
+
+def main() -> None:
+    args = parse_args()
+    runs, source = record(args)
+    spec = SpeculativeConfig(draft_tokens=args.draft_tokens)
+    print(f"# {len(runs)} prompts, {args.new_tokens} greedy kNN-LM tokens each ({args.dtype}), draft tokens "
+          f"{args.draft_tokens}; replayed, not timed", flush=True)
+    policies: dict[str, Policy] = {}
+    for src in DRAFT_FROM:
+        config = SpeculativeConfig(draft_tokens=args.draft_tokens, draft_from=src)
+        policies[f"{src} (the engine's)"] = lambda text, ptr, cap, c=config: [row_draft(text, ptr, source, cap, c)]
+    for w in (int(x) for x in args.trees.split(",")):
+        for hmin in (spec.history_min_match, 1):
+            policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
+                lambda text, ptr, cap, w=w, hmin=hmin: history_candidates(text, cap, w, spec.history_max_match, hmin)
+                + datastore_candidates(ptr, source, cap, w, spec.min_agreeing))
+    for name, policy in policies.items():
+        per_pass, fed = replay(runs, source, policy, args.draft_tokens)
+        print(f"{name}: tokens a pass {per_pass:.2f}, draft positions a pass {fed:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
