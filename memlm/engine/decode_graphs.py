@@ -13,8 +13,9 @@ padding on the host. `DecodeGraphs` is the same step with every shape fixed:
   which always writes position 0) and attends to that slot alone, so nothing it computes is NaN;
 - width: w = `bucket_width` of the slots in use, the next power of two (at least MIN_WIDTH, at most the row's
   slots), so a step reads at most twice the slots it needs and a row's graphs number log2(slots / MIN_WIDTH)
-  + 1 per row bucket; the cache is allocated in full up front (RowCache.reserve) so that its tensors never
-  move; the mask (slot_pos >= 0 and <= the query's position) is built on the device inside the step from
+  + 1 per row bucket; the cache is reserved up to w before the step (RowCache.reserve, by doubling) and
+  every graph is dropped when that moves the cache tensors (at most log2(slots / 64) times), since a graph
+  holds their addresses; the mask (slot_pos >= 0 and <= the query's position) is built on the device inside the step from
   slot_pos, so masked slots add exp(-inf) = 0 and the scores of the real slots are the ordinary step's;
 - inputs: the token ids and positions are copied into static device buffers (one host-to-device copy per
   step); the outputs (logits (b, V), kNN keys (b, C)) are static buffers the host reads after the replay.
@@ -36,6 +37,7 @@ hs head size, V vocab, C key width.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -44,6 +46,8 @@ import torch
 from memlm.engine.kv_cache import CacheLayout, RowCache, rotary_at, rotate, _signed
 from memlm.engine.rows import Row
 from memlm.model.decoder import CachedAttention, Decoder, LayerMemory
+
+_log = logging.getLogger(__name__)
 
 
 CUDA_GRAPHS_HELP = ("decode steps with fixed shapes, replayed as CUDA graphs on a GPU (plain KV cache only; off by "
@@ -76,7 +80,7 @@ class _FixedStep:
 
     def __init__(self, cache: RowCache, pos: torch.Tensor, real: torch.Tensor, width: int) -> None:
         """pos: (b,) int64 on the device, each row's position (padding: 0), all below `width`; real: (b,) bool."""
-        b, L, w = pos.shape[0], cache.layout.slots, width
+        b, L, w = pos.shape[0], cache.allocated, width
         nkv = cache.config.n_kv_head
         g = cache.config.n_head // nkv
         self.cache = cache
@@ -86,7 +90,7 @@ class _FixedStep:
         # Padding rows keep their slot 0 as it is (empty); real rows record their position (slot = position).
         slot_pos[rows, pos] = torch.where(real, pos, slot_pos[rows, pos])
         heads = torch.arange(nkv, device=pos.device)  # (nkv,)
-        self.flat = ((rows[:, None] * nkv + heads) * L + pos[:, None]).reshape(-1)  # (b*nkv,) into (R*nkv*L, hs)
+        self.flat = ((rows[:, None] * nkv + heads) * L + pos[:, None]).reshape(-1)  # (b*nkv,) into (R*nkv*allocated, hs)
         seen = (slot_pos >= 0) & (slot_pos <= self.pos)  # (b, w)
         first = torch.arange(w, device=pos.device) == 0  # (w,)
         seen = seen | (~real[:, None] & first)  # a padding row attends to its own slot 0: finite, ignored
@@ -135,7 +139,7 @@ class _FixedLayer(CachedAttention):
 
 class DecodeGraphs:
     """Fixed-shape decode steps of one engine, a CUDA graph per (row bucket, width bucket) on a GPU (module
-    docstring)."""
+    docstring). A bucket whose capture fails runs eagerly from then on (logged once): the rows go on."""
 
     def __init__(self, model: Decoder, cache: RowCache) -> None:
         if not serves_layout(cache.layout):
@@ -143,16 +147,17 @@ class DecodeGraphs:
         self.model = model
         self.cache = cache
         self.capture = model.device.type == "cuda"
-        cache.reserve(cache.layout.slots)  # in full, now: a graph holds the cache tensors' addresses
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # b -> ids, pos, real
         self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (b, w) -> (b, V), (b, C)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # None: its capture failed, eager
+        self._allocated = cache.allocated  # the cache tensors the graphs were recorded on
         self.replays = 0
         """Steps that ran here (for tests and benchmarks)."""
 
     def takes(self, plan: Sequence[tuple[Row, int]], running: int) -> bool:
         """Whether a pass feeding `plan` runs here: decode rows only (one token each) that are all `running`
-        rows of the engine, in cache rows 0 .. B-1."""
+        rows of the engine, in cache rows 0 .. B-1 (any other row, a score or speculative one, would sit in a
+        padding row's place)."""
         return (len(plan) == running and all(n == 1 for _, n in plan)
                 and all(row.slot == i for i, (row, _) in enumerate(plan)))
 
@@ -169,6 +174,11 @@ class DecodeGraphs:
         device = self.cache.device
         positions = [row.fed - row.base for row, _ in plan]
         w = bucket_width(max(positions) + 1, self.cache.layout.slots)  # from the host's positions: no sync
+        self.cache.reserve(w)
+        if self.cache.allocated != self._allocated:  # the cache tensors moved: the graphs read the old ones
+            self._graphs.clear()
+            self._outputs.clear()
+            self._allocated = self.cache.allocated
         if b not in self._inputs:
             self._inputs[b] = (torch.zeros(b, dtype=torch.long, device=device),
                                torch.zeros(b, dtype=torch.long, device=device),
@@ -182,30 +192,42 @@ class DecodeGraphs:
         idx.copy_(host[0])
         pos.copy_(host[1])
         real.copy_(host[2].bool())
-        if not self.capture:
+        if self.capture and (b, w) not in self._graphs:
+            self._graphs[b, w] = self._record(b, w)
+        graph = self._graphs.get((b, w)) if self.capture else None
+        if graph is None:
             logits, keys = self._step(b, w)
         else:
-            if (b, w) not in self._graphs:
-                self._record(b, w)
-            self._graphs[b, w].replay()
+            with torch.cuda.device(device):
+                graph.replay()
             logits, keys = self._outputs[b, w]
         for row, _ in plan:
             row.fed += 1
         self.replays += 1
         return logits[:B], keys[:B]
 
-    def _record(self, b: int, w: int) -> None:
-        """Capture the (b, w) step, warmed up on a side stream first as torch.cuda.graphs asks. The warm-up
-        passes run the step for real: they write the same keys to the same slots as the replay that follows."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(b, w)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # A memory pool of its own: buckets replay in any order, and a shared pool is only safe for graphs
-        # replayed in the order they were captured (another graph's replay could overwrite these outputs).
-        with torch.cuda.graph(graph):
-            self._outputs[b, w] = self._step(b, w)
-        self._graphs[b, w] = graph
+    def _record(self, b: int, w: int) -> torch.cuda.CUDAGraph | None:
+        """Capture the (b, w) step on the cache's device, warmed up on a side stream first as torch.cuda.graphs
+        asks; None when the capture fails (that bucket then runs eagerly). The warm-up passes run the step for
+        real: they write the same keys to the same slots as the replay that follows."""
+        device = self.cache.device
+        with torch.cuda.device(device):  # streams and capture on the cache's GPU, not the current one
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(b, w)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # A memory pool of its own: buckets replay in any order, and a shared pool is only safe for graphs
+                # replayed in the order they were captured. thread_local: a server's other threads (a lane's
+                # engine being built, handlers) may allocate meanwhile; only this thread's calls must be capturable.
+                with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device), capture_error_mode="thread_local"):
+                    self._outputs[b, w] = self._step(b, w)
+            except RuntimeError as e:
+                _log.warning("CUDA graph capture of the decode step (%d rows, width %d) failed, that bucket runs "
+                             "eagerly: %s", b, w, e)
+                self._outputs.pop((b, w), None)
+                return None
+        return graph

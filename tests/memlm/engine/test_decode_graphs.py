@@ -16,7 +16,7 @@ from tiny_models import sharp_tiny_model
 
 from memlm.engine.decode_graphs import MIN_WIDTH, DecodeGraphs, _FixedStep, bucket, bucket_width
 from memlm.engine.engine import Engine, run_all
-from memlm.engine.requests import EngineConfig, GenerationRequest
+from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.memory.config import MemoryConfig
@@ -91,6 +91,24 @@ def test_fixed_steps_with_knnlm(model) -> None:
     got, engine = run(model, requests(KNN), graphs=True, searcher=searcher)
     assert_same(got, expected)
     assert engine.graphs.replays > 10
+
+
+def test_a_score_row_beside_the_decode_rows_keeps_the_ordinary_step(model) -> None:
+    """A Score row in the running batch (or a speculative one) is in no fixed step: it would sit where a padding
+    row writes. With it running, the decode rows take the ordinary step, and its scores are the same either way
+    (taking the fixed step anyway moved its log-probs by up to 3 nats)."""
+    def go(graphs: bool):
+        reqs = [GenerationRequest(tuple(TOK.encode(t)), 20, GREEDY, boundary_token=BOUNDARY) for t in ("the cat", "a dog", "x")]
+        reqs.append(ScoreRequest(tuple(TOK.encode("the mat and the log and the cat sat on it")), BOUNDARY))
+        engine = Engine(model, TOK, EngineConfig(max_batch=4, prefill_chunk=4, cuda_graphs=graphs))
+        events = run_all(engine, reqs)
+        return [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in events[:3]], events[3][-1], engine
+
+    tokens, score, _ = go(False)
+    got_tokens, got_score, engine = go(True)
+    assert got_tokens == tokens
+    assert got_score.logprob == pytest.approx(score.logprob, abs=1e-5)
+    assert engine.graphs.replays > 0  # the decode rows took the fixed step once the score had ended
 
 
 def test_only_the_plain_cache() -> None:
