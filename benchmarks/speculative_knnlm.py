@@ -52,11 +52,19 @@ GREEDY = SamplingConfig(temperature=0.0)
 DEFAULT_DATASTORE = str(Path.home() / ".cache/memlm/demo/ds-sotu-1990-2000")
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_setting_options(p: argparse.ArgumentParser) -> None:
+    """The setting's flags (open_setting, knn_settings, held_apart_prompts read them): this benchmark's and
+    benchmarks/fewer_generate.py's."""
     p.add_argument("--datastore", default=DEFAULT_DATASTORE, help="a datastore built by scripts/demo.sh")
     p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
     p.add_argument("--split", default="year>=2003", help="the evaluation split the prompts are cut from")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="the model's float type on both sides (bfloat16: batched matmuls almost free on avx512_bf16)")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_setting_options(p)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -72,8 +80,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--in-datastore", action="store_true",
                    help="allow prompts from the datastore's own speeches (with --split 1990<=year<=2000): an upper "
                         "bound where the drafts are the speech itself, NOT the held-apart figure (printed so)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                   help="the model's float type on both sides (bfloat16: batched matmuls almost free on avx512_bf16)")
     p.add_argument("--quick", action="store_true", help="a short run: 3 prompts of 32 new tokens")
     args = p.parse_args()
     if args.quick:
