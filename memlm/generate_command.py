@@ -122,9 +122,9 @@ def speculative_config(args: argparse.Namespace) -> Any:
             if value is not None:
                 raise MemlmError(f"{flag} needs --speculative")
         return None
-    if not args.datastore:
+    if not args.datastore and args.draft_from != "history":
         raise MemlmError("--speculative drafts from a local --datastore (the retrieval service has no "
-                         "successors lookup)")
+                         "successors lookup), or from the row's own text with --draft-from history")
     config = SpeculativeConfig()
     config = config if args.draft_tokens is None else dataclasses.replace(config, draft_tokens=args.draft_tokens)
     return config if args.draft_from is None else dataclasses.replace(config, draft_from=args.draft_from)
@@ -273,7 +273,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     try:
         if isinstance(pretrained.model, Decoder):
-            drafts = draft_source(searcher.provenance, searcher.values) if speculative is not None else None
+            uses_datastore = speculative is not None and speculative.uses_datastore  # history drafts read none
+            drafts = draft_source(searcher.provenance, searcher.values) if uses_datastore else None
             engine = Engine(pretrained.model, tokenizer, config, engine_searcher or searcher, drafts, knn_attention=knn_attention,
                             knn_service=service)
             results = run_all(engine, requests)

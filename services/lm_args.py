@@ -84,7 +84,14 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
         if request.draft_from:
             raise InvalidRequest("draft_from", "needs speculative")
         return None
-    why = refusal(sources.drafts is not None, memory.kind if memory is not None else None, fewer_asked(request.knn))
+    config = SpeculativeConfig()
+    if request.draft_from:
+        names = {value: name for name, value in DRAFT_FROM_VALUES.items()}
+        if request.draft_from not in names:
+            raise InvalidRequest("draft_from", f"{request.draft_from} is not a DraftFrom value")
+        config = replace(config, draft_from=names[request.draft_from])
+    why = refusal(config.uses_datastore, sources.drafts is not None, memory.kind if memory is not None else None,
+                  fewer_asked(request.knn))
     if why is not None:  # the engine's rules (memlm.engine.speculative.refusal), named by the field
         raise InvalidRequest("speculative", why.message, FAILED_PRECONDITION if why.precondition else UNIMPLEMENTED)
     if not on_engine:
@@ -94,20 +101,15 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
         raise InvalidRequest("speculative", "not with knn.attribution_top_n (a verifying pass makes several tokens)")
     if request.draft_tokens < 0:
         raise InvalidRequest("draft_tokens", f"{request.draft_tokens}, must be >= 1 (0 = the default)")
-    config = SpeculativeConfig()
     config = replace(config, draft_tokens=request.draft_tokens) if request.draft_tokens else config
-    if request.draft_from:
-        names = {value: name for name, value in DRAFT_FROM_VALUES.items()}
-        if request.draft_from not in names:
-            raise InvalidRequest("draft_from", f"{request.draft_from} is not a DraftFrom value")
-        config = replace(config, draft_from=names[request.draft_from])
     if config.draft_tokens > max_step_tokens - 1:  # a verifying pass feeds 1 + draft_tokens tokens (the default too)
         raise InvalidRequest("draft_tokens", f"{config.draft_tokens}, at most max_step_tokens - 1 = "
                              f"{max_step_tokens - 1}", grpc.StatusCode.OUT_OF_RANGE)
-    try:
-        sources.drafts()  # made once (cached), here: a datastore without provenance is refused before streaming
-    except MemlmError as e:
-        raise InvalidRequest("speculative", str(e), FAILED_PRECONDITION) from None
+    if config.uses_datastore:
+        try:
+            sources.drafts()  # made once (cached), here: a datastore without provenance is refused before streaming
+        except MemlmError as e:
+            raise InvalidRequest("speculative", str(e), FAILED_PRECONDITION) from None
     return config
 
 

@@ -75,14 +75,16 @@ class Refusal(NamedTuple):
     serve (UNIMPLEMENTED)."""
 
 
-def refusal(has_drafts: bool, memory_kind: str | None, fewer: bool) -> Refusal | None:
+def refusal(uses_datastore: bool, has_drafts: bool, memory_kind: str | None, fewer: bool) -> Refusal | None:
     """The one place of speculative decoding's refusals (the engine's check_request, the Generate parser's
-    services.lm_args.speculative_of): drafts read a datastore in process; only the plain KV cache (a rejected
+    services.lm_args.speculative_of): drafts from the datastore (SpeculativeConfig.uses_datastore; history drafts
+    read the row's own text only) read a datastore in process (`has_drafts`); only the plain KV cache (a rejected
     position would overwrite XL ring slots the memory still needs); not with fewer searches (drafts keep
     pointers of their own, memlm.engine.drafts, and every drafted position is searched). None: served."""
-    if not has_drafts:
-        return Refusal("speculative decoding drafts from a datastore in process (give --datastore DIR): there is "
-                       "none here, or a retrieval service", True)
+    if uses_datastore and not has_drafts:
+        return Refusal("speculative decoding drafts from a datastore in process (give --datastore DIR, or draw "
+                       "drafts from the row's own text: --draft-from history): there is none here, or a retrieval "
+                       "service", True)
     if memory_kind is not None:
         return Refusal(f"speculative decoding serves the plain KV cache, not --memory {memory_kind}", False)
     if fewer:
@@ -95,7 +97,7 @@ def check_request(engine: Engine, request: GenerationRequest) -> None:
     """Refuse a speculative request the engine cannot serve, in one line (`refusal`)."""
     if request.speculative is None:
         return
-    why = refusal(engine.drafts is not None and engine.searcher is not None,
+    why = refusal(request.speculative.uses_datastore, engine.drafts is not None and engine.searcher is not None,
                   engine.config.xl.kind if engine.config.xl is not None else None, request.fewer is not None)
     if why is not None:
         raise MemlmError(why.message)
@@ -134,7 +136,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
             accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
-            walked[b] = advance(row.pointers, accepted[b][0], source)
+            walked[b] = advance(row.pointers, accepted[b][0], source) if source is not None else row.pointers[:0]
     # kNN-LM rows: the positions lo..hi to search next. Greedy rows search up to the first draft token the base
     # LM rejects (_lm_stop) and go on past it only where the mixture took it all the same; sampled rows need
     # every position's distribution.
@@ -232,8 +234,11 @@ def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: di
 def _next_pointers(row: Row, accepted: tuple[list[int], int], neighbors: Neighbors | None,
                    walked: np.ndarray | None, source: DraftSource) -> np.ndarray:
     """The row's pointers after this pass's tokens (memlm.engine.drafts): fresh from the neighbours of the
-    position that chose the last token when they have some, else the old ones walked along the tokens."""
+    position that chose the last token when they have some, else the old ones walked along the tokens; none
+    for a row that drafts from its own text only (no datastore in the engine)."""
     tokens, j = accepted
+    if not row.handle.request.speculative.uses_datastore:
+        return row.pointers[:0]
     if neighbors is not None:
         at = j if row.handle.request.knn is not None else 0  # a base row searched position j only
         fresh = matching(Neighbors(*(a[at : at + 1] for a in neighbors)), tokens[-1])  # (m,)

@@ -146,6 +146,17 @@ def test_refusals_name_their_field(servers):
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_from" in e.details
 
 
+@pytest.mark.parametrize(("name", "knn"), [("plain", None), ("remote", KnnRequest())], ids=["no-datastore", "remote"])
+def test_history_drafts_need_no_datastore_in_the_server(servers, own_text, name, knn):
+    """draft_from history reads only the row's own text: a server without a datastore (base LM), or whose datastore is
+    behind a retrieval service (kNN-LM), serves it, token-identical to plain Generate."""
+    with LanguageModelClient(servers[name]) as client:
+        for prompt in prompts(own_text, 4):
+            plain, _ = run(client, prompt, knn=knn)
+            spec, end = run(client, prompt, knn=knn, speculative=True, draft_from="history")
+            assert spec == plain and end.mean_accepted_tokens >= 1.0, prompt
+
+
 @pytest.mark.parametrize("source", ["history", "both", "datastore"])
 @pytest.mark.parametrize("knn", [KnnRequest(), None], ids=["knn-lm", "base-lm"])
 def test_greedy_generate_with_each_draft_source_is_token_identical(servers, own_text, source, knn):

@@ -206,6 +206,28 @@ def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> Non
     assert best_draft(three) == (6, 9, 1)  # most chains agree on 9
 
 
+@pytest.mark.parametrize("knn", [KNN, None], ids=["knnlm-searcher-only", "base-no-datastore"])
+def test_history_drafts_need_no_datastore_in_the_engine(setting, knn) -> None:
+    """--draft-from history reads only the row's own text: an engine without the datastore's draft source (a base
+    LM with no datastore, or kNN-LM through a searcher alone, e.g. a retrieval service) serves it, token-identical
+    to plain greedy decoding; the datastore's drafts are still refused there."""
+    model, searcher, _, docs = setting
+    repeating = [tuple(TOK.encode("the cat sat on the mat. the cat sat on the mat. the cat"))]
+    plain = [GenerationRequest(p, 24 + i % 5, GREEDY, boundary_token=BOUNDARY, knn=knn)
+             for i, p in enumerate([*repeating, *prompts(docs, 8, seed=3)])]
+    history = dataclasses.replace(SPEC, draft_from="history")
+    engine_searcher = searcher if knn is not None else None
+    want = run_all(Engine(model, TOK, EngineConfig(max_batch=4), engine_searcher), plain)
+    got = run_all(Engine(model, TOK, EngineConfig(max_batch=4), engine_searcher),
+                  [dataclasses.replace(r, speculative=history) for r in plain])
+    for w, g in zip(want, got):
+        assert tokens(g) == tokens(w)
+    assert all(g[-1].verify_steps > 0 for g in got)
+    assert sum(g[-1].verified_tokens for g in got) > sum(g[-1].verify_steps for g in got)  # drafts were taken
+    with pytest.raises(MemlmError, match="drafts from a datastore"):
+        Engine(model, TOK, EngineConfig(), engine_searcher).submit(dataclasses.replace(plain[0], speculative=SPEC))
+
+
 def test_refused_without_a_datastore_or_with_the_xl_memory(setting) -> None:
     model, searcher, drafts, _ = setting
     r = GenerationRequest((65, 66), 4, GREEDY, boundary_token=BOUNDARY, speculative=SPEC)

@@ -81,6 +81,20 @@ def test_draft_from_makes_the_same_tokens_and_is_recorded(capsys, tmp_path, stor
     assert spec["mean_accepted_tokens"] > 1
 
 
+def test_history_drafts_without_a_datastore(capsys, tmp_path) -> None:
+    """--speculative --draft-from history on the base LM needs no --datastore: the same tokens as without."""
+    def go(*flags) -> list:
+        out_json = tmp_path / f"h{len(list(tmp_path.iterdir()))}.json"
+        code, _, err = run(capsys, "generate", "--model", "tiny", "--max-new-tokens", "24", "--sampling-temperature",
+                           "0", "--json", str(out_json), *flags, TEXT, "the state of")
+        assert code == 0, err
+        return json.loads(out_json.read_text())["results"]
+
+    plain, spec = go(), go("--speculative", "--draft-from", "history")
+    assert [r["tokens"] for r in spec] == [r["tokens"] for r in plain]
+    assert all(r["verify_steps"] > 0 and r["searches"] == 0 for r in spec)
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (("--draft-tokens", "3"), "--draft-tokens needs --speculative"),
     (("--draft-from", "history"), "--draft-from needs --speculative"),
