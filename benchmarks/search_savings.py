@@ -13,7 +13,7 @@ is printed beside its perplexity and searches saved. Writes the numbers as JSON 
 
     python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 6000] [--tune-tokens 10000] \
         [--gate-split SPLIT --gate-tokens 30000] [--clusters 500 2000] [--sketch-dims 0 64 --clustered-widths 0 4096] \
-        [--both-clusters 2000] [--repeats 2] [--out docs/figures/search_savings_sotu_1990_2000]
+        [--exact-members 1024] [--both-clusters 2000] [--repeats 2] [--out docs/figures/search_savings_sotu_1990_2000]
 
 Measured here (the README's command, docs/figures/search_savings_sotu_1990_2000.json; the first 6,000 tokens of
 2003+, one thread on 2 shared cores, load 1.25-1.8; the gate fitted on the 4,651 tokens of 2001-2002 with
@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 import _common
+
+from memlm.retrieval.clustered_states import EXACT_MEMBERS
 
 KEYS = ("knnlm_perplexity", "base_perplexity", "searches", "searches_saved", "searches_saved_fraction",
         "search_seconds", "pointer_seconds", "gate_seconds", "interpolate_seconds",
@@ -59,14 +61,18 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 
 def clustered_scorings(args: argparse.Namespace) -> list[dict]:
-    """How the clustered walks score and keep members, pairs of --sketch-dims and --clustered-widths: every
-    member exactly (sketch 0) or ranked by a KeySketch of that many components with --exact-members scored
-    exactly, keeping that many candidates a clustered row (0: as many as a searched row, k)."""
+    """How the clustered walks score and keep members, the i-th of --sketch-dims, --clustered-widths and
+    --exact-members together: every member exactly (sketch 0) or ranked by a KeySketch of that many
+    components with that many scored exactly, keeping that many candidates a clustered row (0: as many as a
+    searched row, k). One --exact-members value serves every sketch."""
     if len(args.sketch_dims) != len(args.clustered_widths):
         raise SystemExit("--sketch-dims and --clustered-widths are pairs: give as many of each")
+    exact = args.exact_members * len(args.sketch_dims) if len(args.exact_members) == 1 else args.exact_members
+    if len(exact) != len(args.sketch_dims):
+        raise SystemExit("--exact-members: one value, or one per --sketch-dims")
     out = []
-    for dims, width in zip(args.sketch_dims, args.clustered_widths):
-        scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": args.exact_members}
+    for dims, width, members in zip(args.sketch_dims, args.clustered_widths, exact):
+        scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": members}
         out.append({**scoring, **({"cluster_width": width} if width else {})})
     return out
 
@@ -120,7 +126,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--sketch-dims", type=int, nargs="*", default=[0], help="clustered walks: members ranked by a "
                    "KeySketch of this many principal components before their exact distances (0: every member "
                    "scored exactly); one walk per value, paired with --clustered-widths")
-    p.add_argument("--exact-members", type=int, default=1024, help="with a sketch: members a row scores exactly")
+    p.add_argument("--exact-members", type=int, nargs="+", default=[EXACT_MEMBERS], help="with a sketch: members a "
+                   "row scores exactly (one value for every --sketch-dims, or the i-th with the i-th)")
     p.add_argument("--clustered-widths", type=int, nargs="*", default=[0], help="candidates a clustered row keeps "
                    "(PointerConfig.cluster_width; 0: k), the i-th with the i-th --sketch-dims")
     p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
@@ -216,10 +223,11 @@ def main() -> None:
         t0 = time.perf_counter()
         states = cluster_states(store.keys, c, sketch_dims=0)
         sources[(c, 0, 0)] = PointerSource.local(found.next_ids, store.values, store.keys, states)
-        for dims in (d for d in args.sketch_dims if d):  # the same clusters, their members ranked by a sketch
-            sketched = dataclasses.replace(states, sketch=key_sketch(states.member_keys, dims, args.exact_members))
-            sources[(c, dims, args.exact_members)] = PointerSource.local(found.next_ids, store.values, store.keys,
-                                                                         sketched)
+        for scoring in (s for s in clustered_scorings(args) if s["sketch"]):  # the same clusters, ranked by a sketch
+            dims, members = scoring["sketch"], scoring["exact_members"]
+            if (c, dims, members) not in sources:
+                sketched = dataclasses.replace(states, sketch=key_sketch(states.member_keys, dims, members))
+                sources[(c, dims, members)] = PointerSource.local(found.next_ids, store.values, store.keys, sketched)
         print(f"# k-means of the keys into {c} clusters (and sketches {args.sketch_dims}): "
               f"{time.perf_counter() - t0:.0f} s (once per datastore, not counted in the walks)", flush=True)
     print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
