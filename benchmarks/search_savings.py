@@ -13,7 +13,8 @@ is printed beside its perplexity and searches saved. Writes the numbers as JSON 
 
     python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 6000] [--tune-tokens 10000] \
         [--gate-split SPLIT --gate-tokens 30000] [--clusters 500 2000] [--sketch-dims 0 64 --clustered-widths 0 4096] \
-        [--exact-members 1024] [--both-clusters 2000] [--repeats 2] [--out docs/figures/search_savings_sotu_1990_2000]
+        [--exact-members 1024] [--max-clusters 0] [--both-clusters 2000] [--repeats 2] \
+        [--out docs/figures/search_savings_sotu_1990_2000]
 
 Measured here (the README's command, docs/figures/search_savings_sotu_1990_2000.json; the first 6,000 tokens of
 2003+, one thread on 2 shared cores, load 1.25-1.8; the gate fitted on the 4,651 tokens of 2001-2002 with
@@ -67,12 +68,14 @@ def clustered_scorings(args: argparse.Namespace) -> list[dict]:
     searched row, k). One --exact-members value serves every sketch."""
     if len(args.sketch_dims) != len(args.clustered_widths):
         raise SystemExit("--sketch-dims and --clustered-widths are pairs: give as many of each")
-    exact = args.exact_members * len(args.sketch_dims) if len(args.exact_members) == 1 else args.exact_members
-    if len(exact) != len(args.sketch_dims):
-        raise SystemExit("--exact-members: one value, or one per --sketch-dims")
+    n = len(args.sketch_dims)
+    exact, nearest = (v * n if len(v) == 1 else v for v in (args.exact_members, args.max_clusters))
+    if len(exact) != n or len(nearest) != n:
+        raise SystemExit("--exact-members, --max-clusters: one value, or one per --sketch-dims")
     out = []
-    for dims, width, members in zip(args.sketch_dims, args.clustered_widths, exact):
-        scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": members}
+    for dims, width, members, most in zip(args.sketch_dims, args.clustered_widths, exact, nearest):
+        scoring = {"sketch": dims} if dims == 0 else {"sketch": dims, "exact_members": members,
+                                                       **({"max_clusters": most} if most else {})}
         out.append({**scoring, **({"cluster_width": width} if width else {})})
     return out
 
@@ -88,7 +91,8 @@ def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings)
     if "min_pointers" in params:
         pointers = PointerConfig(min_pointers=params["min_pointers"], keep_pointers=params.get("keep", False),
                                  cluster_width=params.get("cluster_width"))
-    key = (params.get("clusters", 0), params.get("sketch", 0), params.get("exact_members", 0))
+    key = (params.get("clusters", 0), params.get("sketch", 0), params.get("exact_members", 0),
+           params.get("max_clusters", 0))
     return Retrieval(pointers, sources[key] if pointers else None, adaptive)
 
 
@@ -128,6 +132,9 @@ def parse() -> argparse.Namespace:
                    "scored exactly); one walk per value, paired with --clustered-widths")
     p.add_argument("--exact-members", type=int, nargs="+", default=[EXACT_MEMBERS], help="with a sketch: members a "
                    "row scores exactly (one value for every --sketch-dims, or the i-th with the i-th)")
+    p.add_argument("--max-clusters", type=int, nargs="+", default=[0], help="with a sketch: clusters a row ranks "
+                   "the members of, the nearest by centroid (KeySketch.max_clusters; 0: all; one value for every "
+                   "--sketch-dims, or the i-th with the i-th)")
     p.add_argument("--clustered-widths", type=int, nargs="*", default=[0], help="candidates a clustered row keeps "
                    "(PointerConfig.cluster_width; 0: k), the i-th with the i-th --sketch-dims")
     p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
@@ -216,18 +223,19 @@ def main() -> None:
           f"{gate_settings.tokens} tokens of {gate_split} (retrieval helps {gate_settings.positive_rate:.1%}) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     found = successors(store.provenance, len(store))
-    sources = {(0, 0, 0): PointerSource.local(found.next_ids, store.values, store.keys)}
+    sources = {(0, 0, 0, 0): PointerSource.local(found.next_ids, store.values, store.keys)}
     if args.both_clusters and args.both_clusters not in args.clusters:
         raise SystemExit("--both-clusters must be one of --clusters")
     for c in args.clusters:
         t0 = time.perf_counter()
         states = cluster_states(store.keys, c, sketch_dims=0)
-        sources[(c, 0, 0)] = PointerSource.local(found.next_ids, store.values, store.keys, states)
+        sources[(c, 0, 0, 0)] = PointerSource.local(found.next_ids, store.values, store.keys, states)
         for scoring in (s for s in clustered_scorings(args) if s["sketch"]):  # the same clusters, ranked by a sketch
-            dims, members = scoring["sketch"], scoring["exact_members"]
-            if (c, dims, members) not in sources:
-                sketched = dataclasses.replace(states, sketch=key_sketch(states.member_keys, dims, members))
-                sources[(c, dims, members)] = PointerSource.local(found.next_ids, store.values, store.keys, sketched)
+            key = (c, scoring["sketch"], scoring["exact_members"], scoring.get("max_clusters", 0))
+            if key not in sources:
+                sketch = key_sketch(states.member_keys, *key[1:3], key[3] or None)
+                sources[key] = PointerSource.local(found.next_ids, store.values, store.keys,
+                                                   dataclasses.replace(states, sketch=sketch))
         print(f"# k-means of the keys into {c} clusters (and sketches {args.sketch_dims}): "
               f"{time.perf_counter() - t0:.0f} s (once per datastore, not counted in the walks)", flush=True)
     print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
@@ -277,20 +285,23 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2))
     markers = {"adaptive": "o", "pointers": "s", "pointers_kept": "D", "clustered": "P", "both": "^"}
     def curve(r: dict) -> tuple:
-        return (r["method"], r.get("clusters", 0), r.get("sketch", 0), r.get("cluster_width", 0), r.get("keep", False))
+        return (r["method"], r.get("clusters", 0), r.get("sketch", 0), r.get("cluster_width", 0), r.get("keep", False),
+                r.get("exact_members", 0), r.get("max_clusters", 0))
 
     curves = list(dict.fromkeys(curve(r) for r in rows if r["method"] != "plain"))
-    for method, clusters, sketch, width, keep in curves:  # one curve per method, cluster count and scoring
-        pts = sorted((r for r in rows if r["method"] == "plain" or curve(r) == (method, clusters, sketch, width, keep)),
+    for key in curves:  # one curve per method, cluster count and scoring
+        method, clusters, sketch, width, keep, exact, nearest = key
+        pts = sorted((r for r in rows if r["method"] == "plain" or curve(r) == key),
                      key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
         label = {"pointers": "RetoMaton pointers", "pointers_kept": "RetoMaton, pointers kept beside searches",
                  "clustered": "RetoMaton", "both": "adaptive + RetoMaton"}.get(method, "adaptive retrieval")
         label += f", {clusters} clustered states" if clusters else ""
-        label += f", sketch {sketch}" if sketch else ""
+        label += f", sketch {sketch} ({exact} exact)" if sketch else ""
+        label += f", {nearest} nearest clusters" if nearest else ""
         label += f", keeps {width}" if width else ""
         label += ", kept" if keep and method == "clustered" else ""
-        color = plt.cm.tab20(curves.index((method, clusters, sketch, width, keep)) % 20)  # distinct for 20 curves
+        color = plt.cm.tab20(curves.index(key) % 20)  # distinct for 20 curves
         a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=markers[method], label=label, color=color)
         b.plot(x, [r["wall_ratio"] for r in pts], marker=markers[method], label=label, color=color)
         b.plot(x, [r["pass_ratio"] for r in pts], marker=markers[method], ls="--", color=color, alpha=0.6)

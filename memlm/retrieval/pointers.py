@@ -72,6 +72,7 @@ from memlm.retrieval.clustered_states import (
     StateClusters,
     exact_member_distances,
     lowest_keys,
+    nearest_pairs,
     rank_keys,
     score_of,
     stable_argsort,
@@ -327,20 +328,32 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     r, n_cl = rows.shape[0], cl.n_clusters
     r_idx, c_idx = np.nonzero(ids >= 0)  # (m,), (m,)
     own_cl = cl.assign[ids[r_idx, c_idx]]  # (m,)
-    pairs = np.unique(r_idx * n_cl + own_cl)  # (p,) (row, cluster), each once, by row then cluster
+    pair_of = r_idx * n_cl + own_cl  # (m,) each own candidate's (row, cluster)
+    pairs = np.unique(pair_of)  # (p,) (row, cluster), each once, by row then cluster
     p_row, p_cl = pairs // n_cl, pairs % n_cl  # (p,), (p,)
-    sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
-    held = np.bincount(p_row, weights=sizes, minlength=r).astype(np.int64)  # (r,) members per row
-    bounds = np.concatenate([[0], np.cumsum(held)])  # (r + 1,) each row's keys, one after another
     q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
-    keys = rank_keys(q, p_row, p_cl, cl)  # (T,) (score, place) keys of the pairs' members, in pair order
     sk = cl.sketch
+    if sk is not None and sk.max_clusters is not None:  # only the nearest clusters' members are ranked
+        near = nearest_pairs(q, p_row, p_cl, cl, sk.max_clusters)  # (p,)
+        pairs, p_row, p_cl = pairs[near], p_row[near], p_cl[near]  # (p',)
+    sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
+    at = np.searchsorted(pairs, pair_of)  # (m,)
+    strays = pairs[np.minimum(at, pairs.size - 1)] != pair_of if pairs.size else np.ones(at.shape, bool)  # (m,)
+    n_stray = np.bincount(r_idx[strays], minlength=r)  # (r,) own candidates outside the ranked clusters
+    held = np.bincount(p_row, weights=sizes, minlength=r).astype(np.int64) + n_stray  # (r,) members per row
+    bounds = np.concatenate([[0], np.cumsum(held)])  # (r + 1,) each row's keys, one after another
+    first = np.cumsum(sizes) - sizes + (np.cumsum(n_stray) - n_stray)[p_row]  # (p,) each pair's first key
+    keys = rank_keys(q, p_row, p_cl, cl, first, int(bounds[-1]))  # (T,) (score, place) keys, pairs, then strays
     takes = np.minimum(held, width)  # (r,) members kept
     if sk is not None:  # the row's own candidates ranked first: all of them are scored exactly
         own = cl.position[ids[r_idx, c_idx]]  # (m,) their places in `members`
-        pair = np.searchsorted(pairs, r_idx * n_cl + own_cl)  # (m,)
-        first = np.cumsum(sizes) - sizes  # (p,) each pair's first key
-        keys[first[pair] + own - cl.offsets[p_cl[pair]]] = OWN_KEY | own  # score -inf, ties by place
+        slot = np.empty(own.shape, dtype=np.int64)  # (m,) each one's key
+        mine = ~strays
+        slot[mine] = first[at[mine]] + own[mine] - cl.offsets[p_cl[at[mine]]]
+        s_row = r_idx[strays]  # (x,) by row: after the row's pairs' keys, in candidate order
+        s_rank = np.arange(s_row.size) - (np.cumsum(n_stray) - n_stray)[s_row]  # (x,) its place among the row's
+        slot[strays] = bounds[s_row + 1] - n_stray[s_row] + s_rank
+        keys[slot] = OWN_KEY | own  # score -inf, ties by place
         n_own = np.bincount(r_idx, minlength=r)  # (r,)
         takes = np.minimum(held, np.maximum(width, n_own))  # all its own if more than `width`, cut below
     best = lowest_keys(keys, bounds, takes)  # (r, t) best first, ties by place

@@ -43,11 +43,15 @@ def oracle_row(own: np.ndarray, q: np.ndarray, cl: StateClusters, keys: np.ndarr
     get exact distances and come first, nearest first (ties: ranking order), the others after them at inf,
     in ranking order; then cut to `width`."""
     clusters = np.unique(cl.assign[own])
-    members = np.concatenate([cl.members[cl.offsets[c] : cl.offsets[c + 1]] for c in clusters])  # place order
+    sk = cl.sketch
+    if sk is not None and sk.max_clusters is not None:  # the nearest by centroid (mean key), ties by cluster
+        dist = [((keys[cl.assign == c].astype(np.float64).mean(axis=0) - q) ** 2).sum() for c in clusters]
+        clusters = clusters[np.lexsort((clusters, dist))[: sk.max_clusters]]
+    members = np.concatenate([cl.members[cl.offsets[c] : cl.offsets[c + 1]] for c in clusters])
+    members = np.union1d(members, own)  # the own candidates in the other clusters too (by id: order is by place)
     place = cl.position[members]
     x = keys[members].astype(np.float64)
     exact = ((x - q) ** 2).sum(axis=1)
-    sk = cl.sketch
     if sk is None:
         score = exact
         take = min(len(members), width)
@@ -104,6 +108,31 @@ def test_extension_equals_a_row_by_row_oracle(seed, sketch_exact, width):
         np.testing.assert_array_equal(got.distances[i][live], np.array([d for _, d in want], np.float32))
         np.testing.assert_array_equal(got.values[i][live], values[got.ids[i][live]])
         assert np.isinf(got.distances[i][~live]).all() and (got.values[i][~live] == -1).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("max_clusters", [1, 2, C])
+@pytest.mark.parametrize("sketch_exact", [1, 40, 10_000])
+@pytest.mark.parametrize("width", [6, 45, 10_000])
+def test_extension_over_the_nearest_clusters_equals_the_oracle(seed, max_clusters, sketch_exact, width):
+    """KeySketch.max_clusters: a row ranks the members of its nearest clusters only, its own candidates in
+    the others kept first all the same (rows 2 and 6 hold candidates of many clusters)."""
+    keys, values, assign = integer_store(seed)
+    cl = clusters_of(assign, keys, C, seed=0)
+    cl = dataclasses.replace(cl, sketch=axis_sketch(cl, sketch_exact)._replace(max_clusters=max_clusters))
+    source = PointerSource.local(np.full(N, -1), values, keys, cl)
+    rng = np.random.default_rng(200 + seed)
+    ids = candidate_rows(rng, cl)
+    cands = Neighbors(np.zeros(ids.shape, np.float32), ids, np.where(ids >= 0, values[np.maximum(ids, 0)], -1))
+    xq = rng.normal(0.0, 1.5, size=(7, D)).astype(np.float32)  # real-valued: no ties between cluster distances
+    rows = np.flatnonzero((ids >= 0).any(axis=1))
+    got = extend_by_clusters(cands, rows, xq, source, width)
+    for i in rows:
+        live = got.ids[i] >= 0
+        want = oracle_row(ids[i][ids[i] >= 0], xq[i].astype(np.float64), cl, keys, width)
+        assert got.ids[i][live].tolist() == [m for m, _ in want]
+        np.testing.assert_allclose(got.distances[i][live], np.array([d for _, d in want], np.float32), rtol=1e-6)
+        assert set(ids[i][ids[i] >= 0]) <= set(got.ids[i][live]) or width < (ids[i] >= 0).sum()
 
 
 def test_a_rows_extension_is_the_same_alone_and_beside_any_rows():
