@@ -320,7 +320,9 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
     exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
     all scored), or a sketch that ranks like the exact distances, keeps the exact nearest beside its own
-    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys)."""
+    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys). With
+    KeySketch.max_clusters only the members of the row's nearest clusters (`nearest_pairs`) are ranked, and
+    its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
