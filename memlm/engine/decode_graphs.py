@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memlm.engine.kv_cache import CacheLayout, RowCache, rotary_at, rotate, _signed
+from memlm.engine.kv_cache import CacheLayout, RowCache, decode_attention, rotate, rotation_at, write_kv
 from memlm.engine.rows import Row
 from memlm.model.decoder import CachedAttention, Decoder, LayerMemory
 
@@ -97,8 +97,7 @@ class _FixedStep:
         bias = torch.zeros(b, nkv, g, w, device=pos.device).masked_fill_(~seen[:, None, None, :], float("-inf"))
         self.bias = bias.reshape(b * nkv, g, w)  # (b*nkv, g, w)
         self.width = w
-        self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (b, 1, 1, hs) each
-        self.sin_signed = _signed(self.sin)
+        self.cos, self.sin_signed = rotation_at(self.pos, cache.inv_freq)  # (b, 1, 1, hs) each
 
     # -- DecoderState --
     def positions(self, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -124,16 +123,12 @@ class _FixedLayer(CachedAttention):
         q = rotate(q, step.cos, step.sin_signed)  # (b, nh, 1, hs)
         k = rotate(k, step.cos, step.sin_signed)  # (b, nkv, 1, hs)
         kc, vc = cache.k[self.layer], cache.v[self.layer]  # (R, nkv, L, hs) each
-        kc.view(-1, hs).index_copy_(0, step.flat, k.reshape(-1, hs).to(kc.dtype))
-        vc.view(-1, hs).index_copy_(0, step.flat, v.reshape(-1, hs).to(vc.dtype))
+        write_kv(kc, vc, step.flat, k.reshape(-1, hs), v.reshape(-1, hs))
         w = step.width
-        # (b, nkv, w, hs) views of the cache merge b and nkv without a copy; decode steps attend in float32.
-        keys = kc[:b, :, :w].reshape(b * nkv, w, hs).float()  # (b*nkv, w, hs)
-        values = vc[:b, :, :w].reshape(b * nkv, w, hs).float()  # (b*nkv, w, hs)
-        g = nh // nkv
-        qg = q.float().reshape(b * nkv, g, hs)  # (b*nkv, g, hs): query head h reads kv head h // g
-        scores = torch.baddbmm(step.bias, qg, keys.transpose(1, 2), alpha=1.0 / math.sqrt(hs))  # (b*nkv, g, w)
-        y = torch.bmm(scores.softmax(dim=-1), values)  # (b*nkv, g, hs)
+        keys = kc[:b, :, :w].float()  # (b, nkv, w, hs): decode steps attend in float32
+        values = vc[:b, :, :w].float()  # (b, nkv, w, hs)
+        qg = q.float().reshape(b * nkv, nh // nkv, hs)  # (b*nkv, g, hs): query head h reads kv head h // g
+        y = decode_attention(step.bias, qg, keys, values, 1.0 / math.sqrt(hs))  # (b*nkv, g, hs)
         return y.to(q.dtype).reshape(b, nh, 1, hs)
 
 

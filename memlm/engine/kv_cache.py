@@ -236,8 +236,7 @@ class StepView:
         cache.slot_pos[self.write_rows, self.write_slots] = pos_cpu[real_cpu].to(device)
         nkv = cache.config.n_kv_head
         self._flat: tuple[int, torch.Tensor] | None = None  # write_flat's (allocated, rows)
-        self.cos, self.sin = rotary_at(self.pos, cache.inv_freq)  # (B, 1, T, hs) each
-        self.sin_signed = _signed(self.sin)  # (B, 1, T, hs): rotate() in 4 ops, not apply_rotary's 8
+        self.cos, self.sin_signed = rotation_at(self.pos, cache.inv_freq)  # (B, 1, T, hs): rotate() in 4 ops
         # The mask once per step for every layer, laid out as the grouped queries (B, 1, g*T, width).
         g = cache.config.n_head // nkv
         seen = self._mask(window.to(device))  # (B, 1, T, width)
@@ -308,11 +307,36 @@ def _signed(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
+def rotation_at(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos: (B, T) int64 -> cos, sin_signed (B, 1, T, hs): what `rotate` takes (rotary_at's angles)."""
+    cos, sin = rotary_at(pos, inv_freq)
+    return cos, _signed(sin)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x: (B, h, T, hs) -> rotated, as memlm.model.decoder.apply_rotary (same values, fewer ops: a decode
     step calls it twice per layer)."""
     x32 = x.float()
     return (x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin_signed).to(x.dtype)
+
+
+def write_kv(kc: torch.Tensor, vc: torch.Tensor, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write rows k, v (n * nkv, hs) into a layer's cache kc, vc (R, nkv, allocated, hs) at the rows `flat`
+    (n * nkv,) of its (R * nkv * allocated, hs) view: one index_copy_ per tensor (StepView.write_flat)."""
+    hs = kc.shape[-1]
+    kc.view(-1, hs).index_copy_(0, flat, k.to(kc.dtype))
+    vc.view(-1, hs).index_copy_(0, flat, v.to(vc.dtype))
+
+
+def decode_attention(bias: torch.Tensor, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A decode step's attention (one query position) in 4 calls: bias (B*nkv, g, W), 0 or -inf (the mask and
+    the scale in the product's one call); qg (B*nkv, g, hs), the grouped queries; keys and values (B, nkv, W, hs),
+    views of the cache (B and nkv merge without a copy: B's stride is nkv times nkv's) -> (B*nkv, g, hs).
+    The engine's ordinary step (StepView.bias) and the fixed-shape one (memlm.engine.decode_graphs) both."""
+    Bn, W, hs = bias.shape[0], keys.shape[2], keys.shape[3]
+    scores = torch.baddbmm(bias, qg, keys.reshape(Bn, W, hs).transpose(1, 2), alpha=scale)  # (B*nkv, g, W)
+    return torch.bmm(scores.softmax(dim=-1), values.reshape(Bn, W, hs))  # (B*nkv, g, hs)
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -341,8 +365,8 @@ class _LayerView(CachedAttention):
         k = rotate(k, step.cos, step.sin_signed)  # (B, nkv, T, hs)
         kc, vc = cache.k[self.layer], cache.v[self.layer]
         # Only the real tokens are written: (n, nkv, hs) rows picked from (B, T, nkv, hs), into the flat view.
-        kc.view(-1, hs).index_copy_(0, step.write_flat(), _tokens(k, step.write_tokens).reshape(-1, hs).to(kc.dtype))
-        vc.view(-1, hs).index_copy_(0, step.write_flat(), _tokens(v, step.write_tokens).reshape(-1, hs).to(vc.dtype))
+        write_kv(kc, vc, step.write_flat(), _tokens(k, step.write_tokens).reshape(-1, hs),
+                 _tokens(v, step.write_tokens).reshape(-1, hs))
         keys = step._rows_of(kc)[:, :, : step.width]  # (B, nkv, width, hs)
         values = step._rows_of(vc)[:, :, : step.width]  # (B, nkv, width, hs)
 
@@ -353,11 +377,7 @@ class _LayerView(CachedAttention):
             qg, keys, values = qg.float(), keys.float(), values.float()
         scale = 1.0 / math.sqrt(hs)
         if step.bias is not None:  # a decode step (T = 1) without sinks: 4 calls (StepView.bias)
-            W = step.width
-            # (B, nkv, width, hs) views of the cache merge B and nkv without a copy (B's stride is nkv times nkv's).
-            scores = torch.baddbmm(step.bias, qg.reshape(B * nkv, g, hs), keys.reshape(B * nkv, W, hs).transpose(1, 2),
-                                   alpha=scale)  # (B*nkv, g, width)
-            y = torch.bmm(scores.softmax(dim=-1), values.reshape(B * nkv, W, hs))  # (B*nkv, g, hs)
+            y = decode_attention(step.bias, qg.reshape(B * nkv, g, hs), keys, values, scale)  # (B*nkv, g, hs)
             return y.to(q.dtype).reshape(B, nh, T, hs)  # (B, nh, 1, hs)
         scores = _scores(qg, keys) * scale  # (B, nkv, g*T, width)
         N = min(cache.layout.sink, step.width)

@@ -136,7 +136,8 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
             accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
-            walked[b] = advance(row.pointers, accepted[b][0], source) if source is not None else row.pointers[:0]
+            uses_datastore = row.handle.request.speculative.uses_datastore  # history drafts keep no pointers
+            walked[b] = advance(row.pointers, accepted[b][0], source) if uses_datastore else row.pointers[:0]
     # kNN-LM rows: the positions lo..hi to search next. Greedy rows search up to the first draft token the base
     # LM rejects (_lm_stop) and go on past it only where the mixture took it all the same; sampled rows need
     # every position's distribution.

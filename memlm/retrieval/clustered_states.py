@@ -164,6 +164,15 @@ def order_bits(score: np.ndarray, in_place: bool = False) -> np.ndarray:
     return b
 
 
+def placed_keys(score: np.ndarray, places: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """int64 keys order_bits(score) << 32 | places (broadcast against score): unique per place, so sorting or
+    partitioning them orders by (score, place), ties by place. in_place: order_bits may reuse score's memory."""
+    key = order_bits(score, in_place).astype(np.int64)
+    key <<= 32
+    key |= places
+    return key
+
+
 PLACE_MASK = (1 << 32) - 1
 """The low 32 bits of a rank_keys key: the member's place in StateClusters.members (N < 2^32)."""
 OWN_KEY = np.int64(order_bits(np.array([-np.inf], np.float32))[0]) << 32
@@ -216,9 +225,7 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0)  # (g, s)
         if qn is not None:
             d += qn[g_rows][:, None]
-        key = order_bits(d.numpy(), in_place=True).astype(np.int64)  # (g, s)
-        key <<= 32
-        key |= cl.places[lo:hi]
+        key = placed_keys(d.numpy(), cl.places[lo:hi], in_place=True)  # (g, s)
         for j, pair in enumerate(group.tolist()):
             out[starts[pair] : starts[pair] + hi - lo] = key[j]
     return out
@@ -228,9 +235,7 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     """(r, e) int64 np.argsort(values, axis=1, kind="stable") of float32 values (r, e) without nan, by one
     sort of unique int64 (order_bits, column) keys (numpy's stable float sort is a merge sort, several times
     slower than its int64 sort)."""
-    keys = order_bits(values).astype(np.int64)  # (r, e)
-    keys <<= 32
-    keys |= np.arange(values.shape[1], dtype=np.int64)
+    keys = placed_keys(values, np.arange(values.shape[1], dtype=np.int64))  # (r, e)
     keys.sort(axis=1)
     return keys & PLACE_MASK
 
