@@ -47,6 +47,7 @@ from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.model.device import DTYPES
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, SEARCH_BACKENDS
 
 GREEDY = SamplingConfig(temperature=0.0)
 DEFAULT_DATASTORE = str(Path.home() / ".cache/memlm/demo/ds-sotu-1990-2000")
@@ -60,6 +61,9 @@ def add_setting_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="year>=2003", help="the evaluation split the prompts are cut from")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the model's float type on both sides (bfloat16: batched matmuls almost free on avx512_bf16)")
+    p.add_argument("--search-backend", default=DEFAULT_SEARCH_BACKEND, choices=SEARCH_BACKENDS,
+                   help="how both sides search the datastore (memlm generate's flag): its FAISS index, or torch's "
+                        "exact float32 product (on the CPU one GEMM reads the keys once for all of a step's queries)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -168,7 +172,7 @@ def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
           f"| torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
     bench = _common.load_model(None, False, dtype=DTYPES[args.dtype])
     model, tok = bench.pre.model, bench.pre.tokenizer
-    store = Datastore.open(args.datastore)
+    store = Datastore.open(args.datastore, backend=args.search_backend, device=str(model.device))
     check_searcher(store.info(), model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tok.fingerprint,
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary)
     return bench, store
@@ -187,7 +191,7 @@ def main() -> None:
     if args.in_datastore:
         print("# --in-datastore: prompts may come from the datastore's own speeches; NOT the held-apart figure")
     print(f"# SmolLM2-135M-Instruct Q4_1 in {args.dtype}, datastore {args.datastore} ({store.info().n} entries, "
-          f"{store.info().index}), k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts "
+          f"{store.info().index}, searched by {args.search_backend}), k {knn.k}, lambda {knn.lmbda}, T {knn.temperature:.3f}; {len(prompts)} prompts "
           f"of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens greedy, batch "
           f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
           f"history matches {spec.history_max_match}..{spec.history_min_match} tokens; "

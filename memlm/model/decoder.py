@@ -181,14 +181,57 @@ at their barriers there)."""
 DEFAULT_CPU_GEMM = "onednn"
 
 
+PACKED_ROWS = 4
+"""The rows oneDNN lays Linear's packed float32 weights out for (torch.ops.mkldnn._reorder_linear_weight's batch
+size hint); any number of rows runs on that copy. Why packed: unpacked, oneDNN's GEMM re-blocks the weight as it
+reads it, and from the second row on costs 1.3-1.4x one row; packed, one row is cheaper too and extra rows come
+almost free, which is what a speculative verifying pass feeds (SmolLM2-135M's 211 weights, random values, one
+call each, measured 2 Dec: 2 threads 1 / 2 / 4 / 8 / 17 rows 20.7 / 23.1 / 24.1 / 26.7 / 33.6 ms unpacked,
+11.9 / 12.8 / 13.6 / 16.7 / 21.3 ms packed for 4 rows (17 rows: the same, 1 row: no gain); 1 thread 24.3 / 35.0 /
+35.3 / 39.9 / 50.1 vs 18.2 / 19.4 / 19.8 / 25.2 / 35.5; 64 and 512 rows 106 / 688 vs 90 / 651). As unpacked, a
+row's output may differ in its last bits with the rows beside it (down_proj's K = 1536: one row takes another
+kernel than several)."""
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose CPU float32 inference runs oneDNN's GEMM on the weight as it
-    is, without a packed copy (cpu_float32_gemm says when and why)."""
+    """nn.Linear (same parameters and names) whose CPU float32 inference runs oneDNN's GEMM on a packed copy of
+    its weight (cpu_float32_gemm says when and why, PACKED_ROWS what packing buys). The copy is made on the first
+    such call and again whenever the weight changed (another tensor, or written in place: its version): it costs
+    the weight's memory once more, and is no parameter (not saved, not trained)."""
+
+    _packed: tuple[tuple[int, int, int], torch.Tensor] | None = None
+    """(the weight's id, data pointer and version when packed, the packed copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_float32_gemm(x, self.weight):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return packed_linear(x, self.packed_weight(), self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def packed_weight(self) -> torch.Tensor:
+        """oneDNN's packed copy of the weight as it is now."""
+        w = self.weight
+        key = (id(w), w.data_ptr(), w._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, pack_weight(w))
+        return self._packed[1]
+
+    def __getstate__(self) -> dict:
+        # The packed copy is an opaque oneDNN tensor (no pickling, no deepcopy): it is remade on first use.
+        state = super().__getstate__()
+        state.pop("_packed", None)
+        return state
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy (PACKED_ROWS) of a float32 CPU weight (N, K), for packed_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight.T (+ bias) -> (..., N) on oneDNN's GEMM, with `packed` = pack_weight(weight); only where
+    cpu_float32_gemm(x, weight) holds. Linear's product, and memlm.retrieval.exact's query-by-key distances on
+    the CPU (there the weight is a chunk of keys)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Attention(nn.Module):

@@ -5,6 +5,11 @@ and memories that fit in GPU memory. Answers the Searcher seam (memlm.retrieval.
 
 Squared L2 is computed as |x|^2 - 2 x.k + |k|^2 with float32 accumulation: float16/bfloat16 keys are
 cast to float32 one chunk at a time, so memory stays at one (chunk, d) float32 block plus (Q, chunk).
+On the CPU (float32 inference on oneDNN, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on
+the first search, into a packed float32 copy (memlm.model.decoder.pack_weight: N * d * 4 bytes more), so that
+x.k is one GEMM that reads the keys once for all Q queries. Measured on the 81K-key SOTU datastore (d 576,
+k 1024, 2 threads, 2 Dec): 1 / 3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the
+packed product alone (the FAISS Flat index scans query by query: 7.2 ms a query on one thread, 14.7 on two).
 
 Shape legend: Q queries, d key dimension, k neighbours, N keys, n keys of a chunk.
 """
@@ -17,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memlm.model.decoder import cpu_float32_gemm, pack_weight, packed_linear
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
 EXACT_INDEX = "exact"
@@ -43,6 +49,7 @@ class TorchExactSearcher:
         self.keys = keys
         self.values = values_np.astype(np.int32)  # (N,)
         self.chunk_size = int(chunk_size)
+        self._packed: list[torch.Tensor] | None = None  # per chunk, on the CPU: made by the first search
         # |k|^2 once, in float32, chunk by chunk.
         norms = [keys[lo : lo + chunk_size].float().pow(2).sum(-1) for lo in range(0, keys.shape[0], chunk_size)]
         self.key_norms = torch.cat(norms) if norms else keys.new_zeros(0, dtype=torch.float32)  # (N,)
@@ -52,6 +59,13 @@ class TorchExactSearcher:
         self._info = dataclasses.replace(
             info or unknown, n=int(keys.shape[0]), dim=int(keys.shape[1]), index=EXACT_INDEX, nprobe=1
         )
+
+    def _packed_chunks(self) -> list[torch.Tensor]:
+        """The keys' chunks as packed float32 (memlm.model.decoder.pack_weight), made once."""
+        if self._packed is None:
+            self._packed = [pack_weight(self.keys[lo : lo + self.chunk_size].float())
+                            for lo in range(0, self.keys.shape[0], self.chunk_size)]
+        return self._packed
 
     @property
     def dim(self) -> int:
@@ -78,16 +92,21 @@ class TorchExactSearcher:
         x_norm = x.pow(2).sum(-1, keepdim=True)  # (Q, 1)
         best_d = torch.full((Q, 0), float("inf"), device=x.device)  # (Q, <=k)
         best_i = torch.zeros((Q, 0), dtype=torch.long, device=x.device)  # (Q, <=k)
-        for lo in range(0, N, self.chunk_size):
-            chunk = self.keys[lo : lo + self.chunk_size].float()  # (n, d)
-            dist = x_norm - 2.0 * (x @ chunk.T) + self.key_norms[lo : lo + chunk.shape[0]]  # (Q, n)
+        packed = self._packed_chunks() if cpu_float32_gemm(x, self.key_norms) else None
+        for c, lo in enumerate(range(0, N, self.chunk_size)):
+            n = min(self.chunk_size, N - lo)
+            products = packed_linear(x, packed[c]) if packed else x @ self.keys[lo : lo + n].float().T  # (Q, n)
+            dist = products.mul_(-2.0).add_(x_norm).add_(self.key_norms[lo : lo + n])  # (Q, n) |x|^2 - 2 x.k + |k|^2
             dist.clamp_(min=0.0)  # cancellation can dip below zero for near-identical vectors
-            ids = torch.arange(lo, lo + chunk.shape[0], device=x.device).expand(Q, -1)  # (Q, n)
-            cand_d = torch.cat([best_d, dist], dim=1)  # (Q, <=k + n)
-            cand_i = torch.cat([best_i, ids], dim=1)
-            top = min(k, cand_d.shape[1])
-            best_d, pos = torch.topk(cand_d, top, dim=1, largest=False, sorted=True)  # (Q, top)
-            best_i = cand_i.gather(1, pos)
+            # The chunk's own best first (ids: their positions + lo), then merged with the best so far: no
+            # (Q, n) id array, no concatenation of a whole chunk.
+            chunk_d, pos = torch.topk(dist, min(k, n), dim=1, largest=False, sorted=True)  # (Q, <=k)
+            if lo == 0:
+                best_d, best_i = chunk_d, pos
+                continue
+            cand_d, cand_i = torch.cat([best_d, chunk_d], dim=1), torch.cat([best_i, pos + lo], dim=1)  # (Q, <=2k)
+            best_d, at = torch.topk(cand_d, min(k, cand_d.shape[1]), dim=1, largest=False, sorted=True)  # (Q, <=k)
+            best_i = cand_i.gather(1, at)
         distances = np.full((Q, k), np.inf, dtype=np.float32)  # (Q, k), padded when k > N
         ids_out = np.full((Q, k), -1, dtype=np.int64)
         distances[:, : best_d.shape[1]] = best_d.cpu().numpy()

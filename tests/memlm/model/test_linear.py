@@ -51,3 +51,32 @@ def test_grad_bfloat16_and_switched_off_take_f_linear() -> None:
         with float32_gemm_on_mkl():
             assert not cpu_float32_gemm(x, layer.weight)
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_packed_copy_follows_the_weight() -> None:
+    """The packed copy is remade when the weight is written in place or replaced: never a stale product."""
+    layer = make_linear(64, 96, True)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        layer(x)
+        first = layer._packed[1]
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert layer._packed[1] is first  # the same weight: packed once
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # in place: a new version
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(96, 64))  # another tensor
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_layer_copies_and_pickles() -> None:
+    import copy
+    import pickle
+
+    layer = make_linear(64, 32, False)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = layer(x)  # made the packed copy, which neither copy nor pickle can carry
+        for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert torch.equal(other.weight, layer.weight)
+            torch.testing.assert_close(other(x), expected, atol=0, rtol=0)
