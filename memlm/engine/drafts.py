@@ -58,9 +58,10 @@ class SpeculativeConfig:
     """Most draft tokens verified per row per step (the forward pass feeds 1 + this many tokens; a greedy
     kNN-LM row searches those up to the first its base LM rejects, speculative._lm_stop). 16: a history
     draft of a 3-token match was right for 10.6 tokens a pass (greedy kNN-LM, 8 held-apart speeches); drafts
-    from both gave 2.24 tokens a pass at 16, 2.15 at 8, 1.99 at 4, and 1.58x / 1.46x / 1.54x plain
-    (benchmarks/speculative_knnlm.py, one run of 2 rounds each: within the load's noise); a datastore draft
-    stops where fewer than min_agreeing chains agree, about 2.5 tokens, whatever the cap."""
+    from both gave 2.24 tokens a pass at 16, 2.15 at 8, 1.99 at 4 (benchmarks/speculative_knnlm.py, 64 new
+    tokens); a datastore draft stops where fewer than min_agreeing chains agree, about 2.5 tokens, whatever the
+    cap. On packed weights (memlm.model.decoder.PACKED_ROWS) a pass of 17 positions costs 1.4x one of 1 (its
+    model call 32 vs 22 ms, 2 threads), so the long drafts of the row's own loops pay."""
     draft_k: int = 64
     """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
     the neighbours of its own search, its k)."""
@@ -72,17 +73,24 @@ class SpeculativeConfig:
     """Where drafts come from: "datastore" the neighbours' successors (REST); "history" the row's own text
     (prompt lookup decoding: what followed the latest earlier occurrence of its last tokens,
     `history_draft`); "both" the history's draft when the row's text has a match, else the datastore's.
-    "both" by measurement (benchmarks/speculative_knnlm.py --prompts 8 --new-tokens 64 --draft-tokens 16
-    --repeats 2, held-apart speeches): greedy kNN-LM 1.58x plain (history 1.51x, datastore 1.03x); the base LM
-    1.50x (history 1.58x, datastore 0.97x); and where the continuation is in the datastore (REST's setting)
-    only the datastore drafts it."""
+    "both" by measurement (OMP_NUM_THREADS=2 python benchmarks/speculative_knnlm.py --prompts 8 --new-tokens 64
+    --repeats 2 --search-backend torch, held-apart speeches, 2 Dec): greedy kNN-LM 1.83x plain (history 1.72x,
+    datastore 1.17x); the base LM 1.65x (history 1.71x, datastore 1.00x); and where the continuation is in the
+    datastore (REST's setting) only the datastore drafts it."""
     history_max_match: int = 3
     """Longest suffix of the row's text looked up in its own past (longer matches are tried first)."""
     history_min_match: int = 2
-    """Shortest suffix of the row's text drafted from. Why not 1: a verifying pass of 1 + n tokens costs 1.34x
-    (n = 1) to 1.9x (n = 16) a plain step on one CPU thread (benchmarks/speculative_knnlm.py's setting), and the
-    drafts of a one-token match were right for 1.55 tokens a pass (a 2-token match's for 4.7, a 3-token one's
-    for 10.6; greedy kNN-LM over 8 held-apart speeches, draft_tokens 16)."""
+    """Shortest suffix of the row's text drafted from ahead of the datastore, for up to draft_tokens. Why not 1:
+    the drafts of a one-token match were right for 1.55 tokens a pass (a 2-token match's for 4.7, a 3-token
+    one's for 10.6; greedy kNN-LM over 8 held-apart speeches, draft_tokens 16): shorter matches draft last and
+    short (fallback_tokens)."""
+    fallback_tokens: int = 4
+    """When a row has no history match of history_min_match tokens and no datastore draft (draft_from "history"
+    or "both"), a draft of at most this many tokens from a shorter history match, down to one token; 0: none.
+    Why short: a one-token match's draft is right for 0.55 tokens a pass, and a verifying pass's extra
+    positions are cheap only for a few of them (memlm.model.decoder.PACKED_ROWS). Replayed over the greedy
+    kNN-LM runs of benchmarks/speculative_knnlm.py's setting (benchmarks/speculative_replay.py's rule, 8
+    held-apart speeches): "both" 2.24 -> 2.28 tokens a pass at the same 4.4 draft positions a pass."""
     min_agreeing: int = 2
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
@@ -108,6 +116,8 @@ class SpeculativeConfig:
                              f"{self.history_min_match}, {self.history_max_match}")
         if self.draft_k < 1 or self.min_agreeing < 1:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
+        if self.fallback_tokens < 0:
+            raise MemlmError(f"fallback_tokens must be at least 0, got {self.fallback_tokens}")
 
 
 @dataclass(frozen=True)
@@ -255,15 +265,22 @@ def history_draft(text: Sequence[int], length: int, max_match: int, min_match: i
 def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
               spec: SpeculativeConfig) -> tuple[int, ...]:
     """The draft a row verifies after its `text` (boundary, prompt, generated; pointers: memlm.engine.rows.Row's)
-    under spec.draft_from, at most `length` tokens."""
+    under spec.draft_from, at most `length` tokens: the history's (a match of history_min_match tokens or more),
+    else the datastore's, else a short one of a shorter history match (SpeculativeConfig.fallback_tokens)."""
     if length < 1:
         return ()
     if spec.draft_from == "datastore":
         return draft_from(pointers, source, length, spec.min_agreeing)
     history, _ = history_draft(text, length, spec.history_max_match, spec.history_min_match)
-    if history or spec.draft_from == "history":
+    if history:
         return history
-    return draft_from(pointers, source, length, spec.min_agreeing)
+    if spec.draft_from == "both":
+        stored = draft_from(pointers, source, length, spec.min_agreeing)
+        if stored:
+            return stored
+    if spec.fallback_tokens == 0 or spec.history_min_match == 1:
+        return ()
+    return history_draft(text, min(length, spec.fallback_tokens), spec.history_min_match - 1, 1)[0]
 
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:

@@ -355,7 +355,7 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
     values = np.array([5, 6, 7, 8], dtype=np.int32)
     source = DraftSource(np.array([1, 2, 3, -1]), values)
     pointers = np.array([0])  # after token 5: the datastore drafts 6 7 8
-    spec = SpeculativeConfig(min_agreeing=1, draft_from="datastore")
+    spec = SpeculativeConfig(min_agreeing=1, draft_from="datastore", fallback_tokens=0)
     two = [1, 3, 4, 1, 3]  # "1 3" recurs: the history drafts 4 1 3 (a 2-token match)
     one = [2, 3, 4, 1, 3]  # only "3" recurs: 4 1 3 from a 1-token match, below history_min_match 2
     history = dataclasses.replace(spec, draft_from="history")
@@ -368,6 +368,15 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
     assert row_draft(one, pointers, source, 3, both) == (6, 7, 8)  # none: the datastore's
     assert row_draft(one, pointers[:0], source, 3, both) == ()
     assert row_draft(two, pointers, source, 2, both) == (4, 1) and row_draft(two, pointers, source, 0, both) == ()
+    # Last, a short draft from a shorter history match (fallback_tokens), after the datastore's.
+    assert row_draft(one, pointers, source, 3, dataclasses.replace(history, fallback_tokens=2)) == (4, 1)
+    assert row_draft(one, pointers, source, 3, dataclasses.replace(both, fallback_tokens=2)) == (6, 7, 8)
+    assert row_draft(one, pointers[:0], source, 3, dataclasses.replace(both, fallback_tokens=2)) == (4, 1)
+    assert row_draft(one, pointers[:0], source, 1, dataclasses.replace(both, fallback_tokens=2)) == (4,)
+    assert row_draft(one, pointers, source, 3, dataclasses.replace(spec, fallback_tokens=2)) == (6, 7, 8)
+    assert row_draft([2, 3, 4, 1, 5], pointers[:0], source, 3, dataclasses.replace(both, fallback_tokens=2)) == ()
+    with pytest.raises(MemlmError, match="fallback_tokens"):
+        SpeculativeConfig(fallback_tokens=-1)
     with pytest.raises(MemlmError, match="--draft-from"):
         SpeculativeConfig(draft_from="ngram")
     with pytest.raises(MemlmError, match="history_min_match"):
