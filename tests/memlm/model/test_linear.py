@@ -80,3 +80,14 @@ def test_packed_layer_copies_and_pickles() -> None:
         for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
             assert torch.equal(other.weight, layer.weight)
             torch.testing.assert_close(other(x), expected, atol=0, rtol=0)
+
+
+def test_weight_made_in_inference_mode_is_used_unpacked() -> None:
+    """An inference-mode weight has no version counter (an in-place write could not be told): no packed copy."""
+    with torch.inference_mode():
+        layer = make_linear(64, 32, True)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight.mul_(3.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert layer._packed is None
