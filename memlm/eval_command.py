@@ -385,9 +385,12 @@ def tuning_tokens(args: argparse.Namespace, tokenizer: Any, evaluation: Any) -> 
 
 
 def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, boundary: int) -> dict:
+    import torch
+
     from datastore import Datastore
     from memlm.jobs.knnlm_eval import EXACT_RECALL_MAX_BYTES, evaluate_knnlm
     from memlm.retrieval.compat import check_searcher
+    from memlm.retrieval.exact import searcher_bytes
 
     model = pretrained.model
     knn = knn_config(args, allow_auto=True)
@@ -403,12 +406,12 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
                    context=window.context, stride=window.stride)
     # Recall@k needs exact search over all keys: a copy of them, only when it fits in memory.
-    key_bytes = info.n * info.dim * 2
+    key_bytes = searcher_bytes(info.n, info.dim, torch.device(str(model.device)))
     exact = None
     if key_bytes <= EXACT_RECALL_MAX_BYTES:
         exact = store.exact_searcher(str(model.device))
     else:
-        print(f"recall@k not reported: the {key_bytes / 2**30:.1f} GiB of keys exceed the "
+        print(f"recall@k not reported: an exact searcher's {key_bytes / 2**30:.1f} GiB exceed the "
               f"{EXACT_RECALL_MAX_BYTES / 2**30:.0f} GiB an exact searcher may copy", file=sys.stderr)
     retrieval = fewer_searches(args, store, adaptive)
     writer = None if args.attribution is None else AttributionWriter(

@@ -32,7 +32,7 @@ def recall_at_k(
 
 
 EXACT_RECALL_MAX_BYTES = 8 << 30
-"""Largest key matrix (N * d * 2 bytes) a caller copies into a TorchExactSearcher for the recall check."""
+"""Most memory a TorchExactSearcher for the recall check may take (memlm.retrieval.exact.searcher_bytes)."""
 
 
 

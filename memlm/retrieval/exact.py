@@ -29,6 +29,12 @@ EXACT_INDEX = "exact"
 """SearcherInfo.index of the torch exact backend."""
 
 
+def searcher_bytes(n: int, d: int, device: torch.device) -> int:
+    """Memory a TorchExactSearcher over n float16 keys of width d takes on `device`: the keys, and on the CPU
+    their packed float32 chunks too (made by the first search)."""
+    return n * d * (2 if device.type != "cpu" else 2 + 4)
+
+
 class TorchExactSearcher:
     """Brute-force squared-L2 search over keys (N, d) held as a torch tensor on any device."""
 
