@@ -56,8 +56,9 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     keep = {"keep": True} if args.both_keep else {}
     if args.both_clusters:
         keep["clusters"] = args.both_clusters
-    runs += [("both", {"min_pointers": m, "fraction": f, **keep}) for m in args.both_min_pointers
-             for f in args.both_fractions]
+    both_scorings = clustered_scorings(args) if args.both_clusters and args.both_sketched else [{}]
+    runs += [("both", {"min_pointers": m, "fraction": f, **keep, **scoring}) for scoring in both_scorings
+             for m in args.both_min_pointers for f in args.both_fractions]
     return runs
 
 
@@ -139,6 +140,9 @@ def parse() -> argparse.Namespace:
                    "(PointerConfig.cluster_width; 0: k), the i-th with the i-th --sketch-dims")
     p.add_argument("--both-clusters", type=int, default=0, help="'both' walks states clustered into this many "
                    "(one of --clusters; 0: pointers alone)")
+    p.add_argument("--both-sketched", action="store_true", help="'both' walks its clustered states with each of "
+                   "the clustered walks' scorings (--sketch-dims, --exact-members, --max-clusters, --clustered-widths) "
+                   "instead of every member scored exactly")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
     p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's OUT.json")
