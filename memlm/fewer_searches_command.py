@@ -44,7 +44,7 @@ def fewer_searches(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfi
     if args.pointer_clusters is not None:
         exact = EXACT_MEMBERS if args.pointer_exact is None else args.pointer_exact
         clusters = cluster_states(store.keys, args.pointer_clusters, sketch_dims=args.pointer_sketch or 0,
-                                  exact_members=exact)
+                                  exact_members=exact, max_clusters=args.pointer_nearest_clusters)
     return Retrieval(pointers, PointerSource.local(found.next_ids, store.values, store.keys, clusters), adaptive)
 
 
@@ -96,9 +96,10 @@ def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, 
     if args.pointer_clusters is None:
         refuse_given(args, ("pointer_sketch", "pointer_width"), "needs --pointer-clusters")
     if args.pointer_sketch is None:
-        refuse_given(args, ("pointer_exact",), "needs --pointer-sketch")
+        refuse_given(args, ("pointer_exact", "pointer_nearest_clusters"), "needs --pointer-sketch")
     clusters = {} if args.pointer_clusters is None else {"pointer_clusters": args.pointer_clusters}
-    clusters.update({name: getattr(args, name) for name in ("pointer_sketch", "pointer_exact", "pointer_width")
+    named = ("pointer_sketch", "pointer_exact", "pointer_nearest_clusters", "pointer_width")
+    clusters.update({name: getattr(args, name) for name in named
                      if getattr(args, name) is not None})
     if args.adaptive_gate is None:
         refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")

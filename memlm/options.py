@@ -162,6 +162,9 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
            "(default: every member scored exactly; memlm.retrieval.clustered_states.KeySketch)"),
     Option("--pointer-exact", "pointer_exact", positive_int, "with --pointer-sketch: members a row scores exactly "
            "(its own pointers first); the other kept ones are followed but weigh nothing in p_kNN", EXACT_MEMBERS),
+    Option("--pointer-nearest-clusters", "pointer_nearest_clusters", positive_int, "with --pointer-sketch: rank "
+           "only the members of a row's this many clusters nearest its query by centroid (its own pointers kept "
+           "first in every cluster; default: all of them; KeySketch.max_clusters)"),
     Option("--pointer-width", "pointer_width", positive_int, "with --pointer-clusters: candidates a clustered row "
            "keeps at most (default: --k); wider keeps more pointers alive"),
     Option("--adaptive-gate", "adaptive_gate", str, "adaptive retrieval (He et al. 2021): a gate directory from "

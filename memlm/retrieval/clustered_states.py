@@ -122,10 +122,11 @@ CLUSTER_SAMPLE = 64
 
 
 def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0, sketch_dims: int = 0,
-                   exact_members: int = EXACT_MEMBERS) -> StateClusters:
+                   exact_members: int = EXACT_MEMBERS, max_clusters: int | None = None) -> StateClusters:
     """k-means (faiss, squared L2) of the (N, d) stored keys into n_clusters (at most N) clusters, with a
-    KeySketch of sketch_dims principal components keeping exact_members a row (sketch_dims 0, or at least d:
-    none, every member scored exactly)."""
+    KeySketch of sketch_dims principal components keeping exact_members a row and ranking the members of at
+    most max_clusters of a row's clusters (KeySketch.max_clusters; sketch_dims 0, or at least d: none, every
+    member scored exactly)."""
     import faiss
 
     n = keys.shape[0]
@@ -135,18 +136,21 @@ def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0, sketch_dims
     km = faiss.Kmeans(x.shape[1], n_clusters, niter=CLUSTER_ITERATIONS, seed=seed,
                       max_points_per_centroid=CLUSTER_SAMPLE, verbose=False)
     km.train(x)
-    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed, sketch_dims, exact_members)
+    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed, sketch_dims, exact_members,
+                       max_clusters)
 
 
 def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int, sketch_dims: int = 0,
-                exact_members: int = EXACT_MEMBERS) -> StateClusters:
+                exact_members: int = EXACT_MEMBERS, max_clusters: int | None = None) -> StateClusters:
     """StateClusters of a given assignment (N,) in [0, n_clusters) of the (N, d) keys, with a KeySketch of
-    sketch_dims components keeping exact_members a row (sketch_dims 0, or at least d: none)."""
+    sketch_dims components keeping exact_members a row over at most max_clusters of its clusters (sketch_dims
+    0, or at least d: none)."""
     assign = np.asarray(assign, dtype=np.int64)
     members = np.argsort(assign, kind="stable")  # (N,)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=n_clusters))]).astype(np.int64)
     member_keys = torch.from_numpy(np.ascontiguousarray(keys[members], dtype=np.float32))  # (N, d)
-    sketch = key_sketch(member_keys, sketch_dims, exact_members) if 0 < sketch_dims < member_keys.shape[1] else None
+    sketch = (key_sketch(member_keys, sketch_dims, exact_members, max_clusters)
+              if 0 < sketch_dims < member_keys.shape[1] else None)
     return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), seed, sketch)
 
 

@@ -77,6 +77,26 @@ def test_clustered_states_are_recorded_and_a_minimum_above_k_stays_plain(capsys,
     assert sketched["searches_saved"] > 0 and sketched["knnlm_nll"] != clustered["knnlm_nll"]  # the options act
     everything = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "9", *sketch)
     assert everything["knnlm_nll"] == pytest.approx(plain["knnlm_nll"], rel=1e-6) and everything["searches_saved"] == 0
+    nearest = evaluate(capsys, tmp_path, setting, "--pointers", "--min-pointers", "2", *sketch,
+                       "--pointer-nearest-clusters", "1")
+    assert nearest["pointer_nearest_clusters"] == 1 and nearest["searches_saved"] > 0
+
+
+def test_nearest_clusters_flag_reaches_the_walks_sketch(setting):
+    """--pointer-nearest-clusters is KeySketch.max_clusters of the walk's clusters (whose effect is tested
+    against a row-by-row oracle in tests/memlm/retrieval/test_clustered_order.py)."""
+    import argparse
+
+    from datastore import Datastore
+    from memlm.fewer_searches_command import fewer_searches
+
+    _, store, _ = setting
+    args = argparse.Namespace(pointers=True, min_pointers=2, pointer_width=None, pointer_clusters=4, pointer_sketch=4,
+                              pointer_exact=6, pointer_nearest_clusters=2, adaptive_gate=None)
+    sketch = fewer_searches(args, Datastore.open(store), None).source.clusters.sketch
+    assert (sketch.max_clusters, sketch.exact_members, sketch.basis.shape[1]) == (2, 6, 4)
+    args.pointer_nearest_clusters = None
+    assert fewer_searches(args, Datastore.open(store), None).source.clusters.sketch.max_clusters is None
 
 
 def test_a_gate_fitted_on_an_evaluated_document_is_refused(capsys, setting):
@@ -106,6 +126,8 @@ def test_a_gate_fitted_with_another_datastore_is_refused(capsys, tmp_path, setti
     (["--pointers", "--pointer-sketch", "4"], "--pointer-sketch needs --pointer-clusters"),
     (["--pointers", "--pointer-width", "16"], "--pointer-width needs --pointer-clusters"),
     (["--pointers", "--pointer-clusters", "4", "--pointer-exact", "8"], "--pointer-exact needs --pointer-sketch"),
+    (["--pointers", "--pointer-clusters", "4", "--pointer-nearest-clusters", "2"],
+     "--pointer-nearest-clusters needs --pointer-sketch"),
     (["--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
     (["--adaptive-gate", "GATE"], "needs one of --adaptive-threshold X or --adaptive-fraction F"),
     (["--adaptive-gate", "GATE", "--adaptive-threshold", "0.5", "--adaptive-fraction", "0.5"], "needs one of"),
