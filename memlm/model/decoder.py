@@ -203,15 +203,16 @@ class Linear(nn.Linear):
     """(the weight's id, data pointer and version when packed, the packed copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_float32_gemm(x, self.weight):
-            # A weight made under torch.inference_mode has no version to tell an in-place write: used unpacked.
-            weight = self.weight if self.weight.is_inference() else self.packed_weight()
-            return packed_linear(x, weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight  # one parameter lookup a call: this runs 211 times a SmolLM2 decode step
+        if cpu_float32_gemm(x, w):
+            return packed_linear(x, self.packed_weight(w), self.bias)
+        return F.linear(x, w, self.bias)
 
-    def packed_weight(self) -> torch.Tensor:
-        """oneDNN's packed copy of the weight as it is now (not of an inference-mode tensor: forward's comment)."""
-        w = self.weight
+    def packed_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """oneDNN's packed copy of the weight w (= self.weight) as it is now; w itself when made under
+        torch.inference_mode (no version counter to tell an in-place write: used unpacked)."""
+        if w.is_inference():
+            return w
         key = (id(w), w.data_ptr(), w._version)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, pack_weight(w))
@@ -231,8 +232,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ weight.T (+ bias) -> (..., N) on oneDNN's GEMM, with `packed` = pack_weight(weight) (or the
-    weight itself, unpacked: slower from two rows on); only where cpu_float32_gemm(x, weight) holds. Linear's product, and memlm.retrieval.exact's query-by-key distances on
-    the CPU (there the weight is a chunk of keys)."""
+    weight itself, unpacked: slower from two rows on); only where cpu_float32_gemm(x, weight) holds. Linear's
+    product, and memlm.retrieval.exact's query-by-key distances on the CPU (there the weight is a chunk of keys)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
