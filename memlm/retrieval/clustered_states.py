@@ -229,9 +229,12 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0)  # (g, s)
         if qn is not None:
             d += qn[g_rows][:, None]
-        key = placed_keys(d.numpy(), cl.places[lo:hi], in_place=True)  # (g, s)
-        for j, pair in enumerate(group.tolist()):
-            out[starts[pair] : starts[pair] + hi - lo] = key[j]
+        bits = order_bits(d.numpy(), in_place=True)  # (g, s) int32
+        places = cl.places[lo:hi]  # (s,)
+        for j, pair in enumerate(group.tolist()):  # placed_keys written where the pair's keys go: no (g, s) copy
+            key = out[starts[pair] : starts[pair] + hi - lo]  # (s,) a view
+            np.left_shift(bits[j], 32, out=key, dtype=np.int64)
+            key |= places
     return out
 
 

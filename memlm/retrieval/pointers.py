@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -226,6 +227,13 @@ class PointerSource:
     values: np.ndarray | None = None
     """(N,) int32 stored next tokens, for the clusters' members (given exactly when clusters are)."""
 
+    @cached_property
+    def member_values(self) -> np.ndarray:
+        """(N,) int32 the values in StateClusters.members order: a clustered row's kept members lie in a few
+        clusters, contiguous there, so reading their values by place stays in a few runs of memory where reading
+        them by id jumps over the whole datastore (extend_by_clusters)."""
+        return np.ascontiguousarray(self.values[self.clusters.members])
+
     def __post_init__(self) -> None:
         if (self.clusters is None) != (self.values is None):
             raise ValueError("clustered states need the datastore's values, and values are read only for them")
@@ -362,6 +370,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     valid = best != PAD_KEY  # (r, t) past a row's kept: missing
     pos = np.where(valid, best & PLACE_MASK, 0)  # (r, t) places in `members`
     m_ids = np.where(valid, cl.members[pos], -1)  # (r, t)
+    vals = np.where(valid, source.member_values[pos], -1).astype(np.int32)  # (r, t)
     if sk is None:  # the ranking was the exact distance, nearest first
         dist = np.where(valid, np.maximum(score_of(best), 0.0), np.inf)
     else:  # a row's own candidates and the best others, exact_members in all (or its own), exactly, first,
@@ -371,10 +380,9 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, t)
         dist[:, :e] = exact_member_distances(q, pos[:, :e], n_scored, cl)  # (r, e)
         order = stable_argsort(dist[:, :e])  # (r, e) past a row's scored: inf, in order
-        for a in (dist, m_ids, valid):
+        for a in (dist, m_ids, vals):
             a[:, :e] = np.take_along_axis(a[:, :e], order, axis=1)
-    found = Neighbors(dist.astype(np.float32), m_ids,
-                      np.where(valid, source.values[np.maximum(m_ids, 0)], -1).astype(np.int32))
+    found = Neighbors(dist.astype(np.float32), m_ids, vals)
     found = Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
     w = max(candidates.ids.shape[1], found.ids.shape[1])
     out = [_pad(a, w, fill) for a, fill in zip(candidates, (np.inf, -1, -1))]  # (S, w') each
