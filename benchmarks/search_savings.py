@@ -59,7 +59,8 @@ def settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
     both_scorings = clustered_scorings(args) if args.both_clusters and args.both_sketched else [{}]
     runs += [("both", {"min_pointers": m, "fraction": f, **keep, **scoring}) for scoring in both_scorings
              for m in args.both_min_pointers for f in args.both_fractions]
-    return runs
+    return [(method, {**params, **({"search_rows": n} if n else {})}) for method, params in runs
+            for n in (args.search_rows if "min_pointers" in params else [0])]  # each walk per --search-rows
 
 
 def clustered_scorings(args: argparse.Namespace) -> list[dict]:
@@ -91,7 +92,7 @@ def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings)
         adaptive = AdaptiveConfig(gate, gate_settings, threshold_for_fraction(gate_settings, params["fraction"]))
     if "min_pointers" in params:
         pointers = PointerConfig(min_pointers=params["min_pointers"], keep_pointers=params.get("keep", False),
-                                 cluster_width=params.get("cluster_width"))
+                                 cluster_width=params.get("cluster_width"), search_rows=params.get("search_rows"))
     key = (params.get("clusters", 0), params.get("sketch", 0), params.get("exact_members", 0),
            params.get("max_clusters", 0))
     return Retrieval(pointers, sources[key] if pointers else None, adaptive)
@@ -144,6 +145,9 @@ def parse() -> argparse.Namespace:
                    "the clustered walks' scorings (--sketch-dims, --exact-members, --max-clusters, --clustered-widths) "
                    "instead of every member scored exactly")
     p.add_argument("--both-fractions", type=float, nargs="*", default=[0.25, 0.5])
+    p.add_argument("--search-rows", type=int, nargs="+", default=[0], help="each walk once per value: its waiting "
+                   "streams searched once this many wait, or as many as still move (PointerConfig.search_rows; 0: "
+                   "once all of them wait)")
     p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's OUT.json")
     return p.parse_args()
@@ -290,11 +294,11 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     markers = {"adaptive": "o", "pointers": "s", "pointers_kept": "D", "clustered": "P", "both": "^"}
     def curve(r: dict) -> tuple:
         return (r["method"], r.get("clusters", 0), r.get("sketch", 0), r.get("cluster_width", 0), r.get("keep", False),
-                r.get("exact_members", 0), r.get("max_clusters", 0))
+                r.get("exact_members", 0), r.get("max_clusters", 0), r.get("search_rows", 0))
 
     curves = list(dict.fromkeys(curve(r) for r in rows if r["method"] != "plain"))
     for key in curves:  # one curve per method, cluster count and scoring
-        method, clusters, sketch, width, keep, exact, nearest = key
+        method, clusters, sketch, width, keep, exact, nearest, search_rows = key
         pts = sorted((r for r in rows if r["method"] == "plain" or curve(r) == key),
                      key=lambda r: r["searches_saved_fraction"])
         x = [100 * r["searches_saved_fraction"] for r in pts]
@@ -305,6 +309,7 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
         label += f", {nearest} nearest clusters" if nearest else ""
         label += f", keeps {width}" if width else ""
         label += ", kept" if keep and method == "clustered" else ""
+        label += f", searched from {search_rows} waiting" if search_rows else ""
         color = plt.cm.tab20(curves.index(key) % 20)  # distinct for 20 curves
         a.plot(x, [r["knnlm_perplexity"] for r in pts], marker=markers[method], label=label, color=color)
         b.plot(x, [r["wall_ratio"] for r in pts], marker=markers[method], label=label, color=color)

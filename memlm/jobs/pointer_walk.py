@@ -79,9 +79,10 @@ def walk(
     (Walked.neighbors, missing entries where the gate skipped it), which the Score rpc's dense scores need.
 
     Streams advance independently: one that needs a search parks at that token, and when every stream
-    walking is parked, all of them are searched in one call. PointerConfig.streams walk at once, a stream
-    that ends is replaced by the next, and while fewer than that wait for a call more are started, so that
-    calls hold PointerConfig.streams queries until the group's last streams."""
+    walking is parked (or PointerConfig.search_rows of them), all that are parked are searched in one call.
+    PointerConfig.streams walk at once, a stream that ends is replaced by the next, and while fewer than that
+    wait for a call more are started, so that calls hold PointerConfig.streams queries until the group's last
+    streams (search_rows None)."""
     q, width = xq.shape[0], config.width(k)  # kept pointers, clustered states: more than k
     kept = Neighbors(np.full((q, width), np.inf, np.float32), np.full((q, width), -1, np.int64),
                      np.full((q, width), -1, np.int32)) if collect else None  # (Q, width)
@@ -133,12 +134,12 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         if not live.any():
             return first
         movers = np.flatnonzero(live & ~b.parked)  # (m,)
-        if movers.size == 0:  # every stream still walking waits for a search
-            waiting = int(b.parked.sum())
-            if waiting < config.streams and admitted < block.shape[0]:  # start more first: a fuller call
+        waiting = int(b.parked.sum())
+        if waiting and config.search_now(waiting, movers.size):  # every stream waits, or enough of them
+            if movers.size == 0 and waiting < config.streams and admitted < block.shape[0]:  # start more first
                 admitted = min(block.shape[0], admitted + config.streams - waiting)
                 continue
-            rows = np.flatnonzero(b.parked)  # (r,) one call for all of them
+            rows = np.flatnonzero(b.parked)  # (r,) one call for all that wait
             tok = b.block[rows, b.step[rows]]  # (r,)
             with search_timer:
                 found = searcher.search(xq[tok], k, options)  # (r, k)

@@ -195,3 +195,28 @@ def test_tied_members_at_the_width_cut_are_kept_the_same_alone_and_beside_other_
     beside = extend_by_clusters(cands([[0, -1, -1], [40, 41, 42]]), np.array([0, 1]), xq, source, 8)
     assert alone.ids[0].tolist() == beside.ids[0].tolist() == list(range(8))  # ties by member order
     np.testing.assert_array_equal(alone.distances[0], beside.distances[0])
+
+
+def test_search_rows_batches_the_searches_differently_and_walks_the_same():
+    """PointerConfig.search_rows: the streams waiting for a search are searched once that many wait (or as many
+    as still move) instead of once all of them wait: more, smaller search calls and the same walk, token for
+    token (which tokens are searched, every log p_kNN), with clustered states ranked by a sketch and without."""
+    keys, values, d, nxt = walk_data()
+    xq, targets = keys.float().numpy(), values.astype(np.int64)
+    sketched = cluster_states(keys.numpy(), 8, sketch_dims=2, exact_members=3)
+    for source in (PointerSource.local(nxt, values, keys.numpy()), PointerSource.local(nxt, values, keys.numpy(),
+                                                                                         sketched)):
+        runs = {}
+        for rows in (None, 1, 3):
+            searcher = RowWiseSearcher(TorchExactSearcher(keys, values))
+            config = PointerConfig(min_pointers=2, stream_tokens=20, streams=8, search_rows=rows)
+            runs[rows] = walk(xq, targets, d, searcher, 6, SearchOptions(), 2.0, config, source, None,
+                              torch.no_grad()), searcher.sizes
+        base, base_sizes = runs[None]
+        assert 0 < base.searched.sum() < len(xq)
+        for rows in (1, 3):
+            got, sizes = runs[rows]
+            np.testing.assert_array_equal(got.searched, base.searched)
+            torch.testing.assert_close(got.knn_logprob, base.knn_logprob, rtol=0, atol=0)
+            assert sum(sizes) == sum(base_sizes) and len(sizes) > len(base_sizes)  # the same rows, more calls
+        assert len(runs[1][1]) > len(runs[3][1])
