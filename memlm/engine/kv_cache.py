@@ -173,8 +173,15 @@ class RowCache:
         sink, ring = self.layout.sink, self.layout.ring
         return torch.where(pos < sink, pos, sink + self.layout.cmem + torch.remainder(pos - sink, ring))
 
+    def move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Slots `src` of row `row` (keys, values, positions) copied to slots `dst` (a speculative pass's accepted
+        tree path into the slots after x_t: memlm.engine.draft_trees)."""
+        for t in (*self.k, *self.v):
+            t[row, :, dst] = t[row, :, src]
+        self.slot_pos[row, dst] = self.slot_pos[row, src]
+
     def view(self, rows: list[int], pos: torch.Tensor, real: torch.Tensor, window: torch.Tensor,
-             verify: bool = False) -> StepView:
+             verify: bool = False, slots: torch.Tensor | None = None, sees: torch.Tensor | None = None) -> StepView:
         """The DecoderState of one forward pass over cache rows `rows` (B,), sorted.
 
         pos: (B, T) int64 on the host, the position of every token; real: (B, T) bool, False for padding (not written,
@@ -182,8 +189,10 @@ class RowCache:
         ignored without one). Writes slot_pos for the real tokens now: the step's keys are visible to
         the masks of every layer. verify: a speculative verification pass (memlm.engine.speculative), whose
         attention is computed as a decode step's (float32 in bf16/fp16: _scores), so that its tokens are the
-        ones plain decoding would choose."""
-        return StepView(self, rows, pos, real, window, verify)
+        ones plain decoding would choose. A draft tree's pass (memlm.engine.draft_trees) gives slots (B, T) int64, the
+        slot of every token (None: the slot of its position), and sees (B, T, T) bool, which of the pass's own tokens
+        each attends to (None: those at or before its position)."""
+        return StepView(self, rows, pos, real, window, verify, slots, sees)
 
 
 def _sink_shift(layout: CacheLayout, window: torch.Tensor) -> torch.Tensor:
@@ -208,7 +217,8 @@ class StepView:
     """One forward pass over some cache rows: a DecoderState whose layers are CachedAttention views."""
 
     def __init__(self, cache: RowCache, rows: list[int], pos: torch.Tensor, real: torch.Tensor,
-                 window: torch.Tensor, verify: bool = False) -> None:
+                 window: torch.Tensor, verify: bool = False, slots: torch.Tensor | None = None,
+                 sees: torch.Tensor | None = None) -> None:
         layout, device = cache.layout, cache.device
         B, T = pos.shape
         # Decode steps attend in float32 (faster in bf16 here: _scores); a verification pass must do the same
@@ -216,7 +226,9 @@ class StepView:
         self.float32_attention = T == 1 or verify
         # Slots in use: a position p never sits beyond slot p + cmem, so no row of this step uses more than this
         # (read from the host's positions: no device synchronisation).
-        self.width = min(layout.slots, int(pos.max()) + 1 + layout.cmem)
+        pos_cpu, real_cpu = pos.cpu(), real.cpu()
+        slot_cpu = cache.slot_of(pos_cpu) if slots is None else slots  # (B, T)
+        self.width = min(layout.slots, int(pos.max() if slots is None else slots.max()) + 1 + layout.cmem)
         cache.reserve(self.width)
         self.cache = cache
         self.pos = pos.to(device)  # (B, T) int64
@@ -226,11 +238,10 @@ class StepView:
         self.rows = slice(lo, hi) if rows == list(range(lo, hi)) else torch.tensor(rows, device=device)
         # Which (row, slot) each real token goes to, picked on the host (a boolean index on the device
         # would wait for it): (n,) each, and the tokens' flat indices into (B * T).
-        pos_cpu, real_cpu = pos.cpu(), real.cpu()
         self.real_cpu = real_cpu  # (B, T) bool on the host (the engine packs passes by it)
         row_index = torch.tensor(rows)[:, None].expand(B, T)  # (B, T)
         self.write_rows = row_index[real_cpu].to(device)  # (n,)
-        self.write_slots = cache.slot_of(pos_cpu)[real_cpu].to(device)  # (n,)
+        self.write_slots = slot_cpu[real_cpu].to(device)  # (n,)
         # (n,) into B * T; None when every token is real (a decode step): the tokens are all of them, in order.
         self.write_tokens = None if bool(real_cpu.all()) else real_cpu.reshape(-1).nonzero()[:, 0].to(device)
         cache.slot_pos[self.write_rows, self.write_slots] = pos_cpu[real_cpu].to(device)
@@ -240,6 +251,9 @@ class StepView:
         # The mask once per step for every layer, laid out as the grouped queries (B, 1, g*T, width).
         g = cache.config.n_head // nkv
         seen = self._mask(window.to(device))  # (B, 1, T, width)
+        if sees is not None:  # a draft tree: among the pass's own slots, each token sees its ancestors only
+            b, u = real_cpu.nonzero(as_tuple=True)  # (n,) the real tokens
+            seen[b.to(device), 0, :, slot_cpu[b, u].to(device)] = sees[b, :, u].to(device)  # (n, T)
         self.hidden = ~seen[:, :, None].expand(B, 1, g, T, self.width).reshape(B, 1, g * T, self.width)
         self.shift = None
         if layout.sink > 0 and self.width > 0:

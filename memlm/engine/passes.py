@@ -12,7 +12,7 @@ Shape legend: B rows in a forward pass, T tokens per row, V vocab, C key width, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -36,33 +36,56 @@ class Engine(Protocol):
     cache: RowCache
 
 
-def inputs(engine: Engine, plan: Sequence[tuple[Row | ScoreRow, int]], verify: bool = False) -> tuple[torch.Tensor, StepView]:
+class TreeShape(NamedTuple):
+    """How a row's fed tokens lie when they are a draft tree (memlm.engine.draft_trees): x_t, then the nodes."""
+
+    depths: list[int]
+    """(n,) each token's position past the first's (a chain: 0 .. n - 1); its slot is still first + index."""
+    sees: np.ndarray
+    """(n, n) bool: which of the row's fed tokens each attends to (a chain: the causal mask)."""
+
+
+def inputs(engine: Engine, plan: Sequence[tuple[Row | ScoreRow, int]], verify: bool = False,
+           trees: Sequence[TreeShape] | None = None) -> tuple[torch.Tensor, StepView]:
     """The left-padded token ids (B, T) of a pass feeding `plan` (rows sorted by slot, tokens each) and its
     cache view. Built on the host with whole-array operations (no per-row tensor ops: at 32 rows those
-    cost more than the step's attention)."""
+    cost more than the step's attention). trees: per plan row its tokens' TreeShape (a verifying pass of
+    draft trees)."""
     ns = np.array([n for _, n in plan])  # (B,)
     T = int(ns.max())
     first = np.array([row.fed - row.base for row, _ in plan])  # (B,) position of each row's first fed token
     offset = np.arange(T)[None, :] - (T - ns)[:, None]  # (B, T) index in the row's chunk; < 0: padding
     real = offset >= 0  # (B, T)
-    pos = first[:, None] + np.where(real, offset, ns[:, None] - 1)  # (B, T) padding: the last real position
+    index = np.where(real, offset, ns[:, None] - 1)  # (B, T) padding: the last real token's
+    pos = first[:, None] + index  # (B, T)
     idx = np.zeros(real.shape, dtype=np.int64)  # (B, T)
     idx[real] = np.concatenate([row.tokens[row.fed : row.fed + n] for row, n in plan])
+    slots, sees = None, None
+    if trees is not None:  # a node's position is its depth past x_t's, its slot its index past x_t's
+        slots = engine.cache.slot_of(torch.from_numpy(pos))  # (B, T)
+        depth = np.zeros(real.shape, dtype=np.int64)  # (B, T)
+        depth[real] = np.concatenate([tree.depths for tree in trees])
+        pos = first[:, None] + np.where(real, depth, depth[:, -1:])  # (B, T) padding: the last token's (left pad)
+        sees = torch.zeros(real.shape[0], T, T, dtype=torch.bool)  # (B, T, T)
+        for b, ((_, n), tree) in enumerate(zip(plan, trees)):
+            sees[b, T - n :, T - n :] = torch.from_numpy(tree.sees)
     pos_t = torch.from_numpy(pos)  # (B, T)
     generated_from = torch.tensor([[row.first_generated_pos] for row, _ in plan])  # (B, 1)
     window = window_starts(pos_t, generated_from, engine.cache.layout.segment)  # (B, T)
     if engine.cache.layout.cmem:
         compress_due(engine.cache, [row for row, _ in plan], window[:, -1].tolist(), engine.config.xl.compress_fn)
-    view = engine.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window, verify)
+    view = engine.cache.view([row.slot for row, _ in plan], pos_t, torch.from_numpy(real), window, verify, slots,
+                             sees)
     return torch.from_numpy(idx), view
 
 
 def run(engine: Engine, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
-        verify: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        verify: bool = False, trees: Sequence[TreeShape] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
     """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
     Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all, (B, T, V) and (B, T, C))
-    and, per row, whether it has fed everything it had (its logits are the next token's). verify: RowCache.view."""
-    idx, view = inputs(engine, plan, verify)
+    and, per row, whether it has fed everything it had (its logits are the next token's). verify: RowCache.view;
+    trees: `inputs`."""
+    idx, view = inputs(engine, plan, verify, trees)
     T = idx.shape[1]
     state = memorizing_rows.attach(engine, [[row for row, _ in plan]], view)  # memorizing: kNN attention
     out = spalm_rows.forward(engine, idx.to(engine.model.device), state, 0 if every_position else T - 1)

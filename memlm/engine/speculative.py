@@ -3,9 +3,12 @@ datastore's successors (REST, He et al. 2023), the row's own text (prompt lookup
 
 A speculative row whose last token x_t is not yet fed feeds [x_t, d_1 .. d_n] (its draft, n <= draft_tokens)
 in one forward pass with logits at every position; every speculative row of the step shares that pass
-(left-padded, Engine._run). Then one search for the whole step: the keys of the kNN-LM rows' positions that
+(left-padded, Engine._run). A greedy row feeds a tree of its candidate drafts instead (memlm.engine.draft_trees:
+tree attention, SpeculativeConfig.tree_nodes), whose every node has its path's logits; a chain is a tree of one
+branch, and everything below holds for trees, read "the path the target's choices take through the tree" for
+"the draft's prefix". Then one search for the whole step: the keys of the kNN-LM rows' positions that
 verification needs (the interpolated distribution p_i; a greedy row's up to the first draft token the base LM
-rejects, _lm_stop, and a further search in the rare pass where the neighbours lift that token; a sampled
+rejects, _lm_path, and a further search in the rare pass where the neighbours lift that token; a sampled
 row's every position), and for the rows whose target is the base LM the key of their last accepted
 position, only when their pointers ran out (the datastore then only drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's
 rules: the kNN-LM mixture, ids beyond the tokenizer's vocabulary never chosen, temperature, top-k, top-p):
@@ -17,7 +20,8 @@ rules: the kNN-LM mixture, ids beyond the tokenizer's vocabulary never chosen, t
   removed; after n acceptances one draw from p_n. Each token is then distributed exactly as the plain
   sampler's (not the same draws for a seed: the draws differ).
 The row's cache keeps x_t, d_1 .. d_j: the rejected positions' slots are marked empty (the cache has
-per-row lengths; they are overwritten as the row goes on). Eos, stops, max_new_tokens and sliding hold as
+per-row lengths; they are overwritten as the row goes on), and an accepted branch off a tree's main draft is moved
+into the slots after x_t first (_roll_back). Eos, stops, max_new_tokens and sliding hold as
 in plain decoding: the tokens go through Engine._advance one at a time and the row stops at the first
 that ends it (a stop inside an accepted draft cuts it there); a draft is cut so that the pass never
 runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. A datastore draft follows the
@@ -40,7 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from memlm.engine import passes
-from memlm.engine.drafts import DraftSource, advance, matching, row_draft
+from memlm.engine.draft_trees import DraftTree, ancestors, children, depths, row_tree
+from memlm.engine.drafts import DraftSource, advance, matching
+from memlm.engine.passes import TreeShape
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import GenerationRequest
 from memlm.engine.rows import Row
@@ -114,106 +120,179 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     if not rows:
         return
     rows = sorted(rows, key=lambda r: r.slot)  # the slots of now (Engine._choose may have released rows)
-    ring, source = engine.cache.layout.ring, engine.drafts
-    drafts = []
-    for row in rows:  # cut: no slide inside the pass, nothing drafted past max_new_tokens
-        spec = row.handle.request.speculative
-        cap = min(spec.draft_tokens, ring - row.cached - 1, row.steps_left - 1)
-        drafts.append(row_draft(row.tokens, row.pointers, source, cap, spec))
+    source = engine.drafts
     starts = [row.fed for row in rows]
-    for row, d in zip(rows, drafts):
-        row.tokens += d  # fed by this pass, taken back below
-    logits, keys, _ = passes.run(engine, [(row, 1 + len(d)) for row, d in zip(rows, drafts)], every_position=True,
-                                 verify=True)
-    T = logits.shape[1]  # (B, T, V), (B, T, C)
-    for row, d in zip(rows, drafts):
-        del row.tokens[len(row.tokens) - len(d):]
-    lm_lp = [F.log_softmax(logits[b, T - 1 - len(d):].float(), dim=-1) for b, d in enumerate(drafts)]  # (1+n, V)
-    rkeys = [keys[b, T - 1 - len(d):] for b, d in enumerate(drafts)]  # (1+n, C)
+    trees, lm_lp, rkeys = _feed(engine, rows)
+    sizes = [1 + len(t.tokens) for t in trees]  # pass positions per row: x_t, then the nodes
+    kids = [children(t) for t in trees]
     knn = [row.handle.request.knn for row in rows]
-    accepted: list[tuple[list[int], int] | None] = [None] * len(rows)
+    greedy = [row.handle.request.sampling.temperature == 0 for row in rows]
+    lm_best = [dict(enumerate(lm_lp[b][:, : engine.decodable].argmax(dim=-1).tolist())) if greedy[b] else {}
+               for b in range(len(rows))]  # pass position -> the base LM's argmax
+    accepted: list[Accepted | None] = [None] * len(rows)
     walked: list[np.ndarray | None] = [None] * len(rows)  # base rows' pointers walked along their tokens
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
-            accepted[b] = accept(lm_lp[b], drafts[b], row.handle.request.sampling, row.generator, engine.decodable)
+            accepted[b] = (_walked(trees[b], kids[b], lm_best[b], lm_lp[b]) if greedy[b] else
+                           _sampled(lm_lp[b], trees[b], row, engine.decodable))
             uses_datastore = row.handle.request.speculative.uses_datastore  # history drafts keep no pointers
-            walked[b] = advance(row.pointers, accepted[b][0], source) if uses_datastore else row.pointers[:0]
-    # kNN-LM rows: the positions lo..hi to search next. Greedy rows search up to the first draft token the base
-    # LM rejects (_lm_stop) and go on past it only where the mixture took it all the same; sampled rows need
-    # every position's distribution.
-    greedy = {b: rows[b].handle.request.sampling.temperature == 0 for b in range(len(rows)) if knn[b] is not None}
-    lm_best = {b: lm_lp[b][:, : engine.decodable].argmax(dim=-1).tolist() for b, g in greedy.items() if g}  # (1+n,)
-    spans = {b: (0, _lm_stop(lm_best[b], drafts[b], 0) if g else len(drafts[b])) for b, g in greedy.items()}
-    found: list[list[Neighbors]] = [[] for _ in rows]  # per kNN-LM row: the neighbours of each searched span
-    mixed: list[list[torch.Tensor]] = [[] for _ in rows]  # per kNN-LM row: final log-probs of each span
-    neighbors: list[Neighbors | None] = [None] * len(rows)
+            walked[b] = advance(row.pointers, accepted[b].tokens, source) if uses_datastore else row.pointers[:0]
+    # kNN-LM rows: the pass positions to search next. A greedy row searches its base LM's path through the tree
+    # (_lm_path) and searches on from where the mixture took another child all the same; a sampled row (one draft)
+    # needs every position's distribution.
+    spans = {b: (_lm_path(kids[b], lm_best[b], 0) if greedy[b] else list(range(sizes[b])))
+             for b in range(len(rows)) if knn[b] is not None}
+    found: list[dict[int, Neighbors]] = [{} for _ in rows]  # per kNN-LM row: pass position -> its neighbours (1, k)
+    mixed: list[dict[int, torch.Tensor]] = [{} for _ in rows]  # per kNN-LM row: pass position -> final log-probs
+    choice: list[dict[int, int]] = [{} for _ in rows]  # per greedy kNN-LM row: pass position -> the mixture's argmax
+    drafted: list[Neighbors | None] = [None] * len(rows)  # base rows: the neighbours searched to draft from
     failed, drafting = None, True
     while spans or drafting:  # one search a round (one in the common case)
         got, failed = _search(engine, rows, rkeys, spans, accepted, walked, drafting)
         if drafting:  # base rows' searches to draft from: the first round only
-            neighbors = [got[b] if knn[b] is None else None for b in range(len(rows))]
+            drafted = [got[b] if knn[b] is None else None for b in range(len(rows))]
             drafting = False
         if failed is not None:
             break
         further = {}
-        for b, (lo, hi) in spans.items():
+        for b, positions in spans.items():
             c = knn[b]
             knn_lp = knn_log_distribution(got[b], lm_lp[b].shape[-1], c.temperature).to(lm_lp[b].device)  # (q, V)
-            mix = interpolate(lm_lp[b][lo : hi + 1], knn_lp, c.lmbda)  # (q, V)
-            found[b].append(got[b])
-            mixed[b].append(mix)
-            taken = mix[:, : engine.decodable].argmax(dim=-1).tolist()  # (q,)
-            if greedy[b] and hi < len(drafts[b]) and taken == list(drafts[b][lo : hi + 1]):
-                further[b] = (hi + 1, _lm_stop(lm_best[b], drafts[b], hi + 1))  # all taken: search on
+            mix = interpolate(lm_lp[b][positions], knn_lp, c.lmbda)  # (q, V)
+            for i, p in enumerate(positions):
+                found[b][p] = Neighbors(*(a[i : i + 1] for a in got[b]))
+                mixed[b][p] = mix[i]
+            if greedy[b]:
+                choice[b].update(zip(positions, mix[:, : engine.decodable].argmax(dim=-1).tolist()))
+                end = _visit(kids[b], choice[b])[-1]
+                if end not in choice[b]:  # the mixture took a child the LM did not: search on from there
+                    further[b] = _lm_path(kids[b], lm_best[b], end)
         spans = further
-    final = list(lm_lp)
     for b, row in enumerate(rows):
         if knn[b] is not None and failed is None:
-            final[b] = torch.cat(mixed[b])  # (s, V): positions 0 .. s-1
-            neighbors[b] = Neighbors(*(np.concatenate(parts) for parts in zip(*found[b])))  # (s, k)
-            searched = final[b].shape[0] - 1  # the draft tokens those positions verify
-            accepted[b] = accept(final[b], drafts[b][:searched], row.handle.request.sampling, row.generator,
-                                 engine.decodable)
-    pointers = [_next_pointers(row, a, nb, w, source) if a is not None else None
-                for row, a, nb, w in zip(rows, accepted, neighbors, walked)]
-    for b, row in enumerate(rows):  # roll back before any row leaves (a release moves rows)
-        if accepted[b] is not None:
-            p0 = starts[b] - row.base  # x_t's position = its slot (the plain cache does not wrap)
-            engine.cache.slot_pos[row.slot, p0 + 1 + accepted[b][1] : p0 + 1 + len(drafts[b])] = -1
+            at = sorted(mixed[b])  # the searched pass positions
+            final = torch.stack([mixed[b][p] for p in at])  # (s, V)
+            accepted[b] = (_walked(trees[b], kids[b], choice[b], final, at) if greedy[b] else
+                           _sampled(final, trees[b], row, engine.decodable))  # sampled: a chain, all searched
+    last = [(found[b].get(a.end) if knn[b] is not None else drafted[b]) if a is not None else None
+            for b, a in enumerate(accepted)]
+    pointers = [_next_pointers(row, a.tokens, nb, w, source) if a is not None else None
+                for row, a, nb, w in zip(rows, accepted, last, walked)]
+    _roll_back(engine, rows, starts, trees, accepted)  # before any row leaves (a release moves rows)
     for b, row in enumerate(rows):
         if accepted[b] is None:  # a kNN-LM row whose search failed
             row.handle.put(failed)
             engine._release(row)
             continue
-        _emit(engine, row, starts[b], accepted[b][0], final[b], lm_lp[b], pointers[b])
+        a = accepted[b]
+        _emit(engine, row, starts[b], a.tokens, a.final_lp, lm_lp[b][a.positions], pointers[b])
 
 
-def _lm_stop(lm_best: list[int], draft: tuple[int, ...], start: int) -> int:
-    """Greedy kNN-LM: the last position to search from `start`: the first i >= start whose draft token is not
-    the base LM's argmax lm_best[i] (that position's mixture still chooses a token, the draft's where the
-    neighbours lift it), len(draft) if none. Why search no further at once: at a small lambda the mixture
-    seldom takes a token the LM rejects, so the positions after it are rarely needed; where it does take it
-    verify searches on from there (one more search), so the output stays exact at any lambda. Measured
-    (greedy kNN-LM at lambda 0.1 over 8 held-apart speeches, drafts from both), against searching every
-    position up to where no p_kNN could lift the token: searches per token 1.20 -> 1.01, tokens a pass
-    2.24 -> 2.22, CPU time 6-8% less."""
-    return next((i for i in range(start, len(draft)) if lm_best[i] != draft[i]), len(draft))
+def _feed(engine: Engine, rows: list[Row]) -> tuple[list[DraftTree], list[torch.Tensor], list[torch.Tensor]]:
+    """The verifying pass: each row's draft tree (draft_trees.row_tree; cut so that there is no slide inside the
+    pass and nothing is drafted past max_new_tokens) fed after its last token x_t. Per row: its tree, the base LM's
+    log-probabilities (1+n, V) and kNN keys (1+n, C) at every pass position (x_t, then the nodes)."""
+    trees = []
+    for row in rows:
+        spec, room = row.handle.request.speculative, engine.cache.layout.ring - row.cached - 1
+        cap = min(spec.draft_tokens, room, row.steps_left - 1)
+        greedy = row.handle.request.sampling.temperature == 0
+        trees.append(row_tree(row.tokens, row.pointers, engine.drafts, cap, spec, greedy, room))
+    for row, tree in zip(rows, trees):
+        row.tokens += tree.tokens  # fed by this pass, taken back below
+    shapes = None if all(t.is_chain for t in trees) else [TreeShape(depths(t), ancestors(t)) for t in trees]
+    logits, keys, _ = passes.run(engine, [(row, 1 + len(t.tokens)) for row, t in zip(rows, trees)],
+                                 every_position=True, verify=True, trees=shapes)
+    T = logits.shape[1]  # (B, T, V), (B, T, C)
+    for row, tree in zip(rows, trees):
+        del row.tokens[len(row.tokens) - len(tree.tokens):]
+    sizes = [1 + len(t.tokens) for t in trees]
+    lm_lp = [F.log_softmax(logits[b, T - n :].float(), dim=-1) for b, n in enumerate(sizes)]  # (1+n, V)
+    return trees, lm_lp, [keys[b, T - n :] for b, n in enumerate(sizes)]
 
 
-def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: dict[int, tuple[int, int]],
-            accepted: list[tuple[list[int], int] | None], walked: list[np.ndarray | None], drafting: bool,
+def _roll_back(engine: Engine, rows: list[Row], starts: list[int], trees: list[DraftTree],
+               accepted: list[Accepted | None]) -> None:
+    """Keep x_t and the accepted path in the row's cache: a path off the main draft moves into the slots after
+    x_t (draft_trees), and the slots after it are marked empty (overwritten as the row goes on)."""
+    for b, row in enumerate(rows):
+        if accepted[b] is not None:
+            p0 = starts[b] - row.base  # x_t's position = its slot (the plain cache does not wrap)
+            path, n = accepted[b].path, len(trees[b].tokens)
+            if path != list(range(len(path))):
+                engine.cache.move_slots(row.slot, [p0 + 1 + i for i in path], [p0 + 1 + i for i in range(len(path))])
+            engine.cache.slot_pos[row.slot, p0 + 1 + len(path) : p0 + 1 + n] = -1
+
+
+class Accepted(NamedTuple):
+    """What a row's verifying pass yields."""
+
+    tokens: list[int]
+    """The accepted draft tokens, then the target's own."""
+    path: list[int]
+    """The tree's nodes accepted (a chain: 0 .. j - 1)."""
+    positions: list[int]
+    """(1 + j,) the pass position that chose each token (x_t's is 0, node i's is i + 1)."""
+    final_lp: torch.Tensor
+    """(1 + j, V) the final log-probabilities at those positions."""
+
+    @property
+    def end(self) -> int:
+        """The pass position that chose the last token."""
+        return self.positions[-1]
+
+
+def _visit(kids: list[dict[int, int]], chosen: dict[int, int], start: int = 0) -> list[int]:
+    """Pass positions from `start`, each the next's parent, while the token `chosen` at one (a position -> token
+    map) is a child's: [start, ...]; the last one's choice is missing or has no child."""
+    visited = [start]
+    while visited[-1] in chosen and chosen[visited[-1]] in kids[visited[-1]]:
+        visited.append(kids[visited[-1]][chosen[visited[-1]]] + 1)
+    return visited
+
+
+def _lm_path(kids: list[dict[int, int]], lm_best: dict[int, int], start: int) -> list[int]:
+    """Greedy kNN-LM: the pass positions to search from `start`: the base LM's path through the tree (`_visit` of its
+    argmax), its last position included (whose mixture still chooses a token: the tree's where the neighbours lift
+    it). Why search no further at once: at a small lambda the mixture seldom takes a token the LM rejects, so the
+    positions after it are rarely needed; where it does take another child, verify searches on from there (one more
+    search), so the output stays exact at any lambda. Measured on chains (greedy kNN-LM at lambda 0.1 over 8
+    held-apart speeches, drafts from both), against searching every position up to where no p_kNN could lift the
+    token: searches per token 1.20 -> 1.01, tokens a pass 2.24 -> 2.22, CPU time 6-8% less."""
+    return _visit(kids, lm_best, start)
+
+
+def _walked(tree: DraftTree, kids: list[dict[int, int]], chosen: dict[int, int], final_lp: torch.Tensor,
+            rows: list[int] | None = None) -> Accepted:
+    """Greedy acceptance over a tree: the path `_visit` takes with the target's argmax `chosen` at each pass
+    position, then the target's own token at its end. final_lp: (s, V) the target's log-probabilities at the
+    pass positions `rows` (None: every position, in order)."""
+    positions = _visit(kids, chosen)
+    path = [p - 1 for p in positions[1:]]
+    tokens = [tree.tokens[i] for i in path] + [chosen[positions[-1]]]
+    index = positions if rows is None else [rows.index(p) for p in positions]
+    return Accepted(tokens, path, positions, final_lp[index])
+
+
+def _sampled(final_lp: torch.Tensor, tree: DraftTree, row: Row, decodable: int) -> Accepted:
+    """A sampled row's acceptance over its one draft (a chain; `accept`)."""
+    tokens, j = accept(final_lp, tree.tokens, row.handle.request.sampling, row.generator, decodable)
+    return Accepted(tokens, list(range(j)), list(range(j + 1)), final_lp[: j + 1])
+
+
+def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: dict[int, list[int]],
+            accepted: list[Accepted | None], walked: list[np.ndarray | None], drafting: bool,
             ) -> tuple[list[Neighbors | None], Exception | None]:
-    """One search call: the positions lo..hi of the kNN-LM rows in spans, and (drafting) the last accepted
+    """One search call: the pass positions of the kNN-LM rows in spans, and (drafting) the last accepted
     position of base rows whose pointers ran out (to draft from). Per row its Neighbors (q, k) or
     (1, draft_k) or None (not searched); on failure (None per row, the error)."""
     queries, configs, owner = [], [], []
     for b, row in enumerate(rows):
         if b in spans:
-            lo, hi = spans[b]
-            queries.append(keys[b][lo : hi + 1])  # (q, C)
-            configs += [row.handle.request.knn] * (hi + 1 - lo)
+            queries.append(keys[b][spans[b]])  # (q, C)
+            configs += [row.handle.request.knn] * len(spans[b])
         elif drafting and row.handle.request.knn is None and walked[b].size == 0 and _by_search(row, engine.drafts):
-            queries.append(keys[b][accepted[b][1] : accepted[b][1] + 1])  # (1, C)
+            queries.append(keys[b][accepted[b].end : accepted[b].end + 1])  # (1, C)
             configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
         else:
             continue
@@ -232,17 +311,15 @@ def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: di
     return out, None
 
 
-def _next_pointers(row: Row, accepted: tuple[list[int], int], neighbors: Neighbors | None,
-                   walked: np.ndarray | None, source: DraftSource) -> np.ndarray:
-    """The row's pointers after this pass's tokens (memlm.engine.drafts): fresh from the neighbours of the
+def _next_pointers(row: Row, tokens: list[int], neighbors: Neighbors | None, walked: np.ndarray | None,
+                   source: DraftSource) -> np.ndarray:
+    """The row's pointers after this pass's tokens (memlm.engine.drafts): fresh from the neighbours (1, k) of the
     position that chose the last token when they have some, else the old ones walked along the tokens; none
     for a row that drafts from its own text only (no datastore in the engine)."""
-    tokens, j = accepted
     if not row.handle.request.speculative.uses_datastore:
         return row.pointers[:0]
     if neighbors is not None:
-        at = j if row.handle.request.knn is not None else 0  # a base row searched position j only
-        fresh = matching(Neighbors(*(a[at : at + 1] for a in neighbors)), tokens[-1])  # (m,)
+        fresh = matching(neighbors, tokens[-1])  # (m,)
         if fresh.size:
             return fresh
     if walked is not None and walked.size == 0 and _by_suffix(row, source):

@@ -261,11 +261,13 @@ def test_greedy_speculative_is_token_identical_in_bfloat16(knn) -> None:
 
 
 def test_greedy_kNN_search_stops_at_the_first_token_the_lm_rejects() -> None:
-    """speculative._lm_stop: a greedy kNN-LM row searches from `start` up to its first draft token that is
-    not the base LM's argmax (that position included: it still chooses a token), or to the draft's end.
-    (That the output stays exact when the neighbours lift such a token is the identity tests' part: KNN at
-    lambda 0.5 follows its datastore where the tiny LM does not, test_history_drafts_of_a_repeating_text.)"""
-    from memlm.engine.speculative import _lm_stop
+    """speculative._lm_path: a greedy kNN-LM row searches from `start` along its base LM's argmax through the draft
+    (a chain here) up to its first draft token that is not the base LM's argmax (that position included: it still
+    chooses a token), or to the draft's end. (That the output stays exact when the neighbours lift such a token is
+    the identity tests' part: KNN at lambda 0.5 follows its datastore where the tiny LM does not,
+    test_history_drafts_of_a_repeating_text.)"""
+    from memlm.engine.draft_trees import chain, children
+    from memlm.engine.speculative import _lm_path
 
     rng = random.Random(0)
     stops = set()
@@ -274,9 +276,9 @@ def test_greedy_kNN_search_stops_at_the_first_token_the_lm_rejects() -> None:
         draft = tuple(t if rng.random() < 0.7 else rng.randrange(4) for t in best[:4])
         start = rng.randrange(5)
         want = next((i for i in range(start, 4) if draft[i] != best[i]), 4)
-        assert _lm_stop(best, draft, start) == want
+        assert _lm_path(children(chain(draft)), dict(enumerate(best)), start) == list(range(start, want + 1))
         stops.add(want)
-    assert stops == {0, 1, 2, 3, 4} and _lm_stop([1], (), 0) == 0
+    assert stops == {0, 1, 2, 3, 4} and _lm_path(children(chain(())), {0: 1}, 0) == [0]
 
 
 class FailingAfter:

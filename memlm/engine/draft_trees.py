@@ -1,0 +1,146 @@
+"""Draft trees: several candidate drafts of a greedy speculative row verified in one forward pass (issue 15 part
+3, "several drafts, tree or best-first"; REST, He et al. 2023, verifies its trie's candidates the same way, and
+SpecInfer, Miao et al. 2024, a token tree with a tree attention mask).
+
+What a tree is. The candidates (memlm.engine.drafts: the row's main draft `row_draft`, then its other history
+matches and the datastore's other branches) are merged into their prefix tree (`prefix_tree`): node i holds a token
+and a parent (-1: the row's last token x_t, the root), the main draft's nodes first, as a chain. The pass feeds x_t
+and every node; node i sits at position p_t + depth(i) (its rotary angle) but in slot p_t + 1 + i of the row's cache,
+and attends to the row's cache and to its ancestors only (`ancestors`: the tree attention mask). Each node's
+logits are then exactly those of its path fed as one chain, so greedy acceptance walks the tree: from the root,
+the child whose token is the target's argmax at the current node, as long as there is one (`greedy_walk`). The
+accepted path's cache entries move to slots p_t + 1 .. p_t + j (memlm.engine.kv_cache.RowCache.move_slots; none
+move when the path is the main draft's prefix), so the row goes on as after a chain.
+
+Why: a verifying pass of up to 4 positions costs what one of 1 does on this CPU (memlm.model.decoder.PACKED_ROWS;
+SmolLM2 float32, one thread: 64 / 67 ms at 1 / 4 positions, then about 2.4 ms a position), and a row's short
+datastore draft leaves those free: its other candidates fill them. Only greedy rows: speculative sampling's rule
+here is for one draft (memlm.engine.speculative.accept); a sampled row verifies its main draft alone.
+
+Shape legend: n nodes, m candidates, L a candidate's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from memlm.engine.drafts import DraftSource, SpeculativeConfig, best_draft, draft_chains, history_draft, row_draft
+
+
+class DraftTree(NamedTuple):
+    """A row's candidate drafts as one tree (module docstring)."""
+
+    tokens: tuple[int, ...]
+    """(n,) each node's token."""
+    parents: tuple[int, ...]
+    """(n,) each node's parent node, -1 for the root x_t; parents[i] < i."""
+
+    @property
+    def is_chain(self) -> bool:
+        """One draft: node i's parent is node i - 1."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def chain(draft: Sequence[int]) -> DraftTree:
+    """One draft as a tree."""
+    return DraftTree(tuple(draft), tuple(range(-1, len(draft) - 1)))
+
+
+def prefix_tree(drafts: Sequence[Sequence[int]], budget: int) -> DraftTree:
+    """The prefix tree of `drafts`, in their order: each adds the nodes of its prefixes not yet in the tree while the
+    tree has fewer than `budget` nodes; the first draft's nodes are nodes 0 .. len - 1 (a chain, when it fits)."""
+    node_of: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for draft in drafts:
+        for i in range(1, len(draft) + 1):
+            prefix = tuple(draft[:i])
+            if prefix in node_of:
+                continue
+            if len(tokens) >= budget:
+                break
+            node_of[prefix] = len(tokens)
+            tokens.append(int(draft[i - 1]))
+            parents.append(node_of[prefix[:-1]] if i > 1 else -1)
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def depths(tree: DraftTree) -> list[int]:
+    """(1 + n,) the position of x_t and of every node past x_t's: 0, then depth(i) (a chain: 0, 1, .., n)."""
+    out = [0]
+    for p in tree.parents:
+        out.append(out[p + 1] + 1)
+    return out
+
+
+def ancestors(tree: DraftTree) -> np.ndarray:
+    """(1 + n, 1 + n) bool over the pass's tokens (x_t, then the nodes): [a, b] when b is a itself or one of its
+    ancestors, what a attends to among them (a chain: the causal mask)."""
+    n = len(tree.tokens)
+    sees = np.zeros((n + 1, n + 1), dtype=bool)  # (1+n, 1+n)
+    sees[:, 0] = True
+    for i, p in enumerate(tree.parents):
+        sees[i + 1] = sees[p + 1]
+        sees[i + 1, i + 1] = True
+    return sees
+
+
+def children(tree: DraftTree) -> list[dict[int, int]]:
+    """Per pass position (x_t, then the nodes) its children's {token: node} (a prefix tree's children differ)."""
+    kids: list[dict[int, int]] = [{} for _ in range(len(tree.tokens) + 1)]
+    for i, (token, p) in enumerate(zip(tree.tokens, tree.parents)):
+        kids[p + 1][token] = i
+    return kids
+
+
+def greedy_walk(kids: list[dict[int, int]], chosen: dict[int, int]) -> tuple[list[int], int | None]:
+    """Walk the tree from x_t while the token `chosen` at the current pass position (position -> token; x_t is 0,
+    node i is i + 1) is one of its children's. Returns the nodes accepted and the position where the walk ended
+    (its chosen token is the pass's last, the model's own), or None there when that position has no choice yet."""
+    path, at = [], 0
+    while at in chosen:
+        nxt = kids[at].get(chosen[at])
+        if nxt is None:
+            return path, at
+        path.append(nxt)
+        at = nxt + 1
+    return path, None
+
+
+def datastore_branches(pointers: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int,
+                       ) -> list[tuple[int, ...]]:
+    """Up to `width` drafts from the pointers' chains (drafts.draft_chains): under each of the first tokens most
+    chains agree on (at least min_agreeing), the best-first path of the chains that start with it (drafts.best_draft)."""
+    chains = draft_chains(pointers, source, length)  # (m, L)
+    first = chains[:, 0] if chains.shape[0] else chains[:0, 0]  # (m,)
+    tokens, counts = np.unique(first[first >= 0], return_counts=True)
+    out = []
+    for i in np.argsort(-counts, kind="stable")[:width]:
+        if counts[i] >= min_agreeing:
+            out.append(best_draft(chains[first == tokens[i]], min_agreeing))
+    return [d for d in out if d]
+
+
+def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int, spec: SpeculativeConfig,
+             greedy: bool, room: int) -> DraftTree:
+    """The tree a row verifies after its `text` (drafts at most `length` tokens deep): its main draft (row_draft),
+    then, for a greedy row with spec.tree_nodes, the prefixes of its other candidates from spec.draft_from's
+    sources, in this order: the history's draft (a match of history_min_match tokens or more), the short one of a
+    shorter match (fallback_tokens), the datastore's branches (`datastore_branches`, tree_branches of them); up to
+    tree_nodes nodes in all, or one node beside a main draft that long already; at most `room` nodes (>= length: the
+    slots left before the row's cache is full)."""
+    main = row_draft(text, pointers, source, length, spec)
+    if not greedy or spec.tree_nodes == 0 or length < 1:
+        return chain(main)
+    candidates = [main]
+    if spec.draft_from != "datastore":
+        candidates.append(history_draft(text, length, spec.history_max_match, spec.history_min_match)[0])
+        if spec.fallback_tokens and spec.history_min_match > 1:
+            fallback = min(length, spec.fallback_tokens)
+            candidates.append(history_draft(text, fallback, spec.history_min_match - 1, 1)[0])
+    if spec.uses_datastore:
+        candidates += datastore_branches(pointers, source, length, spec.tree_branches, spec.min_agreeing)
+    return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(main) + 1)))
