@@ -28,7 +28,7 @@ from memlm.retrieval.pointers import (
     merge_rows,
     needs_search,
     union_candidates,
-    weighed,
+    weighed_groups,
 )
 from memlm.retrieval.searcher import Neighbors, Searcher, SearchOptions
 
@@ -169,8 +169,9 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         if moved.any():
             mine = Neighbors(*(a[moved] for a in cands))
             _keep(out.neighbors, tok[moved], mine)
-            out.knn_logprob[torch.from_numpy(tok[moved])] = knn_target_logprob(weighed(mine), targets[tok[moved]],
-                                                                                temperature)
+            for group, nb in weighed_groups(mine):  # (g,) rows of `mine` and their weighed candidates
+                at = tok[moved][group]  # (g,)
+                out.knn_logprob[torch.from_numpy(at)] = knn_target_logprob(nb, targets[at], temperature)
         out.skipped[tok[need & ~go]] = True
         b.step[movers[moved]] += 1
         b.parked[movers[go]] = True

@@ -389,12 +389,17 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     else:  # a row's own candidates and the best others, exact_members in all (or its own), exactly, first,
         # nearest first (ties in ranking order); then the others at inf (followed only) and the missing
         n_scored = np.minimum(np.maximum(sk.exact_members, n_own), takes)  # (r,) a prefix of the kept
-        e = int(n_scored.max(initial=0))
         dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, t)
-        dist[:, :e] = exact_member_distances(q, pos[:, :e], n_scored, cl)  # (r, e)
-        order = stable_argsort(dist[:, :e])  # (r, e) past a row's scored: inf, in order
-        for a in (dist, m_ids, vals):
-            a[:, :e] = np.take_along_axis(a[:, :e], order, axis=1)
+        wide = n_scored > sk.exact_members  # (r,) more own candidates than exact_members: all of them scored
+        for sel in (np.flatnonzero(~wide), np.flatnonzero(wide)):  # apart, so that a few wide rows widen no other
+            e = int(n_scored[sel].max(initial=0))
+            if e == 0:
+                continue
+            scored = exact_member_distances(q[torch.from_numpy(sel)], pos[sel, :e], n_scored[sel], cl)  # (s, e)
+            order = stable_argsort(scored)  # (s, e) past a row's scored: inf, in order
+            dist[sel, :e] = np.take_along_axis(scored, order, axis=1)
+            for a in (m_ids, vals):
+                a[sel, :e] = np.take_along_axis(a[sel, :e], order, axis=1)
     found = Neighbors(dist.astype(np.float32), m_ids, vals)
     found = Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
     w = max(candidates.ids.shape[1], found.ids.shape[1])
@@ -412,6 +417,17 @@ def weighed(candidates: Neighbors) -> Neighbors:
     finite = np.flatnonzero(np.isfinite(candidates.distances).any(axis=0))  # (f,) columns with a weight
     w = int(finite[-1]) + 1 if finite.size else 1
     return candidates if w == candidates.ids.shape[1] else Neighbors(*(a[:, :w] for a in candidates))  # (S, w')
+
+
+def weighed_groups(candidates: Neighbors) -> list[tuple[np.ndarray, Neighbors]]:
+    """(rows (s,), `weighed` of those rows) for two groups of `candidates`' rows (S, w) split at the median of
+    their last weighted column: each group's log p_kNN is reduced over its own widest row only (a clustered row
+    with many own candidates scores them all, and would otherwise widen every row's reduction)."""
+    finite = np.isfinite(candidates.distances)  # (S, w)
+    last = np.where(finite.any(axis=1), finite.shape[1] - np.argmax(finite[:, ::-1], axis=1), 0)  # (S,)
+    narrow = last <= np.median(last) if last.size else last.astype(bool)  # (S,)
+    groups = [np.flatnonzero(narrow), np.flatnonzero(~narrow)]
+    return [(g, weighed(Neighbors(*(a[g] for a in candidates)))) for g in groups if g.size]
 
 
 def needs_search(candidates: Neighbors, min_pointers: int) -> np.ndarray:

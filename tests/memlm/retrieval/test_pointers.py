@@ -18,7 +18,7 @@ from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import KNNLMConfig, knn_target_logprob
-from memlm.retrieval.pointers import PointerConfig, PointerSource, follow, successors
+from memlm.retrieval.pointers import PointerConfig, PointerSource, follow, successors, weighed_groups
 from memlm.retrieval.searcher import Neighbors, Provenance, SearchOptions
 
 V, BOS = 40, 1
@@ -194,3 +194,25 @@ def test_keep_pointers_adds_candidates_to_searched_tokens(model, docs):
     assert (more >= 0).all() and more.sum() > 0
     for r in rows:  # the k nearest are all still there
         assert set(plain.neighbors.ids[r][plain.neighbors.ids[r] >= 0]) <= set(kept.neighbors.ids[r].tolist())
+
+
+def test_weighed_groups_score_each_row_as_its_whole_candidates():
+    """pointers.weighed_groups: every row once, in one of two groups each cut after its own last finite distance;
+    log p_kNN of each group's rows = that of the uncut rows (the columns cut weigh nothing), and the narrow group
+    is cut narrower than the widest row."""
+    rng = np.random.default_rng(0)
+    s, w = 9, 40
+    finite = rng.integers(0, w + 1, size=s)  # (S,) each row's weighted prefix, one row none, one all
+    finite[0], finite[1] = 0, w
+    dist = np.where(np.arange(w)[None, :] < finite[:, None], rng.uniform(0, 5, (s, w)), np.inf).astype(np.float32)
+    ids = np.where(np.arange(w)[None, :] < finite[:, None] + 3, rng.integers(0, 100, (s, w)), -1)  # followed after
+    vals = np.where(ids >= 0, rng.integers(0, 4, (s, w)), -1).astype(np.int32)
+    cands = Neighbors(dist, ids, vals)
+    targets = rng.integers(0, 4, size=s)
+    want = knn_target_logprob(cands, targets, 2.0)
+    groups = weighed_groups(cands)
+    seen = np.concatenate([g for g, _ in groups])
+    assert sorted(seen.tolist()) == list(range(s))
+    assert min(nb.ids.shape[1] for _, nb in groups) < w
+    for g, nb in groups:
+        torch.testing.assert_close(knn_target_logprob(nb, targets[g], 2.0), want[torch.from_numpy(g)])
