@@ -130,8 +130,8 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
     then, for a greedy row with spec.tree_nodes, the prefixes of its other candidates from spec.draft_from's
     sources, in this order: the history's draft (a match of history_min_match tokens or more), the short one of a
     shorter match (fallback_tokens), the datastore's branches (`datastore_branches`, tree_branches of them); up to
-    tree_nodes nodes in all, or one node beside a main draft that long already; at most `room` nodes (>= length: the
-    slots left before the row's cache is full)."""
+    tree_nodes nodes in all (a main draft that long is verified alone); at most `room` nodes (>= length: the slots
+    left before the row's cache is full)."""
     main = row_draft(text, pointers, source, length, spec)
     if not greedy or spec.tree_nodes == 0 or length < 1:
         return chain(main)
@@ -143,4 +143,4 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
             candidates.append(history_draft(text, fallback, spec.history_min_match - 1, 1)[0])
     if spec.uses_datastore:
         candidates += datastore_branches(pointers, source, length, spec.tree_branches, spec.min_agreeing)
-    return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(main) + 1)))
+    return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(main))))

@@ -56,8 +56,8 @@ class SpeculativeConfig:
 
     draft_tokens: int = 16
     """Most draft tokens verified per row per step, a draft tree's depth (the forward pass feeds 1 + this many
-    tokens, a greedy row's tree one node more, tree_nodes; a greedy kNN-LM row searches those up to the first its
-    base LM rejects, speculative._lm_path). 16: a history
+    tokens, or 1 + tree_nodes for a greedy row's tree; a greedy kNN-LM row searches those up to the first its base
+    LM rejects, speculative._lm_path). 16: a history
     draft of a 3-token match was right for 10.6 tokens a pass (greedy kNN-LM, 8 held-apart speeches); drafts
     from both gave 2.24 tokens a pass at 16, 2.15 at 8, 1.99 at 4 (benchmarks/speculative_knnlm.py, 64 new
     tokens); a datastore draft stops where fewer than min_agreeing chains agree, about 2.5 tokens, whatever the
@@ -101,7 +101,7 @@ class SpeculativeConfig:
 
     tree_nodes: int = 3
     """A greedy row verifies a tree of its candidates (memlm.engine.draft_trees): its main draft, then its other
-    candidates' prefixes up to this many nodes in all, or one node beside a main draft this long or longer; 0: the
+    candidates' prefixes up to this many nodes in all (a main draft this long or longer is verified alone); 0: the
     main draft alone (a sampled row always). Why 3: a pass of up to 4 positions costs what one of 1 does on this
     CPU (memlm.model.decoder.PACKED_ROWS). Chosen on the tuning split's speeches, never the benchmark's (python
     benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts 16, greedy kNN-LM, drafts from both):

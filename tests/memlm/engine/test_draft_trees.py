@@ -99,30 +99,31 @@ def test_a_tree_pass_gives_each_node_its_paths_logits_and_a_moved_branch_decodes
 
 def test_row_tree_main_draft_first_then_candidates_within_the_budget() -> None:
     """The main draft (row_draft) is the tree's first chain; a greedy row adds its other candidates up to tree_nodes
-    (one node beside a longer main draft), never more than `room`; sampled rows and tree_nodes 0 keep the main one."""
+    (a main draft that long stays alone), never more than `room`; sampled rows and tree_nodes 0 keep the main one."""
     next_ids = np.array([1, 2, 3, -1, 5, 6, -1], dtype=np.int64)  # two documents: 0 1 2 3 | 4 5 6
     source = DraftSource(next_ids, np.array([9, 1, 2, 3, 9, 4, 5], dtype=np.int32))
     pointers = np.array([0, 0, 4, 4], dtype=np.int64)  # two chains each: 1 2 3 and 4 5
     spec = SpeculativeConfig(min_agreeing=1, draft_from="both")
     text = [7, 8, 9]  # no history match: the datastore's branches
-    tree = row_tree(text, pointers, source, 4, spec, True, 10)
-    assert tree.tokens[:3] == (1, 2, 3) and tree.tokens[3] == 4 and len(tree.tokens) == 4  # 3 + 1 beside
-    assert row_tree(text, pointers, source, 4, spec, False, 10) == chain((1, 2, 3))  # sampled: the main draft
-    assert row_tree(text, pointers, source, 4, dataclasses.replace(spec, tree_nodes=0), True, 10) == chain((1, 2, 3))
+    assert row_tree(text, pointers, source, 4, spec, True, 10) == chain((1, 2, 3))  # as long as tree_nodes: alone
+    tree = row_tree(text, pointers, source, 4, dataclasses.replace(spec, tree_nodes=5), True, 10)
+    assert tree.tokens == (1, 2, 3, 4, 5) and tree.parents == (-1, 0, 1, -1, 3)  # the other branch beside
     assert len(row_tree(text, pointers, source, 2, dataclasses.replace(spec, tree_nodes=6), True, 3).tokens) == 3
-    short = row_tree(text, pointers, source, 1, dataclasses.replace(spec, tree_nodes=3), True, 10)
+    short = row_tree(text, pointers, source, 1, spec, True, 10)
     assert short.tokens == (1, 4) and short.parents == (-1, -1)  # two first tokens, one deep
+    assert row_tree(text, pointers, source, 1, spec, False, 10) == chain((1,))  # sampled: the main draft
+    assert row_tree(text, pointers, source, 1, dataclasses.replace(spec, tree_nodes=0), True, 10) == chain((1,))
 
 
 @pytest.mark.parametrize("knn", [KNN, KNN_LOW, None], ids=["knnlm", "knnlm-cut", "base"])
-@pytest.mark.parametrize("tree_nodes", [0, 3, 8])
+@pytest.mark.parametrize("tree_nodes", [0, 5, 8])
 def test_greedy_trees_take_branches_and_stay_token_identical(setting, monkeypatch, knn, tree_nodes) -> None:
     moves = []
     real_move = RowCache.move_slots
     monkeypatch.setattr(RowCache, "move_slots", lambda self, *a: (moves.append(a), real_move(self, *a)))
     plain = [GenerationRequest(p, 20 + i % 5, GREEDY, boundary_token=BOUNDARY, knn=knn)
              for i, p in enumerate(prompts(setting[3], 16, seed=3))]
-    config = dataclasses.replace(SPEC, min_agreeing=2, tree_nodes=tree_nodes, draft_from="both")
+    config = dataclasses.replace(SPEC, draft_tokens=3, min_agreeing=2, tree_nodes=tree_nodes, draft_from="both")
     want = run_all(engine(setting), plain)
     got = run_all(engine(setting), [dataclasses.replace(r, speculative=config) for r in plain])
     for w, g in zip(want, got):
