@@ -47,9 +47,16 @@ kNN-LM with exact re-ranking. The two differ little: 100 evaluation queries' 1,0
 T 2.5), 99th percentile 0.055 nats. Scoring the walk from the SQ8 codes instead would read a quarter of the
 bytes, but no FAISS call scores given ids of an IVF index's codes (they lie per list, as residuals), and a
 torch gather-and-convert of narrower keys loses to the float32 call (545 ids a row from float16 keys:
-0.69-0.90 ms against 0.09 ms). On that index the walk is not faster than plain kNN-LM (README "Fewer
-searches": a batched SQ8 search costs ~0.28 ms a query, about what a pointed row's ranking, exact distances
-and bookkeeping cost).
+0.69-0.90 ms against 0.09 ms). Tried too, on one walk's recorded calls (faiss 1.15, one thread), none faster
+than fvec_L2sqr_by_idx on float32 keys (0.55-0.61 s for its 2.68M distances): search_subset is implemented by
+no flat-codes index but IndexFlatPanorama (float32); an IVF with one list per entry scored by
+search_preassigned, 1.75-1.92 s (float32, fp16 or SQ8 codes: per-list overhead); torch.sparse.sampled_addmm
+1.1-1.2x the FAISS call's time in float32, refused for float16 / bfloat16 on the CPU; np.take of float16 rows alone
+0.46 s; a torch.compile'd float16 gather-distance 0.60 s after a 17 s compile. Dropping the keys' trailing
+principal components (PCA 288 of 576 dimensions) errs by a median 0.05 nats at T 2.5, five times SQ8's. On
+that index the walk is not faster than plain kNN-LM (README "Fewer searches": a batched SQ8 search costs
+~0.34 ms a query; a pointed row's ranking, exact distances and bookkeeping about 0.38 ms with
+PointerConfig.search_rows 64, 100 clusters, 3 nearest).
 
 Shape legend: N datastore entries, S streams walked together, w candidates per stream, d key dimension,
 M candidates over all streams, C clusters, r rows extended, p sketch components.
