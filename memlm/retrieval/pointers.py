@@ -396,17 +396,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     else:  # a row's own candidates and the best others, exact_members in all (or its own), exactly, first,
         # nearest first (ties in ranking order); then the others at inf (followed only) and the missing
         n_scored = np.minimum(np.maximum(sk.exact_members, n_own), takes)  # (r,) a prefix of the kept
-        dist = np.full(best.shape, np.inf, dtype=np.float32)  # (r, t)
-        wide = n_scored > sk.exact_members  # (r,) more own candidates than exact_members: all of them scored
-        for sel in (np.flatnonzero(~wide), np.flatnonzero(wide)):  # apart, so that a few wide rows widen no other
-            e = int(n_scored[sel].max(initial=0))
-            if e == 0:
-                continue
-            scored = exact_member_distances(q[torch.from_numpy(sel)], pos[sel, :e], n_scored[sel], cl)  # (s, e)
-            order = stable_argsort(scored)  # (s, e) past a row's scored: inf, in order
-            dist[sel, :e] = np.take_along_axis(scored, order, axis=1)
-            for a in (m_ids, vals):
-                a[sel, :e] = np.take_along_axis(a[sel, :e], order, axis=1)
+        dist = _scored_first(q, pos, n_scored, sk.exact_members, cl, m_ids, vals)  # (r, t)
     found = Neighbors(dist.astype(np.float32), m_ids, vals)
     found = Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
     w = max(candidates.ids.shape[1], found.ids.shape[1])
@@ -415,6 +405,26 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         a[rows] = fill
         a[rows, : new.shape[1]] = new
     return Neighbors(*out)
+
+
+def _scored_first(q: torch.Tensor, pos: np.ndarray, n_scored: np.ndarray, exact_members: int, cl: StateClusters,
+                  m_ids: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """(r, t) float32 exact distances of each row's first n_scored[i] kept members (pos (r, t), their places),
+    nearest first (ties in ranking order), inf after them; m_ids and vals (r, t) are reordered alike, in place.
+    Rows with more own candidates than exact_members (all of them scored) are scored apart from the others, so
+    that a few wide rows widen no other row's arrays."""
+    dist = np.full(pos.shape, np.inf, dtype=np.float32)  # (r, t)
+    wide = n_scored > exact_members  # (r,)
+    for sel in (np.flatnonzero(~wide), np.flatnonzero(wide)):
+        e = int(n_scored[sel].max(initial=0))
+        if e == 0:
+            continue
+        scored = exact_member_distances(q[torch.from_numpy(sel)], pos[sel, :e], n_scored[sel], cl)  # (s, e)
+        order = stable_argsort(scored)  # (s, e) past a row's scored: inf, in order
+        dist[sel, :e] = np.take_along_axis(scored, order, axis=1)
+        for a in (m_ids, vals):
+            a[sel, :e] = np.take_along_axis(a[sel, :e], order, axis=1)
+    return dist
 
 
 def weighed(candidates: Neighbors) -> Neighbors:
