@@ -59,6 +59,8 @@ def generation_fewer(args: argparse.Namespace, searcher: Any, model_fingerprint:
         return None, {}
     if searcher is None:
         raise MemlmError("--pointers and --adaptive-* need kNN-LM generation (--datastore or --retrieval)")
+    refuse_given(args, ("pointer_search_rows",), "applies to memlm eval (it batches the searches of many token "
+                 "streams; a generated row walks alone)")
     adaptive, record = gate_for(args, None, model_fingerprint, key_layer)
     if remote_pointers is None:
         retrieval = fewer_searches(args, searcher, adaptive)
@@ -74,11 +76,13 @@ def generation_fewer(args: argparse.Namespace, searcher: Any, model_fingerprint:
 
 
 def pointer_config(args: argparse.Namespace) -> PointerConfig:
-    """The PointerConfig of --pointers [--min-pointers N] [--pointer-width W]: PointerConfig's own defaults
-    for the flags not given."""
+    """The PointerConfig of --pointers [--min-pointers N] [--pointer-width W] [--pointer-search-rows R]:
+    PointerConfig's own defaults for the flags not given."""
     defaults = PointerConfig()
+    search_rows = getattr(args, "pointer_search_rows", None)
     return PointerConfig(min_pointers=defaults.min_pointers if args.min_pointers is None else args.min_pointers,
-                         cluster_width=defaults.cluster_width if args.pointer_width is None else args.pointer_width)
+                         cluster_width=defaults.cluster_width if args.pointer_width is None else args.pointer_width,
+                         search_rows=defaults.search_rows if search_rows is None else search_rows)
 
 
 def _check_gate_datastore(args: argparse.Namespace, store: Any, adaptive: AdaptiveConfig | None) -> None:
@@ -92,15 +96,15 @@ def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, 
     """The gate of --adaptive-gate (None without it) and what the result records about it; this and the
     refusals of flags given without theirs come before any datastore is opened."""
     if not args.pointers:
-        refuse_given(args, ("min_pointers", "pointer_clusters"), "needs --pointers")
+        refuse_given(args, ("min_pointers", "pointer_clusters", "pointer_search_rows"), "needs --pointers")
     if args.pointer_clusters is None:
         refuse_given(args, ("pointer_sketch", "pointer_width"), "needs --pointer-clusters")
     if args.pointer_sketch is None:
         refuse_given(args, ("pointer_exact", "pointer_nearest_clusters"), "needs --pointer-sketch")
     clusters = {} if args.pointer_clusters is None else {"pointer_clusters": args.pointer_clusters}
-    named = ("pointer_sketch", "pointer_exact", "pointer_nearest_clusters", "pointer_width")
-    clusters.update({name: getattr(args, name) for name in named
-                     if getattr(args, name) is not None})
+    named = ("pointer_sketch", "pointer_exact", "pointer_nearest_clusters", "pointer_width", "pointer_search_rows")
+    clusters.update({name: getattr(args, name, None) for name in named
+                     if getattr(args, name, None) is not None})
     if args.adaptive_gate is None:
         refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")
         return None, clusters

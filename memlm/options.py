@@ -167,6 +167,9 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
            "first in every cluster; default: all of them; KeySketch.max_clusters)"),
     Option("--pointer-width", "pointer_width", positive_int, "with --pointer-clusters: candidates a clustered row "
            "keeps at most (default: --k); wider keeps more pointers alive"),
+    Option("--pointer-search-rows", "pointer_search_rows", positive_int, "with --pointers, memlm eval: search the "
+           "token streams waiting for a search once this many wait (default: once all wait, the fullest calls, for "
+           "a Flat index); the same searches, batched otherwise (PointerConfig.search_rows)"),
     Option("--adaptive-gate", "adaptive_gate", str, "adaptive retrieval (He et al. 2021): a gate directory from "
            "memlm train-gate, fitted on documents that are not evaluated"),
     Option("--adaptive-threshold", "adaptive_threshold", fraction, "with --adaptive-gate: search when the gate's "

@@ -82,6 +82,18 @@ def test_clustered_states_are_recorded_and_a_minimum_above_k_stays_plain(capsys,
     assert nearest["pointer_nearest_clusters"] == 1 and nearest["searches_saved"] > 0
 
 
+def test_search_rows_batch_the_same_walk_otherwise(capsys, tmp_path, setting):
+    """--pointer-search-rows (PointerConfig.search_rows) changes how the walk's searches are batched, never which
+    tokens are searched nor what they get (tested on the walk itself: tests/memlm/retrieval/test_pointers_clusters.py)."""
+    flags = ("--pointers", "--min-pointers", "2", "--pointer-clusters", "8")
+    once_all_wait = evaluate(capsys, tmp_path, setting, *flags)
+    sooner = evaluate(capsys, tmp_path, setting, *flags, "--pointer-search-rows", "1")
+    assert sooner["pointer_search_rows"] == 1 and "pointer_search_rows" not in once_all_wait
+    assert sooner["searches"] == once_all_wait["searches"]  # the rows' exact distances are batched otherwise:
+    assert sooner["knnlm_nll"] == pytest.approx(once_all_wait["knnlm_nll"], rel=1e-7)  # equal up to their rounding
+    assert sooner["searches_saved"] > 0
+
+
 def test_nearest_clusters_flag_reaches_the_walks_sketch(setting):
     """--pointer-nearest-clusters is KeySketch.max_clusters of the walk's clusters (whose effect is tested
     against a row-by-row oracle in tests/memlm/retrieval/test_clustered_order.py)."""
@@ -128,6 +140,7 @@ def test_a_gate_fitted_with_another_datastore_is_refused(capsys, tmp_path, setti
     (["--pointers", "--pointer-clusters", "4", "--pointer-exact", "8"], "--pointer-exact needs --pointer-sketch"),
     (["--pointers", "--pointer-clusters", "4", "--pointer-nearest-clusters", "2"],
      "--pointer-nearest-clusters needs --pointer-sketch"),
+    (["--pointer-search-rows", "8"], "--pointer-search-rows needs --pointers"),
     (["--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
     (["--adaptive-gate", "GATE"], "needs one of --adaptive-threshold X or --adaptive-fraction F"),
     (["--adaptive-gate", "GATE", "--adaptive-threshold", "0.5", "--adaptive-fraction", "0.5"], "needs one of"),
