@@ -7,8 +7,8 @@ matches and the datastore's other branches) are merged into their prefix tree (`
 and a parent (-1: the row's last token x_t, the root), the main draft's nodes first, as a chain. The pass feeds x_t
 and every node; node i sits at position p_t + depth(i) (its rotary angle) but in slot p_t + 1 + i of the row's cache,
 and attends to the row's cache and to its ancestors only (`ancestors`: the tree attention mask). Each node's
-logits are then exactly those of its path fed as one chain, so greedy acceptance walks the tree: from the root,
-the child whose token is the target's argmax at the current node, as long as there is one (`greedy_walk`). The
+logits are then those of its path fed as one chain, so greedy acceptance walks the tree: from the root, the child
+whose token is the target's argmax at the current node, as long as there is one (`walk`). The
 accepted path's cache entries move to slots p_t + 1 .. p_t + j (memlm.engine.kv_cache.RowCache.move_slots; none
 move when the path is the main draft's prefix), so the row goes on as after a chain.
 
@@ -96,18 +96,14 @@ def children(tree: DraftTree) -> list[dict[int, int]]:
     return kids
 
 
-def greedy_walk(kids: list[dict[int, int]], chosen: dict[int, int]) -> tuple[list[int], int | None]:
-    """Walk the tree from x_t while the token `chosen` at the current pass position (position -> token; x_t is 0,
-    node i is i + 1) is one of its children's. Returns the nodes accepted and the position where the walk ended
-    (its chosen token is the pass's last, the model's own), or None there when that position has no choice yet."""
-    path, at = [], 0
-    while at in chosen:
-        nxt = kids[at].get(chosen[at])
-        if nxt is None:
-            return path, at
-        path.append(nxt)
-        at = nxt + 1
-    return path, None
+def walk(kids: list[dict[int, int]], chosen: dict[int, int], start: int = 0) -> list[int]:
+    """Pass positions from `start` (x_t is 0, node i is i + 1), each the next's parent, while the token `chosen` at
+    one (a position -> token map) is one of its children's: [start, ...]; the last one's choice is missing or has
+    no child (then it is the pass's last token, the target's own)."""
+    visited = [start]
+    while visited[-1] in chosen and chosen[visited[-1]] in kids[visited[-1]]:
+        visited.append(kids[visited[-1]][chosen[visited[-1]]] + 1)
+    return visited
 
 
 def datastore_branches(pointers: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int,

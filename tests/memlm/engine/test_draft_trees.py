@@ -18,7 +18,7 @@ from test_speculative import BOUNDARY, GREEDY, KNN, KNN_LOW, SPEC, TOK, engine, 
 from tiny_models import sharp_tiny_model
 
 from memlm.engine import draft_trees
-from memlm.engine.draft_trees import ancestors, chain, children, depths, prefix_tree, row_tree
+from memlm.engine.draft_trees import ancestors, chain, children, depths, prefix_tree, row_tree, walk
 from memlm.engine.drafts import DraftSource, SpeculativeConfig
 from memlm.engine.engine import run_all
 from memlm.engine.kv_cache import CacheLayout, RowCache
@@ -33,6 +33,9 @@ def test_prefix_tree_merges_in_order_within_the_budget() -> None:
     assert prefix_tree([(1, 2, 3), (1, 4), (5,)], budget=4) == ((1, 2, 3, 4), (-1, 0, 1, 0))
     assert prefix_tree([(1, 2, 3), (5,)], budget=2) == ((1, 2), (-1, 0))  # the main draft first, cut at the budget
     assert chain((7, 8)).is_chain and not tree.is_chain and prefix_tree([], 3) == ((), ())
+    kids = children(tree)  # the walk follows the chosen child at every position, then stops
+    assert walk(kids, {0: 1, 1: 4, 4: 8}) == [0, 1, 4] and walk(kids, {0: 1, 1: 2}) == [0, 1, 2]
+    assert walk(kids, {0: 5}) == [0, 5] and walk(kids, {0: 9}) == [0] and walk(kids, {}, 2) == [2]
 
 
 def test_ancestors_are_the_path_to_the_root() -> None:
