@@ -201,7 +201,8 @@ def main() -> None:
         print("# --in-datastore: prompts may come from the datastore's own speeches; NOT the held-apart figure")
     print(f"# SmolLM2-135M-Instruct Q4_1 in {args.dtype}, datastore {args.datastore} ({store.info().n} entries, "
           f"{store.info().index}, searched by {args.search_backend}), k {knn.k}, lambda {knn.lmbda}, "
-          f"T {knn.temperature:.3f}; {len(prompts)} prompts of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens greedy, batch "
+          f"T {knn.temperature:.3f}; {len(prompts)} prompts of {args.prompt_tokens} tokens from {args.split}, "
+          f"{args.new_tokens} new tokens greedy, batch "
           f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
           f"history matches {spec.history_max_match}..{spec.history_min_match} tokens; "
           f"{args.repeats} rounds",

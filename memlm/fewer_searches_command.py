@@ -79,7 +79,7 @@ def pointer_config(args: argparse.Namespace) -> PointerConfig:
     """The PointerConfig of --pointers [--min-pointers N] [--pointer-width W] [--pointer-search-rows R]:
     PointerConfig's own defaults for the flags not given."""
     defaults = PointerConfig()
-    search_rows = getattr(args, "pointer_search_rows", None)
+    search_rows = args.pointer_search_rows
     return PointerConfig(min_pointers=defaults.min_pointers if args.min_pointers is None else args.min_pointers,
                          cluster_width=defaults.cluster_width if args.pointer_width is None else args.pointer_width,
                          search_rows=defaults.search_rows if search_rows is None else search_rows)
@@ -103,8 +103,7 @@ def gate_for(args: argparse.Namespace, evaluation: Any, model_fingerprint: str, 
         refuse_given(args, ("pointer_exact", "pointer_nearest_clusters"), "needs --pointer-sketch")
     clusters = {} if args.pointer_clusters is None else {"pointer_clusters": args.pointer_clusters}
     named = ("pointer_sketch", "pointer_exact", "pointer_nearest_clusters", "pointer_width", "pointer_search_rows")
-    clusters.update({name: getattr(args, name, None) for name in named
-                     if getattr(args, name, None) is not None})
+    clusters.update({name: getattr(args, name) for name in named if getattr(args, name) is not None})
     if args.adaptive_gate is None:
         refuse_given(args, ("adaptive_threshold", "adaptive_fraction"), "needs --adaptive-gate")
         return None, clusters

@@ -109,7 +109,8 @@ def walk(kids: list[dict[int, int]], chosen: dict[int, int], start: int = 0) -> 
 def datastore_branches(pointers: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int,
                        ) -> list[tuple[int, ...]]:
     """Up to `width` drafts from the pointers' chains (drafts.draft_chains): under each of the first tokens most
-    chains agree on (at least min_agreeing), the best-first path of the chains that start with it (drafts.best_draft)."""
+    chains agree on (at least min_agreeing), the best-first path of the chains that start with it
+    (drafts.best_draft)."""
     chains = draft_chains(pointers, source, length)  # (m, L)
     first = chains[:, 0] if chains.shape[0] else chains[:0, 0]  # (m,)
     tokens, counts = np.unique(first[first >= 0], return_counts=True)

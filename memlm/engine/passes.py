@@ -80,7 +80,8 @@ def inputs(engine: Engine, plan: Sequence[tuple[Row | ScoreRow, int]], verify: b
 
 
 def run(engine: Engine, plan: Sequence[tuple[Row | ScoreRow, int]], every_position: bool = False,
-        verify: bool = False, trees: Sequence[TreeShape] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        verify: bool = False, trees: Sequence[TreeShape] | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
     """One forward pass feeding `plan` (rows sorted by slot, tokens each), left-padded to the longest.
     Returns the last position's logits (B, V) and kNN keys (B, C) (every_position: all, (B, T, V) and (B, T, C))
     and, per row, whether it has fed everything it had (its logits are the next token's). verify: RowCache.view;

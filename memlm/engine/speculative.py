@@ -10,8 +10,9 @@ branch, and everything below holds for trees, read "the path the target's choice
 verification needs (the interpolated distribution p_i; a greedy row's up to the first draft token the base LM
 rejects, _lm_path, and a further search in the rare pass where the neighbours lift that token; a sampled
 row's every position), and for the rows whose target is the base LM the key of their last accepted
-position, only when their pointers ran out (the datastore then only drafts). With p_0 .. p_n the row's final distributions (memlm.engine.sampling's
-rules: the kNN-LM mixture, ids beyond the tokenizer's vocabulary never chosen, temperature, top-k, top-p):
+position, only when their pointers ran out (the datastore then only drafts). With p_0 .. p_n the row's final
+distributions (memlm.engine.sampling's rules: the kNN-LM mixture, ids beyond the tokenizer's vocabulary never
+chosen, temperature, top-k, top-p):
 - greedy: accept the longest prefix d_1 .. d_j with d_i = argmax p_{i-1}, then the model's own token
   argmax p_j: one pass always yields >= 1 token, and exactly plain greedy decoding's tokens;
 - sampling: the draft is deterministic (q = one-hot on d_i), so speculative sampling's rule (Leviathan

@@ -96,7 +96,8 @@ def test_no_savings_is_plain_knnlm_and_savings_are_reported(capsys, tmp_path, st
     (["--datastore", "STORE", "--adaptive-threshold", "0.5"], "--adaptive-threshold needs --adaptive-gate"),
     (["--datastore", "STORE", "--adaptive-threshold", "0"], "--adaptive-threshold needs --adaptive-gate"),
     (["--datastore", "STORE", "--pointers", "--speculative"], "do not combine with --speculative"),
-    (["--datastore", "STORE", "--pointers", "--pointer-search-rows", "4"], "--pointer-search-rows applies to memlm eval"),
+    (["--datastore", "STORE", "--pointers", "--pointer-search-rows", "4"],
+     "--pointer-search-rows applies to memlm eval"),
 ])
 def test_refusals_are_one_line(capsys, store, flags, message) -> None:
     flags = [str(store) if f == "STORE" else f for f in flags]

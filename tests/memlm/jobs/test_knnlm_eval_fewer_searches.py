@@ -84,7 +84,8 @@ def test_clustered_states_are_recorded_and_a_minimum_above_k_stays_plain(capsys,
 
 def test_search_rows_batch_the_same_walk_otherwise(capsys, tmp_path, setting):
     """--pointer-search-rows (PointerConfig.search_rows) changes how the walk's searches are batched, never which
-    tokens are searched nor what they get (tested on the walk itself: tests/memlm/retrieval/test_pointers_clusters.py)."""
+    tokens are searched nor what they get (tested on the walk itself:
+    tests/memlm/retrieval/test_pointers_clusters.py)."""
     flags = ("--pointers", "--min-pointers", "2", "--pointer-clusters", "8")
     once_all_wait = evaluate(capsys, tmp_path, setting, *flags)
     sooner = evaluate(capsys, tmp_path, setting, *flags, "--pointer-search-rows", "1")
@@ -104,7 +105,8 @@ def test_nearest_clusters_flag_reaches_the_walks_sketch(setting):
 
     _, store, _ = setting
     args = argparse.Namespace(pointers=True, min_pointers=2, pointer_width=None, pointer_clusters=4, pointer_sketch=4,
-                              pointer_exact=6, pointer_nearest_clusters=2, adaptive_gate=None)
+                              pointer_exact=6, pointer_nearest_clusters=2, pointer_search_rows=None,
+                              adaptive_gate=None)
     sketch = fewer_searches(args, Datastore.open(store), None).source.clusters.sketch
     assert (sketch.max_clusters, sketch.exact_members, sketch.basis.shape[1]) == (2, 6, 4)
     args.pointer_nearest_clusters = None
