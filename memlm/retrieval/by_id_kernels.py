@@ -128,6 +128,23 @@ static void prefetch_row(const char *row, int64_t bytes) {
 
 L2_BY_ID(l2_by_id_f16, uint16_t, l2_f16)
 L2_BY_ID(l2_by_id_f32, float, l2_f32)
+
+/* out[starts[i] + j] = order_bits(scores[i, j]) << 32 | (first_place + j): scores (rows, cols), no nan;
+   order_bits as memlm.retrieval.clustered_states.order_bits (-0.0 as 0.0, negatives' magnitude bits flipped). */
+void placed_keys_into(const float *scores, int64_t rows, int64_t cols, int64_t first_place, const int64_t *starts,
+                      int64_t *out) {
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = scores + i * cols;
+        int64_t *key = out + starts[i];
+        for (int64_t j = 0; j < cols; j++) {
+            int32_t b;
+            memcpy(&b, row + j, sizeof b);
+            if (b == INT32_MIN) b = 0; /* -0.0 */
+            b ^= (b >> 31) & 0x7fffffff;
+            key[j] = (int64_t)((uint64_t)(int64_t)b << 32) | (first_place + j);
+        }
+    }
+}
 """
 
 VECTOR_CPU_FLAGS = ("avx512f", "f16c", "fma")
@@ -184,6 +201,8 @@ def load_kernels(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [pointer, pointer, pointer, size, size, size, pointer]
         fn.restype = None
+    lib.placed_keys_into.argtypes = [pointer, size, size, size, pointer, pointer]
+    lib.placed_keys_into.restype = None
     return lib
 
 
@@ -226,3 +245,25 @@ def l2_by_id(queries: np.ndarray, keys: np.ndarray, ids: np.ndarray, lib: ctypes
         fn = lib.l2_by_id_f16 if keys.dtype == np.float16 else lib.l2_by_id_f32
         fn(q.ctypes.data, keys.ctypes.data, at.ctypes.data, at.shape[0], at.shape[1], d, out.ctypes.data)
     return out
+
+
+def placed_keys_into(scores: np.ndarray, first_place: int, starts: np.ndarray, out: np.ndarray,
+                     lib: ctypes.CDLL | None = None) -> None:
+    """out[starts[i] : starts[i] + s] = clustered_states.placed_keys(scores[i], first_place + arange(s)) for each
+    row i of scores (g, s) float32 C-contiguous without nan (starts (g,) int64, out (T,) int64 C-contiguous): the
+    rows' sort keys written where they go, in one pass (rank_keys). lib: as l2_by_id's."""
+    lib = lib or kernels()
+    if lib is None:
+        raise RuntimeError("the by-id kernels are not available (by_id_kernels.available() is False)")
+    at = np.ascontiguousarray(starts, dtype=np.int64)  # (g,)
+    g, s = scores.shape
+    if scores.dtype != np.float32 or not scores.flags.c_contiguous or at.shape != (g,):
+        raise ValueError(f"scores (g, s) C-contiguous float32 and starts (g,) expected, got {scores.dtype} "
+                         f"{scores.shape} and {at.shape}")
+    if out.dtype != np.int64 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable C-contiguous (T,) int64 array, got {out.dtype} {out.shape}")
+    if g and (int(at.min()) < 0 or int(at.max()) + s > out.shape[0] or not 0 <= first_place <= (1 << 32) - s):
+        raise ValueError(f"rows of {s} keys from starts in [{int(at.min())}, {int(at.max())}] do not fit out "
+                         f"({out.shape[0]}), or places from {first_place} pass 2^32")
+    if g and s:
+        lib.placed_keys_into(scores.ctypes.data, g, s, first_place, at.ctypes.data, out.ctypes.data)

@@ -224,10 +224,11 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         block, norms = sk.codes, sk.centred_norms  # (N, p), (N,)
         qq, qn = (q - sk.mean) @ sk.basis, None  # (r, p)
     sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
-    starts = (np.cumsum(sizes) - sizes if starts is None else starts).tolist()  # each pair's first key
+    starts = np.asarray(np.cumsum(sizes) - sizes if starts is None else starts, dtype=np.int64)  # (p,) first keys
     out = np.empty(int(sizes.sum()) if length is None else length, dtype=np.int64)  # (T,)
     by_cluster = np.argsort(p_cl, kind="stable")  # (p,)
     cuts = np.flatnonzero(np.diff(p_cl[by_cluster])) + 1
+    compiled = by_id_kernels.available()
     for group in np.split(by_cluster, cuts):  # the pairs of one cluster
         c = int(p_cl[group[0]])
         lo, hi = int(cl.offsets[c]), int(cl.offsets[c + 1])
@@ -235,10 +236,13 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0)  # (g, s)
         if qn is not None:
             d += qn[g_rows][:, None]
+        if compiled:  # the same keys in one pass over d, with no Python loop over the pairs
+            by_id_kernels.placed_keys_into(d.numpy(), lo, starts[group], out)
+            continue
         bits = order_bits(d.numpy(), in_place=True)  # (g, s) int32
         places = cl.places[lo:hi]  # (s,)
         for j, pair in enumerate(group.tolist()):  # placed_keys written where the pair's keys go: no (g, s) copy
-            key = out[starts[pair] : starts[pair] + hi - lo]  # (s,) a view
+            key = out[int(starts[pair]) : int(starts[pair]) + hi - lo]  # (s,) a view
             np.left_shift(bits[j], 32, out=key, dtype=np.int64)
             key |= places
     return out

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from memlm.retrieval import by_id_kernels
-from memlm.retrieval.by_id_kernels import PORTABLE_FLAGS, compile_kernels, l2_by_id, load_kernels
-from memlm.retrieval.clustered_states import clusters_of, exact_member_distances
+from memlm.retrieval.by_id_kernels import PORTABLE_FLAGS, compile_kernels, l2_by_id, load_kernels, placed_keys_into
+from memlm.retrieval.clustered_states import clusters_of, exact_member_distances, placed_keys, rank_keys
 
 needs_kernels = pytest.mark.skipif(not by_id_kernels.available(), reason="no C compiler: the kernels cannot be built")
 
@@ -133,3 +133,41 @@ def test_exact_member_distances_equal_with_and_without_the_kernels(monkeypatch):
     np.testing.assert_array_equal(np.isinf(fallback), ~scored)
     np.testing.assert_allclose(compiled[scored], fallback[scored], rtol=1e-5)
     np.testing.assert_allclose(compiled[scored], want[scored], rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", ["this_cpu", "portable"])
+def test_placed_keys_into_equals_placed_keys_row_by_row(build, portable):
+    """Each row's keys written at its start equal clustered_states.placed_keys (the numpy reference) bit for bit:
+    negatives, -0.0 against 0.0 (one key), infinities, subnormals; what no row covers is left as it was."""
+    rng = np.random.default_rng(3)
+    scores = (rng.normal(size=(4, 9)) * 1e3).astype(np.float32)
+    scores[0, :5] = [-0.0, 0.0, -np.inf, np.inf, 1e-45]
+    scores[1, :3] = [-1e-45, np.float32(-3.4e38), 3.4e38]
+    starts = np.array([30, 0, 9, 18], dtype=np.int64)
+    out = np.full(40, 7, dtype=np.int64)
+    placed_keys_into(scores, 100, starts, out, portable if build == "portable" else None)
+    for row, start in zip(scores, starts):
+        want = placed_keys(row.copy(), 100 + np.arange(9, dtype=np.int64))
+        np.testing.assert_array_equal(out[start : start + 9], want)
+    np.testing.assert_array_equal(out[27:30], 7)
+    assert out[30] == out[31] - 1  # -0.0 and 0.0: the same score, ordered by place
+    with pytest.raises(ValueError, match="do not fit"):
+        placed_keys_into(scores, 0, starts + 5, out)
+    with pytest.raises(ValueError, match="float32"):
+        placed_keys_into(scores.astype(np.float64), 0, starts, out)
+
+
+@pytest.mark.parametrize("sketched", [False, True])
+def test_rank_keys_equal_with_and_without_the_kernels(sketched, monkeypatch):
+    """The clustered walk's sort keys: the compiled writer and the numpy one give the same keys, pairs asking
+    for the same cluster in one call among them, exact and sketched scores."""
+    rng = np.random.default_rng(11)
+    n, d = 400, 24
+    keys = rng.normal(size=(n, d)).astype(np.float16)
+    cl = clusters_of(rng.integers(0, 5, size=n), keys, 5, seed=0, sketch_dims=8 if sketched else 0)
+    q = torch.from_numpy(rng.normal(size=(3, d)).astype(np.float32))
+    p_row, p_cl = np.array([0, 1, 2, 0, 2]), np.array([3, 3, 0, 1, 4])
+    compiled = rank_keys(q, p_row, p_cl, cl)
+    monkeypatch.setattr(by_id_kernels, "available", lambda: False)
+    np.testing.assert_array_equal(compiled, rank_keys(q, p_row, p_cl, cl))
