@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.jobs.generate import SamplingConfig, filter_logits
-from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
+from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
 
@@ -68,8 +68,7 @@ def choose_tokens(
     for j, i in enumerate(full):
         final_lp = lm_lp[j]  # (V,)
         if neighbors[i] is not None:
-            knn_lp = knn_log_distribution(neighbors[i], V, knn[i].temperature).to(logits.device)  # (1, V)
-            final_lp = interpolate(lm_lp[j : j + 1], knn_lp, knn[i].lmbda)[0]  # (V,)
+            final_lp = knn_mixture(lm_lp[j : j + 1], neighbors[i], knn[i].temperature, knn[i].lmbda)[0]  # (V,)
         choice = final_lp
         if decodable < V:
             choice = final_lp.clone()

@@ -55,7 +55,7 @@ from memlm.engine.sampling import search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, filter_logits
-from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
+from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher
 
 
@@ -158,8 +158,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
         further = {}
         for b, positions in spans.items():
             c = knn[b]
-            knn_lp = knn_log_distribution(got[b], lm_lp[b].shape[-1], c.temperature).to(lm_lp[b].device)  # (q, V)
-            mix = interpolate(lm_lp[b][positions], knn_lp, c.lmbda)  # (q, V)
+            mix = knn_mixture(lm_lp[b][positions], got[b], c.temperature, c.lmbda)  # (q, V)
             for i, p in enumerate(positions):
                 found[b][p] = Neighbors(*(a[i : i + 1] for a in got[b]))
                 mixed[b][p] = mix[i]

@@ -17,7 +17,7 @@ model thread, and stops advancing it when the client goes away).
   `segment_step` that makes the next-token logits instead (memlm.jobs.spalm_scoring.spalm_step).
 - kNN-LM (Khandelwal et al. 2020) mixes the full next-token distribution:
   log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) over the vocabulary, with
-  p_kNN from the k neighbours of the last position's key (`knn_log_distribution`).
+  p_kNN from the k neighbours of the last position's key (`knn_mixture`).
 - Sampling: temperature 0 is greedy (argmax); otherwise top-k, then top-p (nucleus) filtering, then a
   draw from a torch.Generator on the model's device seeded with `seed`, so a seed reproduces the tokens.
 - Text deltas: the generated ids are decoded as a whole after every token and only the new, complete
@@ -45,7 +45,7 @@ from memlm.jobs.windows import ShouldStop, check_stop
 from memlm.memory.config import MemoryConfig
 from memlm.model.decoder import Decoder, DecoderState, KVCache
 from memlm.model.tokenizer import Tokenizer
-from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
+from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Searcher, search_keys
 
 if TYPE_CHECKING:
@@ -338,8 +338,7 @@ def _next_token(
     final_lp = lm_lp
     if searcher is not None:
         nb = search_keys(searcher, key[None, :], knn.k, knn.search_options)  # (1, k)
-        knn_lp = knn_log_distribution(nb, V, knn.temperature)[0].to(logits.device)  # (V,)
-        final_lp = interpolate(lm_lp, knn_lp, knn.lmbda)  # (V,)
+        final_lp = knn_mixture(lm_lp[None, :], nb, knn.temperature, knn.lmbda)[0]  # (V,)
     choice = final_lp
     if decodable < V:
         choice = final_lp.clone()

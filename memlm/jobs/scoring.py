@@ -13,7 +13,7 @@ same batch forward as `score_documents` (memlm.jobs.windows.forward_windows), so
 context gets bit-identical base log-probabilities, and its perplexity equals `evaluate_perplexity` on
 the same tokens. The kNN-LM target
 log-probability is the sparse one `evaluate_knnlm` uses (`knn_target_logprob` + `interpolate`), so
-kNN-LM perplexities agree too; the dense distribution (`knn_log_distribution`) is built only for the
+kNN-LM perplexities agree too; the full distribution (`knn_mixture`) is built only for the
 greedy flags and the top-n alternatives under the final distribution, a bounded block of rows at a time.
 
 `score_tokens_segments` is the segment-recurrent counterpart (memory modes of the Score rpc): each
@@ -65,7 +65,7 @@ from memlm.retrieval.attribution import (
 from memlm.retrieval.knnlm import (
     KNNLMConfig,
     interpolate,
-    knn_log_distribution,
+    knn_mixture,
     knn_target_logprob,
 )
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
@@ -481,8 +481,7 @@ def _dense_greedy_top(
     greedy, top_ids, top_lp = [], [], []
     for lo in range(0, n, rows):
         block = Neighbors(*(a[lo : lo + rows] for a in nb))
-        knn_dense = knn_log_distribution(block, V, knn.temperature).to(lm_lp.device)  # (r, V)
-        mixed = interpolate(lm_lp[lo : lo + rows], knn_dense, knn.lmbda)  # (r, V)
+        mixed = knn_mixture(lm_lp[lo : lo + rows], block, knn.temperature, knn.lmbda)  # (r, V)
         greedy.append(mixed.argmax(dim=-1) == targets[lo : lo + rows])  # (r,)
         if top_n:
             top = mixed.topk(top_n, dim=-1)  # (r, N)

@@ -22,6 +22,7 @@ from memlm.retrieval.knnlm import (
     interpolate,
     knn_log_distribution,
     knn_logprob_from_matches,
+    knn_mixture,
     knn_target_logprob,
 )
 from memlm.retrieval.searcher import Neighbors, SearchOptions, search_keys
@@ -92,6 +93,36 @@ def test_interpolate_dense_distribution_is_normalised():
     lm = torch.log_softmax(torch.randn(5, V), dim=-1)  # (Q, V)
     mixed = interpolate(lm, knn_log_distribution(nb, V, 2.0), 0.3)
     torch.testing.assert_close(mixed.exp().sum(1), torch.ones(5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 1e-6, 0.3, 1.0])
+def test_knn_mixture_equals_the_dense_interpolation_and_a_float64_oracle(lmbda):
+    """knn_mixture (the logaddexp at the neighbours' tokens only) is interpolate over the dense p_kNN: the same
+    floats wherever both are finite, -inf at the same places; rows with missing neighbours (token 0 retrieved
+    in some rows, absent in others) and a row without any; lambda 0 returns the LM's tensor itself."""
+    rng = np.random.default_rng(7)
+    nb = random_neighbors(rng, Q=6, k=12, missing=4)
+    nb.values[1][nb.values[1] == 0] = 5  # row 1: token 0 only as the missing neighbours' placeholder
+    nb.distances[2], nb.values[2] = np.inf, -1  # row 2: no neighbours
+    assert (nb.values[0] == 0).any()
+    lm = torch.log_softmax(torch.randn(6, V) * 4, dim=-1)  # (Q, V)
+    got = knn_mixture(lm, nb, 2.0, lmbda)
+    if lmbda == 0.0:
+        assert got is lm
+        return
+    dense = interpolate(lm, knn_log_distribution(nb, V, 2.0), lmbda)  # (Q, V)
+    np.testing.assert_array_equal(torch.isneginf(got).numpy(), torch.isneginf(dense).numpy())
+    torch.testing.assert_close(got, dense, rtol=1e-6, atol=0)
+    w = np.exp(-nb.distances.astype(np.float64) / 2.0)  # (Q, k)
+    p_knn = np.zeros((6, V))
+    for q in range(6):
+        np.add.at(p_knn[q], nb.values[q][nb.values[q] >= 0], w[q][nb.values[q] >= 0])
+    p_knn /= np.maximum(p_knn.sum(1, keepdims=True), 1e-300)
+    with np.errstate(divide="ignore"):
+        oracle = np.log(lmbda * p_knn + (1 - lmbda) * lm.double().exp().numpy())
+    finite = np.isfinite(oracle)
+    np.testing.assert_array_equal(torch.isfinite(got).numpy(), finite)
+    np.testing.assert_allclose(got.numpy()[finite], oracle[finite], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
