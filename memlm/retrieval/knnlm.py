@@ -129,13 +129,12 @@ def knn_mixture(lm_logprob: torch.Tensor, neighbors: Neighbors, temperature: flo
     and the logaddexp at their k tokens only: no dense p_kNN, no (Q, V) logaddexp."""
     if lmbda == 0.0:
         return lm_logprob
+    if lmbda == 1.0:
+        return knn_log_distribution(neighbors, lm_logprob.shape[-1], temperature).to(lm_logprob.device)  # (Q, V)
     ids, support = _support_logprobs(neighbors, lm_logprob.shape[-1], temperature)  # (Q, k), (Q, k)
     ids, support = ids.to(lm_logprob.device), support.to(lm_logprob.device)
-    if lmbda == 1.0:
-        dense = torch.full(lm_logprob.shape, NEG_INF, dtype=torch.float32, device=lm_logprob.device)  # (Q, V)
-        return dense.scatter_(1, ids, support)
     mixed = lm_logprob.float() + math.log1p(-lmbda)  # (Q, V)
-    return mixed.scatter_(1, ids, interpolate(lm_logprob.float().gather(1, ids), support, lmbda))
+    return mixed.scatter_(1, ids, interpolate(lm_logprob.gather(1, ids).float(), support, lmbda))
 
 
 def interpolate(lm_logprob: torch.Tensor, knn_logprob: torch.Tensor, lmbda: float) -> torch.Tensor:
