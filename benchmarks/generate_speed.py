@@ -24,7 +24,7 @@ over the median step time. Each figure is printed as soon as it is measured.
 
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
-        [--figures 1,2,3,4,6] [--graph-streams 1,8] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256] [--engine-gemm onednn|mkl]
+        [--figures 1,2,3,4,6] [--graph-streams 1,8] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256] [--engine-gemm few-rows|onednn|mkl]
 
 The engine and transformers do the same work per token, and the engine more: greedy on both sides, logits of
 the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob
@@ -47,7 +47,7 @@ from forward_throughput import hf_twin
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.model.decoder import CPU_GEMMS, DEFAULT_CPU_GEMM
+from memlm.model.decoder import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 from memlm.model.device import synchronize
 from memlm.retrieval.knnlm import KNNLMConfig
 
@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--figures", default="1,2,3,4", help="which figures to measure (e.g. 2 for batch-1 only)")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall time, or process CPU time (cpu: "
                    "for a CPU shared with other jobs, with OMP_NUM_THREADS=1; tokens/s then per CPU-second)")
-    p.add_argument("--engine-gemm", default=DEFAULT_CPU_GEMM, choices=sorted(CPU_GEMMS),
+    p.add_argument("--engine-gemm", default=DEFAULT_CPU_GEMM, choices=CPU_GEMM_NAMES,
                    help=f"our side's float32 CPU GEMM: the decoder's default ({DEFAULT_CPU_GEMM}), or MKL's as transformers' nn.Linear")
     _common.add_synthetic_flag(p)
     return p.parse_args()
@@ -112,13 +112,14 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """--clock: wall time, or this process's CPU time (on a shared CPU with one torch thread, the time spent
 working, not waiting for a core other jobs hold; GPU work is not in it)."""
 CLOCK = CLOCKS["wall"]
-ENGINE_GEMM = CPU_GEMMS[DEFAULT_CPU_GEMM]
-"""--engine-gemm: the context our side (engine, full recomputation) runs in; transformers' side runs as it is."""
+ENGINE_GEMM = DEFAULT_CPU_GEMM
+"""--engine-gemm: the GEMM our side (engine, full recomputation) runs (memlm.model.decoder.cpu_gemm_as); transformers'
+side runs as it is."""
 
 
 def run_engine(engine: Engine, requests: list[GenerationRequest]) -> list:
     """run_all on our side's GEMM (--engine-gemm)."""
-    with ENGINE_GEMM():
+    with cpu_gemm_as(ENGINE_GEMM):
         return run_all(engine, requests)
 
 
@@ -276,7 +277,7 @@ def graphs_vs_ordinary(bench, ps, streams: int, args, device) -> dict:
         tokens[graphs] = [generated(h.events()) for h in handles]
         return step_s
 
-    with ENGINE_GEMM():
+    with cpu_gemm_as(ENGINE_GEMM):
         for graphs in engines:
             run(graphs)  # warm-up: allocation, capture
         for _ in range(args.repeats):
@@ -362,7 +363,7 @@ def main() -> None:
     global CLOCK, ENGINE_GEMM
     args = parse_args()
     CLOCK = CLOCKS[args.clock]
-    ENGINE_GEMM = CPU_GEMMS[args.engine_gemm]
+    ENGINE_GEMM = args.engine_gemm
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise SystemExit("--clock cpu measures one CPU thread: run with OMP_NUM_THREADS=1 on --device cpu")
     device = torch.device(args.device)
@@ -383,7 +384,7 @@ def main() -> None:
     t0 = time.perf_counter()
     figures = {int(f) for f in args.figures.split(",")}
     if 1 in figures:
-        with ENGINE_GEMM():
+        with cpu_gemm_as(ENGINE_GEMM):
             fig1 = cached_vs_recomputation(bench, ps[0], args, device)
         report_recomputation(args, fig1)
         if args.peak_gbs:

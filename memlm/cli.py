@@ -22,7 +22,7 @@ from memlm.eval_command import add_eval_parser
 from memlm.gate_command import add_train_gate_parser
 from memlm.generate_command import add_generate_parser, add_speculative_options
 from memlm.memory.config import MemoryConfig
-from memlm.model.decoder import CPU_GEMMS, DEFAULT_CPU_GEMM
+from memlm.model.decoder import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 from memlm.options import (
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
@@ -442,9 +442,10 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="memlm", description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-gemm", default=DEFAULT_CPU_GEMM, choices=sorted(CPU_GEMMS),
-                        help="the CPU float32 GEMM of the decoder's linear layers (memlm.model.decoder.CPU_GEMMS): "
-                             "onednn (default, faster on free cores) or mkl (on a CPU whose cores other processes "
+    parser.add_argument("--cpu-gemm", default=DEFAULT_CPU_GEMM, choices=CPU_GEMM_NAMES,
+                        help="the CPU float32 GEMM of the decoder's linear layers (memlm.model.decoder.CPU_GEMM_NAMES): "
+                             "few-rows (default: memlm's batch-invariant kernel for a decode step's few rows on one "
+                             "torch thread, oneDNN's otherwise), onednn, or mkl (on a CPU whose cores other processes "
                              "hold, where oneDNN's parallel GEMMs stall); before the command: memlm --cpu-gemm mkl serve lm ...")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with CPU_GEMMS[args.cpu_gemm]():
+        with cpu_gemm_as(args.cpu_gemm):
             args.func(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below and not at interpreter exit
     except MemlmError as e:

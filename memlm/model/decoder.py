@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from abc import ABC, abstractmethod
 from typing import NamedTuple, Protocol
 
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memlm.model import few_rows_gemm
 from memlm.model.config import ModelConfig
 
 
@@ -132,53 +133,65 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-_float32_onednn = True
-"""Whether cpu_float32_gemm may take oneDNN: off inside float32_gemm_on_mkl. Process-wide (one kernel choice for
-every thread of a server, as torch.backends' own flags), and only float32's: bfloat16 and float16 CPU matmuls
-keep oneDNN (torch.backends.mkldnn stays on: switched off, a bfloat16 (8, 576) x (576, 1536) linear took 3093 us
-against 587, measured 1 Dec)."""
+CPU_GEMM_NAMES = ("few-rows", "onednn", "mkl")
+"""The CPU float32 GEMMs Linear can run (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm):
+"few-rows" (the default): memlm.model.few_rows_gemm's kernel for up to its MAX_ROWS rows on one torch thread (a
+decode step's few rows; batch-invariant), oneDNN's GEMM on packed weights otherwise; "onednn": oneDNN's always;
+"mkl": F.linear, MKL's GEMM as transformers' nn.Linear, the one that keeps its speed when other processes hold the
+cores of a multi-threaded run (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall at their barriers there)
+and the one to compare with transformers bit for bit."""
+DEFAULT_CPU_GEMM = "few-rows"
+_cpu_gemm = DEFAULT_CPU_GEMM
+"""The GEMM in force (cpu_gemm_as). Process-wide (one kernel choice for every thread of a server, as
+torch.backends' own flags), and only float32's: bfloat16 and float16 CPU matmuls keep oneDNN (torch.backends.mkldnn
+stays on: switched off, a bfloat16 (8, 576) x (576, 1536) linear took 3093 us against 587, measured 1 Dec)."""
 
 
 def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether Linear runs oneDNN's GEMM instead of F.linear's: inference (grad disabled) in float32 on the
-    CPU, with oneDNN built in and float32's not switched off (float32_gemm_on_mkl, `memlm --cpu-gemm mkl`).
+    """Whether Linear runs our GEMM (few_rows_gemm) or oneDNN's instead of F.linear's: inference (grad disabled)
+    in float32 on the CPU, with oneDNN built in and the GEMM not set to "mkl" (cpu_gemm_as).
 
-    Why: on this project's CPU (AMD EPYC, AVX-512; PyTorch's CPU wheel links MKL for float32 BLAS) MKL's sgemm
-    is slow at the decoder's shapes and oneDNN is not (issue 12; measured 1 Dec, one thread, CPU time, weights out
-    of cache): a 1536x576 weight at 1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us on MKL, 219 / 317 / 573 /
-    2477 us on oneDNN; the 49152x576 head 7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms (end to end:
-    benchmarks/generate_speed.py --engine-gemm mkl|onednn). The same float32 products summed in another order:
-    SmolLM2's logits over 2 x 256 SOTU tokens differ from transformers' by at most 9e-5 (max |logit| 40), where
-    transformers' own eager and SDPA attention differ by 5e-5. bfloat16 and float16 CPU matmuls already run on
-    oneDNN; autograd takes F.linear (oneDNN's op has no backward). On a CPU shared with other jobs give torch
-    free cores: with 2 threads while other processes held a core, oneDNN's parallel GEMMs stalled at their
-    barriers (batch-1 decode 3.8 tokens/s vs 24.8 on MKL's GEMM, load 4; near idle 38.0 vs 25.2)."""
+    Why: PyTorch's CPU wheel links MKL for float32 BLAS, and MKL's sgemm is slow at the decoder's shapes (issue 12;
+    measured 1 Dec on an AMD EPYC with AVX-512, one thread, CPU time, weights out of cache): a 1536x576 weight at
+    1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us on MKL, 219 / 317 / 573 / 2477 us on oneDNN; the 49152x576 head
+    7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms (end to end: benchmarks/generate_speed.py --engine-gemm mkl|onednn);
+    on 3 Dec's Intel Xeon MKL's was faster than oneDNN's at 1-3 rows and far slower from 4 (few_rows_gemm's
+    docstring). The same float32 products summed in another order: SmolLM2's logits over 2 x 256 SOTU tokens differ
+    from transformers' by at most 9e-5 (max |logit| 40), where transformers' own eager and SDPA attention differ by
+    5e-5. bfloat16 and float16 CPU matmuls already run on oneDNN; autograd takes F.linear (oneDNN's op has no
+    backward). On a CPU shared with other jobs give torch free cores: with 2 threads while other processes held a
+    core, oneDNN's parallel GEMMs stalled at their barriers (batch-1 decode 3.8 tokens/s vs 24.8 on MKL's GEMM,
+    load 4; near idle 38.0 vs 25.2)."""
     # Not under torch.compile: Inductor cannot lower mkldnn._linear_pointwise with dynamic shapes (LoweringException)
     # and picks its own GEMM for F.linear.
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and _float32_onednn and not torch.compiler.is_compiling())
+            and _cpu_gemm != "mkl" and not torch.compiler.is_compiling())
+
+
+def on_few_rows(x: torch.Tensor) -> bool:
+    """Where cpu_float32_gemm holds: whether the product with x runs few_rows_gemm's kernel (the GEMM in force is
+    "few-rows" and the kernel fits x: few_rows_gemm.fits) rather than oneDNN's."""
+    return _cpu_gemm == "few-rows" and few_rows_gemm.fits(x)
 
 
 @contextlib.contextmanager
-def float32_gemm_on_mkl() -> Iterator[None]:
-    """A context in which Linear's CPU float32 inference takes F.linear (MKL's GEMM in float32, as transformers'
-    nn.Linear); other dtypes unchanged: for a CPU shared with other processes, comparisons bit for bit with
-    transformers and measuring what oneDNN gives (benchmarks/generate_speed.py --engine-gemm mkl)."""
-    global _float32_onednn
-    before, _float32_onednn = _float32_onednn, False
+def cpu_gemm_as(name: str) -> Iterator[None]:
+    """A context in which Linear's CPU float32 inference runs the GEMM `name` (CPU_GEMM_NAMES); other dtypes
+    unchanged."""
+    global _cpu_gemm
+    if name not in CPU_GEMM_NAMES:
+        raise ValueError(f"the CPU GEMM must be one of {', '.join(CPU_GEMM_NAMES)}, got {name!r}")
+    before, _cpu_gemm = _cpu_gemm, name
     try:
         yield
     finally:
-        _float32_onednn = before
+        _cpu_gemm = before
 
 
-CPU_GEMMS = {"onednn": contextlib.nullcontext, "mkl": float32_gemm_on_mkl}
-"""The CPU float32 GEMM Linear runs, by name (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm): the
-context a command runs in. "onednn" (the default) is the faster kernel on an idle CPU; "mkl" is the one that
-keeps its speed when other processes hold cores (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall
-at their barriers there)."""
-DEFAULT_CPU_GEMM = "onednn"
+def float32_gemm_on_mkl() -> contextlib.AbstractContextManager[None]:
+    """cpu_gemm_as("mkl"): F.linear's GEMM, as transformers' nn.Linear (comparisons bit for bit with transformers)."""
+    return cpu_gemm_as("mkl")
 
 
 PACKED_ROWS = 4
@@ -194,34 +207,47 @@ kernel than several)."""
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose CPU float32 inference runs oneDNN's GEMM on a packed copy of
-    its weight (cpu_float32_gemm says when and why, PACKED_ROWS what packing buys). The copy is made on the first
+    """nn.Linear (same parameters and names) whose CPU float32 inference runs memlm.model.few_rows_gemm's kernel
+    for a few rows on one thread, else oneDNN's GEMM on a packed copy of its weight (cpu_float32_gemm says when and
+    why, CPU_GEMM_NAMES which, PACKED_ROWS what packing buys). The copy is made on the first
     such call and again whenever the weight changed (another tensor, or written in place: its version): it costs
     the weight's memory once more, and is no parameter (not saved, not trained)."""
 
     _packed: tuple[tuple[int, int, int], torch.Tensor] | None = None
     """(the weight's id, data pointer and version when packed, the packed copy)."""
+    _panels: tuple[tuple[int, int, int], torch.Tensor] | None = None
+    """(the same key, few_rows_gemm.panels of the weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight  # one parameter lookup a call: this runs 211 times a SmolLM2 decode step
         if cpu_float32_gemm(x, w):
+            if on_few_rows(x) and not w.is_inference():  # an inference-mode weight: no version to tell a write
+                panels = self._copy_of(w, "_panels", few_rows_gemm.panels)
+                return few_rows_gemm.linear(x, panels, w.shape[0], self.bias)
             return packed_linear(x, self.packed_weight(w), self.bias)
         return F.linear(x, w, self.bias)
 
     def packed_weight(self, w: torch.Tensor) -> torch.Tensor:
         """oneDNN's packed copy of the weight w (= self.weight) as it is now; w itself when made under
         torch.inference_mode (no version counter to tell an in-place write: used unpacked)."""
-        if w.is_inference():
-            return w
+        return w if w.is_inference() else self._copy_of(w, "_packed", pack_weight)
+
+    def _copy_of(self, w: torch.Tensor, attr: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The copy make(w) kept in `attr` (_packed, _panels), made again when w changed since (another tensor, or
+        written in place: its version)."""
         key = (id(w), w.data_ptr(), w._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_weight(w))
-        return self._packed[1]
+        kept = getattr(self, attr)
+        if kept is None or kept[0] != key:
+            kept = (key, make(w))
+            setattr(self, attr, kept)
+        return kept[1]
 
     def __getstate__(self) -> dict:
-        # The packed copy is an opaque oneDNN tensor (no pickling, no deepcopy): it is remade on first use.
+        # The packed copy is an opaque oneDNN tensor (no pickling, no deepcopy): it is remade on first use, and the
+        # panels too (a copy of the weight: not saved twice).
         state = super().__getstate__()
         state.pop("_packed", None)
+        state.pop("_panels", None)
         return state
 
 

@@ -5,10 +5,10 @@ walk's scattered reads overlap the arithmetic. On the 208K-key SOTU datastore on
 0.55 s in faiss' fvec_L2sqr_by_idx over float32 keys and 0.34 s here over float16 keys (the same values: the
 stored keys are float16), equal up to float32 rounding (2.4e-7 relative).
 
-The C source below is compiled at first use with the system C compiler into cache_dir()/kernels/<hash of
-source and flags>.so (written under a temporary name and renamed, so concurrent processes are safe), with AVX-512
-where /proc/cpuinfo shows avx512f, f16c and fma, and a portable -O3 build otherwise. Without a compiler, or when
-the build or the load fails, `available()` is False (logged once) and callers keep their faiss path.
+The C source below is compiled at first use (memlm.compiled: cached by source and flags, safe for concurrent
+processes), with AVX-512 where /proc/cpuinfo shows avx512f, f16c and fma, and a portable -O3 build otherwise.
+Without a compiler, or when the build or the load fails, `available()` is False (logged once) and callers keep
+their faiss path.
 
 Shape legend: r rows, e ids a row, d key dimension, N keys.
 """
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from memlm.files import atomic_path, cache_dir
+from memlm.compiled import compile_library, cpu_flags, load_or_warn
 
 log = logging.getLogger(__name__)
 
@@ -151,20 +148,6 @@ VECTOR_CPU_FLAGS = ("avx512f", "f16c", "fma")
 """What the vector build needs of the CPU (its -m flags below)."""
 VECTOR_FLAGS = ("-O3", "-mavx512f", "-mf16c", "-mfma")
 PORTABLE_FLAGS = ("-O3",)
-LINK_FLAGS = ("-shared", "-fPIC", "-std=c99")
-COMPILE_SECONDS = 120
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's feature flags (the first `flags` line of /proc/cpuinfo; empty where there is none)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
 
 
 def build_flags() -> tuple[str, ...]:
@@ -173,24 +156,8 @@ def build_flags() -> tuple[str, ...]:
 
 
 def compile_kernels(flags: tuple[str, ...], folder: Path | None = None) -> Path:
-    """The shared library of SOURCE built with `flags` in `folder` (default cache_dir()/kernels), compiled only
-    when no build of the same source and flags is there. Raises OSError or subprocess.SubprocessError."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    digest = hashlib.sha256("\0".join((SOURCE, *flags, *LINK_FLAGS)).encode()).hexdigest()[:16]
-    path = (folder or cache_dir() / "kernels") / f"by_id_{digest}.so"
-    if path.is_file():
-        return path
-    with atomic_path(path, concurrent=True) as tmp:  # concurrent builders each write their own file
-        source = tmp.with_suffix(".c")
-        try:
-            source.write_text(SOURCE)
-            subprocess.run([compiler, *flags, *LINK_FLAGS, "-o", str(tmp), str(source)], check=True,
-                           capture_output=True, timeout=COMPILE_SECONDS)
-        finally:
-            source.unlink(missing_ok=True)
-    return path
+    """SOURCE's shared library built with `flags` (memlm.compiled.compile_library: cached by source and flags)."""
+    return compile_library(SOURCE, "by_id", flags, folder)
 
 
 def load_kernels(path: Path) -> ctypes.CDLL:
@@ -208,14 +175,9 @@ def load_kernels(path: Path) -> ctypes.CDLL:
 
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
-    """This process' kernels, built for this CPU; None (logged once) where they cannot be built or loaded."""
-    try:
-        return load_kernels(compile_kernels(build_flags()))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("memlm: no compiled by-id kernels (%s%s); exact distances use faiss", e,
-                    f": {detail.decode(errors='replace')[:500]}" if detail else "")
-        return None
+    """This process' kernels, built for this CPU; None (logged once) where they cannot be built or loaded: exact
+    distances then use faiss."""
+    return load_or_warn(lambda: load_kernels(compile_kernels(build_flags())), log, "by-id kernels")
 
 
 def available() -> bool:

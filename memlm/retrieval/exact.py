@@ -5,9 +5,11 @@ and memories that fit in GPU memory. Answers the Searcher seam (memlm.retrieval.
 
 Squared L2 is computed as |x|^2 - 2 x.k + |k|^2 with float32 accumulation: float16/bfloat16 keys are
 cast to float32 one chunk at a time, so memory stays at one (chunk, d) float32 block plus (Q, chunk).
-On the CPU (float32 inference on oneDNN, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on
-the first search, into a packed float32 copy (memlm.model.decoder.pack_weight: N * d * 4 bytes more), so that
-x.k is one GEMM that reads the keys once for all Q queries. Measured on the 81K-key SOTU datastore (d 576,
+On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on the first
+search, into a float32 copy (N * d * 4 bytes more), so that x.k is one GEMM that reads the keys once for all Q
+queries: for a decode step's few queries on one thread the few-rows kernel's (memlm.model.decoder.on_few_rows) over
+a copy in its panels (memlm.model.few_rows_gemm.panels), else oneDNN's over a packed one
+(memlm.model.decoder.pack_weight); a process that searches both ways holds both copies. Measured on the 81K-key SOTU datastore (d 576,
 k 1024, 2 threads, 2 Dec): 1 / 3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the
 packed product alone (the FAISS Flat index scans query by query: 7.2 ms a query on one thread, 14.7 on two).
 
@@ -22,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.model.decoder import cpu_float32_gemm, pack_weight, packed_linear
+from memlm.model import few_rows_gemm
+from memlm.model.decoder import cpu_float32_gemm, on_few_rows, pack_weight, packed_linear
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
 EXACT_INDEX = "exact"
@@ -31,7 +34,7 @@ EXACT_INDEX = "exact"
 
 def searcher_bytes(n: int, d: int, device: torch.device) -> int:
     """Memory a TorchExactSearcher over n float16 keys of width d takes on `device`: the keys, and on the CPU
-    their packed float32 chunks too (made by the first search)."""
+    their float32 chunks too (made by the first search; plain or packed, both where both kinds of search came)."""
     return n * d * (2 if device.type != "cpu" else 2 + 4)
 
 
@@ -55,7 +58,8 @@ class TorchExactSearcher:
         self.keys = keys
         self.values = values_np.astype(np.int32)  # (N,)
         self.chunk_size = int(chunk_size)
-        self._packed: list[torch.Tensor] | None = None  # per chunk, on the CPU: made by the first search
+        self._packed: list[torch.Tensor] | None = None  # per chunk, on the CPU: made by the first search on oneDNN
+        self._panels: list[torch.Tensor] | None = None  # per chunk, on the CPU: by the first on the few-rows kernel
         # |k|^2 once, in float32, chunk by chunk.
         norms = [keys[lo : lo + chunk_size].float().pow(2).sum(-1) for lo in range(0, keys.shape[0], chunk_size)]
         self.key_norms = torch.cat(norms) if norms else keys.new_zeros(0, dtype=torch.float32)  # (N,)
@@ -72,6 +76,21 @@ class TorchExactSearcher:
             self._packed = [pack_weight(self.keys[lo : lo + self.chunk_size].float())
                             for lo in range(0, self.keys.shape[0], self.chunk_size)]
         return self._packed
+
+    def _panel_chunks(self) -> list[torch.Tensor]:
+        """The keys' chunks in the few-rows kernel's panels (memlm.model.few_rows_gemm.panels), made once."""
+        if self._panels is None:
+            self._panels = [few_rows_gemm.panels(self.keys[lo : lo + self.chunk_size])
+                            for lo in range(0, self.keys.shape[0], self.chunk_size)]
+        return self._panels
+
+    def _products(self, x: torch.Tensor, chunk: int, lo: int, n: int) -> torch.Tensor:
+        """x (Q, d) float32 . the keys of chunk `chunk` (keys lo .. lo + n) -> (Q, n) float32."""
+        if cpu_float32_gemm(x, self.key_norms):
+            if on_few_rows(x):
+                return few_rows_gemm.linear(x, self._panel_chunks()[chunk], n)
+            return packed_linear(x, self._packed_chunks()[chunk])
+        return x @ self.keys[lo : lo + n].float().T
 
     @property
     def dim(self) -> int:
@@ -98,11 +117,9 @@ class TorchExactSearcher:
         x_norm = x.pow(2).sum(-1, keepdim=True)  # (Q, 1)
         best_d = torch.full((Q, 0), float("inf"), device=x.device)  # (Q, <=k)
         best_i = torch.zeros((Q, 0), dtype=torch.long, device=x.device)  # (Q, <=k)
-        packed = self._packed_chunks() if cpu_float32_gemm(x, self.key_norms) else None
         for c, lo in enumerate(range(0, N, self.chunk_size)):
             n = min(self.chunk_size, N - lo)
-            products = packed_linear(x, packed[c]) if packed else x @ self.keys[lo : lo + n].float().T  # (Q, n)
-            dist = products.mul_(-2.0).add_(x_norm).add_(self.key_norms[lo : lo + n])  # (Q, n) |x|^2 - 2 x.k + |k|^2
+            dist = self._products(x, c, lo, n).mul_(-2.0).add_(x_norm).add_(self.key_norms[lo : lo + n])  # (Q, n) |x|^2 - 2 x.k + |k|^2
             dist.clamp_(min=0.0)  # cancellation can dip below zero for near-identical vectors
             # The chunk's own best first (ids: their positions + lo), then merged with the best so far: no
             # (Q, n) id array, no concatenation of a whole chunk.

@@ -1,4 +1,5 @@
-"""memlm.model.decoder.Linear: CPU float32 inference on oneDNN's GEMM (cpu_float32_gemm), else F.linear."""
+"""memlm.model.decoder.Linear: CPU float32 inference on oneDNN's GEMM (cpu_float32_gemm; these tests under
+cpu_gemm_as("onednn"), the few-rows kernel has its own in test_few_rows_gemm.py), else F.linear."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlm.model.decoder import Linear, cpu_float32_gemm, float32_gemm_on_mkl
+from memlm.model.decoder import Linear, cpu_float32_gemm, cpu_gemm_as, float32_gemm_on_mkl
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def on_onednn():
+    """oneDNN's GEMM for any number of rows and threads (the default takes the few-rows kernel on one thread)."""
+    with cpu_gemm_as("onednn"):
+        yield
 
 
 def make_linear(n_in: int, n_out: int, bias: bool) -> Linear:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from memlm import compiled
 from memlm.retrieval import by_id_kernels
 from memlm.retrieval.by_id_kernels import PORTABLE_FLAGS, compile_kernels, l2_by_id, load_kernels, placed_keys_into
 from memlm.retrieval.clustered_states import clusters_of, exact_member_distances, placed_keys, rank_keys
@@ -100,7 +101,7 @@ def test_a_build_is_cached_by_source_and_flags(tmp_path):
 @pytest.fixture
 def no_compiler(monkeypatch):
     """The kernels as in a process without a C compiler (the cache of `kernels()` cleared before and after)."""
-    monkeypatch.setattr(by_id_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     by_id_kernels.kernels.cache_clear()
     yield
     by_id_kernels.kernels.cache_clear()

@@ -141,23 +141,31 @@ def test_torch_exact_searcher_matches_brute_force(dtype):
     assert nb.distances.dtype == np.float32 and nb.ids.dtype == np.int64 and nb.values.dtype == np.int32
 
 
-def test_torch_exact_searcher_on_packed_cpu_keys_equals_plain_products():
-    """On the CPU the keys are searched through a packed float32 copy (one oneDNN GEMM a chunk); the same
-    neighbours as the plain matmul over float32 casts of the chunks (float32_gemm_on_mkl switches packing off)."""
-    from memlm.model.decoder import float32_gemm_on_mkl
+@pytest.mark.parametrize("gemm", ["onednn", "few-rows"])
+def test_torch_exact_searcher_on_packed_cpu_keys_equals_plain_products(gemm, monkeypatch):
+    """On the CPU the keys are searched through a float32 copy, packed for oneDNN's GEMM or in the few-rows kernel's
+    panels (one GEMM a chunk); the same neighbours as the plain matmul over float32 casts of the chunks
+    (float32_gemm_on_mkl switches both off)."""
+    from memlm.model import few_rows_gemm
+    from memlm.model.decoder import cpu_gemm_as, float32_gemm_on_mkl
 
+    if gemm == "few-rows" and not few_rows_gemm.available():
+        pytest.skip("no AVX-512 CPU or no C compiler: the few-rows GEMM cannot be built")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the few-rows kernel's condition in any run
     rng = np.random.default_rng(3)
     keys = torch.from_numpy(rng.normal(size=(1000, 64)).astype(np.float16))
     searcher = TorchExactSearcher(keys, rng.integers(0, 50, size=1000).astype(np.int32), chunk_size=300)
     xq = rng.normal(size=(5, 64)).astype(np.float32)
     with float32_gemm_on_mkl():
         plain = searcher.search(xq, 30)
-    assert searcher._packed is None
-    packed = searcher.search(xq, 30)
-    assert searcher._packed is not None and len(searcher._packed) == 4  # chunks of 300, 300, 300, 100
+    assert searcher._packed is None and searcher._panels is None
+    with cpu_gemm_as(gemm):
+        packed = searcher.search(xq, 30)
+        alone = searcher.search(xq[2:3], 30)  # a query's neighbours whatever else is in the call
+    copies = searcher._packed if gemm == "onednn" else searcher._panels
+    assert copies is not None and len(copies) == 4  # chunks of 300, 300, 300, 100
     np.testing.assert_array_equal(packed.ids, plain.ids)
     np.testing.assert_allclose(packed.distances, plain.distances, rtol=1e-5, atol=1e-4)
-    alone = searcher.search(xq[2:3], 30)  # a query's neighbours whatever else is in the call
     np.testing.assert_array_equal(alone.ids[0], packed.ids[2])
 
 

@@ -1,0 +1,79 @@
+"""The decoder's float32 CPU GEMMs at a decode step's few rows: memlm.model.few_rows_gemm's kernel vs oneDNN's GEMM
+on weights packed for decoder.PACKED_ROWS rows (Linear's path for more rows) vs MKL's (F.linear, as transformers'
+nn.Linear), over every weight of SmolLM2-135M (its 210 linear layers and the tied 49152x576 head, each called once
+a round, so each is read from memory as in a decode step), alternating the three in one run, one torch thread.
+
+Prints, per row count, the milliseconds a round takes on each (the best of --repeats rounds), the ratios, and the
+bandwidth each reaches (the weights' bytes a round over its time); then whether our kernel's rows are bit for bit
+the same alone and together (the property the speculative verifying pass relies on) on the head.
+
+    OMP_NUM_THREADS=1 python benchmarks/few_rows_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--synthetic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common
+import torch
+import torch.nn.functional as F
+
+from memlm.model import few_rows_gemm
+from memlm.model.decoder import Linear, pack_weight, packed_linear
+
+
+def round_ms(fn, operands: list[torch.Tensor], inputs: list[int], xs: dict[int, torch.Tensor]) -> float:
+    """Milliseconds of one call fn(x, operand) per weight, x the rows of that weight's input size."""
+    start = time.perf_counter()
+    for operand, k in zip(operands, inputs):
+        fn(xs[k], operand)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,4,8,17,32")
+    p.add_argument("--repeats", type=int, default=5)
+    _common.add_synthetic_flag(p)
+    args = p.parse_args()
+    if torch.get_num_threads() != 1:
+        raise SystemExit("the few-rows kernel runs on one torch thread: run with OMP_NUM_THREADS=1")
+    if not few_rows_gemm.available():
+        raise SystemExit("the few-rows GEMM cannot be built here (no AVX-512 CPU or no C compiler; see the log)")
+    bench = _common.load_model(None, args.synthetic)
+    _common.synthetic_banner(bench.synthetic)
+    model = bench.pre.model
+    weights = [m.weight.detach().contiguous() for m in model.modules() if isinstance(m, Linear)]  # the head too
+    packed = [pack_weight(w) for w in weights]
+    # Panels of the weights' outputs rounded up to 16 (SmolLM2's are multiples of 16: the same work as the others).
+    panels = [few_rows_gemm.panels(w) for w in weights]
+    inputs = [w.shape[1] for w in weights]
+    gigabytes = sum(w.numel() for w in weights) * 4 / 1e9
+    print(f"# {bench.name}{' (random weights)' if bench.synthetic else ' (SmolLM2-135M-Instruct Q4_1, in float32)'}: "
+          f"{len(weights)} weights, {gigabytes * 1e3:.0f} MB a round; one torch thread; best of {args.repeats} rounds")
+    sides = {
+        "ours": (lambda x, p: few_rows_gemm.linear(x, p, p.shape[0] * few_rows_gemm.PANEL), panels),
+        "oneDNN packed": (lambda x, w: packed_linear(x, w), packed),
+        "MKL": (F.linear, weights),
+    }
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(rows, k) for k in set(inputs)}
+            best = {name: float("inf") for name in sides}
+            for _ in range(args.repeats):  # alternating: the machine's noise falls on all three alike
+                for name, (fn, operands) in sides.items():
+                    best[name] = min(best[name], round_ms(fn, operands, inputs, xs))
+            print(f"{rows} rows: ours {best['ours']:.1f} ms ({gigabytes / best['ours'] * 1e3:.1f} GB/s), oneDNN packed "
+                  f"{best['oneDNN packed']:.1f} ms ({best['oneDNN packed'] / best['ours']:.2f}x ours), MKL "
+                  f"{best['MKL']:.1f} ms ({best['MKL'] / best['ours']:.2f}x ours)", flush=True)
+        head = model.lm_head.weight.detach().contiguous()
+        x = torch.randn(few_rows_gemm.MAX_ROWS, head.shape[1])  # (M, K)
+        head_panels, n = few_rows_gemm.panels(head), head.shape[0]
+        alone = torch.cat([few_rows_gemm.linear(x[i : i + 1], head_panels, n) for i in range(x.shape[0])])
+        same = all(torch.equal(few_rows_gemm.linear(x[:m], head_panels, n), alone[:m]) for m in range(1, x.shape[0] + 1))
+        print(f"# ours, the head's rows alone vs together (1..{x.shape[0]} rows): bit for bit {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""A compiled float32 GEMM for the few rows a decode step feeds (memlm.model.decoder.Linear), bandwidth-bound and
+batch-invariant: y (M, N) = x (M, K) @ w (N, K).T for M up to MAX_ROWS, one thread.
+
+Why our own kernel: a decode step of SmolLM2-135M reads its 536 MB of float32 weights for one row (plain decoding)
+or a few (a speculative verifying pass, memlm.engine.speculative; a handful of batched rows), so it is bound by
+memory bandwidth, and a good kernel for 1 row should cost about what one for 8 does. Neither library's does on
+this project's CPU (Intel Xeon, AVX-512; one thread, SmolLM2's 211 weight shapes once each, random values, weights
+out of cache, measured 3 Dec): oneDNN's GEMM on weights packed for 4 rows (decoder.PACKED_ROWS) took 74 ms for
+1 row and 74-94 ms for 2-8, 114 for 17; MKL's 65 ms for 1 and 107-135 ms from 4 rows. This kernel reads the weight
+laid out in panels of 16 outputs (`panels`: each panel (K, 16) contiguous, a few panels streamed at once and
+prefetched 2 KB ahead) and keeps every row's 16-wide sums in registers, broadcasting one input at a time, so it has
+no horizontal sums: 46 ms for 1 row, 45 for 2 and 4, 50 for 8, 81 for 17, 129 for 32 (about 12 GB/s at 1 row;
+benchmarks/few_rows_gemm.py prints the three side by side). More than 8 rows go in groups of 8 over each group of
+panels, which then come from cache.
+
+Batch-invariant: every output y[m, n] is one fused multiply-add chain over k in order whatever the other rows are,
+so a row's logits in a verifying pass are bit for bit those of a plain one-row step, and a batched row's those of
+the row alone. Equal to a float64 oracle up to float32 rounding (a chain of K roundings: about 3e-6 relative at
+K = 1536, where oneDNN's blocked sums give 2-4e-6).
+
+Memory: the panels are a copy of the weight (N * K * 4 bytes; Linear makes it on the first few-rows call and keeps
+it, beside oneDNN's packed copy where larger calls come too, such as a prefill).
+
+Built (memlm.compiled) only where /proc/cpuinfo shows avx512f and fma; elsewhere, or without a C compiler,
+`available()` is False (logged once) and Linear keeps oneDNN's GEMM.
+
+Shape legend: M rows, K inputs, N outputs, P panels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from memlm.compiled import compile_library, cpu_flags, load_or_warn
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 32
+"""Most rows Linear gives the kernel (it takes any number); more go to oneDNN's GEMM. 32: a verifying pass of a
+16-token draft feeds 17 positions, and at 32 rows the kernel still beat oneDNN's (129 vs 139 ms, the measurement
+above; 64 rows 244 ms packed)."""
+PANEL = 16
+"""Outputs a panel holds: one AVX-512 vector of float32."""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <immintrin.h>
+#define INLINE static inline __attribute__((always_inline))
+#define AHEAD 512 /* floats of each panel prefetched ahead of the one read (2 KB) */
+
+/* y[m, 16 (p + b) ...] for m < M <= 8, b < NB: M rows against NB panels, k by k: each output one fused
+   multiply-add chain over k in order. M and NB are constants after inlining, so the M * NB accumulators (16
+   outputs each) stay in registers. */
+INLINE void group(const float *x, const float *panels, float *y, int64_t M, int64_t NB, int64_t N, int64_t K,
+                  int64_t p) {
+    __m512 acc[8][8];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < NB; b++) acc[m][b] = _mm512_setzero_ps();
+    const float *w = panels + p * K * 16;
+    for (int64_t k = 0; k < K; k++) {
+        __m512 wv[8];
+        for (int64_t b = 0; b < NB; b++) {
+            _mm_prefetch((const char *)(w + b * K * 16 + k * 16 + AHEAD), _MM_HINT_T0); /* never faults */
+            wv[b] = _mm512_loadu_ps(w + b * K * 16 + k * 16);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            __m512 xm = _mm512_set1_ps(x[m * K + k]);
+            for (int64_t b = 0; b < NB; b++) acc[m][b] = _mm512_fmadd_ps(xm, wv[b], acc[m][b]);
+        }
+    }
+    for (int64_t b = 0; b < NB; b++) {
+        int64_t n = (p + b) * 16, left = N - n;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        for (int64_t m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N + n, mask, acc[m][b]);
+    }
+}
+
+/* Rows m0 .. m0 + min(8, rest) - 1 against NB panels from p. */
+#define GROUP(mm, nb) group(x + m0 * K, panels, y + m0 * N, mm, nb, N, K, p)
+#define EIGHT_ROWS(NAME, NB)                                                                                   \
+    static void NAME(const float *x, const float *panels, float *y, int64_t rest, int64_t N, int64_t K,        \
+                     int64_t p, int64_t m0) {                                                                  \
+        switch (rest) {                                                                                        \
+        case 1: GROUP(1, NB); break; case 2: GROUP(2, NB); break; case 3: GROUP(3, NB); break;               \
+        case 4: GROUP(4, NB); break; case 5: GROUP(5, NB); break; case 6: GROUP(6, NB); break;               \
+        case 7: GROUP(7, NB); break; default: GROUP(8, NB); break;                                           \
+        }                                                                                                      \
+    }
+EIGHT_ROWS(rows_8, 8)
+EIGHT_ROWS(rows_6, 6)
+EIGHT_ROWS(rows_4, 4)
+EIGHT_ROWS(rows_3, 3)
+EIGHT_ROWS(rows_1, 1)
+
+/* y (M, N) = x (M, K) @ w (N, K).T with w as panels (P, K, 16): panels[p, k, j] = w[16 p + j, k], zero rows past N.
+   The rows go in groups of 8 over each group of panels: the panels come from memory for the first group of rows
+   and from cache for the others. */
+void few_rows_gemm(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K) {
+    static const int64_t PANELS[9] = {0, 8, 6, 6, 6, 4, 4, 3, 3}; /* as many as keep 8 rows' sums in registers */
+    int64_t P = (N + 15) / 16, nb = PANELS[M < 8 ? M : 8];
+    for (int64_t p = 0; p < P; p += nb) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            if (P - p < nb) { /* the last, short group: a panel at a time */
+                for (int64_t q = p; q < P; q++) rows_1(x, panels, y, M - m0, N, K, q, m0);
+                continue;
+            }
+            switch (nb) {
+            case 8: rows_8(x, panels, y, M - m0, N, K, p, m0); break;
+            case 6: rows_6(x, panels, y, M - m0, N, K, p, m0); break;
+            case 4: rows_4(x, panels, y, M - m0, N, K, p, m0); break;
+            default: rows_3(x, panels, y, M - m0, N, K, p, m0); break;
+            }
+        }
+    }
+}
+"""
+
+CPU_NEEDS = ("avx512f", "fma")
+"""What the build needs of the CPU (its -m flags below); without them no build (oneDNN's GEMM instead)."""
+FLAGS = ("-O3", "-mavx512f", "-mfma")
+
+
+def load_kernel(path: Path) -> ctypes.CDLL:
+    """The library at `path` with few_rows_gemm's argument types declared."""
+    lib = ctypes.CDLL(str(path))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.few_rows_gemm.argtypes = [pointer, pointer, pointer, size, size, size]
+    lib.few_rows_gemm.restype = None
+    return lib
+
+
+def build() -> ctypes.CDLL:
+    """This CPU's build of SOURCE, loaded; OSError where the CPU lacks CPU_NEEDS."""
+    missing = set(CPU_NEEDS) - cpu_flags()
+    if missing:
+        raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
+    return load_kernel(compile_library(SOURCE, "few_rows_gemm", FLAGS))
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """This process' kernel; None (logged once) where it cannot be built or loaded."""
+    return load_or_warn(build, log, "few-rows GEMM (Linear keeps oneDNN's)")
+
+
+def available() -> bool:
+    """Whether `linear` can run in this process."""
+    return kernel() is not None
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether Linear takes this kernel for x (..., K): built here, 1 to MAX_ROWS rows, and torch running one thread
+    (the kernel is single-threaded; with more, oneDNN's GEMM splits the weight across them). The caller has
+    checked float32 CPU inference (decoder.cpu_float32_gemm)."""
+    return 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and torch.get_num_threads() == 1 and available()
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) -> its panels (P, K, 16) float32, P = ceil(N / 16): panels[p, k, j] = weight[16 p + j, k],
+    zero past N; the layout the kernel streams (a copy: N * K * 4 bytes more)."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))  # (16 P, K)
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()  # (P, K, 16)
+
+
+def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x (..., K) @ weight.T (+ bias) -> (..., n_out) float32 on the CPU, with weight_panels = panels(weight) of a
+    weight (n_out, K). Any number of rows (Linear gives it up to MAX_ROWS). lib: a library of load_kernel (default
+    this process' `kernel()`, which must be available)."""
+    lib = lib or kernel()
+    if lib is None:
+        raise RuntimeError("the few-rows GEMM is not available (few_rows_gemm.available() is False)")
+    p, k, width = weight_panels.shape if weight_panels.dim() == 3 else (0, 0, 0)
+    if width != PANEL or not weight_panels.is_contiguous() or weight_panels.dtype != torch.float32 \
+            or not (p - 1) * PANEL < n_out <= p * PANEL:
+        raise ValueError(f"weight_panels must be panels() of a ({n_out}, K) weight, got {tuple(weight_panels.shape)}")
+    if x.shape[-1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"float32 CPU x (..., {k}) expected, got {x.dtype} {tuple(x.shape)}")
+    rows = x.reshape(-1, k).contiguous()  # (M, K)
+    out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)  # (M, N)
+    if rows.shape[0]:
+        lib.few_rows_gemm(rows.data_ptr(), weight_panels.data_ptr(), out.data_ptr(), rows.shape[0], n_out, k)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], n_out)
