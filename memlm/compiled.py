@@ -1,4 +1,4 @@
-"""Small C kernels compiled at first use, where a library's kernel does not fit the job (memlm.model.few_rows_gemm,
+"""Small C kernels compiled at first use, where a library's kernel does not fit the job (memlm.model.panel_gemm,
 memlm.retrieval.by_id_kernels).
 
 A kernel module hands its C source and compiler flags to `compile_library`, which builds it with the system C

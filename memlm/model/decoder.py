@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.model import few_rows_gemm
+from memlm.model import panel_gemm
 from memlm.model.config import ModelConfig
 
 
@@ -133,14 +133,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-CPU_GEMM_NAMES = ("few-rows", "onednn", "mkl")
+CPU_GEMM_NAMES = ("panels", "onednn", "mkl")
 """The CPU float32 GEMMs Linear can run (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm):
-"few-rows" (the default): memlm.model.few_rows_gemm's kernel for up to its MAX_ROWS rows on one torch thread (a
-decode step's few rows; batch-invariant), oneDNN's GEMM on packed weights otherwise; "onednn": oneDNN's always;
+"panels" (the default): memlm.model.panel_gemm's kernel on one torch thread (batch-invariant; built for a decode
+step's few rows), oneDNN's GEMM on packed weights with more threads; "onednn": oneDNN's always;
 "mkl": F.linear, MKL's GEMM as transformers' nn.Linear, the one that keeps its speed when other processes hold the
 cores of a multi-threaded run (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall at their barriers there)
 and the one to compare with transformers bit for bit."""
-DEFAULT_CPU_GEMM = "few-rows"
+DEFAULT_CPU_GEMM = "panels"
 _cpu_gemm = DEFAULT_CPU_GEMM
 """The GEMM in force (cpu_gemm_as). Process-wide (one kernel choice for every thread of a server, as
 torch.backends' own flags), and only float32's: bfloat16 and float16 CPU matmuls keep oneDNN (torch.backends.mkldnn
@@ -148,14 +148,14 @@ stays on: switched off, a bfloat16 (8, 576) x (576, 1536) linear took 3093 us ag
 
 
 def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether Linear runs our GEMM (few_rows_gemm) or oneDNN's instead of F.linear's: inference (grad disabled)
+    """Whether Linear runs our GEMM (panel_gemm) or oneDNN's instead of F.linear's: inference (grad disabled)
     in float32 on the CPU, with oneDNN built in and the GEMM not set to "mkl" (cpu_gemm_as).
 
     Why: PyTorch's CPU wheel links MKL for float32 BLAS, and MKL's sgemm is slow at the decoder's shapes (issue 12;
     measured 1 Dec on an AMD EPYC with AVX-512, one thread, CPU time, weights out of cache): a 1536x576 weight at
     1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us on MKL, 219 / 317 / 573 / 2477 us on oneDNN; the 49152x576 head
     7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms (end to end: benchmarks/generate_speed.py --engine-gemm mkl|onednn);
-    on 3 Dec's Intel Xeon MKL's was faster than oneDNN's at 1-3 rows and far slower from 4 (few_rows_gemm's
+    on 3 Dec's Intel Xeon MKL's was faster than oneDNN's at 1-3 rows and far slower from 4 (panel_gemm's
     docstring). The same float32 products summed in another order: SmolLM2's logits over 2 x 256 SOTU tokens differ
     from transformers' by at most 9e-5 (max |logit| 40), where transformers' own eager and SDPA attention differ by
     5e-5. bfloat16 and float16 CPU matmuls already run on oneDNN; autograd takes F.linear (oneDNN's op has no
@@ -169,10 +169,10 @@ def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _cpu_gemm != "mkl" and not torch.compiler.is_compiling())
 
 
-def on_few_rows(x: torch.Tensor) -> bool:
-    """Where cpu_float32_gemm holds: whether the product with x runs few_rows_gemm's kernel (the GEMM in force is
-    "few-rows" and the kernel fits x: few_rows_gemm.fits) rather than oneDNN's."""
-    return _cpu_gemm == "few-rows" and few_rows_gemm.fits(x)
+def on_panels(x: torch.Tensor) -> bool:
+    """Where cpu_float32_gemm holds: whether the product with x runs panel_gemm's kernel (the GEMM in force is
+    "panels" and the kernel fits x: panel_gemm.fits) rather than oneDNN's."""
+    return _cpu_gemm == "panels" and panel_gemm.fits(x)
 
 
 @contextlib.contextmanager
@@ -207,8 +207,8 @@ kernel than several)."""
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose CPU float32 inference runs memlm.model.few_rows_gemm's kernel
-    for a few rows on one thread, else oneDNN's GEMM on a packed copy of its weight (cpu_float32_gemm says when and
+    """nn.Linear (same parameters and names) whose CPU float32 inference runs memlm.model.panel_gemm's kernel
+    on one thread, else oneDNN's GEMM on a packed copy of its weight (cpu_float32_gemm says when and
     why, CPU_GEMM_NAMES which, PACKED_ROWS what packing buys). The copy is made on the first
     such call and again whenever the weight changed (another tensor, or written in place: its version): it costs
     the weight's memory once more, and is no parameter (not saved, not trained)."""
@@ -216,14 +216,14 @@ class Linear(nn.Linear):
     _packed: tuple[tuple[int, int, int], torch.Tensor] | None = None
     """(the weight's id, data pointer and version when packed, the packed copy)."""
     _panels: tuple[tuple[int, int, int], torch.Tensor] | None = None
-    """(the same key, few_rows_gemm.panels of the weight)."""
+    """(the same key, panel_gemm.panels of the weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight  # one parameter lookup a call: this runs 211 times a SmolLM2 decode step
         if cpu_float32_gemm(x, w):
-            if on_few_rows(x) and not w.is_inference():  # an inference-mode weight: no version to tell a write
-                panels = self._copy_of(w, "_panels", few_rows_gemm.panels)
-                return few_rows_gemm.linear(x, panels, w.shape[0], self.bias)
+            if on_panels(x) and not w.is_inference():  # an inference-mode weight: no version to tell a write
+                panels = self._copy_of(w, "_panels", panel_gemm.panels)
+                return panel_gemm.linear(x, panels, w.shape[0], self.bias)
             return packed_linear(x, self.packed_weight(w), self.bias)
         return F.linear(x, w, self.bias)
 

@@ -7,8 +7,8 @@ Squared L2 is computed as |x|^2 - 2 x.k + |k|^2 with float32 accumulation: float
 cast to float32 one chunk at a time, so memory stays at one (chunk, d) float32 block plus (Q, chunk).
 On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on the first
 search, into a float32 copy (N * d * 4 bytes more), so that x.k is one GEMM that reads the keys once for all Q
-queries: for a decode step's few queries on one thread the few-rows kernel's (memlm.model.decoder.on_few_rows) over
-a copy in its panels (memlm.model.few_rows_gemm.panels), else oneDNN's over a packed one
+queries: on one thread the panel kernel's (memlm.model.decoder.on_panels) over
+a copy in its panels (memlm.model.panel_gemm.panels), else oneDNN's over a packed one
 (memlm.model.decoder.pack_weight); a process that searches both ways holds both copies. Measured on the 81K-key SOTU datastore (d 576,
 k 1024, 2 threads, 2 Dec): 1 / 3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the
 packed product alone (the FAISS Flat index scans query by query: 7.2 ms a query on one thread, 14.7 on two).
@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.model import few_rows_gemm
-from memlm.model.decoder import cpu_float32_gemm, on_few_rows, pack_weight, packed_linear
+from memlm.model import panel_gemm
+from memlm.model.decoder import cpu_float32_gemm, on_panels, pack_weight, packed_linear
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
 EXACT_INDEX = "exact"
@@ -59,7 +59,7 @@ class TorchExactSearcher:
         self.values = values_np.astype(np.int32)  # (N,)
         self.chunk_size = int(chunk_size)
         self._packed: list[torch.Tensor] | None = None  # per chunk, on the CPU: made by the first search on oneDNN
-        self._panels: list[torch.Tensor] | None = None  # per chunk, on the CPU: by the first on the few-rows kernel
+        self._panels: list[torch.Tensor] | None = None  # per chunk, on the CPU: by the first on the panel kernel
         # |k|^2 once, in float32, chunk by chunk.
         norms = [keys[lo : lo + chunk_size].float().pow(2).sum(-1) for lo in range(0, keys.shape[0], chunk_size)]
         self.key_norms = torch.cat(norms) if norms else keys.new_zeros(0, dtype=torch.float32)  # (N,)
@@ -78,17 +78,17 @@ class TorchExactSearcher:
         return self._packed
 
     def _panel_chunks(self) -> list[torch.Tensor]:
-        """The keys' chunks in the few-rows kernel's panels (memlm.model.few_rows_gemm.panels), made once."""
+        """The keys' chunks in the panel kernel's panels (memlm.model.panel_gemm.panels), made once."""
         if self._panels is None:
-            self._panels = [few_rows_gemm.panels(self.keys[lo : lo + self.chunk_size])
+            self._panels = [panel_gemm.panels(self.keys[lo : lo + self.chunk_size])
                             for lo in range(0, self.keys.shape[0], self.chunk_size)]
         return self._panels
 
     def _products(self, x: torch.Tensor, chunk: int, lo: int, n: int) -> torch.Tensor:
         """x (Q, d) float32 . the keys of chunk `chunk` (keys lo .. lo + n) -> (Q, n) float32."""
         if cpu_float32_gemm(x, self.key_norms):
-            if on_few_rows(x):
-                return few_rows_gemm.linear(x, self._panel_chunks()[chunk], n)
+            if on_panels(x):
+                return panel_gemm.linear(x, self._panel_chunks()[chunk], n)
             return packed_linear(x, self._packed_chunks()[chunk])
         return x @ self.keys[lo : lo + n].float().T
 

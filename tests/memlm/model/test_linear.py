@@ -1,5 +1,5 @@
 """memlm.model.decoder.Linear: CPU float32 inference on oneDNN's GEMM (cpu_float32_gemm; these tests under
-cpu_gemm_as("onednn"), the few-rows kernel has its own in test_few_rows_gemm.py), else F.linear."""
+cpu_gemm_as("onednn"), the panel kernel has its own in test_panel_gemm.py), else F.linear."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(autouse=True)
 def on_onednn():
-    """oneDNN's GEMM for any number of rows and threads (the default takes the few-rows kernel on one thread)."""
+    """oneDNN's GEMM for any number of rows and threads (the default takes the panel kernel on one thread)."""
     with cpu_gemm_as("onednn"):
         yield
 

@@ -141,17 +141,17 @@ def test_torch_exact_searcher_matches_brute_force(dtype):
     assert nb.distances.dtype == np.float32 and nb.ids.dtype == np.int64 and nb.values.dtype == np.int32
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "few-rows"])
+@pytest.mark.parametrize("gemm", ["onednn", "panels"])
 def test_torch_exact_searcher_on_packed_cpu_keys_equals_plain_products(gemm, monkeypatch):
-    """On the CPU the keys are searched through a float32 copy, packed for oneDNN's GEMM or in the few-rows kernel's
+    """On the CPU the keys are searched through a float32 copy, packed for oneDNN's GEMM or in the panel kernel's
     panels (one GEMM a chunk); the same neighbours as the plain matmul over float32 casts of the chunks
     (float32_gemm_on_mkl switches both off)."""
-    from memlm.model import few_rows_gemm
+    from memlm.model import panel_gemm
     from memlm.model.decoder import cpu_gemm_as, float32_gemm_on_mkl
 
-    if gemm == "few-rows" and not few_rows_gemm.available():
-        pytest.skip("no AVX-512 CPU or no C compiler: the few-rows GEMM cannot be built")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the few-rows kernel's condition in any run
+    if gemm == "panels" and not panel_gemm.available():
+        pytest.skip("no AVX-512 CPU or no C compiler: the panel GEMM cannot be built")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the panel kernel's condition in any run
     rng = np.random.default_rng(3)
     keys = torch.from_numpy(rng.normal(size=(1000, 64)).astype(np.float16))
     searcher = TorchExactSearcher(keys, rng.integers(0, 50, size=1000).astype(np.int32), chunk_size=300)

@@ -1,5 +1,5 @@
-"""The decoder's float32 CPU GEMMs at a decode step's few rows: memlm.model.few_rows_gemm's kernel vs oneDNN's GEMM
-on weights packed for decoder.PACKED_ROWS rows (Linear's path for more rows) vs MKL's (F.linear, as transformers'
+"""The decoder's float32 CPU GEMMs at a decode step's few rows (and more): memlm.model.panel_gemm's kernel vs oneDNN's
+GEMM on weights packed for decoder.PACKED_ROWS rows (Linear's path with more threads) vs MKL's (F.linear, as transformers'
 nn.Linear), over every weight of SmolLM2-135M (its 210 linear layers and the tied 49152x576 head, each called once
 a round, so each is read from memory as in a decode step), alternating the three in one run, one torch thread.
 
@@ -7,7 +7,7 @@ Prints, per row count, the milliseconds a round takes on each (the best of --rep
 bandwidth each reaches (the weights' bytes a round over its time); then whether our kernel's rows are bit for bit
 the same alone and together (the property the speculative verifying pass relies on) on the head.
 
-    OMP_NUM_THREADS=1 python benchmarks/few_rows_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--synthetic]
+    OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--synthetic]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import _common
 import torch
 import torch.nn.functional as F
 
-from memlm.model import few_rows_gemm
+from memlm.model import panel_gemm
 from memlm.model.decoder import Linear, pack_weight, packed_linear
 
 
@@ -38,22 +38,22 @@ def main() -> None:
     _common.add_synthetic_flag(p)
     args = p.parse_args()
     if torch.get_num_threads() != 1:
-        raise SystemExit("the few-rows kernel runs on one torch thread: run with OMP_NUM_THREADS=1")
-    if not few_rows_gemm.available():
-        raise SystemExit("the few-rows GEMM cannot be built here (no AVX-512 CPU or no C compiler; see the log)")
+        raise SystemExit("the panel kernel runs on one torch thread: run with OMP_NUM_THREADS=1")
+    if not panel_gemm.available():
+        raise SystemExit("the panel GEMM cannot be built here (no AVX-512 CPU or no C compiler; see the log)")
     bench = _common.load_model(None, args.synthetic)
     _common.synthetic_banner(bench.synthetic)
     model = bench.pre.model
     weights = [m.weight.detach().contiguous() for m in model.modules() if isinstance(m, Linear)]  # the head too
     packed = [pack_weight(w) for w in weights]
     # Panels of the weights' outputs rounded up to 16 (SmolLM2's are multiples of 16: the same work as the others).
-    panels = [few_rows_gemm.panels(w) for w in weights]
+    panels = [panel_gemm.panels(w) for w in weights]
     inputs = [w.shape[1] for w in weights]
     gigabytes = sum(w.numel() for w in weights) * 4 / 1e9
     print(f"# {bench.name}{' (random weights)' if bench.synthetic else ' (SmolLM2-135M-Instruct Q4_1, in float32)'}: "
           f"{len(weights)} weights, {gigabytes * 1e3:.0f} MB a round; one torch thread; best of {args.repeats} rounds")
     sides = {
-        "ours": (lambda x, p: few_rows_gemm.linear(x, p, p.shape[0] * few_rows_gemm.PANEL), panels),
+        "ours": (lambda x, p: panel_gemm.linear(x, p, p.shape[0] * panel_gemm.PANEL), panels),
         "oneDNN packed": (lambda x, w: packed_linear(x, w), packed),
         "MKL": (F.linear, weights),
     }
@@ -68,10 +68,10 @@ def main() -> None:
                   f"{best['oneDNN packed']:.1f} ms ({best['oneDNN packed'] / best['ours']:.2f}x ours), MKL "
                   f"{best['MKL']:.1f} ms ({best['MKL'] / best['ours']:.2f}x ours)", flush=True)
         head = model.lm_head.weight.detach().contiguous()
-        x = torch.randn(few_rows_gemm.MAX_ROWS, head.shape[1])  # (M, K)
-        head_panels, n = few_rows_gemm.panels(head), head.shape[0]
-        alone = torch.cat([few_rows_gemm.linear(x[i : i + 1], head_panels, n) for i in range(x.shape[0])])
-        same = all(torch.equal(few_rows_gemm.linear(x[:m], head_panels, n), alone[:m]) for m in range(1, x.shape[0] + 1))
+        x = torch.randn(32, head.shape[1])  # (M, K)
+        head_panels, n = panel_gemm.panels(head), head.shape[0]
+        alone = torch.cat([panel_gemm.linear(x[i : i + 1], head_panels, n) for i in range(x.shape[0])])
+        same = all(torch.equal(panel_gemm.linear(x[:m], head_panels, n), alone[:m]) for m in range(1, x.shape[0] + 1))
         print(f"# ours, the head's rows alone vs together (1..{x.shape[0]} rows): bit for bit {same}")
 
 

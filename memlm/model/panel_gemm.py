@@ -1,28 +1,35 @@
-"""A compiled float32 GEMM for the few rows a decode step feeds (memlm.model.decoder.Linear), bandwidth-bound and
-batch-invariant: y (M, N) = x (M, K) @ w (N, K).T for M up to MAX_ROWS, one thread.
+"""A compiled float32 GEMM over weights laid out in panels, built for the few rows a decode step feeds and batch-
+invariant: y (M, N) = x (M, K) @ w (N, K).T on one thread (memlm.model.decoder.Linear's CPU float32 product there).
 
-Why our own kernel: a decode step of SmolLM2-135M reads its 536 MB of float32 weights for one row (plain decoding)
+Why our own kernel: a decode step of SmolLM2-135M reads its 538 MB of float32 weights for one row (plain decoding)
 or a few (a speculative verifying pass, memlm.engine.speculative; a handful of batched rows), so it is bound by
 memory bandwidth, and a good kernel for 1 row should cost about what one for 8 does. Neither library's does on
-this project's CPU (Intel Xeon, AVX-512; one thread, SmolLM2's 211 weight shapes once each, random values, weights
-out of cache, measured 3 Dec): oneDNN's GEMM on weights packed for 4 rows (decoder.PACKED_ROWS) took 74 ms for
-1 row and 74-94 ms for 2-8, 114 for 17; MKL's 65 ms for 1 and 107-135 ms from 4 rows. This kernel reads the weight
-laid out in panels of 16 outputs (`panels`: each panel (K, 16) contiguous, a few panels streamed at once and
-prefetched 2 KB ahead) and keeps every row's 16-wide sums in registers, broadcasting one input at a time, so it has
-no horizontal sums: 46 ms for 1 row, 45 for 2 and 4, 50 for 8, 81 for 17, 129 for 32 (about 12 GB/s at 1 row;
-benchmarks/few_rows_gemm.py prints the three side by side). More than 8 rows go in groups of 8 over each group of
-panels, which then come from cache.
+this project's CPU (Intel Xeon, AVX-512). This kernel reads the weight laid out in panels of 16 outputs (`panels`:
+each panel (K, 16) contiguous, a few panels streamed at once and prefetched 2 KB ahead) and keeps every row's 16-wide
+sums in registers, broadcasting one input at a time, so it has no horizontal sums; more than 8 rows go in groups
+of 8 over each group of panels, which then come from cache. SmolLM2's 211 weights once each, one thread, 3 Dec
+(`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round):
+
+    rows           1      2      4      8     17     32     48     65    128    256    512
+    ours        40.2   43.4   42.9   41.2   73.0  125.7  156.5  231.3  370.4  732.9   1675
+    oneDNN      67.0   73.0   73.0   75.1   96.5  155.4  177.7  225.1  393.6  729.9   1674  (packed for 4 rows)
+    MKL         56.6   59.1   99.2  118.0  135.0  192.6  221.3  276.6  414.4  758.9   1724
+
+(13 GB/s at 1 to 8 rows, this core's bandwidth; from about 64 rows all three are bound by arithmetic alike.) So on
+one thread Linear gives it every product, prefill chunks too, and keeps no oneDNN copy.
 
 Batch-invariant: every output y[m, n] is one fused multiply-add chain over k in order whatever the other rows are,
-so a row's logits in a verifying pass are bit for bit those of a plain one-row step, and a batched row's those of
-the row alone. Equal to a float64 oracle up to float32 rounding (a chain of K roundings: about 3e-6 relative at
+so a row's logits in a verifying pass are bit for bit those of a plain one-row step, a batched row's those of the
+row alone, and a prefill's those of decoding the same tokens one by one (the linear layers; attention is not
+this kernel's). Equal to a float64 oracle up to float32 rounding (a chain of K roundings: about 3e-6 relative at
 K = 1536, where oneDNN's blocked sums give 2-4e-6).
 
-Memory: the panels are a copy of the weight (N * K * 4 bytes; Linear makes it on the first few-rows call and keeps
-it, beside oneDNN's packed copy where larger calls come too, such as a prefill).
+Memory: the panels are a copy of the weight (N * K * 4 bytes), made on the first call and kept (Linear), as oneDNN's
+packed copy was.
 
 Built (memlm.compiled) only where /proc/cpuinfo shows avx512f and fma; elsewhere, or without a C compiler,
-`available()` is False (logged once) and Linear keeps oneDNN's GEMM.
+`available()` is False (logged once) and Linear keeps oneDNN's GEMM. With more than one torch thread too: the kernel
+is single-threaded and oneDNN's GEMM splits the weight across the threads.
 
 Shape legend: M rows, K inputs, N outputs, P panels.
 """
@@ -41,10 +48,6 @@ from memlm.compiled import compile_library, cpu_flags, load_or_warn
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 32
-"""Most rows Linear gives the kernel (it takes any number); more go to oneDNN's GEMM. 32: a verifying pass of a
-16-token draft feeds 17 positions, and at 32 rows the kernel still beat oneDNN's (129 vs 139 ms, the measurement
-above; 64 rows 244 ms packed)."""
 PANEL = 16
 """Outputs a panel holds: one AVX-512 vector of float32."""
 
@@ -101,7 +104,7 @@ EIGHT_ROWS(rows_1, 1)
 /* y (M, N) = x (M, K) @ w (N, K).T with w as panels (P, K, 16): panels[p, k, j] = w[16 p + j, k], zero rows past N.
    The rows go in groups of 8 over each group of panels: the panels come from memory for the first group of rows
    and from cache for the others. */
-void few_rows_gemm(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K) {
+void panel_gemm(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K) {
     static const int64_t PANELS[9] = {0, 8, 6, 6, 6, 4, 4, 3, 3}; /* as many as keep 8 rows' sums in registers */
     int64_t P = (N + 15) / 16, nb = PANELS[M < 8 ? M : 8];
     for (int64_t p = 0; p < P; p += nb) {
@@ -127,11 +130,11 @@ FLAGS = ("-O3", "-mavx512f", "-mfma")
 
 
 def load_kernel(path: Path) -> ctypes.CDLL:
-    """The library at `path` with few_rows_gemm's argument types declared."""
+    """The library at `path` with panel_gemm's argument types declared."""
     lib = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.few_rows_gemm.argtypes = [pointer, pointer, pointer, size, size, size]
-    lib.few_rows_gemm.restype = None
+    lib.panel_gemm.argtypes = [pointer, pointer, pointer, size, size, size]
+    lib.panel_gemm.restype = None
     return lib
 
 
@@ -140,13 +143,13 @@ def build() -> ctypes.CDLL:
     missing = set(CPU_NEEDS) - cpu_flags()
     if missing:
         raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
-    return load_kernel(compile_library(SOURCE, "few_rows_gemm", FLAGS))
+    return load_kernel(compile_library(SOURCE, "panel_gemm", FLAGS))
 
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """This process' kernel; None (logged once) where it cannot be built or loaded."""
-    return load_or_warn(build, log, "few-rows GEMM (Linear keeps oneDNN's)")
+    return load_or_warn(build, log, "panel GEMM (Linear keeps oneDNN's)")
 
 
 def available() -> bool:
@@ -155,10 +158,10 @@ def available() -> bool:
 
 
 def fits(x: torch.Tensor) -> bool:
-    """Whether Linear takes this kernel for x (..., K): built here, 1 to MAX_ROWS rows, and torch running one thread
+    """Whether Linear takes this kernel for x (..., K): built here, at least one row, and torch running one thread
     (the kernel is single-threaded; with more, oneDNN's GEMM splits the weight across them). The caller has
     checked float32 CPU inference (decoder.cpu_float32_gemm)."""
-    return 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and torch.get_num_threads() == 1 and available()
+    return x.numel() > 0 and torch.get_num_threads() == 1 and available()
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
@@ -172,11 +175,11 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., K) @ weight.T (+ bias) -> (..., n_out) float32 on the CPU, with weight_panels = panels(weight) of a
-    weight (n_out, K). Any number of rows (Linear gives it up to MAX_ROWS). lib: a library of load_kernel (default
+    weight (n_out, K), any number of rows. lib: a library of load_kernel (default
     this process' `kernel()`, which must be available)."""
     lib = lib or kernel()
     if lib is None:
-        raise RuntimeError("the few-rows GEMM is not available (few_rows_gemm.available() is False)")
+        raise RuntimeError("the panel GEMM is not available (panel_gemm.available() is False)")
     p, k, width = weight_panels.shape if weight_panels.dim() == 3 else (0, 0, 0)
     if width != PANEL or not weight_panels.is_contiguous() or weight_panels.dtype != torch.float32 \
             or not (p - 1) * PANEL < n_out <= p * PANEL:
@@ -186,7 +189,7 @@ def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch
     rows = x.reshape(-1, k).contiguous()  # (M, K)
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)  # (M, N)
     if rows.shape[0]:
-        lib.few_rows_gemm(rows.data_ptr(), weight_panels.data_ptr(), out.data_ptr(), rows.shape[0], n_out, k)
+        lib.panel_gemm(rows.data_ptr(), weight_panels.data_ptr(), out.data_ptr(), rows.shape[0], n_out, k)
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n_out)
