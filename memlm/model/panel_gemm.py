@@ -49,7 +49,7 @@ from memlm.compiled import compile_library, cpu_flags, load_or_warn
 log = logging.getLogger(__name__)
 
 PANEL = 16
-"""Outputs a panel holds: one AVX-512 vector of float32."""
+"""Outputs a panel holds: one AVX-512 vector of float32 (the C source's __m512 and its 16 lanes)."""
 
 SOURCE = r"""
 #include <stdint.h>
@@ -175,8 +175,8 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., K) @ weight.T (+ bias) -> (..., n_out) float32 on the CPU, with weight_panels = panels(weight) of a
-    weight (n_out, K), any number of rows. lib: a library of load_kernel (default
-    this process' `kernel()`, which must be available)."""
+    weight (n_out, K), any number of rows. lib: a library of load_kernel (default this process' `kernel()`, which
+    must be available)."""
     lib = lib or kernel()
     if lib is None:
         raise RuntimeError("the panel GEMM is not available (panel_gemm.available() is False)")
