@@ -1,7 +1,8 @@
-"""The decoder's float32 CPU GEMMs at a decode step's few rows (and more): memlm.model.panel_gemm's kernel vs oneDNN's
-GEMM on weights packed for decoder.PACKED_ROWS rows (Linear's path with more threads) vs MKL's (F.linear, as transformers'
-nn.Linear), over every weight of SmolLM2-135M (its 210 linear layers and the tied 49152x576 head, each called once
-a round, so each is read from memory as in a decode step), alternating the three in one run, one torch thread.
+"""The decoder's float32 CPU GEMMs at a decode step's few rows (and more): memlm.model.panel_gemm's kernel vs
+oneDNN's GEMM on weights packed for decoder.PACKED_ROWS rows (Linear's path with more threads) vs MKL's (F.linear,
+as transformers' nn.Linear), over every weight of SmolLM2-135M (its 210 linear layers and the tied 49152x576 head,
+each called once a round, so each is read from memory as in a decode step), alternating the three in one run, one
+torch thread.
 
 Prints, per row count, the milliseconds a round takes on each (the best of --repeats rounds), the ratios, and the
 bandwidth each reaches (the weights' bytes a round over its time); then whether our kernel's rows are bit for bit

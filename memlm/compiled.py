@@ -3,7 +3,7 @@ memlm.retrieval.by_id_kernels).
 
 A kernel module hands its C source and compiler flags to `compile_library`, which builds it with the system C
 compiler into cache_dir()/kernels/<stem>_<hash of source and flags>.so once (written under a temporary name and
-renamed, so concurrent processes are safe; a later process finds it there), and `load_library` opens it. Where
+renamed, so concurrent processes are safe; a later process finds it there), and the module's loader opens it. Where
 there is no compiler, or the build or the load fails, `load_or_warn` logs why once per kernel module and gives
 None: callers keep their library path. The CPU's features are read from /proc/cpuinfo (`cpu_flags`), so that a
 vector build is only made for a CPU that runs it.

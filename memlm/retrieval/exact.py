@@ -5,13 +5,13 @@ and memories that fit in GPU memory. Answers the Searcher seam (memlm.retrieval.
 
 Squared L2 is computed as |x|^2 - 2 x.k + |k|^2 with float32 accumulation: float16/bfloat16 keys are
 cast to float32 one chunk at a time, so memory stays at one (chunk, d) float32 block plus (Q, chunk).
-On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on the first
-search, into a float32 copy (N * d * 4 bytes more), so that x.k is one GEMM that reads the keys once for all Q
-queries: on one thread the panel kernel's (memlm.model.decoder.on_panels) over
-a copy in its panels (memlm.model.panel_gemm.panels), else oneDNN's over a packed one
-(memlm.model.decoder.pack_weight); a process that searches both ways holds both copies. Measured on the 81K-key SOTU datastore (d 576,
-k 1024, 2 threads, 2 Dec): 1 / 3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the
-packed product alone (the FAISS Flat index scans query by query: 7.2 ms a query on one thread, 14.7 on two).
+On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on the first search,
+into a float32 copy (N * d * 4 bytes more), so that x.k is one GEMM that reads the keys once for all Q queries: on
+one thread the panel kernel's (memlm.model.decoder.on_panels) over a copy in its panels
+(memlm.model.panel_gemm.panels), else oneDNN's over a packed one (memlm.model.decoder.pack_weight); a process that
+searches both ways holds both copies. Measured on the 81K-key SOTU datastore (d 576, k 1024, 2 threads, 2 Dec): 1 /
+3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the packed product alone (the FAISS
+Flat index scans query by query: 7.2 ms a query on one thread, 14.7 on two).
 
 Shape legend: Q queries, d key dimension, k neighbours, N keys, n keys of a chunk.
 """
@@ -19,6 +19,7 @@ Shape legend: Q queries, d key dimension, k neighbours, N keys, n keys of a chun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ EXACT_INDEX = "exact"
 
 def searcher_bytes(n: int, d: int, device: torch.device) -> int:
     """Memory a TorchExactSearcher over n float16 keys of width d takes on `device`: the keys, and on the CPU
-    their float32 chunks too (made by the first search; plain or packed, both where both kinds of search came)."""
+    their float32 chunks too (made by the first search: panels or packed, both where both kinds of search came)."""
     return n * d * (2 if device.type != "cpu" else 2 + 4)
 
 
@@ -84,13 +85,16 @@ class TorchExactSearcher:
                             for lo in range(0, self.keys.shape[0], self.chunk_size)]
         return self._panels
 
-    def _products(self, x: torch.Tensor, chunk: int, lo: int, n: int) -> torch.Tensor:
-        """x (Q, d) float32 . the keys of chunk `chunk` (keys lo .. lo + n) -> (Q, n) float32."""
+    def _chunk_products(self, x: torch.Tensor) -> Callable[[int, int, int], torch.Tensor]:
+        """For this search's queries x (Q, d) float32: (chunk, lo, n) -> x . the keys lo .. lo + n of that chunk,
+        (Q, n) float32, on the GEMM chosen once here (panels, oneDNN's packed copy, or a cast and matmul)."""
         if cpu_float32_gemm(x, self.key_norms):
             if on_panels(x):
-                return panel_gemm.linear(x, self._panel_chunks()[chunk], n)
-            return packed_linear(x, self._packed_chunks()[chunk])
-        return x @ self.keys[lo : lo + n].float().T
+                panels = self._panel_chunks()
+                return lambda chunk, lo, n: panel_gemm.linear(x, panels[chunk], n)
+            packed = self._packed_chunks()
+            return lambda chunk, lo, n: packed_linear(x, packed[chunk])
+        return lambda chunk, lo, n: x @ self.keys[lo : lo + n].float().T
 
     @property
     def dim(self) -> int:
@@ -117,9 +121,11 @@ class TorchExactSearcher:
         x_norm = x.pow(2).sum(-1, keepdim=True)  # (Q, 1)
         best_d = torch.full((Q, 0), float("inf"), device=x.device)  # (Q, <=k)
         best_i = torch.zeros((Q, 0), dtype=torch.long, device=x.device)  # (Q, <=k)
+        products = self._chunk_products(x)
         for c, lo in enumerate(range(0, N, self.chunk_size)):
             n = min(self.chunk_size, N - lo)
-            dist = self._products(x, c, lo, n).mul_(-2.0).add_(x_norm).add_(self.key_norms[lo : lo + n])  # (Q, n) |x|^2 - 2 x.k + |k|^2
+            # (Q, n) |x|^2 - 2 x.k + |k|^2
+            dist = products(c, lo, n).mul_(-2.0).add_(x_norm).add_(self.key_norms[lo : lo + n])
             dist.clamp_(min=0.0)  # cancellation can dip below zero for near-identical vectors
             # The chunk's own best first (ids: their positions + lo), then merged with the best so far: no
             # (Q, n) id array, no concatenation of a whole chunk.
