@@ -80,14 +80,11 @@ class StateClusters:
     """(N,) int64 entry ids ordered by cluster: cluster c's members are members[offsets[c]:offsets[c + 1]]."""
     offsets: np.ndarray
     """(C + 1,) int64 start of each cluster in `members`."""
-    member_keys: torch.Tensor
-    """(N, d) float32 keys in `members` order: a cluster's keys are one contiguous block (a pointer walk
-    reads them by cluster; float32 so that no block is converted per read)."""
-    member_norms: torch.Tensor
-    """(N,) float32 squared norms of member_keys."""
     stored_keys: np.ndarray
-    """(N, d) the keys in `members` order as stored, C-contiguous: float16 from a datastore (then a copy of half
-    member_keys' bytes), else member_keys' own memory. What exact_member_distances reads with the compiled kernel."""
+    """(N, d) the keys in `members` order as stored, C-contiguous (float16 from a datastore): a cluster's keys are
+    one contiguous block. What exact_member_distances reads with the compiled kernel."""
+    centroids: torch.Tensor
+    """(C, d) float32 mean key of each cluster (zeros for an empty one, which no row asks for)."""
     seed: int
     """k-means seed, for the record."""
     sketch: KeySketch | None = None
@@ -104,12 +101,17 @@ class StateClusters:
         return np.arange(self.members.shape[0], dtype=np.int64)
 
     @cached_property
-    def centroids(self) -> torch.Tensor:
-        """(C, d) float32 mean key of each cluster (zeros for an empty one, which no row asks for)."""
-        sizes = torch.from_numpy(np.diff(self.offsets)).clamp(min=1).float()  # (C,)
-        of = torch.from_numpy(np.repeat(np.arange(self.n_clusters), np.diff(self.offsets)))  # (N,) members' clusters
-        sums = torch.zeros(self.n_clusters, self.member_keys.shape[1]).index_add_(0, of, self.member_keys)  # (C, d)
-        return sums / sizes[:, None]
+    def member_keys(self) -> torch.Tensor:
+        """(N, d) float32 stored_keys, made on first use: float32 stored keys shared, float16 ones converted once
+        (N * d * 4 bytes more: 480 MB on the 208K SOTU datastore). Only a walk without a sketch (rank_keys' exact
+        scores) or without the compiled kernel (exact_member_distances' faiss call) reads it, so a sketched walk
+        keeps the float16 keys alone."""
+        return torch.from_numpy(self.stored_keys.astype(np.float32, copy=False))
+
+    @cached_property
+    def member_norms(self) -> torch.Tensor:
+        """(N,) float32 squared norms of member_keys."""
+        return self.member_keys.pow(2).sum(dim=1)
 
     @cached_property
     def position(self) -> np.ndarray:
@@ -140,8 +142,9 @@ def cluster_states(keys: np.ndarray, n_clusters: int, seed: int = 0, sketch_dims
     km = faiss.Kmeans(x.shape[1], n_clusters, niter=CLUSTER_ITERATIONS, seed=seed,
                       max_points_per_centroid=CLUSTER_SAMPLE, verbose=False)
     km.train(x)
-    return clusters_of(km.index.search(x, 1)[1][:, 0], x, n_clusters, seed, sketch_dims, exact_members,
-                       max_clusters)
+    assign = km.index.search(x, 1)[1][:, 0]  # (N,)
+    del x, km  # k-means' float32 copy; the clusters keep the keys as stored (float16 from a datastore: half the bytes)
+    return clusters_of(assign, keys, n_clusters, seed, sketch_dims, exact_members, max_clusters)
 
 
 def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int, sketch_dims: int = 0,
@@ -153,11 +156,19 @@ def clusters_of(assign: np.ndarray, keys: np.ndarray, n_clusters: int, seed: int
     members = np.argsort(assign, kind="stable")  # (N,)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=n_clusters))]).astype(np.int64)
     gathered = np.ascontiguousarray(keys[members])  # (N, d) as stored
-    member_keys = torch.from_numpy(gathered.astype(np.float32, copy=False))  # (N, d)
-    stored = gathered if gathered.dtype == np.float16 else member_keys.numpy()  # (N, d)
-    sketch = (key_sketch(member_keys, sketch_dims, exact_members, max_clusters)
-              if 0 < sketch_dims < member_keys.shape[1] else None)
-    return StateClusters(assign, members, offsets, member_keys, member_keys.pow(2).sum(dim=1), stored, seed, sketch)
+    float_keys = torch.from_numpy(gathered.astype(np.float32, copy=False))  # (N, d) a temporary for float16 keys
+    sketch = (key_sketch(float_keys, sketch_dims, exact_members, max_clusters)
+              if 0 < sketch_dims < float_keys.shape[1] else None)
+    return StateClusters(assign, members, offsets, gathered, cluster_means(float_keys, offsets), seed, sketch)
+
+
+def cluster_means(keys: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+    """(C, d) float32 mean of each cluster's keys (keys (N, d) in cluster order, cluster c's at offsets[c]:
+    offsets[c + 1]); zeros for an empty cluster."""
+    counts = np.diff(offsets)  # (C,)
+    of = torch.from_numpy(np.repeat(np.arange(counts.shape[0]), counts))  # (N,) each member's cluster
+    sums = torch.zeros(counts.shape[0], keys.shape[1]).index_add_(0, of, keys.float())  # (C, d)
+    return sums / torch.from_numpy(counts).clamp(min=1).float()[:, None]
 
 
 PAD_KEY = np.iinfo(np.int64).max

@@ -156,3 +156,40 @@ def test_a_rows_extension_is_the_same_alone_and_beside_any_rows():
         assert n == int((together.ids[i] >= 0).sum())
         np.testing.assert_array_equal(alone.ids[i][:n], together.ids[i][:n])
         np.testing.assert_array_equal(alone.distances[i][:n], together.distances[i][:n])
+
+
+def test_a_sketched_walk_over_float16_keys_keeps_no_float32_copy():
+    """StateClusters.member_keys (a float32 copy of the float16 keys, 480 MB on the 208K SOTU datastore) is made
+    only when read: a sketched walk with the compiled by-id kernel never reads it, and the centroids the nearest-
+    cluster ranking uses are the clusters' means (a float64 oracle)."""
+    from memlm.retrieval import by_id_kernels
+
+    keys, values, assign = integer_store(4)
+    cl = clusters_of(assign, keys, C, seed=0, sketch_dims=P, exact_members=7, max_clusters=2)
+    means = np.stack([keys[assign == c].astype(np.float64).mean(axis=0) if (assign == c).any() else np.zeros(D)
+                      for c in range(C)])
+    np.testing.assert_allclose(cl.centroids.numpy(), means, rtol=1e-6, atol=1e-6)
+    source = PointerSource.local(np.full(N, -1), values, keys, cl)
+    rng = np.random.default_rng(9)
+    ids = candidate_rows(rng, cl)
+    cands = Neighbors(np.zeros(ids.shape, np.float32), ids, np.where(ids >= 0, values[np.maximum(ids, 0)], -1))
+    xq = rng.normal(0.0, 1.5, size=(7, D)).astype(np.float32)
+    rows = np.flatnonzero((ids >= 0).any(axis=1))
+    got = extend_by_clusters(cands, rows, xq, source, 20)
+    assert (got.ids[rows] >= 0).any()
+    if by_id_kernels.available():
+        assert "member_keys" not in vars(cl)
+    assert cl.stored_keys.dtype == np.float16
+    np.testing.assert_array_equal(cl.member_keys.numpy(), cl.stored_keys.astype(np.float32))  # made on demand
+
+
+def test_cluster_states_keeps_float16_keys_as_stored():
+    """k-means runs on a float32 copy, but the clusters keep the keys as the datastore stores them (float16: half
+    the bytes, and what the by-id kernel reads), in cluster order, the same values."""
+    from memlm.retrieval.clustered_states import cluster_states
+
+    keys, _, _ = integer_store(5)
+    cl = cluster_states(keys, C, sketch_dims=P, exact_members=7)
+    assert cl.stored_keys.dtype == np.float16
+    np.testing.assert_array_equal(cl.stored_keys, keys[cl.members])
+    np.testing.assert_array_equal(np.sort(cl.members), np.arange(N))
