@@ -259,13 +259,14 @@ class StepView:
         if layout.sink > 0 and self.width > 0:
             shift = _sink_shift(layout, window.to(device))  # (B, T)
             self.shift = rotary_at(-shift, cache.inv_freq)  # rotates the queries back by the shift
-        # A decode step without sinks attends in float32 through baddbmm: the scale and the mask (0 or -inf,
-        # built here once for all layers) in the product's one call, laid out (B * nkv, g, width).
+        # A decode step or a verifying pass without sinks attends in float32 through baddbmm: the scale and the mask
+        # (0 or -inf, built here once for all layers) in the product's one call, laid out (B * nkv, g * T, width).
+        # A verifying pass thus does a decode step's products (the same call), and pays no mask per layer.
         self.bias = None
-        if T == 1 and self.shift is None:
-            bias = torch.zeros(B, nkv, g, self.width, device=device).masked_fill_(
-                self.hidden[:, :, None].expand(B, 1, nkv, g, self.width).reshape(B, nkv, g, self.width), float("-inf"))
-            self.bias = bias.reshape(B * nkv, g, self.width)  # (B*nkv, g, width)
+        if self.float32_attention and self.shift is None:
+            hidden = self.hidden[:, :, None].expand(B, 1, nkv, g * T, self.width).reshape(B, nkv, g * T, self.width)
+            bias = torch.zeros(B, nkv, g * T, self.width, device=device).masked_fill_(hidden, float("-inf"))
+            self.bias = bias.reshape(B * nkv, g * T, self.width)  # (B*nkv, g*T, width)
 
     def write_flat(self) -> torch.Tensor:
         """(n * nkv,) the rows of the real tokens' keys in a layer's (R * nkv * allocated, hs) view: every layer's
@@ -344,10 +345,11 @@ def write_kv(kc: torch.Tensor, vc: torch.Tensor, flat: torch.Tensor, k: torch.Te
 
 def decode_attention(bias: torch.Tensor, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """A decode step's attention (one query position) in 4 calls: bias (B*nkv, g, W), 0 or -inf (the mask and
-    the scale in the product's one call); qg (B*nkv, g, hs), the grouped queries; keys and values (B, nkv, W, hs),
-    views of the cache (B and nkv merge without a copy: B's stride is nkv times nkv's) -> (B*nkv, g, hs).
-    The engine's ordinary step (StepView.bias) and the fixed-shape one (memlm.engine.decode_graphs) both."""
+    """A decode step's attention (one query position, or a verifying pass's T) in 4 calls: bias (B*nkv, g*T, W), 0 or
+    -inf (the mask and the scale in the product's one call); qg (B*nkv, g*T, hs), the grouped queries; keys and values
+    (B, nkv, W, hs), views of the cache (B and nkv merge without a copy: B's stride is nkv times nkv's) -> (B*nkv,
+    g*T, hs). The engine's ordinary step and verifying pass (StepView.bias) and the fixed-shape step
+    (memlm.engine.decode_graphs)."""
     Bn, W, hs = bias.shape[0], keys.shape[2], keys.shape[3]
     scores = torch.baddbmm(bias, qg, keys.reshape(Bn, W, hs).transpose(1, 2), alpha=scale)  # (B*nkv, g, W)
     return torch.bmm(scores.softmax(dim=-1), values.reshape(Bn, W, hs))  # (B*nkv, g, hs)
@@ -390,9 +392,9 @@ class _LayerView(CachedAttention):
         if step.float32_attention and keys.dtype != torch.float32:  # decode / verify in bf16/fp16 (_scores)
             qg, keys, values = qg.float(), keys.float(), values.float()
         scale = 1.0 / math.sqrt(hs)
-        if step.bias is not None:  # a decode step (T = 1) without sinks: 4 calls (StepView.bias)
-            y = decode_attention(step.bias, qg.reshape(B * nkv, g, hs), keys, values, scale)  # (B*nkv, g, hs)
-            return y.to(q.dtype).reshape(B, nh, T, hs)  # (B, nh, 1, hs)
+        if step.bias is not None:  # a decode step or a verifying pass without sinks: 4 calls (StepView.bias)
+            y = decode_attention(step.bias, qg.reshape(B * nkv, g * T, hs), keys, values, scale)  # (B*nkv, g*T, hs)
+            return y.to(q.dtype).reshape(B, nh, T, hs)  # (B, nh, T, hs)
         scores = _scores(qg, keys) * scale  # (B, nkv, g*T, width)
         N = min(cache.layout.sink, step.width)
         if step.shift is not None and N > 0:
