@@ -45,6 +45,16 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf):
+    """SmolLM2-135M through memlm's decoder (`load_pretrained("smollm2-135m")`: float32, CPU), loaded once
+    for the session: each load dequantises the whole GGUF (about 5 s), and the modules that use this one
+    only read it (none trains it, changes its weights or hooks it)."""
+    from memlm.model.weights import load_pretrained
+
+    return load_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def hf_llama():
     """The `build_hf_llama(config, state_dict)` function below."""
     return build_hf_llama

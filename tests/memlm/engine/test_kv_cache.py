@@ -61,10 +61,8 @@ def test_cached_greedy_equals_full_recomputation_tiny() -> None:
     assert diff < 1e-5  # measured 2e-6 (1.1e-5 absolute on logits up to 5.7)
 
 
-def test_cached_greedy_equals_full_recomputation_smollm2(smollm2_gguf) -> None:
-    from memlm.model.weights import load_gguf
-
-    pretrained = load_gguf(smollm2_gguf, "cpu", torch.float32)
+def test_cached_greedy_equals_full_recomputation_smollm2(smollm2_model) -> None:
+    pretrained = smollm2_model  # the GGUF on the CPU in float32, loaded once (tests/conftest.py)
     prompt = pretrained.tokenizer.encode("The history of the United States began with")
     cached, full, diff = greedy_both_ways(pretrained.model, [0, *prompt], 16)
     assert cached == full

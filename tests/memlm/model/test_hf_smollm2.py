@@ -26,8 +26,8 @@ TEXT = ("The Congress of the United States has the power to lay and collect taxe
 
 
 @pytest.mark.slow
-def test_smollm2_through_transformers_gives_memlms_keys_and_perplexity(smollm2_gguf):
-    ours = load_pretrained(smollm2_gguf)
+def test_smollm2_through_transformers_gives_memlms_keys_and_perplexity(smollm2_gguf, smollm2_model):
+    ours = smollm2_model  # load_pretrained("smollm2-135m"): that same file, loaded once (tests/conftest.py)
     theirs = load_pretrained(f"hf:{smollm2_gguf}")
     assert isinstance(ours.model, Decoder) and isinstance(theirs.model, HFCausalLM)
     assert theirs.model.config.key_module == "model.layers.29.mlp"

@@ -37,8 +37,8 @@ PARAGRAPH = (
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf) -> Pretrained:
-    return load_pretrained("smollm2-135m")
+def smol(smollm2_model) -> Pretrained:
+    return smollm2_model  # load_pretrained("smollm2-135m"), shared with the other modules (tests/conftest.py)
 
 
 def logits(pre: Pretrained, ids: list[int]) -> torch.Tensor:
