@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import _common
 import torch
@@ -128,12 +129,36 @@ def timed(engine: Engine, requests: list[GenerationRequest]) -> tuple[float, lis
     return time.perf_counter() - start, results
 
 
-def timed_both(engine: Engine, requests: list[GenerationRequest]) -> tuple[float, float, list[list]]:
-    """Wall seconds, this process's CPU seconds (one torch and FAISS thread: what other jobs on a shared CPU
-    do not stretch, but for memory bandwidth), and the events of `requests`."""
-    cpu = time.process_time()
-    seconds, results = timed(engine, requests)
-    return seconds, time.process_time() - cpu, results
+class Timing(NamedTuple):
+    """One side's run of its requests."""
+
+    wall: float
+    cpu: float
+    """This process's CPU seconds (one torch and FAISS thread: what other jobs on a shared CPU do not stretch, but
+    for memory bandwidth)."""
+    decode: float | None
+    """The wall seconds after each request's first token, summed: the decode phase, where speculative decoding
+    works (the prompt's prefill and the first token it gives are the same pass on both sides). None with --batch
+    above 1, where the requests' phases overlap."""
+    results: list[list]
+
+
+def timed_phases(engine: Engine, requests: list[GenerationRequest]) -> Timing:
+    """Run `requests` (one at a time at --batch 1, timing each one's decode phase; else run_all)."""
+    cpu, start = time.process_time(), time.perf_counter()
+    if engine.config.max_batch > 1:
+        results = run_all(engine, requests)
+        return Timing(time.perf_counter() - start, time.process_time() - cpu, None, results)
+    results, decode = [], 0.0
+    for request in requests:
+        events, first = [], None
+        for event in engine.submit(request).events():  # steps the engine here, one step a wait
+            if first is None and isinstance(event, TokenEvent):
+                first = time.perf_counter()
+            events.append(event)
+        decode += time.perf_counter() - first if first is not None else 0.0
+        results.append(events)
+    return Timing(time.perf_counter() - start, time.process_time() - cpu, decode, results)
 
 
 def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dict[str, SpeculativeConfig],
@@ -141,31 +166,38 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dic
     """Plain vs speculative with each draft source over the same requests, alternating (plain, then each
     source, per round) after one untimed warm-up request per side; prints one line per source."""
     sides = {"plain": plain, **{src: [dataclasses.replace(r, speculative=c) for r in plain] for src, c in specs.items()}}
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    cpu: dict[str, list[float]] = {side: [] for side in sides}
-    results: dict[str, list[list]] = {}
+    runs: dict[str, list[Timing]] = {side: [] for side in sides}
     for reqs in sides.values():  # warm-up, untimed: else plain, timed first, pays the one-off costs (the index's
         timed(engine, reqs[:1])  # pages, oneDNN's kernels for each new shape) and the ratios come out high
     for _ in range(repeats):
         for side, reqs in sides.items():
-            seconds, cpu_seconds, results[side] = timed_both(engine, reqs)
-            times[side].append(seconds)
-            cpu[side].append(cpu_seconds)
+            runs[side].append(timed_phases(engine, reqs))
+    results = {side: r[-1].results for side, r in runs.items()}
     tokens = {s: [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in results[s]] for s in results}
     n = sum(len(t) for t in tokens["plain"])
-    rate = {s: n / statistics.median(t) for s, t in times.items()}
-    cpu_rate = {s: n / statistics.median(t) for s, t in cpu.items()}
+    after_first = n - sum(1 for t in tokens["plain"] if t)  # tokens of the decode phases
+
+    def rate(side: str, field: str, count: int) -> float:
+        return count / statistics.median(getattr(t, field) for t in runs[side])
+
     for src in specs:
         same = sum(a == b for a, b in zip(tokens["plain"], tokens[src]))
         ends = [ev[-1] for ev in results[src]]
         passes, verified = sum(e.verify_steps for e in ends), sum(e.verified_tokens for e in ends)
-        print(f"{name}, drafts from {src}: plain {rate['plain']:.1f} tokens/s, speculative {rate[src]:.1f} tokens/s, "
-              f"ratio {rate[src] / rate['plain']:.2f}x (CPU clock {cpu_rate[src] / cpu_rate['plain']:.2f}x); "
-              f"mean accepted tokens {verified / passes:.2f}; searches per "
+        plain_rate, spec_rate = rate("plain", "wall", n), rate(src, "wall", n)
+        decode = ""
+        if runs[src][0].decode is not None:
+            plain_d, spec_d = rate("plain", "decode", after_first), rate(src, "decode", after_first)
+            decode = (f"; decode phase (after each prompt's first token, {after_first} tokens): plain {plain_d:.1f}, "
+                      f"speculative {spec_d:.1f} tokens/s, ratio {spec_d / plain_d:.2f}x")
+        print(f"{name}, drafts from {src}: plain {plain_rate:.1f} tokens/s, speculative {spec_rate:.1f} tokens/s, "
+              f"ratio {spec_rate / plain_rate:.2f}x (CPU clock {rate(src, 'cpu', n) / rate('plain', 'cpu', n):.2f}x)"
+              f"{decode}; mean accepted tokens {verified / passes:.2f}; searches per "
               f"token plain {sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
               f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
-    print(f"# {name}: wall / CPU seconds per round " + "; ".join(
-        f"{s} " + " ".join(f"{t:.1f}/{c:.1f}" for t, c in zip(times[s], cpu[s])) for s in sides), flush=True)
+    print(f"# {name}: wall / CPU / decode seconds per round " + "; ".join(
+        f"{s} " + " ".join(f"{t.wall:.1f}/{t.cpu:.1f}/{t.decode or 0:.1f}" for t in r) for s, r in runs.items()),
+        flush=True)
 
 
 def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
