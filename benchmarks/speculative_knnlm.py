@@ -22,7 +22,7 @@ avx512_bf16); on this CPU its kernels are not batch-invariant (a verifying pass'
 one-row decode steps), so the identical column is expected to fall short there: see the README.
 
     python benchmarks/speculative_knnlm.py [--datastore ~/.cache/memlm/demo/ds-sotu-1990-2000] [--prompts 8]
-        [--prompt-tokens 64] [--new-tokens 64] [--draft-from datastore,history,both] [--draft-tokens N]
+        [--prompt-tokens 64] [--new-tokens 64] [--draft-from datastore,history,both] [--draft-tokens 16[,12]]
         [--min-agreeing 2] [--tree-nodes 3,0] [--figures 1,2] [--batch 1] [--repeats 2] [--dtype float32] [--quick]
 """
 
@@ -76,7 +76,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-from", default=",".join(DRAFT_FROM),
                    help=f"draft sources to measure, comma-separated ({', '.join(DRAFT_FROM)}), each against the "
                         "same plain side")
-    p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
+    p.add_argument("--draft-tokens", default=str(SpeculativeConfig.draft_tokens),
+                   help="the longest draft (SpeculativeConfig.draft_tokens), comma-separated: each value a line per "
+                        "draft source and tree size against the same plain side")
     p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
     p.add_argument("--tree-nodes", default=str(SpeculativeConfig.tree_nodes),
                    help="greedy rows' draft trees (SpeculativeConfig.tree_nodes; 0: one draft), comma-separated: "
@@ -223,10 +225,10 @@ def main() -> None:
     knn = knn_settings(args)
     sources = args.draft_from.split(",")
     trees = [int(n) for n in args.tree_nodes.split(",")]
-    specs = {f"{src}, trees of {n} nodes": SpeculativeConfig(draft_tokens=args.draft_tokens,
-                                                             min_agreeing=args.min_agreeing, draft_from=src,
-                                                             tree_nodes=n)
-             for src in sources for n in trees}
+    lengths = [int(n) for n in args.draft_tokens.split(",")]
+    specs = {f"{src}, trees of {n} nodes" + (f", drafts of {d}" if len(lengths) > 1 else ""):
+             SpeculativeConfig(draft_tokens=d, min_agreeing=args.min_agreeing, draft_from=src, tree_nodes=n)
+             for src in sources for n in trees for d in lengths}
     spec = next(iter(specs.values()))
     prompts = held_apart_prompts(bench, store, args)
     if args.in_datastore:
@@ -235,7 +237,7 @@ def main() -> None:
           f"{store.info().index}, searched by {args.search_backend}), k {knn.k}, lambda {knn.lmbda}, "
           f"T {knn.temperature:.3f}; {len(prompts)} prompts of {args.prompt_tokens} tokens from {args.split}, "
           f"{args.new_tokens} new tokens greedy, batch "
-          f"{args.batch}, draft tokens {spec.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
+          f"{args.batch}, draft tokens {args.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
           f"history matches {spec.history_max_match}..{spec.history_min_match} tokens; "
           f"{args.repeats} rounds",
           flush=True)
