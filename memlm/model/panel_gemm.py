@@ -5,17 +5,21 @@ Why our own kernel: a decode step of SmolLM2-135M reads its 538 MB of float32 we
 or a few (a speculative verifying pass, memlm.engine.speculative; a handful of batched rows), so it is bound by
 memory bandwidth, and a good kernel for 1 row should cost about what one for 8 does. Neither library's does on
 this project's CPU (Intel Xeon, AVX-512). This kernel reads the weight laid out in panels of 16 outputs (`panels`:
-each panel (K, 16) contiguous, a few panels streamed at once and prefetched 2 KB ahead) and keeps every row's 16-wide
-sums in registers, broadcasting one input at a time, so it has no horizontal sums; more than 8 rows go in groups
-of 8 over each group of panels, which then come from cache. SmolLM2's 211 weights once each, one thread, 3 Dec
-(`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round):
+each panel (K, 16) contiguous) and keeps every row's 16-wide sums in registers, broadcasting one input at a time, so
+it has no horizontal sums; more than 8 rows go in groups of 8 over each group of panels, which then come from cache.
+Up to 7 rows stream one panel at a time, 8 rows three (the C source's PANELS), with 8 KB prefetched ahead of the
+read, shared among the panels streamed. Why one: a single sequential stream is what the hardware prefetchers follow
+best; against the previous table (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of each)
+it costs 22.3 / 23.4 / 26.6 ms at 1 / 4 / 6 rows instead of 29.4 / 30.5 / 31.8, and 29.6 vs 31.1 at 8 (4 Dec, both
+builds alternating over SmolLM2's 211 weights, best of 7; the same outputs bit for bit). SmolLM2's 211 weights once
+each, one thread, 4 Dec (`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round, best of 5):
 
     rows           1      2      4      8     17     32     48     65    128    256    512
-    ours        40.2   43.4   42.9   41.2   73.0  125.7  156.5  231.3  370.4  732.9   1675
-    oneDNN      67.0   73.0   73.0   75.1   96.5  155.4  177.7  225.1  393.6  729.9   1674  (packed for 4 rows)
-    MKL         56.6   59.1   99.2  118.0  135.0  192.6  221.3  276.6  414.4  758.9   1724
+    ours        22.9   22.6   23.0   28.8   54.6   92.5  126.6  175.8  333.8  682.1   1343
+    oneDNN      41.5   46.9   33.3   43.0   61.2  100.3  134.2  179.3  335.5  681.4   1327  (packed for 4 rows)
+    MKL         51.6   80.2   63.2   76.5  106.3  145.0  189.7  245.2  419.2  801.8   1567
 
-(13 GB/s at 1 to 8 rows, this core's bandwidth; from about 64 rows all three are bound by arithmetic alike.) So on
+(23 GB/s at 1 to 4 rows, this core's bandwidth; from about 64 rows all three are bound by arithmetic alike.) So on
 one thread Linear gives it every product, prefill chunks too, and keeps no oneDNN copy.
 
 Batch-invariant: every output y[m, n] is one fused multiply-add chain over k in order whatever the other rows are,
@@ -55,7 +59,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <immintrin.h>
 #define INLINE static inline __attribute__((always_inline))
-#define AHEAD 512 /* floats of each panel prefetched ahead of the one read (2 KB) */
+#define AHEAD 2048 /* floats prefetched ahead of the ones read (8 KB), shared among the NB panels streamed */
 
 /* y[m, 16 (p + b) ...] for m < M <= 8, b < NB: M rows against NB panels, k by k: each output one fused
    multiply-add chain over k in order. M and NB are constants after inlining, so the M * NB accumulators (16
@@ -69,7 +73,7 @@ INLINE void group(const float *x, const float *panels, float *y, int64_t M, int6
     for (int64_t k = 0; k < K; k++) {
         __m512 wv[8];
         for (int64_t b = 0; b < NB; b++) {
-            _mm_prefetch((const char *)(w + b * K * 16 + k * 16 + AHEAD), _MM_HINT_T0); /* never faults */
+            _mm_prefetch((const char *)(w + b * K * 16 + k * 16 + AHEAD / NB), _MM_HINT_T0); /* never faults */
             wv[b] = _mm512_loadu_ps(w + b * K * 16 + k * 16);
         }
         for (int64_t m = 0; m < M; m++) {
@@ -105,7 +109,7 @@ EIGHT_ROWS(rows_1, 1)
    The rows go in groups of 8 over each group of panels: the panels come from memory for the first group of rows
    and from cache for the others. */
 void panel_gemm(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K) {
-    static const int64_t PANELS[9] = {0, 8, 6, 6, 6, 4, 4, 3, 3}; /* as many as keep 8 rows' sums in registers */
+    static const int64_t PANELS[9] = {0, 1, 1, 1, 1, 1, 1, 1, 3}; /* panels streamed at once, by rows (module docstring) */
     int64_t P = (N + 15) / 16, nb = PANELS[M < 8 ? M : 8];
     for (int64_t p = 0; p < P; p += nb) {
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -117,6 +121,7 @@ void panel_gemm(const float *x, const float *panels, float *y, int64_t M, int64_
             case 8: rows_8(x, panels, y, M - m0, N, K, p, m0); break;
             case 6: rows_6(x, panels, y, M - m0, N, K, p, m0); break;
             case 4: rows_4(x, panels, y, M - m0, N, K, p, m0); break;
+            case 1: rows_1(x, panels, y, M - m0, N, K, p, m0); break;
             default: rows_3(x, panels, y, M - m0, N, K, p, m0); break;
             }
         }
