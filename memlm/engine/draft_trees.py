@@ -14,8 +14,8 @@ move when the path is the main draft's prefix), so the row goes on as after a ch
 
 Why: a verifying pass of up to 4 positions costs what one of 1 does on this CPU (2 Dec, on oneDNN's packed GEMM,
 memlm.model.decoder.PACKED_ROWS; SmolLM2 float32, one thread: 64 / 67 ms at 1 / 4 positions, then about 2.4 ms a
-position; on 3 Dec's panels kernel, memlm.model.panel_gemm, the weights' GEMMs cost about the same from 1 to 8
-positions, but the pass's other work grows: the README's figures), and a row's short
+position; on 4 Dec's panels kernel, memlm.model.panel_gemm, the weights' GEMMs cost the same from 1 to 4
+positions, 22-23 ms, and 29 at 8, and the pass's other work grows: the README's figures), and a row's short
 datastore draft leaves those free: its other candidates fill them. Only greedy rows: speculative sampling's rule
 here is for one draft (memlm.engine.speculative.accept); a sampled row verifies its main draft alone.
 

@@ -63,7 +63,9 @@ class SpeculativeConfig:
     tokens); a datastore draft stops where fewer than min_agreeing chains agree, about 2.5 tokens, whatever the
     cap. On packed weights (memlm.model.decoder.PACKED_ROWS) a pass of 17 positions costs 1.4x one of 1 (its
     model call 32 vs 22 ms, 2 threads), so the long drafts of the row's own loops pay; on one thread's panel GEMM
-    (memlm.model.panel_gemm) the weights' products cost 73 ms at 17 rows against 40 at 1 to 8."""
+    (memlm.model.panel_gemm, 4 Dec) the weights' products cost 53 ms at 17 rows against 22-23 at 1 to 4 and 29 at 8.
+    16 against 15 (16 positions, not 17) or 7 (one group of 8 rows), held-apart speeches, one run: 1.73x / 1.82x
+    end to end with 3-node trees, 1.82x / 1.79x with 7 (README, 4 Dec): within this machine's noise, 16 stays."""
     draft_k: int = 64
     """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
     the neighbours of its own search, its k)."""
@@ -90,9 +92,10 @@ class SpeculativeConfig:
     """When a row has no history match of history_min_match tokens and no datastore draft (draft_from "history"
     or "both"), a draft of at most this many tokens from a shorter history match, down to one token; 0: none.
     Why short: a one-token match's draft is right for 0.55 tokens a pass, and a verifying pass's extra
-    positions are cheap only for a few of them (memlm.model.decoder.PACKED_ROWS, memlm.model.panel_gemm). Replayed over the greedy
-    kNN-LM runs of benchmarks/speculative_knnlm.py's setting (benchmarks/speculative_replay.py's rule, 8
-    held-apart speeches): "both" 2.24 -> 2.28 tokens a pass at the same 4.4 draft positions a pass."""
+    positions are cheap only for a few of them (memlm.model.decoder.PACKED_ROWS, memlm.model.panel_gemm).
+    Replayed over the greedy kNN-LM runs of benchmarks/speculative_knnlm.py's setting
+    (benchmarks/speculative_replay.py's rule, 8 held-apart speeches): "both" 2.24 -> 2.28 tokens a pass at the
+    same 4.4 draft positions a pass."""
     min_agreeing: int = 2
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token one chain alone spells is rarely the model's, and every drafted
@@ -104,12 +107,14 @@ class SpeculativeConfig:
     """A greedy row verifies a tree of its candidates (memlm.engine.draft_trees): its main draft, then its other
     candidates' prefixes up to this many nodes in all (a main draft this long or longer is verified alone); 0: the
     main draft alone (a sampled row always). Why 3: a pass of up to 4 positions costs what one of 1 does on this
-    CPU (memlm.model.decoder.PACKED_ROWS; memlm.model.panel_gemm: up to 8). Chosen on the tuning split's speeches, never the benchmark's (python
-    benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts 16, greedy kNN-LM, drafts from both):
-    2.51 -> 2.56 tokens a pass at 4.9 -> 5.3 draft positions a pass; then measured on held-apart speeches
-    (OMP_NUM_THREADS=1 python benchmarks/speculative_knnlm.py --figures 1 --draft-from both --tree-nodes 3,0
-    --repeats 3 --search-backend torch): 2.28 -> 2.32 tokens a pass, 1.89x -> 1.92x plain, 8/8 token-identical
-    (1.93x -> 1.98x with knnlm.knn_mixture, 3 Dec)."""
+    CPU (memlm.model.decoder.PACKED_ROWS; memlm.model.panel_gemm: up to 4, 4 Dec). Chosen on the tuning split's
+    speeches, never the benchmark's (python benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts
+    16, greedy kNN-LM, drafts from both): 2.51 -> 2.56 tokens a pass at 4.9 -> 5.3 draft positions a pass; then
+    measured on held-apart speeches (OMP_NUM_THREADS=1 python benchmarks/speculative_knnlm.py --figures 1
+    --draft-from both --tree-nodes 3,0 --repeats 3 --search-backend torch): 2.28 -> 2.32 tokens a pass, 1.89x ->
+    1.92x plain, 8/8 token-identical (1.93x -> 1.98x with knnlm.knn_mixture, 3 Dec). 7 nodes (one group of 8 rows)
+    on 4 Dec's kernel, held-apart: 1.82x against 1.73x, and 2.47 tokens a pass; on the tuning split 1.73x against
+    1.71x (README, 4 Dec): within the noise, 3 stays."""
     tree_branches: int = 3
     """The datastore's branches a tree takes, each under another first token (draft_trees.datastore_branches)."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -54,7 +55,10 @@ def text(tmp_path) -> Path:
 
 def test_random_bytes_in_a_jsonl_name_the_file_and_line(capsys, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_bytes(json.dumps({"text": "a fine first line"}).encode() + b"\n" + os.urandom(2000) + b"\xff\n")
+    # Random bytes with no newline among them (one could end line 2 early, and the bad bytes land on line 3),
+    # led by a byte that never starts UTF-8: line 2 is the bad one whatever the draw.
+    noise = bytes(b for b in random.Random(0).randbytes(2000) if b != 0x0A)
+    corpus.write_bytes(json.dumps({"text": "a fine first line"}).encode() + b"\n\xff" + noise + b"\n")
     code, _, err = run(capsys, "eval", "--model", "tiny", "--data", str(corpus), "--quiet")
     assert_one_line(code, err, f"corpus {corpus}:2: not UTF-8 text")
 
