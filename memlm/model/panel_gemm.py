@@ -59,22 +59,30 @@ SOURCE = r"""
 #include <stdint.h>
 #include <immintrin.h>
 #define INLINE static inline __attribute__((always_inline))
-#define AHEAD 2048 /* floats prefetched ahead of the ones read (8 KB), shared among the NB panels streamed */
+#ifdef WEIGHT_F16 /* the float16 build (half_kernel): weights widened to float32 as loaded, exactly */
+typedef uint16_t weight_t;
+#define LOAD_W(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#else
+typedef float weight_t;
+#define LOAD_W(p) _mm512_loadu_ps(p)
+#endif
+#define AHEAD (8192 / (int64_t)sizeof(weight_t)) /* weights prefetched ahead of the ones read (8 KB), shared among
+                                                    the NB panels streamed */
 
 /* y[m, 16 (p + b) ...] for m < M <= 8, b < NB: M rows against NB panels, k by k: each output one fused
    multiply-add chain over k in order. M and NB are constants after inlining, so the M * NB accumulators (16
    outputs each) stay in registers. */
-INLINE void group(const float *x, const float *panels, float *y, int64_t M, int64_t NB, int64_t N, int64_t K,
+INLINE void group(const float *x, const weight_t *panels, float *y, int64_t M, int64_t NB, int64_t N, int64_t K,
                   int64_t p) {
     __m512 acc[8][8];
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < NB; b++) acc[m][b] = _mm512_setzero_ps();
-    const float *w = panels + p * K * 16;
+    const weight_t *w = panels + p * K * 16;
     for (int64_t k = 0; k < K; k++) {
         __m512 wv[8];
         for (int64_t b = 0; b < NB; b++) {
             _mm_prefetch((const char *)(w + b * K * 16 + k * 16 + AHEAD / NB), _MM_HINT_T0); /* never faults */
-            wv[b] = _mm512_loadu_ps(w + b * K * 16 + k * 16);
+            wv[b] = LOAD_W(w + b * K * 16 + k * 16);
         }
         for (int64_t m = 0; m < M; m++) {
             __m512 xm = _mm512_set1_ps(x[m * K + k]);
@@ -91,7 +99,7 @@ INLINE void group(const float *x, const float *panels, float *y, int64_t M, int6
 /* Rows m0 .. m0 + min(8, rest) - 1 against NB panels from p. */
 #define GROUP(mm, nb) group(x + m0 * K, panels, y + m0 * N, mm, nb, N, K, p)
 #define EIGHT_ROWS(NAME, NB)                                                                                   \
-    static void NAME(const float *x, const float *panels, float *y, int64_t rest, int64_t N, int64_t K,        \
+    static void NAME(const float *x, const weight_t *panels, float *y, int64_t rest, int64_t N, int64_t K,     \
                      int64_t p, int64_t m0) {                                                                  \
         switch (rest) {                                                                                        \
         case 1: GROUP(1, NB); break; case 2: GROUP(2, NB); break; case 3: GROUP(3, NB); break;               \
@@ -108,8 +116,8 @@ EIGHT_ROWS(rows_1, 1)
 /* y (M, N) = x (M, K) @ w (N, K).T with w as panels (P, K, 16): panels[p, k, j] = w[16 p + j, k], zero rows past N.
    The rows go in groups of 8 over each group of panels: the panels come from memory for the first group of rows
    and from cache for the others. */
-void panel_gemm(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K) {
-    static const int64_t PANELS[9] = {0, 1, 1, 1, 1, 1, 1, 1, 3}; /* panels streamed at once, by rows (module docstring) */
+void panel_gemm(const float *x, const weight_t *panels, float *y, int64_t M, int64_t N, int64_t K) {
+    static const int64_t PANELS[9] = {0, 1, 1, 1, 1, 1, 1, 1, 3}; /* panels streamed at once, by rows (docstring) */
     int64_t P = (N + 15) / 16, nb = PANELS[M < 8 ? M : 8];
     for (int64_t p = 0; p < P; p += nb) {
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -143,11 +151,14 @@ def load_kernel(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def build() -> ctypes.CDLL:
-    """This CPU's build of SOURCE, loaded; OSError where the CPU lacks CPU_NEEDS."""
+def build(half: bool = False) -> ctypes.CDLL:
+    """This CPU's build of SOURCE (half: its float16-weight build, WEIGHT_F16), loaded; OSError where the CPU lacks
+    CPU_NEEDS."""
     missing = set(CPU_NEEDS) - cpu_flags()
     if missing:
         raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
+    if half:
+        return load_kernel(compile_library(SOURCE, "panel_gemm_f16", (*FLAGS, "-DWEIGHT_F16")))
     return load_kernel(compile_library(SOURCE, "panel_gemm", FLAGS))
 
 
@@ -155,6 +166,13 @@ def build() -> ctypes.CDLL:
 def kernel() -> ctypes.CDLL | None:
     """This process' kernel; None (logged once) where it cannot be built or loaded."""
     return load_or_warn(build, log, "panel GEMM (Linear keeps oneDNN's)")
+
+
+@functools.cache
+def half_kernel() -> ctypes.CDLL | None:
+    """This process' float16-weight kernel (float16 panels, float32 rows and outputs); None (logged once) where it
+    cannot be built or loaded."""
+    return load_or_warn(functools.partial(build, half=True), log, "float16 panel GEMM (float32 panels instead)")
 
 
 def available() -> bool:
@@ -169,24 +187,30 @@ def fits(x: torch.Tensor) -> bool:
     return x.numel() > 0 and torch.get_num_threads() == 1 and available()
 
 
-def panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) -> its panels (P, K, 16) float32, P = ceil(N / 16): panels[p, k, j] = weight[16 p + j, k],
-    zero past N; the layout the kernel streams (a copy: N * K * 4 bytes more)."""
+def panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight (N, K) -> its panels (P, K, 16) of `dtype`, P = ceil(N / 16): panels[p, k, j] = weight[16 p + j, k],
+    zero past N; the layout the kernel streams (a copy: N * K * 4 bytes more, 2 for float16 panels: half_kernel's,
+    for weights that are float16 already, whose products then equal those of their float32 panels bit for bit)."""
+    if dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"panels are float32 or float16, got {dtype}")
     n, k = weight.shape
-    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))  # (16 P, K)
+    padded = F.pad(weight.detach().to(dtype), (0, 0, 0, -n % PANEL))  # (16 P, K)
     return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()  # (P, K, 16)
 
 
 def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., K) @ weight.T (+ bias) -> (..., n_out) float32 on the CPU, with weight_panels = panels(weight) of a
-    weight (n_out, K), any number of rows. lib: a library of load_kernel (default this process' `kernel()`, which
-    must be available)."""
-    lib = lib or kernel()
+    weight (n_out, K), float32 or float16, any number of rows. lib: a library of load_kernel for the panels' dtype
+    (default this process' `kernel()` for float32 panels, `half_kernel()` for float16 ones, which must be
+    available)."""
+    half = weight_panels.dtype == torch.float16
+    lib = lib or (half_kernel() if half else kernel())
     if lib is None:
-        raise RuntimeError("the panel GEMM is not available (panel_gemm.available() is False)")
+        raise RuntimeError(f"the {'float16 ' if half else ''}panel GEMM is not available here")
     p, k, width = weight_panels.shape if weight_panels.dim() == 3 else (0, 0, 0)
-    if width != PANEL or not weight_panels.is_contiguous() or weight_panels.dtype != torch.float32 \
+    kinds = (torch.float32, torch.float16)
+    if width != PANEL or not weight_panels.is_contiguous() or weight_panels.dtype not in kinds \
             or not (p - 1) * PANEL < n_out <= p * PANEL:
         raise ValueError(f"weight_panels must be panels() of a ({n_out}, K) weight, got {tuple(weight_panels.shape)}")
     if x.shape[-1] != k or x.dtype != torch.float32 or x.device.type != "cpu":

@@ -5,10 +5,12 @@ and memories that fit in GPU memory. Answers the Searcher seam (memlm.retrieval.
 
 Squared L2 is computed as |x|^2 - 2 x.k + |k|^2 with float32 accumulation: float16/bfloat16 keys are
 cast to float32 one chunk at a time, so memory stays at one (chunk, d) float32 block plus (Q, chunk).
-On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is cast once, on the first search,
-into a float32 copy (N * d * 4 bytes more), so that x.k is one GEMM that reads the keys once for all Q queries: on
-one thread the panel kernel's (memlm.model.decoder.on_panels) over a copy in its panels
-(memlm.model.panel_gemm.panels), else oneDNN's over a packed one (memlm.model.decoder.pack_weight); a process that
+On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is laid out once, on the first
+search, so that x.k is one GEMM that reads the keys once for all Q queries: on one thread the panel kernel's
+(memlm.model.decoder.on_panels) over a copy in its panels (memlm.model.panel_gemm.panels; float16 panels of float16
+keys, N * d * 2 bytes more, widened exactly as they are read, so the products are those of float32 panels bit for
+bit at half the bytes: 4.2 / 4.8 / 8.3 ms against 8.6 / 9.0 / 10.7 at 1 / 3 / 8 queries over 81,169 keys, 4 Dec),
+else oneDNN's over a packed float32 one (memlm.model.decoder.pack_weight, N * d * 4 bytes more); a process that
 searches both ways holds both copies. Measured on the 81K-key SOTU datastore (d 576, k 1024, 2 threads, 2 Dec): 1 /
 3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the packed product alone (the FAISS
 Flat index scans query by query: 7.2 ms a query on one thread, 14.7 on two).
@@ -34,8 +36,9 @@ EXACT_INDEX = "exact"
 
 
 def searcher_bytes(n: int, d: int, device: torch.device) -> int:
-    """Memory a TorchExactSearcher over n float16 keys of width d takes on `device`: the keys, and on the CPU
-    their float32 chunks too (made by the first search: panels or packed, both where both kinds of search came)."""
+    """Memory a TorchExactSearcher over n float16 keys of width d takes on `device`: the keys, and on the CPU a
+    copy made by the first search (float16 panels, 2 bytes a component, or float32 packed chunks, 4; both where
+    both kinds of search came): at most 6 bytes a component for one kind."""
     return n * d * (2 if device.type != "cpu" else 2 + 4)
 
 
@@ -79,9 +82,13 @@ class TorchExactSearcher:
         return self._packed
 
     def _panel_chunks(self) -> list[torch.Tensor]:
-        """The keys' chunks in the panel kernel's panels (memlm.model.panel_gemm.panels), made once."""
+        """The keys' chunks in the panel kernel's panels (memlm.model.panel_gemm.panels), made once: float16 panels
+        of float16 keys where the float16 kernel builds (half the bytes a search reads, the same products bit for
+        bit), else float32 ones."""
         if self._panels is None:
-            self._panels = [panel_gemm.panels(self.keys[lo : lo + self.chunk_size])
+            half = self.keys.dtype == torch.float16 and panel_gemm.half_kernel() is not None
+            dtype = torch.float16 if half else torch.float32
+            self._panels = [panel_gemm.panels(self.keys[lo : lo + self.chunk_size], dtype)
                             for lo in range(0, self.keys.shape[0], self.chunk_size)]
         return self._panels
 

@@ -67,6 +67,19 @@ def test_a_rows_output_is_the_same_alone_and_beside_any_other_rows(k, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("k, n", [(576, 192), (17, 100), (1536, 16 * 8 + 5)])
+def test_float16_panels_give_the_float32_panels_products_bit_for_bit(k, n):
+    w = (random(n, k, seed=9) / k ** 0.5).half()  # (n, k) float16 weights: exact in float32 too
+    p16, p32 = panels(w, torch.float16), panels(w)
+    assert p16.dtype == torch.float16 and p32.dtype == torch.float32 and p16.shape == p32.shape
+    for m in [*range(1, 10), 16, 17]:
+        x = random(m, k, seed=m)
+        assert torch.equal(linear(x, p16, n), linear(x, p32, n)), m
+    with pytest.raises(ValueError, match="float32 or float16"):
+        panels(w, torch.bfloat16)
+
+
+@needs_kernel
 def test_bias_strided_input_and_bad_calls():
     w, b = random(40, 32, seed=1), random(40, seed=2)
     x = random(3, 2, 32, seed=3).transpose(0, 1)  # (2, 3, 32), strided

@@ -169,6 +169,29 @@ def test_torch_exact_searcher_on_packed_cpu_keys_equals_plain_products(gemm, mon
     np.testing.assert_array_equal(alone.ids[0], packed.ids[2])
 
 
+def test_float16_keys_are_searched_on_float16_panels_with_the_float32_panels_results(monkeypatch):
+    """float16 keys on the panel kernel: float16 panels (half the bytes a search reads), and neighbours and
+    distances bit for bit those of the same keys held as float32 (float32 panels)."""
+    from memlm.model import panel_gemm
+    from memlm.model.decoder import cpu_gemm_as
+
+    if panel_gemm.half_kernel() is None:
+        pytest.skip("no AVX-512 CPU or no C compiler: the panel GEMM cannot be built")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the panel kernel's condition in any run
+    rng = np.random.default_rng(4)
+    keys = torch.from_numpy(rng.normal(size=(1000, 64)).astype(np.float16))
+    values = rng.integers(0, 50, size=1000).astype(np.int32)
+    half = TorchExactSearcher(keys, values, chunk_size=300)
+    full = TorchExactSearcher(keys.float(), values, chunk_size=300)
+    xq = rng.normal(size=(5, 64)).astype(np.float32)
+    with cpu_gemm_as("panels"):
+        got, want = half.search(xq, 30), full.search(xq, 30)
+    assert [p.dtype for p in half._panels] == [torch.float16] * 4
+    assert [p.dtype for p in full._panels] == [torch.float32] * 4
+    np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_array_equal(got.distances, want.distances)
+
+
 def test_torch_exact_searcher_pads_when_k_exceeds_n():
     searcher = TorchExactSearcher(torch.randn(5, 4), np.arange(5, dtype=np.int32), chunk_size=2)
     nb = searcher.search(np.zeros((2, 4), np.float16), 8)
