@@ -6,9 +6,12 @@ torch thread.
 
 Prints, per row count, the milliseconds a round takes on each (the best of --repeats rounds), the ratios, and the
 bandwidth each reaches (the weights' bytes a round over its time); then whether our kernel's rows are bit for bit
-the same alone and together (the property the speculative verifying pass relies on) on the head.
+the same alone and together (the property the speculative verifying pass relies on) on the head. With --keys N, also
+the product of a torch exact search over N random float16 keys on float16 panels against float32 panels
+(memlm.retrieval.exact).
 
-    OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--synthetic]
+    OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--keys 81169]
+        [--synthetic]
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,17,32")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--keys", type=int, default=0, help="also a search's product over this many random float16 keys "
+                   "of the model's width (81169: the demo datastore's): float16 panels vs float32 panels; 0: not")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
     if torch.get_num_threads() != 1:
@@ -74,6 +79,27 @@ def main() -> None:
         alone = torch.cat([panel_gemm.linear(x[i : i + 1], head_panels, n) for i in range(x.shape[0])])
         same = all(torch.equal(panel_gemm.linear(x[:m], head_panels, n), alone[:m]) for m in range(1, x.shape[0] + 1))
         print(f"# ours, the head's rows alone vs together (1..{x.shape[0]} rows): bit for bit {same}")
+        if args.keys:
+            key_products(args.keys, head.shape[1], [int(r) for r in args.rows.split(",")], args.repeats)
+
+
+def key_products(n: int, d: int, rows: list[int], repeats: int) -> None:
+    """x (rows, d) @ keys.T over n random float16 keys (a torch exact search's product, memlm.retrieval.exact) on
+    float16 panels (half_kernel) and on float32 panels of the same keys, alternating; best of `repeats`."""
+    keys = torch.randn(n, d).half()  # (n, d)
+    layouts = {"float16 panels": panel_gemm.panels(keys, torch.float16), "float32 panels": panel_gemm.panels(keys)}
+    print(f"# a search's product over {n} random float16 keys of width {d}, ms, best of {repeats}")
+    for m in rows:
+        x = torch.randn(m, d)  # (m, d)
+        best = {name: float("inf") for name in layouts}
+        for _ in range(repeats):
+            for name, p in layouts.items():
+                start = time.perf_counter()
+                panel_gemm.linear(x, p, n)
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        same = torch.equal(*(panel_gemm.linear(x, p, n) for p in layouts.values()))
+        print(f"{m} rows: float16 panels {best['float16 panels']:.2f} ms, float32 panels {best['float32 panels']:.2f} "
+              f"ms ({best['float32 panels'] / best['float16 panels']:.2f}x); the same bit for bit {same}", flush=True)
 
 
 if __name__ == "__main__":
