@@ -7,12 +7,12 @@ memory bandwidth, and a good kernel for 1 row should cost about what one for 8 d
 this project's CPU (Intel Xeon, AVX-512). This kernel reads the weight laid out in panels of 16 outputs (`panels`:
 each panel (K, 16) contiguous) and keeps every row's 16-wide sums in registers, broadcasting one input at a time, so
 it has no horizontal sums; more than 8 rows go in groups of 8 over each group of panels, which then come from cache.
-Up to 7 rows stream one panel at a time, 8 rows three (the C source's PANELS), with 8 KB prefetched ahead of the
-read, shared among the panels streamed. Why one: a single sequential stream is what the hardware prefetchers follow
-best; against the previous table (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of each)
-it costs 22.3 / 23.4 / 26.6 ms at 1 / 4 / 6 rows instead of 29.4 / 30.5 / 31.8, and 29.6 vs 31.1 at 8 (4 Dec, both
-builds alternating over SmolLM2's 211 weights, best of 7; the same outputs bit for bit). SmolLM2's 211 weights once
-each, one thread, 4 Dec (`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round, best of 5):
+Up to 7 rows stream one panel at a time, 8 rows or more three (the C source's PANELS), with 8 KB prefetched ahead of
+the read, shared among the panels streamed. Why one: a single sequential stream is what the hardware prefetchers
+follow best; against the previous table (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of
+each) it costs 22.1 / 22.9 / 29.4 ms at 1 / 4 / 8 rows instead of 29.5 / 31.4 / 30.2 (4 Dec, this benchmark at both
+commits back to back, README; the same outputs bit for bit). SmolLM2's 211 weights once each, one thread, 4 Dec
+(`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round, best of 5):
 
     rows           1      2      4      8     17     32     48     65    128    256    512
     ours        22.9   22.6   23.0   28.8   54.6   92.5  126.6  175.8  333.8  682.1   1343
