@@ -64,8 +64,9 @@ class SpeculativeConfig:
     cap. On packed weights (memlm.model.decoder.PACKED_ROWS) a pass of 17 positions costs 1.4x one of 1 (its
     model call 32 vs 22 ms, 2 threads), so the long drafts of the row's own loops pay; on one thread's panel GEMM
     (memlm.model.panel_gemm, 4 Dec) the weights' products cost 53 ms at 17 rows against 22-23 at 1 to 4 and 29 at 8.
-    16 against 15 (16 positions, not 17) or 7 (one group of 8 rows), held-apart speeches, one run: 1.73x / 1.82x
-    end to end with 3-node trees, 1.82x / 1.79x with 7 (README, 4 Dec): within this machine's noise, 16 stays."""
+    On 4 Dec's kernel (README): drafts of 16 against 15 (16 positions, not 17), held-apart speeches, 1.73x / 1.82x
+    end to end with 3-node trees, 1.82x / 1.79x with 7-node trees; 16 against 7 (one group of 8 rows) on the tuning
+    split, 1.71x / 1.76x and 1.73x / 1.69x: within this machine's noise, 16 stays."""
     draft_k: int = 64
     """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
     the neighbours of its own search, its k)."""

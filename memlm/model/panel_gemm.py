@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 PANEL = 16
 """Outputs a panel holds: one AVX-512 vector of float32 (the C source's __m512 and its 16 lanes)."""
+PANEL_DTYPES = (torch.float32, torch.float16)
+"""What panels may hold: float32 (`kernel`) or float16 (`half_kernel`, widened to float32 as loaded)."""
 
 SOURCE = r"""
 #include <stdint.h>
@@ -157,9 +159,8 @@ def build(half: bool = False) -> ctypes.CDLL:
     missing = set(CPU_NEEDS) - cpu_flags()
     if missing:
         raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
-    if half:
-        return load_kernel(compile_library(SOURCE, "panel_gemm_f16", (*FLAGS, "-DWEIGHT_F16")))
-    return load_kernel(compile_library(SOURCE, "panel_gemm", FLAGS))
+    stem, flags = ("panel_gemm_f16", (*FLAGS, "-DWEIGHT_F16")) if half else ("panel_gemm", FLAGS)
+    return load_kernel(compile_library(SOURCE, stem, flags))
 
 
 @functools.cache
@@ -191,7 +192,7 @@ def panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     """weight (N, K) -> its panels (P, K, 16) of `dtype`, P = ceil(N / 16): panels[p, k, j] = weight[16 p + j, k],
     zero past N; the layout the kernel streams (a copy: N * K * 4 bytes more, 2 for float16 panels: half_kernel's,
     for weights that are float16 already, whose products then equal those of their float32 panels bit for bit)."""
-    if dtype not in (torch.float32, torch.float16):
+    if dtype not in PANEL_DTYPES:
         raise ValueError(f"panels are float32 or float16, got {dtype}")
     n, k = weight.shape
     padded = F.pad(weight.detach().to(dtype), (0, 0, 0, -n % PANEL))  # (16 P, K)
@@ -209,8 +210,7 @@ def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch
     if lib is None:
         raise RuntimeError(f"the {'float16 ' if half else ''}panel GEMM is not available here")
     p, k, width = weight_panels.shape if weight_panels.dim() == 3 else (0, 0, 0)
-    kinds = (torch.float32, torch.float16)
-    if width != PANEL or not weight_panels.is_contiguous() or weight_panels.dtype not in kinds \
+    if width != PANEL or not weight_panels.is_contiguous() or weight_panels.dtype not in PANEL_DTYPES \
             or not (p - 1) * PANEL < n_out <= p * PANEL:
         raise ValueError(f"weight_panels must be panels() of a ({n_out}, K) weight, got {tuple(weight_panels.shape)}")
     if x.shape[-1] != k or x.dtype != torch.float32 or x.device.type != "cpu":

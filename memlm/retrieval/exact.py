@@ -9,7 +9,8 @@ On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk
 search, so that x.k is one GEMM that reads the keys once for all Q queries: on one thread the panel kernel's
 (memlm.model.decoder.on_panels) over a copy in its panels (memlm.model.panel_gemm.panels; float16 panels of float16
 keys, N * d * 2 bytes more, widened exactly as they are read, so the products are those of float32 panels bit for
-bit at half the bytes: 4.2 / 4.8 / 8.3 ms against 8.6 / 9.0 / 10.7 at 1 / 3 / 8 queries over 81,169 keys, 4 Dec),
+bit at half the bytes: 3.6 / 4.2 / 8.1 ms against 7.0 / 7.3 / 10.0 at 1 / 3 / 8 queries over 81,169 keys, 4 Dec,
+benchmarks/panel_gemm.py --keys),
 else oneDNN's over a packed float32 one (memlm.model.decoder.pack_weight, N * d * 4 bytes more); a process that
 searches both ways holds both copies. Measured on the 81K-key SOTU datastore (d 576, k 1024, 2 threads, 2 Dec): 1 /
 3 / 17 queries 62 / 89 / 93 ms casting float16 chunks, 4.3 / 4.5 / 5.9 ms for the packed product alone (the FAISS
