@@ -50,8 +50,12 @@ def median_ms(values: list[float]) -> float:
     return 1000 * statistics.median(values[2:] if len(values) > 4 else values)
 
 
-def pass_costs(model, positions: list[int], rounds: int, cache_tokens: int) -> None:
-    clock = ProductClock(model)
+def forward_times(model, positions: list[int], rounds: int, cache_tokens: int, count_products: bool = True
+                  ) -> tuple[dict[int, float], dict[int, float]]:
+    """Median ms of a forward pass feeding n positions after a cache of cache_tokens, and of its Linear products
+    (count_products: hooks on every Linear, left on the model, which they slow; else none and {}), for each n of
+    `positions` (round-robin, random token ids)."""
+    clock = ProductClock(model) if count_products else None
     vocab = model.config.vocab_size
     whole: dict[int, list[float]] = defaultdict(list)
     products: dict[int, list[float]] = defaultdict(list)
@@ -61,35 +65,47 @@ def pass_costs(model, positions: list[int], rounds: int, cache_tokens: int) -> N
         for _ in range(rounds):
             for n in positions:
                 ids = torch.randint(0, vocab, (1, n))  # (1, n), fed after the cache, which is not extended
-                clock.seconds = 0.0
+                if clock is not None:
+                    clock.seconds = 0.0
                 start = time.perf_counter()
                 model(ids, cache)
                 whole[n].append(time.perf_counter() - start)
-                products[n].append(clock.seconds)
+                if clock is not None:
+                    products[n].append(clock.seconds)
+    return {n: median_ms(whole[n]) for n in positions}, {n: median_ms(v) for n, v in products.items()}
+
+
+def pass_costs(model, positions: list[int], rounds: int, cache_tokens: int) -> None:
+    whole, products = forward_times(model, positions, rounds, cache_tokens)
     print(f"# forward pass after a {cache_tokens}-token cache, ms (median of {rounds} rounds, round-robin)")
     for n in positions:
-        w, p = median_ms(whole[n]), median_ms(products[n])
+        w, p = whole[n], products[n]
         print(f"positions {n:3d}: pass {w:6.1f}, Linear products {p:6.1f}, the rest {w - p:5.1f}; "
-              f"{w / median_ms(whole[positions[0]]):.2f}x {positions[0]} position(s)", flush=True)
+              f"{w / whole[positions[0]]:.2f}x {positions[0]} position(s)", flush=True)
+
+
+def search_times(store, queries: list[int], rounds: int, k: int = 1024) -> dict[int, float]:
+    """Median ms of one search of q random queries, k neighbours, for each q of `queries` (round-robin)."""
+    rng = np.random.default_rng(0)
+    times: dict[int, list[float]] = defaultdict(list)
+    xq = rng.standard_normal((max(queries), store.info().dim)).astype(np.float32)  # (Q, d)
+    store.search(xq[:1], k)  # the first search makes the CPU copy of the keys
+    for _ in range(rounds):
+        for q in queries:
+            start = time.perf_counter()
+            store.search(xq[:q], k)
+            times[q].append(time.perf_counter() - start)
+    return {q: median_ms(times[q]) for q in queries}
 
 
 def search_costs(datastore: str, queries: list[int], rounds: int, device: str) -> None:
     from datastore import Datastore
 
     store = Datastore.open(datastore, backend="torch", device=device)
-    k = 1024
-    rng = np.random.default_rng(0)
-    times: dict[int, list[float]] = defaultdict(list)
-    xq = rng.standard_normal((max(queries), store.info().dim)).astype(np.float32)  # (Q, d)
-    store.search(xq[:1], k)  # the first search makes the float32 copy of the keys
-    for _ in range(rounds):
-        for q in queries:
-            start = time.perf_counter()
-            store.search(xq[:q], k)
-            times[q].append(time.perf_counter() - start)
-    print(f"# torch exact search of {datastore} ({store.info().n} keys), k {k}, ms (median of {rounds} rounds)")
+    times = search_times(store, queries, rounds)
+    print(f"# torch exact search of {datastore} ({store.info().n} keys), k 1024, ms (median of {rounds} rounds)")
     for q in queries:
-        print(f"queries {q:3d}: {median_ms(times[q]):6.2f}", flush=True)
+        print(f"queries {q:3d}: {times[q]:6.2f}", flush=True)
 
 
 def main() -> None:

@@ -79,6 +79,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-tokens", default=str(SpeculativeConfig.draft_tokens),
                    help="the longest draft (SpeculativeConfig.draft_tokens), comma-separated: each value a line per "
                         "draft source and tree size against the same plain side")
+    p.add_argument("--short-match-tokens", default=str(SpeculativeConfig.short_match_tokens),
+                   help="most tokens a history draft takes from a match shorter than the longest "
+                        "(SpeculativeConfig.short_match_tokens), comma-separated: each value a line per draft source, "
+                        "tree size and draft length")
     p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
     p.add_argument("--tree-nodes", default=str(SpeculativeConfig.tree_nodes),
                    help="greedy rows' draft trees (SpeculativeConfig.tree_nodes; 0: one draft), comma-separated: "
@@ -226,9 +230,12 @@ def main() -> None:
     sources = args.draft_from.split(",")
     trees = [int(n) for n in args.tree_nodes.split(",")]
     lengths = [int(n) for n in args.draft_tokens.split(",")]
-    specs = {f"{src}, trees of {n} nodes" + (f", drafts of {d}" if len(lengths) > 1 else ""):
-             SpeculativeConfig(draft_tokens=d, min_agreeing=args.min_agreeing, draft_from=src, tree_nodes=n)
-             for src in sources for n in trees for d in lengths}
+    shorts = [int(n) for n in args.short_match_tokens.split(",")]
+    specs = {f"{src}, trees of {n} nodes" + (f", drafts of {d}" if len(lengths) > 1 else "")
+             + (f", short matches {m}" if len(shorts) > 1 else ""):
+             SpeculativeConfig(draft_tokens=d, min_agreeing=args.min_agreeing, draft_from=src, tree_nodes=n,
+                               short_match_tokens=m)
+             for src in sources for n in trees for d in lengths for m in shorts}
     spec = next(iter(specs.values()))
     prompts = held_apart_prompts(bench, store, args)
     if args.in_datastore:

@@ -6,23 +6,30 @@ plain continuation alone: a pass after the row's text yields the longest prefix 
 continuation spells, and one token more. This script decodes the prompts of benchmarks/speculative_knnlm.py
 (the same held-apart prompts, setting and datastore) once, plainly, and replays each policy over the recorded
 continuations: tokens a pass (what speed-up a pass can buy) and draft positions a pass (what a pass feeds
-beyond x_t: for a tree the nodes of the drafts' prefix tree, which a tree-masked pass would feed). No timing:
-what a position costs is benchmarks/speculative_knnlm.py's part (README, issue 15).
+beyond x_t: for a tree the nodes of the drafts' prefix tree, which a tree-masked pass would feed). The policies
+themselves are not timed; with --pass-costs the forward pass of 1 .. draft_tokens + 1 positions and the search of
+1 .. draft_tokens + 1 queries are timed on this machine (benchmarks/pass_cost.py, round-robin medians), and each
+policy gets a modelled decode ratio: plain's cost, forward(1) + search(1) a token, over the policy's, forward(1 +
+nodes) + search(tokens) a pass (a greedy kNN-LM row searches about its accepted tokens' positions; the engine's own
+bookkeeping left out). The figure that counts is benchmarks/speculative_knnlm.py's, measured (README, issue 15).
 
 Pointers (memlm.engine.drafts) come from the neighbours of one whole-text forward pass's keys at each
 position (one search), not from the decode steps' own keys, so a datastore draft may differ in a rare near tie
 from the engine's; the single-draft lines are printed beside the benchmark's measured tokens a pass to check.
 
     python benchmarks/speculative_replay.py [--split "year>=2003"] [--prompts 8] [--new-tokens 64] [--draft-tokens 16]
-        [--trees 2,3,4]
+        [--trees 2,3,4] [--pass-costs [--search-backend torch]]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
+import pass_cost
 import speculative_knnlm as bench_setting
 import torch
 
@@ -46,6 +53,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig.draft_tokens)
     p.add_argument("--trees", default="2,3,4", help="tree widths to replay: that many history continuations and "
                    "that many datastore branches per pass")
+    p.add_argument("--pass-costs", action="store_true", help="time passes and searches here and print each "
+                   "policy's modelled decode ratio")
+    p.add_argument("--tree-nodes", default="", help="also replay the engine's rule with these tree_nodes, "
+                   "comma-separated (SpeculativeConfig's other fields as given)")
+    p.add_argument("--short-match-tokens", default="", help="also replay the engine's rule with these "
+                   "short_match_tokens, comma-separated, each with each --tree-nodes")
     args = p.parse_args()
     args.in_datastore, args.quick = False, False  # speculative_knnlm's helpers read them
     return args
@@ -85,10 +98,30 @@ def tree_nodes(drafts: list[tuple[int, ...]]) -> int:
     return len({d[:i] for d in drafts for i in range(1, len(d) + 1)})
 
 
-def record(args: argparse.Namespace) -> tuple[list[tuple[list[int], int, list[np.ndarray]]], DraftSource]:
+class PassCosts(NamedTuple):
+    """Median ms on this machine (benchmarks/pass_cost.py): a forward pass by its positions, a search by queries."""
+
+    forward: dict[int, float]
+    search: dict[int, float]
+
+    def plain_step(self) -> float:
+        return self.forward[1] + self.search[1]
+
+    def verifying_pass(self, positions: int, searched: int) -> float:
+        """nan past the positions timed (a wide tree policy's passes): its ratio is then not modelled."""
+        return self.forward.get(positions, float("nan")) + self.search[searched]
+
+
+def pass_costs_here(bench, store, most: int, rounds: int = 6) -> PassCosts:
+    """PassCosts for 1 .. most positions and queries, on the setting's model and datastore."""
+    counts = list(range(1, most + 1))
+    forward, _ = pass_cost.forward_times(bench.pre.model, counts, rounds, 128, count_products=False)
+    return PassCosts(forward, pass_cost.search_times(store, counts, rounds))
+
+
+def record(args: argparse.Namespace, bench, store) -> tuple[list[tuple[list[int], int, list[np.ndarray]]], DraftSource]:
     """Per prompt: the full text (boundary, prompt, plain greedy continuation), where the continuation starts,
     and the pointers after each generated token."""
-    bench, store = bench_setting.open_setting(args)
     knn = bench_setting.knn_settings(args)
     source = draft_source(store.provenance, store.values)
     engine = Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=1), store, source)
@@ -107,10 +140,12 @@ def record(args: argparse.Namespace) -> tuple[list[tuple[list[int], int, list[np
     return runs, source
 
 
-def replay(runs, source: DraftSource, policy: Policy, draft_tokens: int) -> tuple[float, float]:
-    """(tokens a pass, draft positions a pass) of `policy` over the recorded runs; the first token of each run
-    comes from the prompt's step, as in the engine."""
+def replay(runs, source: DraftSource, policy: Policy, draft_tokens: int, costs: PassCosts | None = None
+           ) -> tuple[float, float, float | None]:
+    """(tokens a pass, draft positions a pass, modelled decode ratio or None without costs) of `policy` over the
+    recorded runs; the first token of each run comes from the prompt's step, as in the engine."""
     passes = tokens = fed = 0
+    spent = 0.0
     for text, start, after in runs:
         g, pointers, n = 1, after[0], len(text) - start
         while g < n:
@@ -122,14 +157,22 @@ def replay(runs, source: DraftSource, policy: Policy, draft_tokens: int) -> tupl
             y = min(right + 1, n - g)
             fresh = after[g + y - 1]
             pointers = fresh if fresh.size else advance(pointers, text[at : at + y], source)
+            if costs is not None:
+                spent += costs.verifying_pass(1 + tree_nodes(drafts), y)
             passes, tokens, fed, g = passes + 1, tokens + y, fed + tree_nodes(drafts), g + y
-    return tokens / passes, fed / passes
+    ratio = tokens * costs.plain_step() / spent if costs is not None and spent == spent else None
+    return tokens / passes, fed / passes, ratio
 
 
 def main() -> None:
     args = parse_args()
-    runs, source = record(args)
+    bench, store = bench_setting.open_setting(args)
+    runs, source = record(args, bench, store)
     spec = SpeculativeConfig(draft_tokens=args.draft_tokens)
+    costs = pass_costs_here(bench, store, args.draft_tokens + 1) if args.pass_costs else None
+    if costs is not None:
+        print("# forward ms by positions " + " ".join(f"{n}:{t:.1f}" for n, t in costs.forward.items())
+              + "; search ms by queries " + " ".join(f"{n}:{t:.2f}" for n, t in costs.search.items()), flush=True)
     print(f"# {len(runs)} prompts, {args.new_tokens} greedy kNN-LM tokens each ({args.dtype}), draft tokens "
           f"{args.draft_tokens}; replayed, not timed", flush=True)
     policies: dict[str, Policy] = {}
@@ -138,14 +181,20 @@ def main() -> None:
             config = SpeculativeConfig(draft_tokens=args.draft_tokens, draft_from=src, tree_nodes=n)
             policies[f"{src}, trees of {n} nodes (the engine's)"] = lambda text, ptr, cap, c=config: tree_drafts(
                 row_tree(text, ptr, source, cap, c, True, cap))
+    for n in (int(x) for x in args.tree_nodes.split(",") if x):
+        for m in [int(x) for x in args.short_match_tokens.split(",") if x] or [spec.short_match_tokens]:
+            config = dataclasses.replace(spec, tree_nodes=n, short_match_tokens=m)
+            policies[f"both, trees of {n} nodes, short matches {m} (the engine's)"] = (
+                lambda text, ptr, cap, c=config: tree_drafts(row_tree(text, ptr, source, cap, c, True, cap)))
     for w in (int(x) for x in args.trees.split(",")):
         for hmin in (spec.history_min_match, 1):
             policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
                 lambda text, ptr, cap, w=w, hmin=hmin: history_candidates(text, cap, w, spec.history_max_match, hmin)
                 + datastore_branches(ptr, source, cap, w, spec.min_agreeing))
     for name, policy in policies.items():
-        per_pass, fed = replay(runs, source, policy, args.draft_tokens)
-        print(f"{name}: tokens a pass {per_pass:.2f}, draft positions a pass {fed:.1f}", flush=True)
+        per_pass, fed, ratio = replay(runs, source, policy, args.draft_tokens, costs)
+        modelled = f", modelled decode ratio {ratio:.3f}" if ratio is not None else ""
+        print(f"{name}: tokens a pass {per_pass:.3f}, draft positions a pass {fed:.1f}{modelled}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memlm.engine.drafts import DraftSource, SpeculativeConfig, best_draft, draft_chains, history_draft, row_draft
+from memlm.engine.drafts import (
+    DraftSource,
+    SpeculativeConfig,
+    best_draft,
+    draft_chains,
+    history_draft,
+    own_text_draft,
+    row_draft,
+)
 
 
 class DraftTree(NamedTuple):
@@ -127,16 +135,16 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
              greedy: bool, room: int) -> DraftTree:
     """The tree a row verifies after its `text` (drafts at most `length` tokens deep): its main draft (row_draft),
     then, for a greedy row with spec.tree_nodes, the prefixes of its other candidates from spec.draft_from's
-    sources, in this order: the history's draft (a match of history_min_match tokens or more), the short one of a
-    shorter match (fallback_tokens), the datastore's branches (`datastore_branches`, tree_branches of them); up to
-    tree_nodes nodes in all (a main draft that long is verified alone); at most `room` nodes (>= length: the slots
-    left before the row's cache is full)."""
+    sources, in this order: the history's draft (a match of history_min_match tokens or more, own_text_draft), the
+    short one of a shorter match (fallback_tokens), the datastore's branches (`datastore_branches`, tree_branches of
+    them); up to tree_nodes nodes in all (a main draft that long is verified alone); at most `room` nodes (>= length:
+    the slots left before the row's cache is full)."""
     main = row_draft(text, pointers, source, length, spec)
     if not greedy or spec.tree_nodes == 0 or length < 1:
         return chain(main)
     candidates = [main]
     if spec.draft_from != "datastore":
-        candidates.append(history_draft(text, length, spec.history_max_match, spec.history_min_match)[0])
+        candidates.append(own_text_draft(text, length, spec))
         if spec.fallback_tokens and spec.history_min_match > 1:
             fallback = min(length, spec.fallback_tokens)
             candidates.append(history_draft(text, fallback, spec.history_min_match - 1, 1)[0])

@@ -85,10 +85,21 @@ class SpeculativeConfig:
     history_max_match: int = 3
     """Longest suffix of the row's text looked up in its own past (longer matches are tried first)."""
     history_min_match: int = 2
-    """Shortest suffix of the row's text drafted from ahead of the datastore, for up to draft_tokens. Why not 1:
+    """Shortest suffix of the row's text drafted from ahead of the datastore (for up to draft_tokens when it is
+    history_max_match long, else short_match_tokens). Why not 1:
     the drafts of a one-token match were right for 1.55 tokens a pass (a 2-token match's for 4.7, a 3-token
     one's for 10.6; greedy kNN-LM over 8 held-apart speeches, draft_tokens 16): shorter matches draft last and
     short (fallback_tokens)."""
+    short_match_tokens: int = 4
+    """Most tokens a history draft takes from a match shorter than history_max_match (`own_text_draft`; a match
+    that long drafts up to draft_tokens). Why: a pass's positions past 8 cost about 7% of a plain step each on
+    a CPU whose panel GEMM is bound by its arithmetic there (memlm.model.panel_gemm: 17 rows 2.2x one row's
+    pass on an AMD EPYC, 6 Dec), and a 2-token match's long draft is mostly wrong early (of the 9-15-position
+    chains it drafted, 13 of 18 kept only the model's own token). Chosen on the tuning split's speeches, never the
+    benchmark's, by replaying recorded greedy kNN-LM runs under this machine's timed pass costs (taskset -c 0 env
+    OMP_NUM_THREADS=1 python benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts 16
+    --search-backend torch --pass-costs --tree-nodes 3,5,7 --short-match-tokens 16,4; AMD EPYC, 6 Dec): modelled
+    decode ratio 2.07 -> 2.15 with 3-node trees, 2.11 -> 2.20 with 5; on held-apart speeches, measured: README."""
     fallback_tokens: int = 4
     """When a row has no history match of history_min_match tokens and no datastore draft (draft_from "history"
     or "both"), a draft of at most this many tokens from a shorter history match, down to one token; 0: none.
@@ -104,10 +115,15 @@ class SpeculativeConfig:
     (benchmarks/speculative_knnlm.py's), 2 keeps 1.31 tokens a pass of 1's 1.32 at 2.2 searches a token
     instead of 3.4 (draft_tokens 4)."""
 
-    tree_nodes: int = 3
+    tree_nodes: int = 5
     """A greedy row verifies a tree of its candidates (memlm.engine.draft_trees): its main draft, then its other
     candidates' prefixes up to this many nodes in all (a main draft this long or longer is verified alone); 0: the
-    main draft alone (a sampled row always). Why 3: a pass of up to 4 positions costs what one of 1 does on this
+    main draft alone (a sampled row always). Why 5 (6 Dec, with short_match_tokens 4, whose main drafts of 4 leave a
+    node free): replayed on the tuning split under the AMD EPYC's timed pass costs (short_match_tokens' command),
+    3 / 5 / 7 nodes model 2.15 / 2.20 / 2.21; measured on held-apart speeches (taskset -c 0 env OMP_NUM_THREADS=1 python
+    benchmarks/speculative_knnlm.py --figures 1 --draft-from both --tree-nodes 3,5 --short-match-tokens 16,4
+    --search-backend torch): 3 nodes / short matches 16 1.75x end to end (1.84x decode), 5 / 4 1.85x (1.96x), 8/8
+    token-identical each. Before, 3: a pass of up to 4 positions costs what one of 1 does on this
     CPU (memlm.model.decoder.PACKED_ROWS; memlm.model.panel_gemm: up to 4, 4 Dec). Chosen on the tuning split's
     speeches, never the benchmark's (python benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts
     16, greedy kNN-LM, drafts from both): 2.51 -> 2.56 tokens a pass at 4.9 -> 5.3 draft positions a pass; then
@@ -115,7 +131,7 @@ class SpeculativeConfig:
     --draft-from both --tree-nodes 3,0 --repeats 3 --search-backend torch): 2.28 -> 2.32 tokens a pass, 1.89x ->
     1.92x plain, 8/8 token-identical (1.93x -> 1.98x with knnlm.knn_mixture, 3 Dec). 7 nodes (one group of 8 rows)
     on 4 Dec's kernel, held-apart: 1.82x against 1.73x, and 2.47 tokens a pass; on the tuning split 1.73x against
-    1.71x (README, 4 Dec): within the noise, 3 stays."""
+    1.71x (README, 4 Dec): within the noise, 3 stayed."""
     tree_branches: int = 3
     """The datastore's branches a tree takes, each under another first token (draft_trees.datastore_branches)."""
 
@@ -137,6 +153,8 @@ class SpeculativeConfig:
                              f"{self.history_min_match}, {self.history_max_match}")
         if self.draft_k < 1 or self.min_agreeing < 1:
             raise MemlmError(f"draft_k and min_agreeing must be at least 1, got {self.draft_k}, {self.min_agreeing}")
+        if self.short_match_tokens < 1:
+            raise MemlmError(f"short_match_tokens must be at least 1, got {self.short_match_tokens}")
         if self.fallback_tokens < 0:
             raise MemlmError(f"fallback_tokens must be at least 0, got {self.fallback_tokens}")
         if self.tree_nodes < 0 or self.tree_branches < 1:
@@ -286,16 +304,24 @@ def history_draft(text: Sequence[int], length: int, max_match: int, min_match: i
     return (), 0
 
 
+def own_text_draft(text: Sequence[int], length: int, spec: SpeculativeConfig) -> tuple[int, ...]:
+    """The history's draft of at most `length` tokens (`history_draft` over spec's history_max_match ..
+    history_min_match), cut to spec.short_match_tokens when its match is shorter than history_max_match."""
+    draft, match = history_draft(text, length, spec.history_max_match, spec.history_min_match)
+    return draft if match >= spec.history_max_match else draft[: spec.short_match_tokens]
+
+
 def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
               spec: SpeculativeConfig) -> tuple[int, ...]:
     """The draft a row verifies after its `text` (boundary, prompt, generated; pointers: memlm.engine.rows.Row's)
-    under spec.draft_from, at most `length` tokens: the history's (a match of history_min_match tokens or more),
-    else the datastore's, else a short one of a shorter history match (SpeculativeConfig.fallback_tokens)."""
+    under spec.draft_from, at most `length` tokens: the history's (a match of history_min_match tokens or more,
+    `own_text_draft`), else the datastore's, else a short one of a shorter history match
+    (SpeculativeConfig.fallback_tokens)."""
     if length < 1:
         return ()
     if spec.draft_from == "datastore":
         return draft_from(pointers, source, length, spec.min_agreeing)
-    history, _ = history_draft(text, length, spec.history_max_match, spec.history_min_match)
+    history = own_text_draft(text, length, spec)
     if history:
         return history
     if spec.draft_from == "both":

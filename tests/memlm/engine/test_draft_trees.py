@@ -106,7 +106,7 @@ def test_row_tree_main_draft_first_then_candidates_within_the_budget() -> None:
     next_ids = np.array([1, 2, 3, -1, 5, 6, -1], dtype=np.int64)  # two documents: 0 1 2 3 | 4 5 6
     source = DraftSource(next_ids, np.array([9, 1, 2, 3, 9, 4, 5], dtype=np.int32))
     pointers = np.array([0, 0, 4, 4], dtype=np.int64)  # two chains each: 1 2 3 and 4 5
-    spec = SpeculativeConfig(min_agreeing=1, draft_from="both")
+    spec = SpeculativeConfig(min_agreeing=1, draft_from="both", tree_nodes=3)
     text = [7, 8, 9]  # no history match: the datastore's branches
     assert row_tree(text, pointers, source, 4, spec, True, 10) == chain((1, 2, 3))  # as long as tree_nodes: alone
     tree = row_tree(text, pointers, source, 4, dataclasses.replace(spec, tree_nodes=5), True, 10)

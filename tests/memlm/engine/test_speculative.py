@@ -385,6 +385,28 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
         SpeculativeConfig(history_min_match=3, history_max_match=2)
 
 
+def test_a_shorter_history_match_drafts_at_most_short_match_tokens() -> None:
+    """own_text_draft: a match of history_max_match tokens drafts up to the length asked; a shorter one at most
+    short_match_tokens; row_draft and a row's tree take it so."""
+    from memlm.engine.draft_trees import row_tree
+    from memlm.engine.drafts import own_text_draft, row_draft
+
+    three = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # "1 2 3" recurs: 4 5 6 7 1 2 3 ... (period 7)
+    two = [9, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # only "2 3" recurs: a 2-token match, the same continuation
+    spec = SpeculativeConfig(draft_from="history", short_match_tokens=2, tree_nodes=0)
+    assert own_text_draft(three, 6, spec) == (4, 5, 6, 7, 1, 2)
+    assert own_text_draft(two, 6, spec) == (4, 5)
+    assert own_text_draft(two, 1, spec) == (4,)
+    assert own_text_draft(two, 6, dataclasses.replace(spec, short_match_tokens=16)) == (4, 5, 6, 7, 1, 2)
+    assert own_text_draft(two, 6, dataclasses.replace(spec, history_max_match=2)) == (4, 5, 6, 7, 1, 2)  # full length
+    source = DraftSource(np.array([-1]), np.array([0], dtype=np.int32))
+    assert row_draft(two, np.zeros(0, np.int64), source, 6, spec) == (4, 5)
+    tree = row_tree(two, np.zeros(0, np.int64), source, 6, dataclasses.replace(spec, tree_nodes=5), True, 6)
+    assert tree.tokens[:2] == (4, 5) and len(tree.tokens) <= 5
+    with pytest.raises(MemlmError, match="short_match_tokens"):
+        SpeculativeConfig(short_match_tokens=0)
+
+
 @pytest.mark.parametrize("draft_from", ["history", "both"])
 def test_history_drafts_of_a_repeating_text_are_taken_and_never_run_past_the_row(draft_from) -> None:
     """kNN-LM over a datastore of phrase-repeating documents goes on repeating the prompt's phrase, which the
