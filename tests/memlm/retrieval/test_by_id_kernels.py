@@ -14,8 +14,22 @@ import torch
 
 from memlm import compiled
 from memlm.retrieval import by_id_kernels
-from memlm.retrieval.by_id_kernels import PORTABLE_FLAGS, compile_kernels, l2_by_id, load_kernels, placed_keys_into
-from memlm.retrieval.clustered_states import clusters_of, exact_member_distances, placed_keys, rank_keys
+from memlm.retrieval.by_id_kernels import (
+    PORTABLE_FLAGS,
+    compile_kernels,
+    l2_by_id,
+    load_kernels,
+    lowest_keys_into,
+    placed_keys_into,
+)
+from memlm.retrieval.clustered_states import (
+    PAD_KEY,
+    clusters_of,
+    exact_member_distances,
+    lowest_keys,
+    placed_keys,
+    rank_keys,
+)
 
 needs_kernels = pytest.mark.skipif(not by_id_kernels.available(), reason="no C compiler: the kernels cannot be built")
 
@@ -157,6 +171,48 @@ def test_placed_keys_into_equals_placed_keys_row_by_row(build, portable):
         placed_keys_into(scores, 0, starts + 5, out)
     with pytest.raises(ValueError, match="float32"):
         placed_keys_into(scores.astype(np.float64), 0, starts, out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", ["this_cpu", "portable"])
+def test_lowest_keys_into_equals_a_sort_row_by_row(build, portable):
+    """Each row's min(take, length) lowest keys, lowest first, the pad after them, against np.sort: random rows,
+    rows sharing their high bits (only the places differ), negative keys, an empty row, takes of 0, of more than
+    the row and of all of it, and a row whose every 8th key (the sample) is its lowest, so that the sampled
+    bound leaves too few and every key is taken; the keys are not changed."""
+    rng = np.random.default_rng(5)
+    lengths = [3000, 0, 2500, 700, 4000, 16, 5000]
+    takes = np.array([1000, 5, 2500, 900, 0, 3, 600], dtype=np.int64)
+    rows = [(rng.integers(-2**31, 2**31, n).astype(np.int64) << 32) | rng.permutation(n) for n in lengths]
+    rows[2] = (np.int64(-7) << 32) | rng.permutation(2500)  # one shared high part
+    rows[6] = (rng.integers(1000, 2000, 5000).astype(np.int64) << 32) | np.arange(5000)
+    rows[6][::8] = (np.int64(3) << 32) | np.arange(0, 5000, 8)  # the sample holds the lowest 625
+    keys = np.concatenate(rows)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = np.full((len(lengths), 2500), PAD_KEY, dtype=np.int64)
+    before = keys.copy()
+    lowest_keys_into(keys, bounds, takes, out, portable if build == "portable" else None)
+    for i, (row, take) in enumerate(zip(rows, takes)):
+        want = np.sort(row)[:take]
+        np.testing.assert_array_equal(out[i, : want.size], want)
+        assert (out[i, want.size :] == PAD_KEY).all()
+    np.testing.assert_array_equal(keys, before)
+    with pytest.raises(ValueError, match="bounds"):
+        lowest_keys_into(keys, bounds[::-1].copy(), takes, out)
+    with pytest.raises(ValueError, match="out must be"):
+        lowest_keys_into(keys, bounds, takes, out[:, :10].copy())
+
+
+def test_lowest_keys_equal_with_and_without_the_kernels(monkeypatch):
+    """clustered_states.lowest_keys: the compiled selection and numpy's partition and sort give the same rows."""
+    rng = np.random.default_rng(6)
+    lengths = [900, 0, 40, 1200]
+    keys = np.concatenate([(rng.integers(-5, 5, n).astype(np.int64) << 32) | rng.permutation(n) for n in lengths])
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    takes = np.array([300, 4, 100, 1200], dtype=np.int64)
+    compiled = lowest_keys(keys.copy(), bounds, takes)
+    monkeypatch.setattr(by_id_kernels, "available", lambda: False)
+    np.testing.assert_array_equal(lowest_keys(keys.copy(), bounds, takes), compiled)
 
 
 @pytest.mark.parametrize("sketched", [False, True])
