@@ -260,7 +260,7 @@ class Datastore:
         """A TorchExactSearcher over a copy of all live float16 keys on `device` (default: cuda when
         available): the ground truth for recall@k, and the torch backend. The caller decides whether
         memlm.retrieval.exact.searcher_bytes fit (on the CPU the searcher lays the keys out again too: float16
-        panels on one thread, packed float32 chunks on more).
+        panels where the panel kernel runs, packed float32 chunks elsewhere).
         Rows of removed documents are not copied; ids are datastore rows all the same."""
         if self.exact is not None:
             return self.exact

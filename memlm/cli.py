@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="memlm", description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-gemm", default=DEFAULT_CPU_GEMM, choices=CPU_GEMM_NAMES,
                         help="the CPU float32 GEMM of the decoder's linear layers (memlm.model.decoder.CPU_GEMM_NAMES): "
-                             "panels (default: memlm's batch-invariant kernel on one torch thread, oneDNN's with more), "
+                             "panels (default: memlm's batch-invariant kernel, over torch's threads where it is built with OpenMP), "
                              "onednn, or mkl (on a CPU whose cores other processes "
                              "hold, where oneDNN's parallel GEMMs stall); before the command: memlm --cpu-gemm mkl serve lm ...")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -135,8 +135,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 CPU_GEMM_NAMES = ("panels", "onednn", "mkl")
 """The CPU float32 GEMMs Linear can run (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm):
-"panels" (the default): memlm.model.panel_gemm's kernel on one torch thread (batch-invariant; built for a decode
-step's few rows), oneDNN's GEMM on packed weights with more threads; "onednn": oneDNN's always;
+"panels" (the default): memlm.model.panel_gemm's kernel (batch-invariant; built for a decode step's few rows), its
+panels split across torch's threads where it is built with OpenMP (else one thread, and oneDNN's GEMM on packed
+weights with more threads); "onednn": oneDNN's always;
 "mkl": F.linear, MKL's GEMM as transformers' nn.Linear, the one that keeps its speed when other processes hold the
 cores of a multi-threaded run (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall at their barriers there)
 and the one to compare with transformers bit for bit."""
@@ -208,7 +209,7 @@ kernel than several)."""
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and names) whose CPU float32 inference runs memlm.model.panel_gemm's kernel
-    on one thread, else oneDNN's GEMM on a packed copy of its weight (cpu_float32_gemm says when and
+    (panel_gemm.fits), else oneDNN's GEMM on a packed copy of its weight (cpu_float32_gemm says when and
     why, CPU_GEMM_NAMES which, PACKED_ROWS what packing buys). The copy is made on the first
     such call and again whenever the weight changed (another tensor, or written in place: its version): it costs
     the weight's memory once more, and is no parameter (not saved, not trained)."""

@@ -1,5 +1,6 @@
 """A compiled float32 GEMM over weights laid out in panels, built for the few rows a decode step feeds and batch-
-invariant: y (M, N) = x (M, K) @ w (N, K).T on one thread (memlm.model.decoder.Linear's CPU float32 product there).
+invariant: y (M, N) = x (M, K) @ w (N, K).T (memlm.model.decoder.Linear's CPU float32 product), its panels split
+across torch's threads where it is built with OpenMP.
 
 Why our own kernel: a decode step of SmolLM2-135M reads its 538 MB of float32 weights for one row (plain decoding)
 or a few (a speculative verifying pass, memlm.engine.speculative; a handful of batched rows), so it is bound by
@@ -19,8 +20,8 @@ commits back to back, README; the same outputs bit for bit). SmolLM2's 211 weigh
     oneDNN      41.5   46.9   33.3   43.0   61.2  100.3  134.2  179.3  335.5  681.4   1327  (packed for 4 rows)
     MKL         51.6   80.2   63.2   76.5  106.3  145.0  189.7  245.2  419.2  801.8   1567
 
-(23 GB/s at 1 to 4 rows, this core's bandwidth; from about 64 rows all three are bound by arithmetic alike.) So on
-one thread Linear gives it every product, prefill chunks too, and keeps no oneDNN copy.
+(23 GB/s at 1 to 4 rows, this core's bandwidth; from about 64 rows all three are bound by arithmetic alike.) So
+Linear gives it every product, prefill chunks too, and keeps no oneDNN copy.
 
 Batch-invariant: every output y[m, n] is one fused multiply-add chain over k in order whatever the other rows are,
 so a row's logits in a verifying pass are bit for bit those of a plain one-row step, a batched row's those of the
@@ -32,8 +33,23 @@ Memory: the panels are a copy of the weight (N * K * 4 bytes), made on the first
 packed copy was.
 
 Built (memlm.compiled) only where /proc/cpuinfo shows avx512f and fma; elsewhere, or without a C compiler,
-`available()` is False (logged once) and Linear keeps oneDNN's GEMM. With more than one torch thread too: the kernel
-is single-threaded and oneDNN's GEMM splits the weight across the threads.
+`available()` is False (logged once) and Linear keeps oneDNN's GEMM.
+
+Threads (6 Dec): built with -fopenmp where the compiler has it (the runtime is libgomp, which torch has loaded, so
+the same thread pool), each of torch's threads streams its own contiguous run of panels; every output is still one
+chain over k, so the result is the one-thread result bit for bit. Without OpenMP the kernel runs on one torch thread
+only and oneDNN's GEMM takes more. On the AMD EPYC (Zen 4) of 6 Dec, SmolLM2's 211 weights (`OMP_NUM_THREADS=N
+python benchmarks/panel_gemm.py --rows 1,4,8,17`, ms a round, best of 5):
+
+    rows                 1      4      8     17     32     64    512
+    ours, 1 thread    21.3   22.4   31.2   55.1
+    ours, 2 threads   17.5   17.2   20.0   30.4   46.9   84.8  657.8
+    oneDNN, 2 threads 25.0   21.4   25.7   34.3   52.4   92.3  648.0
+
+Two threads read more of the memory bandwidth at 1-4 rows and halve the arithmetic from 8 rows on, where one core's
+FMAs bound the kernel: a speculative verifying pass's extra positions get cheap again (17 rows 1.7x one row's time,
+against 2.6x on one thread). Like oneDNN's parallel GEMMs, it waits at its end for every thread: on cores other
+processes hold, run one thread or `--cpu-gemm mkl` (memlm.model.decoder.cpu_float32_gemm).
 
 Shape legend: M rows, K inputs, N outputs, P panels.
 """
@@ -43,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import subprocess
 from pathlib import Path
 
 import torch
@@ -60,6 +77,9 @@ PANEL_DTYPES = (torch.float32, torch.float16)
 SOURCE = r"""
 #include <stdint.h>
 #include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #define INLINE static inline __attribute__((always_inline))
 #ifdef WEIGHT_F16 /* the float16 build (half_kernel): weights widened to float32 as loaded, exactly */
 typedef uint16_t weight_t;
@@ -115,16 +135,17 @@ EIGHT_ROWS(rows_4, 4)
 EIGHT_ROWS(rows_3, 3)
 EIGHT_ROWS(rows_1, 1)
 
-/* y (M, N) = x (M, K) @ w (N, K).T with w as panels (P, K, 16): panels[p, k, j] = w[16 p + j, k], zero rows past N.
-   The rows go in groups of 8 over each group of panels: the panels come from memory for the first group of rows
-   and from cache for the others. */
-void panel_gemm(const float *x, const weight_t *panels, float *y, int64_t M, int64_t N, int64_t K) {
+/* The outputs of panels first .. last - 1 of y (M, N) = x (M, K) @ w (N, K).T with w as panels (P, K, 16):
+   panels[p, k, j] = w[16 p + j, k], zero rows past N. The rows go in groups of 8 over each group of panels: the
+   panels come from memory for the first group of rows and from cache for the others. */
+static void panel_range(const float *x, const weight_t *panels, float *y, int64_t M, int64_t N, int64_t K,
+                        int64_t first, int64_t last) {
     static const int64_t PANELS[9] = {0, 1, 1, 1, 1, 1, 1, 1, 3}; /* panels streamed at once, by rows (docstring) */
-    int64_t P = (N + 15) / 16, nb = PANELS[M < 8 ? M : 8];
-    for (int64_t p = 0; p < P; p += nb) {
+    int64_t nb = PANELS[M < 8 ? M : 8];
+    for (int64_t p = first; p < last; p += nb) {
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            if (P - p < nb) { /* the last, short group: a panel at a time */
-                for (int64_t q = p; q < P; q++) rows_1(x, panels, y, M - m0, N, K, q, m0);
+            if (last - p < nb) { /* the last, short group: a panel at a time */
+                for (int64_t q = p; q < last; q++) rows_1(x, panels, y, M - m0, N, K, q, m0);
                 continue;
             }
             switch (nb) {
@@ -137,30 +158,61 @@ void panel_gemm(const float *x, const weight_t *panels, float *y, int64_t M, int
         }
     }
 }
+
+/* y (M, N) = x (M, K) @ w (N, K).T on `threads` threads (the OpenMP build; 1 otherwise), each streaming its own
+   contiguous run of panels: every output is the same chain over k whatever the split, so the result is the
+   one-thread result bit for bit. */
+void panel_gemm(const float *x, const weight_t *panels, float *y, int64_t M, int64_t N, int64_t K, int64_t threads) {
+    int64_t P = (N + 15) / 16;
+#ifdef _OPENMP
+    if (threads > P) threads = P;
+    if (threads > 1) {
+#pragma omp parallel num_threads((int)threads)
+        {
+            int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+            panel_range(x, panels, y, M, N, K, P * t / T, P * (t + 1) / T);
+        }
+        return;
+    }
+#endif
+    panel_range(x, panels, y, M, N, K, 0, P);
+}
 """
 
 CPU_NEEDS = ("avx512f", "fma")
 """What the build needs of the CPU (its -m flags below); without them no build (oneDNN's GEMM instead)."""
 FLAGS = ("-O3", "-mavx512f", "-mfma")
+OPENMP_FLAGS = ("-fopenmp",)
+"""Added where the compiler has OpenMP (the panels split across torch's threads; the OpenMP runtime is the one
+torch has loaded, libgomp); else a one-thread build."""
 
 
 def load_kernel(path: Path) -> ctypes.CDLL:
     """The library at `path` with panel_gemm's argument types declared."""
     lib = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.panel_gemm.argtypes = [pointer, pointer, pointer, size, size, size]
+    lib.panel_gemm.argtypes = [pointer, pointer, pointer, size, size, size, size]
     lib.panel_gemm.restype = None
     return lib
 
 
-def build(half: bool = False) -> ctypes.CDLL:
-    """This CPU's build of SOURCE (half: its float16-weight build, WEIGHT_F16), loaded; OSError where the CPU lacks
-    CPU_NEEDS."""
+def build(half: bool = False, threaded: bool = True) -> ctypes.CDLL:
+    """This CPU's build of SOURCE (half: its float16-weight build, WEIGHT_F16; threaded: with OPENMP_FLAGS, and
+    without them where that build fails), loaded; OSError where the CPU lacks CPU_NEEDS."""
     missing = set(CPU_NEEDS) - cpu_flags()
     if missing:
         raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
     stem, flags = ("panel_gemm_f16", (*FLAGS, "-DWEIGHT_F16")) if half else ("panel_gemm", FLAGS)
-    return load_kernel(compile_library(SOURCE, stem, flags))
+    if threaded:
+        try:
+            lib = load_kernel(compile_library(SOURCE, stem, (*flags, *OPENMP_FLAGS)))
+            lib.threaded = True
+            return lib
+        except (OSError, subprocess.SubprocessError) as e:
+            log.info("memlm: panel GEMM without OpenMP (%s): one thread", e)
+    lib = load_kernel(compile_library(SOURCE, stem, flags))
+    lib.threaded = False
+    return lib
 
 
 @functools.cache
@@ -181,11 +233,17 @@ def available() -> bool:
     return kernel() is not None
 
 
+def threaded() -> bool:
+    """Whether this process' kernel splits its panels across torch's threads (the OpenMP build)."""
+    lib = kernel()
+    return lib is not None and lib.threaded
+
+
 def fits(x: torch.Tensor) -> bool:
     """Whether Linear takes this kernel for x (..., K): built here, at least one row, and torch running one thread
-    (the kernel is single-threaded; with more, oneDNN's GEMM splits the weight across them). The caller has
+    or the kernel the OpenMP build (else oneDNN's GEMM splits the weight across the threads). The caller has
     checked float32 CPU inference (decoder.cpu_float32_gemm)."""
-    return x.numel() > 0 and torch.get_num_threads() == 1 and available()
+    return x.numel() > 0 and available() and (torch.get_num_threads() == 1 or threaded())
 
 
 def panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -218,7 +276,8 @@ def linear(x: torch.Tensor, weight_panels: torch.Tensor, n_out: int, bias: torch
     rows = x.reshape(-1, k).contiguous()  # (M, K)
     out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)  # (M, N)
     if rows.shape[0]:
-        lib.panel_gemm(rows.data_ptr(), weight_panels.data_ptr(), out.data_ptr(), rows.shape[0], n_out, k)
+        lib.panel_gemm(rows.data_ptr(), weight_panels.data_ptr(), out.data_ptr(), rows.shape[0], n_out, k,
+                       torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n_out)

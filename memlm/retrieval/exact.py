@@ -6,7 +6,7 @@ and memories that fit in GPU memory. Answers the Searcher seam (memlm.retrieval.
 Squared L2 is computed as |x|^2 - 2 x.k + |k|^2 with float32 accumulation: float16/bfloat16 keys are
 cast to float32 one chunk at a time, so memory stays at one (chunk, d) float32 block plus (Q, chunk).
 On the CPU (float32 inference, memlm.model.decoder.cpu_float32_gemm) every chunk is laid out once, on the first
-search, so that x.k is one GEMM that reads the keys once for all Q queries: on one thread the panel kernel's
+search, so that x.k is one GEMM that reads the keys once for all Q queries: the panel kernel's where it runs
 (memlm.model.decoder.on_panels) over a copy in its panels (memlm.model.panel_gemm.panels; float16 panels of float16
 keys, N * d * 2 bytes more, widened exactly as they are read, so the products are those of float32 panels bit for
 bit at half the bytes: 3.6 / 4.2 / 8.1 ms against 7.0 / 7.3 / 10.0 at 1 / 3 / 8 queries over 81,169 keys, 4 Dec,

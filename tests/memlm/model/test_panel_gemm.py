@@ -1,7 +1,8 @@
 """memlm.model.panel_gemm: the compiled panel GEMM against a float64 oracle (row counts in and past its groups
 of 8, output sizes that are no multiple of its 16-wide panels or of its groups of panels), bit for bit batch-
-invariant (a row's output is the same alone, with other rows, and inside a (B, S, K) input); Linear takes it on one
-torch thread only, with panels that follow the weight, and without a compiler it is
+invariant (a row's output is the same alone, with other rows, and inside a (B, S, K) input) and the same on any
+number of threads (the OpenMP build); Linear takes it on one torch thread, and on more where it is that build, with
+panels that follow the weight, and without a compiler it is
 unavailable (logged once) and Linear keeps oneDNN's GEMM with the same products up to float32 rounding."""
 
 from __future__ import annotations
@@ -94,7 +95,20 @@ def test_bias_strided_input_and_bad_calls():
 
 
 @needs_kernel
-def test_linear_takes_the_kernel_on_one_thread_only(one_thread, monkeypatch):
+@pytest.mark.parametrize("k, n", [(576, 192), (64, 1001), (32, 40)])
+def test_any_number_of_threads_gives_the_one_thread_result_bit_for_bit(k, n, one_thread):
+    """Each thread streams its own run of panels (more threads than panels too: 40 outputs are 3 panels)."""
+    p = panels(random(n, k, seed=21))
+    x = random(17, k, seed=22)
+    alone = linear(x, p, n)
+    for threads in (2, 3, 5):
+        torch.set_num_threads(threads)
+        for m in (1, 4, 17):
+            assert torch.equal(linear(x[:m], p, n), alone[:m]), (threads, m)
+
+
+@needs_kernel
+def test_linear_takes_the_kernel_on_one_thread_and_on_more_where_it_is_threaded(one_thread, monkeypatch):
     layer = Linear(64, 96, bias=True)
     calls = []
     real = panel_gemm.linear
@@ -111,10 +125,14 @@ def test_linear_takes_the_kernel_on_one_thread_only(one_thread, monkeypatch):
         with cpu_gemm_as("onednn"):
             layer(random(1, 64, seed=9))
         torch.set_num_threads(2)
+        layer(random(1, 64, seed=10))  # two threads: the kernel where it is the OpenMP build, else oneDNN's
+        made = 5 if panel_gemm.threaded() else 4
+        assert len(calls) == made
+        monkeypatch.setattr(panel_gemm, "threaded", lambda: False)  # a build without OpenMP
         layer(random(1, 64, seed=10))
-    assert len(calls) == 4
+        assert len(calls) == made
     layer(random(1, 64, seed=11))  # grad enabled: F.linear
-    assert len(calls) == 4
+    assert len(calls) == made
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_logged_once_and_linear_keeps_onednn(monkeypatch, caplog,
