@@ -146,7 +146,8 @@ int nearest_into(const float *products, int64_t rows, int64_t n, const float *x_
                  int64_t id_offset, int64_t k, float *best_d, int64_t *best_i) {
     float *dist = malloc((size_t)(n + 1) * sizeof(float));
     int32_t *pos = malloc((size_t)(n + 1) * sizeof(int32_t));
-    uint64_t *keys = malloc((size_t)(n + k + 1) * sizeof(uint64_t)), *tmp = malloc((size_t)(n + k + 1) * sizeof(uint64_t));
+    uint64_t *keys = malloc((size_t)(n + k + 1) * sizeof(uint64_t));
+    uint64_t *tmp = malloc((size_t)(n + k + 1) * sizeof(uint64_t));
     float *sample = malloc((size_t)(n / SAMPLE_STRIDE + 1) * sizeof(float));
     if (!dist || !pos || !keys || !tmp || !sample) {
         free(dist); free(pos); free(keys); free(tmp); free(sample);
@@ -160,8 +161,7 @@ int nearest_into(const float *products, int64_t rows, int64_t n, const float *x_
         float bound = bi[k - 1] >= 0 ? bd[k - 1] : INFINITY;
         int64_t samples = n / SAMPLE_STRIDE, rank = (k * 5 / 4) / SAMPLE_STRIDE + 8;
         if (bound == INFINITY && samples >= 4 * rank) {
-            for (int64_t s = 0; s < samples; s++)
-            {
+            for (int64_t s = 0; s < samples; s++) {
                 float d = distance(p[s * SAMPLE_STRIDE], x_norm, key_norms[s * SAMPLE_STRIDE]);
                 sample[s] = isnan(d) ? INFINITY : d;
             }
@@ -235,7 +235,8 @@ def nearest_into(products: np.ndarray, x_norms: np.ndarray, key_norms: np.ndarra
     """best_d (Q, k) float32 / best_i (Q, k) int64 (sorted by distance then id; inf / -1 where empty; from
     empty_best or an earlier call) become the k nearest of themselves and one chunk's keys, ids id_offset ..
     id_offset + n - 1: products (Q, n) float32 = the queries . the chunk's keys, x_norms (Q,) the queries' squared
-    norms, key_norms (n,) the keys'. Distances as the torch path computes them, clamped at 0, bit for bit.
+    norms, key_norms (n,) the keys'. Distances as the torch path computes them, clamped at 0, bit for bit. Chunks go
+    in ascending id order (as the searcher passes them): ties are then broken by the smaller id.
     lib: a library of load_kernel (default this process' `kernel()`, which must be available)."""
     lib = lib or kernel()
     if lib is None:
