@@ -83,6 +83,9 @@ def parse_args() -> argparse.Namespace:
                    help="most tokens a history draft takes from a match shorter than the longest "
                         "(SpeculativeConfig.short_match_tokens), comma-separated: each value a line per draft source, "
                         "tree size and draft length")
+    p.add_argument("--frequent-branches", default=str(SpeculativeConfig.frequent_branches),
+                   help="a tree's one-token branches of the datastore's most frequent next tokens "
+                        "(SpeculativeConfig.frequent_branches), comma-separated: each value a line per setting above")
     p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
     p.add_argument("--tree-nodes", default=str(SpeculativeConfig.tree_nodes),
                    help="greedy rows' draft trees (SpeculativeConfig.tree_nodes; 0: one draft), comma-separated: "
@@ -231,11 +234,13 @@ def main() -> None:
     trees = [int(n) for n in args.tree_nodes.split(",")]
     lengths = [int(n) for n in args.draft_tokens.split(",")]
     shorts = [int(n) for n in args.short_match_tokens.split(",")]
+    frequent = [int(n) for n in args.frequent_branches.split(",")]
     specs = {f"{src}, trees of {n} nodes" + (f", drafts of {d}" if len(lengths) > 1 else "")
-             + (f", short matches {m}" if len(shorts) > 1 else ""):
+             + (f", short matches {m}" if len(shorts) > 1 else "")
+             + (f", frequent branches {f}" if len(frequent) > 1 else ""):
              SpeculativeConfig(draft_tokens=d, min_agreeing=args.min_agreeing, draft_from=src, tree_nodes=n,
-                               short_match_tokens=m)
-             for src in sources for n in trees for d in lengths for m in shorts}
+                               short_match_tokens=m, frequent_branches=f)
+             for src in sources for n in trees for d in lengths for m in shorts for f in frequent}
     spec = next(iter(specs.values()))
     prompts = held_apart_prompts(bench, store, args)
     if args.in_datastore:

@@ -137,8 +137,9 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
     then, for a greedy row with spec.tree_nodes, the prefixes of its other candidates from spec.draft_from's
     sources, in this order: the history's draft (a match of history_min_match tokens or more, own_text_draft), the
     short one of a shorter match (fallback_tokens), the datastore's branches (`datastore_branches`, tree_branches of
-    them); up to tree_nodes nodes in all (a main draft that long is verified alone); at most `room` nodes (>= length:
-    the slots left before the row's cache is full)."""
+    them), the tokens that most often follow the last one (frequent_branches, one token each); up to tree_nodes
+    nodes in all (a main draft that long is verified alone); at most `room` nodes (>= length: the slots left before
+    the row's cache is full)."""
     main = row_draft(text, pointers, source, length, spec)
     if not greedy or spec.tree_nodes == 0 or length < 1:
         return chain(main)
@@ -150,4 +151,6 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
             candidates.append(history_draft(text, fallback, spec.history_min_match - 1, 1)[0])
     if spec.uses_datastore:
         candidates += datastore_branches(pointers, source, length, spec.tree_branches, spec.min_agreeing)
+        if spec.frequent_branches and source.frequent is not None and text:
+            candidates += [(t,) for t in source.frequent.after(int(text[-1]), spec.frequent_branches)]
     return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(main))))

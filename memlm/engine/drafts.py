@@ -134,6 +134,15 @@ class SpeculativeConfig:
     1.71x (README, 4 Dec): within the noise, 3 stayed."""
     tree_branches: int = 3
     """The datastore's branches a tree takes, each under another first token (draft_trees.datastore_branches)."""
+    frequent_branches: int = 3
+    """A greedy row's tree with nodes to spare after its other candidates takes up to this many one-token branches:
+    the tokens that most often follow the row's last token in the datastore's text (DraftSource.frequent, bigram
+    counts; only where drafts read the datastore); 0: none. Why: a row with no history match and no two agreeing
+    chains drafted nothing (12% of the passes on held-apart speeches, each 1 token), and a tree's spare nodes cost
+    little. Chosen on the tuning split (benchmarks/speculative_replay.py's rule, the pass costs timed on the AMD EPYC
+    of 6 Dec; README): trees of 5 / 7 nodes model 2.20 / 2.21 without them and 2.26 / 2.27 with 3 on one thread,
+    2.26 / 2.31 and 2.32 / 2.38 on two; 5 branches no better; counts of the last two tokens (the suffix index)
+    instead 2.24 / 2.25 and 2.31 / 2.35."""
 
     @property
     def uses_datastore(self) -> bool:
@@ -157,6 +166,8 @@ class SpeculativeConfig:
             raise MemlmError(f"short_match_tokens must be at least 1, got {self.short_match_tokens}")
         if self.fallback_tokens < 0:
             raise MemlmError(f"fallback_tokens must be at least 0, got {self.fallback_tokens}")
+        if self.frequent_branches < 0:
+            raise MemlmError(f"frequent_branches must be at least 0, got {self.frequent_branches}")
         if self.tree_nodes < 0 or self.tree_branches < 1:
             raise MemlmError(f"tree_nodes must be at least 0 and tree_branches at least 1, got {self.tree_nodes}, "
                              f"{self.tree_branches}")
@@ -173,12 +184,51 @@ class DraftSource:
     """(N,) int32 stored next token of every entry."""
     suffix: SuffixIndex | None = None
     """The entries by their last two tokens, for SpeculativeConfig.base_pointers "suffix"; None: not built."""
+    frequent: FrequentNext | None = None
+    """The tokens that most often follow each token, for SpeculativeConfig.frequent_branches; None: not built."""
 
     def __post_init__(self) -> None:
         n = self.next_ids.shape[0]
         if self.next_ids.ndim != 1 or self.values.shape != (n,):
             raise MemlmError(f"a draft source needs next_ids (N,) and values (N,), got {self.next_ids.shape} "
                              f"and {self.values.shape}")
+
+
+FREQUENT_KEPT = 8
+"""Most frequent next tokens FrequentNext keeps a token (SpeculativeConfig.frequent_branches takes at most these)."""
+
+
+@dataclass(frozen=True)
+class FrequentNext:
+    """For each token, the tokens that most often follow it in the datastore's text (an entry's value, then its
+    successor's), most frequent first, ties by the smaller token: bigram counts, whose top few a draft tree takes as
+    one-token branches (SpeculativeConfig.frequent_branches)."""
+
+    table: np.ndarray
+    """(W, FREQUENT_KEPT) int32: row a the tokens after a, -1 past those seen (W = the largest value + 1)."""
+
+    @classmethod
+    def build(cls, next_ids: np.ndarray, values: np.ndarray, kept: int = FREQUENT_KEPT) -> FrequentNext:
+        has_next = np.flatnonzero(next_ids >= 0)  # (M,)
+        width = int(values.max(initial=0)) + 1
+        first = values[has_next].astype(np.int64)  # (M,) a token
+        after = values[next_ids[has_next]].astype(np.int64)  # (M,) the token after it
+        pairs, counts = np.unique(first * width + after, return_counts=True)  # (u,)
+        first, after = pairs // width, pairs % width
+        order = np.lexsort((after, -counts, first))  # by token, most frequent first, ties by the smaller next
+        first, after = first[order], after[order]
+        rank = np.arange(first.size) - np.searchsorted(first, first)  # (u,) place among its token's
+        keep = rank < kept
+        table = np.full((width, kept), -1, dtype=np.int32)
+        table[first[keep], rank[keep]] = after[keep]
+        return cls(table)
+
+    def after(self, token: int, n: int) -> tuple[int, ...]:
+        """The (at most) n tokens that most often follow `token`, most frequent first."""
+        if not 0 <= token < self.table.shape[0]:
+            return ()
+        row = self.table[token, : max(n, 0)]
+        return tuple(int(t) for t in row[row >= 0])
 
 
 @dataclass(frozen=True)
@@ -343,4 +393,4 @@ def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:
 def draft_source_of(next_ids: np.ndarray, values: np.ndarray) -> DraftSource:
     """The DraftSource of a successors table next_ids (N,) (memlm.retrieval.pointers.successors) and values (N,)."""
     values = np.asarray(values, dtype=np.int32)  # (N,)
-    return DraftSource(next_ids, values, SuffixIndex.build(next_ids, values))
+    return DraftSource(next_ids, values, SuffixIndex.build(next_ids, values), FrequentNext.build(next_ids, values))

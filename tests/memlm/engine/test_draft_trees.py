@@ -23,6 +23,7 @@ from memlm.engine.drafts import DraftSource, SpeculativeConfig
 from memlm.engine.engine import run_all
 from memlm.engine.kv_cache import CacheLayout, RowCache
 from memlm.engine.requests import GenerationRequest
+from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig
 
 
@@ -116,6 +117,34 @@ def test_row_tree_main_draft_first_then_candidates_within_the_budget() -> None:
     assert short.tokens == (1, 4) and short.parents == (-1, -1)  # two first tokens, one deep
     assert row_tree(text, pointers, source, 1, spec, False, 10) == chain((1,))  # sampled: the main draft
     assert row_tree(text, pointers, source, 1, dataclasses.replace(spec, tree_nodes=0), True, 10) == chain((1,))
+
+
+def test_frequent_next_tokens_count_the_datastores_pairs_and_fill_a_trees_spare_nodes() -> None:
+    """FrequentNext: the tokens after each token by their count over (entry, successor) pairs, ties by the smaller,
+    never across a document's end; row_tree adds the first frequent_branches of them after the last token as
+    one-token branches, only in nodes its other candidates left (and only where drafts read the datastore)."""
+    from memlm.engine.drafts import FrequentNext, draft_source_of
+
+    # two documents: 5 7 5 7 5 9 | 5 8 (the 5 ending the first document is followed by nothing)
+    values = np.array([5, 7, 5, 7, 5, 9, 5, 8], dtype=np.int32)
+    next_ids = np.array([1, 2, 3, 4, 5, -1, 7, -1], dtype=np.int64)
+    frequent = FrequentNext.build(next_ids, values)
+    assert frequent.after(5, 3) == (7, 8, 9)  # 7 twice; 8 and 9 once each, the smaller first
+    assert frequent.after(7, 3) == (5,) and frequent.after(9, 3) == () and frequent.after(8, 3) == ()
+    assert frequent.after(5, 1) == (7,) and frequent.after(12345, 2) == () and frequent.after(-1, 2) == ()
+    source = draft_source_of(next_ids, values)
+    assert source.frequent is not None and source.frequent.after(5, 3) == (7, 8, 9)
+    spec = SpeculativeConfig(min_agreeing=2, draft_from="both", tree_nodes=3, frequent_branches=2)
+    no_pointers = np.zeros(0, dtype=np.int64)
+    tree = row_tree([1, 2, 5], no_pointers, source, 4, spec, True, 10)  # no history match, no chains
+    assert tree.tokens == (7, 8) and tree.parents == (-1, -1)
+    assert row_tree([1, 2, 5], no_pointers, source, 4, dataclasses.replace(spec, frequent_branches=0), True, 10) \
+        == chain(())
+    assert row_tree([1, 2, 5], no_pointers, source, 4, dataclasses.replace(spec, draft_from="history"), True, 10) \
+        == chain(())  # history drafts read no datastore
+    assert row_tree([5, 7, 5], no_pointers, source, 4, spec, True, 10).tokens[:2] == (7, 5)  # the history first
+    with pytest.raises(MemlmError, match="frequent_branches"):
+        SpeculativeConfig(frequent_branches=-1)
 
 
 @pytest.mark.parametrize("knn", [KNN, KNN_LOW, None], ids=["knnlm", "knnlm-cut", "base"])
