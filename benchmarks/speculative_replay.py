@@ -174,7 +174,7 @@ def main() -> None:
         print("# forward ms by positions " + " ".join(f"{n}:{t:.1f}" for n, t in costs.forward.items())
               + "; search ms by queries " + " ".join(f"{n}:{t:.2f}" for n, t in costs.search.items()), flush=True)
     print(f"# {len(runs)} prompts, {args.new_tokens} greedy kNN-LM tokens each ({args.dtype}), draft tokens "
-          f"{args.draft_tokens}; replayed, not timed", flush=True)
+          f"{args.draft_tokens}; replayed" + ("; pass costs timed above" if costs else ", not timed"), flush=True)
     policies: dict[str, Policy] = {}
     for src in DRAFT_FROM:
         for n in (0, spec.tree_nodes):
@@ -184,7 +184,7 @@ def main() -> None:
     for n in (int(x) for x in args.tree_nodes.split(",") if x):
         for m in [int(x) for x in args.short_match_tokens.split(",") if x] or [spec.short_match_tokens]:
             config = dataclasses.replace(spec, tree_nodes=n, short_match_tokens=m)
-            policies[f"both, trees of {n} nodes, short matches {m} (the engine's)"] = (
+            policies[f"{config.draft_from}, trees of {n} nodes, short matches {m} (the engine's)"] = (
                 lambda text, ptr, cap, c=config: tree_drafts(row_tree(text, ptr, source, cap, c, True, cap)))
     for w in (int(x) for x in args.trees.split(",")):
         for hmin in (spec.history_min_match, 1):

@@ -209,7 +209,7 @@ def build(half: bool = False, threaded: bool = True) -> ctypes.CDLL:
             lib.threaded = True
             return lib
         except (OSError, subprocess.SubprocessError) as e:
-            log.info("memlm: panel GEMM without OpenMP (%s): one thread", e)
+            log.warning("memlm: panel GEMM without OpenMP (%s): it runs on one torch thread only", e)
     lib = load_kernel(compile_library(SOURCE, stem, flags))
     lib.threaded = False
     return lib

@@ -132,7 +132,7 @@ class TorchExactSearcher:
         Q, N = x.shape[0], self.keys.shape[0]
         x_norm = x.pow(2).sum(-1, keepdim=True)  # (Q, 1)
         products = self._chunk_products(x)
-        if x.device.type == "cpu" and N < nearest_kernel.MAX_IDS and nearest_kernel.available():
+        if x.device.type == "cpu" and k >= 1 and nearest_kernel.fits(N, self.chunk_size) and nearest_kernel.available():
             distances, ids_out = nearest_kernel.empty_best(Q, k)  # (Q, k), (Q, k): inf / -1 until found
             x_norms = x_norm[:, 0].numpy()  # (Q,)
             key_norms = self.key_norms.numpy()  # (N,)

@@ -40,6 +40,13 @@ SAMPLE_STRIDE = 16
 
 MAX_IDS = 1 << 32
 """Ids are packed into 32 bits beside the distance's 32 (a sort on one 64-bit integer): N must stay under this."""
+MAX_CHUNK = 1 << 31
+"""A chunk's positions are int32 in the kernel: fewer keys than this a call."""
+
+
+def fits(n_keys: int, chunk_size: int) -> bool:
+    """Whether a search over n_keys keys in chunks of chunk_size can take this kernel (ids and positions fit)."""
+    return n_keys < MAX_IDS and chunk_size < MAX_CHUNK
 
 SOURCE = r"""
 #include <math.h>
@@ -115,6 +122,7 @@ static float distance(float product, float x_norm, float key_norm) {
 static int64_t collect(const float *p, const float *key_norms, int64_t n, float x_norm, float bound, float *dist,
                        int32_t *pos) {
     int64_t c = 0, j = 0;
+    const int every = isinf(bound) && bound > 0;
 #ifdef VECTOR
     const __m512 minus2 = _mm512_set1_ps(-2.0f), xn = _mm512_set1_ps(x_norm), zero = _mm512_setzero_ps(),
                  limit = _mm512_set1_ps(bound);
@@ -124,7 +132,8 @@ static int64_t collect(const float *p, const float *key_norms, int64_t n, float 
         __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j), minus2), xn),
                                  _mm512_loadu_ps(key_norms + j));
         d = _mm512_max_ps(zero, d);  /* d < 0 -> 0; nan stays nan (max_ps returns its second operand) */
-        __mmask16 under = _mm512_cmp_ps_mask(d, limit, _CMP_LE_OQ);
+        /* under an infinite bound every key, nan included (it sorts last, as torch.topk puts it) */
+        __mmask16 under = every ? (__mmask16)0xffff : _mm512_cmp_ps_mask(d, limit, _CMP_LE_OQ);
         if (under) {
             _mm512_mask_compressstoreu_ps(dist + c, under, d);
             _mm512_mask_compressstoreu_epi32(pos + c, under, at);
@@ -135,7 +144,7 @@ static int64_t collect(const float *p, const float *key_norms, int64_t n, float 
 #endif
     for (; j < n; j++) {
         float d = distance(p[j], x_norm, key_norms[j]);
-        if (d <= bound) { dist[c] = d; pos[c] = (int32_t)j; c++; }
+        if (every || d <= bound) { dist[c] = d; pos[c] = (int32_t)j; c++; }
     }
     return c;
 }
@@ -177,8 +186,7 @@ int nearest_into(const float *products, int64_t rows, int64_t n, const float *x_
             if (c >= k || bound == INFINITY) break;
             bound = INFINITY;  /* the sample's bound left fewer than k: take every key */
         }
-        /* nan distances are not under an infinite bound either; the row may still be short of k */
-        int64_t m = c < k ? c : k;
+        int64_t m = c < k ? c : k;  /* short of k only where the row has fewer keys */
         if (c > 0) sort_by_distance(keys, tmp, c);
         for (int64_t t = 0; t < m; t++) {
             bd[t] = unpack_distance(keys[t]);
@@ -252,7 +260,7 @@ def nearest_into(products: np.ndarray, x_norms: np.ndarray, key_norms: np.ndarra
     for name, a, dtype in (("best_d", best_d, np.float32), ("best_i", best_i, np.int64)):
         if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.writeable:
             raise ValueError(f"{name} must be a writeable C-contiguous {np.dtype(dtype)} array, got {a.dtype}")
-    if not 0 <= id_offset or id_offset + n > MAX_IDS or n >= 1 << 31:
+    if not 0 <= id_offset or not fits(id_offset + n, n):
         raise ValueError(f"ids {id_offset} .. {id_offset + n - 1} must lie in [0, 2^32), a chunk under 2^31 keys")
     if Q and n:
         if lib.nearest_into(p.ctypes.data, Q, n, xn.ctypes.data, kn.ctypes.data, id_offset, k,

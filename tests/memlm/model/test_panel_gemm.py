@@ -8,6 +8,7 @@ unavailable (logged once) and Linear keeps oneDNN's GEMM with the same products 
 from __future__ import annotations
 
 import logging
+import subprocess
 
 import pytest
 import torch
@@ -105,6 +106,18 @@ def test_any_number_of_threads_gives_the_one_thread_result_bit_for_bit(k, n, one
         torch.set_num_threads(threads)
         for m in (1, 4, 17):
             assert torch.equal(linear(x[:m], p, n), alone[:m]), (threads, m)
+
+
+@needs_kernel
+def test_the_kernel_is_threaded_where_the_compiler_has_openmp(tmp_path):
+    """The threaded build is the one loaded wherever the C compiler builds OpenMP code (else the one-thread tests
+    above would pass on a build that never splits)."""
+    try:
+        compiled.compile_library("#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n",
+                                 "openmp_probe", panel_gemm.OPENMP_FLAGS, tmp_path)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("this C compiler builds no OpenMP code: the kernel runs on one thread")
+    assert panel_gemm.threaded()
 
 
 @needs_kernel

@@ -203,6 +203,7 @@ def test_lowest_keys_into_equals_a_sort_row_by_row(build, portable):
         lowest_keys_into(keys, bounds, takes, out[:, :10].copy())
 
 
+@needs_kernels
 def test_lowest_keys_equal_with_and_without_the_kernels(monkeypatch):
     """clustered_states.lowest_keys: the compiled selection and numpy's partition and sort give the same rows."""
     rng = np.random.default_rng(6)

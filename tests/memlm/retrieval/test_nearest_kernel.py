@@ -97,6 +97,22 @@ def test_a_sample_that_misses_the_near_keys_falls_back_to_every_key(build, porta
 
 
 @needs_kernel
+@pytest.mark.parametrize("build", ["this_cpu", "portable"])
+def test_nan_distances_come_last_as_torch_topk_puts_them(build, portable):
+    """A row with fewer than k keys of a number distance: the nan ones follow them, as torch.topk returns them."""
+    rng = np.random.default_rng(4)
+    products, x_norms, key_norms = random_chunk(rng, 2, 40)
+    key_norms[[3, 17, 30]] = np.nan
+    best_d, best_i = empty_best(2, 45)
+    nearest_into(products, x_norms, key_norms, 0, best_d, best_i, portable if build == "portable" else None)
+    dist = torch_distances(products, x_norms, key_norms)
+    want_d, _ = torch.topk(torch.from_numpy(dist), 40, dim=1, largest=False, sorted=True)
+    np.testing.assert_array_equal(best_d[:, :40], want_d.numpy())  # nan where torch has nan
+    assert np.isnan(best_d[:, 37:40]).all() and (best_i[:, 40:] == -1).all()
+    assert sorted(best_i[0, 37:40]) == [3, 17, 30]
+
+
+@needs_kernel
 def test_refuses_mismatched_shapes():
     best_d, best_i = empty_best(2, 4)
     with pytest.raises(ValueError, match="expected"):
@@ -127,3 +143,5 @@ def test_the_exact_searcher_with_the_kernel_equals_torch_topk(monkeypatch):
         np.testing.assert_array_equal(searcher.values[with_kernel.ids[r]], with_kernel.values[r])
     by_id = np.lexsort((with_kernel.ids, with_kernel.distances), axis=1)
     np.testing.assert_array_equal(by_id, np.broadcast_to(np.arange(256), (5, 256)))  # ties broken by the id
+    none = searcher.search(xq, 0)  # k 0: nothing, as before the kernel
+    assert none.ids.shape == (5, 0) and none.distances.shape == (5, 0)
