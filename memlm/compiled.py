@@ -22,6 +22,26 @@ from pathlib import Path
 from memlm.files import atomic_path, cache_dir
 
 LINK_FLAGS = ("-shared", "-fPIC", "-std=c99")
+
+RADIX_SORT_C = r"""
+/* a[0 .. n) sorted stably by their bits from first_bit up, each key XOR flip first (flip 1 << 63: signed int64
+   order): an LSD radix sort, least significant byte first, a byte every key shares skipped; tmp holds n. Needs
+   <stdint.h> and <string.h>. */
+static void radix_sort_u64(uint64_t *a, uint64_t *tmp, int64_t n, int first_bit, uint64_t flip) {
+    uint64_t *from = a, *to = tmp;
+    for (int shift = first_bit; shift < 64 && n > 0; shift += 8) {
+        int64_t count[257] = {0};
+        for (int64_t i = 0; i < n; i++) count[(((from[i] ^ flip) >> shift) & 255) + 1]++;
+        if (count[(((from[0] ^ flip) >> shift) & 255) + 1] == n) continue;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (int64_t i = 0; i < n; i++) to[count[((from[i] ^ flip) >> shift) & 255]++] = from[i];
+        uint64_t *t = from; from = to; to = t;
+    }
+    if (from != a) memcpy(a, from, (size_t)n * sizeof(uint64_t));
+}
+"""
+"""The C kernels' one radix sort (memlm.retrieval.nearest_kernel, memlm.retrieval.by_id_kernels), pasted into their
+sources."""
 COMPILE_SECONDS = 120
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memlm.compiled import compile_library, cpu_flags, load_or_warn
+from memlm.compiled import RADIX_SORT_C, compile_library, cpu_flags, load_or_warn
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +129,7 @@ static void prefetch_row(const char *row, int64_t bytes) {
 L2_BY_ID(l2_by_id_f16, uint16_t, l2_f16)
 L2_BY_ID(l2_by_id_f32, float, l2_f32)
 
-/* a[0 .. n) sorted as signed int64, by an LSD radix sort on bytes (a byte every key shares skipped); tmp holds n. */
-static void sort_keys(int64_t *a, int64_t *tmp, int64_t n) {
-    const uint64_t flip = (uint64_t)1 << 63;  /* signed order as unsigned */
-    uint64_t *from = (uint64_t *)a, *to = (uint64_t *)tmp;
-    for (int shift = 0; shift < 64; shift += 8) {
-        int64_t count[257] = {0};
-        for (int64_t i = 0; i < n; i++) count[(((from[i] ^ flip) >> shift) & 255) + 1]++;
-        if (count[(((from[0] ^ flip) >> shift) & 255) + 1] == n) continue;
-        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
-        for (int64_t i = 0; i < n; i++) to[count[((from[i] ^ flip) >> shift) & 255]++] = from[i];
-        uint64_t *t = from; from = to; to = t;
-    }
-    if (from != (uint64_t *)a) memcpy(a, from, (size_t)n * sizeof(int64_t));
-}
+/* RADIX_SORT_C */
 
 /* The r-th smallest (1-based) of a[0 .. n), a reordered (Hoare's selection). */
 static int64_t nth_key(int64_t *a, int64_t n, int64_t r) {
@@ -190,7 +177,7 @@ int lowest_keys_into(const int64_t *keys, const int64_t *bounds, const int64_t *
             memcpy(buf, row, (size_t)h * sizeof(int64_t));
             c = h;
         }
-        sort_keys(buf, tmp, c);
+        radix_sort_u64((uint64_t *)buf, (uint64_t *)tmp, c, 0, (uint64_t)1 << 63);  /* signed order */
         memcpy(out + i * width, buf, (size_t)t * sizeof(int64_t));
     }
     free(buf); free(tmp);
@@ -213,7 +200,7 @@ void placed_keys_into(const float *scores, int64_t rows, int64_t cols, int64_t f
         }
     }
 }
-"""
+""".replace("/* RADIX_SORT_C */", RADIX_SORT_C)
 
 VECTOR_CPU_FLAGS = ("avx512f", "f16c", "fma")
 """What the vector build needs of the CPU (its -m flags below)."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memlm.compiled import compile_library, cpu_flags, load_or_warn
+from memlm.compiled import RADIX_SORT_C, compile_library, cpu_flags, load_or_warn
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +76,7 @@ static float unpack_distance(uint64_t key) {
     return d;
 }
 
-/* a[0 .. n) sorted by distance (the keys' high 32 bits), stably: least significant byte first, a byte every key
-   shares skipped; tmp holds n. Candidates are collected in the order of their ids among equal distances (the
-   earlier best, sorted by (distance, id) and of smaller ids, then the chunk in order), so stable is by (distance,
-   id). */
-static void sort_by_distance(uint64_t *a, uint64_t *tmp, int64_t n) {
-    uint64_t *from = a, *to = tmp;
-    for (int shift = 32; shift < 64; shift += 8) {
-        int64_t count[257] = {0};
-        for (int64_t i = 0; i < n; i++) count[((from[i] >> shift) & 255) + 1]++;
-        if (count[((from[0] >> shift) & 255) + 1] == n) continue;
-        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
-        for (int64_t i = 0; i < n; i++) to[count[(from[i] >> shift) & 255]++] = from[i];
-        uint64_t *t = from; from = to; to = t;
-    }
-    if (from != a) memcpy(a, from, (size_t)n * sizeof(uint64_t));
-}
+/* RADIX_SORT_C */
 
 static void swapf(float *a, float *b) { float t = *a; *a = *b; *b = t; }
 
@@ -187,7 +172,9 @@ int nearest_into(const float *products, int64_t rows, int64_t n, const float *x_
             bound = INFINITY;  /* the sample's bound left fewer than k: take every key */
         }
         int64_t m = c < k ? c : k;  /* short of k only where the row has fewer keys */
-        if (c > 0) sort_by_distance(keys, tmp, c);
+        /* stable by distance alone (the high 32 bits): candidates are collected in id order among equal distances
+           (the earlier best, sorted by (distance, id) and of smaller ids, then the chunk in order) */
+        radix_sort_u64(keys, tmp, c, 32, 0);
         for (int64_t t = 0; t < m; t++) {
             bd[t] = unpack_distance(keys[t]);
             bi[t] = (int64_t)(uint32_t)keys[t];
@@ -197,7 +184,7 @@ int nearest_into(const float *products, int64_t rows, int64_t n, const float *x_
     free(dist); free(pos); free(keys); free(tmp); free(sample);
     return 0;
 }
-""" % {"stride": SAMPLE_STRIDE}
+""".replace("%(stride)d", str(SAMPLE_STRIDE)).replace("/* RADIX_SORT_C */", RADIX_SORT_C)
 
 VECTOR_FLAGS = ("-O3", "-mavx512f")
 PORTABLE_FLAGS = ("-O3",)

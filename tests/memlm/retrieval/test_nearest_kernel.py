@@ -41,6 +41,17 @@ def oracle(dist: np.ndarray, k: int, id_offset: int) -> tuple[np.ndarray, np.nda
     return best_d, best_i
 
 
+def assert_equals_the_oracle(products: np.ndarray, x_norms: np.ndarray, key_norms: np.ndarray, k: int,
+                             id_offset: int, lib: object | None) -> None:
+    """nearest_into over one chunk from nothing gives the oracle's distances (bit for bit, inf padding included) and
+    ids."""
+    best_d, best_i = empty_best(products.shape[0], k)
+    nearest_into(products, x_norms, key_norms, id_offset, best_d, best_i, lib)
+    want_d, want_i = oracle(torch_distances(products, x_norms, key_norms), k, id_offset)
+    np.testing.assert_array_equal(best_d, want_d)
+    np.testing.assert_array_equal(best_i, want_i)
+
+
 def random_chunk(rng: np.random.Generator, Q: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """products (Q, n), x_norms (Q,), key_norms (n,) of random float32 queries and keys (d 24), with duplicate
     keys (tied distances) and a query equal to a key (a distance that cancels to about 0)."""
@@ -57,11 +68,7 @@ def random_chunk(rng: np.random.Generator, Q: int, n: int) -> tuple[np.ndarray, 
 def test_nearest_equals_the_oracle(build, Q, n, k, portable):
     rng = np.random.default_rng(n + k)
     products, x_norms, key_norms = random_chunk(rng, Q, n)
-    best_d, best_i = empty_best(Q, k)
-    nearest_into(products, x_norms, key_norms, 7, best_d, best_i, portable if build == "portable" else None)
-    want_d, want_i = oracle(torch_distances(products, x_norms, key_norms), k, 7)
-    np.testing.assert_array_equal(best_d, want_d)  # bit for bit, inf padding included
-    np.testing.assert_array_equal(best_i, want_i)
+    assert_equals_the_oracle(products, x_norms, key_norms, k, 7, portable if build == "portable" else None)
 
 
 @needs_kernel
@@ -89,11 +96,7 @@ def test_a_sample_that_misses_the_near_keys_falls_back_to_every_key(build, porta
     key_norms = rng.uniform(10.0, 20.0, n).astype(np.float32)
     key_norms[:: nearest_kernel.SAMPLE_STRIDE] = rng.uniform(0.0, 1.0, n // nearest_kernel.SAMPLE_STRIDE)
     products, x_norms = np.zeros((1, n), dtype=np.float32), np.zeros(1, dtype=np.float32)
-    best_d, best_i = empty_best(1, k)
-    nearest_into(products, x_norms, key_norms, 0, best_d, best_i, portable if build == "portable" else None)
-    want_d, want_i = oracle(torch_distances(products, x_norms, key_norms), k, 0)
-    np.testing.assert_array_equal(best_d, want_d)
-    np.testing.assert_array_equal(best_i, want_i)
+    assert_equals_the_oracle(products, x_norms, key_norms, k, 0, portable if build == "portable" else None)
 
 
 @needs_kernel
