@@ -11,7 +11,7 @@ the product of a torch exact search over N random float16 keys on float16 panels
 (memlm.retrieval.exact).
 
     OMP_NUM_THREADS=1|2 python benchmarks/panel_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--keys 81169]
-        [--synthetic]
+        [--synthetic] [--in-cache]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--keys", type=int, default=0, help="also a search's product over this many random float16 keys "
                    "of the model's width (81169: the demo datastore's): float16 panels vs float32 panels; 0: not")
+    p.add_argument("--in-cache", action="store_true", help="also our kernel's GFLOPS on one weight that stays in cache")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
     if not panel_gemm.available():
@@ -80,6 +81,26 @@ def main() -> None:
         print(f"# ours, the head's rows alone vs together (1..{x.shape[0]} rows): bit for bit {same}")
         if args.keys:
             key_products(args.keys, head.shape[1], [int(r) for r in args.rows.split(",")], args.repeats)
+        if args.in_cache:
+            cached = max((w for w in weights if w.numel() * 4 <= 4e6), key=torch.Tensor.numel)  # an MLP's, 3.5 MB
+            in_cache(cached, [int(r) for r in args.rows.split(",")], args.repeats)
+
+
+def in_cache(weight: torch.Tensor, rows: list[int], repeats: int, calls: int = 200) -> None:
+    """Our kernel's arithmetic rate on one weight read `calls` times in a row (it stays in cache: memory bandwidth
+    out of the way), by rows, best of `repeats`: whether a few rows' time over all the weights is bound by the
+    kernel's arithmetic or by the memory it streams."""
+    p, (n, k) = panel_gemm.panels(weight), weight.shape
+    print(f"# ours on one {n}x{k} weight ({n * k * 4 / 1e6:.1f} MB) {calls} times in a row, GFLOPS, best of {repeats}")
+    for m in rows:
+        x = torch.randn(m, k)  # (m, K)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                panel_gemm.linear(x, p, n)
+            best = min(best, time.perf_counter() - start)
+        print(f"{m} rows in cache: {2 * m * n * k * calls / best / 1e9:.0f} GFLOPS", flush=True)
 
 
 def key_products(n: int, d: int, rows: list[int], repeats: int) -> None:

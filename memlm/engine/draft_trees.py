@@ -133,16 +133,26 @@ def datastore_branches(pointers: np.ndarray, source: DraftSource, length: int, w
 
 def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int, spec: SpeculativeConfig,
              greedy: bool, room: int) -> DraftTree:
-    """The tree a row verifies after its `text` (drafts at most `length` tokens deep): its main draft (row_draft),
-    then, for a greedy row with spec.tree_nodes, the prefixes of its other candidates from spec.draft_from's
-    sources, in this order: the history's draft (a match of history_min_match tokens or more, own_text_draft), the
-    short one of a shorter match (fallback_tokens), the datastore's branches (`datastore_branches`, tree_branches of
-    them), the tokens that most often follow the last one (frequent_branches, one token each); up to tree_nodes
-    nodes in all (a main draft that long is verified alone); at most `room` nodes (>= length: the slots left before
-    the row's cache is full)."""
+    """The tree a row verifies after its `text` (drafts at most `length` tokens deep): the prefix tree of its
+    `tree_candidates`, up to spec.tree_nodes nodes in all (a main draft that long is verified alone), at most `room`
+    nodes (>= length: the slots left before the row's cache is full); its main draft alone (a chain) for a sampled
+    row, without spec.tree_nodes, or with nothing to draft."""
+    candidates = tree_candidates(text, pointers, source, length, spec, greedy)
+    if len(candidates) == 1:
+        return chain(candidates[0])
+    return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(candidates[0]))))
+
+
+def tree_candidates(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
+                    spec: SpeculativeConfig, greedy: bool) -> list[tuple[int, ...]]:
+    """A row's candidate drafts, its main draft (row_draft) first, then, for a greedy row with spec.tree_nodes, its
+    other candidates from spec.draft_from's sources, in this order: the history's draft (a match of history_min_match
+    tokens or more, own_text_draft), the short one of a shorter match (fallback_tokens), the datastore's branches
+    (`datastore_branches`, tree_branches of them), the tokens that most often follow the last one
+    (frequent_branches, one token each). Any may be empty."""
     main = row_draft(text, pointers, source, length, spec)
     if not greedy or spec.tree_nodes == 0 or length < 1:
-        return chain(main)
+        return [main]
     candidates = [main]
     if spec.draft_from != "datastore":
         candidates.append(own_text_draft(text, length, spec))
@@ -153,4 +163,4 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
         candidates += datastore_branches(pointers, source, length, spec.tree_branches, spec.min_agreeing)
         if spec.frequent_branches and source.frequent is not None and text:
             candidates += [(t,) for t in source.frequent.after(int(text[-1]), spec.frequent_branches)]
-    return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(main))))
+    return candidates

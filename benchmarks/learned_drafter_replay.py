@@ -1,0 +1,175 @@
+"""A learned drafter for the draft tree, replayed (issue 15 part 3; an experiment, not an engine feature): would a small
+network trained on the datastore draft the tree's one-token branches better than its bigram table?
+
+The drafter is EAGLE's idea (Li et al. 2024) cut down to an MLP. From the kNN key of the position that chose the row's
+last token b (the last layer's feed-forward input, which the verifying pass computes anyway) and b's embedding, it
+predicts the token after b over the datastore's distinct values; its output layer is the model's tied embedding rows
+of those values, frozen, plus a bias. A second one takes the token after b too and predicts the one after that (2-token
+chains). Both train on the datastore's own (key, value, successor's value[, its successor's value]) triples, every
+tenth document held out to stop on, a few epochs (seconds to a minute on 2 cores); the held-apart prompts and the
+tuning split are never read by the training.
+
+Then, over recorded greedy kNN-LM continuations of --split (benchmarks/speculative_replay.py's `record`: default the
+tuning split 2001-2002, not the benchmark's speeches), it prints how often each predictor's top-1 / top-3 is the next
+token, and replays the engine's tree (draft_trees.tree_candidates, the same budget rule as row_tree) with the bigram's
+branches (the defaults) against the drafter's singles or chains in their place: tokens a pass and draft positions a
+pass, and with --pass-costs the modelled decode ratio (the drafter's own forward, about 19 MB of float32 weights a
+pass for SmolLM2 and the SOTU datastore, left out: it favours the drafter).
+
+    OMP_NUM_THREADS=2 python benchmarks/learned_drafter_replay.py [--split "2001<=year<=2002"] [--prompts 16]
+        [--search-backend torch] [--epochs 3] [--pass-costs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import speculative_knnlm as bench_setting
+import speculative_replay as replay_tools
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memlm.engine.draft_trees import prefix_tree, tree_candidates
+from memlm.engine.drafts import DraftSource, SpeculativeConfig
+
+
+class Drafter(nn.Module):
+    """logits over `vocab` (the datastore's distinct values) of the token after `context` tokens, from a key (B, C)
+    and those tokens (B, context)."""
+
+    def __init__(self, embedding: torch.Tensor, vocab: np.ndarray, context: int) -> None:
+        super().__init__()
+        width = embedding.shape[1]
+        self.norm = nn.LayerNorm(width)
+        self.hidden = nn.Linear((1 + context) * width, width)
+        self.out = nn.Linear(width, width)
+        self.bias = nn.Parameter(torch.zeros(vocab.size))
+        self.register_buffer("embedding", embedding, persistent=False)  # (V, C) frozen
+        self.register_buffer("rows", embedding[torch.from_numpy(vocab)].clone(), persistent=False)  # (U, C) frozen
+
+    def forward(self, key: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.norm(key), self.embedding[tokens].flatten(1)], dim=-1)  # (B, (1 + context) C)
+        return self.out(F.silu(self.hidden(x))) @ self.rows.T + self.bias  # (B, U)
+
+
+def triples(store, source: DraftSource, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries with `context` successors: (m,) entry ids, (m, context + 1) the tokens from the entry's value on,
+    (m,) their documents."""
+    ids = np.arange(source.values.shape[0])
+    chain = [ids]
+    for _ in range(context):
+        nxt = source.next_ids[np.maximum(chain[-1], 0)]
+        chain.append(np.where(chain[-1] >= 0, nxt, -1))
+    ok = np.all(np.stack(chain) >= 0, axis=0)
+    tokens = np.stack([source.values[c[ok]] for c in chain], axis=1).astype(np.int64)  # (m, context + 1)
+    return ids[ok], tokens, np.asarray(store.entry_provenance.docs)[ok]
+
+
+def train(store, source: DraftSource, embedding: torch.Tensor, vocab: np.ndarray, context: int, epochs: int
+          ) -> Drafter:
+    """A Drafter over `context` tokens fitted on the datastore's triples, the epoch with the lowest held-out loss
+    kept (documents with id % 10 == 0 held out)."""
+    torch.manual_seed(0)
+    ids, tokens, docs = triples(store, source, context)
+    keys = torch.from_numpy(np.asarray(store.keys[ids], dtype=np.float32))  # (m, C)
+    inputs = torch.from_numpy(tokens[:, :context])  # (m, context)
+    remap = np.full(embedding.shape[0], -1)
+    remap[vocab] = np.arange(vocab.size)
+    target = torch.from_numpy(remap[tokens[:, context]])  # (m,)
+    held = docs % 10 == 0
+    fit, check = np.flatnonzero(~held), np.flatnonzero(held)
+    model = Drafter(embedding, vocab, context)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    best: tuple[float, dict] | None = None
+    for epoch in range(epochs):
+        order = np.random.default_rng(epoch).permutation(fit)
+        for start in range(0, order.size, 256):
+            i = order[start : start + 256]
+            loss = F.cross_entropy(model(keys[i], inputs[i]), target[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            held_loss = F.cross_entropy(model(keys[check], inputs[check]), target[check]).item()
+        print(f"# drafter over {context} token(s), epoch {epoch + 1}: held-out loss {held_loss:.3f}", flush=True)
+        if best is None or held_loss < best[0]:
+            best = (held_loss, {k: v.clone() for k, v in model.state_dict().items()})
+    model.load_state_dict(best[1])
+    return model.eval()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_setting.add_setting_options(p)
+    p.set_defaults(split="2001<=year<=2002")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--pass-costs", action="store_true", help="time passes here and print modelled decode ratios")
+    args = p.parse_args()
+    args.in_datastore = False
+    bench, store = bench_setting.open_setting(args)
+    runs, source = replay_tools.record(args, bench, store)
+    model = bench.pre.model
+    with torch.no_grad():  # each run's keys: key i chose text[i + 1]
+        keys = [model(torch.tensor([text[:-1]]), logits_from=len(text) - 2).knn_key[0].float() for text, _, _ in runs]
+    by_prompt = {tuple(text[:start]): k for (text, start, _), k in zip(runs, keys)}
+    embedding = model.embed_tokens.weight.detach().float()  # (V, C), tied with the head
+    vocab = np.unique(source.values)
+    print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({vocab.size} distinct values); "
+          f"{len(runs)} recorded continuations of {args.split}", flush=True)
+    one, two = (train(store, source, embedding, vocab, c, args.epochs) for c in (1, 2))
+
+    @torch.no_grad()
+    def top(drafter: Drafter, key: torch.Tensor, tokens: Sequence[int], n: int) -> tuple[int, ...]:
+        return tuple(int(vocab[j]) for j in drafter(key[None], torch.tensor([list(tokens)])).topk(n).indices[0])
+
+    def key_of(text: Sequence[int]) -> torch.Tensor:  # the key of the position that chose text[-1]
+        prompt = next(k for k in by_prompt if tuple(text[: len(k)]) == k)
+        return by_prompt[prompt][len(text) - 2]
+
+    hits = {"drafter top-1": 0, "drafter top-3": 0, "bigram top-1": 0, "bigram top-3": 0}
+    total = 0
+    for text, start, _ in runs:
+        for at in range(start + 1, len(text)):
+            mine, bigram = top(one, key_of(text[:at]), [text[at - 1]], 3), source.frequent.after(text[at - 1], 3)
+            hits["drafter top-1"] += mine[0] == text[at]
+            hits["drafter top-3"] += text[at] in mine
+            hits["bigram top-1"] += bool(bigram) and bigram[0] == text[at]
+            hits["bigram top-3"] += text[at] in bigram
+            total += 1
+    print(f"next token right, of {total}: " + ", ".join(f"{k} {v / total:.1%}" for k, v in hits.items()), flush=True)
+
+    defaults = SpeculativeConfig()
+
+    def policy(nodes: int, singles: int, chains: int):
+        spec = dataclasses.replace(defaults, tree_nodes=nodes, frequent_branches=0 if singles or chains else 3)
+
+        def drafts(text, pointers, cap):
+            candidates = tree_candidates(text, pointers, source, cap, spec, True)
+            key = key_of(text)
+            candidates += [(t,) for t in top(one, key, [text[-1]], singles)] if singles else []
+            candidates += [(t, top(two, key, [text[-1], t], 1)[0]) for t in top(one, key, [text[-1]], chains)]
+            tree = prefix_tree([d for d in candidates if d], min(cap, max(nodes, len(candidates[0]))))
+            return replay_tools.tree_drafts(tree)
+        return drafts
+
+    costs = replay_tools.pass_costs_here(bench, store, defaults.draft_tokens + 1) if args.pass_costs else None
+    for name, (nodes, singles, chains) in {
+        "5 nodes, bigram branches (the defaults)": (5, 0, 0), "5 nodes, drafter singles 3": (5, 3, 0),
+        "5 nodes, drafter chains 2": (5, 0, 2), "7 nodes, bigram branches": (7, 0, 0),
+        "7 nodes, drafter singles 4": (7, 4, 0), "7 nodes, drafter chains 3": (7, 0, 3),
+    }.items():
+        per_pass, fed, ratio = replay_tools.replay(runs, source, policy(nodes, singles, chains), defaults.draft_tokens,
+                                                   costs)
+        modelled = f", modelled decode ratio {ratio:.3f} (the drafter's cost left out)" if ratio is not None else ""
+        print(f"{name}: tokens a pass {per_pass:.3f}, draft positions a pass {fed:.1f}{modelled}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
