@@ -11,7 +11,7 @@ tuning split are never read by the training.
 
 Then, over recorded greedy kNN-LM continuations of --split (benchmarks/speculative_replay.py's `record`: default the
 tuning split 2001-2002, not the benchmark's speeches), it prints how often each predictor's top-1 / top-3 is the next
-token, and replays the engine's tree (draft_trees.tree_candidates, the same budget rule as row_tree) with the bigram's
+token, and replays the engine's tree (draft_trees.tree_candidates, and candidate_tree, as row_tree) with the bigram's
 branches (the defaults) against the drafter's singles or chains in their place: tokens a pass and draft positions a
 pass, and with --pass-costs the modelled decode ratio (the drafter's own forward, about 19 MB of float32 weights a
 pass for SmolLM2 and the SOTU datastore, left out: it favours the drafter).
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.engine.draft_trees import prefix_tree, tree_candidates
+from memlm.engine.draft_trees import candidate_tree, tree_candidates
 from memlm.engine.drafts import DraftSource, SpeculativeConfig
 
 
@@ -115,11 +115,8 @@ def main() -> None:
     args.in_datastore = False
     bench, store = bench_setting.open_setting(args)
     runs, source = replay_tools.record(args, bench, store)
-    model = bench.pre.model
-    with torch.no_grad():  # each run's keys: key i chose text[i + 1]
-        keys = [model(torch.tensor([text[:-1]]), logits_from=len(text) - 2).knn_key[0].float() for text, _, _ in runs]
-    by_prompt = {tuple(text[:start]): k for (text, start, _), k in zip(runs, keys)}
-    embedding = model.embed_tokens.weight.detach().float()  # (V, C), tied with the head
+    by_prompt = {tuple(run.text[: run.start]): run.keys for run in runs}
+    embedding = bench.pre.model.embed_tokens.weight.detach().float()  # (V, C), tied with the head
     vocab = np.unique(source.values)
     print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({vocab.size} distinct values); "
           f"{len(runs)} recorded continuations of {args.split}", flush=True)
@@ -135,7 +132,7 @@ def main() -> None:
 
     hits = {"drafter top-1": 0, "drafter top-3": 0, "bigram top-1": 0, "bigram top-3": 0}
     total = 0
-    for text, start, _ in runs:
+    for text, start, _, _ in runs:
         for at in range(start + 1, len(text)):
             mine, bigram = top(one, key_of(text[:at]), [text[at - 1]], 3), source.frequent.after(text[at - 1], 3)
             hits["drafter top-1"] += mine[0] == text[at]
@@ -148,15 +145,15 @@ def main() -> None:
     defaults = SpeculativeConfig()
 
     def policy(nodes: int, singles: int, chains: int):
-        spec = dataclasses.replace(defaults, tree_nodes=nodes, frequent_branches=0 if singles or chains else 3)
+        spec = dataclasses.replace(defaults, tree_nodes=nodes)  # the bigram's branches, or none for the drafter's
+        spec = dataclasses.replace(spec, frequent_branches=0) if singles or chains else spec
 
         def drafts(text, pointers, cap):
             candidates = tree_candidates(text, pointers, source, cap, spec, True)
             key = key_of(text)
             candidates += [(t,) for t in top(one, key, [text[-1]], singles)] if singles else []
             candidates += [(t, top(two, key, [text[-1], t], 1)[0]) for t in top(one, key, [text[-1]], chains)]
-            tree = prefix_tree([d for d in candidates if d], min(cap, max(nodes, len(candidates[0]))))
-            return replay_tools.tree_drafts(tree)
+            return replay_tools.tree_drafts(candidate_tree(candidates, nodes, cap))
         return drafts
 
     costs = replay_tools.pass_costs_here(bench, store, defaults.draft_tokens + 1) if args.pass_costs else None

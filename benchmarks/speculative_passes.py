@@ -19,6 +19,7 @@ call, on both sides alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections import defaultdict
@@ -108,8 +109,7 @@ def main() -> None:
              for q in prompts]
     sides: dict[str, list[GenerationRequest]] = {
         "plain": plain,
-        "speculative": [GenerationRequest(q, args.new_tokens, bench_setting.GREEDY, boundary_token=bench.boundary,
-                                          knn=knn, speculative=SpeculativeConfig()) for q in prompts],
+        "speculative": [dataclasses.replace(r, speculative=SpeculativeConfig()) for r in plain],
     }
     print(f"# {len(prompts)} prompts of {args.prompt_tokens} tokens from {args.split}, {args.new_tokens} new tokens "
           f"greedy kNN-LM (k {knn.k}, lambda {knn.lmbda}), speculative with SpeculativeConfig's defaults; "

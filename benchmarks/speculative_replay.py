@@ -119,9 +119,22 @@ def pass_costs_here(bench, store, most: int, rounds: int = 6) -> PassCosts:
     return PassCosts(forward, pass_cost.search_times(store, counts, rounds))
 
 
-def record(args: argparse.Namespace, bench, store) -> tuple[list[tuple[list[int], int, list[np.ndarray]]], DraftSource]:
-    """Per prompt: the full text (boundary, prompt, plain greedy continuation), where the continuation starts,
-    and the pointers after each generated token."""
+class Recorded(NamedTuple):
+    """One prompt's plain greedy run."""
+
+    text: list[int]
+    """The boundary, the prompt and the continuation."""
+    start: int
+    """Where the continuation starts."""
+    after: list[np.ndarray]
+    """The pointers after each generated token."""
+    keys: torch.Tensor
+    """(len(text) - 1, C) the kNN key of every position: key i chose text[i + 1]."""
+
+
+def record(args: argparse.Namespace, bench, store) -> tuple[list[Recorded], DraftSource]:
+    """Per prompt its Recorded run (the text, where the continuation starts, the pointers after each generated
+    token, the keys of the one whole-text forward pass the pointers come from)."""
     knn = bench_setting.knn_settings(args)
     source = draft_source(store.provenance, store.values)
     engine = Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=1), store, source)
@@ -135,8 +148,8 @@ def record(args: argparse.Namespace, bench, store) -> tuple[list[tuple[list[int]
         with torch.no_grad():
             keys = bench.pre.model(torch.tensor([text[:-1]]), logits_from=len(text) - 2).knn_key[0]  # (L-1, C)
         found = store.search(keys[start - 1 :].float().numpy(), knn.k)  # (g, k): the positions that chose them
-        runs.append((text, start, [matching(Neighbors(*(a[i : i + 1] for a in found)), t)
-                                   for i, t in enumerate(generated)]))
+        runs.append(Recorded(text, start, [matching(Neighbors(*(a[i : i + 1] for a in found)), t)
+                                           for i, t in enumerate(generated)], keys.float()))
     return runs, source
 
 
@@ -146,7 +159,7 @@ def replay(runs, source: DraftSource, policy: Policy, draft_tokens: int, costs: 
     recorded runs; the first token of each run comes from the prompt's step, as in the engine."""
     passes = tokens = fed = 0
     spent = 0.0
-    for text, start, after in runs:
+    for text, start, after, _ in runs:
         g, pointers, n = 1, after[0], len(text) - start
         while g < n:
             at = start + g

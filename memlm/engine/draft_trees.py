@@ -137,10 +137,15 @@ def row_tree(text: Sequence[int], pointers: np.ndarray, source: DraftSource, len
     `tree_candidates`, up to spec.tree_nodes nodes in all (a main draft that long is verified alone), at most `room`
     nodes (>= length: the slots left before the row's cache is full); its main draft alone (a chain) for a sampled
     row, without spec.tree_nodes, or with nothing to draft."""
-    candidates = tree_candidates(text, pointers, source, length, spec, greedy)
+    return candidate_tree(tree_candidates(text, pointers, source, length, spec, greedy), spec.tree_nodes, room)
+
+
+def candidate_tree(candidates: Sequence[Sequence[int]], tree_nodes: int, room: int) -> DraftTree:
+    """The tree of a row's candidates (main draft first): the main draft alone when it is the only one, else their
+    prefix tree of up to tree_nodes nodes, more for a main draft that long (verified alone), at most `room`."""
     if len(candidates) == 1:
         return chain(candidates[0])
-    return prefix_tree([d for d in candidates if d], min(room, max(spec.tree_nodes, len(candidates[0]))))
+    return prefix_tree([d for d in candidates if d], min(room, max(tree_nodes, len(candidates[0]))))
 
 
 def tree_candidates(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
