@@ -11,7 +11,7 @@ the product of a torch exact search over N random float16 keys on float16 panels
 (memlm.retrieval.exact).
 
     OMP_NUM_THREADS=1|2 python benchmarks/panel_gemm.py [--rows 1,2,4,8,17,32] [--repeats 5] [--keys 81169]
-        [--synthetic] [--in-cache]
+        [--synthetic] [--in-cache] [--streamed 1,4]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=0, help="also a search's product over this many random float16 keys "
                    "of the model's width (81169: the demo datastore's): float16 panels vs float32 panels; 0: not")
     p.add_argument("--in-cache", action="store_true", help="also our kernel's GFLOPS on one weight that stays in cache")
+    p.add_argument("--streamed", default="", help="also our kernel built to stream these numbers of panels at once "
+                   "(e.g. 1,4; the default build streams panel_gemm's STREAMED), alternating with the others")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
     if not panel_gemm.available():
@@ -63,6 +65,9 @@ def main() -> None:
         "oneDNN packed": (lambda x, w: packed_linear(x, w), packed),
         "MKL": (F.linear, weights),
     }
+    variants = {f"ours, {n} streamed": panel_gemm.build(streamed=int(n)) for n in args.streamed.split(",") if n}
+    for name, lib in variants.items():
+        sides[name] = (lambda x, p, lib=lib: panel_gemm.linear(x, p, p.shape[0] * panel_gemm.PANEL, lib=lib), panels)
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in set(inputs)}
@@ -72,7 +77,8 @@ def main() -> None:
                     best[name] = min(best[name], round_ms(fn, operands, inputs, xs))
             print(f"{rows} rows: ours {best['ours']:.1f} ms ({gigabytes / best['ours'] * 1e3:.1f} GB/s), oneDNN packed "
                   f"{best['oneDNN packed']:.1f} ms ({best['oneDNN packed'] / best['ours']:.2f}x ours), MKL "
-                  f"{best['MKL']:.1f} ms ({best['MKL'] / best['ours']:.2f}x ours)", flush=True)
+                  f"{best['MKL']:.1f} ms ({best['MKL'] / best['ours']:.2f}x ours)"
+                  + "".join(f", {name} {best[name]:.1f} ms" for name in variants), flush=True)
         head = model.lm_head.weight.detach().contiguous()
         x = torch.randn(32, head.shape[1])  # (M, K)
         head_panels, n = panel_gemm.panels(head), head.shape[0]

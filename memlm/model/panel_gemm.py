@@ -8,11 +8,23 @@ memory bandwidth, and a good kernel for 1 row should cost about what one for 8 d
 this project's CPU (Intel Xeon, AVX-512). This kernel reads the weight laid out in panels of 16 outputs (`panels`:
 each panel (K, 16) contiguous) and keeps every row's 16-wide sums in registers, broadcasting one input at a time, so
 it has no horizontal sums; more than 8 rows go in groups of 8 over each group of panels, which then come from cache.
-Up to 7 rows stream one panel at a time, 8 rows or more three (the C source's PANELS), with 8 KB prefetched ahead of
-the read, shared among the panels streamed. Why one: a single sequential stream is what the hardware prefetchers
-follow best; against the previous table (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of
-each) it costs 22.1 / 22.9 / 29.4 ms at 1 / 4 / 8 rows instead of 29.5 / 31.4 / 30.2 (4 Dec, this benchmark at both
-commits back to back, README; the same outputs bit for bit). SmolLM2's 211 weights once each, one thread, 4 Dec
+Three panels are streamed at once at every row count (the C source's STREAMED), with 8 KB prefetched ahead of the
+read, shared among them. Why three: on 4 Dec's Intel Xeon one panel at a time for up to 7 rows beat the table before
+it (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of each: 22.1 / 22.9 / 29.4 ms at 1 / 4 /
+8 rows instead of 29.5 / 31.4 / 30.2); on 6 Dec's AMD EPYC (Zen 4), two threads, three at once beat one at every row
+count from 2 to 8 (`OMP_NUM_THREADS=2 python benchmarks/panel_gemm.py --rows 1,2,3,4,5,6,7,8 --repeats 9 --streamed
+1,4`: the builds alternating in one run, ms a round, best of 9; the same outputs bit for bit, tested):
+
+    rows                  1      2      3      4      5      6      7      8
+    one panel          18.7   20.3   23.4   22.1   23.1   24.2   24.8   25.8
+    three (STREAMED)   18.3   18.3   18.8   19.1   19.4   19.7   19.9   20.4
+    four               18.0   18.3   18.5   19.3   19.5   19.7   19.9   20.4
+
+(the table before this one streamed one panel up to 7 rows, three at 8: 20.6 / 25.2 ms at 1 / 6 rows against 18.6 /
+20.1 for three, in another run; on an idle hour of the same kind of machine earlier that day, 2-4 panels at 5-7 rows made no
+difference that held from one minute to the next.) So a 6-position verifying pass's products cost 1.08x a plain step's instead of
+1.22x (README, issue 15). Four panels are no better, and 8 rows x 4 panels would need more accumulators than the 32
+AVX-512 registers. SmolLM2's 211 weights once each, one thread, 4 Dec (one panel at a time then)
 (`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round, best of 5):
 
     rows           1      2      4      8     17     32     48     65    128    256    512
@@ -129,32 +141,24 @@ INLINE void group(const float *x, const weight_t *panels, float *y, int64_t M, i
         case 7: GROUP(7, NB); break; default: GROUP(8, NB); break;                                           \
         }                                                                                                      \
     }
-EIGHT_ROWS(rows_8, 8)
-EIGHT_ROWS(rows_6, 6)
-EIGHT_ROWS(rows_4, 4)
-EIGHT_ROWS(rows_3, 3)
+#ifndef STREAMED /* a benchmark builds other values (build's `streamed`): the same outputs bit for bit */
+#define STREAMED 3 /* panels streamed at once, whatever the rows (docstring) */
+#endif
+EIGHT_ROWS(rows_streamed, STREAMED)
 EIGHT_ROWS(rows_1, 1)
 
 /* The outputs of panels first .. last - 1 of y (M, N) = x (M, K) @ w (N, K).T with w as panels (P, K, 16):
-   panels[p, k, j] = w[16 p + j, k], zero rows past N. The rows go in groups of 8 over each group of panels: the
-   panels come from memory for the first group of rows and from cache for the others. */
+   panels[p, k, j] = w[16 p + j, k], zero rows past N. The rows go in groups of 8 over each group of STREAMED panels:
+   the panels come from memory for the first group of rows and from cache for the others. */
 static void panel_range(const float *x, const weight_t *panels, float *y, int64_t M, int64_t N, int64_t K,
                         int64_t first, int64_t last) {
-    static const int64_t PANELS[9] = {0, 1, 1, 1, 1, 1, 1, 1, 3}; /* panels streamed at once, by rows (docstring) */
-    int64_t nb = PANELS[M < 8 ? M : 8];
-    for (int64_t p = first; p < last; p += nb) {
+    for (int64_t p = first; p < last; p += STREAMED) {
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            if (last - p < nb) { /* the last, short group: a panel at a time */
+            if (last - p < STREAMED) { /* the last, short group: a panel at a time */
                 for (int64_t q = p; q < last; q++) rows_1(x, panels, y, M - m0, N, K, q, m0);
                 continue;
             }
-            switch (nb) {
-            case 8: rows_8(x, panels, y, M - m0, N, K, p, m0); break;
-            case 6: rows_6(x, panels, y, M - m0, N, K, p, m0); break;
-            case 4: rows_4(x, panels, y, M - m0, N, K, p, m0); break;
-            case 1: rows_1(x, panels, y, M - m0, N, K, p, m0); break;
-            default: rows_3(x, panels, y, M - m0, N, K, p, m0); break;
-            }
+            rows_streamed(x, panels, y, M - m0, N, K, p, m0);
         }
     }
 }
@@ -196,13 +200,18 @@ def load_kernel(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def build(half: bool = False, threaded: bool = True) -> ctypes.CDLL:
+def build(half: bool = False, threaded: bool = True, streamed: int | None = None) -> ctypes.CDLL:
     """This CPU's build of SOURCE (half: its float16-weight build, WEIGHT_F16; threaded: with OPENMP_FLAGS, and
-    without them where that build fails), loaded; OSError where the CPU lacks CPU_NEEDS."""
+    without them where that build fails; streamed: panels streamed at once other than the source's STREAMED, for
+    benchmarks/panel_gemm.py --streamed, 1 to 8), loaded; OSError where the CPU lacks CPU_NEEDS."""
     missing = set(CPU_NEEDS) - cpu_flags()
     if missing:
         raise OSError(f"the CPU lacks {', '.join(sorted(missing))}")
     stem, flags = ("panel_gemm_f16", (*FLAGS, "-DWEIGHT_F16")) if half else ("panel_gemm", FLAGS)
+    if streamed is not None:
+        if not 1 <= streamed <= 8:
+            raise ValueError(f"streamed panels must be 1 to 8, got {streamed}")
+        stem, flags = f"{stem}_streamed{streamed}", (*flags, f"-DSTREAMED={streamed}")
     if threaded:
         try:
             lib = load_kernel(compile_library(SOURCE, stem, (*flags, *OPENMP_FLAGS)))

@@ -1,7 +1,7 @@
 """memlm.model.panel_gemm: the compiled panel GEMM against a float64 oracle (row counts in and past its groups
 of 8, output sizes that are no multiple of its 16-wide panels or of its groups of panels), bit for bit batch-
 invariant (a row's output is the same alone, with other rows, and inside a (B, S, K) input) and the same on any
-number of threads (the OpenMP build); Linear takes it on one torch thread, and on more where it is that build, with
+number of threads (the OpenMP build) and of panels streamed at once; Linear takes it on one torch thread, and on more where it is that build, with
 panels that follow the weight, and without a compiler it is
 unavailable (logged once) and Linear keeps oneDNN's GEMM with the same products up to float32 rounding."""
 
@@ -93,6 +93,21 @@ def test_bias_strided_input_and_bad_calls():
         linear(random(2, 32, seed=6), w, 40)  # the weight itself, not its panels
     with pytest.raises(ValueError, match="must be panels"):
         linear(random(2, 32, seed=6), panels(w), 60)  # panels of another output size
+
+
+@needs_kernel
+@pytest.mark.parametrize("streamed", [1, 2, 4])
+def test_the_panels_streamed_at_once_change_no_output_bit(streamed):
+    """A build streaming another number of panels at once (benchmarks/panel_gemm.py --streamed) gives the default
+    build's outputs bit for bit: each output is the same chain over k. Output sizes leave a short last group."""
+    other = panel_gemm.build(streamed=streamed)
+    for k, n in [(576, 192), (64, 16 * 7 + 3), (1536, 16 * 5)]:
+        p = panels(random(n, k, seed=31))
+        for m in [*range(1, 10), 17]:
+            x = random(m, k, seed=32 + m)
+            assert torch.equal(linear(x, p, n, lib=other), linear(x, p, n)), (streamed, k, n, m)
+    with pytest.raises(ValueError, match="1 to 8"):
+        panel_gemm.build(streamed=9)
 
 
 @needs_kernel
