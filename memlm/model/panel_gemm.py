@@ -11,9 +11,10 @@ it has no horizontal sums; more than 8 rows go in groups of 8 over each group of
 Three panels are streamed at once at every row count (the C source's STREAMED), with 8 KB prefetched ahead of the
 read, shared among them. Why three: on 4 Dec's Intel Xeon one panel at a time for up to 7 rows beat the table before
 it (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of each: 22.1 / 22.9 / 29.4 ms at 1 / 4 /
-8 rows instead of 29.5 / 31.4 / 30.2); on 6 Dec's Intel Xeon with AMX (2 cores, the fourth session's), two threads, three at
-once beat one at every row count from 2 to 8 (`OMP_NUM_THREADS=2 python benchmarks/panel_gemm.py --rows 1,2,3,4,5,6,7,8 --repeats 9 --streamed
-1,4`: the builds alternating in one run, ms a round, best of 9; the same outputs bit for bit, tested):
+8 rows instead of 29.5 / 31.4 / 30.2); on 6 Dec's Intel Xeon with AMX (2 cores, the fourth session's), two threads,
+three at once beat one at every row count from 2 to 8 (`OMP_NUM_THREADS=2 python benchmarks/panel_gemm.py --rows
+1,2,3,4,5,6,7,8 --repeats 9 --streamed 1,4`: the builds alternating in one run, ms a round, best of 9; the same
+outputs bit for bit, tested):
 
     rows                  1      2      3      4      5      6      7      8
     one panel          18.7   20.3   23.4   22.1   23.1   24.2   24.8   25.8
@@ -21,10 +22,11 @@ once beat one at every row count from 2 to 8 (`OMP_NUM_THREADS=2 python benchmar
     four               18.0   18.3   18.5   19.3   19.5   19.7   19.9   20.4
 
 (the table before this one streamed one panel up to 7 rows, three at 8: 20.6 / 25.2 ms at 1 / 6 rows against 18.6 /
-20.1 for three, in another run; on the AMD EPYC (Zen 4) of that day's third session, idle, 2-4 panels at 5-7 rows made no
-difference that held from one minute to the next, and 1-4 rows were not tried there.) So a 6-position verifying pass's products cost 1.08x a plain step's instead of
-1.22x (README, issue 15). Four panels are no better, and 8 rows x 4 panels would need more accumulators than the 32
-AVX-512 registers. SmolLM2's 211 weights once each, one thread, 4 Dec (one panel at a time then)
+20.1 for three, in another run; on the AMD EPYC (Zen 4) of that day's third session, idle, 2-4 panels at 5-7 rows
+made no difference that held from one minute to the next, and 1-4 rows were not tried there.) So a 6-position
+verifying pass's products cost 1.08x a plain step's instead of 1.22x (README, issue 15). Four panels are no better,
+and 8 rows x 4 panels would need more accumulators than the 32 AVX-512 registers. SmolLM2's 211 weights once each,
+one thread, 4 Dec (one panel at a time then)
 (`OMP_NUM_THREADS=1 python benchmarks/panel_gemm.py --rows ...`, ms a round, best of 5):
 
     rows           1      2      4      8     17     32     48     65    128    256    512

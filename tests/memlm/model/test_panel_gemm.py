@@ -1,9 +1,9 @@
 """memlm.model.panel_gemm: the compiled panel GEMM against a float64 oracle (row counts in and past its groups
 of 8, output sizes that are no multiple of its 16-wide panels or of its groups of panels), bit for bit batch-
 invariant (a row's output is the same alone, with other rows, and inside a (B, S, K) input) and the same on any
-number of threads (the OpenMP build) and of panels streamed at once; Linear takes it on one torch thread, and on more where it is that build, with
-panels that follow the weight, and without a compiler it is
-unavailable (logged once) and Linear keeps oneDNN's GEMM with the same products up to float32 rounding."""
+number of threads (the OpenMP build) and of panels streamed at once; Linear takes it on one torch thread, and on
+more where it is that build, with panels that follow the weight, and without a compiler it is unavailable (logged
+once) and Linear keeps oneDNN's GEMM with the same products up to float32 rounding."""
 
 from __future__ import annotations
 
