@@ -34,7 +34,15 @@ import speculative_knnlm as bench_setting
 import torch
 
 from memlm.engine.draft_trees import DraftTree, datastore_branches, row_tree
-from memlm.engine.drafts import DRAFT_FROM, DraftSource, SpeculativeConfig, advance, draft_source, matching
+from memlm.engine.drafts import (
+    DRAFT_FROM,
+    DraftSource,
+    SpeculativeConfig,
+    advance,
+    draft_chains,
+    draft_source,
+    matching,
+)
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import TokenEvent
@@ -203,7 +211,7 @@ def main() -> None:
         for hmin in (spec.history_min_match, 1):
             policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
                 lambda text, ptr, cap, w=w, hmin=hmin: history_candidates(text, cap, w, spec.history_max_match, hmin)
-                + datastore_branches(ptr, source, cap, w, spec.min_agreeing))
+                + datastore_branches(draft_chains(ptr, source, cap), w, spec.min_agreeing))
     for name, policy in policies.items():
         per_pass, fed, ratio = replay(runs, source, policy, args.draft_tokens, costs)
         modelled = f", modelled decode ratio {ratio:.3f}" if ratio is not None else ""

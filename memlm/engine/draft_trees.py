@@ -29,15 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from memlm.engine.drafts import (
-    DraftSource,
-    SpeculativeConfig,
-    best_draft,
-    draft_chains,
-    history_draft,
-    own_text_draft,
-    row_draft,
-)
+from memlm.engine.drafts import DraftSource, RowDrafts, SpeculativeConfig, best_draft
 
 
 class DraftTree(NamedTuple):
@@ -116,12 +108,10 @@ def walk(kids: list[dict[int, int]], chosen: dict[int, int], start: int = 0) -> 
     return visited
 
 
-def datastore_branches(pointers: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int,
-                       ) -> list[tuple[int, ...]]:
-    """Up to `width` drafts from the pointers' chains (drafts.draft_chains): under each of the first tokens most
-    chains agree on (at least min_agreeing), the best-first path of the chains that start with it
+def datastore_branches(chains: np.ndarray, width: int, min_agreeing: int) -> list[tuple[int, ...]]:
+    """Up to `width` drafts from the pointers' chains (m, L) (drafts.draft_chains): under each of the first tokens
+    most chains agree on (at least min_agreeing), the best-first path of the chains that start with it
     (drafts.best_draft)."""
-    chains = draft_chains(pointers, source, length)  # (m, L)
     first = chains[:, 0] if chains.shape[0] else chains[:0, 0]  # (m,)
     tokens, counts = np.unique(first[first >= 0], return_counts=True)
     out = []
@@ -155,17 +145,17 @@ def tree_candidates(text: Sequence[int], pointers: np.ndarray, source: DraftSour
     tokens or more, own_text_draft), the short one of a shorter match (fallback_tokens), the datastore's branches
     (`datastore_branches`, tree_branches of them), the tokens that most often follow the last one
     (frequent_branches, one token each). Any may be empty."""
-    main = row_draft(text, pointers, source, length, spec)
+    drafts = RowDrafts(text, pointers, source, length, spec)  # each piece made once, for main and the others
+    main = drafts.main
     if not greedy or spec.tree_nodes == 0 or length < 1:
         return [main]
     candidates = [main]
     if spec.draft_from != "datastore":
-        candidates.append(own_text_draft(text, length, spec))
+        candidates.append(drafts.history)
         if spec.fallback_tokens and spec.history_min_match > 1:
-            fallback = min(length, spec.fallback_tokens)
-            candidates.append(history_draft(text, fallback, spec.history_min_match - 1, 1)[0])
+            candidates.append(drafts.fallback)
     if spec.uses_datastore:
-        candidates += datastore_branches(pointers, source, length, spec.tree_branches, spec.min_agreeing)
+        candidates += datastore_branches(drafts.chains, spec.tree_branches, spec.min_agreeing)
         if spec.frequent_branches and source.frequent is not None and text:
             candidates += [(t,) for t in source.frequent.after(int(text[-1]), spec.frequent_branches)]
     return candidates

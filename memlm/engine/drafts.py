@@ -32,6 +32,7 @@ Shape legend: k neighbours, m matching neighbours (chains), L draft length, N da
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -364,23 +365,56 @@ def own_text_draft(text: Sequence[int], length: int, spec: SpeculativeConfig) ->
 def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
               spec: SpeculativeConfig) -> tuple[int, ...]:
     """The draft a row verifies after its `text` (boundary, prompt, generated; pointers: memlm.engine.rows.Row's)
-    under spec.draft_from, at most `length` tokens: the history's (a match of history_min_match tokens or more,
-    `own_text_draft`), else the datastore's, else a short one of a shorter history match
-    (SpeculativeConfig.fallback_tokens)."""
-    if length < 1:
-        return ()
-    if spec.draft_from == "datastore":
-        return draft_from(pointers, source, length, spec.min_agreeing)
-    history = own_text_draft(text, length, spec)
-    if history:
-        return history
-    if spec.draft_from == "both":
-        stored = draft_from(pointers, source, length, spec.min_agreeing)
-        if stored:
-            return stored
-    if spec.fallback_tokens == 0 or spec.history_min_match == 1:
-        return ()
-    return history_draft(text, min(length, spec.fallback_tokens), spec.history_min_match - 1, 1)[0]
+    under spec.draft_from, at most `length` tokens (RowDrafts.main)."""
+    return RowDrafts(text, pointers, source, length, spec).main
+
+
+class RowDrafts:
+    """A row's drafts after its `text` for one verifying pass, each made once, when first read: its main draft
+    (`main`, the rule of row_draft) and a draft tree's other candidates (memlm.engine.draft_trees) read the same
+    history match and datastore chains."""
+
+    def __init__(self, text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
+                 spec: SpeculativeConfig) -> None:
+        self.text, self.pointers, self.source, self.length, self.spec = text, pointers, source, length, spec
+
+    @functools.cached_property
+    def history(self) -> tuple[int, ...]:
+        """The history's draft (own_text_draft)."""
+        return own_text_draft(self.text, self.length, self.spec)
+
+    @functools.cached_property
+    def chains(self) -> np.ndarray:
+        """(m, L) the pointers' chains (draft_chains)."""
+        return draft_chains(self.pointers, self.source, self.length)
+
+    @functools.cached_property
+    def stored(self) -> tuple[int, ...]:
+        """The datastore's draft: the best-first path through the chains (draft_from)."""
+        return best_draft(self.chains, self.spec.min_agreeing) if self.length > 0 else ()
+
+    @functools.cached_property
+    def fallback(self) -> tuple[int, ...]:
+        """The short draft of a history match shorter than history_min_match (SpeculativeConfig.fallback_tokens);
+        () where there is none to take."""
+        spec = self.spec
+        if spec.fallback_tokens == 0 or spec.history_min_match == 1 or self.length < 1:
+            return ()
+        return history_draft(self.text, min(self.length, spec.fallback_tokens), spec.history_min_match - 1, 1)[0]
+
+    @property
+    def main(self) -> tuple[int, ...]:
+        """The draft the row verifies: the history's (a match of history_min_match tokens or more), else the
+        datastore's, else the fallback (draft_from "datastore": the datastore's alone; "history": no datastore)."""
+        if self.length < 1:
+            return ()
+        if self.spec.draft_from == "datastore":
+            return self.stored
+        if self.history:
+            return self.history
+        if self.spec.draft_from == "both" and self.stored:
+            return self.stored
+        return self.fallback
 
 
 def draft_source(lookup: ProvenanceLookup, values: np.ndarray) -> DraftSource:

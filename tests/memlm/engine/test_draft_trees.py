@@ -119,6 +119,29 @@ def test_row_tree_main_draft_first_then_candidates_within_the_budget() -> None:
     assert row_tree(text, pointers, source, 1, dataclasses.replace(spec, tree_nodes=0), True, 10) == chain((1,))
 
 
+@pytest.mark.parametrize("text", [[1, 2, 3, 1, 2], [7, 8, 9, 8], [7, 8, 9]])  # a 2-token match, a 1-token one, none
+def test_tree_candidates_make_each_draft_once_and_equal_the_drafts_made_alone(text, monkeypatch) -> None:
+    """tree_candidates reads one RowDrafts: the history match and the pointers' chains are made once a pass (they
+    were made twice, once for the main draft and once for the other candidates), and the candidates are the
+    drafts each function makes alone: row_draft, own_text_draft, the fallback's history_draft, the branches."""
+    from memlm.engine import drafts
+
+    next_ids = np.array([1, 2, 3, -1, 5, 6, -1], dtype=np.int64)
+    source = DraftSource(next_ids, np.array([9, 1, 2, 3, 9, 4, 5], dtype=np.int32))
+    pointers = np.array([0, 0, 4, 4], dtype=np.int64)
+    spec = SpeculativeConfig(min_agreeing=1, draft_from="both", tree_nodes=5, fallback_tokens=2)
+    want = [drafts.row_draft(text, pointers, source, 4, spec), drafts.own_text_draft(text, 4, spec),
+            drafts.history_draft(text, 2, spec.history_min_match - 1, 1)[0],
+            *draft_trees.datastore_branches(drafts.draft_chains(pointers, source, 4), spec.tree_branches, 1)]
+    calls = {"history_draft": 0, "draft_chains": 0}
+    for name in calls:
+        real = getattr(drafts, name)
+        monkeypatch.setattr(drafts, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
+                            or real(*a))
+    assert draft_trees.tree_candidates(text, pointers, source, 4, spec, True) == want
+    assert calls["draft_chains"] == 1 and calls["history_draft"] <= 2  # the long match's, the fallback's
+
+
 def test_frequent_next_tokens_count_the_datastores_pairs_and_fill_a_trees_spare_nodes() -> None:
     """FrequentNext: the tokens after each token by their count over (entry, successor) pairs, ties by the smaller,
     never across a document's end; row_tree adds the first frequent_branches of them after the last token as
