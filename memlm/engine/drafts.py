@@ -391,14 +391,14 @@ class RowDrafts:
     @functools.cached_property
     def stored(self) -> tuple[int, ...]:
         """The datastore's draft: the best-first path through the chains (draft_from)."""
-        return best_draft(self.chains, self.spec.min_agreeing) if self.length > 0 else ()
+        return best_draft(self.chains, self.spec.min_agreeing)
 
     @functools.cached_property
     def fallback(self) -> tuple[int, ...]:
         """The short draft of a history match shorter than history_min_match (SpeculativeConfig.fallback_tokens);
         () where there is none to take."""
         spec = self.spec
-        if spec.fallback_tokens == 0 or spec.history_min_match == 1 or self.length < 1:
+        if spec.fallback_tokens == 0 or spec.history_min_match == 1:
             return ()
         return history_draft(self.text, min(self.length, spec.fallback_tokens), spec.history_min_match - 1, 1)[0]
 

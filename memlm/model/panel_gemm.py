@@ -12,7 +12,7 @@ Three panels are streamed at once at every row count (the C source's STREAMED), 
 read, shared among them. Why three: on 4 Dec's Intel Xeon one panel at a time for up to 7 rows beat the table before
 it (8 panels at once for 1 row, 6 for 2-4, 4 for 5-6, 3 for 7-8, 2 KB ahead of each: 22.1 / 22.9 / 29.4 ms at 1 / 4 /
 8 rows instead of 29.5 / 31.4 / 30.2); on 6 Dec's Intel Xeon with AMX (2 cores, the fourth session's), two threads,
-three at once beat one at every row count from 2 to 8 (`OMP_NUM_THREADS=2 python benchmarks/panel_gemm.py --rows
+three at once beat one at every row count from 1 to 8 (`OMP_NUM_THREADS=2 python benchmarks/panel_gemm.py --rows
 1,2,3,4,5,6,7,8 --repeats 9 --streamed 1,4`: the builds alternating in one run, ms a round, best of 9; the same
 outputs bit for bit, tested):
 
