@@ -39,7 +39,7 @@ from memlm.engine.drafts import (
     DraftSource,
     SpeculativeConfig,
     advance,
-    draft_chains,
+    chain_starts,
     draft_source,
     matching,
 )
@@ -211,7 +211,7 @@ def main() -> None:
         for hmin in (spec.history_min_match, 1):
             policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
                 lambda text, ptr, cap, w=w, hmin=hmin: history_candidates(text, cap, w, spec.history_max_match, hmin)
-                + datastore_branches(draft_chains(ptr, source, cap), w, spec.min_agreeing))
+                + datastore_branches(chain_starts(ptr, source), source, cap, w, spec.min_agreeing))
     for name, policy in policies.items():
         per_pass, fed, ratio = replay(runs, source, policy, args.draft_tokens, costs)
         modelled = f", modelled decode ratio {ratio:.3f}" if ratio is not None else ""

@@ -108,16 +108,19 @@ def walk(kids: list[dict[int, int]], chosen: dict[int, int], start: int = 0) -> 
     return visited
 
 
-def datastore_branches(chains: np.ndarray, width: int, min_agreeing: int) -> list[tuple[int, ...]]:
-    """Up to `width` drafts from the pointers' chains (m, L) (drafts.draft_chains): under each of the first tokens
-    most chains agree on (at least min_agreeing), the best-first path of the chains that start with it
-    (drafts.best_draft)."""
-    first = chains[:, 0] if chains.shape[0] else chains[:0, 0]  # (m,)
-    tokens, counts = np.unique(first[first >= 0], return_counts=True)
+def datastore_branches(starts: np.ndarray, source: DraftSource, length: int, width: int, min_agreeing: int
+                       ) -> list[tuple[int, ...]]:
+    """Up to `width` drafts of at most `length` tokens from the chains that begin at `starts` (m,)
+    (drafts.chain_starts): under each of the first tokens most chains agree on (at least min_agreeing), the
+    best-first path of the chains that start with it (drafts.best_draft)."""
+    if length < 1:
+        return []
+    first = source.values[starts]  # (m,) each chain's first token
+    tokens, counts = np.unique(first, return_counts=True)
     out = []
     for i in np.argsort(-counts, kind="stable")[:width]:
         if counts[i] >= min_agreeing:
-            out.append(best_draft(chains[first == tokens[i]], min_agreeing))
+            out.append(best_draft(starts[first == tokens[i]], source, length, min_agreeing))
     return [d for d in out if d]
 
 
@@ -155,7 +158,7 @@ def tree_candidates(text: Sequence[int], pointers: np.ndarray, source: DraftSour
         if spec.fallback_tokens and spec.history_min_match > 1:
             candidates.append(drafts.fallback)
     if spec.uses_datastore:
-        candidates += datastore_branches(drafts.chains, spec.tree_branches, spec.min_agreeing)
+        candidates += datastore_branches(drafts.starts, source, length, spec.tree_branches, spec.min_agreeing)
         if spec.frequent_branches and source.frequent is not None and text:
             candidates += [(t,) for t in source.frequent.after(int(text[-1]), spec.frequent_branches)]
     return candidates

@@ -5,8 +5,8 @@ log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) (Khandelw
 temperature 0 is greedy; otherwise top-k then top-p (`filter_logits`) then one draw from the request's
 own torch.Generator, so a seeded request draws the same tokens whatever else is in the batch; ids beyond
 the tokenizer's vocabulary are never drawn. Rows are batched; only the kNN mixtures and the draws loop
-over rows (each has its own settings and generator); greedy rows without kNN-LM take the argmax and one logsumexp. The neighbours come from one search per step for
-every kNN row (`search_rows`, of the largest k asked: a row that asked fewer keeps its nearest k,
+over rows (each has its own settings and generator); greedy rows without kNN-LM take the argmax
+(`argmax_rows`) and one logsumexp. The neighbours come from one search per step for every kNN row (`search_rows`, of the largest k asked: a row that asked fewer keeps its nearest k,
 exactly what a search of its own k returns, results being sorted by distance). The chosen ids and their
 log-probs come back to the host in one transfer per step.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +35,17 @@ class Choices(NamedTuple):
     """Final log-probability of each chosen token (the kNN-LM mixture when on), nats."""
     base_logprobs: list[float]
     """Its log-probability under the base LM alone, nats."""
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of x (R, V), (R,) int64 on x's device: the first maximal index, as torch.argmax's (NaN
+    counts as the largest, as there). A CPU float32 x is read by numpy one row at a time (each row is contiguous in
+    memory, also in a view x[:, :decodable]), since torch's CPU argmax over a vocabulary is slow: SmolLM2's 49,152
+    logits, one row, 68 us against 4 us; six rows 205 us against 18 (6 Dec, Intel Xeon; a plain greedy kNN-LM step
+    takes two, a speculative verifying pass several). Elsewhere torch's own."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1:
+        return torch.from_numpy(np.array([row.argmax() for row in x.detach().numpy()], dtype=np.int64))
+    return x.argmax(dim=-1)
 
 
 def search_rows(searcher: Searcher, keys: torch.Tensor, knn: Sequence[KNNLMConfig | None]) -> list[Neighbors | None]:
@@ -60,7 +72,7 @@ def choose_tokens(
     # Greedy rows without kNN-LM need no distribution: the argmax of the logits, and the chosen token's
     # log-prob from one logsumexp (no (B, V) log-softmax written and read back: at 32 rows in bfloat16 that
     # was a tenth of a decode step). The other rows take memlm.jobs.generate's log_softmax path exactly.
-    tokens = x[:, :decodable].argmax(dim=-1)  # (B,)
+    tokens = argmax_rows(x[:, :decodable])  # (B,)
     base = x.gather(1, tokens[:, None])[:, 0] - x.logsumexp(dim=-1)  # (B,)
     final = base.clone()  # (B,)
     full = [i for i, (s, c) in enumerate(zip(sampling, knn)) if s.temperature != 0 or c is not None]
@@ -74,7 +86,7 @@ def choose_tokens(
             choice = final_lp.clone()
             choice[decodable:] = float("-inf")
         if sampling[i].temperature == 0:
-            token = choice.argmax()
+            token = argmax_rows(choice[None])[0]
         else:
             scaled = filter_logits(choice / sampling[i].temperature, sampling[i].top_k, sampling[i].top_p)  # (V,)
             token = torch.multinomial(scaled.softmax(-1), 1, generator=generators[i])[0]

@@ -51,7 +51,7 @@ from memlm.engine.passes import TreeShape
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import GenerationRequest
 from memlm.engine.rows import Row
-from memlm.engine.sampling import search_rows
+from memlm.engine.sampling import argmax_rows, search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, filter_logits
@@ -128,7 +128,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     kids = [children(t) for t in trees]
     knn = [row.handle.request.knn for row in rows]
     greedy = [row.handle.request.sampling.temperature == 0 for row in rows]
-    lm_best = [dict(enumerate(lm_lp[b][:, : engine.decodable].argmax(dim=-1).tolist())) if greedy[b] else {}
+    lm_best = [dict(enumerate(argmax_rows(lm_lp[b][:, : engine.decodable]).tolist())) if greedy[b] else {}
                for b in range(len(rows))]  # pass position -> the base LM's argmax
     accepted: list[Accepted | None] = [None] * len(rows)
     walked: list[np.ndarray | None] = [None] * len(rows)  # base rows' pointers walked along their tokens
@@ -163,7 +163,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
                 found[b][p] = Neighbors(*(a[i : i + 1] for a in got[b]))
                 mixed[b][p] = mix[i]
             if greedy[b]:
-                choice[b].update(zip(positions, mix[:, : engine.decodable].argmax(dim=-1).tolist()))
+                choice[b].update(zip(positions, argmax_rows(mix[:, : engine.decodable]).tolist()))
                 end = walk(kids[b], choice[b])[-1]
                 if end not in choice[b]:  # the mixture took a child the LM did not: search on from there
                     further[b] = _lm_path(kids[b], lm_best[b], end)
@@ -340,7 +340,7 @@ def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingCon
         choice[:, decodable:] = float("-inf")
     n = len(draft)
     if sampling.temperature == 0:
-        best = choice.argmax(dim=-1).tolist()  # (1+n,) one transfer
+        best = argmax_rows(choice).tolist()  # (1+n,)
         j = next((i for i in range(n) if best[i] != draft[i]), n)
         return [*draft[:j], best[j]], j
     for i in range(n + 1):

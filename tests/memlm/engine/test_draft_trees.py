@@ -132,14 +132,14 @@ def test_tree_candidates_make_each_draft_once_and_equal_the_drafts_made_alone(te
     spec = SpeculativeConfig(min_agreeing=1, draft_from="both", tree_nodes=5, fallback_tokens=2)
     want = [drafts.row_draft(text, pointers, source, 4, spec), drafts.own_text_draft(text, 4, spec),
             drafts.history_draft(text, 2, spec.history_min_match - 1, 1)[0],
-            *draft_trees.datastore_branches(drafts.draft_chains(pointers, source, 4), spec.tree_branches, 1)]
-    calls = {"history_draft": 0, "draft_chains": 0}
+            *draft_trees.datastore_branches(drafts.chain_starts(pointers, source), source, 4, spec.tree_branches, 1)]
+    calls = {"history_draft": 0, "chain_starts": 0}
     for name in calls:
         real = getattr(drafts, name)
         monkeypatch.setattr(drafts, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
                             or real(*a))
     assert draft_trees.tree_candidates(text, pointers, source, 4, spec, True) == want
-    assert calls["draft_chains"] == 1 and calls["history_draft"] <= 2  # the long match's, the fallback's
+    assert calls["chain_starts"] == 1 and calls["history_draft"] <= 2  # the long match's, the fallback's
 
 
 def test_frequent_next_tokens_count_the_datastores_pairs_and_fill_a_trees_spare_nodes() -> None:

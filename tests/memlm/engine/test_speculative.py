@@ -24,7 +24,7 @@ from memlm.engine.drafts import (
     SuffixIndex,
     advance,
     best_draft,
-    draft_chains,
+    chain_starts,
     draft_from,
     matching,
 )
@@ -189,10 +189,11 @@ def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> Non
                    np.array([[5, 5, 7, -1]], np.int32))
     pointers = matching(nb, 5)
     assert pointers.tolist() == [4, 0]  # the neighbours of value 5, nearest first
-    chains = draft_chains(pointers, source, 4)
-    assert chains.tolist() == [[6, 9, -1, -1], [6, 7, 8, -1]]  # each stops at its document's end
-    assert best_draft(chains) == (6, 9)  # tie at depth 2: the nearest chain's token
-    assert best_draft(chains, min_agreeing=2) == (6,)  # one chain alone does not draft
+    starts = chain_starts(pointers, source)
+    assert starts.tolist() == [5, 1] and spelled_chains(starts, source, 4).tolist() == [[6, 9, -1, -1], [6, 7, 8, -1]]
+    assert best_draft(starts, source, 4) == (6, 9)  # each chain stops at its document's end; a tie at depth 2: the
+    assert best_draft(starts, source, 4, min_agreeing=2) == (6,)  # nearest chain's token; one chain alone: no draft
+    assert best_draft(starts, source, 1) == (6,) and best_draft(starts, source, 0) == ()
     assert draft_from(pointers, source, 4, 2) == (6,) and draft_from(pointers, source, 4, 3) == ()
     assert draft_from(matching(nb, 8), source, 4, 1) == () and draft_from(pointers, source, 0, 1) == ()
     assert advance(pointers, [6, 7], source).tolist() == [2]  # only doc A went on with 6 7
@@ -202,8 +203,68 @@ def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> Non
     assert index.pointers([9, 6]).tolist() == [1, 5]  # no entry ends with 9 6: those ending with 6
     assert index.pointers([6]).tolist() == [1, 5] and index.pointers([5]).tolist() == [0, 4]
     assert index.pointers([3, 5]).tolist() == [0, 4]  # a document's first entry has no predecessor
-    three = np.array([[6, 7, -1], [6, 9, 1], [6, 9, 2]])
-    assert best_draft(three) == (6, 9, 1)  # most chains agree on 9
+    # chains 6 7 | 6 9 1 | 6 9 2 (ids 0-1, 2-4, 5-7): most chains agree on 9, then the nearest one's 1
+    three = DraftSource(np.array([1, -1, 3, 4, -1, 6, 7, -1]), np.array([6, 7, 6, 9, 1, 6, 9, 2], dtype=np.int32))
+    assert best_draft(np.array([0, 2, 5]), three, 3) == (6, 9, 1)
+
+
+def spelled_chains(starts: np.ndarray, source: DraftSource, length: int) -> np.ndarray:
+    """The oracle's chains: (m, L) the tokens each chain spells from its start, -1 after its document's end."""
+    chains = np.full((starts.shape[0], length), -1, dtype=np.int64)  # (m, L)
+    for i, entry in enumerate(starts.tolist()):
+        for step in range(length):
+            if entry < 0:
+                break
+            chains[i, step] = source.values[entry]
+            entry = int(source.next_ids[entry])
+    return chains
+
+
+def oracle_best_draft(chains: np.ndarray, min_agreeing: int) -> tuple[int, ...]:
+    """The best-first rule over spelled chains, written out plainly: at each depth the token most agreeing chains
+    have, ties to the nearest (first) chain's, while at least min_agreeing chains have it."""
+    draft: list[int] = []
+    rows = list(range(chains.shape[0]))
+    for step in range(chains.shape[1]):
+        rows = [r for r in rows if chains[r, step] >= 0]
+        counts: dict[int, int] = {}
+        for r in rows:
+            counts[int(chains[r, step])] = counts.get(int(chains[r, step]), 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=lambda t: (counts[t], -next(i for i, r in enumerate(rows) if chains[r, step] == t)))
+        if counts[token] < min_agreeing:
+            break
+        draft.append(token)
+        rows = [r for r in rows if chains[r, step] == token]
+    return tuple(draft)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_drafts_walk_only_the_agreeing_chains_and_equal_the_best_first_rule_over_spelled_chains(seed: int) -> None:
+    """best_draft and the tree's datastore branches walk the agreeing chains' entries only; they equal the rule over
+    every chain spelled out first (the oracle), on a random datastore of short documents over a few tokens (many
+    ties and agreements) and pointers with repeats."""
+    from memlm.engine.draft_trees import datastore_branches
+
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 4, size=300).astype(np.int32)  # (N,)
+    ends = np.sort(rng.choice(np.arange(1, 300), size=40, replace=False))
+    next_ids = np.arange(1, 301, dtype=np.int64)  # (N,)
+    next_ids[ends - 1] = -1  # each document's last entry
+    next_ids[-1] = -1
+    source = DraftSource(next_ids, values)
+    for _ in range(25):
+        pointers = rng.integers(0, 300, size=int(rng.integers(0, 30)))
+        starts = chain_starts(pointers, source)
+        assert starts.tolist() == [int(next_ids[p]) for p in pointers if next_ids[p] >= 0]
+        length, agreeing = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+        chains = spelled_chains(starts, source, length)
+        assert best_draft(starts, source, length, agreeing) == oracle_best_draft(chains, agreeing)
+        first = chains[:, 0].tolist()
+        by_count = sorted(set(first), key=lambda t: (-first.count(t), t))[:3]  # ties: the smaller token
+        want = [oracle_best_draft(chains[chains[:, 0] == t], agreeing) for t in by_count if first.count(t) >= agreeing]
+        assert datastore_branches(starts, source, length, 3, agreeing) == [d for d in want if d]
 
 
 @pytest.mark.parametrize("knn", [KNN, None], ids=["knnlm-searcher-only", "base-no-datastore"])

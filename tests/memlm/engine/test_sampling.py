@@ -1,0 +1,41 @@
+"""The engine's choice of tokens (memlm.engine.sampling): argmax_rows is torch.argmax, ties and NaN included.
+
+Shape legend: R rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memlm.engine.sampling import argmax_rows
+
+
+def rows_with_ties(seed: int) -> torch.Tensor:
+    """(6, 997) float32 with the row maximum planted twice in some rows, -inf and NaN in others."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 997, generator=g)  # (R, V)
+    x[1, [5, 600]] = 9.0  # a tie: the first one wins
+    x[2, :] = float("-inf")
+    x[2, 400] = -3.0
+    x[3, :] = float("-inf")  # every value -inf: index 0
+    x[4, 70] = float("nan")  # NaN counts as the largest
+    x[5, [10, 20, 30]] = x[5].max()
+    return x
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_argmax_rows_is_torch_argmax_with_ties_inf_nan_and_views(seed: int) -> None:
+    x = rows_with_ties(seed)
+    for view in (x, x[:, :500], x[:, 3:], x[1:2], x.t().contiguous().t()):  # the last one: columns contiguous
+        got = argmax_rows(view)
+        assert got.dtype == torch.int64 and got.shape == (view.shape[0],)
+        assert torch.equal(got, view.argmax(dim=-1))
+    assert argmax_rows(x)[1] == 5
+
+
+def test_argmax_rows_other_dtypes_take_torch_argmax() -> None:
+    x = rows_with_ties(0)
+    for dtype in (torch.bfloat16, torch.float64):
+        y = x.to(dtype)
+        assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
