@@ -86,7 +86,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--frequent-branches", default=str(SpeculativeConfig.frequent_branches),
                    help="a tree's one-token branches of the datastore's most frequent next tokens "
                         "(SpeculativeConfig.frequent_branches), comma-separated: each value a line per setting above")
-    p.add_argument("--min-agreeing", type=int, default=SpeculativeConfig.min_agreeing)
+    p.add_argument("--min-agreeing", default=str(SpeculativeConfig.min_agreeing),
+                   help="chains that must agree on a datastore draft's token (SpeculativeConfig.min_agreeing), "
+                        "comma-separated: each value a line per setting above")
     p.add_argument("--tree-nodes", default=str(SpeculativeConfig.tree_nodes),
                    help="greedy rows' draft trees (SpeculativeConfig.tree_nodes; 0: one draft), comma-separated: "
                         "each value a line per draft source against the same plain side")
@@ -235,12 +237,14 @@ def main() -> None:
     lengths = [int(n) for n in args.draft_tokens.split(",")]
     shorts = [int(n) for n in args.short_match_tokens.split(",")]
     frequent = [int(n) for n in args.frequent_branches.split(",")]
+    agreeing = [int(n) for n in args.min_agreeing.split(",")]
     specs = {f"{src}, trees of {n} nodes" + (f", drafts of {d}" if len(lengths) > 1 else "")
              + (f", short matches {m}" if len(shorts) > 1 else "")
-             + (f", frequent branches {f}" if len(frequent) > 1 else ""):
-             SpeculativeConfig(draft_tokens=d, min_agreeing=args.min_agreeing, draft_from=src, tree_nodes=n,
+             + (f", frequent branches {f}" if len(frequent) > 1 else "")
+             + (f", min agreeing {a}" if len(agreeing) > 1 else ""):
+             SpeculativeConfig(draft_tokens=d, min_agreeing=a, draft_from=src, tree_nodes=n,
                                short_match_tokens=m, frequent_branches=f)
-             for src in sources for n in trees for d in lengths for m in shorts for f in frequent}
+             for src in sources for n in trees for d in lengths for m in shorts for f in frequent for a in agreeing}
     spec = next(iter(specs.values()))
     prompts = held_apart_prompts(bench, store, args)
     if args.in_datastore:
@@ -249,7 +253,7 @@ def main() -> None:
           f"{store.info().index}, searched by {args.search_backend}), k {knn.k}, lambda {knn.lmbda}, "
           f"T {knn.temperature:.3f}; {len(prompts)} prompts of {args.prompt_tokens} tokens from {args.split}, "
           f"{args.new_tokens} new tokens greedy, batch "
-          f"{args.batch}, draft tokens {args.draft_tokens}, draft k {spec.draft_k}, min agreeing {spec.min_agreeing}, "
+          f"{args.batch}, draft tokens {args.draft_tokens}, draft k {spec.draft_k}, min agreeing {args.min_agreeing}, "
           f"history matches {spec.history_max_match}..{spec.history_min_match} tokens; "
           f"{args.repeats} rounds",
           flush=True)

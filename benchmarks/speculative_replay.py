@@ -18,7 +18,8 @@ position (one search), not from the decode steps' own keys, so a datastore draft
 from the engine's; the single-draft lines are printed beside the benchmark's measured tokens a pass to check.
 
     python benchmarks/speculative_replay.py [--split "year>=2003"] [--prompts 8] [--new-tokens 64] [--draft-tokens 16]
-        [--trees 2,3,4] [--pass-costs [--search-backend torch]]
+        [--trees 2,3,4] [--pass-costs [--search-backend torch]] [--tree-nodes 5,7] [--short-match-tokens 4,16]
+        [--min-agreeing 2,3]
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def parse_args() -> argparse.Namespace:
                    "policy's modelled decode ratio")
     p.add_argument("--tree-nodes", default="", help="also replay the engine's rule with these tree_nodes, "
                    "comma-separated (SpeculativeConfig's other fields as given)")
+    p.add_argument("--min-agreeing", default="", help="also replay the engine's rule with these min_agreeing, "
+                   "comma-separated, each with each --tree-nodes and --short-match-tokens")
     p.add_argument("--short-match-tokens", default="", help="also replay the engine's rule with these "
                    "short_match_tokens, comma-separated, each with each --tree-nodes")
     args = p.parse_args()
@@ -204,9 +207,11 @@ def main() -> None:
                 row_tree(text, ptr, source, cap, c, True, cap))
     for n in (int(x) for x in args.tree_nodes.split(",") if x):
         for m in [int(x) for x in args.short_match_tokens.split(",") if x] or [spec.short_match_tokens]:
-            config = dataclasses.replace(spec, tree_nodes=n, short_match_tokens=m)
-            policies[f"{config.draft_from}, trees of {n} nodes, short matches {m} (the engine's)"] = (
-                lambda text, ptr, cap, c=config: tree_drafts(row_tree(text, ptr, source, cap, c, True, cap)))
+            for a in [int(x) for x in args.min_agreeing.split(",") if x] or [spec.min_agreeing]:
+                config = dataclasses.replace(spec, tree_nodes=n, short_match_tokens=m, min_agreeing=a)
+                policies[f"{config.draft_from}, trees of {n} nodes, short matches {m}, min agreeing {a} (the "
+                         "engine's)"] = (lambda text, ptr, cap, c=config: tree_drafts(row_tree(text, ptr, source, cap,
+                                                                                               c, True, cap)))
     for w in (int(x) for x in args.trees.split(",")):
         for hmin in (spec.history_min_match, 1):
             policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
