@@ -309,8 +309,8 @@ def best_draft(starts: np.ndarray, source: DraftSource, length: int, min_agreein
     """The best-first path, at most `length` tokens, through the prefix tree of the chains that begin at `starts`
     (chain_starts; module docstring): at each depth the token most of the still-agreeing chains have (ties: the one
     of the nearest chain), until fewer than `min_agreeing` chains have it. Only the agreeing chains are walked: a
-    draft stops after about 2.5 tokens while the chains number about 140, and with every chain spelled 16 deep first
-    a draft tree took 342 us to build against 231 us walking (recorded held-apart states, 6 Dec)."""
+    row has about 140 chains on held-apart speeches, and a draft stops after a few tokens; with every chain spelled
+    16 deep first, a draft tree took 342 us to build against 231 us walking (recorded held-apart states, 6 Dec)."""
     draft: list[int] = []
     entries = starts  # (m',) the agreeing chains' entries at this depth, nearest first
     for _ in range(length):
@@ -346,6 +346,8 @@ def history_draft(text: Sequence[int], length: int, max_match: int, min_match: i
     phrase. When the continuation runs into the suffix itself (the text has period P = the distance between
     the two occurrences, shorter than the draft), the draft goes on with that period: tokens
     text[s + n + (i mod P)], the text's own continuation if the period holds."""
+    if min_match < 1:
+        raise ValueError(f"a history match is at least 1 token long, got min_match {min_match}")
     if length < 1 or len(text) < 2:
         return (), 0
     arr = np.asarray(text, dtype=np.int64)  # (L,)

@@ -6,8 +6,9 @@ temperature 0 is greedy; otherwise top-k then top-p (`filter_logits`) then one d
 own torch.Generator, so a seeded request draws the same tokens whatever else is in the batch; ids beyond
 the tokenizer's vocabulary are never drawn. Rows are batched; only the kNN mixtures and the draws loop
 over rows (each has its own settings and generator); greedy rows without kNN-LM take the argmax
-(`argmax_rows`) and one logsumexp. The neighbours come from one search per step for every kNN row (`search_rows`, of the largest k asked: a row that asked fewer keeps its nearest k,
-exactly what a search of its own k returns, results being sorted by distance). The chosen ids and their
+(`argmax_rows`) and one logsumexp. The neighbours come from one search per step for every kNN row
+(`search_rows`, of the largest k asked: a row that asked fewer keeps its nearest k, exactly what a search of
+its own k returns, results being sorted by distance). The chosen ids and their
 log-probs come back to the host in one transfer per step.
 
 Shape legend: B ready rows, Q rows with kNN-LM, V vocab, C key width, k neighbours.
@@ -43,6 +44,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     memory, also in a view x[:, :decodable]), since torch's CPU argmax over a vocabulary is slow: SmolLM2's 49,152
     logits, one row, 68 us against 4 us; six rows 205 us against 18 (6 Dec, Intel Xeon; a plain greedy kNN-LM step
     takes two, a speculative verifying pass several). Elsewhere torch's own."""
+    if x.dim() != 2:
+        raise ValueError(f"argmax_rows takes rows (R, V), got shape {tuple(x.shape)}")
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1:
         return torch.from_numpy(np.array([row.argmax() for row in x.detach().numpy()], dtype=np.int64))
     return x.argmax(dim=-1)
