@@ -201,8 +201,11 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dic
             plain_d, spec_d = rate("plain", "decode", after_first), rate(src, "decode", after_first)
             decode = (f"; decode phase (after each prompt's first token, {after_first} tokens): plain {plain_d:.1f}, "
                       f"speculative {spec_d:.1f} tokens/s, ratio {spec_d / plain_d:.2f}x")
+        # Each round runs plain and then this source back to back: its own ratio shows the run's spread.
+        rounds = [p.wall / t.wall for p, t in zip(runs["plain"], runs[src])]
         print(f"{name}, drafts from {src}: plain {plain_rate:.1f} tokens/s, speculative {spec_rate:.1f} tokens/s, "
-              f"ratio {spec_rate / plain_rate:.2f}x (CPU clock {rate(src, 'cpu', n) / rate('plain', 'cpu', n):.2f}x)"
+              f"ratio {spec_rate / plain_rate:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f}x; CPU clock "
+              f"{rate(src, 'cpu', n) / rate('plain', 'cpu', n):.2f}x)"
               f"{decode}; mean accepted tokens {verified / passes:.2f}; searches per "
               f"token plain {sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
               f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
