@@ -330,12 +330,6 @@ def best_draft(starts: np.ndarray, source: DraftSource, length: int, min_agreein
     return tuple(draft)
 
 
-def draft_from(pointers: np.ndarray, source: DraftSource, length: int, min_agreeing: int) -> tuple[int, ...]:
-    """The draft the engine verifies after the pointers' token (at most `length` tokens; () when fewer than
-    min_agreeing pointers agree on its first token)."""
-    return best_draft(chain_starts(pointers, source), source, length, min_agreeing)
-
-
 def history_draft(text: Sequence[int], length: int, max_match: int, min_match: int) -> tuple[tuple[int, ...], int]:
     """Prompt lookup decoding (Saxena 2023; LLMA, Yang et al. 2023; the document's own past as a datastore,
     as the continuous cache of Grave et al. 2017): the longest suffix of `text` (max_match down to min_match
@@ -399,7 +393,8 @@ class RowDrafts:
 
     @functools.cached_property
     def stored(self) -> tuple[int, ...]:
-        """The datastore's draft: the best-first path through the chains (draft_from)."""
+        """The datastore's draft: the best-first path through the chains (best_draft); () when fewer than
+        min_agreeing chains agree on its first token."""
         return best_draft(self.starts, self.source, self.length, self.spec.min_agreeing)
 
     @functools.cached_property

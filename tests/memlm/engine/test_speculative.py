@@ -25,7 +25,6 @@ from memlm.engine.drafts import (
     advance,
     best_draft,
     chain_starts,
-    draft_from,
     matching,
 )
 from memlm.engine.engine import Engine, run_all
@@ -194,8 +193,9 @@ def test_drafts_follow_successors_best_first_and_never_cross_a_document() -> Non
     assert best_draft(starts, source, 4) == (6, 9)  # each chain stops at its document's end; a tie at depth 2: the
     assert best_draft(starts, source, 4, min_agreeing=2) == (6,)  # nearest chain's token; one chain alone: no draft
     assert best_draft(starts, source, 1) == (6,) and best_draft(starts, source, 0) == ()
-    assert draft_from(pointers, source, 4, 2) == (6,) and draft_from(pointers, source, 4, 3) == ()
-    assert draft_from(matching(nb, 8), source, 4, 1) == () and draft_from(pointers, source, 0, 1) == ()
+    assert best_draft(starts, source, 4, 2) == (6,) and best_draft(starts, source, 4, 3) == ()
+    assert best_draft(chain_starts(matching(nb, 8), source), source, 4, 1) == ()  # 8 ends its document
+    assert best_draft(starts, source, 0, 1) == ()
     assert advance(pointers, [6, 7], source).tolist() == [2]  # only doc A went on with 6 7
     assert advance(pointers, [6, 7, 8], source).tolist() == [3] and advance(pointers, [6, 7, 8, 1], source).size == 0
     index = SuffixIndex.build(next_ids, values)
