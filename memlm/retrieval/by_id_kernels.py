@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,12 +147,58 @@ static int64_t nth_key(int64_t *a, int64_t n, int64_t r) {
     return a[want];
 }
 
-#define KEY_SAMPLE 8 /* every 8th key of a row bounds its takes[i] lowest */
+#define KEY_SAMPLE 8 /* every 8th key of a row bounds its t lowest */
+
+/* buf[0 .. t) = the t (1 <= t <= h) lowest of row[0 .. h) (unique keys), lowest first: a strided sample's order
+   statistic bounds the row, the keys at or under it are sorted (all of them when fewer than t are). buf and tmp
+   hold h. */
+static void lowest_sorted(const int64_t *row, int64_t h, int64_t t, int64_t *buf, int64_t *tmp) {
+    int64_t bound = INT64_MAX, samples = h / KEY_SAMPLE, rank = (t * 5 / 4) / KEY_SAMPLE + 4, c = 0;
+    if (t < h && samples >= 2 * rank) {
+        for (int64_t s = 0; s < samples; s++) buf[s] = row[s * KEY_SAMPLE];
+        bound = nth_key(buf, samples, rank);
+    }
+    for (int64_t j = 0; j < h; j++) {  /* branch-free: the count moves only for a key at or under the bound */
+        buf[c] = row[j];
+        c += row[j] <= bound;
+    }
+    if (c < t) {  /* the sample's bound left fewer than t: every key */
+        memcpy(buf, row, (size_t)h * sizeof(int64_t));
+        c = h;
+    }
+    radix_sort_u64((uint64_t *)buf, (uint64_t *)tmp, c, 0, (uint64_t)1 << 63);  /* signed order */
+}
+
+#define SELECT_BUCKETS 1024
+
+/* The r-th lowest (1 <= r <= n) of the unique keys a[0 .. n), a and spare (n) reordered: the keys are counted into
+   1,024 buckets of equal width between their least and greatest, and only the bucket holding the r-th is kept,
+   until few remain (branch-free passes; a Hoare selection over random keys mispredicts half its branches). */
+static int64_t select_key(int64_t *a, int64_t n, int64_t r, int64_t *spare) {
+    while (n > 64) {
+        int64_t lo = a[0], hi = a[0];
+        for (int64_t i = 1; i < n; i++) { lo = a[i] < lo ? a[i] : lo; hi = a[i] > hi ? a[i] : hi; }
+        uint64_t span = (uint64_t)hi - (uint64_t)lo;  /* exact: hi >= lo */
+        int shift = 0;
+        while ((span >> shift) >= SELECT_BUCKETS) shift++;
+        int64_t count[SELECT_BUCKETS] = {0};
+        for (int64_t i = 0; i < n; i++) count[((uint64_t)a[i] - (uint64_t)lo) >> shift]++;
+        uint64_t b = 0;
+        while (r > count[b]) r -= count[b++];
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++) {
+            spare[m] = a[i];
+            m += (((uint64_t)a[i] - (uint64_t)lo) >> shift) == b;
+        }
+        int64_t *t = a; a = spare; spare = t;
+        n = m;
+    }
+    return nth_key(a, n, r);
+}
 
 /* out[i, :t_i] = the t_i = min(takes[i], row length) lowest of row i's keys keys[bounds[i] .. bounds[i + 1]),
-   lowest first (keys unique; out (rows, width) already filled with the pad past them). A strided sample's
-   order statistic bounds the row, the keys at or under it are sorted (all of them when fewer than t_i are);
-   returns 0, or -1 if out of memory. */
+   lowest first (keys unique; out (rows, width) already filled with the pad past them); returns 0, or -1 if out of
+   memory. */
 int lowest_keys_into(const int64_t *keys, const int64_t *bounds, const int64_t *takes, int64_t rows, int64_t width,
                      int64_t *out) {
     int64_t longest = 0;
@@ -161,44 +208,226 @@ int lowest_keys_into(const int64_t *keys, const int64_t *bounds, const int64_t *
     int64_t *tmp = malloc((size_t)(longest + 1) * sizeof(int64_t));
     if (!buf || !tmp) { free(buf); free(tmp); return -1; }
     for (int64_t i = 0; i < rows; i++) {
-        const int64_t *row = keys + bounds[i];
-        int64_t h = bounds[i + 1] - bounds[i], t = takes[i] < h ? takes[i] : h, c = 0;
+        int64_t h = bounds[i + 1] - bounds[i], t = takes[i] < h ? takes[i] : h;
         if (t <= 0) continue;
-        int64_t bound = INT64_MAX, samples = h / KEY_SAMPLE, rank = (t * 5 / 4) / KEY_SAMPLE + 4;
-        if (t < h && samples >= 2 * rank) {
-            for (int64_t s = 0; s < samples; s++) buf[s] = row[s * KEY_SAMPLE];
-            bound = nth_key(buf, samples, rank);
-        }
-        for (int64_t j = 0; j < h; j++) {  /* branch-free: the count moves only for a key at or under the bound */
-            buf[c] = row[j];
-            c += row[j] <= bound;
-        }
-        if (c < t) {  /* the sample's bound left fewer than t: every key */
-            memcpy(buf, row, (size_t)h * sizeof(int64_t));
-            c = h;
-        }
-        radix_sort_u64((uint64_t *)buf, (uint64_t *)tmp, c, 0, (uint64_t)1 << 63);  /* signed order */
+        lowest_sorted(keys + bounds[i], h, t, buf, tmp);
         memcpy(out + i * width, buf, (size_t)t * sizeof(int64_t));
     }
     free(buf); free(tmp);
     return 0;
 }
 
-/* out[starts[i] + j] = order_bits(scores[i, j]) << 32 | (first_place + j): scores (rows, cols), no nan;
-   order_bits as memlm.retrieval.clustered_states.order_bits (-0.0 as 0.0, negatives' magnitude bits flipped). */
+/* order_bits(score) << 32 | place: order_bits as memlm.retrieval.clustered_states.order_bits (-0.0 as 0.0,
+   negatives' magnitude bits flipped), so that the keys' signed order is (score, place); score not nan. */
+static int64_t placed_key(float score, int64_t place) {
+    int32_t b;
+    memcpy(&b, &score, sizeof b);
+    if (b == INT32_MIN) b = 0; /* -0.0 */
+    b ^= (b >> 31) & 0x7fffffff;
+    return (int64_t)((uint64_t)(int64_t)b << 32) | place;
+}
+
+/* out[starts[i] + j] = placed_key(scores[i, j], first_place + j): scores (rows, cols), no nan. */
 void placed_keys_into(const float *scores, int64_t rows, int64_t cols, int64_t first_place, const int64_t *starts,
                       int64_t *out) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) out[starts[i] + j] = placed_key(scores[i * cols + j], first_place + j);
+}
+
+#define PLACE_BITS 0xffffffffLL
+#define BLOCK 16 /* members a sketch block holds: blocks (ceil(N / 16), p, 16), member m at [m / 16][:][m % 16] */
+
+/* One row's (row, cluster) pair: its keys for the cluster's members start at keys[start]. */
+typedef struct { int64_t row, cluster, start; } Pair;
+
+/* The clustered extension of memlm.retrieval.pointers.extend_by_clusters with a KeySketch, all rows in one call
+   (the same rule; the Python docstring has it): for row i, its own candidates own[i, :] (ids >= 0, distinct, -1
+   padded; rows with none are skipped), the clusters holding them, the max_clusters nearest of those by squared L2
+   from q[i] to the centroid (ties by cluster; max_clusters <= 0: all), every member of those clusters ranked by
+   the sketch score norms[m] - 2 qq[i] . code[m] (place m in cluster order), the own candidates first
+   (placed_key(-inf, m)); the t = min(held, max(width, own)) best by (score, place), the first
+   e = min(max(exact, own), t) of them scored exactly (squared L2 to keys[m], float16 or float32 by `half`) and
+   ordered nearest first (ties in ranking order), the others after them at inf in place order; cut to width.
+   Written to dist, ids (members[m]), vals (values[m]) (rows, width), already filled with inf / -1 / -1 past a
+   row's kept, and count[i] = kept. Each cluster's members are scored for every row asking for it in turn, so that
+   its sketch blocks are read from memory once a call. Returns 0, or -1 if out of memory. */
+int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const float *q, const float *qq,
+                    const int64_t *assign, const int64_t *position, const int64_t *offsets, int64_t n_clusters,
+                    const int64_t *members, const int32_t *values, const float *centroids, int64_t d,
+                    const float *blocks, const float *norms, int64_t p, const void *keys, int half,
+                    int64_t exact, int64_t max_clusters, int64_t width,
+                    float *dist, int64_t *ids, int32_t *vals, int64_t *count) {
+    int64_t *stamp = malloc((size_t)n_clusters * sizeof(int64_t)), *start_of = malloc((size_t)n_clusters * sizeof(int64_t));
+    int64_t *row_start = malloc((size_t)(rows + 1) * sizeof(int64_t)), *row_pairs = malloc((size_t)(rows + 1) * sizeof(int64_t));
+    int64_t *row_own = malloc((size_t)(rows + 1) * sizeof(int64_t));
+    int64_t *found = malloc((size_t)(n_clusters + 1) * sizeof(int64_t));
+    float *cdist = malloc((size_t)(n_clusters + 1) * sizeof(float));
+    Pair *pairs = malloc((size_t)(rows * (n_clusters < own_width ? n_clusters : own_width) + 1) * sizeof(Pair));
+    int64_t *keybuf = NULL, *buf = NULL, *tmp = NULL, *by_cluster = NULL, *cluster_first = NULL;
+    float *scored = NULL;
+    int status = -1;
+    if (!stamp || !start_of || !row_start || !row_pairs || !row_own || !found || !cdist || !pairs) goto done;
+    for (int64_t c = 0; c < n_clusters; c++) stamp[c] = -1;
+
+    /* 1. each row's clusters, the nearest kept, and where its keys go */
+    int64_t n_pairs = 0, total = 0, longest = 0;
     for (int64_t i = 0; i < rows; i++) {
-        const float *row = scores + i * cols;
-        int64_t *key = out + starts[i];
-        for (int64_t j = 0; j < cols; j++) {
-            int32_t b;
-            memcpy(&b, row + j, sizeof b);
-            if (b == INT32_MIN) b = 0; /* -0.0 */
-            b ^= (b >> 31) & 0x7fffffff;
-            key[j] = (int64_t)((uint64_t)(int64_t)b << 32) | (first_place + j);
+        const int64_t *mine = own + i * own_width;
+        int64_t n_found = 0, n_own = 0;
+        row_pairs[i] = n_pairs;
+        row_start[i] = total;
+        for (int64_t j = 0; j < own_width; j++) {
+            if (mine[j] < 0) continue;
+            n_own++;
+            int64_t c = assign[mine[j]];
+            if (stamp[c] != i) { stamp[c] = i; found[n_found++] = c; }
+        }
+        row_own[i] = n_own;
+        if (max_clusters > 0 && n_found > max_clusters) {  /* the nearest by centroid, ties by cluster */
+            for (int64_t a = 0; a < n_found; a++) cdist[a] = l2_f32(q + i * d, centroids + found[a] * d, d);
+            for (int64_t a = 1; a < n_found; a++) {  /* insertion sort by (distance, cluster): a row has few */
+                int64_t c = found[a], b = a - 1;
+                float x = cdist[a];
+                while (b >= 0 && (cdist[b] > x || (cdist[b] == x && found[b] > c))) {
+                    found[b + 1] = found[b]; cdist[b + 1] = cdist[b]; b--;
+                }
+                found[b + 1] = c; cdist[b + 1] = x;
+            }
+            n_found = max_clusters;
+        }
+        for (int64_t a = 1; a < n_found; a++) {  /* by cluster: the row's keys then lie in place order */
+            int64_t c = found[a], b = a - 1;
+            while (b >= 0 && found[b] > c) { found[b + 1] = found[b]; b--; }
+            found[b + 1] = c;
+        }
+        int64_t held = 0;
+        for (int64_t a = 0; a < n_found; a++) {
+            int64_t c = found[a];
+            pairs[n_pairs++] = (Pair){i, c, held};
+            held += offsets[c + 1] - offsets[c];
+        }
+        for (int64_t a = 0; a < n_found; a++) stamp[found[a]] = rows + i;  /* ranked for row i */
+        for (int64_t j = 0; j < own_width; j++)  /* strays: own candidates outside the ranked clusters */
+            if (mine[j] >= 0 && stamp[assign[mine[j]]] != rows + i) held++;
+        total += held;
+        if (held > longest) longest = held;
+    }
+    row_start[rows] = total;
+    row_pairs[rows] = n_pairs;
+
+    keybuf = malloc((size_t)(total + 1) * sizeof(int64_t));
+    buf = malloc((size_t)(longest + 1) * sizeof(int64_t));
+    tmp = malloc((size_t)(2 * longest + 2) * sizeof(int64_t));  /* two halves: the exact distances' sorts */
+    scored = malloc((size_t)(longest + 1) * sizeof(float));
+    by_cluster = malloc((size_t)(n_pairs + 1) * sizeof(int64_t));
+    cluster_first = malloc((size_t)(n_clusters + 1) * sizeof(int64_t));
+    if (!keybuf || !buf || !tmp || !scored || !by_cluster || !cluster_first) goto done;
+
+    /* 2. the sketch scores, cluster by cluster (pairs counted into cluster order) */
+    memset(cluster_first, 0, (size_t)(n_clusters + 1) * sizeof(int64_t));
+    for (int64_t a = 0; a < n_pairs; a++) cluster_first[pairs[a].cluster + 1]++;
+    for (int64_t c = 0; c < n_clusters; c++) cluster_first[c + 1] += cluster_first[c];
+    for (int64_t a = 0; a < n_pairs; a++) by_cluster[cluster_first[pairs[a].cluster]++] = a;
+    for (int64_t a = 0; a < n_pairs; a++) {
+        const Pair *pr = pairs + by_cluster[a];
+        const float *w = qq + pr->row * p;
+        int64_t lo = offsets[pr->cluster], hi = offsets[pr->cluster + 1];
+        int64_t base = row_start[pr->row] + pr->start - lo;  /* keybuf[base + m]: member place m's key */
+        for (int64_t b = lo / BLOCK; b * BLOCK < hi; b++) {
+            const float *blk = blocks + b * p * BLOCK;
+            float acc[BLOCK] = {0};
+#ifdef VECTOR
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < p; j++) sum = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(blk + j * BLOCK), sum);
+            _mm512_storeu_ps(acc, sum);
+#else
+            for (int64_t j = 0; j < p; j++)
+                for (int l = 0; l < BLOCK; l++) acc[l] += w[j] * blk[j * BLOCK + l];
+#endif
+            int64_t m0 = b * BLOCK < lo ? lo : b * BLOCK, m1 = (b + 1) * BLOCK > hi ? hi : (b + 1) * BLOCK;
+            for (int64_t m = m0; m < m1; m++) keybuf[base + m] = placed_key(norms[m] + -2.0f * acc[m - b * BLOCK], m);
         }
     }
+
+    /* 3. per row: its own candidates first, the best kept, the first scored exactly */
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t *mine = own + i * own_width;
+        int64_t *row = keybuf + row_start[i], h = row_start[i + 1] - row_start[i], n_own = row_own[i];
+        if (n_own == 0) continue;
+        for (int64_t a = row_pairs[i]; a < row_pairs[i + 1]; a++) {
+            stamp[pairs[a].cluster] = 2 * rows + i;
+            start_of[pairs[a].cluster] = pairs[a].start - offsets[pairs[a].cluster];
+        }
+        int64_t stray = h;
+        for (int64_t j = own_width - 1; j >= 0; j--) {  /* strays fill the row's end, in candidate order */
+            if (mine[j] < 0) continue;
+            int64_t m = position[mine[j]], c = assign[mine[j]];
+            if (stamp[c] == 2 * rows + i) row[start_of[c] + m] = placed_key(-INFINITY, m);
+            else row[--stray] = placed_key(-INFINITY, m);
+        }
+        int64_t t = width > n_own ? width : n_own;
+        t = t < h ? t : h;
+        int64_t e = exact > n_own ? exact : n_own;
+        e = e < t ? e : t;
+        /* the kept: the own candidates (the lowest keys) and the t - own lowest others, in row order (place order);
+           the scored: the own and the e - own lowest others, sorted */
+        int64_t own_high = placed_key(-INFINITY, 0) >> 32, own_top = (int64_t)((uint64_t)own_high << 32) | PLACE_BITS;
+        int64_t others = 0, kth = own_top, eth = own_top;
+        for (int64_t j = 0; j < h; j++) {
+            buf[others] = row[j];
+            others += row[j] > own_top;
+        }
+        if (t > n_own) kth = select_key(buf, others, t - n_own, tmp);
+        int64_t n = 0;
+        for (int64_t j = 0; j < h; j++) {
+            buf[n] = row[j];
+            n += row[j] <= kth;
+        }
+        if (e > n_own) {
+            for (int64_t j = 0, c = 0; j < t; j++) {
+                tmp[c] = buf[j];
+                c += buf[j] > own_top;
+            }
+            eth = select_key(tmp, t - n_own, e - n_own, tmp + t);
+        }
+        int64_t first = 0, later = e;
+        for (int64_t j = 0; j < t; j++) {  /* buf: the scored first, the followed-only after them in place order */
+            if (buf[j] <= eth) tmp[first++] = buf[j];
+            else tmp[later++] = buf[j];
+        }
+        memcpy(buf, tmp, (size_t)t * sizeof(int64_t));
+        radix_sort_u64((uint64_t *)buf, (uint64_t *)tmp, e, 0, (uint64_t)1 << 63);  /* the scored in ranking order */
+        for (int64_t j = 0; j < e; j++) {  /* exact distances, read in place order (the keys' order in memory) */
+            tmp[j] = ((buf[j] & PLACE_BITS) << 32) | j;
+        }
+        radix_sort_u64((uint64_t *)tmp, (uint64_t *)(tmp + e), e, 0, 0);
+        for (int64_t j = 0; j < e; j++) {
+            int64_t ahead = j + AHEAD < e ? (tmp[j + AHEAD] >> 32) : -1, m = tmp[j] >> 32;
+            const float *qi = q + i * d;
+            if (half) {
+                if (ahead >= 0) prefetch_row((const char *)((const uint16_t *)keys + ahead * d), d * 2);
+                scored[tmp[j] & PLACE_BITS] = l2_f16(qi, (const uint16_t *)keys + m * d, d);
+            } else {
+                if (ahead >= 0) prefetch_row((const char *)((const float *)keys + ahead * d), d * 4);
+                scored[tmp[j] & PLACE_BITS] = l2_f32(qi, (const float *)keys + m * d, d);
+            }
+        }
+        for (int64_t j = 0; j < e; j++) tmp[j] = placed_key(scored[j], j);  /* nearest first, ties by rank */
+        radix_sort_u64((uint64_t *)tmp, (uint64_t *)(tmp + e), e, 0, (uint64_t)1 << 63);
+        int64_t kept = t < width ? t : width;
+        for (int64_t j = 0; j < kept; j++) {
+            int64_t at = j < e ? (tmp[j] & PLACE_BITS) : j, m = buf[at] & PLACE_BITS;
+            dist[i * width + j] = j < e ? scored[at] : INFINITY;
+            ids[i * width + j] = members[m];
+            vals[i * width + j] = values[m];
+        }
+        count[i] = kept;
+    }
+    status = 0;
+done:
+    free(stamp); free(start_of); free(row_start); free(row_pairs); free(row_own); free(found); free(cdist);
+    free(pairs); free(keybuf); free(buf); free(tmp); free(scored); free(by_cluster); free(cluster_first);
+    return status;
 }
 """.replace("/* RADIX_SORT_C */", RADIX_SORT_C)
 
@@ -230,6 +459,10 @@ def load_kernels(path: Path) -> ctypes.CDLL:
     lib.placed_keys_into.restype = None
     lib.lowest_keys_into.argtypes = [pointer, pointer, pointer, size, size, pointer]
     lib.lowest_keys_into.restype = ctypes.c_int
+    lib.extend_sketched.argtypes = [size, pointer, size, pointer, pointer, pointer, pointer, pointer, size, pointer,
+                                    pointer, pointer, size, pointer, pointer, size, pointer, ctypes.c_int, size, size,
+                                    size, pointer, pointer, pointer, pointer]
+    lib.extend_sketched.restype = ctypes.c_int
     return lib
 
 
@@ -312,3 +545,78 @@ def lowest_keys_into(keys: np.ndarray, bounds: np.ndarray, takes: np.ndarray, ou
                          f"{out.shape}")
     if r and lib.lowest_keys_into(k.ctypes.data, b.ctypes.data, t.ctypes.data, r, out.shape[1], out.ctypes.data):
         raise MemoryError("lowest_keys_into could not allocate its row buffers")
+
+
+SKETCH_BLOCK = 16
+"""Members a sketch block holds (the C source's BLOCK): `sketch_blocks` lays a KeySketch's codes out so that 16
+members' scores are formed side by side, one code component at a time."""
+
+
+def sketch_blocks(codes: np.ndarray) -> np.ndarray:
+    """(ceil(N / 16), p, 16) float32: codes (N, p) with member m's at [m // 16, :, m % 16], zeros past N."""
+    n, p = codes.shape
+    padded = np.zeros((-(-n // SKETCH_BLOCK) * SKETCH_BLOCK, p), dtype=np.float32)  # (N', p)
+    padded[:n] = codes
+    return np.ascontiguousarray(padded.reshape(-1, SKETCH_BLOCK, p).transpose(0, 2, 1))
+
+
+class ClusterArrays(NamedTuple):
+    """What extend_sketched reads of the clustered states (memlm.retrieval.clustered_states.StateClusters and its
+    KeySketch, as C-contiguous arrays; N entries, C clusters, d key dimension, p sketch components)."""
+
+    assign: np.ndarray  # (N,) int64 cluster of each entry
+    position: np.ndarray  # (N,) int64 each entry's place in cluster order
+    offsets: np.ndarray  # (C + 1,) int64 each cluster's first place
+    members: np.ndarray  # (N,) int64 the entry at each place
+    values: np.ndarray  # (N,) int32 the stored next token at each place
+    centroids: np.ndarray  # (C, d) float32
+    blocks: np.ndarray  # (ceil(N / 16), p, 16) float32 the sketch codes by place (sketch_blocks)
+    norms: np.ndarray  # (N,) float32 the sketch's centred norms by place
+    keys: np.ndarray  # (N, d) float16 or float32 the stored keys by place
+
+
+def extend_sketched(own: np.ndarray, q: np.ndarray, qq: np.ndarray, cl: ClusterArrays, exact: int,
+                    max_clusters: int | None, width: int, lib: ctypes.CDLL | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """memlm.retrieval.pointers.extend_by_clusters' rule with a KeySketch, for every row at once in compiled code:
+    own (r, w) int64 each row's own candidates (distinct ids, -1 padded), q (r, d) float32 its query, qq (r, p)
+    float32 (q - mean) @ basis; exact = KeySketch.exact_members, max_clusters = KeySketch.max_clusters.
+    Returns (dist, ids, vals, count): (r, width) float32 / int64 / int32, each row's kept members first (inf / -1 /
+    -1 after them), and (r,) int64 how many each row keeps (0 for a row without own candidates). lib: as
+    l2_by_id's."""
+    lib = lib or kernels()
+    if lib is None:
+        raise RuntimeError("the by-id kernels are not available (by_id_kernels.available() is False)")
+    own = np.ascontiguousarray(own, dtype=np.int64)  # (r, w)
+    q = np.ascontiguousarray(q, dtype=np.float32)  # (r, d)
+    qq = np.ascontiguousarray(qq, dtype=np.float32)  # (r, p)
+    r, n = own.shape[0], cl.assign.shape[0]
+    c, d = cl.centroids.shape
+    p = cl.blocks.shape[1]
+    if own.ndim != 2 or q.shape != (r, d) or qq.shape != (r, p) or cl.keys.shape != (n, d):
+        raise ValueError(f"own (r, w), q (r, {d}) and qq (r, {p}) expected, got {own.shape}, {q.shape}, {qq.shape}")
+    if cl.offsets.shape != (c + 1,) or cl.blocks.shape != (-(-n // SKETCH_BLOCK), p, SKETCH_BLOCK) \
+            or any(a.shape != (n,) for a in (cl.position, cl.members, cl.values, cl.norms)):
+        raise ValueError("the cluster arrays disagree in shape (ClusterArrays)")
+    for a, dtype in zip(cl, (np.int64, np.int64, np.int64, np.int64, np.int32, np.float32, np.float32, np.float32,
+                             cl.keys.dtype)):
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"cluster arrays must be C-contiguous {dtype}, got {a.dtype}")
+    if cl.keys.dtype not in (np.float16, np.float32):
+        raise ValueError(f"keys must be float16 or float32, got {cl.keys.dtype}")
+    if own.size and (int(own.max()) >= n or int(own.min()) < -1):  # C reads any address it is given
+        raise ValueError(f"ids must be in [0, {n}) or -1, got [{int(own.min())}, {int(own.max())}]")
+    if width < 1 or exact < 1:
+        raise ValueError(f"width and exact must be at least 1, got {width} and {exact}")
+    dist = np.full((r, width), np.inf, dtype=np.float32)  # (r, width)
+    ids = np.full((r, width), -1, dtype=np.int64)
+    vals = np.full((r, width), -1, dtype=np.int32)
+    count = np.zeros(r, dtype=np.int64)  # (r,)
+    if r and own.shape[1] and lib.extend_sketched(
+            r, own.ctypes.data, own.shape[1], q.ctypes.data, qq.ctypes.data, cl.assign.ctypes.data,
+            cl.position.ctypes.data, cl.offsets.ctypes.data, c, cl.members.ctypes.data, cl.values.ctypes.data,
+            cl.centroids.ctypes.data, d, cl.blocks.ctypes.data, cl.norms.ctypes.data, p, cl.keys.ctypes.data,
+            int(cl.keys.dtype == np.float16), exact, max_clusters or 0, width, dist.ctypes.data, ids.ctypes.data,
+            vals.ctypes.data, count.ctypes.data):
+        raise MemoryError("extend_sketched could not allocate its buffers")
+    return dist, ids, vals, count

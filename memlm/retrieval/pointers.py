@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
+from memlm.retrieval import by_id_kernels
 from memlm.retrieval.clustered_states import (
     OWN_KEY,
     PAD_KEY,
@@ -254,6 +255,17 @@ class PointerSource:
         them by id jumps over the whole datastore (extend_by_clusters)."""
         return np.ascontiguousarray(self.values[self.clusters.members])
 
+    @cached_property
+    def cluster_arrays(self) -> by_id_kernels.ClusterArrays:
+        """The clustered states with a KeySketch as the compiled extension reads them (by_id_kernels.
+        extend_sketched): made on first use; the sketch's codes laid out in blocks of 16 members (N * p * 4 bytes
+        more: 27 MB on the 208K SOTU datastore at 32 components)."""
+        cl, sk = self.clusters, self.clusters.sketch
+        return by_id_kernels.ClusterArrays(
+            cl.assign, cl.position, cl.offsets, cl.members, self.member_values.astype(np.int32, copy=False),
+            np.ascontiguousarray(cl.centroids.numpy(), dtype=np.float32), by_id_kernels.sketch_blocks(sk.codes.numpy()),
+            np.ascontiguousarray(sk.centred_norms.numpy(), dtype=np.float32), cl.stored_keys)
+
     def __post_init__(self) -> None:
         if (self.clusters is None) != (self.values is None):
             raise ValueError("clustered states need the datastore's values, and values are read only for them")
@@ -344,24 +356,42 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     first (retomaton.py keeps its pointers before the clusters' members too), and the best `width` by that
     ranking are kept (all of its own, if more, then cut to the nearest `width`). Its own candidates and the
     best others, KeySketch.exact_members in all (or all of its own, if more), get exact distances and come
-    first, nearest first; the others get distance inf: followed at the next step like any candidate, but of
-    no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from
-    exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
+    first, nearest first; the others get distance inf and come after them in place order (StateClusters.members
+    order: they weigh nothing, so their order matters to nobody, and no sort of them is needed): followed at the
+    next step like any candidate, but of no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the
+    kNN distribution is built from exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
     all scored), or a sketch that ranks like the exact distances, keeps the exact nearest beside its own
     candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys). With
     KeySketch.max_clusters only the members of the row's nearest clusters (`nearest_pairs`) are ranked, and
-    its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py)."""
+    its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py).
+
+    With a sketch and the compiled kernels (by_id_kernels.extend_sketched) all rows are extended in one call by
+    the same rule; otherwise in numpy (`_extended_rows`), whose every step is also compiled where it can be."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
     ids = candidates.ids[rows]  # (r, w)
-    r, n_cl = rows.shape[0], cl.n_clusters
+    q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
+    sk = cl.sketch
+    if sk is not None and by_id_kernels.available():  # the same rule in one compiled call
+        qq = ((q - sk.mean) @ sk.basis).numpy()  # (r, p) as rank_keys forms it
+        dist, m_ids, vals, count = by_id_kernels.extend_sketched(ids, q.numpy(), qq, source.cluster_arrays,
+                                                                 sk.exact_members, sk.max_clusters, width)
+        kept = max(1, int(count.max(initial=0)))
+        return merge_rows(candidates, rows, Neighbors(dist[:, :kept], m_ids[:, :kept], vals[:, :kept]))
+    return merge_rows(candidates, rows, _extended_rows(ids, q, source, width))
+
+
+def _extended_rows(ids: np.ndarray, q: torch.Tensor, source: PointerSource, width: int) -> Neighbors:
+    """extend_by_clusters' rows in numpy (and the compiled pieces of clustered_states where they are available):
+    ids (r, w) the rows' own candidates, q (r, d) their queries; (r, <= width) kept members."""
+    cl = source.clusters
+    r, n_cl = ids.shape[0], cl.n_clusters
     r_idx, c_idx = np.nonzero(ids >= 0)  # (m,), (m,)
     own_cl = cl.assign[ids[r_idx, c_idx]]  # (m,)
     pair_of = r_idx * n_cl + own_cl  # (m,) each own candidate's (row, cluster)
     pairs = np.unique(pair_of)  # (p,) (row, cluster), each once, by row then cluster
     p_row, p_cl = pairs // n_cl, pairs % n_cl  # (p,), (p,)
-    q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
     sk = cl.sketch
     if sk is not None and sk.max_clusters is not None:  # only the nearest clusters' members are ranked
         near = nearest_pairs(q, p_row, p_cl, cl, sk.max_clusters)  # (p,)
@@ -396,15 +426,13 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     else:  # a row's own candidates and the best others, exact_members in all (or its own), exactly, first,
         # nearest first (ties in ranking order); then the others at inf (followed only) and the missing
         n_scored = np.minimum(np.maximum(sk.exact_members, n_own), takes)  # (r,) a prefix of the kept
+        col = np.arange(best.shape[1])[None, :]  # (1, t)
+        after = np.where(valid, pos, PLACE_MASK + 1) + best.shape[1]  # (r, t) followed-only by place, then missing
+        order = np.argsort(np.where(col < n_scored[:, None], col, after), axis=1, kind="stable")  # (r, t)
+        pos, m_ids, vals = (np.take_along_axis(a, order, axis=1) for a in (pos, m_ids, vals))
         dist = _scored_first(q, pos, n_scored, sk.exact_members, cl, m_ids, vals)  # (r, t)
     found = Neighbors(dist.astype(np.float32), m_ids, vals)
-    found = Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
-    w = max(candidates.ids.shape[1], found.ids.shape[1])
-    out = [_pad(a, w, fill) for a, fill in zip(candidates, (np.inf, -1, -1))]  # (S, w') each
-    for a, new, fill in zip(out, found, (np.inf, -1, -1)):
-        a[rows] = fill
-        a[rows, : new.shape[1]] = new
-    return Neighbors(*out)
+    return Neighbors(*(a[:, :width] for a in found))  # (r, <= width)
 
 
 def _scored_first(q: torch.Tensor, pos: np.ndarray, n_scored: np.ndarray, exact_members: int, cl: StateClusters,
