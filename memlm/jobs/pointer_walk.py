@@ -17,15 +17,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from memlm.retrieval import by_id_kernels
 from memlm.retrieval.knnlm import NEG_INF, knn_target_logprob
 from memlm.retrieval.pointers import (
     PointerConfig,
     PointerSource,
+    SuccessorTable,
     empty_candidates,
     extend_by_clusters,
     follow,
     followed_distances_used,
-    merge_rows,
     needs_search,
     union_candidates,
     weighed_groups,
@@ -107,15 +108,24 @@ class _Block:
         self.vals = np.full((s, k), -1, dtype=np.int32)
         self.count = np.zeros(s, dtype=np.int64)  # (S,) candidates held
 
-    def rows(self, rows: np.ndarray) -> Neighbors:
-        w = max(1, int(self.count[rows].max(initial=0)))
+    @property
+    def arrays(self) -> by_id_kernels.CandidateBlock:
+        """The block's arrays, which by_id_kernels.walk_step reads and writes in place."""
+        return by_id_kernels.CandidateBlock(self.ids, self.dist, self.vals, self.count)
+
+    def rows(self, rows: np.ndarray, columns: int | None = None) -> Neighbors:
+        """The candidates of `rows` (r, w): as many columns as the fullest of them holds, or `columns`."""
+        w = max(1, int(self.count[rows].max(initial=0)) if columns is None else columns)
         return Neighbors(self.dist[rows, :w], self.ids[rows, :w], self.vals[rows, :w])  # (r, w)
 
     def store(self, rows: np.ndarray, cands: Neighbors) -> None:
-        w = cands.ids.shape[1]
+        """Replace the candidates of `rows` (r,) by `cands` (r, w), theirs first in each row (a search's, follow's
+        and the extension's are): the columns past them that held candidates before are reset (the others are)."""
+        w, old = cands.ids.shape[1], int(self.count[rows].max(initial=0))
         for arr, new, fill in ((self.dist, cands.distances, np.inf), (self.ids, cands.ids, -1), (self.vals, cands.values, -1)):
             arr[rows, :w] = new
-            arr[rows, w:] = fill
+            if old > w:
+                arr[rows, w:old] = fill
         self.count[rows] = (cands.ids >= 0).sum(axis=1)
 
 
@@ -125,6 +135,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
     """Walk the streams `block` (S, L), writing into `out`; returns the searches made at a stream's first token."""
     b = _Block(block, config.width(k))
     distances = followed_distances_used(source, config.keep_pointers)
+    compiled = compiled_step(source, config)
     first = admitted = 0
     while True:
         unfinished = b.step < b.lengths  # (S,)
@@ -157,17 +168,26 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         tok = b.block[movers, b.step[movers]]  # (m,)
         fresh = b.step[movers] == 0  # a stream's first token: nothing to follow
         prev_tok = b.block[movers, np.maximum(b.step[movers] - 1, 0)]  # (m,)
-        cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source, distances)  # (m, w)
-        need = needs_search(cands, config.min_pointers) | fresh  # (m,)
-        cands = extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, config.extended_width(k))
+        if compiled:  # follow, extend and store in one call, on the block in place
+            sk = source.clusters.sketch
+            q = torch.from_numpy(np.ascontiguousarray(xq[tok], dtype=np.float32))  # (m, d)
+            need, scored = by_id_kernels.walk_step(
+                b.arrays, movers, targets[prev_tok], fresh, config.min_pointers, source.successors.next_ids, q.numpy(),
+                ((q - sk.mean) @ sk.basis).numpy(), source.cluster_arrays, sk.exact_members, sk.max_clusters,
+                config.extended_width(k))  # (m,), (m,)
+        else:
+            cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source, distances)  # (m, w)
+            need = needs_search(cands, config.min_pointers) | fresh  # (m,)
+            b.store(movers, extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, config.extended_width(k)))
         go = need if allowed is None else need & allowed[tok]
         empty = fresh | (need & ~go)  # skipped by the gate: the base distribution, and nothing to follow
         if empty.any():
-            cands = merge_rows(cands, np.flatnonzero(empty), empty_candidates(int(empty.sum())))
-        b.store(movers, cands)
+            b.store(movers[empty], empty_candidates(int(empty.sum())))
         moved = ~go  # scored now from pointers (or skipped); the others park for the search
         if moved.any():
-            mine = Neighbors(*(a[moved] for a in cands))
+            # their candidates with a distance come first: the columns after the last of them weigh nothing
+            weighted = None if out.neighbors is not None or not compiled else int(scored[moved].max(initial=0))
+            mine = b.rows(movers[moved], weighted)
             _keep(out.neighbors, tok[moved], mine)
             for group, nb in weighed_groups(mine):  # (g,) rows of `mine` and their weighed candidates
                 at = tok[moved][group]  # (g,)
@@ -175,6 +195,15 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         out.skipped[tok[need & ~go]] = True
         b.step[movers[moved]] += 1
         b.parked[movers[go]] = True
+
+
+def compiled_step(source: PointerSource, config: PointerConfig) -> bool:
+    """Whether the walk's steps run compiled (by_id_kernels.walk_step: follow, the clustered extension and the
+    block's store in one call, the same rule): clustered states with a KeySketch, the successors in process (a
+    SuccessorTable), the kernels available, and no pointers kept beside searches (keep_pointers reads the
+    followed pointers' distances, which the compiled step does not form)."""
+    return (source.clusters is not None and source.clusters.sketch is not None and not config.keep_pointers
+            and isinstance(source.successors, SuccessorTable) and by_id_kernels.available())
 
 
 def _keep(kept: Neighbors | None, tok: np.ndarray, found: Neighbors) -> None:

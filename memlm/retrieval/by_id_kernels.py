@@ -235,28 +235,53 @@ void placed_keys_into(const float *scores, int64_t rows, int64_t cols, int64_t f
 }
 
 #define PLACE_BITS 0xffffffffLL
-#define BLOCK 16 /* members a sketch block holds: blocks (ceil(N / 16), p, 16), member m at [m / 16][:][m % 16] */
+#define BLOCK 16 /* members a sketch block holds: blocks (ceil(N / 16), p, 16) float16, member m at [m / 16][:][m % 16] */
 
 /* One row's (row, cluster) pair: its keys for the cluster's members start at keys[start]. */
 typedef struct { int64_t row, cluster, start; } Pair;
 
+/* The clustered states and their KeySketch as the extension reads them (by_id_kernels.ClusterArrays). */
+typedef struct {
+    const int64_t *assign, *position, *offsets, *members;
+    const int32_t *values;
+    const float *centroids;
+    const uint16_t *blocks;
+    const float *norms;
+    const void *keys;
+    int64_t n_clusters, d, p, half, exact, max_clusters, width;
+} Clusters;
+
+/* Where the extension writes its row i: row out.row[i] (i where out.row is NULL) of (., out.width) arrays dist, ids,
+   vals; count[that row] = kept, the entries past kept up to its old count reset to inf / -1 / -1 (the walk's block
+   rows hold their candidates first); scored[i] = how many of the kept have a distance (NULL: not asked). */
+typedef struct {
+    const int64_t *row;
+    int64_t width;
+    float *dist;
+    int64_t *ids;
+    int32_t *vals;
+    int64_t *count, *scored;
+} Out;
+
 /* The clustered extension of memlm.retrieval.pointers.extend_by_clusters with a KeySketch, all rows in one call
-   (the same rule; the Python docstring has it): for row i, its own candidates own[i, :] (ids >= 0, distinct, -1
-   padded; rows with none are skipped), the clusters holding them, the max_clusters nearest of those by squared L2
-   from q[i] to the centroid (ties by cluster; max_clusters <= 0: all), every member of those clusters ranked by
-   the sketch score norms[m] - 2 qq[i] . code[m] (place m in cluster order), the own candidates first
-   (placed_key(-inf, m)); the t = min(held, max(width, own)) best by (score, place), the first
+   (the same rule; the Python docstring has it): for row i, its own candidates own[sel[i], :] (ids >= 0, distinct,
+   -1 padded; a row with none is skipped; sel NULL: i), the clusters holding them, the max_clusters nearest of
+   those by squared L2 from q[sel[i]] to the centroid (ties by cluster; max_clusters <= 0: all), every member of
+   those clusters ranked by the sketch score norms[m] - 2 qq[sel[i]] . code[m] (place m in cluster order), the own
+   candidates first (placed_key(-inf, m)); the t = min(held, max(width, own)) best by (score, place), the first
    e = min(max(exact, own), t) of them scored exactly (squared L2 to keys[m], float16 or float32 by `half`) and
-   ordered nearest first (ties in ranking order), the others after them at inf in place order; cut to width.
-   Written to dist, ids (members[m]), vals (values[m]) (rows, width), already filled with inf / -1 / -1 past a
-   row's kept, and count[i] = kept. Each cluster's members are scored for every row asking for it in turn, so that
-   its sketch blocks are read from memory once a call. Returns 0, or -1 if out of memory. */
-int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const float *q, const float *qq,
-                    const int64_t *assign, const int64_t *position, const int64_t *offsets, int64_t n_clusters,
-                    const int64_t *members, const int32_t *values, const float *centroids, int64_t d,
-                    const float *blocks, const float *norms, int64_t p, const void *keys, int half,
-                    int64_t exact, int64_t max_clusters, int64_t width,
-                    float *dist, int64_t *ids, int32_t *vals, int64_t *count) {
+   ordered nearest first (ties in ranking order), the others after them at inf in place order; cut to width;
+   written as `out` says. Each cluster's members are scored for every row asking for it in turn, so that its
+   sketch blocks are read from memory once a call. Returns 0, or -1 if out of memory. */
+static int extend_rows(int64_t rows, const int64_t *sel, const int64_t *own, int64_t own_width, const float *q,
+                       const float *qq, Clusters k, Out out) {
+    const int64_t *assign = k.assign, *position = k.position, *offsets = k.offsets, *members = k.members;
+    const int32_t *values = k.values;
+    const float *centroids = k.centroids, *norms = k.norms;
+    const uint16_t *blocks = k.blocks;
+    const void *keys = k.keys;
+    int64_t n_clusters = k.n_clusters, d = k.d, p = k.p, half = k.half, exact = k.exact, width = k.width;
+    int64_t max_clusters = k.max_clusters;
     int64_t *stamp = malloc((size_t)n_clusters * sizeof(int64_t)), *start_of = malloc((size_t)n_clusters * sizeof(int64_t));
     int64_t *row_start = malloc((size_t)(rows + 1) * sizeof(int64_t)), *row_pairs = malloc((size_t)(rows + 1) * sizeof(int64_t));
     int64_t *row_own = malloc((size_t)(rows + 1) * sizeof(int64_t));
@@ -272,7 +297,8 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
     /* 1. each row's clusters, the nearest kept, and where its keys go */
     int64_t n_pairs = 0, total = 0, longest = 0;
     for (int64_t i = 0; i < rows; i++) {
-        const int64_t *mine = own + i * own_width;
+        int64_t in = sel ? sel[i] : i;
+        const int64_t *mine = own + in * own_width;
         int64_t n_found = 0, n_own = 0;
         row_pairs[i] = n_pairs;
         row_start[i] = total;
@@ -284,7 +310,7 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
         }
         row_own[i] = n_own;
         if (max_clusters > 0 && n_found > max_clusters) {  /* the nearest by centroid, ties by cluster */
-            for (int64_t a = 0; a < n_found; a++) cdist[a] = l2_f32(q + i * d, centroids + found[a] * d, d);
+            for (int64_t a = 0; a < n_found; a++) cdist[a] = l2_f32(q + in * d, centroids + found[a] * d, d);
             for (int64_t a = 1; a < n_found; a++) {  /* insertion sort by (distance, cluster): a row has few */
                 int64_t c = found[a], b = a - 1;
                 float x = cdist[a];
@@ -330,19 +356,20 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
     for (int64_t a = 0; a < n_pairs; a++) by_cluster[cluster_first[pairs[a].cluster]++] = a;
     for (int64_t a = 0; a < n_pairs; a++) {
         const Pair *pr = pairs + by_cluster[a];
-        const float *w = qq + pr->row * p;
+        const float *w = qq + (sel ? sel[pr->row] : pr->row) * p;
         int64_t lo = offsets[pr->cluster], hi = offsets[pr->cluster + 1];
         int64_t base = row_start[pr->row] + pr->start - lo;  /* keybuf[base + m]: member place m's key */
         for (int64_t b = lo / BLOCK; b * BLOCK < hi; b++) {
-            const float *blk = blocks + b * p * BLOCK;
+            const uint16_t *blk = blocks + b * p * BLOCK;
             float acc[BLOCK] = {0};
 #ifdef VECTOR
             __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < p; j++) sum = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(blk + j * BLOCK), sum);
+            for (int64_t j = 0; j < p; j++)
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + j * BLOCK))), sum);
             _mm512_storeu_ps(acc, sum);
 #else
             for (int64_t j = 0; j < p; j++)
-                for (int l = 0; l < BLOCK; l++) acc[l] += w[j] * blk[j * BLOCK + l];
+                for (int l = 0; l < BLOCK; l++) acc[l] += w[j] * half_to_float(blk[j * BLOCK + l]);
 #endif
             int64_t m0 = b * BLOCK < lo ? lo : b * BLOCK, m1 = (b + 1) * BLOCK > hi ? hi : (b + 1) * BLOCK;
             for (int64_t m = m0; m < m1; m++) keybuf[base + m] = placed_key(norms[m] + -2.0f * acc[m - b * BLOCK], m);
@@ -351,7 +378,8 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
 
     /* 3. per row: its own candidates first, the best kept, the first scored exactly */
     for (int64_t i = 0; i < rows; i++) {
-        const int64_t *mine = own + i * own_width;
+        int64_t in = sel ? sel[i] : i;
+        const int64_t *mine = own + in * own_width;
         int64_t *row = keybuf + row_start[i], h = row_start[i + 1] - row_start[i], n_own = row_own[i];
         if (n_own == 0) continue;
         for (int64_t a = row_pairs[i]; a < row_pairs[i + 1]; a++) {
@@ -403,7 +431,7 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
         radix_sort_u64((uint64_t *)tmp, (uint64_t *)(tmp + e), e, 0, 0);
         for (int64_t j = 0; j < e; j++) {
             int64_t ahead = j + AHEAD < e ? (tmp[j + AHEAD] >> 32) : -1, m = tmp[j] >> 32;
-            const float *qi = q + i * d;
+            const float *qi = q + in * d;
             if (half) {
                 if (ahead >= 0) prefetch_row((const char *)((const uint16_t *)keys + ahead * d), d * 2);
                 scored[tmp[j] & PLACE_BITS] = l2_f16(qi, (const uint16_t *)keys + m * d, d);
@@ -414,19 +442,86 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
         }
         for (int64_t j = 0; j < e; j++) tmp[j] = placed_key(scored[j], j);  /* nearest first, ties by rank */
         radix_sort_u64((uint64_t *)tmp, (uint64_t *)(tmp + e), e, 0, (uint64_t)1 << 63);
-        int64_t kept = t < width ? t : width;
+        int64_t kept = t < width ? t : width, o = out.row ? out.row[i] : i, old = out.count[o];
+        float *o_dist = out.dist + o * out.width;
+        int64_t *o_ids = out.ids + o * out.width;
+        int32_t *o_vals = out.vals + o * out.width;
         for (int64_t j = 0; j < kept; j++) {
             int64_t at = j < e ? (tmp[j] & PLACE_BITS) : j, m = buf[at] & PLACE_BITS;
-            dist[i * width + j] = j < e ? scored[at] : INFINITY;
-            ids[i * width + j] = members[m];
-            vals[i * width + j] = values[m];
+            o_dist[j] = j < e ? scored[at] : INFINITY;
+            o_ids[j] = members[m];
+            o_vals[j] = values[m];
         }
-        count[i] = kept;
+        for (int64_t j = kept; j < old; j++) { o_dist[j] = INFINITY; o_ids[j] = -1; o_vals[j] = -1; }
+        out.count[o] = kept;
+        if (out.scored) out.scored[i] = e < kept ? e : kept;
     }
     status = 0;
 done:
     free(stamp); free(start_of); free(row_start); free(row_pairs); free(row_own); free(found); free(cdist);
     free(pairs); free(keybuf); free(buf); free(tmp); free(scored); free(by_cluster); free(cluster_first);
+    return status;
+}
+
+/* extend_rows over the rows of own (rows, own_width), q and qq, written to dist, ids, vals (rows, width), already
+   filled with inf / -1 / -1, and count (rows,) zeros. */
+int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const float *q, const float *qq,
+                    const int64_t *assign, const int64_t *position, const int64_t *offsets, int64_t n_clusters,
+                    const int64_t *members, const int32_t *values, const float *centroids, int64_t d,
+                    const uint16_t *blocks, const float *norms, int64_t p, const void *keys, int half,
+                    int64_t exact, int64_t max_clusters, int64_t width,
+                    float *dist, int64_t *ids, int32_t *vals, int64_t *count) {
+    Clusters k = {assign, position, offsets, members, values, centroids, blocks, norms, keys,
+                  n_clusters, d, p, half, exact, max_clusters, width};
+    Out out = {NULL, width, dist, ids, vals, count, NULL};
+    return extend_rows(rows, NULL, own, own_width, q, qq, k, out);
+}
+
+/* One step of RetoMaton's walk for the moving streams, on the walk's candidate block in place (memlm.jobs.
+   pointer_walk: ids, dist, vals (S, block_width), count (S,), each row's candidates first): mover i (block row
+   rows[i]) follows its candidates whose value is prev_targets[i] to their successors (next_ids; -1: none), its own
+   candidates (memlm.retrieval.pointers.follow's rule). need[i] = 1 where it is fresh[i] (a stream's first token)
+   or fewer than min_pointers survive: its block row is left as it is (the caller searches it, or empties it).
+   The others are extended (extend_rows, their queries q[i] and qq[i]) into their block rows, scored[i] = how many
+   of the kept have a distance (0 where need[i]). Returns 0, or -1 if out of memory. */
+int walk_step(int64_t movers, const int64_t *rows, const int32_t *prev_targets, const uint8_t *fresh,
+              int64_t min_pointers, const int64_t *next_ids, int64_t *block_ids, float *block_dist,
+              int32_t *block_vals, int64_t *block_count, int64_t block_width, const float *q, const float *qq,
+              const int64_t *assign, const int64_t *position, const int64_t *offsets, int64_t n_clusters,
+              const int64_t *members, const int32_t *values, const float *centroids, int64_t d,
+              const uint16_t *blocks, const float *norms, int64_t p, const void *keys, int half,
+              int64_t exact, int64_t max_clusters, int64_t width, uint8_t *need, int64_t *scored) {
+    int64_t own_width = 1;
+    for (int64_t i = 0; i < movers; i++)
+        if (block_count[rows[i]] > own_width) own_width = block_count[rows[i]];
+    int64_t *own = malloc((size_t)(movers * own_width) * sizeof(int64_t));
+    int64_t *sel = malloc((size_t)(movers + 1) * sizeof(int64_t)), *out_rows = malloc((size_t)(movers + 1) * sizeof(int64_t));
+    int64_t *ext_scored = malloc((size_t)(movers + 1) * sizeof(int64_t));
+    int status = -1;
+    if (!own || !sel || !out_rows || !ext_scored) goto done;
+    int64_t extended = 0;
+    for (int64_t i = 0; i < movers; i++) {
+        const int64_t *ids = block_ids + rows[i] * block_width;
+        const int32_t *vals = block_vals + rows[i] * block_width;
+        int64_t *mine = own + i * own_width, n = 0;
+        if (!fresh[i])
+            for (int64_t j = 0; j < block_count[rows[i]]; j++) {
+                int64_t next = ids[j] >= 0 && vals[j] == prev_targets[i] ? next_ids[ids[j]] : -1;
+                mine[n] = next;
+                n += next >= 0;
+            }
+        for (int64_t j = n; j < own_width; j++) mine[j] = -1;
+        need[i] = fresh[i] || n < min_pointers;
+        scored[i] = 0;
+        if (!need[i]) { sel[extended] = i; out_rows[extended++] = rows[i]; }
+    }
+    Clusters k = {assign, position, offsets, members, values, centroids, blocks, norms, keys,
+                  n_clusters, d, p, half, exact, max_clusters, width};
+    Out out = {out_rows, block_width, block_dist, block_ids, block_vals, block_count, ext_scored};
+    status = extend_rows(extended, sel, own, own_width, q, qq, k, out);
+    for (int64_t a = 0; a < extended; a++) scored[sel[a]] = ext_scored[a];
+done:
+    free(own); free(sel); free(out_rows); free(ext_scored);
     return status;
 }
 """.replace("/* RADIX_SORT_C */", RADIX_SORT_C)
@@ -463,6 +558,9 @@ def load_kernels(path: Path) -> ctypes.CDLL:
                                     pointer, pointer, size, pointer, pointer, size, pointer, ctypes.c_int, size, size,
                                     size, pointer, pointer, pointer, pointer]
     lib.extend_sketched.restype = ctypes.c_int
+    lib.walk_step.argtypes = [size, pointer, pointer, pointer, size, pointer, pointer, pointer, pointer, pointer,
+                              size, pointer, pointer, *lib.extend_sketched.argtypes[5:21], pointer, pointer]
+    lib.walk_step.restype = ctypes.c_int
     return lib
 
 
@@ -553,9 +651,10 @@ members' scores are formed side by side, one code component at a time."""
 
 
 def sketch_blocks(codes: np.ndarray) -> np.ndarray:
-    """(ceil(N / 16), p, 16) float32: codes (N, p) with member m's at [m // 16, :, m % 16], zeros past N."""
+    """(ceil(N / 16), p, 16) float16: codes (N, p) with member m's at [m // 16, :, m % 16], zeros past N (a
+    KeySketch's codes are float16 values: key_sketch rounds them)."""
     n, p = codes.shape
-    padded = np.zeros((-(-n // SKETCH_BLOCK) * SKETCH_BLOCK, p), dtype=np.float32)  # (N', p)
+    padded = np.zeros((-(-n // SKETCH_BLOCK) * SKETCH_BLOCK, p), dtype=np.float16)  # (N', p)
     padded[:n] = codes
     return np.ascontiguousarray(padded.reshape(-1, SKETCH_BLOCK, p).transpose(0, 2, 1))
 
@@ -570,9 +669,39 @@ class ClusterArrays(NamedTuple):
     members: np.ndarray  # (N,) int64 the entry at each place
     values: np.ndarray  # (N,) int32 the stored next token at each place
     centroids: np.ndarray  # (C, d) float32
-    blocks: np.ndarray  # (ceil(N / 16), p, 16) float32 the sketch codes by place (sketch_blocks)
+    blocks: np.ndarray  # (ceil(N / 16), p, 16) float16 the sketch codes by place (sketch_blocks)
     norms: np.ndarray  # (N,) float32 the sketch's centred norms by place
     keys: np.ndarray  # (N, d) float16 or float32 the stored keys by place
+
+
+def _cluster_args(cl: ClusterArrays, q: np.ndarray, qq: np.ndarray, exact: int, max_clusters: int | None,
+                  width: int) -> list:
+    """The C arguments from `assign` to `width` of extend_sketched and walk_step, the arrays checked (C reads any
+    address it is given): q (r, d) and qq (r, p) float32 C-contiguous."""
+    n, (c, d), p = cl.assign.shape[0], cl.centroids.shape, cl.blocks.shape[1]
+    if q.shape != (q.shape[0], d) or qq.shape != (q.shape[0], p) or cl.keys.shape != (n, d):
+        raise ValueError(f"q (r, {d}) and qq (r, {p}) expected, got {q.shape} and {qq.shape}")
+    if cl.offsets.shape != (c + 1,) or cl.blocks.shape != (-(-n // SKETCH_BLOCK), p, SKETCH_BLOCK) \
+            or any(a.shape != (n,) for a in (cl.position, cl.members, cl.values, cl.norms)):
+        raise ValueError("the cluster arrays disagree in shape (ClusterArrays)")
+    for a, dtype in zip(cl, (np.int64, np.int64, np.int64, np.int64, np.int32, np.float32, np.float16, np.float32,
+                             cl.keys.dtype)):
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"cluster arrays must be C-contiguous {dtype}, got {a.dtype}")
+    if cl.keys.dtype not in (np.float16, np.float32):
+        raise ValueError(f"keys must be float16 or float32, got {cl.keys.dtype}")
+    if width < 1 or exact < 1:
+        raise ValueError(f"width and exact must be at least 1, got {width} and {exact}")
+    return [cl.assign.ctypes.data, cl.position.ctypes.data, cl.offsets.ctypes.data, c, cl.members.ctypes.data,
+            cl.values.ctypes.data, cl.centroids.ctypes.data, d, cl.blocks.ctypes.data, cl.norms.ctypes.data, p,
+            cl.keys.ctypes.data, int(cl.keys.dtype == np.float16), exact, max_clusters or 0, width]
+
+
+def _library(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or kernels()
+    if lib is None:
+        raise RuntimeError("the by-id kernels are not available (by_id_kernels.available() is False)")
+    return lib
 
 
 def extend_sketched(own: np.ndarray, q: np.ndarray, qq: np.ndarray, cl: ClusterArrays, exact: int,
@@ -584,39 +713,70 @@ def extend_sketched(own: np.ndarray, q: np.ndarray, qq: np.ndarray, cl: ClusterA
     Returns (dist, ids, vals, count): (r, width) float32 / int64 / int32, each row's kept members first (inf / -1 /
     -1 after them), and (r,) int64 how many each row keeps (0 for a row without own candidates). lib: as
     l2_by_id's."""
-    lib = lib or kernels()
-    if lib is None:
-        raise RuntimeError("the by-id kernels are not available (by_id_kernels.available() is False)")
+    lib = _library(lib)
     own = np.ascontiguousarray(own, dtype=np.int64)  # (r, w)
     q = np.ascontiguousarray(q, dtype=np.float32)  # (r, d)
     qq = np.ascontiguousarray(qq, dtype=np.float32)  # (r, p)
     r, n = own.shape[0], cl.assign.shape[0]
-    c, d = cl.centroids.shape
-    p = cl.blocks.shape[1]
-    if own.ndim != 2 or q.shape != (r, d) or qq.shape != (r, p) or cl.keys.shape != (n, d):
-        raise ValueError(f"own (r, w), q (r, {d}) and qq (r, {p}) expected, got {own.shape}, {q.shape}, {qq.shape}")
-    if cl.offsets.shape != (c + 1,) or cl.blocks.shape != (-(-n // SKETCH_BLOCK), p, SKETCH_BLOCK) \
-            or any(a.shape != (n,) for a in (cl.position, cl.members, cl.values, cl.norms)):
-        raise ValueError("the cluster arrays disagree in shape (ClusterArrays)")
-    for a, dtype in zip(cl, (np.int64, np.int64, np.int64, np.int64, np.int32, np.float32, np.float32, np.float32,
-                             cl.keys.dtype)):
-        if a.dtype != dtype or not a.flags.c_contiguous:
-            raise ValueError(f"cluster arrays must be C-contiguous {dtype}, got {a.dtype}")
-    if cl.keys.dtype not in (np.float16, np.float32):
-        raise ValueError(f"keys must be float16 or float32, got {cl.keys.dtype}")
-    if own.size and (int(own.max()) >= n or int(own.min()) < -1):  # C reads any address it is given
+    args = _cluster_args(cl, q, qq, exact, max_clusters, width)
+    if own.ndim != 2 or q.shape[0] != r:
+        raise ValueError(f"own (r, w) and q (r, d) expected, got {own.shape} and {q.shape}")
+    if own.size and (int(own.max()) >= n or int(own.min()) < -1):
         raise ValueError(f"ids must be in [0, {n}) or -1, got [{int(own.min())}, {int(own.max())}]")
-    if width < 1 or exact < 1:
-        raise ValueError(f"width and exact must be at least 1, got {width} and {exact}")
     dist = np.full((r, width), np.inf, dtype=np.float32)  # (r, width)
     ids = np.full((r, width), -1, dtype=np.int64)
     vals = np.full((r, width), -1, dtype=np.int32)
     count = np.zeros(r, dtype=np.int64)  # (r,)
-    if r and own.shape[1] and lib.extend_sketched(
-            r, own.ctypes.data, own.shape[1], q.ctypes.data, qq.ctypes.data, cl.assign.ctypes.data,
-            cl.position.ctypes.data, cl.offsets.ctypes.data, c, cl.members.ctypes.data, cl.values.ctypes.data,
-            cl.centroids.ctypes.data, d, cl.blocks.ctypes.data, cl.norms.ctypes.data, p, cl.keys.ctypes.data,
-            int(cl.keys.dtype == np.float16), exact, max_clusters or 0, width, dist.ctypes.data, ids.ctypes.data,
-            vals.ctypes.data, count.ctypes.data):
+    if r and own.shape[1] and lib.extend_sketched(r, own.ctypes.data, own.shape[1], q.ctypes.data, qq.ctypes.data,
+                                                  *args, dist.ctypes.data, ids.ctypes.data, vals.ctypes.data,
+                                                  count.ctypes.data):
         raise MemoryError("extend_sketched could not allocate its buffers")
     return dist, ids, vals, count
+
+
+class CandidateBlock(NamedTuple):
+    """The walk's candidates of S streams in place (memlm.jobs.pointer_walk), each row's candidates first and
+    inf / -1 / -1 after them: what walk_step reads and writes."""
+
+    ids: np.ndarray  # (S, W) int64
+    dist: np.ndarray  # (S, W) float32
+    vals: np.ndarray  # (S, W) int32
+    count: np.ndarray  # (S,) int64 candidates each row holds
+
+
+def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray, fresh: np.ndarray,
+              min_pointers: int, next_ids: np.ndarray, q: np.ndarray, qq: np.ndarray, cl: ClusterArrays, exact: int,
+              max_clusters: int | None, width: int, lib: ctypes.CDLL | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One step of RetoMaton's walk over clustered states with a KeySketch in compiled code, in place on `block`:
+    the streams in block rows `rows` (m,) follow their candidates whose value is prev_targets (m,) (the token that
+    came next) to their successors next_ids (N,) int64 (memlm.retrieval.pointers.follow's rule); those with fewer
+    than min_pointers, or fresh (m,) bool (a stream's first token), need a search and are left as they are; the
+    others are extended by extend_by_clusters' rule (q (m, d), qq (m, p) as extend_sketched's) into their rows
+    (at most `width` <= W). Returns need (m,) bool and scored (m,) int64: how many of a row's kept candidates
+    have a distance (they come first; 0 where it needs a search). The block's ids must be datastore rows."""
+    lib = _library(lib)
+    q = np.ascontiguousarray(q, dtype=np.float32)  # (m, d)
+    qq = np.ascontiguousarray(qq, dtype=np.float32)  # (m, p)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)  # (m,)
+    targets = np.ascontiguousarray(prev_targets, dtype=np.int32)  # (m,)
+    first = np.ascontiguousarray(fresh, dtype=np.uint8)  # (m,)
+    args = _cluster_args(cl, q, qq, exact, max_clusters, width)
+    s, w = block.ids.shape
+    m = rows.shape[0]
+    if q.shape[0] != m or targets.shape != (m,) or first.shape != (m,) or width > w:
+        raise ValueError(f"rows, prev_targets, fresh and q must have {m} rows, and width <= {w}")
+    if next_ids.shape != cl.assign.shape or next_ids.dtype != np.int64 or not next_ids.flags.c_contiguous:
+        raise ValueError(f"next_ids must be C-contiguous ({cl.assign.shape[0]},) int64")
+    for a, dtype in zip(block, (np.int64, np.float32, np.int32, np.int64)):
+        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.writeable or a.shape[0] != s:
+            raise ValueError(f"the block must be writeable C-contiguous arrays of {s} rows ({dtype})")
+    if m and (int(rows.min()) < 0 or int(rows.max()) >= s):
+        raise ValueError(f"rows must be in [0, {s})")
+    need = np.zeros(m, dtype=np.uint8)  # (m,)
+    scored = np.zeros(m, dtype=np.int64)
+    if m and lib.walk_step(m, rows.ctypes.data, targets.ctypes.data, first.ctypes.data, min_pointers,
+                           next_ids.ctypes.data, block.ids.ctypes.data, block.dist.ctypes.data,
+                           block.vals.ctypes.data, block.count.ctypes.data, w, q.ctypes.data, qq.ctypes.data, *args,
+                           need.ctypes.data, scored.ctypes.data):
+        raise MemoryError("walk_step could not allocate its buffers")
+    return need.astype(bool), scored

@@ -36,7 +36,7 @@ class KeySketch(NamedTuple):
 
     mean: torch.Tensor  # (d,) float32 mean key
     basis: torch.Tensor  # (d, p) float32 orthonormal: the covariance's top p eigenvectors
-    codes: torch.Tensor  # (N, p) float32 (x - mean) @ basis, in StateClusters.members order
+    codes: torch.Tensor  # (N, p) float32 (x - mean) @ basis rounded to float16 values, in StateClusters.members order
     centred_norms: torch.Tensor  # (N,) float32 ||x - mean||^2, in members order
     exact_members: int  # the best members by the ranking that get exact distances (the others: followed only)
     max_clusters: int | None = None
@@ -65,8 +65,9 @@ def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS
     centred = keys - mean  # (N, d)
     cov = (centred.T @ centred).double()  # (d, d)
     basis = torch.linalg.eigh(cov).eigenvectors[:, -dims:].flip(1).float().contiguous()  # (d, p) largest first
-    return KeySketch(mean, basis, (centred @ basis).contiguous(), centred.pow(2).sum(dim=1), exact_members,
-                     max_clusters)
+    codes = (centred @ basis).half().float().contiguous()  # (N, p) float16 values: the compiled extension reads
+    # them as float16 (by_id_kernels.sketch_blocks, half the bytes), and the numpy path ranks by the same values
+    return KeySketch(mean, basis, codes, centred.pow(2).sum(dim=1), exact_members, max_clusters)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ pointers survive on repeated text."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from tiny_models import RowWiseSearcher, repeated_phrase_documents
 
@@ -220,3 +221,89 @@ def test_search_rows_batches_the_searches_differently_and_walks_the_same():
             torch.testing.assert_close(got.knn_logprob, base.knn_logprob, rtol=0, atol=0)
             assert sum(sizes) == sum(base_sizes) and len(sizes) > len(base_sizes)  # the same rows, more calls
         assert len(runs[1][1]) > len(runs[3][1])
+
+
+@pytest.mark.parametrize("exact_members, max_clusters, width", [(3, None, None), (2, 2, 9), (40, 1, 4)])
+def test_the_compiled_step_walks_as_the_numpy_one(exact_members, max_clusters, width, monkeypatch):
+    """memlm.jobs.pointer_walk with clustered states ranked by a sketch takes by_id_kernels.walk_step (follow, the
+    extension and the store in one compiled call) where the kernels are available: the same walk as numpy's
+    follow + extend_by_clusters, token for token (which tokens are searched or skipped by a gate, each token's
+    candidates in order, log p_kNN), on the datastore's own text (pointers survive) and with a random gate."""
+    from memlm.retrieval import by_id_kernels
+    from memlm.jobs.pointer_walk import compiled_step
+
+    if not by_id_kernels.available():
+        pytest.skip("no C compiler: the kernels cannot be built")
+    keys, values, d, nxt = walk_data()
+    xq, targets = keys.float().numpy(), values.astype(np.int64)
+    sketched = cluster_states(keys.numpy(), 8, sketch_dims=2, exact_members=exact_members, max_clusters=max_clusters)
+    source = PointerSource.local(nxt, values, keys.numpy(), sketched)
+    allowed = np.random.default_rng(0).random(len(xq)) < 0.7
+    config = PointerConfig(min_pointers=2, stream_tokens=20, streams=5, search_rows=2, cluster_width=width)
+    runs = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(by_id_kernels, "available", lambda: False)
+        assert compiled_step(source, config) == compiled
+        runs.append(walk(xq, targets, d, RowWiseSearcher(TorchExactSearcher(keys, values)), 6, SearchOptions(), 2.0,
+                         config, source, allowed, torch.no_grad(), collect=True))
+    fast, slow = runs
+    assert 0 < fast.searched.sum() < len(xq) and fast.skipped.any() and (~fast.searched & ~fast.skipped).any()
+    np.testing.assert_array_equal(fast.searched, slow.searched)
+    np.testing.assert_array_equal(fast.skipped, slow.skipped)
+    np.testing.assert_array_equal(fast.neighbors.ids, slow.neighbors.ids)
+    np.testing.assert_array_equal(fast.neighbors.values, slow.neighbors.values)
+    np.testing.assert_allclose(fast.neighbors.distances, slow.neighbors.distances, rtol=1e-5)
+    torch.testing.assert_close(fast.knn_logprob, slow.knn_logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past_each_count():
+    """by_id_kernels.walk_step on a block whose rows hold more candidates than they will keep (the columns past a
+    row's new count must be reset: the walk reads a block's rows as wide as its fullest), against numpy's follow,
+    needs_search and extend_by_clusters on the same rows; rows needing a search are left as they were."""
+    from memlm.retrieval import by_id_kernels
+    from memlm.retrieval.pointers import follow, needs_search
+
+    if not by_id_kernels.available():
+        pytest.skip("no C compiler: the kernels cannot be built")
+    keys, values, d, nxt = walk_data()
+    n = len(values)
+    cl = cluster_states(keys.numpy(), 8, sketch_dims=2, exact_members=3, max_clusters=2)
+    source = PointerSource.local(nxt, values, keys.numpy(), cl)
+    rng = np.random.default_rng(1)
+    s, w, width = 6, 12, 5
+    block = by_id_kernels.CandidateBlock(np.full((s, w), -1, np.int64), np.full((s, w), np.inf, np.float32),
+                                         np.full((s, w), -1, np.int32), np.zeros(s, np.int64))
+    for r, c in enumerate([12, 0, 7, 12, 3, 9]):
+        block.ids[r, :c] = rng.choice(n, size=c, replace=False)
+        block.vals[r, :c] = values[block.ids[r, :c]]
+        block.dist[r, :c] = np.sort(rng.random(c)).astype(np.float32)
+        block.count[r] = c
+    rows = np.array([5, 0, 2, 3, 1])  # row 4 does not move
+    prev_targets = np.array([block.vals[r, 0] if block.count[r] else 0 for r in rows], np.int32)  # survivors
+    fresh = np.array([False, False, False, True, False])
+    xq = keys[rng.integers(0, n, size=rows.size)].float().numpy()
+    before = tuple(a.copy() for a in block)
+    prev = Neighbors(before[1][rows], before[0][rows], before[2][rows])
+    cands = follow(prev, prev_targets, xq, source, distances=False)
+    want_need = needs_search(cands, 2) | fresh
+    want = extend_by_clusters(cands, np.flatnonzero(~want_need), xq, source, width)
+    sk = cl.sketch
+    q = torch.from_numpy(xq)
+    need, scored = by_id_kernels.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, ((q - sk.mean) @ sk.basis).numpy(),
+                                           source.cluster_arrays, sk.exact_members, sk.max_clusters, width)
+    np.testing.assert_array_equal(need, want_need)
+    assert need.any() and (~need).any()
+    for i, r in enumerate(rows):
+        if need[i]:  # as it was
+            for a, b in zip(block, before):
+                np.testing.assert_array_equal(a[r], b[r])
+            assert scored[i] == 0
+            continue
+        c = int(block.count[r])
+        np.testing.assert_array_equal(block.ids[r, :c], want.ids[i][want.ids[i] >= 0])
+        np.testing.assert_allclose(block.dist[r, :c], want.distances[i, :c], rtol=1e-5)
+        np.testing.assert_array_equal(block.vals[r, :c], want.values[i, :c])
+        assert scored[i] == np.isfinite(block.dist[r, :c]).sum() and np.isfinite(block.dist[r, : scored[i]]).all()
+        assert (block.ids[r, c:] == -1).all() and (block.vals[r, c:] == -1).all() and np.isinf(block.dist[r, c:]).all()
+    np.testing.assert_array_equal(block.ids[4], before[0][4])
