@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from memlm.retrieval import by_id_kernels
+from memlm.retrieval import by_id_kernels, walk_step
 from memlm.retrieval.knnlm import NEG_INF, knn_target_logprob
 from memlm.retrieval.pointers import (
     PointerConfig,
@@ -109,9 +109,9 @@ class _Block:
         self.count = np.zeros(s, dtype=np.int64)  # (S,) candidates held
 
     @property
-    def arrays(self) -> by_id_kernels.CandidateBlock:
-        """The block's arrays, which by_id_kernels.walk_step reads and writes in place."""
-        return by_id_kernels.CandidateBlock(self.ids, self.dist, self.vals, self.count)
+    def arrays(self) -> walk_step.CandidateBlock:
+        """The block's arrays, which walk_step.walk_step reads and writes in place."""
+        return walk_step.CandidateBlock(self.ids, self.dist, self.vals, self.count)
 
     def rows(self, rows: np.ndarray, columns: int | None = None) -> Neighbors:
         """The candidates of `rows` (r, w): as many columns as the fullest of them holds, or `columns`."""
@@ -171,7 +171,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         if compiled:  # follow, extend and store in one call, on the block in place
             sk = source.clusters.sketch
             q = torch.from_numpy(np.ascontiguousarray(xq[tok], dtype=np.float32))  # (m, d)
-            need, scored = by_id_kernels.walk_step(
+            need, scored = walk_step.walk_step(
                 b.arrays, movers, targets[prev_tok], fresh, config.min_pointers, source.successors.next_ids, q.numpy(),
                 ((q - sk.mean) @ sk.basis).numpy(), source.cluster_arrays, sk.exact_members, sk.max_clusters,
                 config.extended_width(k))  # (m,), (m,)
@@ -198,7 +198,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
 
 
 def compiled_step(source: PointerSource, config: PointerConfig) -> bool:
-    """Whether the walk's steps run compiled (by_id_kernels.walk_step: follow, the clustered extension and the
+    """Whether the walk's steps run compiled (walk_step.walk_step: follow, the clustered extension and the
     block's store in one call, the same rule): clustered states with a KeySketch, the successors in process (a
     SuccessorTable), the kernels available, and no pointers kept beside searches (keep_pointers reads the
     followed pointers' distances, which the compiled step does not form)."""

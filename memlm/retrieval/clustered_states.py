@@ -8,7 +8,9 @@ rows' members one after another in one flat array), each row's best by an in-pla
 those keys (`lowest_keys`: ties by place, whatever else is in the call, with no padded matrix and no tie
 repair), and exact float32 distances for those the sketch path scores (`exact_member_distances`, one faiss
 call), the same members in the same order as the padded float matrix and torch.topk they replaced
-(tests/memlm/retrieval/test_clustered_order.py: a row-by-row oracle, element for element).
+(tests/memlm/retrieval/test_clustered_order.py: a row-by-row oracle, element for element). These are the numpy
+path's pieces; with a KeySketch and the compiled kernels a row is extended by memlm.retrieval.by_id_kernels.
+extend_sketched instead (the same rule, one call for all rows).
 
 Shape legend: N datastore entries, d key dimension, C clusters, r rows extended, p sketch components,
 T the members of all rows of a call, t members a row keeps at most, e scored members of a row.
@@ -66,7 +68,7 @@ def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS
     cov = (centred.T @ centred).double()  # (d, d)
     basis = torch.linalg.eigh(cov).eigenvectors[:, -dims:].flip(1).float().contiguous()  # (d, p) largest first
     codes = (centred @ basis).half().float().contiguous()  # (N, p) float16 values: the compiled extension reads
-    # them as float16 (by_id_kernels.sketch_blocks, half the bytes), and the numpy path ranks by the same values
+    # them as float16 (walk_step.sketch_blocks, half the bytes), and the numpy path ranks by the same values
     return KeySketch(mean, basis, codes, centred.pow(2).sum(dim=1), exact_members, max_clusters)
 
 
@@ -291,18 +293,14 @@ def lowest_keys(keys: np.ndarray, bounds: np.ndarray, takes: np.ndarray) -> np.n
 
 def exact_member_distances(q: torch.Tensor, pos: np.ndarray, counts: np.ndarray, cl: StateClusters) -> np.ndarray:
     """(r, e) float32 squared L2 ||q - x||^2 of the first counts[i] (counts (r,)) members at places pos (r, e)
-    of cl.members in each row i, to the rows' queries q (r, d), inf after them. Each key is read once where it
-    lies (a gather of the keys and a matrix-vector product per row, numpy's fastest, read them twice: 1.7x slower
-    on the 81K SOTU datastore): by the compiled kernel over the float16 StateClusters.stored_keys where it is
-    available (memlm.retrieval.by_id_kernels; the walk's 88 calls on the 208K SOTU datastore, 100 clusters /
-    3 nearest / 512 exact: 0.52 s against 0.90 s, the same values up to float32 rounding, 2.6e-7 relative),
-    else by faiss' fvec_L2sqr_by_idx over the float32 member_keys."""
+    of cl.members in each row i, to the rows' queries q (r, d), inf after them: by faiss' fvec_L2sqr_by_idx over
+    the float32 member_keys, each key read once where it lies (a gather of the keys and a matrix-vector product per
+    row, numpy's fastest, read them twice: 1.7x slower on the 81K SOTU datastore). The numpy path's (no compiled
+    kernels: with them a sketched row is extended by walk_step.extend_sketched, which reads the float16 keys)."""
     import faiss
 
     at = np.where(np.arange(pos.shape[1])[None, :] < counts[:, None], pos, -1).astype(np.int64)  # (r, e) -1: none
     qs = np.ascontiguousarray(q.numpy(), dtype=np.float32)  # (r, d)
-    if by_id_kernels.available():
-        return by_id_kernels.l2_by_id(qs, cl.stored_keys, at)  # (r, e)
     keys = cl.member_keys.numpy()  # (N, d) C-contiguous float32
     out = np.empty(at.shape, dtype=np.float32)  # (r, e)
     faiss.fvec_L2sqr_by_idx(faiss.swig_ptr(out), faiss.swig_ptr(qs), faiss.swig_ptr(keys), faiss.swig_ptr(at),

@@ -32,11 +32,8 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
    retomaton.py keeps its pointers before the members) and only KeySketch.exact_members of them scored
    exactly; the others kept are followed at the next step but weigh nothing in p_kNN (distance inf), so
    a wide PointerConfig.cluster_width keeps pointers alive without the cost of their exact distances.
-   Measured (benchmarks/search_savings.py, README "Fewer searches"): see the table there; on the 81,169-key
-   SOTU datastore 50 clusters scored exactly save 77.6% at +0.46%, and ranked by a 64-component sketch,
-   1,024 exact, keeping 4,096: 80.7% at +0.51% (20 clusters: 81.4% at +0.17%), in 0.62x (0.64x) of plain
-   kNN-LM's pass time: a pointed row's extension (its members ranked, the best kept, 1,024 exact distances
-   reading each key once) costs about a third of a query's share of a batched Flat search of 81K keys.
+   Measured: benchmarks/search_savings.py, README "Fewer searches" (savings, perplexity and time against plain
+   kNN-LM on the 81K Flat and the 208K IVF2048,SQ8 SOTU datastores).
 
 Distances per index type: a pointed row's p_kNN is formed from exact squared L2 between its query and the
 stored keys (float16 keys, float32 arithmetic: `follow` and the clustered extension alike), whatever the
@@ -44,19 +41,9 @@ index. On a Flat index these are plain kNN-LM's distances; on an IVF,SQ8 index p
 SQ8 distances (residual 8-bit codes; exact only with exact_rerank), so a walk's rows are those of plain
 kNN-LM with exact re-ranking. The two differ little: 100 evaluation queries' 1,024 neighbours on the
 208,427-key IVF2048,SQ8 SOTU datastore, SQ8 against exact: median 0.11% of the distance (0.010 nats at
-T 2.5), 99th percentile 0.055 nats. Scoring the walk from the SQ8 codes instead would read a quarter of the
-bytes, but no FAISS call scores given ids of an IVF index's codes (they lie per list, as residuals), and a
-torch gather-and-convert of narrower keys loses to the float32 call (545 ids a row from float16 keys:
-0.69-0.90 ms against 0.09 ms). Tried too, on one walk's recorded calls (faiss 1.15, one thread), none faster
-than fvec_L2sqr_by_idx on float32 keys (0.55-0.61 s for its 2.68M distances): search_subset is implemented by
-no flat-codes index but IndexFlatPanorama (float32); an IVF with one list per entry scored by
-search_preassigned, 1.75-1.92 s (float32, fp16 or SQ8 codes: per-list overhead); torch.sparse.sampled_addmm
-1.1-1.2x the FAISS call's time in float32, refused for float16 / bfloat16 on the CPU; np.take of float16 rows alone
-0.46 s; a torch.compile'd float16 gather-distance 0.60 s after a 17 s compile. Dropping the keys' trailing
-principal components (PCA 288 of 576 dimensions) errs by a median 0.05 nats at T 2.5, five times SQ8's. On
-that index the walk is not faster than plain kNN-LM (README "Fewer searches": a batched SQ8 search costs
-~0.34 ms a query; a pointed row's ranking, exact distances and bookkeeping about 0.38 ms with
-PointerConfig.search_rows 64, 100 clusters, 3 nearest).
+T 2.5), 99th percentile 0.055 nats. With clustered states and a KeySketch the walk's step runs compiled
+(memlm.retrieval.walk_step: each scored key read once where it lies, the bookkeeping in C); other ways to score
+given ids that were tried and found slower are in the README ("Fewer searches").
 
 Shape legend: N datastore entries, S streams walked together, w candidates per stream, d key dimension,
 M candidates over all streams, C clusters, r rows extended, p sketch components.
@@ -73,7 +60,7 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.retrieval import by_id_kernels
+from memlm.retrieval import by_id_kernels, walk_step
 from memlm.retrieval.clustered_states import (
     OWN_KEY,
     PAD_KEY,
@@ -256,15 +243,9 @@ class PointerSource:
         return np.ascontiguousarray(self.values[self.clusters.members])
 
     @cached_property
-    def cluster_arrays(self) -> by_id_kernels.ClusterArrays:
-        """The clustered states with a KeySketch as the compiled extension reads them (by_id_kernels.
-        extend_sketched): made on first use; the sketch's codes laid out in blocks of 16 members (N * p * 4 bytes
-        more: 27 MB on the 208K SOTU datastore at 32 components)."""
-        cl, sk = self.clusters, self.clusters.sketch
-        return by_id_kernels.ClusterArrays(
-            cl.assign, cl.position, cl.offsets, cl.members, self.member_values.astype(np.int32, copy=False),
-            np.ascontiguousarray(cl.centroids.numpy(), dtype=np.float32), by_id_kernels.sketch_blocks(sk.codes.numpy()),
-            np.ascontiguousarray(sk.centred_norms.numpy(), dtype=np.float32), cl.stored_keys)
+    def cluster_arrays(self) -> walk_step.ClusterArrays:
+        """The clustered states with a KeySketch as the compiled step reads them (made on first use)."""
+        return walk_step.cluster_arrays(self.clusters, self.member_values)
 
     def __post_init__(self) -> None:
         if (self.clusters is None) != (self.values is None):
@@ -330,7 +311,10 @@ def followed_distances_used(source: PointerSource, keep_pointers: bool) -> bool:
 
 def _exact_distances(xq: np.ndarray, ids: np.ndarray, keep: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Squared L2 (float32) between each stream's query (S, d) and its kept candidates' float16 keys
-    (S, w), inf elsewhere: one gather of the M kept keys and one batched reduction."""
+    (S, w), inf elsewhere: by the compiled by-id kernel (each key read once where it lies) where it is available,
+    else one gather of the M kept keys and one batched reduction."""
+    if by_id_kernels.available() and keys.flags.c_contiguous and keys.dtype in (np.float16, np.float32):
+        return by_id_kernels.l2_by_id(xq, keys, np.where(keep, ids, -1))  # (S, w)
     rows, cols = np.nonzero(keep)  # (M,), (M,)
     out = np.full(ids.shape, np.inf, dtype=np.float32)  # (S, w)
     if rows.size:
@@ -365,7 +349,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     KeySketch.max_clusters only the members of the row's nearest clusters (`nearest_pairs`) are ranked, and
     its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py).
 
-    With a sketch and the compiled kernels (by_id_kernels.extend_sketched) all rows are extended in one call by
+    With a sketch and the compiled kernels (walk_step.extend_sketched) all rows are extended in one call by
     the same rule; otherwise in numpy (`_extended_rows`), whose every step is also compiled where it can be."""
     cl = source.clusters
     if cl is None or rows.size == 0:
@@ -375,7 +359,7 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     sk = cl.sketch
     if sk is not None and by_id_kernels.available():  # the same rule in one compiled call
         qq = ((q - sk.mean) @ sk.basis).numpy()  # (r, p) as rank_keys forms it
-        dist, m_ids, vals, count = by_id_kernels.extend_sketched(ids, q.numpy(), qq, source.cluster_arrays,
+        dist, m_ids, vals, count = walk_step.extend_sketched(ids, q.numpy(), qq, source.cluster_arrays,
                                                                  sk.exact_members, sk.max_clusters, width)
         kept = max(1, int(count.max(initial=0)))
         return merge_rows(candidates, rows, Neighbors(dist[:, :kept], m_ids[:, :kept], vals[:, :kept]))

@@ -32,7 +32,7 @@ def portable_kernels(tmp_path_factory):
 
 @pytest.fixture(params=["compiled", "portable", "numpy"])
 def extension_path(request, monkeypatch, portable_kernels) -> str:
-    """Which implementation extends the rows: this CPU's compiled kernels (by_id_kernels.extend_sketched, with a
+    """Which implementation extends the rows: this CPU's compiled kernels (walk_step.extend_sketched, with a
     sketch), the portable build of the same C (no vector instructions), or numpy (no compiler)."""
     if request.param != "numpy" and portable_kernels is None:
         pytest.skip("no C compiler: the kernels cannot be built")

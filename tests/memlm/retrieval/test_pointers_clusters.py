@@ -225,7 +225,7 @@ def test_search_rows_batches_the_searches_differently_and_walks_the_same():
 
 @pytest.mark.parametrize("exact_members, max_clusters, width", [(3, None, None), (2, 2, 9), (40, 1, 4)])
 def test_the_compiled_step_walks_as_the_numpy_one(exact_members, max_clusters, width, monkeypatch):
-    """memlm.jobs.pointer_walk with clustered states ranked by a sketch takes by_id_kernels.walk_step (follow, the
+    """memlm.jobs.pointer_walk with clustered states ranked by a sketch takes walk_step.walk_step (follow, the
     extension and the store in one compiled call) where the kernels are available: the same walk as numpy's
     follow + extend_by_clusters, token for token (which tokens are searched or skipped by a gate, each token's
     candidates in order, log p_kNN), on the datastore's own text (pointers survive) and with a random gate."""
@@ -258,10 +258,10 @@ def test_the_compiled_step_walks_as_the_numpy_one(exact_members, max_clusters, w
 
 
 def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past_each_count():
-    """by_id_kernels.walk_step on a block whose rows hold more candidates than they will keep (the columns past a
+    """walk_step.walk_step on a block whose rows hold more candidates than they will keep (the columns past a
     row's new count must be reset: the walk reads a block's rows as wide as its fullest), against numpy's follow,
     needs_search and extend_by_clusters on the same rows; rows needing a search are left as they were."""
-    from memlm.retrieval import by_id_kernels
+    from memlm.retrieval import by_id_kernels, walk_step
     from memlm.retrieval.pointers import follow, needs_search
 
     if not by_id_kernels.available():
@@ -272,7 +272,7 @@ def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past
     source = PointerSource.local(nxt, values, keys.numpy(), cl)
     rng = np.random.default_rng(1)
     s, w, width = 6, 12, 5
-    block = by_id_kernels.CandidateBlock(np.full((s, w), -1, np.int64), np.full((s, w), np.inf, np.float32),
+    block = walk_step.CandidateBlock(np.full((s, w), -1, np.int64), np.full((s, w), np.inf, np.float32),
                                          np.full((s, w), -1, np.int32), np.zeros(s, np.int64))
     for r, c in enumerate([12, 0, 7, 12, 3, 9]):
         block.ids[r, :c] = rng.choice(n, size=c, replace=False)
@@ -290,7 +290,7 @@ def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past
     want = extend_by_clusters(cands, np.flatnonzero(~want_need), xq, source, width)
     sk = cl.sketch
     q = torch.from_numpy(xq)
-    need, scored = by_id_kernels.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, ((q - sk.mean) @ sk.basis).numpy(),
+    need, scored = walk_step.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, ((q - sk.mean) @ sk.basis).numpy(),
                                            source.cluster_arrays, sk.exact_members, sk.max_clusters, width)
     np.testing.assert_array_equal(need, want_need)
     assert need.any() and (~need).any()
