@@ -106,7 +106,7 @@ class _Block:
         self.ids = np.full((s, k), -1, dtype=np.int64)  # (S, k)
         self.dist = np.full((s, k), np.inf, dtype=np.float32)
         self.vals = np.full((s, k), -1, dtype=np.int32)
-        self.count = np.zeros(s, dtype=np.int64)  # (S,) candidates held
+        self.count = np.zeros(s, dtype=np.int64)  # (S,) columns in use: up to each row's last candidate
 
     @property
     def arrays(self) -> walk_step.CandidateBlock:
@@ -119,14 +119,15 @@ class _Block:
         return Neighbors(self.dist[rows, :w], self.ids[rows, :w], self.vals[rows, :w])  # (r, w)
 
     def store(self, rows: np.ndarray, cands: Neighbors) -> None:
-        """Replace the candidates of `rows` (r,) by `cands` (r, w), theirs first in each row (a search's, follow's
-        and the extension's are): the columns past them that held candidates before are reset (the others are)."""
+        """Replace the candidates of `rows` (r,) by `cands` (r, w): count becomes each row's columns up to its last
+        candidate, and the columns past it that held candidates before are reset (the others already are)."""
         w, old = cands.ids.shape[1], int(self.count[rows].max(initial=0))
         for arr, new, fill in ((self.dist, cands.distances, np.inf), (self.ids, cands.ids, -1), (self.vals, cands.values, -1)):
             arr[rows, :w] = new
             if old > w:
                 arr[rows, w:old] = fill
-        self.count[rows] = (cands.ids >= 0).sum(axis=1)
+        held = cands.ids >= 0  # (r, w)
+        self.count[rows] = np.where(held.any(axis=1), w - np.argmax(held[:, ::-1], axis=1), 0)
 
 
 def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, searcher: Searcher, k: int,
@@ -202,8 +203,11 @@ def compiled_step(source: PointerSource, config: PointerConfig) -> bool:
     block's store in one call, the same rule): clustered states with a KeySketch, the successors in process (a
     SuccessorTable), the kernels available, and no pointers kept beside searches (keep_pointers reads the
     followed pointers' distances, which the compiled step does not form)."""
-    return (source.clusters is not None and source.clusters.sketch is not None and not config.keep_pointers
-            and isinstance(source.successors, SuccessorTable) and by_id_kernels.available())
+    cl, table = source.clusters, source.successors
+    return (cl is not None and cl.sketch is not None and not config.keep_pointers and isinstance(table, SuccessorTable)
+            and table.next_ids.dtype == np.int64 and table.next_ids.flags.c_contiguous
+            and cl.stored_keys.dtype in (np.float16, np.float32) and cl.stored_keys.flags.c_contiguous
+            and by_id_kernels.available())
 
 
 def _keep(kept: Neighbors | None, tok: np.ndarray, found: Neighbors) -> None:

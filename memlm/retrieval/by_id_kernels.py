@@ -64,8 +64,8 @@ def load_kernels(path: Path) -> ctypes.CDLL:
                                     pointer, pointer, size, pointer, pointer, size, pointer, ctypes.c_int, size, size,
                                     size, pointer, pointer, pointer, pointer]
     lib.extend_sketched.restype = ctypes.c_int
-    lib.walk_step.argtypes = [size, pointer, pointer, pointer, size, pointer, pointer, pointer, pointer, pointer,
-                              size, pointer, pointer, *lib.extend_sketched.argtypes[5:21], pointer, pointer]
+    lib.walk_step.argtypes = [size, pointer, pointer, pointer, size, pointer, size, pointer, pointer, pointer,
+                              pointer, size, pointer, pointer, *lib.extend_sketched.argtypes[5:21], pointer, pointer]
     lib.walk_step.restype = ctypes.c_int
     return lib
 

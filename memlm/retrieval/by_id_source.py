@@ -4,6 +4,7 @@ float16 and float32 keys read by id (`l2_by_id_f16`, `l2_by_id_f32`), Hoare's se
 score and a place (`placed_key`, `placed_keys_into`). memlm.retrieval.walk_step_source's part uses these."""
 
 BY_ID_C = r"""
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -67,8 +67,10 @@ def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS
     centred = keys - mean  # (N, d)
     cov = (centred.T @ centred).double()  # (d, d)
     basis = torch.linalg.eigh(cov).eigenvectors[:, -dims:].flip(1).float().contiguous()  # (d, p) largest first
-    codes = (centred @ basis).half().float().contiguous()  # (N, p) float16 values: the compiled extension reads
-    # them as float16 (walk_step.sketch_blocks, half the bytes), and the numpy path ranks by the same values
+    # (N, p) float16 values (clipped to its finite range): the compiled step reads them as float16 (walk_step.
+    # sketch_blocks, half the bytes), and the numpy path ranks by the same values
+    f16 = torch.finfo(torch.float16).max
+    codes = (centred @ basis).clamp(-f16, f16).half().float().contiguous()
     return KeySketch(mean, basis, codes, centred.pow(2).sum(dim=1), exact_members, max_clusters)
 
 

@@ -7,7 +7,8 @@ sketch's float16 codes in blocks of 16 members (`sketch_blocks`), cluster by clu
 the own candidates first, the kept and the scored picked by a histogram selection, exact squared L2 from the stored
 keys for the scored. The rule is memlm.retrieval.pointers.extend_by_clusters'; the tests hold the compiled step to
 numpy's follow + extend_by_clusters token for token (tests/memlm/retrieval/test_pointers_clusters.py) and the
-extension to a row-by-row oracle (test_clustered_order.py). On the 208K-key SOTU datastore (IVF2048,SQ8, 100
+extension to a row-by-row oracle (test_clustered_order.py). Its sums run in another order than numpy's and torch's
+(the sketch scores, the centroid distances), so members whose scores tie to float32 rounding may rank differently. On the 208K-key SOTU datastore (IVF2048,SQ8, 100
 clusters, 3 nearest, 2,048 kept, 512 exact, one thread) the walk's pass went from 1.05-1.13x plain kNN-LM's to
 0.74x (README "Fewer searches").
 
@@ -118,13 +119,13 @@ def extend_sketched(own: np.ndarray, q: np.ndarray, qq: np.ndarray, cl: ClusterA
 
 
 class CandidateBlock(NamedTuple):
-    """The walk's candidates of S streams in place (memlm.jobs.pointer_walk), each row's candidates first and
-    inf / -1 / -1 after them: what walk_step reads and writes."""
+    """The walk's candidates of S streams in place (memlm.jobs.pointer_walk), inf / -1 / -1 past each row's
+    columns in use: what walk_step reads and writes (a row it extends holds its kept members first)."""
 
     ids: np.ndarray  # (S, W) int64
     dist: np.ndarray  # (S, W) float32
     vals: np.ndarray  # (S, W) int32
-    count: np.ndarray  # (S,) int64 candidates each row holds
+    count: np.ndarray  # (S,) int64 columns in use: up to each row's last candidate
 
 
 def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray, fresh: np.ndarray,
@@ -133,10 +134,11 @@ def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray,
     """One step of RetoMaton's walk over clustered states with a KeySketch in compiled code, in place on `block`:
     the streams in block rows `rows` (m,) follow their candidates whose value is prev_targets (m,) (the token that
     came next) to their successors next_ids (N,) int64 (memlm.retrieval.pointers.follow's rule); those with fewer
-    than min_pointers, or fresh (m,) bool (a stream's first token), need a search and are left as they are; the
-    others are extended by extend_by_clusters' rule (q (m, d), qq (m, p) as extend_sketched's) into their rows
+    than min_pointers (>= 1), or fresh (m,) bool (a stream's first token), need a search and are left as they are;
+    the others are extended by extend_by_clusters' rule (q (m, d), qq (m, p) as extend_sketched's) into their rows
     (at most `width` <= W). Returns need (m,) bool and scored (m,) int64: how many of a row's kept candidates
-    have a distance (they come first; 0 where it needs a search). The block's ids must be datastore rows."""
+    have a distance (they come first; 0 where it needs a search). The block's ids must be datastore rows (checked
+    on the rows read: ValueError, nothing written)."""
     lib = by_id_kernels.library(lib)
     q = np.ascontiguousarray(q, dtype=np.float32)  # (m, d)
     qq = np.ascontiguousarray(qq, dtype=np.float32)  # (m, p)
@@ -145,21 +147,26 @@ def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray,
     first = np.ascontiguousarray(fresh, dtype=np.uint8)  # (m,)
     args = _cluster_args(cl, q, qq, exact, max_clusters, width)
     s, w = block.ids.shape
-    m = rows.shape[0]
-    if q.shape[0] != m or targets.shape != (m,) or first.shape != (m,) or width > w:
-        raise ValueError(f"rows, prev_targets, fresh and q must have {m} rows, and width <= {w}")
-    if next_ids.shape != cl.assign.shape or next_ids.dtype != np.int64 or not next_ids.flags.c_contiguous:
-        raise ValueError(f"next_ids must be C-contiguous ({cl.assign.shape[0]},) int64")
+    m, n = rows.shape[0], cl.assign.shape[0]
+    if q.shape[0] != m or targets.shape != (m,) or first.shape != (m,) or width > w or min_pointers < 1:
+        raise ValueError(f"rows, prev_targets, fresh and q must have {m} rows, width <= {w}, min_pointers >= 1")
+    if next_ids.shape != (n,) or next_ids.dtype != np.int64 or not next_ids.flags.c_contiguous \
+            or (n and (int(next_ids.min()) < -1 or int(next_ids.max()) >= n)):
+        raise ValueError(f"next_ids must be C-contiguous ({n},) int64 in [-1, {n})")
     for a, dtype in zip(block, (np.int64, np.float32, np.int32, np.int64)):
-        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.writeable or a.shape[0] != s:
-            raise ValueError(f"the block must be writeable C-contiguous arrays of {s} rows ({dtype})")
-    if m and (int(rows.min()) < 0 or int(rows.max()) >= s):
-        raise ValueError(f"rows must be in [0, {s})")
+        want = (s,) if a is block.count else (s, w)
+        if a.dtype != dtype or a.shape != want or not a.flags.c_contiguous or not a.flags.writeable:
+            raise ValueError(f"the block must be writeable C-contiguous {dtype} arrays of shape {want}")
+    if m and (int(rows.min()) < 0 or int(rows.max()) >= s or int(block.count[rows].max()) > w):
+        raise ValueError(f"rows must be in [0, {s}) and hold at most {w} candidates")
     need = np.zeros(m, dtype=np.uint8)  # (m,)
     scored = np.zeros(m, dtype=np.int64)
-    if m and lib.walk_step(m, rows.ctypes.data, targets.ctypes.data, first.ctypes.data, min_pointers,
-                           next_ids.ctypes.data, block.ids.ctypes.data, block.dist.ctypes.data,
+    status = lib.walk_step(m, rows.ctypes.data, targets.ctypes.data, first.ctypes.data, min_pointers,
+                           next_ids.ctypes.data, n, block.ids.ctypes.data, block.dist.ctypes.data,
                            block.vals.ctypes.data, block.count.ctypes.data, w, q.ctypes.data, qq.ctypes.data, *args,
-                           need.ctypes.data, scored.ctypes.data):
+                           need.ctypes.data, scored.ctypes.data) if m else 0
+    if status == -2:
+        raise ValueError(f"a block row holds an id outside [-1, {n})")
+    if status:
         raise MemoryError("walk_step could not allocate its buffers")
     return need.astype(bool), scored

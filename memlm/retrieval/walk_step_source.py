@@ -169,7 +169,10 @@ static int extend_rows(int64_t rows, const int64_t *sel, const int64_t *own, int
                 for (int l = 0; l < BLOCK; l++) acc[l] += w[j] * half_to_float(blk[j * BLOCK + l]);
 #endif
             int64_t m0 = b * BLOCK < lo ? lo : b * BLOCK, m1 = (b + 1) * BLOCK > hi ? hi : (b + 1) * BLOCK;
-            for (int64_t m = m0; m < m1; m++) keybuf[base + m] = placed_key(norms[m] + -2.0f * acc[m - b * BLOCK], m);
+            for (int64_t m = m0; m < m1; m++) {  /* finite, so that only the own keys sort at -inf */
+                float score = norms[m] + -2.0f * acc[m - b * BLOCK];
+                keybuf[base + m] = placed_key(score != score ? INFINITY : score < -FLT_MAX ? -FLT_MAX : score, m);
+            }
         }
     }
 
@@ -223,11 +226,12 @@ static int extend_rows(int64_t rows, const int64_t *sel, const int64_t *own, int
         memcpy(buf, tmp, (size_t)t * sizeof(int64_t));
         radix_sort_u64((uint64_t *)buf, (uint64_t *)tmp, e, 0, (uint64_t)1 << 63);  /* the scored in ranking order */
         for (int64_t j = 0; j < e; j++) {  /* exact distances, read in place order (the keys' order in memory) */
-            tmp[j] = ((buf[j] & PLACE_BITS) << 32) | j;
+            tmp[j] = (int64_t)(((uint64_t)buf[j] & PLACE_BITS) << 32 | (uint64_t)j);
         }
         radix_sort_u64((uint64_t *)tmp, (uint64_t *)(tmp + e), e, 0, 0);
         for (int64_t j = 0; j < e; j++) {
-            int64_t ahead = j + AHEAD < e ? (tmp[j + AHEAD] >> 32) : -1, m = tmp[j] >> 32;
+            int64_t ahead = j + AHEAD < e ? (int64_t)((uint64_t)tmp[j + AHEAD] >> 32) : -1;
+            int64_t m = (int64_t)((uint64_t)tmp[j] >> 32);
             const float *qi = q + in * d;
             if (half) {
                 if (ahead >= 0) prefetch_row((const char *)((const uint16_t *)keys + ahead * d), d * 2);
@@ -275,14 +279,15 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
 }
 
 /* One step of RetoMaton's walk for the moving streams, on the walk's candidate block in place (memlm.jobs.
-   pointer_walk: ids, dist, vals (S, block_width), count (S,), each row's candidates first): mover i (block row
+   pointer_walk: ids, dist, vals (S, block_width), count (S,) the columns in use, -1 past them): mover i (block row
    rows[i]) follows its candidates whose value is prev_targets[i] to their successors (next_ids; -1: none), its own
    candidates (memlm.retrieval.pointers.follow's rule). need[i] = 1 where it is fresh[i] (a stream's first token)
    or fewer than min_pointers survive: its block row is left as it is (the caller searches it, or empties it).
    The others are extended (extend_rows, their queries q[i] and qq[i]) into their block rows, scored[i] = how many
-   of the kept have a distance (0 where need[i]). Returns 0, or -1 if out of memory. */
+   of the kept have a distance (0 where need[i]). Returns 0; -1 if out of memory; -2 if a block row holds an id
+   outside [-1, entries) (nothing written). */
 int walk_step(int64_t movers, const int64_t *rows, const int32_t *prev_targets, const uint8_t *fresh,
-              int64_t min_pointers, const int64_t *next_ids, int64_t *block_ids, float *block_dist,
+              int64_t min_pointers, const int64_t *next_ids, int64_t entries, int64_t *block_ids, float *block_dist,
               int32_t *block_vals, int64_t *block_count, int64_t block_width, const float *q, const float *qq,
               const int64_t *assign, const int64_t *position, const int64_t *offsets, int64_t n_clusters,
               const int64_t *members, const int32_t *values, const float *centroids, int64_t d,
@@ -293,7 +298,7 @@ int walk_step(int64_t movers, const int64_t *rows, const int32_t *prev_targets, 
         if (block_count[rows[i]] > own_width) own_width = block_count[rows[i]];
     int64_t *own = malloc((size_t)(movers * own_width) * sizeof(int64_t));
     int64_t *sel = malloc((size_t)(movers + 1) * sizeof(int64_t)), *out_rows = malloc((size_t)(movers + 1) * sizeof(int64_t));
-    int64_t *ext_scored = malloc((size_t)(movers + 1) * sizeof(int64_t));
+    int64_t *ext_scored = calloc((size_t)(movers + 1), sizeof(int64_t));
     int status = -1;
     if (!own || !sel || !out_rows || !ext_scored) goto done;
     int64_t extended = 0;
@@ -303,6 +308,7 @@ int walk_step(int64_t movers, const int64_t *rows, const int32_t *prev_targets, 
         int64_t *mine = own + i * own_width, n = 0;
         if (!fresh[i])
             for (int64_t j = 0; j < block_count[rows[i]]; j++) {
+                if (ids[j] < -1 || ids[j] >= entries) { status = -2; goto done; }
                 int64_t next = ids[j] >= 0 && vals[j] == prev_targets[i] ? next_ids[ids[j]] : -1;
                 mine[n] = next;
                 n += next >= 0;

@@ -7,6 +7,8 @@ pointers survive on repeated text."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -240,15 +242,26 @@ def test_the_compiled_step_walks_as_the_numpy_one(exact_members, max_clusters, w
     source = PointerSource.local(nxt, values, keys.numpy(), sketched)
     allowed = np.random.default_rng(0).random(len(xq)) < 0.7
     config = PointerConfig(min_pointers=2, stream_tokens=20, streams=5, search_rows=2, cluster_width=width)
-    runs = []
+    runs = {}
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setattr(by_id_kernels, "available", lambda: False)
         assert compiled_step(source, config) == compiled
-        runs.append(walk(xq, targets, d, RowWiseSearcher(TorchExactSearcher(keys, values)), 6, SearchOptions(), 2.0,
-                         config, source, allowed, torch.no_grad(), collect=True))
-    fast, slow = runs
+        for collect in (True, False):  # not collecting, the compiled walk reads only the weighted columns
+            runs[compiled, collect] = walk(xq, targets, d, RowWiseSearcher(TorchExactSearcher(keys, values)), 6,
+                                           SearchOptions(), 2.0, config, source, allowed, torch.no_grad(), collect=collect)
+    for collect in (True, False):
+        fast, slow = runs[True, collect], runs[False, collect]
+        np.testing.assert_array_equal(fast.searched, slow.searched)
+        np.testing.assert_array_equal(fast.skipped, slow.skipped)
+        torch.testing.assert_close(fast.knn_logprob, slow.knn_logprob, rtol=1e-5, atol=1e-5)
+    fast, slow = runs[True, True], runs[False, True]
     assert 0 < fast.searched.sum() < len(xq) and fast.skipped.any() and (~fast.searched & ~fast.skipped).any()
+    pointed = ~fast.searched & ~fast.skipped & (fast.neighbors.ids >= 0).any(axis=1)  # (Q,) walked tokens
+    live = fast.neighbors.ids[pointed] >= 0
+    followed = (live & np.isinf(fast.neighbors.distances[pointed])).any()  # members kept but not scored
+    assert followed == (exact_members < config.extended_width(6))
+    assert (live.sum(axis=1) == config.extended_width(6)).any()  # a row cut to the width
     np.testing.assert_array_equal(fast.searched, slow.searched)
     np.testing.assert_array_equal(fast.skipped, slow.skipped)
     np.testing.assert_array_equal(fast.neighbors.ids, slow.neighbors.ids)
@@ -257,7 +270,7 @@ def test_the_compiled_step_walks_as_the_numpy_one(exact_members, max_clusters, w
     torch.testing.assert_close(fast.knn_logprob, slow.knn_logprob, rtol=1e-5, atol=1e-5)
 
 
-def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past_each_count():
+def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past_each_count(monkeypatch):
     """walk_step.walk_step on a block whose rows hold more candidates than they will keep (the columns past a
     row's new count must be reset: the walk reads a block's rows as wide as its fullest), against numpy's follow,
     needs_search and extend_by_clusters on the same rows; rows needing a search are left as they were."""
@@ -287,7 +300,9 @@ def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past
     prev = Neighbors(before[1][rows], before[0][rows], before[2][rows])
     cands = follow(prev, prev_targets, xq, source, distances=False)
     want_need = needs_search(cands, 2) | fresh
-    want = extend_by_clusters(cands, np.flatnonzero(~want_need), xq, source, width)
+    with monkeypatch.context() as numpy_only:  # the reference: numpy's extension, not the same C
+        numpy_only.setattr(by_id_kernels, "available", lambda: False)
+        want = extend_by_clusters(cands, np.flatnonzero(~want_need), xq, source, width)
     sk = cl.sketch
     q = torch.from_numpy(xq)
     need, scored = walk_step.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, ((q - sk.mean) @ sk.basis).numpy(),
@@ -307,3 +322,40 @@ def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past
         assert scored[i] == np.isfinite(block.dist[r, :c]).sum() and np.isfinite(block.dist[r, : scored[i]]).all()
         assert (block.ids[r, c:] == -1).all() and (block.vals[r, c:] == -1).all() and np.isinf(block.dist[r, c:]).all()
     np.testing.assert_array_equal(block.ids[4], before[0][4])
+
+
+def test_walk_step_refuses_ids_outside_the_datastore_and_survives_non_finite_sketch_scores():
+    """The C reads any address it is given: a block row holding an id past the datastore is refused (nothing
+    written). A sketch code past float16's range (clipped by key_sketch, but given here as it is) gives scores of
+    -inf or nan, which must not pass for a row's own candidates: every kept member is still distinct."""
+    from memlm.retrieval import by_id_kernels, walk_step
+    from memlm.retrieval.clustered_states import KeySketch
+
+    if not by_id_kernels.available():
+        pytest.skip("no C compiler: the kernels cannot be built")
+    keys, values, d, nxt = walk_data()
+    n = len(values)
+    cl = cluster_states(keys.numpy(), 4, sketch_dims=2, exact_members=3)
+    source = PointerSource.local(nxt, values, keys.numpy(), cl)
+    block = walk_step.CandidateBlock(np.full((1, 8), -1, np.int64), np.full((1, 8), np.inf, np.float32),
+                                     np.full((1, 8), -1, np.int32), np.ones(1, np.int64))
+    block.ids[0, 0], block.vals[0, 0] = n, 0
+    xq = keys[:1].float().numpy()
+    sk = cl.sketch
+    qq = ((torch.from_numpy(xq) - sk.mean) @ sk.basis).numpy()
+    with pytest.raises(ValueError, match="outside"):
+        walk_step.walk_step(block, np.array([0]), np.array([0]), np.array([False]), 1, nxt, xq, qq,
+                            source.cluster_arrays, 3, None, 6)
+    assert block.ids[0, 0] == n and block.count[0] == 1  # untouched
+    codes = sk.codes.clone()
+    codes[: n // 2, 0] = 1e6  # float16: inf; with q's sign, scores of -inf (or nan)
+    wild = dataclasses.replace(cl, sketch=KeySketch(sk.mean, sk.basis, codes, sk.centred_norms, 3))
+    wild_source = PointerSource.local(nxt, values, keys.numpy(), wild)
+    own = np.array([[cl.members[0], cl.members[-1], -1]])
+    with np.errstate(over="ignore"):  # the codes' float16 cast overflows: what is tested
+        arrays = wild_source.cluster_arrays
+    for sign in (1.0, -1.0):
+        dist, ids, _, count = walk_step.extend_sketched(own, xq, sign * np.abs(qq) + sign, arrays, 3, None, 20)
+        kept = ids[0, : count[0]]
+        assert count[0] == 20 and len(set(kept.tolist())) == 20 and set(own[0, :2]) <= set(kept.tolist())
+        assert np.isfinite(dist[0, :3]).all() and np.isinf(dist[0, 3:]).all()
