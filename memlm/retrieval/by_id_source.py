@@ -124,10 +124,10 @@ static int64_t nth_key(int64_t *a, int64_t n, int64_t r) {
 
 #define KEY_SAMPLE 8 /* every 8th key of a row bounds its t lowest */
 
-/* buf[0 .. t) = the t (1 <= t <= h) lowest of row[0 .. h) (unique keys), lowest first: a strided sample's order
-   statistic bounds the row, the keys at or under it are sorted (all of them when fewer than t are). buf and tmp
-   hold h. */
-static void lowest_sorted(const int64_t *row, int64_t h, int64_t t, int64_t *buf, int64_t *tmp) {
+/* buf[0 .. c) = the keys of row[0 .. h) (unique) at or under a bound that holds at least the t (<= h) lowest, in
+   row order; returns c: a strided sample's order statistic bounds the row (c about 1.25 t; every key when the
+   sample is too short or its bound leaves fewer than t). buf holds h. */
+static int64_t under_sampled_bound(const int64_t *row, int64_t h, int64_t t, int64_t *buf) {
     int64_t bound = INT64_MAX, samples = h / KEY_SAMPLE, rank = (t * 5 / 4) / KEY_SAMPLE + 4, c = 0;
     if (t < h && samples >= 2 * rank) {
         for (int64_t s = 0; s < samples; s++) buf[s] = row[s * KEY_SAMPLE];
@@ -141,6 +141,12 @@ static void lowest_sorted(const int64_t *row, int64_t h, int64_t t, int64_t *buf
         memcpy(buf, row, (size_t)h * sizeof(int64_t));
         c = h;
     }
+    return c;
+}
+
+/* buf[0 .. t) = the t (1 <= t <= h) lowest of row[0 .. h) (unique keys), lowest first. buf and tmp hold h. */
+static void lowest_sorted(const int64_t *row, int64_t h, int64_t t, int64_t *buf, int64_t *tmp) {
+    int64_t c = under_sampled_bound(row, h, t, buf);
     radix_sort_u64((uint64_t *)buf, (uint64_t *)tmp, c, 0, (uint64_t)1 << 63);  /* signed order */
 }
 

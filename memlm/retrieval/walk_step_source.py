@@ -34,6 +34,61 @@ static int64_t select_key(int64_t *a, int64_t n, int64_t r, int64_t *spare) {
 #define PLACE_BITS 0xffffffffLL
 #define BLOCK 16 /* members a sketch block holds: blocks (ceil(N / 16), p, 16) float16, member m at [m / 16][:][m % 16] */
 
+#define GROUP 8 /* rows scored together against each sketch block: its codes are converted once for all */
+
+/* acc[r * BLOCK + l] = w[r] . code of the block's member l (blk: p x BLOCK float16), for R rows (R <= GROUP), the
+   components summed in order: the same for a row whatever R is, so a row's scores do not depend on the call. */
+static inline __attribute__((always_inline)) void score_block(const uint16_t *blk, int64_t p, const float *const *w,
+                                                              int R, float *acc) {
+#ifdef VECTOR
+    __m512 sum[GROUP];
+    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < p; j++) {
+        __m512 code = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + j * BLOCK)));
+        for (int r = 0; r < R; r++) sum[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), code, sum[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * BLOCK, sum[r]);
+#else
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < BLOCK; l++) acc[r * BLOCK + l] = 0.0f;
+    for (int64_t j = 0; j < p; j++)
+        for (int l = 0; l < BLOCK; l++) {
+            float code = half_to_float(blk[j * BLOCK + l]);
+            for (int r = 0; r < R; r++) acc[r * BLOCK + l] += w[r][j] * code;
+        }
+#endif
+}
+
+/* keybuf[base[r] + m - lo] = placed_key(norms[m] - 2 w[r] . code[m], m) for the members lo <= m < hi of one
+   cluster and R rows; the score made finite, so that only the own keys sort at -inf. */
+static inline __attribute__((always_inline)) void score_group(const uint16_t *blocks, int64_t p, int64_t lo,
+                                                              int64_t hi, const float *norms, const float *const *w,
+                                                              const int64_t *base, int R, int64_t *keybuf) {
+    float acc[GROUP * BLOCK];
+    for (int64_t b = lo / BLOCK; b * BLOCK < hi; b++) {
+        score_block(blocks + b * p * BLOCK, p, w, R, acc);
+        int64_t m0 = b * BLOCK < lo ? lo : b * BLOCK, m1 = (b + 1) * BLOCK > hi ? hi : (b + 1) * BLOCK;
+        for (int r = 0; r < R; r++)
+            for (int64_t m = m0; m < m1; m++) {
+                float score = norms[m] + -2.0f * acc[r * BLOCK + m - b * BLOCK];
+                score = score != score ? INFINITY : score < -FLT_MAX ? -FLT_MAX : score;
+                keybuf[base[r] + m - lo] = placed_key(score, m);
+            }
+    }
+}
+
+/* score_group for g (<= GROUP) rows, in groups of 8, 4, 2 and 1 (each compiled for its R). */
+static void score_rows(const uint16_t *blocks, int64_t p, int64_t lo, int64_t hi, const float *norms,
+                       const float *const *w, const int64_t *base, int64_t g, int64_t *keybuf) {
+    for (int R = GROUP; R >= 1; R /= 2)
+        for (; g >= R; g -= R, w += R, base += R) {
+            if (R == 8) score_group(blocks, p, lo, hi, norms, w, base, 8, keybuf);
+            else if (R == 4) score_group(blocks, p, lo, hi, norms, w, base, 4, keybuf);
+            else if (R == 2) score_group(blocks, p, lo, hi, norms, w, base, 2, keybuf);
+            else score_group(blocks, p, lo, hi, norms, w, base, 1, keybuf);
+        }
+}
+
 /* One row's (row, cluster) pair: its keys for the cluster's members start at keys[start]. */
 typedef struct { int64_t row, cluster, start; } Pair;
 
@@ -151,29 +206,15 @@ static int extend_rows(int64_t rows, const int64_t *sel, const int64_t *own, int
     for (int64_t a = 0; a < n_pairs; a++) cluster_first[pairs[a].cluster + 1]++;
     for (int64_t c = 0; c < n_clusters; c++) cluster_first[c + 1] += cluster_first[c];
     for (int64_t a = 0; a < n_pairs; a++) by_cluster[cluster_first[pairs[a].cluster]++] = a;
-    for (int64_t a = 0; a < n_pairs; a++) {
-        const Pair *pr = pairs + by_cluster[a];
-        const float *w = qq + (sel ? sel[pr->row] : pr->row) * p;
-        int64_t lo = offsets[pr->cluster], hi = offsets[pr->cluster + 1];
-        int64_t base = row_start[pr->row] + pr->start - lo;  /* keybuf[base + m]: member place m's key */
-        for (int64_t b = lo / BLOCK; b * BLOCK < hi; b++) {
-            const uint16_t *blk = blocks + b * p * BLOCK;
-            float acc[BLOCK] = {0};
-#ifdef VECTOR
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < p; j++)
-                sum = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + j * BLOCK))), sum);
-            _mm512_storeu_ps(acc, sum);
-#else
-            for (int64_t j = 0; j < p; j++)
-                for (int l = 0; l < BLOCK; l++) acc[l] += w[j] * half_to_float(blk[j * BLOCK + l]);
-#endif
-            int64_t m0 = b * BLOCK < lo ? lo : b * BLOCK, m1 = (b + 1) * BLOCK > hi ? hi : (b + 1) * BLOCK;
-            for (int64_t m = m0; m < m1; m++) {  /* finite, so that only the own keys sort at -inf */
-                float score = norms[m] + -2.0f * acc[m - b * BLOCK];
-                keybuf[base + m] = placed_key(score != score ? INFINITY : score < -FLT_MAX ? -FLT_MAX : score, m);
-            }
+    for (int64_t a = 0; a < n_pairs;) {  /* the pairs of one cluster, GROUP rows at a time */
+        int64_t c = pairs[by_cluster[a]].cluster, g = 0, base[GROUP];
+        const float *w[GROUP];
+        while (a < n_pairs && g < GROUP && pairs[by_cluster[a]].cluster == c) {
+            const Pair *pr = pairs + by_cluster[a++];
+            w[g] = qq + (sel ? sel[pr->row] : pr->row) * p;
+            base[g++] = row_start[pr->row] + pr->start;
         }
+        score_rows(blocks, p, offsets[c], offsets[c + 1], norms, w, base, g, keybuf);
     }
 
     /* 3. per row: its own candidates first, the best kept, the first scored exactly */
@@ -198,18 +239,22 @@ static int extend_rows(int64_t rows, const int64_t *sel, const int64_t *own, int
         int64_t e = exact > n_own ? exact : n_own;
         e = e < t ? e : t;
         /* the kept: the own candidates (the lowest keys) and the t - own lowest others, in row order (place order);
-           the scored: the own and the e - own lowest others, sorted */
+           the scored: the own and the e - own lowest others, sorted. A strided sample's bound keeps about 1.25 t
+           of the row's keys in one pass, in order, and the selections read only those */
         int64_t own_high = placed_key(-INFINITY, 0) >> 32, own_top = (int64_t)((uint64_t)own_high << 32) | PLACE_BITS;
-        int64_t others = 0, kth = own_top, eth = own_top;
-        for (int64_t j = 0; j < h; j++) {
-            buf[others] = row[j];
-            others += row[j] > own_top;
+        int64_t c = under_sampled_bound(row, h, t, buf), kth = own_top, eth = own_top;
+        if (t > n_own) {
+            int64_t others = 0;
+            for (int64_t j = 0; j < c; j++) {
+                tmp[others] = buf[j];
+                others += buf[j] > own_top;
+            }
+            kth = select_key(tmp, others, t - n_own, tmp + c);
         }
-        if (t > n_own) kth = select_key(buf, others, t - n_own, tmp);
         int64_t n = 0;
-        for (int64_t j = 0; j < h; j++) {
-            buf[n] = row[j];
-            n += row[j] <= kth;
+        for (int64_t j = 0; j < c; j++) {  /* in place: n <= j */
+            buf[n] = buf[j];
+            n += buf[j] <= kth;
         }
         if (e > n_own) {
             for (int64_t j = 0, c = 0; j < t; j++) {
