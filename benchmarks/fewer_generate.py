@@ -11,8 +11,8 @@ may differ; the first differing token's index is printed). The machine's load is
 
     OMP_NUM_THREADS=1 python benchmarks/fewer_generate.py [--datastore ~/.cache/memlm/demo/ds-sotu-1990-2000]
         [--prompts 6] [--prompt-tokens 64] [--new-tokens 48] [--min-pointers 1 4] [--adaptive-gate DIR
-        --adaptive-fraction F] [--batch 1] [--repeats 1] [--clusters C [--sketch-dims P --exact-members E]
-        [--cluster-width W]]
+        --adaptive-fraction F] [--batch 1] [--repeats 1] [--clusters C [--sketch-dims P --exact-members E
+        --max-clusters M] [--cluster-width W]]
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sketch-dims", type=int, default=0, help="with --clusters: members ranked by a KeySketch of this "
                    "many components (0: every member scored exactly)")
     p.add_argument("--exact-members", type=int, default=1024, help="with --sketch-dims: members a row scores exactly")
+    p.add_argument("--max-clusters", type=int, default=0, help="with --sketch-dims: clusters a row ranks the members "
+                   "of, the nearest by centroid (0: all), as benchmarks/search_savings.py --max-clusters")
     p.add_argument("--cluster-width", type=int, default=0, help="with --clusters: candidates a clustered row keeps "
                    "(PointerConfig.cluster_width; 0: k)")
     args = p.parse_args()
@@ -105,7 +107,7 @@ def main() -> None:
     clusters = None
     if args.clusters:
         clusters = cluster_states(store.keys, args.clusters, sketch_dims=args.sketch_dims,
-                                  exact_members=args.exact_members)
+                                  exact_members=args.exact_members, max_clusters=args.max_clusters or None)
     source = PointerSource.local(successors(store.provenance, len(store)).next_ids, store.values, store.keys,
                                  clusters)
     adaptive = gate(args, bench, store) if args.adaptive_gate else None
