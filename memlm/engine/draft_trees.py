@@ -2,7 +2,7 @@
 3, "several drafts, tree or best-first"; REST, He et al. 2023, verifies its trie's candidates the same way, and
 SpecInfer, Miao et al. 2024, a token tree with a tree attention mask).
 
-What a tree is. The candidates (memlm.engine.drafts: the row's main draft `row_draft`, then its other history
+What a tree is. The candidates (memlm.engine.drafts: the row's main draft `RowDrafts.main`, then its other history
 matches and the datastore's other branches) are merged into their prefix tree (`prefix_tree`): node i holds a token
 and a parent (-1: the row's last token x_t, the root), the main draft's nodes first, as a chain. The pass feeds x_t
 and every node; node i sits at position p_t + depth(i) (its rotary angle) but in slot p_t + 1 + i of the row's cache,
@@ -143,7 +143,7 @@ def candidate_tree(candidates: Sequence[Sequence[int]], tree_nodes: int, room: i
 
 def tree_candidates(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
                     spec: SpeculativeConfig, greedy: bool) -> list[tuple[int, ...]]:
-    """A row's candidate drafts, its main draft (row_draft) first, then, for a greedy row with spec.tree_nodes, its
+    """A row's candidate drafts, its main draft (RowDrafts.main) first, then, for a greedy row with spec.tree_nodes, its
     other candidates from spec.draft_from's sources, in this order: the history's draft (a match of history_min_match
     tokens or more, own_text_draft), the short one of a shorter match (fallback_tokens), the datastore's branches
     (`datastore_branches`, tree_branches of them), the tokens that most often follow the last one
@@ -154,9 +154,7 @@ def tree_candidates(text: Sequence[int], pointers: np.ndarray, source: DraftSour
         return [main]
     candidates = [main]
     if spec.draft_from != "datastore":
-        candidates.append(drafts.history)
-        if spec.fallback_tokens and spec.history_min_match > 1:
-            candidates.append(drafts.fallback)
+        candidates += [drafts.history, drafts.fallback]
     if spec.uses_datastore:
         candidates += datastore_branches(drafts.starts, source, length, spec.tree_branches, spec.min_agreeing)
         if spec.frequent_branches and source.frequent is not None and text:

@@ -23,7 +23,7 @@ From the row's own text (`history_draft`; prompt lookup decoding, Saxena 2023; L
 document's own past as a datastore, as in the continuous cache of Grave et al. 2017): the longest suffix of the
 row's tokens (boundary, prompt, generated) that occurred before in them, and what followed it there. Why: held-
 apart speeches seldom go on as the 1990s speeches did (the datastore's drafts are right for ~1.3 tokens a pass
-there), while a small model's greedy text repeats its prompt's phrases and itself. "both" (`row_draft`) takes the
+there), while a small model's greedy text repeats its prompt's phrases and itself. "both" (`RowDrafts.main`) takes the
 history's draft when the row's last tokens recur (SpeculativeConfig.history_min_match: then it is often right for
 many tokens), else the datastore's.
 
@@ -365,16 +365,9 @@ def own_text_draft(text: Sequence[int], length: int, spec: SpeculativeConfig) ->
     return draft if match >= spec.history_max_match else draft[: spec.short_match_tokens]
 
 
-def row_draft(text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,
-              spec: SpeculativeConfig) -> tuple[int, ...]:
-    """The draft a row verifies after its `text` (boundary, prompt, generated; pointers: memlm.engine.rows.Row's)
-    under spec.draft_from, at most `length` tokens (RowDrafts.main)."""
-    return RowDrafts(text, pointers, source, length, spec).main
-
-
 class RowDrafts:
     """A row's drafts after its `text` for one verifying pass, each made once, when first read: its main draft
-    (`main`, the rule of row_draft) and a draft tree's other candidates (memlm.engine.draft_trees) read the same
+    (`main`) and a draft tree's other candidates (memlm.engine.draft_trees) read the same
     history match and datastore chains."""
 
     def __init__(self, text: Sequence[int], pointers: np.ndarray, source: DraftSource, length: int,

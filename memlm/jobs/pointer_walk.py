@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from memlm.retrieval import by_id_kernels, walk_step
+from memlm.retrieval import walk_step
 from memlm.retrieval.knnlm import NEG_INF, knn_target_logprob
 from memlm.retrieval.pointers import (
     PointerConfig,
@@ -174,7 +174,7 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
             q = torch.from_numpy(np.ascontiguousarray(xq[tok], dtype=np.float32))  # (m, d)
             need, scored = walk_step.walk_step(
                 b.arrays, movers, targets[prev_tok], fresh, config.min_pointers, source.successors.next_ids, q.numpy(),
-                ((q - sk.mean) @ sk.basis).numpy(), source.cluster_arrays, sk.exact_members, sk.max_clusters,
+                sk.project(q).numpy(), source.cluster_arrays, sk.exact_members, sk.max_clusters,
                 config.extended_width(k))  # (m,), (m,)
         else:
             cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source, distances)  # (m, w)
@@ -200,14 +200,12 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
 
 def compiled_step(source: PointerSource, config: PointerConfig) -> bool:
     """Whether the walk's steps run compiled (walk_step.walk_step: follow, the clustered extension and the
-    block's store in one call, the same rule): clustered states with a KeySketch, the successors in process (a
-    SuccessorTable), the kernels available, and no pointers kept beside searches (keep_pointers reads the
+    block's store in one call, the same rule): where the extension is (walk_step.runs_compiled), with the
+    successors in process (a SuccessorTable) and no pointers kept beside searches (keep_pointers reads the
     followed pointers' distances, which the compiled step does not form)."""
-    cl, table = source.clusters, source.successors
-    return (cl is not None and cl.sketch is not None and not config.keep_pointers and isinstance(table, SuccessorTable)
-            and table.next_ids.dtype == np.int64 and table.next_ids.flags.c_contiguous
-            and cl.stored_keys.dtype in (np.float16, np.float32) and cl.stored_keys.flags.c_contiguous
-            and by_id_kernels.available())
+    table = source.successors
+    return (walk_step.runs_compiled(source.clusters) and not config.keep_pointers and isinstance(table, SuccessorTable)
+            and table.next_ids.dtype == np.int64 and table.next_ids.flags.c_contiguous)
 
 
 def _keep(kept: Neighbors | None, tok: np.ndarray, found: Neighbors) -> None:

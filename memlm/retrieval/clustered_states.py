@@ -9,7 +9,7 @@ those keys (`lowest_keys`: ties by place, whatever else is in the call, with no 
 repair), and exact float32 distances for those the sketch path scores (`exact_member_distances`, one faiss
 call), the same members in the same order as the padded float matrix and torch.topk they replaced
 (tests/memlm/retrieval/test_clustered_order.py: a row-by-row oracle, element for element). These are the numpy
-path's pieces; with a KeySketch and the compiled kernels a row is extended by memlm.retrieval.by_id_kernels.
+path's pieces; with a KeySketch and the compiled kernels a row is extended by memlm.retrieval.walk_step.
 extend_sketched instead (the same rule, one call for all rows).
 
 Shape legend: N datastore entries, d key dimension, C clusters, r rows extended, p sketch components,
@@ -47,6 +47,10 @@ class KeySketch(NamedTuple):
     all of its own candidates' clusters. Fewer members ranked, and the nearest members mostly lie in the
     nearest clusters (208K SOTU, 50 clusters: the 3 nearest of a pointed row's ~6.7 hold 46% of its members
     and 92% of those it keeps)."""
+
+    def project(self, q: torch.Tensor) -> torch.Tensor:
+        """(r, p) float32 (q - mean) @ basis of queries q (r, d): what a row's sketch scores are formed from."""
+        return (q - self.mean) @ self.basis
 
 
 EXACT_MEMBERS = 1024
@@ -238,7 +242,7 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         block, norms, qq, qn = cl.member_keys, cl.member_norms, q, q.pow(2).sum(dim=1)  # (N, d), (N,), (r, d), (r,)
     else:  # (x - mean) . (q - mean) ~ its part on the basis; ||q - mean||^2 is the row's constant, left out
         block, norms = sk.codes, sk.centred_norms  # (N, p), (N,)
-        qq, qn = (q - sk.mean) @ sk.basis, None  # (r, p)
+        qq, qn = sk.project(q), None  # (r, p)
     sizes = cl.offsets[p_cl + 1] - cl.offsets[p_cl]  # (p,)
     starts = np.asarray(np.cumsum(sizes) - sizes if starts is None else starts, dtype=np.int64)  # (p,) first keys
     out = np.empty(int(sizes.sum()) if length is None else length, dtype=np.int64)  # (T,)

@@ -341,11 +341,11 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     ranking are kept (all of its own, if more, then cut to the nearest `width`). Its own candidates and the
     best others, KeySketch.exact_members in all (or all of its own, if more), get exact distances and come
     first, nearest first; the others get distance inf and come after them in place order (StateClusters.members
-    order: they weigh nothing, so their order matters to nobody, and no sort of them is needed): followed at the
-    next step like any candidate, but of no weight in this step's p_kNN (knnlm.knn_logprob_from_matches), so the
-    kNN distribution is built from exact distances only. So a row whose clusters hold at most min(width, exact_members) members (all kept,
-    all scored), or a sketch that ranks like the exact distances, keeps the exact nearest beside its own
-    candidates (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys). With
+    order: no sort of them is needed): followed at the next step like any candidate, but of no weight in this
+    step's p_kNN (knnlm.knn_logprob_from_matches), so the kNN distribution is built from exact distances only. So
+    a row whose clusters hold at most min(width, exact_members) members (all kept, all scored), or a sketch that
+    ranks like the exact distances, keeps the exact nearest beside its own candidates
+    (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys). With
     KeySketch.max_clusters only the members of the row's nearest clusters (`nearest_pairs`) are ranked, and
     its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py).
 
@@ -356,11 +356,11 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
         return candidates
     ids = candidates.ids[rows]  # (r, w)
     q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
-    sk = cl.sketch
-    if sk is not None and by_id_kernels.available():  # the same rule in one compiled call
-        qq = ((q - sk.mean) @ sk.basis).numpy()  # (r, p) as rank_keys forms it
-        dist, m_ids, vals, count = walk_step.extend_sketched(ids, q.numpy(), qq, source.cluster_arrays,
-                                                                 sk.exact_members, sk.max_clusters, width)
+    if walk_step.runs_compiled(cl):  # the same rule in one compiled call
+        sk = cl.sketch
+        dist, m_ids, vals, count = walk_step.extend_sketched(ids, q.numpy(), sk.project(q).numpy(),
+                                                             source.cluster_arrays, sk.exact_members, sk.max_clusters,
+                                                             width)
         kept = max(1, int(count.max(initial=0)))
         return merge_rows(candidates, rows, Neighbors(dist[:, :kept], m_ids[:, :kept], vals[:, :kept]))
     return merge_rows(candidates, rows, _extended_rows(ids, q, source, width))

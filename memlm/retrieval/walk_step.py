@@ -8,9 +8,9 @@ the own candidates first, the kept and the scored picked by a histogram selectio
 keys for the scored. The rule is memlm.retrieval.pointers.extend_by_clusters'; the tests hold the compiled step to
 numpy's follow + extend_by_clusters token for token (tests/memlm/retrieval/test_pointers_clusters.py) and the
 extension to a row-by-row oracle (test_clustered_order.py). Its sums run in another order than numpy's and torch's
-(the sketch scores, the centroid distances), so members whose scores tie to float32 rounding may rank differently. On the 208K-key SOTU datastore (IVF2048,SQ8, 100
-clusters, 3 nearest, 2,048 kept, 512 exact, one thread) the walk's pass went from 1.05-1.13x plain kNN-LM's to
-0.74x (README "Fewer searches").
+(the sketch scores, the centroid distances), so members whose scores tie to float32 rounding may rank differently.
+On the 208K-key SOTU datastore (IVF2048,SQ8, 100 clusters, 3 nearest, 2,048 kept, 512 exact, one thread) the walk's
+pass went from 1.05-1.13x plain kNN-LM's to 0.74x (README "Fewer searches").
 
 Shape legend: r rows, N datastore entries, C clusters, d key dimension, p sketch components, S streams, W the
 block's width, m moving streams.
@@ -53,6 +53,14 @@ class ClusterArrays(NamedTuple):
     blocks: np.ndarray  # (ceil(N / 16), p, 16) float16 the sketch codes by place (sketch_blocks)
     norms: np.ndarray  # (N,) float32 the sketch's centred norms by place
     keys: np.ndarray  # (N, d) float16 or float32 the stored keys by place
+
+
+def runs_compiled(cl: StateClusters | None) -> bool:
+    """Whether rows over clustered states `cl` are extended here (the same rule as the numpy path of
+    memlm.retrieval.pointers.extend_by_clusters): states with a KeySketch, keys float16 or float32, the kernels
+    available."""
+    return (cl is not None and cl.sketch is not None and cl.stored_keys.dtype in (np.float16, np.float32)
+            and by_id_kernels.available())
 
 
 def cluster_arrays(cl: StateClusters, member_values: np.ndarray) -> ClusterArrays:
@@ -137,8 +145,8 @@ def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray,
     than min_pointers (>= 1), or fresh (m,) bool (a stream's first token), need a search and are left as they are;
     the others are extended by extend_by_clusters' rule (q (m, d), qq (m, p) as extend_sketched's) into their rows
     (at most `width` <= W). Returns need (m,) bool and scored (m,) int64: how many of a row's kept candidates
-    have a distance (they come first; 0 where it needs a search). The block's ids must be datastore rows (checked
-    on the rows read: ValueError, nothing written)."""
+    have a distance (they come first; 0 where it needs a search). The block's ids and their successors must be
+    datastore rows (checked where read: ValueError, nothing written)."""
     lib = by_id_kernels.library(lib)
     q = np.ascontiguousarray(q, dtype=np.float32)  # (m, d)
     qq = np.ascontiguousarray(qq, dtype=np.float32)  # (m, p)
@@ -150,9 +158,8 @@ def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray,
     m, n = rows.shape[0], cl.assign.shape[0]
     if q.shape[0] != m or targets.shape != (m,) or first.shape != (m,) or width > w or min_pointers < 1:
         raise ValueError(f"rows, prev_targets, fresh and q must have {m} rows, width <= {w}, min_pointers >= 1")
-    if next_ids.shape != (n,) or next_ids.dtype != np.int64 or not next_ids.flags.c_contiguous \
-            or (n and (int(next_ids.min()) < -1 or int(next_ids.max()) >= n)):
-        raise ValueError(f"next_ids must be C-contiguous ({n},) int64 in [-1, {n})")
+    if next_ids.shape != (n,) or next_ids.dtype != np.int64 or not next_ids.flags.c_contiguous:
+        raise ValueError(f"next_ids must be C-contiguous ({n},) int64")  # its values are checked where read
     for a, dtype in zip(block, (np.int64, np.float32, np.int32, np.int64)):
         want = (s,) if a is block.count else (s, w)
         if a.dtype != dtype or a.shape != want or not a.flags.c_contiguous or not a.flags.writeable:
@@ -166,7 +173,7 @@ def walk_step(block: CandidateBlock, rows: np.ndarray, prev_targets: np.ndarray,
                            block.vals.ctypes.data, block.count.ctypes.data, w, q.ctypes.data, qq.ctypes.data, *args,
                            need.ctypes.data, scored.ctypes.data) if m else 0
     if status == -2:
-        raise ValueError(f"a block row holds an id outside [-1, {n})")
+        raise ValueError(f"a block row, or a successor of its ids, is outside [-1, {n})")
     if status:
         raise MemoryError("walk_step could not allocate its buffers")
     return need.astype(bool), scored

@@ -329,8 +329,8 @@ int extend_sketched(int64_t rows, const int64_t *own, int64_t own_width, const f
    candidates (memlm.retrieval.pointers.follow's rule). need[i] = 1 where it is fresh[i] (a stream's first token)
    or fewer than min_pointers survive: its block row is left as it is (the caller searches it, or empties it).
    The others are extended (extend_rows, their queries q[i] and qq[i]) into their block rows, scored[i] = how many
-   of the kept have a distance (0 where need[i]). Returns 0; -1 if out of memory; -2 if a block row holds an id
-   outside [-1, entries) (nothing written). */
+   of the kept have a distance (0 where need[i]). Returns 0; -1 if out of memory; -2 if a block row, or the
+   successor of one of its ids, holds an id outside [-1, entries) (nothing written). */
 int walk_step(int64_t movers, const int64_t *rows, const int32_t *prev_targets, const uint8_t *fresh,
               int64_t min_pointers, const int64_t *next_ids, int64_t entries, int64_t *block_ids, float *block_dist,
               int32_t *block_vals, int64_t *block_count, int64_t block_width, const float *q, const float *qq,
@@ -355,6 +355,7 @@ int walk_step(int64_t movers, const int64_t *rows, const int32_t *prev_targets, 
             for (int64_t j = 0; j < block_count[rows[i]]; j++) {
                 if (ids[j] < -1 || ids[j] >= entries) { status = -2; goto done; }
                 int64_t next = ids[j] >= 0 && vals[j] == prev_targets[i] ? next_ids[ids[j]] : -1;
+                if (next < -1 || next >= entries) { status = -2; goto done; }
                 mine[n] = next;
                 n += next >= 0;
             }

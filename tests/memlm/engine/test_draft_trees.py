@@ -102,7 +102,7 @@ def test_a_tree_pass_gives_each_node_its_paths_logits_and_a_moved_branch_decodes
 
 
 def test_row_tree_main_draft_first_then_candidates_within_the_budget() -> None:
-    """The main draft (row_draft) is the tree's first chain; a greedy row adds its other candidates up to tree_nodes
+    """The main draft (RowDrafts.main) is the tree's first chain; a greedy row adds its other candidates up to tree_nodes
     (a main draft that long stays alone), never more than `room`; sampled rows and tree_nodes 0 keep the main one."""
     next_ids = np.array([1, 2, 3, -1, 5, 6, -1], dtype=np.int64)  # two documents: 0 1 2 3 | 4 5 6
     source = DraftSource(next_ids, np.array([9, 1, 2, 3, 9, 4, 5], dtype=np.int32))
@@ -123,14 +123,14 @@ def test_row_tree_main_draft_first_then_candidates_within_the_budget() -> None:
 def test_tree_candidates_make_each_draft_once_and_equal_the_drafts_made_alone(text, monkeypatch) -> None:
     """tree_candidates reads one RowDrafts: the history match and the pointers' chains are made once a pass (they
     were made twice, once for the main draft and once for the other candidates), and the candidates are the
-    drafts each function makes alone: row_draft, own_text_draft, the fallback's history_draft, the branches."""
+    drafts each function makes alone: RowDrafts.main, own_text_draft, the fallback's history_draft, the branches."""
     from memlm.engine import drafts
 
     next_ids = np.array([1, 2, 3, -1, 5, 6, -1], dtype=np.int64)
     source = DraftSource(next_ids, np.array([9, 1, 2, 3, 9, 4, 5], dtype=np.int32))
     pointers = np.array([0, 0, 4, 4], dtype=np.int64)
     spec = SpeculativeConfig(min_agreeing=1, draft_from="both", tree_nodes=5, fallback_tokens=2)
-    want = [drafts.row_draft(text, pointers, source, 4, spec), drafts.own_text_draft(text, 4, spec),
+    want = [drafts.RowDrafts(text, pointers, source, 4, spec).main, drafts.own_text_draft(text, 4, spec),
             drafts.history_draft(text, 2, spec.history_min_match - 1, 1)[0],
             *draft_trees.datastore_branches(drafts.chain_starts(pointers, source), source, 4, spec.tree_branches, 1)]
     calls = {"history_draft": 0, "chain_starts": 0}

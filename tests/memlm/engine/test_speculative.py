@@ -412,8 +412,8 @@ def test_history_draft_is_the_continuation_of_the_latest_earlier_match() -> None
         assert history_draft(seq, length, mx, mn) == _history_oracle(seq, length, mx, mn), (seq, length, mx, mn)
 
 
-def test_row_draft_takes_the_history_then_the_datastore() -> None:
-    from memlm.engine.drafts import row_draft
+def test_main_draft_takes_the_history_then_the_datastore() -> None:
+    from memlm.engine.drafts import RowDrafts
 
     values = np.array([5, 6, 7, 8], dtype=np.int32)
     source = DraftSource(np.array([1, 2, 3, -1]), values)
@@ -423,21 +423,22 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
     one = [2, 3, 4, 1, 3]  # only "3" recurs: 4 1 3 from a 1-token match, below history_min_match 2
     history = dataclasses.replace(spec, draft_from="history")
     both = dataclasses.replace(spec, draft_from="both")
-    assert row_draft(two, pointers, source, 3, spec) == (6, 7, 8)  # draft_from "datastore"
-    assert row_draft(two, pointers, source, 3, history) == (4, 1, 3)
-    assert row_draft(one, pointers, source, 3, history) == ()
-    assert row_draft(one, pointers, source, 3, dataclasses.replace(history, history_min_match=1)) == (4, 1, 3)
-    assert row_draft(two, pointers, source, 3, both) == (4, 1, 3)  # a history match goes first
-    assert row_draft(one, pointers, source, 3, both) == (6, 7, 8)  # none: the datastore's
-    assert row_draft(one, pointers[:0], source, 3, both) == ()
-    assert row_draft(two, pointers, source, 2, both) == (4, 1) and row_draft(two, pointers, source, 0, both) == ()
+    assert RowDrafts(two, pointers, source, 3, spec).main == (6, 7, 8)  # draft_from "datastore"
+    assert RowDrafts(two, pointers, source, 3, history).main == (4, 1, 3)
+    assert RowDrafts(one, pointers, source, 3, history).main == ()
+    assert RowDrafts(one, pointers, source, 3, dataclasses.replace(history, history_min_match=1)).main == (4, 1, 3)
+    assert RowDrafts(two, pointers, source, 3, both).main == (4, 1, 3)  # a history match goes first
+    assert RowDrafts(one, pointers, source, 3, both).main == (6, 7, 8)  # none: the datastore's
+    assert RowDrafts(one, pointers[:0], source, 3, both).main == ()
+    assert RowDrafts(two, pointers, source, 2, both).main == (4, 1)
+    assert RowDrafts(two, pointers, source, 0, both).main == ()
     # Last, a short draft from a shorter history match (fallback_tokens), after the datastore's.
-    assert row_draft(one, pointers, source, 3, dataclasses.replace(history, fallback_tokens=2)) == (4, 1)
-    assert row_draft(one, pointers, source, 3, dataclasses.replace(both, fallback_tokens=2)) == (6, 7, 8)
-    assert row_draft(one, pointers[:0], source, 3, dataclasses.replace(both, fallback_tokens=2)) == (4, 1)
-    assert row_draft(one, pointers[:0], source, 1, dataclasses.replace(both, fallback_tokens=2)) == (4,)
-    assert row_draft(one, pointers, source, 3, dataclasses.replace(spec, fallback_tokens=2)) == (6, 7, 8)
-    assert row_draft([2, 3, 4, 1, 5], pointers[:0], source, 3, dataclasses.replace(both, fallback_tokens=2)) == ()
+    assert RowDrafts(one, pointers, source, 3, dataclasses.replace(history, fallback_tokens=2)).main == (4, 1)
+    assert RowDrafts(one, pointers, source, 3, dataclasses.replace(both, fallback_tokens=2)).main == (6, 7, 8)
+    assert RowDrafts(one, pointers[:0], source, 3, dataclasses.replace(both, fallback_tokens=2)).main == (4, 1)
+    assert RowDrafts(one, pointers[:0], source, 1, dataclasses.replace(both, fallback_tokens=2)).main == (4,)
+    assert RowDrafts(one, pointers, source, 3, dataclasses.replace(spec, fallback_tokens=2)).main == (6, 7, 8)
+    assert RowDrafts([2, 3, 4, 1, 5], pointers[:0], source, 3, dataclasses.replace(both, fallback_tokens=2)).main == ()
     with pytest.raises(MemlmError, match="fallback_tokens"):
         SpeculativeConfig(fallback_tokens=-1)
     with pytest.raises(MemlmError, match="--draft-from"):
@@ -448,9 +449,9 @@ def test_row_draft_takes_the_history_then_the_datastore() -> None:
 
 def test_a_shorter_history_match_drafts_at_most_short_match_tokens() -> None:
     """own_text_draft: a match of history_max_match tokens drafts up to the length asked; a shorter one at most
-    short_match_tokens; row_draft and a row's tree take it so."""
+    short_match_tokens; a row's main draft and its tree take it so."""
     from memlm.engine.draft_trees import row_tree
-    from memlm.engine.drafts import own_text_draft, row_draft
+    from memlm.engine.drafts import RowDrafts, own_text_draft
 
     three = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # "1 2 3" recurs: 4 5 6 7 1 2 3 ... (period 7)
     two = [9, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # only "2 3" recurs: a 2-token match, the same continuation
@@ -461,7 +462,7 @@ def test_a_shorter_history_match_drafts_at_most_short_match_tokens() -> None:
     assert own_text_draft(two, 6, dataclasses.replace(spec, short_match_tokens=16)) == (4, 5, 6, 7, 1, 2)
     assert own_text_draft(two, 6, dataclasses.replace(spec, history_max_match=2)) == (4, 5, 6, 7, 1, 2)  # full length
     source = DraftSource(np.array([-1]), np.array([0], dtype=np.int32))
-    assert row_draft(two, np.zeros(0, np.int64), source, 6, spec) == (4, 5)
+    assert RowDrafts(two, np.zeros(0, np.int64), source, 6, spec).main == (4, 5)
     tree = row_tree(two, np.zeros(0, np.int64), source, 6, dataclasses.replace(spec, tree_nodes=5), True, 6)
     assert tree.tokens[:2] == (4, 5) and len(tree.tokens) <= 5
     with pytest.raises(MemlmError, match="short_match_tokens"):

@@ -305,7 +305,7 @@ def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past
         want = extend_by_clusters(cands, np.flatnonzero(~want_need), xq, source, width)
     sk = cl.sketch
     q = torch.from_numpy(xq)
-    need, scored = walk_step.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, ((q - sk.mean) @ sk.basis).numpy(),
+    need, scored = walk_step.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, sk.project(q).numpy(),
                                            source.cluster_arrays, sk.exact_members, sk.max_clusters, width)
     np.testing.assert_array_equal(need, want_need)
     assert need.any() and (~need).any()
@@ -342,7 +342,7 @@ def test_walk_step_refuses_ids_outside_the_datastore_and_survives_non_finite_ske
     block.ids[0, 0], block.vals[0, 0] = n, 0
     xq = keys[:1].float().numpy()
     sk = cl.sketch
-    qq = ((torch.from_numpy(xq) - sk.mean) @ sk.basis).numpy()
+    qq = sk.project(torch.from_numpy(xq)).numpy()
     with pytest.raises(ValueError, match="outside"):
         walk_step.walk_step(block, np.array([0]), np.array([0]), np.array([False]), 1, nxt, xq, qq,
                             source.cluster_arrays, 3, None, 6)
