@@ -32,6 +32,7 @@ demo: fetch
 
 test: fetch
 	$(MAKE) proto-check
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 proto: $(STAMP)

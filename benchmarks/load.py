@@ -42,7 +42,7 @@ def rss_mib(pid: int) -> float:
 
 
 def run_load(address: str, args) -> dict:
-    from services.retrieval_client import RetrievalClient
+    from services.retrieval.client import RetrievalClient
 
     latencies: list[float] = []
     errors: list[str] = []

@@ -33,7 +33,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.memorizing import fresh_knn_attention
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -60,7 +60,7 @@ def engine_run(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest
 
 def service_figure(bench, memory: MemoryConfig, module, reqs: list[GenerationRequest], address: str) -> None:
     """Figure 5: the rows' memories in a memory server's sessions, searches at once vs one after another."""
-    from services.memory_client import remote_memory_factory
+    from services.retrieval.memory_client import remote_memory_factory
 
     remote = dataclasses.replace(memory, knn_backend="service")
     client = remote_memory_factory(address, timeout=120)

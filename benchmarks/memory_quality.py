@@ -29,7 +29,7 @@ import torch
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.train import TrainConfig, train
 from memlm.jobs.windows import WindowConfig, score_documents
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 
 
 def sotu_tokens(tokenizer, split: str, n_docs: int | None, doc_tokens: int | None, total: int | None = None):

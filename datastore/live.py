@@ -9,7 +9,7 @@ stay readable for it (mapped files outlive their unlinking). A generation that f
 served; the old one is, and the failure is logged once.
 
 Polling, not a signal: the retrieval server calls `refresh()` every GenerationWatch.poll_s seconds on a
-helper thread (services/retrieval_server.py), so a commit is picked up within that time with no
+helper thread (services/retrieval/server.py), so a commit is picked up within that time with no
 process-management plumbing between the command that commits and the server (containers, other hosts
 sharing the folder).
 

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memlm.data.documents import load_documents
-from services.lm_client import Finish, KnnRequest, LanguageModelClient
+from services.lm.client import Finish, KnnRequest, LanguageModelClient
 
 START_TIMEOUT_S = 300.0
 

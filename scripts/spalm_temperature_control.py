@@ -16,9 +16,9 @@ import argparse
 
 import torch
 
-from memlm.eval_command import load_tokens
+from memlm.cli.eval import load_tokens
 from memlm.jobs.segment_eval import evaluate_memory
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained

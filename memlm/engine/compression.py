@@ -29,7 +29,7 @@ from memlm.memory.compressive import pool_states
 from memlm.model.decoder import apply_rotary
 
 POOLS = ("mean", "max")
-"""The compress functions the engine applies (memlm.memory.config.COMPRESS_FNS without the learned "conv",
+"""The compress functions the engine applies (memlm.model.memory_config.COMPRESS_FNS without the learned "conv",
 which the one-sequence path does not serve either)."""
 
 

@@ -80,15 +80,15 @@ from memlm.jobs.generate import (
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationEnd,
-    _as_stop,
-    _flush,
-    _match_stop,
+    as_stop,
+    flush_text,
+    match_stop,
 )
 from memlm.memory.memorizing import KnnAttention
 from memlm.memory.spalm import SpalmHead
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
-from memlm.retrieval.memory_store import KeyValueMemoryFactory
+from memlm.memory.knn_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Searcher
 
 _log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class Engine:
             score_rows.check_request(self, request)
         else:
             for s in request.stop_sequences:
-                _as_stop(s)
+                as_stop(s)
             if request.knn is not None and self.searcher is None:
                 raise MemlmError("kNN-LM generation needs a datastore: this engine has no searcher")
             speculative.check_request(self, request)
@@ -370,7 +370,7 @@ class Engine:
             return
         event = row.append(token, logprob, base_logprob, self.tokenizer)
         row.handle.put(event)
-        matched = _match_stop(row.stops, row.generated, row.stable, row.checked, self.tokenizer)
+        matched = match_stop(row.stops, row.generated, row.stable, row.checked, self.tokenizer)
         row.checked = len(row.stable)
         if matched is not None:
             self._finish(row, FINISH_STOP, matched)
@@ -385,7 +385,7 @@ class Engine:
             row.handle.put(score_rows.ScoreEnded(reason))
             self._release(row)
             return
-        tail = _flush(self.tokenizer, row.generated, row.emitted)
+        tail = flush_text(self.tokenizer, row.generated, row.emitted)
         row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
                                      row.searches, row.verify_steps, row.verified_tokens, row.searches_saved))
         self._release(row)

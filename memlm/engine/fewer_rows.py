@@ -10,8 +10,8 @@ A row whose GenerationRequest.fewer is set, at each chosen token:
   to follow), and keeps the k nearest then, so a minimum above k is plain kNN-LM exactly; clustered states
   extend the pointed rows as in evaluation (`extend_by_clusters`). Through a retrieval service the row's
   lookups and the engine's searches must read one datastore generation: `memlm generate --retrieval` gives
-  the engine one services.retrieval_walk.OneGeneration as both its searcher and the rows' lookups; the LM
-  server refuses pointers in Generate over a remote datastore (services.lm_args.generate_retrieval_of: its
+  the engine one services.retrieval.walk.OneGeneration as both its searcher and the rows' lookups; the LM
+  server refuses pointers in Generate over a remote datastore (services.lm.args.generate_retrieval_of: its
   lanes' searches are shared by calls, and its lookups would be bounded by no caller's deadline);
 - the gate (He et al. 2021; memlm.retrieval.adaptive): a row that would search asks the gate over its LM
   distribution's features and its key (as memlm.jobs.fewer_scoring feeds it); where the score is below the

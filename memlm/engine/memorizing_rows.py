@@ -43,12 +43,12 @@ from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.engine.rows import Row
 from memlm.errors import MemlmError
 from memlm.jobs.memorizing import check_knn_attention, open_knn_store
-from memlm.memory.config import MemoryConfig, memorizing_layer, resolve_knn_backend
+from memlm.model.memory_config import MemoryConfig, memorizing_layer, resolve_knn_backend
 from memlm.memory.memorizing import KnnAttention, KnnRetrieval, stream_entries
 from memlm.model.decoder import CachedAttention, Decoder, LayerMemory
 
 if TYPE_CHECKING:
-    from memlm.retrieval.memory_store import KeyValueMemory, KeyValueMemoryFactory
+    from memlm.memory.knn_store import KeyValueMemory, KeyValueMemoryFactory
 
 _log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.jobs.scoring import SequenceScore, plan_scored_windows
 from memlm.jobs.windows import Window, check_window
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import SearchOptions
 

@@ -18,7 +18,7 @@ import torch
 
 from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import RequestHandle
-from memlm.jobs.generate import REPLACEMENT, TokenEvent, _as_stop
+from memlm.jobs.generate import REPLACEMENT, TokenEvent, as_stop
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.searcher import Neighbors
 
@@ -95,7 +95,7 @@ class Row:
         prefix = request.prefix
         # Without a memory a prompt longer than the row keeps its last `ring` tokens (as generate's window).
         base = 0 if layout.wraps else max(0, len(prefix) - layout.ring)
-        return cls(handle, slot, deadline, generator, [_as_stop(s) for s in request.stop_sequences], prefix,
+        return cls(handle, slot, deadline, generator, [as_stop(s) for s in request.stop_sequences], prefix,
                    len(prefix), base=base, fed=base)
 
     @property

@@ -5,8 +5,8 @@ forward passes with each other and with generation).
 A row reads its request's windows one after another (ScoreRequest.windows: score_tokens' sliding windows, or
 one pass over the whole text in an XL engine), each from position 0 of its cache row, cleared in between.
 After each pass the scored tokens' log-probabilities, greedy flags, kNN-LM mixture and top-n alternatives are
-memlm.jobs.scoring's own per-token function (`_final_scores`, called, not copied, with memlm.retrieval.knnlm's
-math inside), and the finished text is assembled by its `_assemble`: the same SequenceScore as the library up
+memlm.jobs.scoring's own per-token function (`final_scores`, called, not copied, with memlm.retrieval.knnlm's
+math inside), and the finished text is assembled by its `assemble_scores`: the same SequenceScore as the library up
 to float32 rounding of the forward pass (the KV cache attends over preallocated slots, in other batch shapes).
 Every scored token of the step's kNN-LM score rows is searched in the step's ONE search, with the decode rows'
 keys (memlm.engine.engine.Engine._choose; memlm.engine.sampling.search_rows: of the largest k asked, each
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import RequestHandle, ScoreRequest
 from memlm.errors import MemlmError
-from memlm.jobs.scoring import SequenceScore, _assemble, _final_scores
+from memlm.jobs.scoring import SequenceScore, assemble_scores, final_scores
 from memlm.jobs.windows import Window
 from memlm.model.decoder import Decoder
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -91,7 +91,7 @@ class ScoreRow:
     base: int = 0
     """Always 0 (a window starts at position 0); window_starts' and the view's bookkeeping as for Row."""
     parts: list[tuple] = field(default_factory=list)
-    """memlm.jobs.scoring._final_scores' tuple per pass chunk, in order (memlm.jobs.scoring._assemble's input)."""
+    """memlm.jobs.scoring.final_scores' tuple per pass chunk, in order (memlm.jobs.scoring.assemble_scores's input)."""
     compressed: int = 0
     """Compressive rows: groups compressed so far (memlm.engine.compression)."""
 
@@ -200,7 +200,7 @@ def queries(pending: list[ScoredPass]) -> tuple[torch.Tensor | None, list[KNNLMC
 
 def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors | None],
                 failed: Exception | None) -> None:
-    """Keep each row's scores (memlm.jobs.scoring._final_scores: base log-prob, the kNN-LM mixture, greedy flags
+    """Keep each row's scores (memlm.jobs.scoring.final_scores: base log-prob, the kNN-LM mixture, greedy flags
     and top-n under the final distribution) with `found`, the step search's (1, k_i) neighbours of `queries`
     in its order; a row whose window is done reads its next one from a cleared cache row, and a row whose last
     window is done delivers its SequenceScore. `failed`, the search's error (found is then empty), ends the
@@ -220,7 +220,7 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
                 nb = Neighbors(*(np.concatenate([q[f] for q in mine]) for f in range(3)))  # (n, k_i)
                 at += len(targets)
             if len(targets):
-                row.parts.append(_final_scores(lm_lp, targets, greedy, nb, request.knn, min(request.top_n, V)))
+                row.parts.append(final_scores(lm_lp, targets, greedy, nb, request.knn, min(request.top_n, V)))
             if row.to_feed > 0:
                 continue
             if row.at + 1 < len(row.windows):  # the next window, from position 0 of a cleared row
@@ -232,10 +232,10 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
 
 
 def sequence_score(row: ScoreRow, vocab: int) -> SequenceScore:
-    """memlm.jobs.scoring's result for a finished score row (its _assemble over the row's parts): the tokens
+    """memlm.jobs.scoring's result for a finished score row (its assemble_scores over the row's parts): the tokens
     its windows scored (ScoreRequest.scored)."""
     request = row.handle.request
-    return _assemble([request.scored], [row.parts], [1 + len(request.context)], min(request.top_n, vocab))[0]
+    return assemble_scores([request.scored], [row.parts], [1 + len(request.context)], min(request.top_n, vocab))[0]
 
 
 def split(request: ScoreRequest, parts: int) -> list[ScoreRequest]:

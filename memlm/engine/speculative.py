@@ -84,7 +84,7 @@ class Refusal(NamedTuple):
 
 def refusal(uses_datastore: bool, has_drafts: bool, memory_kind: str | None, fewer: bool) -> Refusal | None:
     """The one place of speculative decoding's refusals (the engine's check_request, the Generate parser's
-    services.lm_args.speculative_of): drafts from the datastore (SpeculativeConfig.uses_datastore; history drafts
+    services.lm.args.speculative_of): drafts from the datastore (SpeculativeConfig.uses_datastore; history drafts
     read the row's own text only) read a datastore in process (`has_drafts`); only the plain KV cache (a rejected
     position would overwrite XL ring slots the memory still needs); not with fewer searches (drafts keep
     pointers of their own, memlm.engine.drafts, and every drafted position is searched). None: served."""

@@ -5,7 +5,7 @@ a kNN-LM over the document's own past, the baseline the Memorizing Transformer i
     p_cache(w | h_t) proportional to sum over earlier positions i < t of the same document with x_{i+1} = w
                      of exp(-|h_t - h_i|^2 / T)
 
-Built from the project's parts, not copied: the cache is an `ExactMemory` (memlm.retrieval.memory_store)
+Built from the project's parts, not copied: the cache is an `ExactMemory` (memlm.memory.knn_store)
 with one stream per batch row, key = the position's kNN-LM key (Decoder's knn_key), value = its next
 token; p_cache and the mixture are kNN-LM's (memlm.retrieval.knnlm: knn_logprob_from_matches and
 interpolate, so lambda 0 is the base LM bit for bit), and lambda and T are tuned by kNN-LM's grid search
@@ -38,11 +38,11 @@ from memlm.errors import MemlmError
 from memlm.jobs.knnlm_eval import TuningData, tune
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.segment_eval import SegmentStream
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
-from memlm.retrieval.memory_store import ExactMemory
+from memlm.memory.knn_store import ExactMemory
 
 DEFAULT_CACHE_SIZE = 2048
 """Positions of earlier segments a cache holds per document when --cache-size is unset (Grave et al. 2017's

@@ -9,7 +9,7 @@ model thread, and stops advancing it when the client goes away).
 - Decoding is incremental: the prompt is encoded once into a KVCache, then each new token is one
   forward step of length 1. When the cache reaches the model's context length, the last half of the
   context is re-encoded into a fresh cache (a sliding window), so generation never exceeds it.
-  With a `memory` (memlm.memory.config.MemoryConfig, e.g. Transformer-XL with sink tokens) the state is that
+  With a `memory` (memlm.model.memory_config.MemoryConfig, e.g. Transformer-XL with sink tokens) the state is that
   memory instead: the prompt is encoded in segments of `memory.segment` tokens, then each new token is one
   step that attends to the sinks and the last mem_len states, so generation runs past the model's
   context without ever re-encoding (what the Score rpc's MEMORY_MODE_XL does, token by token).
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from memlm.errors import MemlmError
 from memlm.jobs.memorizing import check_knn_attention, close_memory, open_memory
 from memlm.jobs.windows import ShouldStop, check_stop
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder, DecoderState, KVCache
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
@@ -50,7 +50,7 @@ from memlm.retrieval.searcher import Searcher, search_keys
 
 if TYPE_CHECKING:
     from memlm.memory.memorizing import KnnAttention
-    from memlm.retrieval.memory_store import KeyValueMemoryFactory
+    from memlm.memory.knn_store import KeyValueMemoryFactory
 
 REPLACEMENT = "\ufffd"
 FINISH_LENGTH = "length"
@@ -143,7 +143,7 @@ class _Opened(NamedTuple):
     """The forward that makes the logits of the last prompt segment and of every decode step; None: the decoder's."""
 
 
-def _as_stop(s: str | Sequence[int]) -> str | tuple[int, ...]:
+def as_stop(s: str | Sequence[int]) -> str | tuple[int, ...]:
     if isinstance(s, str):
         if not s:
             raise MemlmError("stop sequences must be non-empty")
@@ -219,7 +219,7 @@ def generate(
         memory = None
     if memory is not None and memory.segment > model.config.max_seq_len:
         raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] with a memory, got {memory.segment}")
-    stops = [_as_stop(s) for s in stop_sequences]
+    stops = [as_stop(s) for s in stop_sequences]
     prefix = ([boundary_token] if boundary_token is not None else []) + [int(i) for i in prompt_ids]
     if not prefix:
         raise MemlmError("empty prompt and no boundary token: nothing to condition on")
@@ -295,7 +295,7 @@ def _generate(
         with torch.inference_mode():
             token, logprob, base_logprob = _next_token(logits, key, decodable, sampling, generator, searcher, knn)
         if eos_id is not None and token == eos_id:
-            yield GenerationEnd(FINISH_EOS, _flush(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
+            yield GenerationEnd(FINISH_EOS, flush_text(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
             return
         generated.append(token)
         tokens.append(token)
@@ -305,10 +305,10 @@ def _generate(
         emitted += delta
         yield TokenEvent(token, tokenizer.decode([token]), delta, logprob, base_logprob)
 
-        matched = _match_stop(stops, generated, stable, checked, tokenizer)
+        matched = match_stop(stops, generated, stable, checked, tokenizer)
         checked = len(stable)
         if matched is not None:
-            tail = _flush(tokenizer, generated, emitted)
+            tail = flush_text(tokenizer, generated, emitted)
             yield GenerationEnd(FINISH_STOP, tail, prompt_tokens, len(generated), matched)
             return
         if len(generated) == max_new_tokens:
@@ -324,7 +324,7 @@ def _generate(
                 step = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
                 out = model(step, state=cache)
                 logits, key, cache = out.logits[0, -1], out.knn_key[0, -1], out.state
-    yield GenerationEnd(FINISH_LENGTH, _flush(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
+    yield GenerationEnd(FINISH_LENGTH, flush_text(tokenizer, generated, emitted), prompt_tokens, len(generated), "")
 
 
 def _next_token(
@@ -351,13 +351,13 @@ def _next_token(
     return token, float(final_lp[token]), float(lm_lp[token])
 
 
-def _flush(tokenizer: Tokenizer, generated: list[int], emitted: str) -> str:
+def flush_text(tokenizer: Tokenizer, generated: list[int], emitted: str) -> str:
     """At the end, whatever was held back (an incomplete UTF-8 tail) is emitted as decoded."""
     text = tokenizer.decode(generated) if generated else ""
     return text[len(emitted):] if text.startswith(emitted) else ""
 
 
-def _match_stop(
+def match_stop(
     stops: list[str | tuple[int, ...]], generated: list[int], stable: str, checked: int, tokenizer: Tokenizer
 ) -> str | None:
     for s in stops:

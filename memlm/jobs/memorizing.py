@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memlm.errors import MemlmError
-from memlm.memory.config import MemoryConfig, memorizing_layer, resolve_knn_backend
+from memlm.model.memory_config import MemoryConfig, memorizing_layer, resolve_knn_backend
 
 if TYPE_CHECKING:
     from memlm.memory.compressive import Compressor
     from memlm.memory.memorizing import KnnAttention
     from memlm.model.decoder import Decoder, DecoderState
-    from memlm.retrieval.memory_store import KeyValueMemoryFactory
+    from memlm.memory.knn_store import KeyValueMemoryFactory
 
 KNN_TRAIN_MODES: tuple[str, ...] = ("gate", "top")
 """What `memlm train --memory memorizing` fine-tunes besides nothing: "gate" the KnnAttention parameters
@@ -79,7 +79,7 @@ def open_memory(
 def open_knn_store(model: Decoder, memory: MemoryConfig, batch_size: int, service: KeyValueMemoryFactory | None) -> Any:
     """The empty kNN memory of a memorizing state: one stream per (row, kv head) (GQA: each query head
     searches its kv head's stream), head-size keys and values, knn_mem_size entries per stream."""
-    from memlm.retrieval.memory_factory import open_key_value_memory
+    from memlm.memory.knn_store_factory import open_key_value_memory
 
     cfg = model.config
     backend = resolve_knn_backend(memory)

@@ -52,7 +52,7 @@ from memlm.jobs.windows import (
     plan_windows,
 )
 from memlm.memory.compressive import Compressor
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.retrieval.adaptive import distribution_features
 from memlm.retrieval.attribution import (
@@ -73,7 +73,7 @@ from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 if TYPE_CHECKING:
     from memlm.jobs.knnlm_pass import Retrieval
     from memlm.memory.memorizing import KnnAttention
-    from memlm.retrieval.memory_store import KeyValueMemoryFactory
+    from memlm.memory.knn_store import KeyValueMemoryFactory
 
 DENSE_BLOCK_FLOATS = 1 << 22
 """Largest (rows, V) float32 block of full distributions held at once for kNN greedy/top-n (16 MiB)."""
@@ -213,7 +213,7 @@ def score_tokens(
         for job, scores in zip(batch, _score_batch(model, batch, searcher, knn, top_n, attribution, retrieval)):
             parts[job.window.doc].append(scores)
 
-    return _assemble(token_seqs, parts, prefix_lens, top_n)
+    return assemble_scores(token_seqs, parts, prefix_lens, top_n)
 
 
 def score_tokens_segments(
@@ -236,7 +236,7 @@ def score_tokens_segments(
     """Score each sequence segment by segment with a memory carried across segments (Dai et al. 2019).
 
     Arguments as `score_tokens`, except:
-    memory: which memory, its sizes and its segment (memlm.memory.config.MemoryConfig; kind "none" runs
+    memory: which memory, its sizes and its segment (memlm.model.memory_config.MemoryConfig; kind "none" runs
         each segment alone); 1 <= memory.segment <= the model's context, as `memlm eval --segment`.
     batch_size: sequences run side by side, one per row (equal to `memlm eval --batch-size` for
         bit-identical floats); a row's memory is reset when it starts the next sequence.
@@ -292,10 +292,10 @@ def score_tokens_segments(
                         targets = batch.targets[r, a:b].to(device)  # (n,)
                         lm_lp = logp[r, a:b]  # (n, V)
                         greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
-                        parts[seq].append(_final_scores(lm_lp, targets, greedy, nb, knn, top_n, attribution))
+                        parts[seq].append(final_scores(lm_lp, targets, greedy, nb, knn, top_n, attribution))
         finally:
             close_memory(state)
-    return _assemble(token_seqs, parts, prefix_lens, top_n)
+    return assemble_scores(token_seqs, parts, prefix_lens, top_n)
 
 
 def _scored_slices(
@@ -340,7 +340,7 @@ def _check_common(
     return min(top_n, model.config.vocab_size)
 
 
-def _assemble(
+def assemble_scores(
     token_seqs: Sequence[Sequence[int]], parts: list[list[tuple]], prefix_lens: list[int], top_n: int
 ) -> list[SequenceScore]:
     """Concatenate each sequence's per-window scores (5 tensors and the attribution list), in order, into
@@ -393,13 +393,13 @@ def _score_batch(
         results = []
         for o, f in zip(outputs, fewer):
             lm_lp, greedy = o.log_probs()  # (n, V), (n,)
-            results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, f.neighbors, knn, top_n,
+            results.append(final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, f.neighbors, knn, top_n,
                                          keep_base=f.keep_base, searched=f.searched))
         return results
     results = []
     for o, nb in zip(outputs, _search_each(searcher, knn, [o.keys for o in outputs], attribution)):
         lm_lp, greedy = o.log_probs()  # (n, V), (n,)
-        results.append(_final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n, attribution))
+        results.append(final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n, attribution))
     return results
 
 
@@ -424,7 +424,7 @@ def _search_each(
     return blocks
 
 
-def _final_scores(
+def final_scores(
     lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | SourcedNeighbors | None,
     knn: KNNLMConfig | None, top_n: int, attribution: int = 0, keep_base: torch.Tensor | None = None,
     searched: torch.Tensor | None = None,

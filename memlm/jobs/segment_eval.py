@@ -29,13 +29,13 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.memory.compressive import Compressor
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
 
 if TYPE_CHECKING:
     from memlm.memory.memorizing import KnnAttention
-    from memlm.retrieval.memory_store import KeyValueMemoryFactory
+    from memlm.memory.knn_store import KeyValueMemoryFactory
 
 
 class SegmentBatch(NamedTuple):

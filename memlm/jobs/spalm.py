@@ -28,7 +28,7 @@ from memlm.errors import MemlmError
 from memlm.jobs.knnlm_eval import TuningData, tune
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.segment_eval import SegmentStream, attention_cost
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder

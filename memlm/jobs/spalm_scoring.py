@@ -31,15 +31,15 @@ from memlm.jobs.generate import SegmentStep
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.scoring import (
     SequenceScore,
-    _assemble,
+    assemble_scores,
     _check_common,
-    _final_scores,
+    final_scores,
     _scored_slices,
 )
 from memlm.jobs.segment_eval import SegmentStream
 from memlm.jobs.spalm import spalm_memory
 from memlm.jobs.windows import ShouldStop, check_stop
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
 from memlm.model.decoder import Decoder, DecoderState
 from memlm.retrieval.searcher import Searcher, SearchOptions
@@ -112,10 +112,10 @@ def score_spalm(
                 for r, seq, a, b in slices:
                     targets = batch.targets[r, a:b].to(device)  # (n,)
                     lp = logp[r, a:b]  # (n, V)
-                    parts[seq].append(_final_scores(lp, targets, lp.argmax(dim=-1) == targets, None, None, top_n,
+                    parts[seq].append(final_scores(lp, targets, lp.argmax(dim=-1) == targets, None, None, top_n,
                                                     searched=searched[r, a:b].cpu()))  # each target searched
                     gates[seq].append(out.gate[r, a:b].float().cpu())  # (n,)
-    scores = _assemble(token_seqs, parts, prefix_lens, top_n)
+    scores = assemble_scores(token_seqs, parts, prefix_lens, top_n)
     return SpalmScores(scores, [torch.cat(g).numpy() if g else np.zeros(0, np.float32) for g in gates])
 
 

@@ -54,7 +54,7 @@ from memlm.jobs.memorizing import (
 )
 from memlm.jobs.segment_eval import SegmentStream, evaluate_memory
 from memlm.memory.compressive import CompressiveMemory, Compressor
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.reconstruction import attention_reconstruction_loss, capture_queries
 from memlm.model.checkpoint import TextSettings
 from memlm.model.config import PRESETS

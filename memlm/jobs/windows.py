@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.model.decoder import Decoder
+from memlm.retrieval.exact import EXACT_INDEX, TorchExactSearcher
+from memlm.retrieval.searcher import SearcherInfo
 
 
 ShouldStop = Callable[[], bool]
@@ -253,3 +255,26 @@ def _score_batch(
             greedy = torch.empty(0, dtype=torch.bool)
         positions = torch.arange(o.window.score_from, o.window.end)  # (n,)
         yield ScoredTokens(o.window.doc, positions, o.targets, lm_logprob, greedy, o.keys, features)
+
+
+def exact_searcher_over_documents(
+    model: Any, token_docs: Any, window: Any, boundary_token: int, *, model_fingerprint: str = "",
+    tokenizer_fingerprint: str = "",
+) -> TorchExactSearcher:
+    """An in-memory datastore: the (key, next token) pairs of `token_docs` under `model`, taken from the
+    same sliding windows as the datastore builder (score_documents), searched exactly.
+
+    For tests and small corpora; keys stay on the model's device in float32, (N, C). Its info() records
+    the window, boundary token and key layer, and the fingerprints given here (the Decoder knows none).
+    """
+    keys, values = [], []
+    for scored in score_documents(model, token_docs, window, boundary_token, with_logprobs=False):
+        keys.append(scored.keys.float())  # (n, C)
+        values.append(scored.targets)  # (n,)
+    info = SearcherInfo(
+        n=0, dim=0, index=EXACT_INDEX, metric="l2", nprobe=1, key_layer=model.config.key_description,
+        model_name="", model_fingerprint=model_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
+        corpus="in-memory documents", corpus_fingerprint="", context=window.context, stride=window.stride,
+        boundary_token=boundary_token, sink_tokens=0,
+    )  # n and dim: filled in by the searcher
+    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy(), info=info)  # (N, C), (N,)

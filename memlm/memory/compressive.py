@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from memlm.memory.config import COMPRESS_FNS
+from memlm.model.memory_config import COMPRESS_FNS
 from memlm.memory.xl import XLMemory, detached, empty_like, push_fifo
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import LayerMemory

@@ -5,7 +5,7 @@ XL cache of the previous segment) plus, at one layer (`memorizing_layer`, about 
 kNN attention over a large FIFO memory of the document's earlier keys and values:
 
 - after each segment, that layer's L2-normalised un-rotated keys and its values are appended to a
-  KeyValueMemory (memlm.retrieval.memory_store) with one stream per (batch row, kv head); the memory
+  KeyValueMemory (memlm.memory.knn_store) with one stream per (batch row, kv head); the memory
   holds strictly the past, evicts FIFO at knn_mem_size entries and is cleared per row at a document
   boundary (`reset_rows`);
 - in the layer, each query head's normalised un-rotated query retrieves the top-k keys of its kv
@@ -34,7 +34,7 @@ from torch import nn
 from memlm.memory.xl import XLMemory
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import LayerMemory
-from memlm.retrieval.memory_store import KeyValueMemory
+from memlm.memory.knn_store import KeyValueMemory
 
 KNN_ATTENTION_FILE = "knn_attention.pt"
 """The KnnAttention parameters beside a checkpoint (memlm.model.checkpoint layout)."""

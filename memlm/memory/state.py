@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from memlm.memory.compressive import CompressiveMemory, Compressor
-from memlm.memory.config import MemoryConfig, memorizing_layer, resolve_knn_backend
+from memlm.model.memory_config import MemoryConfig, memorizing_layer, resolve_knn_backend
 from memlm.memory.memorizing import LOCAL_BACKENDS, KnnAttention, MemorizingMemory
 from memlm.memory.xl import XLMemory
 from memlm.model.decoder import LayerMemory
-from memlm.retrieval.memory_store import KeyValueMemory
+from memlm.memory.knn_store import KeyValueMemory
 
 
 def new_memory(

@@ -29,7 +29,7 @@ import torch
 
 from memlm.errors import MemlmError
 from memlm.files import fsync_dir, fsync_tree, sha256_file
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
 from memlm.model.pretrained import Pretrained, model_from_state_dict

@@ -168,27 +168,3 @@ class TorchExactSearcher:
         values = np.where(ids >= 0, self.values[np.maximum(ids, 0)], -1).astype(np.int32)  # (Q, k)
         return Neighbors(distances, ids, values)
 
-
-def exact_searcher_over_documents(
-    model: Any, token_docs: Any, window: Any, boundary_token: int, *, model_fingerprint: str = "",
-    tokenizer_fingerprint: str = "",
-) -> TorchExactSearcher:
-    """An in-memory datastore: the (key, next token) pairs of `token_docs` under `model`, taken from the
-    same sliding windows as the datastore builder (memlm.jobs.windows.score_documents), searched exactly.
-
-    For tests and small corpora; keys stay on the model's device in float32, (N, C). Its info() records
-    the window, boundary token and key layer, and the fingerprints given here (the Decoder knows none).
-    """
-    from memlm.jobs.windows import score_documents
-
-    keys, values = [], []
-    for scored in score_documents(model, token_docs, window, boundary_token, with_logprobs=False):
-        keys.append(scored.keys.float())  # (n, C)
-        values.append(scored.targets)  # (n,)
-    info = SearcherInfo(
-        n=0, dim=0, index=EXACT_INDEX, metric="l2", nprobe=1, key_layer=model.config.key_description,
-        model_name="", model_fingerprint=model_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
-        corpus="in-memory documents", corpus_fingerprint="", context=window.context, stride=window.stride,
-        boundary_token=boundary_token, sink_tokens=0,
-    )  # n and dim: filled in by the searcher
-    return TorchExactSearcher(torch.cat(keys), torch.cat(values).numpy(), info=info)  # (N, C), (N,)

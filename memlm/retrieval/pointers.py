@@ -16,7 +16,7 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
    the pointed keys for the same purpose), else each carries its predecessor's distance (a remote
    searcher gives no keys; the walk then ranks pointers by how near their chain started). The successors
    come from a SuccessorLookup: the in-process SuccessorTable, or the retrieval service's Successors rpc
-   (services.retrieval_walk.OneGeneration, held to one datastore generation), asked only for the survivors;
+   (services.retrieval.walk.OneGeneration, held to one datastore generation), asked only for the survivors;
 3. rows with fewer than `min_pointers` candidates are searched instead (`needs_search`). Unlike
    retomaton.py, which concatenates the pointers to the fresh search results, a searched row keeps the k
    nearest only: pointers that are not among them are farther than the k-th neighbour, which kNN-LM
@@ -190,7 +190,7 @@ class PointerConfig:
 
 class SuccessorLookup(Protocol):
     """Where the walk reads successors: an in-process table (SuccessorTable) or the retrieval service's
-    Successors rpc (services.retrieval_walk.OneGeneration, one generation a walk), which answer alike."""
+    Successors rpc (services.retrieval.walk.OneGeneration, one generation a walk), which answer alike."""
 
     def successors_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """ids (M,) int64 datastore rows (each in [0, N)) -> (next_ids (M,) int64, the successor of each, -1

@@ -199,7 +199,7 @@ class RetrievalService:
 
 class MemoryServiceStub:
     """Session memories: per-stream FIFO memories of (key, value) vectors that a client creates, appends to,
-    searches, clears and drops (memlm.retrieval.memory_store.KeyValueMemory over the wire). A stream is
+    searches, clears and drops (memlm.memory.knn_store.KeyValueMemory over the wire). A stream is
     one (batch row, kv head) of the client's model. Search is maximum inner product; the client
     L2-normalises keys and queries. Every call is authenticated like Search. A session dies when it is
     dropped, when it has been idle for its idle timeout, or at its lifetime's end; then its id is
@@ -248,7 +248,7 @@ class MemoryServiceStub:
 
 class MemoryServiceServicer:
     """Session memories: per-stream FIFO memories of (key, value) vectors that a client creates, appends to,
-    searches, clears and drops (memlm.retrieval.memory_store.KeyValueMemory over the wire). A stream is
+    searches, clears and drops (memlm.memory.knn_store.KeyValueMemory over the wire). A stream is
     one (batch row, kv head) of the client's model. Search is maximum inner product; the client
     L2-normalises keys and queries. Every call is authenticated like Search. A session dies when it is
     dropped, when it has been idle for its idle timeout, or at its lifetime's end; then its id is
@@ -345,7 +345,7 @@ def add_MemoryServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class MemoryService:
     """Session memories: per-stream FIFO memories of (key, value) vectors that a client creates, appends to,
-    searches, clears and drops (memlm.retrieval.memory_store.KeyValueMemory over the wire). A stream is
+    searches, clears and drops (memlm.memory.knn_store.KeyValueMemory over the wire). A stream is
     one (batch row, kv head) of the client's model. Search is maximum inner product; the client
     L2-normalises keys and queries. Every call is authenticated like Search. A session dies when it is
     dropped, when it has been idle for its idle timeout, or at its lifetime's end; then its id is

@@ -29,7 +29,7 @@ from memlm.cli import main
 from memlm.errors import MemlmError
 from memlm.retrieval.searcher import MAX_K, MAX_QUERY_ABS, SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
-from services.retrieval_server import create_retrieval_server
+from services.retrieval.server import create_retrieval_server
 
 
 @pytest.fixture()

@@ -99,7 +99,7 @@ def test_memory_none_with_a_segment_scores_each_segment_alone(capsys, tmp_path):
     from memlm.jobs.evaluate import evaluate_perplexity
     from memlm.jobs.segment_eval import evaluate_memory
     from memlm.jobs.windows import WindowConfig
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
@@ -203,8 +203,8 @@ def test_datastore_info_and_results_name_the_weights(capsys, tmp_path, built_sto
 def test_option_groups_have_one_name_and_type_everywhere():
     """Issue 8 item 6: --temperature vs --knn-temperature, sink default 0 (train) vs 4 (eval, serve)."""
     from memlm.cli import build_parser
-    from memlm.memory.config import MemoryConfig
-    from memlm.options import KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, memory_config
+    from memlm.model.memory_config import MemoryConfig
+    from memlm.cli.options import KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, memory_config
 
     parser = build_parser()
     commands = {"eval": ["eval"], "train": ["train"], "serve lm": ["serve", "lm"], "client score": ["client", "score"],
@@ -248,7 +248,7 @@ def test_serve_and_client_refuse_flags_that_do_not_apply(capsys, argv, message):
 def test_eval_of_a_checkpoint_takes_its_memory_settings_or_refuses_others(capsys, tmp_path):
     """Issue 8 item 1: a checkpoint records how its model reads text; eval reproduces it or says no."""
     from memlm.jobs.train import TrainConfig, train
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16)
     docs = [[97 + (i % 26) for i in range(80)]]
@@ -270,7 +270,7 @@ def test_eval_of_a_checkpoint_takes_its_memory_settings_or_refuses_others(capsys
 def test_serve_lm_takes_a_checkpoints_memory_defaults_or_refuses_others(capsys, tmp_path):
     from memlm.cli import build_parser, serve_memory_defaults
     from memlm.jobs.train import TrainConfig, train
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     memory = MemoryConfig("xl", mem_len=16, sink_tokens=2, segment=16)
     train(TrainConfig(memory=memory, steps=1, batch_size=1, log_every=0, device="cpu", out_dir=str(tmp_path / "c")),

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from memlm.cli import build_parser, main
-from memlm.memory.config import MemoryConfig
-from memlm.options import memory_config
+from memlm.model.memory_config import MemoryConfig
+from memlm.cli.options import memory_config
 
 
 def run(capsys, *argv):
@@ -81,8 +81,8 @@ def test_memorizing_eval_over_the_retrieval_service_equals_in_process(capsys, co
     import asyncio
     import threading
 
-    from services.memory_sessions import MemoryOptions
-    from services.retrieval_server import create_retrieval_server
+    from services.retrieval.memory_sessions import MemoryOptions
+    from services.retrieval.server import create_retrieval_server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from lm_eval.tasks import TaskManager
 
-from memlm.harness_command import MemlmLM
+from memlm.cli.harness import MemlmLM
 from memlm.model.tokenizer import Tokenizer
 
 SPEECH = "the state of the union is strong and growing, and the people are free. "

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from memlm.errors import MemlmError
-from memlm.plan_command import GIB, MEMORY_HEADROOM, MIN_REPLICAS, PlanInputs, make_plan
+from memlm.cli.plan import GIB, MEMORY_HEADROOM, MIN_REPLICAS, PlanInputs, make_plan
 
 FIGURES = {"machine": "test", "scan": {"pq_m": 64, "dim": 576, "n": 1000, "nlist": 16, "ns_per_code": 10.0,
                                        "us_per_list": 2.0, "us_per_query_fixed": 50.0, "ns_per_coarse_list": 100.0}}

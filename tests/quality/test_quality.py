@@ -24,7 +24,7 @@ from memlm.data.documents import corpus_fingerprint, load_documents, tokenize_do
 from memlm.jobs.knnlm_eval import evaluate_knnlm
 from memlm.jobs.segment_eval import evaluate_memory
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig

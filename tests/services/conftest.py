@@ -23,12 +23,12 @@ from cryptography.x509.oid import NameOID
 from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
-from services.lm_server import LMLimits, create_lm_server, start_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
+from services.lm.server import LMLimits, create_lm_server, start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
 
 TEST_INFO = SearcherInfo(
     n=0, dim=0, index="Flat", metric="l2", nprobe=1, key_layer="ffn_input.1", model_name="test-model",

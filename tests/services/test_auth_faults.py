@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memlm import cli
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.lm_server import create_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.security import ClientTls, ServerTls
-from services.server_common import ServerOptions, ServiceError
+from memlm.cli import main as cli
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.lm.server import create_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.common.security import ClientTls, ServerTls
+from services.common.server import ServerOptions, ServiceError
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 ROOT = Path(__file__).resolve().parents[2]

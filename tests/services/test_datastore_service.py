@@ -16,8 +16,8 @@ from memlm.jobs.windows import WindowConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
 from memlm.retrieval.searcher import SearchOptions
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
 
 VOCAB = 64
 PROVENANCE = BuildSource(

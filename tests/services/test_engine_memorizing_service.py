@@ -20,17 +20,17 @@ import torch
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import new_knn_attention
 from memlm.model.tokenizer import document_boundary
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
-from services.memory_client import remote_memory_factory
-from services.memory_sessions import MemoryOptions
-from services.retrieval_server import create_retrieval_server
-from services.server_common import ServiceError
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
+from services.retrieval.memory_client import remote_memory_factory
+from services.retrieval.memory_sessions import MemoryOptions
+from services.retrieval.server import create_retrieval_server
+from services.common.server import ServiceError
 
 MEMORY = MemoryConfig("memorizing", segment=16, mem_len=16, sink_tokens=2, knn_layer=1, knn_mem_size=48, knn_top_k=4,
                       knn_backend="exact")

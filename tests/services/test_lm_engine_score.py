@@ -1,4 +1,4 @@
-"""Score on the decoding engine (services.lm_score_engine, issue 12): calls from different clients, and Generate
+"""Score on the decoding engine (services.lm.score_engine, issue 12): calls from different clients, and Generate
 rows, share engine steps; each Score equals itself alone.
 
 Real servers on port 0 over the tiny model. Oracle: each call alone on the same server (and the library, in
@@ -17,16 +17,16 @@ import pytest
 from tiny_models import logprobs_close
 
 from memlm.jobs.scoring import plan_scored_windows, score_tokens
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_args import ScoreArgs
-from services.lm_engine import RETRY_AFTER_KEY, LaneKey
-from services.lm_requests import LMLimits
-from services.lm_score_engine import ALONE, BATCHED, ENGINE, score_path
-from services.lm_server import start_lm_server
+from services.lm.args import ScoreArgs
+from services.lm.engine import RETRY_AFTER_KEY, LaneKey
+from services.lm.requests import LMLimits
+from services.lm.score_engine import ALONE, BATCHED, ENGINE, score_path
+from services.lm.server import start_lm_server
 
 WAIT_S = 30.0
 """How long a poll for a state waits (not a latency bound: the assert after the poll decides)."""
@@ -216,7 +216,7 @@ def test_score_path_says_where_each_score_runs():
 
 def test_a_call_cancelled_while_its_inputs_are_submitted_cancels_every_stream_it_submitted(tiny, module_loop,
                                                                                           monkeypatch):
-    from services import lm_score_engine
+    from services.lm import score_engine as lm_score_engine
 
     real, submitted, release = lm_score_engine._submit_some, [], threading.Event()
 

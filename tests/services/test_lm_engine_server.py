@@ -1,4 +1,4 @@
-"""Generate on the decoding engine (services.lm_engine, issue 12 part 3): one running batch, bounded admission.
+"""Generate on the decoding engine (services.lm.engine, issue 12 part 3): one running batch, bounded admission.
 
 Real servers on port 0 over the tiny model. Oracles: the same call alone on the same server (the engine's
 rows are independent: a request yields the tokens it yields alone, greedy and seeded) and
@@ -15,16 +15,16 @@ import grpc
 import pytest
 
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_engine import MAX_LANES, RETRY_AFTER_KEY
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
+from services.lm.engine import MAX_LANES, RETRY_AFTER_KEY
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
 
 FAST_S = 2.0
 """What "at once" means here: far under a long generation, far over one step (milliseconds)."""
@@ -308,9 +308,9 @@ def test_batches_of_other_settings_are_bounded(tiny, module_loop):
 
 def test_a_generate_cancelled_while_its_request_is_submitted_frees_its_row(tiny, module_loop, monkeypatch):
     """The submit runs in a worker thread; a call cancelled before it returns must still cancel what it submitted
-    (services.lm_engine.submit_in_thread), or the row generates all its tokens for nobody. The worker is held
+    (services.lm.engine.submit_in_thread), or the row generates all its tokens for nobody. The worker is held
     until the client has cancelled, then submits: the request exists only after the cancel."""
-    from services.lm_engine import EnginePool
+    from services.lm.engine import EnginePool
 
     real, submitted, entered, release = EnginePool.submit, [], threading.Event(), threading.Event()
 

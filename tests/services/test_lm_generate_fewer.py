@@ -2,7 +2,7 @@
 a real LM server on port 0 equal `memlm generate`'s engine path (memlm.engine.fewer_rows with the same Retrieval)
 token for token with the same searches and searches_saved, with the datastore in process; pointers through a
 real retrieval server (its Successors rpc) are refused with FAILED_PRECONDITION naming knn.pointers (nothing
-holds the lane's searches and a row's lookups to one datastore generation: services.lm_args.generate_retrieval_of),
+holds the lane's searches and a row's lookups to one datastore generation: services.lm.args.generate_retrieval_of),
 and so is speculative with pointers."""
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from memlm.retrieval.adaptive import (
 )
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig
-from services.lm_args import FewerSources, server_sources
-from services.lm_client import Finish, KnnRequest, LanguageModelClient, TextDelta
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.retrieval_successors import successors_by_generation
-from services.server_common import ServiceError
+from services.lm.args import FewerSources, server_sources
+from services.lm.client import Finish, KnnRequest, LanguageModelClient, TextDelta
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.retrieval.successors import successors_by_generation
+from services.common.server import ServiceError
 
 WINDOW = WindowConfig(48, 24, 4)
 KNN = KNNLMConfig(k=8, lmbda=0.8, temperature=5.0)

@@ -1,7 +1,7 @@
 """LanguageModelService request validation over the wire: every malformed Score or Generate request gets
 INVALID_ARGUMENT / OUT_OF_RANGE (FAILED_PRECONDITION, UNIMPLEMENTED where they apply) with a message that
 starts with the field's name, never UNKNOWN or INTERNAL, and the server keeps serving. The checks live in
-services/lm_requests.py; the servers come from conftest.py (`servers`).
+services/lm/requests.py; the servers come from conftest.py (`servers`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_client import Finish, KnnRequest, LanguageModelClient
-from services.server_common import ServiceError
+from services.lm.client import Finish, KnnRequest, LanguageModelClient
+from services.common.server import ServiceError
 
 
 def health(address: str) -> int:

@@ -1,4 +1,4 @@
-"""services.lm_score_batch, now for the Score calls the engine does not run (score_path BATCHED: attribution, a
+"""services.lm.score_batch, now for the Score calls the engine does not run (score_path BATCHED: attribution, a
 model the engine does not hold): calls of one key that wait for the model's turn share one library call, each
 gets its own sequences' scores back, a call that gives up while waiting leaves the batch, and calls of other
 keys run apart. The library call is a recording stand-in; the turns are the server's real ModelScheduler."""
@@ -12,10 +12,10 @@ import threading
 import pytest
 
 from memlm.jobs.windows import WorkStopped
-from services.lm_args import ScoreArgs
-from services.lm_results import ScoreOutcome
-from services.lm_scheduler import CallStop, ModelScheduler
-from services.lm_score_batch import ScoreBatcher
+from services.lm.args import ScoreArgs
+from services.lm.results import ScoreOutcome
+from services.lm.scheduler import CallStop, ModelScheduler
+from services.lm.score_batch import ScoreBatcher
 
 ARGS = ScoreArgs(token_seqs=[[1]], contexts=[[]], context=8, stride=4, knn=None, top_n=0, memory=None, spalm=None,
                  batch_size=1, attribution=2)

@@ -23,11 +23,11 @@ from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.v1 import language_model_pb2 as lm_pb2
-from services.lm_client import (
+from services.lm.client import (
     Finish,
     KnnRequest,
     LanguageModelClient,
@@ -36,10 +36,10 @@ from services.lm_client import (
     main_generate,
     main_score,
 )
-from services.lm_engine import GenerationRecord
-from services.lm_server import LMLimits, bind_lm_server
-from services.retrieval_server import info_from_proto
-from services.server_common import ServerOptions, ServiceError
+from services.lm.engine import GenerationRecord
+from services.lm.server import LMLimits, bind_lm_server
+from services.retrieval.server import info_from_proto
+from services.common.server import ServerOptions, ServiceError
 
 
 def assert_logprobs_close(got: list[float], want: list[float]) -> None:
@@ -62,7 +62,7 @@ def test_score_equals_library_and_memlm_eval(tiny, docs, servers):
     local = score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=document_boundary(tiny.tokenizer), top_n=3)
     for r, s in zip(remote, local):
         assert [t.token_id for t in r.tokens] == s.tokens.tolist()
-        # Score runs on the engine (services.lm_score_engine): float32 rounding of its cache layout only.
+        # Score runs on the engine (services.lm.score_engine): float32 rounding of its cache layout only.
         assert_logprobs_close([t.base_logprob for t in r.tokens], s.base_logprob.tolist())
         assert_logprobs_close([t.logprob for t in r.tokens], s.logprob.tolist())
         assert [t.is_greedy for t in r.tokens] == s.greedy.tolist()
@@ -126,7 +126,7 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
                            boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=servers["knn"]))
     with client(servers["remote"]) as c:
         got = list(c.generate(prompt, max_new_tokens=6, temperature=0.0, knn=KnnRequest()))
-    # Generate runs on the engine (services.lm_engine): its KV cache attends over preallocated slots, so
+    # Generate runs on the engine (services.lm.engine): its KV cache attends over preallocated slots, so
     # keys and log-probs round differently from the one-sequence path's (measured: 3.6e-7 relative);
     # the tokens are the same.
     served = [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids]
@@ -363,7 +363,7 @@ def test_serve_lm_search_backend_torch_searches_the_keys_on_the_models_device(tm
     import numpy as np
 
     from datastore import build_datastore
-    from services.lm_server import open_model_and_searcher
+    from services.lm.server import open_model_and_searcher
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("the union is strong and the people are free. " * 12)

@@ -24,18 +24,18 @@ from memlm.jobs.scoring import score_tokens
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
 from memlm.retrieval.knnlm import KNNLMConfig
-from services.lm_client import (
+from services.lm.client import (
     Finish,
     KnnRequest,
     LanguageModelClient,
     TextDelta,
     main_score,
 )
-from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_generations import GenerationWatch
-from services.retrieval_server import start_retrieval_server
-from services.server_common import ServiceError
+from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.generations import GenerationWatch
+from services.retrieval.server import start_retrieval_server
+from services.common.server import ServiceError
 
 KNN = KNNLMConfig(k=16, lmbda=0.5, temperature=1.0)
 WORDS = ["union", "strong", "nation", "people", "congress", "war", "peace", "liberty", "freedom", "tax", "trade", "law",
@@ -100,7 +100,7 @@ def test_score_attribution_equals_the_library_local_and_remote(corpus, tiny, tmp
             with LanguageModelClient(address, timeout=60) as c:
                 (got[name],) = c.score([text], knn=KnnRequest(attribution_top_n=3))
                 (plain,) = c.score([text], knn=KnnRequest())
-            # Plain kNN-LM Score runs on the engine (services.lm_score_engine), attribution on the library: float32
+            # Plain kNN-LM Score runs on the engine (services.lm.score_engine), attribution on the library: float32
             # rounding of the engine's cache layout only.
             assert all(math.isclose(p.logprob, a.logprob, rel_tol=1e-5, abs_tol=1e-6)
                        for p, a in zip(plain.tokens, got[name].tokens))

@@ -13,9 +13,9 @@ import math
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_segments
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
-from services.lm_client import LanguageModelClient, MemoryRequest, TextDelta
+from services.lm.client import LanguageModelClient, MemoryRequest, TextDelta
 
 SIZES = MemoryRequest(segment_tokens=8, memory_tokens=8, sink_tokens=2, compressed_memory_tokens=4, compression_rate=2)
 CONFIG = MemoryConfig("compressive", mem_len=8, sink_tokens=2, segment=8, cmem_len=4, compress_rate=2)
@@ -30,7 +30,7 @@ def test_score_compressive_equals_the_library_and_memlm_eval(tiny, docs, servers
     local = score_tokens_segments(tiny.model, docs, memory=CONFIG, boundary_token=bos, top_n=2)
     for r, s in zip(remote, local):
         assert [t.token_id for t in r.tokens] == s.tokens.tolist()
-        # Score runs on the engine's compressive rows (services.lm_score_engine): float32 rounding only.
+        # Score runs on the engine's compressive rows (services.lm.score_engine): float32 rounding only.
         assert all(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6) for g, w in zip([t.base_logprob for t in r.tokens],
                                                                                   s.base_logprob.tolist()))
         assert [[a.token_id for a in t.alternatives] for t in r.tokens] == s.top_ids.tolist()

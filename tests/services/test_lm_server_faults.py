@@ -24,8 +24,8 @@ from memlm.jobs.scoring import plan_scored_windows
 from memlm.jobs.windows import window_cost
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_server import LMLimits, start_lm_server
-from services.server_common import ServerOptions
+from services.lm.server import LMLimits, start_lm_server
+from services.common.server import ServerOptions
 
 LONG = 4000
 """Tokens of the maximal request."""
@@ -164,9 +164,9 @@ def test_tokenize_over_its_text_limit_is_refused(lm):
 
 SERVE = textwrap.dedent("""
     import asyncio
-    from services.lm_requests import LMLimits
-    from services.lm_server import serve_lm
-    from services.server_common import ServerOptions
+    from services.lm.requests import LMLimits
+    from services.lm.server import serve_lm
+    from services.common.server import ServerOptions
 
     asyncio.run(serve_lm("tiny", port=0, options=ServerOptions(grace_s=1.0),
                          limits=LMLimits(max_score_tokens=%d, max_forward_tokens=4_000_000)))

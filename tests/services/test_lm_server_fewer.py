@@ -22,14 +22,14 @@ from memlm.retrieval.adaptive import (
 )
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig, PointerSource
-from services.lm_args import FewerSources, server_sources
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.retrieval_successors import successors_by_generation, table_of
-from services.server_common import ServiceError
+from services.lm.args import FewerSources, server_sources
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.retrieval.successors import successors_by_generation, table_of
+from services.common.server import ServiceError
 
 WINDOW = WindowConfig(48, 24, 4)
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)

@@ -24,13 +24,13 @@ import torch
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.scoring import score_tokens_segments
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import new_knn_attention
 from memlm.model.tokenizer import document_boundary
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
 
 MEMORY = MemoryConfig("memorizing", mem_len=16, sink_tokens=2, segment=16, knn_layer=1, knn_mem_size=48, knn_top_k=4)
 """What the requests below ask for (knn_mem_size 48 < the inputs' length: FIFO eviction happens)."""
@@ -88,7 +88,7 @@ def test_score_equals_the_library_and_differs_from_xl(tiny, knn_attention, stub)
     xl = score(stub, seqs, lm_pb2.MEMORY_MODE_XL)
     assert not np.array_equal(got[0], xl[0])  # the retrieved pairs count
     # The segment before the first retrieval has no past to retrieve: equal to XL there.
-    # (XL Score runs on the engine, services.lm_score_engine: float32 rounding of its cache layout only.)
+    # (XL Score runs on the engine, services.lm.score_engine: float32 rounding of its cache layout only.)
     np.testing.assert_allclose(got[0][:MEMORY.segment - 1], xl[0][:MEMORY.segment - 1], rtol=0, atol=2e-6)
 
 
@@ -127,7 +127,7 @@ def test_a_server_without_knn_attention_answers_unimplemented(servers):
 def test_the_client_and_memlm_client_flags_ask_for_memorizing(address, stub):
     # `memlm client score --memory memorizing --knn-mem-size 48 --knn-top-k 4 ...` sends what OPTIONS says.
     from memlm.cli import build_parser, memory_request
-    from services.lm_client import LanguageModelClient
+    from services.lm.client import LanguageModelClient
 
     args = build_parser().parse_args(["client", "score", "--address", address, "--memory", "memorizing",
                                       "--segment", "16", "--mem-len", "16", "--sink-tokens", "2",
@@ -227,8 +227,8 @@ def test_serve_lm_keeps_a_service_checkpoints_memory_in_the_retrieval_server(che
 @pytest.fixture(scope="module")
 def memory_service(module_loop):
     """A real retrieval server hosting memory sessions only (no datastore) on port 0: its address."""
-    from services.memory_sessions import MemoryOptions
-    from services.retrieval_server import create_retrieval_server
+    from services.retrieval.memory_sessions import MemoryOptions
+    from services.retrieval.server import create_retrieval_server
 
     port = module_loop.start(create_retrieval_server, "127.0.0.1:0", None, memories=MemoryOptions())
     return f"127.0.0.1:{port}"
@@ -238,7 +238,7 @@ def start_service_lm(tiny, knn_attention, module_loop, memories: str) -> tuple[s
     """An LM server like `address`'s whose MEMORIZING memories live in the retrieval server `memories`."""
     from dataclasses import replace
 
-    from services.memory_client import remote_memory_factory
+    from services.retrieval.memory_client import remote_memory_factory
 
     client = remote_memory_factory(memories, timeout=30)
     started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, limits=replace(LIMITS, knn_backend="service"),
@@ -273,8 +273,8 @@ def test_score_and_generate_through_the_memory_service_equal_in_process(tiny, kn
 def test_the_memory_service_is_where_the_memory_lives(tiny, knn_attention, module_loop):
     # Its limits are the ones that refuse (RESOURCE_EXHAUSTED naming the limit, passed on by the LM server),
     # while XL requests, which need no memory, still answer.
-    from services.memory_sessions import MemoryOptions
-    from services.retrieval_server import create_retrieval_server
+    from services.retrieval.memory_sessions import MemoryOptions
+    from services.retrieval.server import create_retrieval_server
 
     port = module_loop.start(create_retrieval_server, "127.0.0.1:0", None,
                              memories=MemoryOptions(max_session_entries=47))  # < 1 stream x 48 entries

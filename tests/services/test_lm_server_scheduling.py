@@ -1,4 +1,4 @@
-"""The LM server's model turns (services.lm_scheduler, issue 9.1 and 9.2): fair steps, bounded steps, remote
+"""The LM server's model turns (services.lm.scheduler, issue 9.1 and 9.2): fair steps, bounded steps, remote
 searches without the model, and results that do not depend on how steps interleave.
 
 Real servers on port 0 over the tiny model. The long Score below is 1,200 tokens at window 256, stride 2:
@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_requests import LMLimits
-from services.lm_scheduler import POLL_S, ModelTurns, StepGate
-from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient, connect_retrieval
-from services.retrieval_server import create_retrieval_server
+from services.lm.requests import LMLimits
+from services.lm.scheduler import POLL_S, ModelTurns, StepGate
+from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient, connect_retrieval
+from services.retrieval.server import create_retrieval_server
 
 LONG, WINDOW, STRIDE = 1200, 256, 2
 LIMITS = LMLimits(max_score_tokens=LONG + 1, max_forward_tokens=1 << 22, max_step_tokens=WINDOW)
@@ -154,7 +154,7 @@ def test_a_small_score_does_not_wait_for_a_long_one(tiny, lm):
     assert not future.done(), "the long Score ended before the small ones: make it longer"
     assert max(latencies) < FAST_S, latencies
     # The long Score went on meanwhile and its floats are the library's (one window per step), up to the float32
-    # rounding of the engine's cache layout (services.lm_score_engine; measured: 2^-20 at most).
+    # rounding of the engine's cache layout (services.lm.score_engine; measured: 2^-20 at most).
     (got,) = base_logprobs(future.result(timeout=120))
     (alone,) = score_tokens(tiny.model, [ids(LONG)], context=WINDOW, stride=STRIDE,
                             boundary_token=document_boundary(tiny.tokenizer), batch_size=1)
@@ -167,7 +167,7 @@ def test_interleaved_scores_equal_each_alone(lm):
     alone = [stub.Score(r, timeout=60) for r in requests]
     futures = [stub.Score.future(r, timeout=60) for r in requests]  # now their steps interleave or are shared
     for f, a in zip(futures, alone):
-        # Calls of one key may share forward passes (engine score rows, services.lm_score_engine): every token, flag and
+        # Calls of one key may share forward passes (engine score rows, services.lm.score_engine): every token, flag and
         # alternative as alone, log-probs within float32 rounding (tests/services/test_lm_engine_score.py).
         got = f.result(timeout=60)
         assert [[(t.token_id, t.is_greedy, [x.token_id for x in t.alternatives]) for t in r.tokens] for r in got.results] == [
@@ -314,7 +314,7 @@ def test_knn_calls_fail_at_once_while_the_retrieval_link_is_down(tiny, index, mo
                 time.sleep(0.05)
             assert link.link_up is False
             busy = stub.Score.future(score_request([ids(LONG)], WINDOW, STRIDE), timeout=120)  # the model is busy
-            deadline = time.monotonic() + 10  # its engine batch (services.lm_score_engine) is made and stepping
+            deadline = time.monotonic() + 10  # its engine batch (services.lm.score_engine) is made and stepping
             while not any(lane.engine.steps for lane in servicer.engines.lanes() if not lane.key.searches) \
                     and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -22,16 +22,16 @@ import torch
 from memlm.errors import MemlmError
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.spalm_scoring import score_spalm
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SPALM_DEFAULT_K, SpalmHead, spalm_forward
 from memlm.model.tokenizer import document_boundary
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_grpc
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
-from services.lm_spalm import NEEDS_HEAD, NEEDS_SEARCHER, SpalmCheckpoint
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
+from services.lm.spalm import NEEDS_HEAD, NEEDS_SEARCHER, SpalmCheckpoint
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
 
 MEMORY = MemoryConfig("spalm", mem_len=16, sink_tokens=2, segment=16)
 """What the requests below ask for."""
@@ -250,7 +250,7 @@ def test_a_remote_spalm_search_gives_the_turn_away_and_ends_by_the_deadline(tiny
 def test_memlm_client_asks_for_spalm(address, stub):
     # `memlm client score --memory spalm --k 4 --segment 16 --mem-len 16 --sink-tokens 2 ...`
     from memlm.cli import build_parser, knn_request, memory_request
-    from services.lm_client import LanguageModelClient
+    from services.lm.client import LanguageModelClient
 
     argv = ["client", "score", "--address", address, "--memory", "spalm", "--k", "4", "--segment", "16",
             "--mem-len", "16", "--sink-tokens", "2", "text"]

@@ -24,20 +24,20 @@ from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
-from services.lm_args import server_sources
-from services.lm_client import (
+from services.lm.args import server_sources
+from services.lm.client import (
     Finish,
     KnnRequest,
     LanguageModelClient,
     MemoryRequest,
     TextDelta,
 )
-from services.lm_requests import LMLimits
-from services.lm_server import start_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.retrieval_successors import successors_by_generation
-from services.server_common import ServiceError
+from services.lm.requests import LMLimits
+from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.retrieval.successors import successors_by_generation
+from services.common.server import ServiceError
 
 WINDOW = WindowConfig(64, 32, 4)
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
@@ -177,9 +177,9 @@ def test_draft_from_on_the_wire():
     """Every SpeculativeConfig source has its DraftFrom value and back; unset = the default; an unknown value and
     the field without speculative are refused naming it."""
     from memlm.engine.drafts import DRAFT_FROM
-    from services.lm_args import FewerSources, speculative_of
-    from services.lm_client import DRAFT_FROM_VALUES
-    from services.server_common import InvalidRequest
+    from services.lm.args import FewerSources, speculative_of
+    from services.lm.client import DRAFT_FROM_VALUES
+    from services.common.server import InvalidRequest
 
     assert set(DRAFT_FROM_VALUES) == set(DRAFT_FROM)
     assert sorted(DRAFT_FROM_VALUES.values()) == [v for v in lm_pb2.DraftFrom.values() if v]  # all of the enum
@@ -210,8 +210,8 @@ def test_sampled_speculative_generate_runs_to_its_length(servers, own_text):
 def test_negative_draft_tokens_and_the_default_on_the_wire():
     """draft_tokens < 0 is refused (the client sends only >= 1); 0 is SpeculativeConfig's default."""
     from memlm.errors import MemlmError
-    from services.lm_args import NO_FEWER, FewerSources, speculative_of
-    from services.server_common import InvalidRequest
+    from services.lm.args import NO_FEWER, FewerSources, speculative_of
+    from services.common.server import InvalidRequest
 
     fewer = FewerSources(drafts=lambda: None)
     assert speculative_of(lm_pb2.GenerateRequest(speculative=True), None, 0, fewer, 64, True) == SpeculativeConfig()

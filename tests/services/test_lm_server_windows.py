@@ -9,10 +9,10 @@ from memlm.jobs.scoring import score_tokens
 from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.lm_server import create_lm_server
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.lm.server import create_lm_server
 
 KNN = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
 
@@ -32,7 +32,7 @@ def test_unset_windows_are_the_datastores(loop_thread):
         return score_tokens(tiny.model, docs, context=context, stride=stride, boundary_token=boundary,
                             searcher=index if knn else None, knn=knn)[0].logprob.tolist()
 
-    # Score runs on the engine (services.lm_score_engine): float32 rounding of its cache layout only.
+    # Score runs on the engine (services.lm.score_engine): float32 rounding of its cache layout only.
     assert logprobs_close(got, in_process(48, 24))
     assert logprobs_close(no_knn, in_process(48, 24, knn=None))  # the datastore's windows
     assert not logprobs_close(got, in_process(1024, 512))  # tells them from the old default

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memlm.retrieval.memory_factory import open_key_value_memory
-from memlm.retrieval.memory_store import ExactMemory
+from memlm.memory.knn_store_factory import open_key_value_memory
+from memlm.memory.knn_store import ExactMemory
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
-from services.memory_client import MemoryClient, RemoteMemory, remote_memory_factory
-from services.memory_sessions import MemoryOptions, torch_to_tensor
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.server_common import ServerOptions, ServiceError, open_channel
+from services.retrieval.memory_client import MemoryClient, RemoteMemory, remote_memory_factory
+from services.retrieval.memory_sessions import MemoryOptions, torch_to_tensor
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.common.server import ServerOptions, ServiceError, open_channel
 
 S, D, DV = 3, 8, 6
 
@@ -316,7 +316,7 @@ def _memorizing_run(model, module, client, x: torch.Tensor, backend: str, capaci
     """Logits (B, n, V) of 16-token segments of x (B, n) under a memorizing state on `backend`, a new
     document in row 0 at segment 3, and the kNN sizes at the end."""
     from memlm.jobs.memorizing import open_memory
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     config = MemoryConfig(kind="memorizing", mem_len=16, sink_tokens=2, knn_mem_size=capacity, knn_top_k=4,
                           knn_backend=backend)

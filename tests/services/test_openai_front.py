@@ -15,8 +15,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.openai_server import Front, FrontLimits, make_server
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.openai_front.server import Front, FrontLimits, make_server
 
 PROMPT = "the quick brown fox"
 TOKEN = "front-secret"
@@ -109,7 +109,7 @@ def test_echo_with_logprobs_is_score(fronts):
 
 
 def test_the_memory_extra_field_is_the_lm_services_memory_mode(fronts):
-    from services.lm_client import MemoryRequest
+    from services.lm.client import MemoryRequest
 
     # A memory of 16 states cannot hold the 57-token text, so XL scoring differs from plain by what it sees, not by
     # rounding (with a memory holding the whole text it is plain attention, and equal to the last bit on some CPUs).

@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 from memlm.jobs.generate import SamplingConfig, generate
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.lm_server import start_lm_server
-from services.openai_server import Front, FrontLimits, make_server
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.lm.server import start_lm_server
+from services.openai_front.server import Front, FrontLimits, make_server
 
 PROMPT = "the state of the union"
 
@@ -81,7 +81,7 @@ def test_serve_lm_key_module_serves_a_datastore_built_with_it(gpt2, module_loop,
     without the flag the server refuses the datastore in one line (check_searcher)."""
     from datastore import build_datastore
     from memlm.errors import MemlmError
-    from services.lm_server import open_model_and_searcher
+    from services.lm.server import open_model_and_searcher
 
     model_dir = gpt2.model.config.name
     corpus = tmp_path / "c.txt"

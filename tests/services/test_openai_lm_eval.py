@@ -15,8 +15,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from memlm.model.tokenizer import Tokenizer
-from services.lm_client import LanguageModelClient
-from services.openai_server import Front, FrontLimits, make_server
+from services.lm.client import LanguageModelClient
+from services.openai_front.server import Front, FrontLimits, make_server
 
 PAIRS = [("the quick brown", " fox jumps"), ("the lazy", " dog sleeps"), ("State of the Union:", " strong")]
 

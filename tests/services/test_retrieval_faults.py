@@ -29,16 +29,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.v1 import language_model_pb2 as lm_pb2
 from memlm.v1 import language_model_pb2_grpc as lm_pb2_grpc
-from services.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.lm_server import start_lm_server
-from services.retrieval_client import (
+from services.common.circuit import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.lm.server import start_lm_server
+from services.retrieval.client import (
     KNN_HEALTH_NAME,
     RetrievalClient,
     connect_retrieval,
 )
-from services.router import ShardLinks, create_router_server
-from services.server_common import ServiceError
+from services.router.server import ShardLinks, create_router_server
+from services.common.server import ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -51,8 +51,8 @@ RETRIEVAL_SERVER = textwrap.dedent(
     from memlm.jobs.windows import WindowConfig
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
-    from memlm.retrieval.exact import exact_searcher_over_documents
-    from services.retrieval_server import serve_retrieval
+    from memlm.jobs.windows import exact_searcher_over_documents
+    from services.retrieval.server import serve_retrieval
 
     tiny = load_pretrained("tiny")
     tok = tiny.tokenizer

@@ -20,9 +20,9 @@ from memlm.jobs.windows import WindowConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import GenerationWatch, start_retrieval_server
-from services.tensors import from_tensor, to_tensor
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import GenerationWatch, start_retrieval_server
+from services.common.tensors import from_tensor, to_tensor
 
 SOURCE = BuildSource(model_name="tiny-test", model_fingerprint="m" * 64, tokenizer_fingerprint="t" * 64,
                      corpus="random tokens", corpus_fingerprint="c" * 64, boundary_token=1)
@@ -135,7 +135,7 @@ def test_a_removed_document_is_not_returned_through_the_router(references, tmp_p
 
 
 async def _route_after_removal(shard_dirs) -> None:
-    from services.router import start_router_server
+    from services.router.server import start_router_server
 
     lives = [LiveDatastore(d, log=lambda m: None) for d in shard_dirs]
     shards = [await start_retrieval_server("127.0.0.1:0", live, watch=GenerationWatch(
@@ -176,7 +176,7 @@ def test_the_router_follows_a_shard_that_grows_and_shrinks(references, tmp_path)
 
 
 async def _route_while_shard_changes(shard_dirs) -> None:
-    from services.router import merge_top_k, start_router_server
+    from services.router.server import merge_top_k, start_router_server
 
     lives = [LiveDatastore(d, log=lambda m: None) for d in shard_dirs]
     shards = [await start_retrieval_server("127.0.0.1:0", live, watch=GenerationWatch(

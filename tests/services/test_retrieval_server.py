@@ -25,15 +25,15 @@ from hypothesis import strategies as st
 
 from memlm.retrieval.searcher import SearchOptions
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import (
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import (
     BatchingOptions,
     SearchLimits,
     create_retrieval_server,
     info_from_proto,
     start_retrieval_server,
 )
-from services.server_common import ServerOptions, ServiceError
+from services.common.server import ServerOptions, ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -323,8 +323,8 @@ SLOW_SERVER = textwrap.dedent(
     import asyncio, sys, time
     import numpy as np
     from memlm.retrieval.searcher import Neighbors, SearcherInfo
-    from services.retrieval_server import serve_retrieval
-    from services.server_common import ServerOptions
+    from services.retrieval.server import serve_retrieval
+    from services.common.server import ServerOptions
 
     class SlowSearcher:
         dim = 4

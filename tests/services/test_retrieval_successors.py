@@ -2,7 +2,7 @@
 in-process table answers; RetoMaton's pointer evaluation through a real retrieval server on port 0 equals
 the in-process one (both without keys: pointers carry their predecessor's distance); bad ids and a server
 without successors get a status naming why; a walk through a live datastore that commits a new generation is
-ABORTED, not led to other documents' rows (services.retrieval_walk.OneGeneration)."""
+ABORTED, not led to other documents' rows (services.retrieval.walk.OneGeneration)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ from memlm.model.decoder import build_model
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig, PointerSource
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import GenerationWatch, create_retrieval_server
-from services.retrieval_successors import successors_by_generation, table_of
-from services.retrieval_walk import OneGeneration
-from services.server_common import ServiceError
-from services.tensors import to_tensor
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import GenerationWatch, create_retrieval_server
+from services.retrieval.successors import successors_by_generation, table_of
+from services.retrieval.walk import OneGeneration
+from services.common.server import ServiceError
+from services.common.tensors import to_tensor
 
 V, BOS = 40, 1
 WINDOW = WindowConfig(context=32, stride=16, batch_size=4)

@@ -14,10 +14,10 @@ import pytest
 
 from memlm.errors import MemlmError
 from memlm.retrieval.searcher import Neighbors
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.router import create_router_server, merge_top_k
-from services.server_common import ServiceError
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.router.server import create_router_server, merge_top_k
+from services.common.server import ServiceError
 
 
 def start_shards(loop_thread, searcher, sizes, flat_searcher_type):

@@ -17,14 +17,14 @@ import pytest
 
 from memlm.errors import MemlmError
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
-from services.circuit import OPEN, BreakerConfig, CircuitBreaker
-from services.replicas import SERVING, ReplicaSet
-from services.replicas import Replica as ReplicaLink
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.router import ShardLinks, create_router_server
-from services.server_common import ServiceError
-from services.tensors import from_tensor, to_tensor
+from services.common.circuit import OPEN, BreakerConfig, CircuitBreaker
+from services.router.replicas import SERVING, ReplicaSet
+from services.router.replicas import Replica as ReplicaLink
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.router.server import ShardLinks, create_router_server
+from services.common.server import ServiceError
+from services.common.tensors import from_tensor, to_tensor
 
 HALF = 1500  # the 3000-row searcher split into two shards of 1500 rows
 

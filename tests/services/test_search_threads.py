@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from memlm.retrieval.searcher import Neighbors, SearchOptions
-from services.retrieval_server import BatchingOptions, ParsedSearch, SearchBatcher
+from services.retrieval.server import BatchingOptions, ParsedSearch, SearchBatcher
 
 
 class BarrierSearcher:

@@ -14,13 +14,13 @@ from tiny_models import logprobs_close
 from memlm.jobs.scoring import score_tokens
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
-from services.lm_client import KnnRequest, LanguageModelClient
-from services.lm_server import create_lm_server
-from services.retrieval_client import RetrievalClient
-from services.retrieval_server import create_retrieval_server
-from services.router import ShardLinks, create_router_server
-from services.security import ClientTls, ServerTls
-from services.server_common import ServerOptions, ServiceError
+from services.lm.client import KnnRequest, LanguageModelClient
+from services.lm.server import create_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
+from services.router.server import ShardLinks, create_router_server
+from services.common.security import ClientTls, ServerTls
+from services.common.server import ServerOptions, ServiceError
 
 
 def search_ok(client: RetrievalClient, searcher) -> None:

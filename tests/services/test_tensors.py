@@ -1,4 +1,4 @@
-"""services/tensors.py: numpy <-> Tensor round trips and field-naming validation."""
+"""services/common/tensors.py: numpy <-> Tensor round trips and field-naming validation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memlm.v1 import tensor_pb2
-from services.tensors import TensorError, from_tensor, to_tensor
+from services.common.tensors import TensorError, from_tensor, to_tensor
 
 
 @pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f2", "<f8", "i1", "u1", "<i4", ">i8", "?"])

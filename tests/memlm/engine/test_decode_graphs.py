@@ -19,7 +19,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import KNNLMConfig

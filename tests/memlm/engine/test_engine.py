@@ -18,7 +18,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, EngineFull, GenerationRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent, generate
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig

@@ -18,7 +18,7 @@ from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.xl import push_fifo
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import LayerMemory, build_model

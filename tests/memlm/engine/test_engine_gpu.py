@@ -10,7 +10,7 @@ from tiny_models import sharp_tiny_model
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -23,10 +23,10 @@ from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import new_knn_attention
 from memlm.model.tokenizer import Tokenizer, document_boundary
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 
 TOK = Tokenizer.byte_level()

@@ -27,7 +27,7 @@ from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent
 from memlm.jobs.knnlm_pass import Retrieval
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
 from memlm.model.tokenizer import Tokenizer, document_boundary

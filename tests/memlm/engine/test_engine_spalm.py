@@ -25,12 +25,12 @@ from memlm.errors import MemlmError
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
 from memlm.jobs.spalm_scoring import spalm_step
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import build_model
 from memlm.model.tokenizer import Tokenizer, document_boundary
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 
 TOK = Tokenizer.byte_level()
 BOUNDARY = document_boundary(TOK)

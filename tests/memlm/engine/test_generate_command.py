@@ -82,7 +82,7 @@ def test_knn_lm_over_a_built_datastore_and_xl_memory(capsys, tmp_path) -> None:
 
 def test_compressive_memory_equals_the_library(capsys, tmp_path) -> None:
     from memlm.jobs.generate import generate
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     out_json, prompt = tmp_path / "c.json", "a long prompt past a few segments of memory"
     code, _, err = run(capsys, "generate", "--model", "tiny", "--memory", "compressive", "--segment", "4", "--mem-len",

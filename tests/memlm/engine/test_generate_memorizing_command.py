@@ -11,7 +11,7 @@ import torch
 
 from memlm.cli import main
 from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import (
     load_knn_attention,
     new_knn_attention,

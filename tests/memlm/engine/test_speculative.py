@@ -32,7 +32,7 @@ from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.engine.rows import Row
 from memlm.errors import MemlmError
 from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors

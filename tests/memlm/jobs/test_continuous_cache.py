@@ -9,7 +9,7 @@ import torch
 
 from memlm.jobs.continuous_cache import evaluate_continuous_cache
 from memlm.jobs.segment_eval import evaluate_memory
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.weights import load_pretrained, random_model
 from memlm.retrieval.knnlm import KNNLMConfig
 

@@ -18,7 +18,7 @@ from memlm.jobs.generate import (
     filter_logits,
     generate,
 )
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import PRESETS
 from memlm.model.decoder import KVCache, LMOutput, build_model
 from memlm.model.tokenizer import Tokenizer, document_boundary

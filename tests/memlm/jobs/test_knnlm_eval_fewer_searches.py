@@ -101,7 +101,7 @@ def test_nearest_clusters_flag_reaches_the_walks_sketch(setting):
     import argparse
 
     from datastore import Datastore
-    from memlm.fewer_searches_command import fewer_searches
+    from memlm.cli.fewer_searches import fewer_searches
 
     _, store, _ = setting
     args = argparse.Namespace(pointers=True, min_pointers=2, pointer_width=None, pointer_clusters=4, pointer_sketch=4,

@@ -18,11 +18,11 @@ from memlm.jobs.knnlm_eval import evaluate_knnlm
 from memlm.jobs.scoring import plan_scored_windows, score_tokens, score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.windows import WindowConfig, plan_windows, score_documents
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.state import new_memory
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 
 TEXTS = [

@@ -7,7 +7,7 @@ import math
 from tiny_models import phrase_documents, sharp_tiny_model
 
 from memlm.jobs.segment_eval import evaluate_memory
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 
 BOUNDARY = 0
 

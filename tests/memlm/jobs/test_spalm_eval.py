@@ -14,9 +14,9 @@ from memlm.cli import main
 from memlm.jobs.segment_eval import evaluate_memory
 from memlm.jobs.spalm import BUCKETS, evaluate_spalm, frequency_buckets
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import GATE_BIAS_INIT, SpalmHead
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 
 BOUNDARY = 1
 

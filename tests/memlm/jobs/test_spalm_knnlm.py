@@ -16,10 +16,10 @@ from memlm.cli import main
 from memlm.jobs.segment_eval import SegmentStream
 from memlm.jobs.spalm import evaluate_spalm
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead
 from memlm.memory.state import new_memory
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 
 BOUNDARY = 1

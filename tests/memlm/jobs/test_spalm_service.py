@@ -26,10 +26,10 @@ from memlm.jobs.segment_eval import SegmentStream
 from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
 from memlm.jobs.spalm_scoring import score_spalm, spalm_step
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 
 BOUNDARY = 1
 K = 4
@@ -152,7 +152,7 @@ class ServerThread:
     """A retrieval server on port 0 on an event loop of its own thread."""
 
     def __init__(self, searcher) -> None:
-        from services.retrieval_server import create_retrieval_server
+        from services.retrieval.server import create_retrieval_server
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -189,7 +189,7 @@ def flat_store(tmp_path_factory):
 def test_spalm_through_the_retrieval_service_equals_spalm_in_process(flat_store):
     from memlm.model.tokenizer import document_boundary
     from memlm.retrieval.compat import check_searcher
-    from services.retrieval_client import RetrievalClient
+    from services.retrieval.client import RetrievalClient
 
     pre, store, docs = flat_store
     model, boundary = pre.model, document_boundary(pre.tokenizer)

@@ -123,7 +123,7 @@ def test_the_leakage_guard_drops_exactly_the_own_documents_nearby_entries(built)
 def test_a_resumed_spalm_run_equals_an_uninterrupted_one(built):
     from memlm.jobs.spalm_train import train_spalm
     from memlm.jobs.train import TrainConfig
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     tmp, corpus, store_dir = built
     store = Datastore.open(store_dir)
@@ -154,7 +154,7 @@ def first_step_size(before: torch.Tensor, after: torch.Tensor) -> float:
 def test_head_lr_sets_the_gates_step_and_leaves_ws(built, head_lr):
     from memlm.jobs.spalm_train import train_spalm
     from memlm.jobs.train import TrainConfig
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
     from memlm.memory.spalm import SpalmHead
 
     tmp, corpus, store_dir = built
@@ -181,7 +181,7 @@ def test_head_lr_also_drives_the_memorizing_gate_and_nothing_else():
 
     from memlm.jobs.memorizing import fresh_knn_attention
     from memlm.jobs.train import TrainConfig, train
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     memory = MemoryConfig("memorizing", mem_len=8, sink_tokens=0, segment=16, knn_mem_size=48, knn_top_k=4,
                           knn_backend="exact")
@@ -240,7 +240,7 @@ def spalm_run(built, split, store=None):
     from memlm.data.documents import load_documents, tokenize_documents
     from memlm.jobs.spalm_train import SpalmRun
     from memlm.jobs.train import TrainConfig
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     _tmp, corpus, store_dir = built
     cfg = TrainConfig(model="tiny", init="pretrained", memory=MemoryConfig(kind="spalm", segment=16, mem_len=16),

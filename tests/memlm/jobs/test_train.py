@@ -11,7 +11,7 @@ from tiny_models import phrase_documents as documents
 from memlm.errors import MemlmError
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.train import TrainConfig, load_compressor, lr_at, train
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.model.checkpoint import TextSettings, read_extra, read_settings
 from memlm.model.config import ModelConfig
 from memlm.model.tokenizer import document_boundary

@@ -18,11 +18,11 @@ from memlm.jobs.memorizing import fresh_knn_attention
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_memory
 from memlm.jobs.train import TrainConfig, train
-from memlm.memory.config import MemoryConfig, memorizing_layer
+from memlm.model.memory_config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import load_knn_attention, mean_gate
 from memlm.model.checkpoint import read_settings
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.memory_store import ExactMemory
+from memlm.memory.knn_store import ExactMemory
 
 MEMORY = MemoryConfig("memorizing", mem_len=8, sink_tokens=0, segment=16, knn_mem_size=48, knn_top_k=4,
                       knn_backend="exact")

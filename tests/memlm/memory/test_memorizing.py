@@ -14,7 +14,7 @@ import torch
 from tiny_models import sharp_tiny_model as tiny_model
 import torch.nn.functional as F
 
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import (
     KnnAttention,
     KnnRetrieval,
@@ -28,9 +28,9 @@ from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.memory.xl import XLMemory
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder, KVCache, LayerMemory
-from memlm.retrieval import memory_store
-from memlm.retrieval.faiss_memory import IVF_NPROBE, FaissMemory
-from memlm.retrieval.memory_store import ExactMemory
+from memlm.memory import knn_store as memory_store
+from memlm.memory.knn_store_faiss import IVF_NPROBE, FaissMemory
+from memlm.memory.knn_store import ExactMemory
 
 ZERO_GATE, ONE_GATE = -1e4, 1e4  # sigmoid gives exactly 0.0 and 1.0 in float32
 

@@ -17,7 +17,7 @@ from tiny_models import sharp_tiny_model as tiny_model
 from memlm.jobs.segment_eval import SegmentStream, evaluate_segments
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.memory.compressive import CompressiveMemory, Compressor
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.reconstruction import attention_reconstruction_loss, capture_queries
 from memlm.memory.state import memory_from_state_dict, new_memory
 from memlm.memory.xl import XLMemory, push_fifo

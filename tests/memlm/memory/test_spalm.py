@@ -9,11 +9,11 @@ import torch
 from tiny_models import phrase_documents, sharp_tiny_model
 
 from memlm.jobs.windows import WindowConfig
-from memlm.memory.config import MemoryConfig
+from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
 from memlm.memory.state import new_memory
 from memlm.memory.xl import XLMemory
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.searcher import Neighbors
 
 BOUNDARY = 1

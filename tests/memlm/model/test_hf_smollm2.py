@@ -18,7 +18,7 @@ from memlm.model.decoder import Decoder
 from memlm.model.hf_model import HFCausalLM
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig
 
 TEXT = ("The Congress of the United States has the power to lay and collect taxes, to borrow money on the credit "

@@ -22,7 +22,7 @@ from memlm.retrieval.adaptive import (
     save_gate,
     threshold_for_fraction,
 )
-from memlm.retrieval.exact import exact_searcher_over_documents
+from memlm.jobs.windows import exact_searcher_over_documents
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
 
 V, BOS = 40, 1

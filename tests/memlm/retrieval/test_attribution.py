@@ -113,9 +113,9 @@ class Servers:
     """Retrieval servers (and a router over them) on port 0, on an event loop of their own thread."""
 
     def __init__(self, stores, router: bool, options=None) -> None:
-        from services.retrieval_server import start_retrieval_server
-        from services.router import start_router_server
-        from services.server_common import ServerOptions
+        from services.retrieval.server import start_retrieval_server
+        from services.router.server import start_router_server
+        from services.common.server import ServerOptions
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -150,7 +150,7 @@ def same_attribution(a, b, tol: float) -> None:
 
 @pytest.mark.parametrize("through", ["server", "router"])
 def test_through_the_retrieval_service_equals_in_process(store, shards, through):
-    from services.retrieval_client import RetrievalClient
+    from services.retrieval.client import RetrievalClient
 
     model = tiny_model()
     rng = np.random.default_rng(5)
@@ -175,7 +175,7 @@ def test_through_the_retrieval_service_equals_in_process(store, shards, through)
 
 def test_segment_scoring_attributes_too(store):
     from memlm.jobs.scoring import score_tokens_segments
-    from memlm.memory.config import MemoryConfig
+    from memlm.model.memory_config import MemoryConfig
 
     model = tiny_model()
     seqs = [documents()[0][:60], documents()[3][:30]]
@@ -193,8 +193,8 @@ def test_segment_scoring_attributes_too(store):
 def test_sources_too_big_for_a_message_are_refused_in_one_line(tmp_path):
     import grpc
 
-    from services.retrieval_client import RetrievalClient
-    from services.server_common import ServerOptions, ServiceError
+    from services.retrieval.client import RetrievalClient
+    from services.common.server import ServerOptions, ServiceError
 
     docs = documents()
     big = [SourceDocument(d, token_fingerprint(d), {"title": "x" * 40_000}) for d in docs]  # 40 kB of metadata each

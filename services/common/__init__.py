@@ -1,0 +1,1 @@
+"""What every memlm server shares: tensors on the wire, TLS and tokens, the circuit breaker, lifecycle."""

@@ -1,0 +1,1 @@
+"""The LanguageModelService: Score and Generate over the engine, its client and its arguments."""

@@ -1,0 +1,334 @@
+"""LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
+
+The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm.requests), runs
+the library and encodes the result. Model work runs ONE forward step at a time (services.lm.scheduler): each
+client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
+its fair share, never for all of a long call. Score takes one of three paths, said by
+services.lm.score_engine.score_path: ENGINE (MEMORY_MODE_NONE sliding windows, XL and COMPRESSIVE, with or
+without kNN-LM and top_n: each input a score row of the decoding engine's running batch of its settings,
+sharing steps with other Score calls and with Generate rows), BATCHED (attribution, a model the engine does
+not hold: one library call for the concurrent calls of a key, services.lm.score_batch) or ALONE (SPALM,
+MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with memlm's
+decoder (every memory mode, kNN-LM or not) is a request in a running batch of the decoding engine
+(services.lm.engine, issue 12), which takes the model's turn like one more client; a cancelled call's row is
+free before the next step; admission of Generate and engine Score calls is bounded (max_batch, max_queue,
+max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
+Generate with a transformers model (issue 13: its KV cache is transformers' own, no engine rows) runs as a
+one-sequence iterator advanced one step per turn.
+
+Bounded work (issue 9): every request's cost, and every step's, is checked before any work, and every call
+hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
+the deadline passes or the server stops, the work raises WorkStopped within one step. A remote kNN search
+gives the model's turn away while it waits and ends by the caller's deadline.
+
+kNN-LM searches the server's Searcher: a datastore in process (`--datastore`) or a RetrievalClient
+(`--retrieval`), with identical results (issue 4). Health is NOT_SERVING until model and searcher are loaded.
+
+Memory modes: NONE (sliding windows: score_tokens' scores, on engine rows that read one window after another;
+the engine's sliding KV cache for Generate), XL (Transformer-XL memory with sinks: score_tokens_segments' scores
+as `memlm eval --memory xl`, on the engine's XL rows for Score and Generate), COMPRESSIVE (Rae et al. 2019,
+mean pooling: no trained compressor; the engine's compressive rows), MEMORIZING (Wu et al. 2022) with a
+`memlm train --memory memorizing` checkpoint's KnnAttention, SPALM (Yogatama et al. 2021; services.lm.spalm)
+with a SPALM checkpoint's head and a searcher. kNN-LM combines with all but SPALM. Others: UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import grpc
+
+from memlm.engine.requests import SpalmSettings
+from memlm.errors import MemlmError
+from memlm.jobs.generate import generate
+from memlm.jobs.scoring import score_tokens, score_tokens_segments
+from memlm.jobs.spalm_scoring import score_spalm, spalm_step
+from memlm.model.memory_config import MemoryConfig, memorizing_layer
+from memlm.memory.memorizing import KnnAttention
+from memlm.model.pretrained import Pretrained
+from memlm.model.tokenizer import document_boundary
+from memlm.retrieval.compat import check_searcher
+from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.memory.knn_store import KeyValueMemoryFactory
+from memlm.retrieval.searcher import Searcher
+from memlm.v1 import language_model_pb2 as lm_pb2
+from services.lm import results as lm_results
+from services.lm import spalm as lm_spalm
+from services.lm.args import NO_FEWER, FewerSources, call_walk
+from services.lm.engine import (
+    EngineLimits,
+    EnginePool,
+    GenerationRecord,
+    LaneKey,
+    Memorizing,
+    engine_modes,
+    engine_request,
+    generate_responses,
+    on_engine,
+    stream_generation,
+    token_response,
+)
+from services.lm.requests import LMLimits, RequestParser, ScoreArgs
+from services.lm.results import (
+    LIBRARY_ERRORS,
+    CallSearcher,
+    ScoreOutcome,
+    abort_library_error,
+    encode_score,
+)
+from services.lm.scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
+from services.lm.score_batch import BatchStop, ScoreBatcher
+from services.lm.score_engine import BATCHED, ENGINE, score_on_engine, score_path
+from services.retrieval.client import (
+    RetrievalClient,
+)
+from services.retrieval.server import info_to_proto
+
+T = TypeVar("T")
+
+
+class LanguageModelServicer:
+    """Validate, run with the model's turn (services.lm.scheduler), encode. Before `load` every call answers
+    UNAVAILABLE."""
+
+    def __init__(self, *, model_name: str, knn_defaults: KNNLMConfig, limits: LMLimits, max_message_bytes: int,
+                 max_calls: int):
+        """max_calls: calls whose work may be under way at once (the server's max_concurrent_rpcs)."""
+        self._model_name = model_name
+        self._knn_defaults = knn_defaults
+        self._limits = limits
+        self._max_message_bytes = max_message_bytes
+        self.scheduler = ModelScheduler(max_calls)
+        """The model's turns (tests look at scheduler.turns)."""
+        self._loaded = False
+        self._closing = threading.Event()
+        self.records: list[GenerationRecord] = []
+        """Finished Generate calls, oldest first (bounded)."""
+        self.records_changed = threading.Condition()
+        """Notified whenever a record is added."""
+
+    # -- setup --------------------------------------------------------------------------------------
+
+    def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
+             knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None,
+             knn_service: KeyValueMemoryFactory | None = None, fewer: FewerSources = NO_FEWER) -> None:
+        """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM), a KnnAttention
+        (MEMORY_MODE_MEMORIZING; refused when made for other heads) and a SPALM head (MEMORY_MODE_SPALM).
+        knn_service: where MEMORIZING memories live when limits.knn_backend is "service" (required then):
+        a retrieval server's memory sessions (services.retrieval.memory_client.remote_memory_factory).
+
+        Refuses a datastore (searcher.info()) made with another model (with a SPALM head: than its keys'
+        model) or tokenizer (its keys would be meaningless for this model, its values other tokens), keys of
+        another dimension, or another document-boundary token than the one this server prepends (its keys
+        saw other text). May block: a RetrievalClient asks its server.
+        """
+        model, tokenizer = pretrained.model, pretrained.tokenizer
+        boundary = document_boundary(tokenizer)
+        info = None
+        keys_model = lm_spalm.keys_fingerprint(spalm, pretrained.fingerprint, model.config.n_embd)
+        if searcher is not None:
+            info = searcher.info()
+            check_searcher(info, model_fingerprint=keys_model, tokenizer_fingerprint=tokenizer.fingerprint,
+                           dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
+        knn_layer = None
+        if knn_attention is not None:
+            try:  # made for these heads, at a layer the model has
+                knn_attention.check_model(model.config)
+                knn_layer = memorizing_layer(MemoryConfig("memorizing", knn_layer=self._limits.knn_layer),
+                                             model.config.n_layer)
+            except ValueError as e:
+                raise MemlmError(str(e)) from None
+            if self._limits.knn_backend == "service" and knn_service is None:
+                raise MemlmError("kNN backend 'service' needs a retrieval server with memory sessions (--knn-service)")
+        self._knn_attention, self._knn_service = knn_attention, knn_service
+        self._spalm = spalm
+        self._model = model
+        self._tokenizer = tokenizer
+        self._searcher = searcher
+        self._boundary = boundary
+        # Valid ids: those both the model and the tokenizer know (a random preset may pad its vocab).
+        vocab = min(model.config.vocab_size, tokenizer.vocab_size)
+        # Token texts once, so responses never decode token by token.
+        self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
+        self._parser = RequestParser(tokenizer=tokenizer, vocab=vocab, max_len=model.config.max_seq_len,
+                                     limits=self._limits, knn_defaults=self._knn_defaults,
+                                     knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
+                                     spalm_missing=lm_spalm.spalm_missing(spalm, searcher is not None),
+                                     attribution_refusal=lm_results.attribution_refusal(searcher),
+                                     on_engine=lambda memory: on_engine(model, memory),
+                                     piece_bytes=[len(p.encode()) for p in self._pieces],
+                                     max_response_bytes=self._max_message_bytes,
+                                     datastore_windows=(info.context, info.stride) if info is not None else None,
+                                     memorizing=knn_attention is not None, fewer=fewer)
+        response = self._parser.info_response(model=self._model_name, model_fingerprint=pretrained.fingerprint,
+                                              knn_layer=knn_layer)
+        if info is not None:
+            response.datastore.CopyFrom(info_to_proto(info))
+        response.engine_memory_modes.extend(engine_modes(model))
+        self._info = response
+        self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
+            max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
+            max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
+            cuda_graphs=self._limits.cuda_graphs), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts,
+            Memorizing(knn_attention, knn_service) if knn_attention is not None else None)
+        """The running Generate batches (services.lm.engine)."""
+        self.score_batches = ScoreBatcher(self.scheduler, self._score_work)
+        """Concurrent Score calls sharing forward steps (services.lm.score_batch)."""
+        self._loaded = True
+
+    def close(self) -> None:
+        """Release the model's workers (after the server stopped): work still running stops within one
+        step (its calls were cancelled when the drain's grace ran out), queued work is dropped."""
+        self._closing.set()
+        if self._loaded:
+            self.engines.close()
+        self.scheduler.close()
+
+    def _knn_attention_for(self, memory: MemoryConfig | None) -> KnnAttention | None:
+        """The KnnAttention a request's memory takes: the server's for MEMORIZING, none otherwise."""
+        return self._knn_attention if memory is not None and memory.kind == "memorizing" else None
+
+    async def _require_loaded(self, context) -> None:
+        if not self._loaded:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
+
+    async def _refuse_knn_while_down(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, context) -> None:
+        """A kNN-LM or SPALM call while the retrieval link is down fails at once, not after queueing for the model
+        and running its first step (issue 9.2: fast failure); the breaker still guards every search."""
+        searches = request.knn.enabled or request.memory_mode == lm_pb2.MEMORY_MODE_SPALM
+        if searches and isinstance(self._searcher, RetrievalClient) and self._searcher.link_up is False:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"retrieval service {self._searcher.address}: retrieval "
+                                                             "link down (the channel cannot connect); failing fast")
+
+    async def _call_library(self, context, stop: CallStop, running: Awaitable[T]) -> T:
+        """Await library work run with the model's turn (scheduler.run, or a shared Score batch); searcher and
+        library errors become statuses (the server keeps serving).
+
+        The work polls its gate (whose `stop` the caller sets when its handler ends); WorkStopped means the
+        caller gave up or its deadline passed: DEADLINE_EXCEEDED or CANCELLED, for a client that may still listen.
+        """
+        try:
+            return await running
+        except LIBRARY_ERRORS as e:
+            await abort_library_error(context, e, stop.expired())
+
+    def _score_work(self, args: ScoreArgs, gate: StepGate, stop: CallStop | BatchStop) -> ScoreOutcome:
+        """The library's Score of `args`, polling `gate` -> scores, SPALM gates (or None), generations searched."""
+        searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+        generations = searcher.generations if searcher is not None else set()
+        walker, retrieval = call_walk(searcher, args.retrieval)  # a remote pointer walk: one generation
+        if args.spalm is not None:
+            return ScoreOutcome(*score_spalm(
+                self._model, self._spalm.head, args.token_seqs, memory=args.memory, searcher=searcher,
+                k=args.spalm.k, options=args.spalm.options, boundary_token=self._boundary, contexts=args.contexts,
+                top_n=args.top_n, batch_size=args.batch_size, should_stop=gate), generations)
+        if args.memory is None:
+            return ScoreOutcome(score_tokens(
+                self._model, args.token_seqs, context=args.context, stride=args.stride, contexts=args.contexts,
+                boundary_token=self._boundary, searcher=walker, knn=args.knn, top_n=args.top_n,
+                batch_size=args.batch_size, should_stop=gate, attribution=args.attribution,
+                retrieval=retrieval), None, generations)
+        return ScoreOutcome(score_tokens_segments(
+            self._model, args.token_seqs, memory=args.memory, contexts=args.contexts,
+            boundary_token=self._boundary, searcher=searcher, knn=args.knn, top_n=args.top_n, batch_size=args.batch_size,
+            should_stop=gate, knn_attention=self._knn_attention_for(args.memory), service=self._knn_service,
+            attribution=args.attribution), None, generations)
+
+    # -- rpcs ---------------------------------------------------------------------------------------
+
+    async def Score(self, request: lm_pb2.ScoreRequest, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+        await self._refuse_knn_while_down(request, context)
+        stop = CallStop(context, self._closing)
+        gate = self.scheduler.gate(stop, context.peer())
+        # Tokenizing (up to max_text_chars) and encoding the response are work too, but not the model's:
+        # on a worker, off the event loop and without the turn.
+        args = await self.scheduler.run_free(self._parser.score, request)
+        path = score_path(args, self._model)  # the one routing rule (services.lm.score_engine)
+        try:
+            if path == ENGINE:  # rows of the engine's running batch of its settings
+                out = await score_on_engine(self.engines, self._model, args, self._boundary, stop.deadline, context)
+            else:
+                running = (self.score_batches.score(args, stop, context.peer()) if path == BATCHED
+                           else self.scheduler.run(gate, self._score_work, args, gate, stop))
+                out = await self._call_library(context, stop, running)
+            gates = out.gates if out.gates is not None else [None] * len(out.scores)
+            return await self.scheduler.run_free(lambda: lm_pb2.ScoreResponse(
+                results=[encode_score(s, self._pieces, g, args.knn is not None) for s, g in zip(out.scores, gates)],
+                datastore_generations=sorted(out.generations)))
+        finally:  # cancelled, aborted or done: a step still running stops after itself
+            stop.set()
+
+    async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+        await self._refuse_knn_while_down(request, context)
+        stop = CallStop(context, self._closing)
+        gate = self.scheduler.gate(stop, context.peer())
+
+        args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
+        if on_engine(self._model, args.memory):  # a row of a running engine batch (services.lm.engine)
+            stop.set()  # the gate and stop above are the one-sequence path's
+            spalm = SpalmSettings(args.spalm.k, args.spalm.options) if args.spalm is not None else None
+            request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
+                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm, args.speculative,
+                                     args.retrieval)
+            lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution,
+                           args.speculative is not None)
+            async for response in stream_generation(self.engines, lane, request, stop.deadline, context, self._record):
+                yield response
+            return
+
+        searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+
+        def start():
+            return SerialIterator(generate(
+                self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
+                eos_id=self._tokenizer.eos_id, searcher=searcher if args.knn else None,
+                knn=args.knn, memory=args.memory, should_stop=gate, knn_attention=self._knn_attention_for(args.memory),
+                service=self._knn_service,
+                segment_step=spalm_step(self._spalm.head, searcher, args.spalm.k, args.spalm.options)
+                if args.spalm else None,
+            ))
+
+        # Validates; the prompt runs at the first next().
+        events = await self._call_library(context, stop, self.scheduler.run(gate, start))
+        def release() -> None:
+            # A step still running (a long prompt's encoding) stops after itself; then the generation's
+            # KV cache / memory is freed now (an abandoned one too), once that step is done (SerialIterator).
+            stop.set()
+            self.scheduler.submit(events.close)
+
+        async for response in generate_responses(
+                context, lambda: self._call_library(context, stop, self.scheduler.run(gate, next, events)),
+                token_response, lambda: searcher.generations if searcher is not None else (), stop.expired,
+                release, self._record):
+            yield response
+
+    def _record(self, record: GenerationRecord) -> None:
+        with self.records_changed:
+            self.records.append(record)
+            del self.records[:-1000]
+            self.records_changed.notify_all()
+
+    async def Tokenize(self, request: lm_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+        self._parser.batch_size(len(request.texts), "texts")
+        self._parser.text_budget(list(request.texts), "texts")
+
+        def work():
+            results = []
+            for text in request.texts:
+                ids = self._tokenizer.encode(text)
+                if request.add_bos and self._tokenizer.bos_id is not None:
+                    ids = [self._tokenizer.bos_id, *ids]
+                results.append(lm_pb2.TokenizedText(ids=ids, pieces=[self._pieces[i] for i in ids]))
+            return lm_pb2.TokenizeResponse(results=results)
+
+        return await self.scheduler.run_free(work)  # no model work: never waits for the turn
+
+    async def GetInfo(self, request, context: grpc.aio.ServicerContext):
+        await self._require_loaded(context)
+        return self._info

@@ -1,0 +1,1 @@
+"""The RetrievalService: datastore search, successors, documents and memory sessions, and its client."""

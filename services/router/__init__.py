@@ -1,0 +1,1 @@
+"""The shard router: one Searcher over many retrieval replicas."""

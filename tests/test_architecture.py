@@ -1,0 +1,60 @@
+"""The import directions are contracts in pyproject.toml (`lint-imports`, run by `make test`); these tests
+check what import-linter does not: the library loads no server code at run time, and no package reaches
+into another's private names."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("memlm.data", "memlm.model", "memlm.memory", "memlm.retrieval", "memlm.jobs", "memlm.engine")
+
+
+def test_the_library_loads_neither_datastore_nor_services() -> None:
+    code = (f"import json, sys; import {', '.join(LIBRARY)}; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('datastore', 'services'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+    # the check itself sees a server module when one is loaded
+    code = code.replace("import json, sys;", "import json, sys; import services.common.tensors;")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "services.common.tensors" in json.loads(out.stdout)
+
+
+def package_of(module: str) -> str:
+    """The subpackage a module belongs to: memlm.jobs.generate -> memlm.jobs, services.lm.engine -> services.lm."""
+    return ".".join(module.split(".")[:2])
+
+
+def private_imports(path: Path, module: str) -> list[str]:
+    """`from other.package import _name` in `path` (module `module`), where `other.package` is another subpackage."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] not in ("memlm", "datastore", "services"):
+                continue
+            if package_of(node.module) == package_of(module):
+                continue
+            found += [f"{module} <- {node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_private_imports_are_found(tmp_path) -> None:
+    (tmp_path / "m.py").write_text("from memlm.jobs.generate import _flush, public\nfrom memlm.engine.rows import _ok\n")
+    assert private_imports(tmp_path / "m.py", "memlm.engine.engine") == ["memlm.engine.engine <- memlm.jobs.generate._flush"]
+
+
+def test_no_package_imports_another_packages_private_names() -> None:
+    found = []
+    for package in ("memlm", "datastore", "services"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if "v1" in parts:  # generated protobuf code
+                continue
+            found += private_imports(path, ".".join(parts))
+    assert found == []
