@@ -8,7 +8,7 @@ MEMLM := $(VENV)/bin/memlm
 FAISS_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(FAISS_EXTRA)
 
-.PHONY: venv demo test proto proto-check fetch bench clean
+.PHONY: venv demo test proto proto-check fetch bench clean docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,7 @@ test: fetch
 	$(MAKE) proto-check
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
+	$(MAKE) docs
 
 proto: $(STAMP)
 	bash scripts/gen_proto.sh
@@ -42,6 +43,10 @@ proto: $(STAMP)
 proto-check: $(STAMP)
 	bash scripts/gen_proto.sh
 	git diff --exit-code -- memlm/v1 || (echo "generated protobuf code is stale: run make proto and commit" && exit 1)
+
+# The documentation site (mkdocs.yml); strict: a broken link or reference fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: fetch
 	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
