@@ -1,5 +1,5 @@
 """The memlm command line: the only part of memlm that imports `datastore` or `services`."""
 
-from memlm.cli.main import build_parser, main
+from memlm.cli.commands import build_parser, main
 
 __all__ = ["build_parser", "main"]

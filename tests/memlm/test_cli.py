@@ -268,7 +268,7 @@ def test_eval_of_a_checkpoint_takes_its_memory_settings_or_refuses_others(capsys
 
 
 def test_serve_lm_takes_a_checkpoints_memory_defaults_or_refuses_others(capsys, tmp_path):
-    from memlm.cli import build_parser, serve_memory_defaults
+    from memlm.cli.commands import build_parser, serve_memory_defaults
     from memlm.jobs.train import TrainConfig, train
     from memlm.model.memory_config import MemoryConfig
 
@@ -293,7 +293,7 @@ def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatc
     # stays on for bfloat16 / float16 matmuls.
     import torch
 
-    import memlm.cli
+    import memlm.cli.commands
     from memlm.model.decoder import Linear, cpu_float32_gemm
 
     seen = {}
@@ -310,7 +310,7 @@ def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatc
     assert cpu_float32_gemm(torch.randn(2, 4), torch.randn(3, 4)) is False  # grad enabled: F.linear always
     with torch.no_grad():
         before = cpu_float32_gemm(torch.randn(2, 4), torch.randn(3, 4))
-    monkeypatch.setattr(memlm.cli, "cmd_fetch", fake_fetch)
+    monkeypatch.setattr(memlm.cli.commands, "cmd_fetch", fake_fetch)
     code, _, _ = run(capsys, "--cpu-gemm", gemm, "fetch", "anything")
     assert code == 0
     assert seen["enabled"] is torch.backends.mkldnn.is_available()  # oneDNN itself stays on

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memlm.cli import main as cli
+from memlm.cli import commands as cli
 from services.lm.client import KnnRequest, LanguageModelClient
 from services.lm.server import create_lm_server
 from services.retrieval.client import RetrievalClient

@@ -126,7 +126,7 @@ def test_a_server_without_knn_attention_answers_unimplemented(servers):
 
 def test_the_client_and_memlm_client_flags_ask_for_memorizing(address, stub):
     # `memlm client score --memory memorizing --knn-mem-size 48 --knn-top-k 4 ...` sends what OPTIONS says.
-    from memlm.cli import build_parser, memory_request
+    from memlm.cli.commands import build_parser, memory_request
     from services.lm.client import LanguageModelClient
 
     args = build_parser().parse_args(["client", "score", "--address", address, "--memory", "memorizing",

@@ -249,7 +249,7 @@ def test_a_remote_spalm_search_gives_the_turn_away_and_ends_by_the_deadline(tiny
 
 def test_memlm_client_asks_for_spalm(address, stub):
     # `memlm client score --memory spalm --k 4 --segment 16 --mem-len 16 --sink-tokens 2 ...`
-    from memlm.cli import build_parser, knn_request, memory_request
+    from memlm.cli.commands import build_parser, knn_request, memory_request
     from services.lm.client import LanguageModelClient
 
     argv = ["client", "score", "--address", address, "--memory", "spalm", "--k", "4", "--segment", "16",

