@@ -228,7 +228,10 @@ def build(half: bool = False, threaded: bool = True, streamed: int | None = None
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """This process' kernel; None (logged once) where it cannot be built or loaded."""
+    """This process' kernel; None where the CPU lacks CPU_NEEDS (the library path is then the one path, no
+    warning), or (logged once) where it cannot be built or loaded."""
+    if set(CPU_NEEDS) - cpu_flags():
+        return None
     return load_or_warn(build, log, "panel GEMM (Linear keeps oneDNN's)")
 
 
@@ -236,6 +239,8 @@ def kernel() -> ctypes.CDLL | None:
 def half_kernel() -> ctypes.CDLL | None:
     """This process' float16-weight kernel (float16 panels, float32 rows and outputs); None (logged once) where it
     cannot be built or loaded."""
+    if set(CPU_NEEDS) - cpu_flags():
+        return None
     return load_or_warn(functools.partial(build, half=True), log, "float16 panel GEMM (float32 panels instead)")
 
 
