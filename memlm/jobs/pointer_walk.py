@@ -17,12 +17,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from memlm.retrieval import walk_step
 from memlm.retrieval.knnlm import NEG_INF, knn_target_logprob
 from memlm.retrieval.pointers import (
     PointerConfig,
     PointerSource,
-    SuccessorTable,
     empty_candidates,
     extend_by_clusters,
     follow,
@@ -108,11 +106,6 @@ class _Block:
         self.vals = np.full((s, k), -1, dtype=np.int32)
         self.count = np.zeros(s, dtype=np.int64)  # (S,) columns in use: up to each row's last candidate
 
-    @property
-    def arrays(self) -> walk_step.CandidateBlock:
-        """The block's arrays, which walk_step.walk_step reads and writes in place."""
-        return walk_step.CandidateBlock(self.ids, self.dist, self.vals, self.count)
-
     def rows(self, rows: np.ndarray, columns: int | None = None) -> Neighbors:
         """The candidates of `rows` (r, w): as many columns as the fullest of them holds, or `columns`."""
         w = max(1, int(self.count[rows].max(initial=0)) if columns is None else columns)
@@ -136,7 +129,6 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
     """Walk the streams `block` (S, L), writing into `out`; returns the searches made at a stream's first token."""
     b = _Block(block, config.width(k))
     distances = followed_distances_used(source, config.keep_pointers)
-    compiled = compiled_step(source, config)
     first = admitted = 0
     while True:
         unfinished = b.step < b.lengths  # (S,)
@@ -169,26 +161,16 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         tok = b.block[movers, b.step[movers]]  # (m,)
         fresh = b.step[movers] == 0  # a stream's first token: nothing to follow
         prev_tok = b.block[movers, np.maximum(b.step[movers] - 1, 0)]  # (m,)
-        if compiled:  # follow, extend and store in one call, on the block in place
-            sk = source.clusters.sketch
-            q = torch.from_numpy(np.ascontiguousarray(xq[tok], dtype=np.float32))  # (m, d)
-            need, scored = walk_step.walk_step(
-                b.arrays, movers, targets[prev_tok], fresh, config.min_pointers, source.successors.next_ids, q.numpy(),
-                sk.project(q).numpy(), source.cluster_arrays, sk.exact_members, sk.max_clusters,
-                config.extended_width(k))  # (m,), (m,)
-        else:
-            cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source, distances)  # (m, w)
-            need = needs_search(cands, config.min_pointers) | fresh  # (m,)
-            b.store(movers, extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, config.extended_width(k)))
+        cands = follow(b.rows(movers), targets[prev_tok], xq[tok], source, distances)  # (m, w)
+        need = needs_search(cands, config.min_pointers) | fresh  # (m,)
+        b.store(movers, extend_by_clusters(cands, np.flatnonzero(~need), xq[tok], source, config.extended_width(k)))
         go = need if allowed is None else need & allowed[tok]
         empty = fresh | (need & ~go)  # skipped by the gate: the base distribution, and nothing to follow
         if empty.any():
             b.store(movers[empty], empty_candidates(int(empty.sum())))
         moved = ~go  # scored now from pointers (or skipped); the others park for the search
         if moved.any():
-            # their candidates with a distance come first: the columns after the last of them weigh nothing
-            weighted = None if out.neighbors is not None or not compiled else int(scored[moved].max(initial=0))
-            mine = b.rows(movers[moved], weighted)
+            mine = b.rows(movers[moved])
             _keep(out.neighbors, tok[moved], mine)
             for group, nb in weighed_groups(mine):  # (g,) rows of `mine` and their weighed candidates
                 at = tok[moved][group]  # (g,)
@@ -196,16 +178,6 @@ def _walk_streams(block: np.ndarray, xq: np.ndarray, targets: np.ndarray, search
         out.skipped[tok[need & ~go]] = True
         b.step[movers[moved]] += 1
         b.parked[movers[go]] = True
-
-
-def compiled_step(source: PointerSource, config: PointerConfig) -> bool:
-    """Whether the walk's steps run compiled (walk_step.walk_step: follow, the clustered extension and the
-    block's store in one call, the same rule): where the extension is (walk_step.runs_compiled), with the
-    successors in process (a SuccessorTable) and no pointers kept beside searches (keep_pointers reads the
-    followed pointers' distances, which the compiled step does not form)."""
-    table = source.successors
-    return (walk_step.runs_compiled(source.clusters) and not config.keep_pointers and isinstance(table, SuccessorTable)
-            and table.next_ids.dtype == np.int64 and table.next_ids.flags.c_contiguous)
 
 
 def _keep(kept: Neighbors | None, tok: np.ndarray, found: Neighbors) -> None:

@@ -8,9 +8,7 @@ rows' members one after another in one flat array), each row's best by an in-pla
 those keys (`lowest_keys`: ties by place, whatever else is in the call, with no padded matrix and no tie
 repair), and exact float32 distances for those the sketch path scores (`exact_member_distances`, one faiss
 call), the same members in the same order as the padded float matrix and torch.topk they replaced
-(tests/memlm/retrieval/test_clustered_order.py: a row-by-row oracle, element for element). These are the numpy
-path's pieces; with a KeySketch and the compiled kernels a row is extended by memlm.retrieval.walk_step.
-extend_sketched instead (the same rule, one call for all rows).
+(tests/memlm/retrieval/test_clustered_order.py: a row-by-row oracle, element for element).
 
 Shape legend: N datastore entries, d key dimension, C clusters, r rows extended, p sketch components,
 T the members of all rows of a call, t members a row keeps at most, e scored members of a row.
@@ -26,7 +24,6 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.retrieval import by_id_kernels
 
 
 class KeySketch(NamedTuple):
@@ -71,8 +68,8 @@ def key_sketch(keys: torch.Tensor, dims: int, exact_members: int = EXACT_MEMBERS
     centred = keys - mean  # (N, d)
     cov = (centred.T @ centred).double()  # (d, d)
     basis = torch.linalg.eigh(cov).eigenvectors[:, -dims:].flip(1).float().contiguous()  # (d, p) largest first
-    # (N, p) float16 values (clipped to its finite range): the compiled step reads them as float16 (walk_step.
-    # sketch_blocks, half the bytes), and the numpy path ranks by the same values
+    # (N, p) values rounded to float16 (clipped to its finite range): the sketch is an approximation, and its
+    # ranking stays that of a float16 copy, should the codes be stored at half the bytes
     f16 = torch.finfo(torch.float16).max
     codes = (centred @ basis).clamp(-f16, f16).half().float().contiguous()
     return KeySketch(mean, basis, codes, centred.pow(2).sum(dim=1), exact_members, max_clusters)
@@ -91,7 +88,7 @@ class StateClusters:
     """(C + 1,) int64 start of each cluster in `members`."""
     stored_keys: np.ndarray
     """(N, d) the keys in `members` order as stored, C-contiguous (float16 from a datastore): a cluster's keys are
-    one contiguous block. What exact_member_distances reads with the compiled kernel."""
+    one contiguous block."""
     centroids: torch.Tensor
     """(C, d) float32 mean key of each cluster (zeros for an empty one, which no row asks for)."""
     seed: int
@@ -112,9 +109,8 @@ class StateClusters:
     @cached_property
     def member_keys(self) -> torch.Tensor:
         """(N, d) float32 stored_keys, made on first use: float32 stored keys shared, float16 ones converted once
-        (N * d * 4 bytes more: 480 MB on the 208K SOTU datastore). Only a walk without a sketch (rank_keys' exact
-        scores) or without the compiled kernel (exact_member_distances' faiss call) reads it, so a sketched walk
-        keeps the float16 keys alone."""
+        (N * d * 4 bytes more: 480 MB on the 208K SOTU datastore), read by rank_keys' exact scores (no sketch) and
+        exact_member_distances' faiss call."""
         return torch.from_numpy(self.stored_keys.astype(np.float32, copy=False))
 
     @cached_property
@@ -248,7 +244,6 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
     out = np.empty(int(sizes.sum()) if length is None else length, dtype=np.int64)  # (T,)
     by_cluster = np.argsort(p_cl, kind="stable")  # (p,)
     cuts = np.flatnonzero(np.diff(p_cl[by_cluster])) + 1
-    compiled = by_id_kernels.available()
     for group in np.split(by_cluster, cuts):  # the pairs of one cluster
         c = int(p_cl[group[0]])
         lo, hi = int(cl.offsets[c]), int(cl.offsets[c + 1])
@@ -256,9 +251,6 @@ def rank_keys(q: torch.Tensor, p_row: np.ndarray, p_cl: np.ndarray, cl: StateClu
         d = torch.addmm(norms[None, lo:hi], qq[g_rows], block[lo:hi].T, alpha=-2.0)  # (g, s)
         if qn is not None:
             d += qn[g_rows][:, None]
-        if compiled:  # the same keys in one pass over d, with no Python loop over the pairs
-            by_id_kernels.placed_keys_into(d.numpy(), lo, starts[group], out)
-            continue
         bits = order_bits(d.numpy(), in_place=True)  # (g, s) int32
         places = cl.places[lo:hi]  # (s,)
         for j, pair in enumerate(group.tolist()):  # placed_keys written where the pair's keys go: no (g, s) copy
@@ -281,11 +273,8 @@ def lowest_keys(keys: np.ndarray, bounds: np.ndarray, takes: np.ndarray) -> np.n
     """(r, t) int64 the takes[i] (takes (r,), t their most) lowest of row i's rank_keys keys, keys[bounds[i]:
     bounds[i + 1]] (keys (T,), bounds (r + 1,)), lowest first: its members by (score, place), PAD_KEY after
     them (all of a row's keys if fewer). The keys are unique, so a partition picks what a stable sort would.
-    May reorder `keys` in place (the numpy path, where the compiled kernels are not available)."""
+    May reorder `keys` in place."""
     out = np.full((takes.shape[0], int(takes.max(initial=0))), PAD_KEY, dtype=np.int64)  # (r, t)
-    if by_id_kernels.available():  # the same, compiled (a sampled bound, a radix sort): 88 -> 38 us a row of 6,000 keys
-        by_id_kernels.lowest_keys_into(keys, bounds, takes, out)
-        return out
     for i, (lo, hi, take) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), takes.tolist())):
         row = keys[lo:hi]  # (h,) a view: partitioned and sorted in place
         t = min(take, hi - lo)
@@ -301,8 +290,7 @@ def exact_member_distances(q: torch.Tensor, pos: np.ndarray, counts: np.ndarray,
     """(r, e) float32 squared L2 ||q - x||^2 of the first counts[i] (counts (r,)) members at places pos (r, e)
     of cl.members in each row i, to the rows' queries q (r, d), inf after them: by faiss' fvec_L2sqr_by_idx over
     the float32 member_keys, each key read once where it lies (a gather of the keys and a matrix-vector product per
-    row, numpy's fastest, read them twice: 1.7x slower on the 81K SOTU datastore). The numpy path's (no compiled
-    kernels: with them a sketched row is extended by walk_step.extend_sketched, which reads the float16 keys)."""
+    row, numpy's fastest, read them twice: 1.7x slower on the 81K SOTU datastore)."""
     import faiss
 
     at = np.where(np.arange(pos.shape[1])[None, :] < counts[:, None], pos, -1).astype(np.int64)  # (r, e) -1: none

@@ -41,9 +41,8 @@ index. On a Flat index these are plain kNN-LM's distances; on an IVF,SQ8 index p
 SQ8 distances (residual 8-bit codes; exact only with exact_rerank), so a walk's rows are those of plain
 kNN-LM with exact re-ranking. The two differ little: 100 evaluation queries' 1,024 neighbours on the
 208,427-key IVF2048,SQ8 SOTU datastore, SQ8 against exact: median 0.11% of the distance (0.010 nats at
-T 2.5), 99th percentile 0.055 nats. With clustered states and a KeySketch the walk's step runs compiled
-(memlm.retrieval.walk_step: each scored key read once where it lies, the bookkeeping in C); other ways to score
-given ids that were tried and found slower are in the README ("Fewer searches").
+T 2.5), 99th percentile 0.055 nats. Other ways to score given ids that were tried and found slower are in the
+README ("Fewer searches").
 
 Shape legend: N datastore entries, S streams walked together, w candidates per stream, d key dimension,
 M candidates over all streams, C clusters, r rows extended, p sketch components.
@@ -60,7 +59,6 @@ import numpy as np
 import torch
 
 from memlm.errors import MemlmError
-from memlm.retrieval import by_id_kernels, walk_step
 from memlm.retrieval.clustered_states import (
     OWN_KEY,
     PAD_KEY,
@@ -242,11 +240,6 @@ class PointerSource:
         them by id jumps over the whole datastore (extend_by_clusters)."""
         return np.ascontiguousarray(self.values[self.clusters.members])
 
-    @cached_property
-    def cluster_arrays(self) -> walk_step.ClusterArrays:
-        """The clustered states with a KeySketch as the compiled step reads them (made on first use)."""
-        return walk_step.cluster_arrays(self.clusters, self.member_values)
-
     def __post_init__(self) -> None:
         if (self.clusters is None) != (self.values is None):
             raise ValueError("clustered states need the datastore's values, and values are read only for them")
@@ -311,10 +304,17 @@ def followed_distances_used(source: PointerSource, keep_pointers: bool) -> bool:
 
 def _exact_distances(xq: np.ndarray, ids: np.ndarray, keep: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Squared L2 (float32) between each stream's query (S, d) and its kept candidates' float16 keys
-    (S, w), inf elsewhere: by the compiled by-id kernel (each key read once where it lies) where it is available,
-    else one gather of the M kept keys and one batched reduction."""
-    if by_id_kernels.available() and keys.flags.c_contiguous and keys.dtype in (np.float16, np.float32):
-        return by_id_kernels.l2_by_id(xq, keys, np.where(keep, ids, -1))  # (S, w)
+    (S, w), inf elsewhere: float32 keys by faiss' fvec_L2sqr_by_idx (each key read once where it lies), float16
+    ones by one gather of the M kept keys and one batched reduction."""
+    if keys.dtype == np.float32 and keys.flags.c_contiguous:
+        import faiss
+
+        at = np.where(keep, ids, -1).astype(np.int64)  # (S, w) -1: none
+        qs = np.ascontiguousarray(xq, dtype=np.float32)  # (S, d)
+        out = np.empty(at.shape, dtype=np.float32)  # (S, w)
+        faiss.fvec_L2sqr_by_idx(faiss.swig_ptr(out), faiss.swig_ptr(qs), faiss.swig_ptr(keys), faiss.swig_ptr(at),
+                                keys.shape[1], at.shape[0], at.shape[1])  # inf where at is -1
+        return out
     rows, cols = np.nonzero(keep)  # (M,), (M,)
     out = np.full(ids.shape, np.inf, dtype=np.float32)  # (S, w)
     if rows.size:
@@ -347,28 +347,17 @@ def extend_by_clusters(candidates: Neighbors, rows: np.ndarray, xq: np.ndarray, 
     ranks like the exact distances, keeps the exact nearest beside its own candidates
     (tests/memlm/retrieval/test_pointers_clusters.py). Ties keep member order (rank_keys). With
     KeySketch.max_clusters only the members of the row's nearest clusters (`nearest_pairs`) are ranked, and
-    its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py).
-
-    With a sketch and the compiled kernels (walk_step.extend_sketched) all rows are extended in one call by
-    the same rule; otherwise in numpy (`_extended_rows`), whose every step is also compiled where it can be."""
+    its own candidates in its other clusters beside them (tests/memlm/retrieval/test_clustered_order.py)."""
     cl = source.clusters
     if cl is None or rows.size == 0:
         return candidates
     ids = candidates.ids[rows]  # (r, w)
     q = torch.from_numpy(np.ascontiguousarray(xq[rows], dtype=np.float32))  # (r, d)
-    if walk_step.runs_compiled(cl):  # the same rule in one compiled call
-        sk = cl.sketch
-        dist, m_ids, vals, count = walk_step.extend_sketched(ids, q.numpy(), sk.project(q).numpy(),
-                                                             source.cluster_arrays, sk.exact_members, sk.max_clusters,
-                                                             width)
-        kept = max(1, int(count.max(initial=0)))
-        return merge_rows(candidates, rows, Neighbors(dist[:, :kept], m_ids[:, :kept], vals[:, :kept]))
     return merge_rows(candidates, rows, _extended_rows(ids, q, source, width))
 
 
 def _extended_rows(ids: np.ndarray, q: torch.Tensor, source: PointerSource, width: int) -> Neighbors:
-    """extend_by_clusters' rows in numpy (and the compiled pieces of clustered_states where they are available):
-    ids (r, w) the rows' own candidates, q (r, d) their queries; (r, <= width) kept members."""
+    """extend_by_clusters' rows in numpy (with clustered_states' pieces): ids (r, w) the rows' own candidates, q (r, d) their queries; (r, <= width) kept members."""
     cl = source.clusters
     r, n_cl = ids.shape[0], cl.n_clusters
     r_idx, c_idx = np.nonzero(ids >= 0)  # (m,), (m,)

@@ -13,34 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.retrieval import by_id_kernels
-from memlm.retrieval.by_id_kernels import PORTABLE_FLAGS, compile_kernels, load_kernels
 from memlm.retrieval.clustered_states import KeySketch, StateClusters, clusters_of
 from memlm.retrieval.pointers import PointerSource, extend_by_clusters
 from memlm.retrieval.searcher import Neighbors
 
 N, D, C, P = 400, 6, 9, 2
-
-
-@pytest.fixture(scope="module")
-def portable_kernels(tmp_path_factory):
-    """The kernels' portable build (no vector instructions), built once for the module; None without a compiler."""
-    if not by_id_kernels.available():
-        return None
-    return load_kernels(compile_kernels(PORTABLE_FLAGS, tmp_path_factory.mktemp("kernels")))
-
-
-@pytest.fixture(params=["compiled", "portable", "numpy"])
-def extension_path(request, monkeypatch, portable_kernels) -> str:
-    """Which implementation extends the rows: this CPU's compiled kernels (walk_step.extend_sketched, with a
-    sketch), the portable build of the same C (no vector instructions), or numpy (no compiler)."""
-    if request.param != "numpy" and portable_kernels is None:
-        pytest.skip("no C compiler: the kernels cannot be built")
-    if request.param == "portable":
-        monkeypatch.setattr(by_id_kernels, "kernels", lambda: portable_kernels)
-    if request.param == "numpy":
-        monkeypatch.setattr(by_id_kernels, "available", lambda: False)
-    return request.param
 
 
 def integer_store(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -107,7 +84,7 @@ def candidate_rows(rng: np.random.Generator, cl: StateClusters) -> np.ndarray:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("sketch_exact", [None, 1, 7, 40, 10_000])
 @pytest.mark.parametrize("width", [1, 6, 45, 10_000])
-def test_extension_equals_a_row_by_row_oracle(seed, sketch_exact, width, extension_path):
+def test_extension_equals_a_row_by_row_oracle(seed, sketch_exact, width):
     keys, values, assign = integer_store(seed)
     cl = clusters_of(assign, keys, C, seed=0)
     if sketch_exact is not None:
@@ -137,8 +114,7 @@ def test_extension_equals_a_row_by_row_oracle(seed, sketch_exact, width, extensi
 @pytest.mark.parametrize("max_clusters", [1, 2, C])
 @pytest.mark.parametrize("sketch_exact", [1, 40, 10_000])
 @pytest.mark.parametrize("width", [6, 45, 10_000])
-def test_extension_over_the_nearest_clusters_equals_the_oracle(seed, max_clusters, sketch_exact, width,
-                                                                extension_path):
+def test_extension_over_the_nearest_clusters_equals_the_oracle(seed, max_clusters, sketch_exact, width):
     """KeySketch.max_clusters: a row ranks the members of its nearest clusters only, its own candidates in
     the others kept first all the same (rows 2 and 6 hold candidates of many clusters)."""
     keys, values, assign = integer_store(seed)
@@ -159,7 +135,7 @@ def test_extension_over_the_nearest_clusters_equals_the_oracle(seed, max_cluster
         assert set(ids[i][ids[i] >= 0]) <= set(got.ids[i][live]) or width < (ids[i] >= 0).sum()
 
 
-def test_a_rows_extension_is_the_same_alone_and_beside_any_rows(extension_path):
+def test_a_rows_extension_is_the_same_alone_and_beside_any_rows():
     """Each row's members and order depend on its own candidates and query only (the call's other rows, and
     so how wide the call is, never change them): extended one by one = extended together. With more exact
     members than kept (25, 20) and a row with more own candidates (60) than kept: the walk before this test
@@ -182,10 +158,10 @@ def test_a_rows_extension_is_the_same_alone_and_beside_any_rows(extension_path):
         np.testing.assert_array_equal(alone.distances[i][:n], together.distances[i][:n])
 
 
-def test_a_sketched_walk_over_float16_keys_keeps_no_float32_copy():
-    """StateClusters.member_keys (a float32 copy of the float16 keys, 480 MB on the 208K SOTU datastore) is made
-    only when read: a sketched walk with the compiled by-id kernel never reads it, and the centroids the nearest-
-    cluster ranking uses are the clusters' means (a float64 oracle)."""
+def test_a_sketched_walk_over_float16_keys_reads_their_float32_copy_and_the_clusters_means():
+    """A sketched walk over float16 keys extends its rows from StateClusters.member_keys, the stored keys as
+    float32 (made on first use), and the centroids the nearest-cluster ranking uses are the clusters' means (a
+    float64 oracle)."""
     keys, values, assign = integer_store(4)
     cl = clusters_of(assign, keys, C, seed=0, sketch_dims=P, exact_members=7, max_clusters=2)
     means = np.stack([keys[assign == c].astype(np.float64).mean(axis=0) if (assign == c).any() else np.zeros(D)
@@ -199,15 +175,13 @@ def test_a_sketched_walk_over_float16_keys_keeps_no_float32_copy():
     rows = np.flatnonzero((ids >= 0).any(axis=1))
     got = extend_by_clusters(cands, rows, xq, source, 20)
     assert (got.ids[rows] >= 0).any()
-    if by_id_kernels.available():
-        assert "member_keys" not in vars(cl)
     assert cl.stored_keys.dtype == np.float16
     np.testing.assert_array_equal(cl.member_keys.numpy(), cl.stored_keys.astype(np.float32))  # made on demand
 
 
 def test_cluster_states_keeps_float16_keys_as_stored():
     """k-means runs on a float32 copy, but the clusters keep the keys as the datastore stores them (float16: half
-    the bytes, and what the by-id kernel reads), in cluster order, the same values."""
+    the bytes), in cluster order, the same values."""
     from memlm.retrieval.clustered_states import cluster_states
 
     keys, _, _ = integer_store(5)

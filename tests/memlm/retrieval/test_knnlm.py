@@ -141,55 +141,23 @@ def test_torch_exact_searcher_matches_brute_force(dtype):
     assert nb.distances.dtype == np.float32 and nb.ids.dtype == np.int64 and nb.values.dtype == np.int32
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "panels"])
-def test_torch_exact_searcher_on_packed_cpu_keys_equals_plain_products(gemm, monkeypatch):
-    """On the CPU the keys are searched through a float32 copy, packed for oneDNN's GEMM or in the panel kernel's
-    panels (one GEMM a chunk); the same neighbours as the plain matmul over float32 casts of the chunks
-    (float32_gemm_on_mkl switches both off)."""
-    from memlm.model import panel_gemm
-    from memlm.model.decoder import cpu_gemm_as, float32_gemm_on_mkl
-
-    if gemm == "panels" and not panel_gemm.available():
-        pytest.skip("no AVX-512 CPU or no C compiler: the panel GEMM cannot be built")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the panel kernel's condition in any run
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_torch_exact_searcher_on_cpu_keys_equals_its_chunked_torch_search(dtype):
+    """On the CPU the keys are searched by FAISS (faiss.knn a chunk, merged in a ResultHeap) over a float32 copy
+    made once; the same neighbours as the chunked matmul and top-k the searcher runs on a GPU, and a query's
+    neighbours whatever else is in the call."""
     rng = np.random.default_rng(3)
-    keys = torch.from_numpy(rng.normal(size=(1000, 64)).astype(np.float16))
+    keys = torch.from_numpy(rng.normal(size=(1000, 64)).astype(np.float32)).to(dtype)
     searcher = TorchExactSearcher(keys, rng.integers(0, 50, size=1000).astype(np.int32), chunk_size=300)
     xq = rng.normal(size=(5, 64)).astype(np.float32)
-    with float32_gemm_on_mkl():
-        plain = searcher.search(xq, 30)
-    assert searcher._packed is None and searcher._panels is None
-    with cpu_gemm_as(gemm):
-        packed = searcher.search(xq, 30)
-        alone = searcher.search(xq[2:3], 30)  # a query's neighbours whatever else is in the call
-    copies = searcher._packed if gemm == "onednn" else searcher._panels
-    assert copies is not None and len(copies) == 4  # chunks of 300, 300, 300, 100
-    np.testing.assert_array_equal(packed.ids, plain.ids)
-    np.testing.assert_allclose(packed.distances, plain.distances, rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(alone.ids[0], packed.ids[2])
-
-
-def test_float16_keys_are_searched_on_float16_panels_with_the_float32_panels_results(monkeypatch):
-    """float16 keys on the panel kernel: float16 panels (half the bytes a search reads), and neighbours and
-    distances bit for bit those of the same keys held as float32 (float32 panels)."""
-    from memlm.model import panel_gemm
-    from memlm.model.decoder import cpu_gemm_as
-
-    if panel_gemm.half_kernel() is None:
-        pytest.skip("no AVX-512 CPU or no C compiler: the panel GEMM cannot be built")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the panel kernel's condition in any run
-    rng = np.random.default_rng(4)
-    keys = torch.from_numpy(rng.normal(size=(1000, 64)).astype(np.float16))
-    values = rng.integers(0, 50, size=1000).astype(np.int32)
-    half = TorchExactSearcher(keys, values, chunk_size=300)
-    full = TorchExactSearcher(keys.float(), values, chunk_size=300)
-    xq = rng.normal(size=(5, 64)).astype(np.float32)
-    with cpu_gemm_as("panels"):
-        got, want = half.search(xq, 30), full.search(xq, 30)
-    assert [p.dtype for p in half._panels] == [torch.float16] * 4
-    assert [p.dtype for p in full._panels] == [torch.float32] * 4
-    np.testing.assert_array_equal(got.ids, want.ids)
-    np.testing.assert_array_equal(got.distances, want.distances)
+    assert searcher._cpu_chunks is None
+    got = searcher.search(xq, 30)
+    alone = searcher.search(xq[2:3], 30)
+    assert searcher._cpu_chunks is not None and len(searcher._cpu_chunks) == 4  # chunks of 300, 300, 300, 100
+    want_d, want_i = searcher._torch_search(torch.from_numpy(xq), 30)
+    np.testing.assert_array_equal(got.ids, want_i)
+    np.testing.assert_allclose(got.distances, want_d, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(alone.ids[0], got.ids[2])
 
 
 def test_torch_exact_searcher_pads_when_k_exceeds_n():

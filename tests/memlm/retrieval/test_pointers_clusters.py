@@ -226,136 +226,26 @@ def test_search_rows_batches_the_searches_differently_and_walks_the_same():
 
 
 @pytest.mark.parametrize("exact_members, max_clusters, width", [(3, None, None), (2, 2, 9), (40, 1, 4)])
-def test_the_compiled_step_walks_as_the_numpy_one(exact_members, max_clusters, width, monkeypatch):
-    """memlm.jobs.pointer_walk with clustered states ranked by a sketch takes walk_step.walk_step (follow, the
-    extension and the store in one compiled call) where the kernels are available: the same walk as numpy's
-    follow + extend_by_clusters, token for token (which tokens are searched or skipped by a gate, each token's
-    candidates in order, log p_kNN), on the datastore's own text (pointers survive) and with a random gate."""
-    from memlm.retrieval import by_id_kernels
-    from memlm.jobs.pointer_walk import compiled_step
-
-    if not by_id_kernels.available():
-        pytest.skip("no C compiler: the kernels cannot be built")
+def test_a_sketched_walk_is_the_same_collecting_its_candidates_or_not(exact_members, max_clusters, width):
+    """memlm.jobs.pointer_walk with clustered states ranked by a sketch, on the datastore's own text (pointers
+    survive) and with a random gate: the same walk whether or not it collects each token's candidates (which
+    tokens are searched or skipped, log p_kNN); searched, skipped and walked tokens all occur, members are kept
+    but not scored exactly where the sketch scores fewer than the width, and a row is cut to the width."""
     keys, values, d, nxt = walk_data()
     xq, targets = keys.float().numpy(), values.astype(np.int64)
     sketched = cluster_states(keys.numpy(), 8, sketch_dims=2, exact_members=exact_members, max_clusters=max_clusters)
     source = PointerSource.local(nxt, values, keys.numpy(), sketched)
     allowed = np.random.default_rng(0).random(len(xq)) < 0.7
     config = PointerConfig(min_pointers=2, stream_tokens=20, streams=5, search_rows=2, cluster_width=width)
-    runs = {}
-    for compiled in (True, False):
-        if not compiled:
-            monkeypatch.setattr(by_id_kernels, "available", lambda: False)
-        assert compiled_step(source, config) == compiled
-        for collect in (True, False):  # not collecting, the compiled walk reads only the weighted columns
-            runs[compiled, collect] = walk(xq, targets, d, RowWiseSearcher(TorchExactSearcher(keys, values)), 6,
-                                           SearchOptions(), 2.0, config, source, allowed, torch.no_grad(), collect=collect)
-    for collect in (True, False):
-        fast, slow = runs[True, collect], runs[False, collect]
-        np.testing.assert_array_equal(fast.searched, slow.searched)
-        np.testing.assert_array_equal(fast.skipped, slow.skipped)
-        torch.testing.assert_close(fast.knn_logprob, slow.knn_logprob, rtol=1e-5, atol=1e-5)
-    fast, slow = runs[True, True], runs[False, True]
-    assert 0 < fast.searched.sum() < len(xq) and fast.skipped.any() and (~fast.searched & ~fast.skipped).any()
-    pointed = ~fast.searched & ~fast.skipped & (fast.neighbors.ids >= 0).any(axis=1)  # (Q,) walked tokens
-    live = fast.neighbors.ids[pointed] >= 0
-    followed = (live & np.isinf(fast.neighbors.distances[pointed])).any()  # members kept but not scored
+    runs = {collect: walk(xq, targets, d, RowWiseSearcher(TorchExactSearcher(keys, values)), 6, SearchOptions(), 2.0,
+                          config, source, allowed, torch.no_grad(), collect=collect) for collect in (True, False)}
+    got, bare = runs[True], runs[False]
+    np.testing.assert_array_equal(got.searched, bare.searched)
+    np.testing.assert_array_equal(got.skipped, bare.skipped)
+    torch.testing.assert_close(got.knn_logprob, bare.knn_logprob, rtol=0, atol=0)
+    assert 0 < got.searched.sum() < len(xq) and got.skipped.any() and (~got.searched & ~got.skipped).any()
+    pointed = ~got.searched & ~got.skipped & (got.neighbors.ids >= 0).any(axis=1)  # (Q,) walked tokens
+    live = got.neighbors.ids[pointed] >= 0
+    followed = (live & np.isinf(got.neighbors.distances[pointed])).any()  # members kept but not scored
     assert followed == (exact_members < config.extended_width(6))
     assert (live.sum(axis=1) == config.extended_width(6)).any()  # a row cut to the width
-    np.testing.assert_array_equal(fast.searched, slow.searched)
-    np.testing.assert_array_equal(fast.skipped, slow.skipped)
-    np.testing.assert_array_equal(fast.neighbors.ids, slow.neighbors.ids)
-    np.testing.assert_array_equal(fast.neighbors.values, slow.neighbors.values)
-    np.testing.assert_allclose(fast.neighbors.distances, slow.neighbors.distances, rtol=1e-5)
-    torch.testing.assert_close(fast.knn_logprob, slow.knn_logprob, rtol=1e-5, atol=1e-5)
-
-
-def test_walk_step_on_a_block_equals_follow_and_extend_and_leaves_only_pads_past_each_count(monkeypatch):
-    """walk_step.walk_step on a block whose rows hold more candidates than they will keep (the columns past a
-    row's new count must be reset: the walk reads a block's rows as wide as its fullest), against numpy's follow,
-    needs_search and extend_by_clusters on the same rows; rows needing a search are left as they were."""
-    from memlm.retrieval import by_id_kernels, walk_step
-    from memlm.retrieval.pointers import follow, needs_search
-
-    if not by_id_kernels.available():
-        pytest.skip("no C compiler: the kernels cannot be built")
-    keys, values, d, nxt = walk_data()
-    n = len(values)
-    cl = cluster_states(keys.numpy(), 8, sketch_dims=2, exact_members=3, max_clusters=2)
-    source = PointerSource.local(nxt, values, keys.numpy(), cl)
-    rng = np.random.default_rng(1)
-    s, w, width = 6, 12, 5
-    block = walk_step.CandidateBlock(np.full((s, w), -1, np.int64), np.full((s, w), np.inf, np.float32),
-                                         np.full((s, w), -1, np.int32), np.zeros(s, np.int64))
-    for r, c in enumerate([12, 0, 7, 12, 3, 9]):
-        block.ids[r, :c] = rng.choice(n, size=c, replace=False)
-        block.vals[r, :c] = values[block.ids[r, :c]]
-        block.dist[r, :c] = np.sort(rng.random(c)).astype(np.float32)
-        block.count[r] = c
-    rows = np.array([5, 0, 2, 3, 1])  # row 4 does not move
-    prev_targets = np.array([block.vals[r, 0] if block.count[r] else 0 for r in rows], np.int32)  # survivors
-    fresh = np.array([False, False, False, True, False])
-    xq = keys[rng.integers(0, n, size=rows.size)].float().numpy()
-    before = tuple(a.copy() for a in block)
-    prev = Neighbors(before[1][rows], before[0][rows], before[2][rows])
-    cands = follow(prev, prev_targets, xq, source, distances=False)
-    want_need = needs_search(cands, 2) | fresh
-    with monkeypatch.context() as numpy_only:  # the reference: numpy's extension, not the same C
-        numpy_only.setattr(by_id_kernels, "available", lambda: False)
-        want = extend_by_clusters(cands, np.flatnonzero(~want_need), xq, source, width)
-    sk = cl.sketch
-    q = torch.from_numpy(xq)
-    need, scored = walk_step.walk_step(block, rows, prev_targets, fresh, 2, nxt, xq, sk.project(q).numpy(),
-                                           source.cluster_arrays, sk.exact_members, sk.max_clusters, width)
-    np.testing.assert_array_equal(need, want_need)
-    assert need.any() and (~need).any()
-    for i, r in enumerate(rows):
-        if need[i]:  # as it was
-            for a, b in zip(block, before):
-                np.testing.assert_array_equal(a[r], b[r])
-            assert scored[i] == 0
-            continue
-        c = int(block.count[r])
-        np.testing.assert_array_equal(block.ids[r, :c], want.ids[i][want.ids[i] >= 0])
-        np.testing.assert_allclose(block.dist[r, :c], want.distances[i, :c], rtol=1e-5)
-        np.testing.assert_array_equal(block.vals[r, :c], want.values[i, :c])
-        assert scored[i] == np.isfinite(block.dist[r, :c]).sum() and np.isfinite(block.dist[r, : scored[i]]).all()
-        assert (block.ids[r, c:] == -1).all() and (block.vals[r, c:] == -1).all() and np.isinf(block.dist[r, c:]).all()
-    np.testing.assert_array_equal(block.ids[4], before[0][4])
-
-
-def test_walk_step_refuses_ids_outside_the_datastore_and_survives_non_finite_sketch_scores():
-    """The C reads any address it is given: a block row holding an id past the datastore is refused (nothing
-    written). A sketch code past float16's range (clipped by key_sketch, but given here as it is) gives scores of
-    -inf or nan, which must not pass for a row's own candidates: every kept member is still distinct."""
-    from memlm.retrieval import by_id_kernels, walk_step
-    from memlm.retrieval.clustered_states import KeySketch
-
-    if not by_id_kernels.available():
-        pytest.skip("no C compiler: the kernels cannot be built")
-    keys, values, d, nxt = walk_data()
-    n = len(values)
-    cl = cluster_states(keys.numpy(), 4, sketch_dims=2, exact_members=3)
-    source = PointerSource.local(nxt, values, keys.numpy(), cl)
-    block = walk_step.CandidateBlock(np.full((1, 8), -1, np.int64), np.full((1, 8), np.inf, np.float32),
-                                     np.full((1, 8), -1, np.int32), np.ones(1, np.int64))
-    block.ids[0, 0], block.vals[0, 0] = n, 0
-    xq = keys[:1].float().numpy()
-    sk = cl.sketch
-    qq = sk.project(torch.from_numpy(xq)).numpy()
-    with pytest.raises(ValueError, match="outside"):
-        walk_step.walk_step(block, np.array([0]), np.array([0]), np.array([False]), 1, nxt, xq, qq,
-                            source.cluster_arrays, 3, None, 6)
-    assert block.ids[0, 0] == n and block.count[0] == 1  # untouched
-    codes = sk.codes.clone()
-    codes[: n // 2, 0] = 1e6  # float16: inf; with q's sign, scores of -inf (or nan)
-    wild = dataclasses.replace(cl, sketch=KeySketch(sk.mean, sk.basis, codes, sk.centred_norms, 3))
-    wild_source = PointerSource.local(nxt, values, keys.numpy(), wild)
-    own = np.array([[cl.members[0], cl.members[-1], -1]])
-    with np.errstate(over="ignore"):  # the codes' float16 cast overflows: what is tested
-        arrays = wild_source.cluster_arrays
-    for sign in (1.0, -1.0):
-        dist, ids, _, count = walk_step.extend_sketched(own, xq, sign * np.abs(qq) + sign, arrays, 3, None, 20)
-        kept = ids[0, : count[0]]
-        assert count[0] == 20 and len(set(kept.tolist())) == 20 and set(own[0, :2]) <= set(kept.tolist())
-        assert np.isfinite(dist[0, :3]).all() and np.isinf(dist[0, 3:]).all()
