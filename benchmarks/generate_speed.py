@@ -25,7 +25,7 @@ over the median step time. Each figure is printed as soon as it is measured.
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
         [--figures 1,2,3,4,6] [--graph-streams 1,8] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256]
-        [--engine-gemm panels|onednn|mkl]
+        [--engine-gemm mkl|onednn]
 
 The engine and transformers do the same work per token, and the engine more: greedy on both sides, logits of
 the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob

@@ -1,6 +1,6 @@
 """What one forward pass costs by the positions it feeds after a cache (a plain decode step feeds 1, a speculative
-verifying pass 1 + its draft tree's nodes): the whole pass, its Linear products (memlm.model.decoder.Linear, on one
-thread memlm.model.panel_gemm's kernel), and the rest (attention, norms, rotary, the Python of every layer); then
+verifying pass 1 + its draft tree's nodes): the whole pass, its Linear products (memlm.model.decoder.Linear, on the GEMM
+memlm.model.cpu_gemm picks), and the rest (attention, norms, rotary, the Python of every layer); then
 the torch exact search of a datastore's keys by the number of queries (a verifying pass searches several at once).
 
 Positions are timed round-robin (each round feeds every count once) after --cache tokens, so a drift of the machine

@@ -1,5 +1,5 @@
 """Where greedy kNN-LM decoding's time goes, plain vs speculative (issue 15 part 3): the engine's forward passes timed
-by the positions they feed, with the panel GEMM's share (memlm.model.panel_gemm: the weights' products) and the rest
+by the positions they feed, with the GEMM's share (memlm.model.cpu_gemm.linear: the weights' products) and the rest
 of the pass (attention, norms, the layers' small operations); the time a step spends outside its pass (search,
 mixture, drafting, acceptance); and, for the speculative side, the tokens each pass yields by its positions.
 
@@ -8,7 +8,7 @@ the sides alternating over --repeats rounds; each round prints its own table, so
 was made of can be read next to it. Why: the ratio of the two sides is a x P1 / Pk, a the tokens a verifying pass
 yields, P1 plain's step and Pk a verifying pass; this shows each term.
 
-Instrumented by wrapping memlm.engine.passes.run, memlm.model.panel_gemm.linear and (speculative side) the verifying
+Instrumented by wrapping memlm.engine.passes.run, memlm.model.cpu_gemm.linear and (speculative side) the verifying
 pass's hand-off (memlm.engine.speculative._emit) with perf_counter checkpoints; the wrappers cost a few microseconds a
 call, on both sides alike.
 
@@ -30,7 +30,7 @@ from memlm.engine import passes, speculative
 from memlm.engine.drafts import SpeculativeConfig, draft_source
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.model import panel_gemm
+from memlm.model import cpu_gemm
 
 
 class Recorder:
@@ -49,8 +49,8 @@ class Recorder:
 
 
 def instrument(recorder: Recorder) -> None:
-    """Wrap the engine's pass, the panel GEMM and the verifying pass's hand-off (module docstring)."""
-    run, linear, emit = passes.run, panel_gemm.linear, speculative._emit
+    """Wrap the engine's pass, the decoder's GEMM and the verifying pass's hand-off (module docstring)."""
+    run, linear, emit = passes.run, cpu_gemm.linear, speculative._emit
 
     def timed_run(engine, plan, **kwargs):
         recorder.gemm, start = 0.0, time.perf_counter()
@@ -69,7 +69,7 @@ def instrument(recorder: Recorder) -> None:
         recorder.yielded.append((recorder.positions, len(tokens)))
         return emit(engine, row, start, tokens, *rest)
 
-    passes.run, panel_gemm.linear, speculative._emit = timed_run, timed_linear, counted_emit
+    passes.run, cpu_gemm.linear, speculative._emit = timed_run, timed_linear, counted_emit
 
 
 def report(side: str, recorder: Recorder, wall: float, steps: int) -> None:

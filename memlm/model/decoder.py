@@ -20,9 +20,7 @@ Shape legend:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
 from abc import ABC, abstractmethod
 from typing import NamedTuple, Protocol
 
@@ -30,8 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memlm.model import panel_gemm
+from memlm.model import cpu_gemm
 from memlm.model.config import ModelConfig
+from memlm.model.cpu_gemm import (  # the command line's and the tests' names for the GEMM choice
+    CPU_GEMM_NAMES,
+    DEFAULT_CPU_GEMM,
+    cpu_float32_gemm,
+    cpu_gemm_as,
+    float32_gemm_on_mkl,
+)
 
 
 class KnnRetrieval(Protocol):
@@ -133,135 +138,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-CPU_GEMM_NAMES = ("panels", "onednn", "mkl")
-"""The CPU float32 GEMMs Linear can run (`memlm --cpu-gemm NAME COMMAND`, benchmarks' --engine-gemm):
-"panels" (the default): memlm.model.panel_gemm's kernel (batch-invariant; built for a decode step's few rows), its
-panels split across torch's threads where it is built with OpenMP (else one thread, and oneDNN's GEMM on packed
-weights with more threads); "onednn": oneDNN's always;
-"mkl": F.linear, MKL's GEMM as transformers' nn.Linear, the one that keeps its speed when other processes hold the
-cores of a multi-threaded run (cpu_float32_gemm's docstring: oneDNN's parallel GEMMs stall at their barriers there)
-and the one to compare with transformers bit for bit."""
-DEFAULT_CPU_GEMM = "panels"
-_cpu_gemm = DEFAULT_CPU_GEMM
-"""The GEMM in force (cpu_gemm_as). Process-wide (one kernel choice for every thread of a server, as
-torch.backends' own flags), and only float32's: bfloat16 and float16 CPU matmuls keep oneDNN (torch.backends.mkldnn
-stays on: switched off, a bfloat16 (8, 576) x (576, 1536) linear took 3093 us against 587, measured 1 Dec)."""
-
-
-def cpu_float32_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether Linear runs our GEMM (panel_gemm) or oneDNN's instead of F.linear's: inference (grad disabled)
-    in float32 on the CPU, with oneDNN built in and the GEMM not set to "mkl" (cpu_gemm_as).
-
-    Why: PyTorch's CPU wheel links MKL for float32 BLAS, and MKL's sgemm is slow at the decoder's shapes (issue 12;
-    measured 1 Dec on an AMD EPYC with AVX-512, one thread, CPU time, weights out of cache): a 1536x576 weight at
-    1 / 8 / 32 / 256 rows 255 / 458 / 926 / 5321 us on MKL, 219 / 317 / 573 / 2477 us on oneDNN; the 49152x576 head
-    7.8 / 16.6 / 34.1 ms vs 4.8 / 8.8 / 15.0 ms (end to end: benchmarks/generate_speed.py --engine-gemm mkl|onednn);
-    on 3 Dec's Intel Xeon MKL's was faster than oneDNN's at 1-3 rows and far slower from 4 (panel_gemm's
-    docstring). The same float32 products summed in another order: SmolLM2's logits over 2 x 256 SOTU tokens differ
-    from transformers' by at most 9e-5 (max |logit| 40), where transformers' own eager and SDPA attention differ by
-    5e-5. bfloat16 and float16 CPU matmuls already run on oneDNN; autograd takes F.linear (oneDNN's op has no
-    backward). On a CPU shared with other jobs give torch free cores: with 2 threads while other processes held a
-    core, oneDNN's parallel GEMMs stalled at their barriers (batch-1 decode 3.8 tokens/s vs 24.8 on MKL's GEMM,
-    load 4; near idle 38.0 vs 25.2)."""
-    # Not under torch.compile: Inductor cannot lower mkldnn._linear_pointwise with dynamic shapes (LoweringException)
-    # and picks its own GEMM for F.linear.
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and _cpu_gemm != "mkl" and not torch.compiler.is_compiling())
-
-
-def on_panels(x: torch.Tensor) -> bool:
-    """Where cpu_float32_gemm holds: whether the product with x runs panel_gemm's kernel (the GEMM in force is
-    "panels" and the kernel fits x: panel_gemm.fits) rather than oneDNN's."""
-    return _cpu_gemm == "panels" and panel_gemm.fits(x)
-
-
-@contextlib.contextmanager
-def cpu_gemm_as(name: str) -> Iterator[None]:
-    """A context in which Linear's CPU float32 inference runs the GEMM `name` (CPU_GEMM_NAMES); other dtypes
-    unchanged."""
-    global _cpu_gemm
-    if name not in CPU_GEMM_NAMES:
-        raise ValueError(f"the CPU GEMM must be one of {', '.join(CPU_GEMM_NAMES)}, got {name!r}")
-    before, _cpu_gemm = _cpu_gemm, name
-    try:
-        yield
-    finally:
-        _cpu_gemm = before
-
-
-def float32_gemm_on_mkl() -> contextlib.AbstractContextManager[None]:
-    """cpu_gemm_as("mkl"): F.linear's GEMM, as transformers' nn.Linear (comparisons bit for bit with transformers)."""
-    return cpu_gemm_as("mkl")
-
-
-PACKED_ROWS = 4
-"""The rows oneDNN lays Linear's packed float32 weights out for (torch.ops.mkldnn._reorder_linear_weight's batch
-size hint); any number of rows runs on that copy. Why packed: unpacked, oneDNN's GEMM re-blocks the weight as it
-reads it, and from the second row on costs 1.3-1.4x one row; packed, one row is cheaper too and extra rows come
-almost free, which is what a speculative verifying pass feeds (SmolLM2-135M's 211 weights, random values, one
-call each, measured 2 Dec: 2 threads 1 / 2 / 4 / 8 / 17 rows 20.7 / 23.1 / 24.1 / 26.7 / 33.6 ms unpacked,
-11.9 / 12.8 / 13.6 / 16.7 / 21.3 ms packed for 4 rows (17 rows: the same, 1 row: no gain); 1 thread 24.3 / 35.0 /
-35.3 / 39.9 / 50.1 vs 18.2 / 19.4 / 19.8 / 25.2 / 35.5; 64 and 512 rows 106 / 688 vs 90 / 651). As unpacked, a
-row's output may differ in its last bits with the rows beside it (down_proj's K = 1536: one row takes another
-kernel than several)."""
-
-
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose CPU float32 inference runs memlm.model.panel_gemm's kernel
-    (panel_gemm.fits), else oneDNN's GEMM on a packed copy of its weight (cpu_float32_gemm says when and
-    why, CPU_GEMM_NAMES which, PACKED_ROWS what packing buys). The copy is made on the first
-    such call and again whenever the weight changed (another tensor, or written in place: its version): it costs
-    the weight's memory once more, and is no parameter (not saved, not trained)."""
+    """nn.Linear (same parameters and names) whose CPU float32 inference runs the GEMM memlm.model.cpu_gemm
+    picks (cpu_gemm_as): F.linear's, or oneDNN's over a copy of the weight kept on the layer (not saved, not
+    trained)."""
 
-    _packed: tuple[tuple[int, int, int], torch.Tensor] | None = None
-    """(the weight's id, data pointer and version when packed, the packed copy)."""
-    _panels: tuple[tuple[int, int, int], torch.Tensor] | None = None
-    """(the same key, panel_gemm.panels of the weight)."""
+    _packed: tuple[tuple, nn.Module] | None = None
+    """(the weight's key when copied, oneDNN's layer over the copy): memlm.model.cpu_gemm.linear's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight  # one parameter lookup a call: this runs 211 times a SmolLM2 decode step
-        if cpu_float32_gemm(x, w):
-            if on_panels(x) and not w.is_inference():  # an inference-mode weight: no version to tell a write
-                panels = self._copy_of(w, "_panels", panel_gemm.panels)
-                return panel_gemm.linear(x, panels, w.shape[0], self.bias)
-            return packed_linear(x, self.packed_weight(w), self.bias)
-        return F.linear(x, w, self.bias)
-
-    def packed_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """oneDNN's packed copy of the weight w (= self.weight) as it is now; w itself when made under
-        torch.inference_mode (no version counter to tell an in-place write: used unpacked)."""
-        return w if w.is_inference() else self._copy_of(w, "_packed", pack_weight)
-
-    def _copy_of(self, w: torch.Tensor, attr: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The copy make(w) kept in `attr` (_packed, _panels), made again when w changed since (another tensor, or
-        written in place: its version)."""
-        key = (id(w), w.data_ptr(), w._version)
-        kept = getattr(self, attr)
-        if kept is None or kept[0] != key:
-            kept = (key, make(w))
-            setattr(self, attr, kept)
-        return kept[1]
+        return cpu_gemm.linear(self, x)
 
     def __getstate__(self) -> dict:
-        # The packed copy is an opaque oneDNN tensor (no pickling, no deepcopy): it is remade on first use, and the
-        # panels too (a copy of the weight: not saved twice).
         state = super().__getstate__()
-        state.pop("_packed", None)
-        state.pop("_panels", None)
+        state.pop("_packed", None)  # remade on first use, never saved twice
         return state
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy (PACKED_ROWS) of a float32 CPU weight (N, K), for packed_linear."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ weight.T (+ bias) -> (..., N) on oneDNN's GEMM, with `packed` = pack_weight(weight) (or the
-    weight itself, unpacked: slower from two rows on); only where cpu_float32_gemm(x, weight) holds. Linear's
-    product, and memlm.retrieval.exact's query-by-key distances on the CPU (there the weight is a chunk of keys)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Attention(nn.Module):

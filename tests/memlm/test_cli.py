@@ -289,7 +289,7 @@ def test_serve_lm_takes_a_checkpoints_memory_defaults_or_refuses_others(capsys, 
 @pytest.mark.parametrize("gemm", ["mkl", "onednn"])
 def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatch, gemm):
     # `memlm --cpu-gemm mkl COMMAND`: the command (a server's threads too: the choice is process-wide) runs the
-    # decoder's CPU float32 Linear on F.linear (memlm.model.decoder.cpu_float32_gemm), and only that: oneDNN
+    # decoder's CPU float32 Linear on F.linear (memlm.model.cpu_gemm.cpu_float32_gemm), and only that: oneDNN
     # stays on for bfloat16 / float16 matmuls.
     import torch
 

@@ -1,5 +1,6 @@
-"""memlm.model.decoder.Linear: CPU float32 inference on oneDNN's GEMM (cpu_float32_gemm; these tests under
-cpu_gemm_as("onednn"), the panel kernel has its own in test_panel_gemm.py), else F.linear."""
+"""memlm.model.decoder.Linear: CPU float32 inference on oneDNN's GEMM through torch.utils.mkldnn
+(memlm.model.cpu_gemm.cpu_float32_gemm; these tests under cpu_gemm_as("onednn")) against F.linear, else F.linear
+itself."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(autouse=True)
 def on_onednn():
-    """oneDNN's GEMM for any number of rows and threads (the default takes the panel kernel on one thread)."""
+    """oneDNN's GEMM (the default is F.linear's)."""
     with cpu_gemm_as("onednn"):
         yield
 
@@ -91,11 +92,22 @@ def test_packed_layer_copies_and_pickles() -> None:
 
 
 def test_weight_made_in_inference_mode_is_used_unpacked() -> None:
-    """An inference-mode weight has no version counter (an in-place write could not be told): no packed copy."""
+    """An inference-mode weight has no version counter (an in-place write could not be told): no oneDNN copy,
+    F.linear itself."""
     with torch.inference_mode():
         layer = make_linear(64, 32, True)
         x = torch.randn(3, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert not cpu_float32_gemm(x, layer.weight)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         layer.weight.mul_(3.0)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert layer._packed is None
+
+
+def test_the_onednn_copy_is_no_parameter_or_state() -> None:
+    """The oneDNN copy is not a submodule: the state dict and the parameters stay nn.Linear's."""
+    layer = make_linear(64, 32, True)
+    with torch.inference_mode():
+        layer(torch.randn(2, 64))
+    assert layer._packed is not None
+    assert list(layer.state_dict()) == ["weight", "bias"] and len(list(layer.modules())) == 1
