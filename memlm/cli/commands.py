@@ -22,7 +22,7 @@ from memlm.cli.eval import add_eval_parser
 from memlm.cli.gate import add_train_gate_parser
 from memlm.cli.generate import add_generate_parser, add_speculative_options
 from memlm.model.memory_config import MemoryConfig
-from memlm.model.decoder import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
+from memlm.model.cpu_gemm import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 from memlm.cli.options import (
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
@@ -443,10 +443,8 @@ class OneLineErrors(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="memlm", description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-gemm", default=DEFAULT_CPU_GEMM, choices=CPU_GEMM_NAMES,
-                        help="the CPU float32 GEMM of the decoder's linear layers (memlm.model.decoder.CPU_GEMM_NAMES): "
-                             "panels (default: memlm's batch-invariant kernel, over torch's threads where it is built with OpenMP), "
-                             "onednn, or mkl (on a CPU whose cores other processes "
-                             "hold, where oneDNN's parallel GEMMs stall); before the command: memlm --cpu-gemm mkl serve lm ...")
+                        help="the CPU float32 GEMM of the decoder's linear layers (memlm.model.cpu_gemm): mkl (default: "
+                             "F.linear) or onednn (torch.utils.mkldnn); before the command: memlm --cpu-gemm onednn serve lm ...")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("fetch", help="fetch a model or corpus into the cache ($MEMLM_CACHE or ~/.cache/memlm)")
