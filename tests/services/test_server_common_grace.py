@@ -58,7 +58,7 @@ def test_sigterm_lets_in_flight_calls_finish_within_the_grace_then_cancels_and_e
             stub = lm_grpc.LanguageModelServiceStub(channel)
             stub.Score(score(stride=128), timeout=30)  # warm
             long_call = stub.Score.future(score(stride=1), timeout=120)
-            short_call = stub.Score.future(score(stride=32), timeout=120)
+            short_call = stub.Score.future(score(stride=128), timeout=120)
             time.sleep(0.3)  # both under way
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
