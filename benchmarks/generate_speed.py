@@ -30,8 +30,8 @@ over the median step time. Each figure is printed as soon as it is measured.
 The engine and transformers do the same work per token, and the engine more: greedy on both sides, logits of
 the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob
 (a logsumexp over V per row) where generate gives none. Our decoder's float32 CPU projections run oneDNN's
-GEMM (memlm.model.decoder.cpu_float32_gemm), transformers' nn.Linear MKL's: --engine-gemm mkl runs our side
-on MKL's too (memlm.model.decoder.float32_gemm_on_mkl), to show what the kernel gives and what the rest of the engine does.
+GEMM (memlm.model.cpu_gemm.cpu_float32_gemm), transformers' nn.Linear MKL's: --engine-gemm mkl runs our side
+on MKL's too (memlm.model.cpu_gemm.float32_gemm_on_mkl), to show what the kernel gives and what the rest of the engine does.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from forward_throughput import hf_twin
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.model.decoder import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
+from memlm.model.cpu_gemm import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 from memlm.model.device import synchronize
 from memlm.retrieval.knnlm import KNNLMConfig
 
@@ -114,7 +114,7 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 working, not waiting for a core other jobs hold; GPU work is not in it)."""
 CLOCK = CLOCKS["wall"]
 ENGINE_GEMM = DEFAULT_CPU_GEMM
-"""--engine-gemm: the GEMM our side (engine, full recomputation) runs (memlm.model.decoder.cpu_gemm_as); transformers'
+"""--engine-gemm: the GEMM our side (engine, full recomputation) runs (memlm.model.cpu_gemm.cpu_gemm_as); transformers'
 side runs as it is."""
 
 

@@ -3,7 +3,7 @@
 Five modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
 - sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
   options, lambda/T tuned on --tune-data that must share no document with the evaluation data), with
-  fewer searches by RetoMaton pointers and/or a retrieval gate (memlm.cli.fewer_searches, issue 15);
+  fewer searches by RetoMaton pointers and/or a retrieval gate (memlm.cli.fewer_searches);
 - segments alone (--memory none --segment S, or --segment S alone): each S-token segment scored with no
   memory at all;
 - segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`
@@ -218,7 +218,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module)
     boundary = document_boundary(pretrained.tokenizer)
     settings = checkpoint_settings(args.model, boundary)
-    spalm = wants_spalm(args, settings)  # --memory spalm: memlm.cli.spalm (issue 11)
+    spalm = wants_spalm(args, settings)  # --memory spalm: memlm.cli.spalm
     if not spalm:
         refuse_given(args, ("knn_k",), "applies to --memory spalm (SPALM + kNN-LM) only; kNN-LM alone takes --k")
     memory = None if spalm else memory_for(args, settings)

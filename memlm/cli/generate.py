@@ -20,7 +20,7 @@ GenerationEnd's) and `mean_accepted_tokens`. --memory memorizing (Wu et al. 2022
 --memory memorizing` checkpoint's kNN attention (any other model: a fresh, untrained gate, said on stderr and
 recorded) and keeps every prompt's kNN memory in process or, with --knn-backend service, in the memory
 sessions of --knn-service (memlm.engine.memorizing_rows); --json records the layer, sizes, backend and gates.
-Fewer searches (issue 15; memlm eval's flags, memlm.cli.options.FEWER_SEARCHES_OPTIONS; memlm.engine.fewer_rows):
+Fewer searches (memlm eval's flags, memlm.cli.options.FEWER_SEARCHES_OPTIONS; memlm.engine.fewer_rows):
 --pointers follows RetoMaton pointers along the generated tokens and searches only when fewer than
 --min-pointers survive (through --retrieval, by the service's Successors rpc); --adaptive-gate skips the
 search where the gate says retrieval will not help, the token then comes from the base LM. Each result

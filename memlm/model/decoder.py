@@ -30,13 +30,6 @@ from torch import nn
 
 from memlm.model import cpu_gemm
 from memlm.model.config import ModelConfig
-from memlm.model.cpu_gemm import (  # the command line's and the tests' names for the GEMM choice
-    CPU_GEMM_NAMES,
-    DEFAULT_CPU_GEMM,
-    cpu_float32_gemm,
-    cpu_gemm_as,
-    float32_gemm_on_mkl,
-)
 
 
 class KnnRetrieval(Protocol):

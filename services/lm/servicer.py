@@ -10,7 +10,7 @@ sharing steps with other Score calls and with Generate rows), BATCHED (attributi
 not hold: one library call for the concurrent calls of a key, services.lm.score_batch) or ALONE (SPALM,
 MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with memlm's
 decoder (every memory mode, kNN-LM or not) is a request in a running batch of the decoding engine
-(services.lm.engine, issue 12), which takes the model's turn like one more client; a cancelled call's row is
+(services.lm.engine), which takes the model's turn like one more client; a cancelled call's row is
 free before the next step; admission of Generate and engine Score calls is bounded (max_batch, max_queue,
 max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
 Generate with a transformers model (issue 13: its KV cache is transformers' own, no engine rows) runs as a

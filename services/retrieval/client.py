@@ -4,7 +4,7 @@ Library code (kNN-LM scoring, evaluation) calls `search(xq, k, options)` and `in
 whether the datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
 It uses a blocking grpc channel, so it works from plain synchronous code and from threads.
 
-Faults (issue 9, finding 2): the client keeps a circuit breaker (services/common/circuit.py) and, for a long-lived
+Faults: the client keeps a circuit breaker (services/common/circuit.py) and, for a long-lived
 link (`watch_link`: the LM server's), follows its channel's connectivity (`link_up`), so a dead or hung
 retrieval service fails searches at once with UNAVAILABLE instead of making every caller wait out a deadline; `until(deadline)` gives one caller a
 Searcher whose calls end by that caller's deadline; `wait_until_ready` is the start-up check that fails in

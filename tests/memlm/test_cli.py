@@ -294,7 +294,8 @@ def test_cpu_gemm_holds_for_the_whole_command_and_is_restored(capsys, monkeypatc
     import torch
 
     import memlm.cli.commands
-    from memlm.model.decoder import Linear, cpu_float32_gemm
+    from memlm.model.cpu_gemm import cpu_float32_gemm
+    from memlm.model.decoder import Linear
 
     seen = {}
 

@@ -1,4 +1,4 @@
-"""Score on the decoding engine (services.lm.score_engine, issue 12): calls from different clients, and Generate
+"""Score on the decoding engine (services.lm.score_engine): calls from different clients, and Generate
 rows, share engine steps; each Score equals itself alone.
 
 Real servers on port 0 over the tiny model. Oracle: each call alone on the same server (and the library, in

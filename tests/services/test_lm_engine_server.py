@@ -1,4 +1,4 @@
-"""Generate on the decoding engine (services.lm.engine, issue 12 part 3): one running batch, bounded admission.
+"""Generate on the decoding engine (services.lm.engine): one running batch, bounded admission.
 
 Real servers on port 0 over the tiny model. Oracles: the same call alone on the same server (the engine's
 rows are independent: a request yields the tokens it yields alone, greedy and seeded) and

@@ -1,4 +1,4 @@
-"""The LM server's model turns (services.lm.scheduler, issue 9.1 and 9.2): fair steps, bounded steps, remote
+"""The LM server's model turns (services.lm.scheduler): fair steps, bounded steps, remote
 searches without the model, and results that do not depend on how steps interleave.
 
 Real servers on port 0 over the tiny model. The long Score below is 1,200 tokens at window 256, stride 2:

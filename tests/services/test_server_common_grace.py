@@ -1,4 +1,4 @@
-"""`memlm serve ... --grace SECONDS` (services.common.server.run_until_signal, issue 9): on SIGTERM the server
+"""`memlm serve ... --grace SECONDS` (services.common.server.run_until_signal): on SIGTERM the server
 refuses new calls, lets in-flight ones finish for up to the grace, then cancels the rest, waits for grpc's
 leftover tasks and exits 0 without a traceback. A real `memlm serve lm` process over the tiny model.
 

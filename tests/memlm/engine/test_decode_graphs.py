@@ -119,7 +119,7 @@ def test_only_the_plain_cache() -> None:
 def test_the_step_reads_nothing_back_to_the_host() -> None:
     """A CUDA graph cannot hold a host read (.item(), .tolist(), boolean indexing): torch._dynamo traces the
     whole step as one graph only if there is none (each would be a graph break). In bfloat16, the dtype of the
-    GPU path, whose Linear is F.linear (CPU float32 inference takes oneDNN's op, decoder.cpu_float32_gemm)."""
+    GPU path, whose Linear is F.linear (CPU float32 inference takes oneDNN's op, cpu_gemm.cpu_float32_gemm)."""
     model = sharp_tiny_model().to(torch.bfloat16)
     engine = Engine(model, TOK, EngineConfig(max_batch=4, cuda_graphs=True))
     graphs: DecodeGraphs = engine.graphs

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlm.model.decoder import Linear, cpu_float32_gemm, cpu_gemm_as, float32_gemm_on_mkl
+from memlm.model.cpu_gemm import cpu_float32_gemm, cpu_gemm_as, float32_gemm_on_mkl
+from memlm.model.decoder import Linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 

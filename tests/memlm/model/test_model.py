@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from memlm.model.config import ModelConfig
-from memlm.model.decoder import Decoder, KVCache, float32_gemm_on_mkl
+from memlm.model.cpu_gemm import float32_gemm_on_mkl
+from memlm.model.decoder import Decoder, KVCache
 
 TOL = 2e-5
 """Max abs logit difference allowed against transformers (float32, CPU). Measured on these configs:
@@ -63,7 +64,7 @@ def test_logits_equal_transformers_sdpa_bit_for_bit(tie: bool, n_kv_head: int, h
     config = make_config(tie, n_kv_head=n_kv_head)
     model = make_model(config)
     idx = tokens(config)
-    # ... and the same GEMM: oneDNN off (memlm.model.decoder.cpu_float32_gemm), so both sides run MKL's.
+    # ... and the same GEMM: oneDNN off (memlm.model.cpu_gemm.cpu_float32_gemm), so both sides run MKL's.
     with torch.no_grad(), float32_gemm_on_mkl():
         ours = model(idx).logits  # (B, T, V)
         theirs = hf_llama(config, model.state_dict(), "sdpa")(idx).logits  # (B, T, V)

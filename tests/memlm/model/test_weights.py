@@ -17,7 +17,7 @@ from memlm.errors import MemlmError
 from memlm.files import sha256_file
 from memlm.model.checkpoint import load_checkpoint, read_extra, save_checkpoint
 from memlm.model.config import PRESETS
-from memlm.model.decoder import float32_gemm_on_mkl
+from memlm.model.cpu_gemm import float32_gemm_on_mkl
 from memlm.model.weights import (
     Pretrained,
     load_pretrained,
@@ -195,7 +195,7 @@ def test_smollm2_logits_match_transformers(smol: Pretrained, hf_llama) -> None:
     # whose magnitude reaches 35 (float32, CPU, 1 or 2 threads): float32 summation order differs.
     torch.testing.assert_close(ours, eager, atol=SMOLLM2_TOL, rtol=0)
     # With the same attention kernel (SDPA, as benchmarks/forward_throughput.py builds it) and the same GEMM
-    # (oneDNN off: memlm.model.decoder.cpu_float32_gemm): bit-identical.
+    # (oneDNN off: memlm.model.cpu_gemm.cpu_float32_gemm): bit-identical.
     with float32_gemm_on_mkl():
         assert torch.equal(logits(smol, ids), sdpa)
 
