@@ -5,6 +5,10 @@
   comments, then includes each file whole.
 
 Neither page is kept in the repository; `tests/test_docs.py` checks the CLI page against the parser.
+
+A shell block preceded by the line `<!-- runnable -->` is an example that runs: `runnable_commands` gives its
+commands on the tiny preset and `tests/test_docs_examples.py` runs them; the build fails on a marker that
+no shell block follows.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto" / "memlm" / "v1"
 CLI_PAGE = "reference/cli.md"
 GRPC_PAGE = "reference/grpc.md"
+RUNNABLE = "<!-- runnable -->"
+TINY_PRESET = {"--model smollm2-135m": "--model tiny", "pretrained=smollm2-135m": "pretrained=tiny"}
+"""What a runnable example's model becomes when it runs in the tests: the tiny preset, random weights."""
 
 
 # ----------------------------------------------------------------------------- command line
@@ -143,7 +150,48 @@ def render_proto(proto_dir: Path = PROTO_DIR) -> str:
     return "\n".join(out) + "\n"
 
 
+# ----------------------------------------------------------------------------- runnable examples
+
+_MARKED = re.compile(r"^" + re.escape(RUNNABLE) + r"[ \t]*\n(```(?:bash|sh|shell)\n(.*?)^```)?", re.M | re.S)
+
+
+def runnable_blocks(markdown: str) -> list[str]:
+    """The shell blocks marked runnable, in page order; ValueError for a marker that no shell block follows."""
+    blocks = []
+    for m in _MARKED.finditer(markdown):
+        if m.group(1) is None:
+            line = markdown.count("\n", 0, m.start()) + 1
+            raise ValueError(f"line {line}: {RUNNABLE} must stand right above a ```bash block")
+        blocks.append(m.group(2))
+    return blocks
+
+
+def runnable_commands(block: str) -> list[str]:
+    """The command lines of a runnable block (continuations joined, comments and blanks dropped) on the
+    tiny preset (TINY_PRESET)."""
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        for real, tiny in TINY_PRESET.items():
+            line = line.replace(real, tiny)
+        commands.append(line)
+    return commands
+
+
 # ----------------------------------------------------------------------------- MkDocs hook
+
+def on_page_markdown(markdown, page, config, files):
+    """Fails the build on a runnable marker that is not right above a shell block."""
+    from mkdocs.exceptions import PluginError
+
+    try:
+        runnable_blocks(markdown)
+    except ValueError as e:
+        raise PluginError(f"{page.file.src_uri}: {e}") from None
+    return markdown
+
 
 def on_files(files, config):
     """Adds the generated pages to the site (they exist only in the build)."""
