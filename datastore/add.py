@@ -1,4 +1,4 @@
-"""Add documents to a finished datastore without a rebuild (issue 14, part 2; SILO, Min et al. 2023).
+"""Add documents to a finished datastore without a rebuild (as SILO, Min et al. 2023, does).
 
 Stages, each skipped when its output exists (so a killed add resumes with the same command), scratch in
 `.generation/` (datastore.generations), the datastore's files untouched until the commit:

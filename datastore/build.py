@@ -131,7 +131,7 @@ class BuildSettings:
     seed: int = 0
     """Seed of the index training sample."""
     on_disk: bool = False
-    """Keep the IVF index's inverted lists in a memory-mapped file (datastore.index.IVFDATA_NAME, issue 16):
+    """Keep the IVF index's inverted lists in a memory-mapped file (datastore.index.IVFDATA_NAME):
     added block by block and merged on disk, so neither building nor serving holds them in memory."""
 
 

@@ -72,7 +72,7 @@ def build_datastore(
     """
     from memlm.data.documents import corpus_fingerprint, load_documents
 
-    # 0 once silently meant "the default" for some of these (issue 9, finding 6): every count is >= 1.
+    # Every count is >= 1: a 0 is refused rather than read as "the default".
     for name, value in (("--shards", num_shards), ("--batch-size", batch_size), ("--nprobe", nprobe),
                         ("--context", context), ("--stride", stride)):
         if value is not None and value < 1:

@@ -69,7 +69,7 @@ class Datastore:
         self.values = values  # (N,) int32 read-only memmap
         self.entry_provenance = provenance  # docs, positions (N,) int32 read-only memmaps; None in format 2
         self.exact = exact  # the exact torch searcher when opened with backend="torch", else None
-        self.live = live  # rows not of removed documents (issue 14); None when none were removed
+        self.live = live  # rows not of removed documents; None when none were removed
         self.on_gpu = _is_gpu(index)
         self._gpu_nprobe = manifest.nprobe
         self._documents: tuple[DocumentRecord, ...] | None = None
@@ -221,12 +221,12 @@ class Datastore:
     def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
                           ) -> tuple[Neighbors, int]:
         """search, and this generation (memlm.retrieval.attribution.GenerationSearcher: results that record
-        which generation served them, issue 14 part 4). Read-only."""
+        which generation served them). Read-only."""
         return self.search(xq, k, options), self.manifest.generation
 
     def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
         """search, plus each neighbour's document from the documents table and this generation
-        (memlm.retrieval.attribution.SourcedSearcher: attribution, issue 14 part 5). Read-only."""
+        (memlm.retrieval.attribution.SourcedSearcher: attribution). Read-only."""
         nb = self.search(xq, k, options)  # (Q, k)
         documents, sources = sources_of(self.provenance(nb.ids).docs, self.documents())  # (Q, k), (S,)
         return SourcedNeighbors(nb, documents, sources, self.manifest.generation)

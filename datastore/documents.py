@@ -4,7 +4,7 @@ A datastore entry names its document by index (docs.i32, memlm.retrieval.searche
 table says what that document is: a stable id, the fingerprint of its text, how many tokens (= entries)
 it gave, the metadata its corpus row carries (year, president, title, ...), and whether it was removed.
 Records are in index order, so record i describes docs.i32 value i. The build writes it, `add` extends
-it, `remove` marks records, `compact` drops the removed ones (issue 14).
+it, `remove` marks records, `compact` drops the removed ones.
 
 Identity is the content: `fingerprint` is memlm.data.documents.document_fingerprint (sha256 of the text,
 the function eval's overlap check uses), so the same speech has the same fingerprint, and the same

@@ -1,5 +1,5 @@
 """Generations: how a finished datastore changes (add, remove, compact) so that a crash at any moment
-leaves either the old datastore or the new one, never a mix (issue 14).
+leaves either the old datastore or the new one, never a mix.
 
 A change never writes a file the committed manifest names. It writes generation g + 1's files under new
 names (manifest.generation_file: "keys.g000003.f16"), keeps its scratch in `.generation/` (with

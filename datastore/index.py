@@ -1,6 +1,6 @@
 """The FAISS index over the keys: choose a factory string, train on a sample, add in chunks, search.
 
-One factory string describes the index (STYLE.md 11). The default follows the datastore size N and
+One factory string describes the index (printed, recorded, reproducible). The default follows the datastore size N and
 the key dimension d (`default_factory`) and is printed with its reason. Training and adding run on all
 GPUs (cloned, or sharded when the index does not fit one) when faiss has GPU support and torch sees
 CUDA; otherwise on the CPU. The index on disk is always a CPU index; `read_index(mmap=True)` maps it
@@ -175,7 +175,7 @@ def add_keys(
 
 
 IVFDATA_NAME = "index.ivfdata"
-"""The inverted lists of an on-disk IVF index (issue 16, part 2): faiss OnDiskInvertedLists, memory-mapped,
+"""The inverted lists of an on-disk IVF index: faiss OnDiskInvertedLists, memory-mapped,
 so only the coarse quantizer and the list directory (index.faiss) are resident; a search reads the nprobe
 lists it visits. index.faiss names this file; read_index finds it beside index.faiss
 (IO_FLAG_ONDISK_SAME_DIR), wherever the directory is moved."""
@@ -298,15 +298,13 @@ def write_index(index: faiss.Index, path: Path) -> None:
 
 
 BLAS_MIN_QUERIES = 4
-"""Queries per search call from which FAISS computes brute-force distances with BLAS (issue 15).
+"""Queries per search call from which FAISS computes brute-force distances with BLAS.
 
-faiss 1.15 scans query by query while queries * d < faiss.cvar.distance_compute_blas_threshold (128,000
-by default: below ~222 queries of d 576), each query reading every key: measured on the 81,169-key SOTU
-Flat index (d 576, k 1024, one thread) ~30 ms a query at any batch below that, against one BLAS call of
-~85 ms plus ~4 ms a query (16 queries 8.9 vs 29.8 ms a query, 64: 5.1 vs 31.9). The two cross at 3-4
-queries, whatever N (both costs grow with N * d), so RetoMaton's and adaptive retrieval's smaller search
-calls (tens of queries) cost what they save only with this set (their searches were slower per query than
-plain kNN-LM's 1,024-query calls, and the savings showed as no time saved)."""
+faiss scans query by query while queries * d < faiss.cvar.distance_compute_blas_threshold (128,000 by
+default: below ~222 queries of d 576), each query reading every key, while one BLAS call costs a fixed
+setup plus a small cost a query. The two cross at 3-4 queries whatever N (both costs grow with N * d), so
+RetoMaton's and adaptive retrieval's smaller search calls (tens of queries) save time only with this set;
+without it each of their searches costs more per query than plain kNN-LM's 1,024-query calls."""
 
 
 BLAS_MIN_KEYS = 65_536
@@ -381,7 +379,7 @@ def read_index(path: Path, mmap: bool = False) -> faiss.Index:
 
 class LiveRows:
     """The rows a search may return: a bitmap over the index's N rows (bit i set: row i is live), as a
-    FAISS ID selector. Removed documents' rows are cleared (issue 14): every search of the index carries
+    FAISS ID selector. Removed documents' rows are cleared: every search of the index carries
     it in its parameters, so FAISS itself never returns them and a top-k holds k live rows, exactly as an
     index without them (no over-fetch and filter)."""
 

@@ -1,4 +1,4 @@
-"""LiveDatastore: a Datastore that follows its directory's committed generation (issue 14, part 4).
+"""LiveDatastore: a Datastore that follows its directory's committed generation.
 
 A running retrieval server holds one; `memlm datastore add`, `remove` and `compact` commit new generations
 beside it (datastore.generations). `refresh()` reads the manifest and, when its generation is newer than
@@ -93,7 +93,7 @@ class LiveDatastore:
 
     def search_sourced(self, xq: Any, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
         """Datastore.search_sourced on the generation served now: neighbours, documents and generation from
-        one read of the reference (read-only; attribution, issue 14 part 5)."""
+        one read of the reference (read-only; attribution)."""
         return self.current.search_sourced(xq, k, options)
 
     def provenance(self, ids: np.ndarray) -> Provenance:

@@ -1,6 +1,6 @@
 """manifest.json: everything a datastore directory says about itself.
 
-A datastore carries its settings beside it (STYLE.md 9): size, dimension, dtypes, key layer, the
+A datastore carries its settings beside it: size, dimension, dtypes, key layer, the
 fingerprints of the model, tokenizer and corpus it was built from, the FAISS factory string, and a
 checksum of every file. Nothing has to be typed in by hand to open it (the old kNN-LM code needed
 `dstore_size`); its presence marks a finished build.
@@ -20,9 +20,9 @@ FORMAT_VERSION = 4
 """4: the documents table, documents.jsonl (datastore.documents.DocumentRecord: id, fingerprint, tokens,
 metadata of every document), and generations: `generation` counts the commits of add/remove/compact, and
 each file entry names the file that holds it (`FileEntry.name`), so a new generation writes new files
-and commits by renaming one manifest (issue 14).
-3: every entry's provenance, docs.i32 and positions.i32, and the number of documents (issue 11).
-2: the text layout is recorded in full (sink_tokens beside context, stride and boundary_token, issue 8).
+and commits by renaming one manifest.
+3: every entry's provenance, docs.i32 and positions.i32, and the number of documents.
+2: the text layout is recorded in full (sink_tokens beside context, stride and boundary_token).
 A version-2 datastore still opens and searches (kNN-LM needs no provenance); asking it for provenance is
 refused with the rebuild command (Datastore.provenance). A version-1 manifest is refused as an older
 format (rebuild), not as a damaged one."""

@@ -1,4 +1,4 @@
-"""A datastore build distributed with Ray (issue 16, part 1): the same stages and files as datastore.build,
+"""A datastore build distributed with Ray: the same stages and files as datastore.build,
 with the two stages that split into independent units run by Ray workers.
 
     tokenize  the driver, as the local build (the corpus is read once, in order)

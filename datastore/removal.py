@@ -1,4 +1,4 @@
-"""Remove documents from a datastore, at once, and free them later (issue 14, part 3).
+"""Remove documents from a datastore, at once, and free them later.
 
 `remove_documents` commits a generation whose documents table marks them removed; nothing else changes
 on disk, so it takes as long as rewriting the table. From that generation on, `Datastore.open` turns the

@@ -112,8 +112,8 @@ def fsync_tree(directory: Path) -> None:
 
 def check_writable_file(path: str | os.PathLike, what: str) -> Path:
     """Refuse, before any work is done, a path `atomic_write` could not publish a file at: an existing
-    directory, a path below a file, or a folder this process may not write (issue 9, finding 6: a result
-    computed for minutes, then lost). `what` names it in the message ("--json"). Returns the path."""
+    directory, a path below a file, or a folder this process may not write (so a result computed for
+    minutes is not then lost). `what` names it in the message ("--json"). Returns the path."""
     path = Path(path)
     if path.is_dir():
         raise MemlmError(f"{what} {path} is a directory; give the name of a file to write")

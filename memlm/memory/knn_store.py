@@ -1,4 +1,4 @@
-"""Writable key/value memories: the Memorizing Transformer's memory of the document (Wu et al. 2022, issue 10).
+"""Writable key/value memories: the Memorizing Transformer's memory of the document (Wu et al. 2022).
 
 The Searcher seam (memlm.retrieval.searcher) answers search over a fixed datastore; a memory of the
 document also needs an append and a per-stream clear, and it returns the stored vectors themselves
@@ -6,7 +6,7 @@ document also needs an append and a per-stream clear, and it returns the stored 
 head searches the stream of its kv head in its own batch row only.
 
 Every backend keeps FIFO order: a stream over `capacity` evicts its oldest entries, one by one, and
-never resets itself (lucidrains' implementation wipes a full memory; issue 10). Search is maximum inner
+never resets itself (lucidrains' implementation wipes a full memory). Search is maximum inner
 product; the caller L2-normalises keys and queries, so it is cosine similarity.
 
 Backends: `ExactMemory` here (a ring buffer of torch tensors on the memory's device, searched exactly:
@@ -76,9 +76,8 @@ def storage_dtype(device: torch.device | str) -> torch.dtype:
 
     CUDA: float16 (half the bytes of the torch scan; normalised keys lie in [-1, 1], where float16's 11-bit
     significand is finer than bfloat16's 8). CPU: float32, the dtype FAISS's scan takes (uses_faiss_scan),
-    which beats the torch scan there even though a bfloat16 matmul is faster than a float32 one on this
-    project's AMD EPYC (avx512_bf16; (8, 512, 64) x (8, 64, 4096): bfloat16 11.5 ms, float32 26.6 ms,
-    float16 187 ms): torch.topk, not the matmul, dominates the torch scan."""
+    which beats the torch scan there even on CPUs where a bfloat16 matmul is faster than a float32 one
+    (avx512_bf16; float16 matmuls are far slower on CPU): torch.topk, not the matmul, dominates the torch scan."""
     return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
@@ -184,14 +183,14 @@ class RingBuffer:
 SCORE_BUDGET = 1 << 25
 """Most (query, slot) scores that exist at once during a torch scan (64 MB in float16): the chunk of
 slots scanned per matmul is SCORE_BUDGET // (S * Q), so memory stays bounded at any capacity. Measured
-on CPU (S 8, Q 512, d 64, 64K slots, bfloat16, 2 shared cores): 2^23 1.8 s, 2^24 0.78 s, 2^25 0.50 s, 2^26
+on CPU (S 8, Q 512, d 64, 64K slots, bfloat16): 2^23 1.8 s, 2^24 0.78 s, 2^25 0.50 s, 2^26
 0.45 s per search: wide chunks amortise torch.topk, which costs about as much as the matmul."""
 
 
 def uses_faiss_scan(buffer: RingBuffer) -> bool:
     """Which exact scan serves a buffer: FAISS's brute-force kNN for float32 on the CPU, the torch scan
-    otherwise (GPU). Both are exact. Measured on this project's 2 shared CPU cores (S 8, Q 512, d 64,
-    64K slots, k 32): faiss.knn 1.4-1.9 s vs the torch scan 2.7-3.1 s (bfloat16 or float32) under the
+    otherwise (GPU). Both are exact. Measured on CPU (S 8, Q 512, d 64, 64K
+    slots, k 32): faiss.knn 1.4-1.9 s vs the torch scan 2.7-3.1 s (bfloat16 or float32) under the
     same load: FAISS keeps the top-k in a heap that rejects most scores with one comparison, while
     torch.topk over the score rows costs as much as the matmul that made them."""
     return buffer.device.type == "cpu" and buffer.dtype == torch.float32

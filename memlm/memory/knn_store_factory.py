@@ -31,7 +31,7 @@ def open_key_value_memory(
         return ExactMemory(streams, dim, value_dim, capacity, device)
     if backend == "faiss":
         return FaissMemory(streams, dim, value_dim, capacity, device)
-    if backend == "ivf":  # approximate at any size (issue 10: an exact 64K scan costs more than the step allows)
+    if backend == "ivf":  # approximate at any size (an exact 64K scan costs more than a step allows)
         return FaissMemory(streams, dim, value_dim, capacity, device, factory=ivf_factory(capacity))
     if service is None:
         raise ValueError("knn backend 'service' needs a memory factory from the retrieval service client")

@@ -1,5 +1,5 @@
 """A FAISS key/value memory: the KeyValueMemory seam (memlm.memory.knn_store) with one FAISS index
-per stream, for memories beyond what the exact torch backend serves (issue 10).
+per stream, for memories beyond what the exact torch backend serves.
 
 Vectors live twice: in the FAISS index (what search scans) and in a RingBuffer (what search returns:
 the stored keys and values of the top-k, gathered once). Each entry's FAISS id is its entry number in

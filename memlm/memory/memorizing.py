@@ -1,4 +1,4 @@
-"""Memorizing Transformer memory (Wu et al. 2022, "Memorizing Transformers"; issue 10).
+"""Memorizing Transformer memory (Wu et al. 2022, "Memorizing Transformers").
 
 A memorizing memory is the Transformer-XL memory of every layer (memlm.memory.xl: the paper keeps an
 XL cache of the previous segment) plus, at one layer (`memorizing_layer`, about three quarters up),
@@ -40,7 +40,7 @@ KNN_ATTENTION_FILE = "knn_attention.pt"
 """The KnnAttention parameters beside a checkpoint (memlm.model.checkpoint layout)."""
 GATE_INIT = -4.0
 """Initial gate logit: g = sigmoid(-4) = 0.018, so fine-tuning a pretrained model starts next to the
-model without memory (issue 10) and the gate learns how much to trust the memory."""
+model without memory and the gate learns how much to trust the memory."""
 SCALE_INIT = 20.0
 """Initial scale (inverse temperature) of the normalised scores, in [-1, 1] before scaling: a softmax
 over cosine similarities needs a large scale to be peaked; 20 as in query-key normalisation (Henry et al.

@@ -1,4 +1,4 @@
-"""SPALM (Yogatama et al. 2021, "Adaptive Semiparametric Language Models"; issue 11).
+"""SPALM (Yogatama et al. 2021, "Adaptive Semiparametric Language Models").
 
 Short-term memory is the Transformer-XL memory of every layer (memlm.memory.xl); long-term memory is the
 kNN datastore that kNN-LM reads (the same Searcher, the same keys: the datastore's key layer, by default
@@ -43,7 +43,7 @@ SPALM_HEAD_FILE = "spalm_head.pt"
 """The SpalmHead parameters beside a checkpoint (memlm.model.checkpoint layout)."""
 GATE_BIAS_INIT = 4.0
 """Initial gate bias: g = sigmoid(4) = 0.982 with w_g = 0, so training starts next to the base model
-(z ~ h) and the gate learns how much to trust the retrieved tokens (as the memorizing gate, issue 10)."""
+(z ~ h) and the gate learns how much to trust the retrieved tokens (as the memorizing gate does)."""
 
 
 class SpalmHead(nn.Module):

@@ -167,7 +167,7 @@ class XLMemory:
         StreamingLLM (Xiao et al. 2023, section 3.2) gives the sinks positions within the cache, not in the
         text: a sink kept at its true position 0 is, deep into a document, further from the query than any
         distance the model was trained on, and SmolLM2's loss climbs from 3.4 to 7 nats past ~13K tokens
-        (segment 512, memory 512, issue 10). Re-based, the sinks sit just before the memory, so every
+        (segment 512, memory 512). Re-based, the sinks sit just before the memory, so every
         distance stays within sinks + memory + segment. While the memory has not slid past them
         (max with the true position) they keep their true positions, so short documents are unchanged."""
         N = sink.pos.shape[1]

@@ -42,7 +42,7 @@ SETTINGS_NAME = "settings.json"
 
 @dataclass(frozen=True)
 class TextSettings:
-    """How a checkpoint's model was run over text: what evaluating or serving it must reproduce (issue 8).
+    """How a checkpoint's model was run over text: what evaluating or serving it must reproduce.
 
     `memlm eval` and `serve lm` take these where the caller leaves an option unset, and refuse a given
     option that differs (memlm.retrieval.compat.adopt): one rule for checkpoints and datastores.

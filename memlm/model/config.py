@@ -109,7 +109,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 ALIASES: dict[str, str] = {"smollm2-135m": SMOLLM2_135M}
-"""Other names of presets (the first wave's name of the SmolLM2 preset, also its `memlm fetch` name)."""
+"""Other names of presets (the SmolLM2 preset's short name, also its `memlm fetch` name)."""
 PRESETS.update({alias: PRESETS[target] for alias, target in ALIASES.items()})
 
 WEIGHTS: dict[str, str] = {

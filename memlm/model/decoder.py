@@ -65,7 +65,7 @@ class CachedAttention(ABC):
     Attention hands it the segment's projections; it applies rotary at the tokens' positions, writes
     the rotated keys and values into the cache (rotary is applied once per key, when it is written),
     and attends over each row's cached slots. The cache is written in place: a state that yields one
-    is used for exactly one forward pass (issue 12)."""
+    is used for exactly one forward pass."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, cfg.n_kv_head, hs)  # (B, T, nkv, hs)
         segment_kv = LayerMemory(k, v, pos, torch.ones(B, T, dtype=torch.bool, device=x.device), x)
         if isinstance(memory, CachedAttention):
-            # The engine's preallocated cache (issue 12): rotary, cache writes and masking are its own.
+            # The engine's preallocated cache: rotary, cache writes and masking are its own.
             y = memory.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, hs)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, cfg.n_head * hs)), segment_kv
         if memory is not None and memory.x is not None:

@@ -1,4 +1,4 @@
-"""Any Hugging Face causal LM as the base of kNN-LM, Score and Generate (issue 13, part 1).
+"""Any Hugging Face causal LM as the base of kNN-LM, Score and Generate.
 
 `load_hf_causal_lm(source)` loads a local Hugging Face directory, a GGUF file (transformers'
 `gguf_file=`) or, when online, a hub id as `AutoModelForCausalLM` (the `hf` extra) in the dtype and

@@ -8,7 +8,7 @@ Both are `DecoderState`s (memlm.model.decoder): immutable values that the caller
 Per layer, the decoder attends to [sink tokens; compressed memory; memory; segment]:
 - sink tokens: the first `sink_tokens` states of each document stay for the whole document. Pretrained
   models park much of their attention on the first tokens ("attention sinks", Xiao et al. 2023,
-  StreamingLLM); once a sliding memory drops them perplexity collapses (issue 5: 56.2 without sinks
+  StreamingLLM); once a sliding memory drops them perplexity collapses (56.2 without sinks
   vs 35.9 with 4 sinks on SmolLM2, segment 128, memory 1024). They keep their true positions.
 - memory: a FIFO of the last `mem_len` states of earlier segments (stop-gradient: stored detached,
   so training is truncated backpropagation through time).
@@ -41,7 +41,7 @@ KNN_BACKENDS: tuple[str, ...] = ("auto", "exact", "faiss", "ivf", "service")
 EXACT_MAX_ENTRIES = 262144
 """Largest kNN memory (entries per stream) that backend "auto" serves with the exact torch backend; FAISS
 beyond. Wu et al. 2022 report gains up to 262K tokens; one stream of that size is 262144 x hs float16 keys
-(32 MB at hs 64) and an exact scan of it per query block is still a few matmuls (issue 10)."""
+(32 MB at hs 64) and an exact scan of it per query block is still a few matmuls."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class MemoryConfig:
     """"max", "mean" (parameter-free pooling over time) or "conv" (learned Conv1d, see Compressor)."""
     sink_tokens: int = 4
     """The first sink_tokens states of each document stay in memory for the whole document. The one
-    default for `memlm train`, `eval` and `serve lm` (issue 8: train had 0, eval and serve 4)."""
+    default for `memlm train`, `eval` and `serve lm`, so a model is evaluated and served with its training sinks."""
     segment: int = 128
     """Tokens per segment T: the unit the memory advances by (and of truncated backpropagation in training)."""
     knn_layer: int | None = None
@@ -75,7 +75,7 @@ class MemoryConfig:
     """Memorizing only: retrieved (key, value) pairs per query (Wu et al. 2022 use 32)."""
     knn_backend: str = "auto"
     """Memorizing only: "exact" (torch on the model's device), "faiss", "ivf" (a FAISS inverted file at any
-    size: approximate, the CPU's fast path, issue 10), "service" (the retrieval service) or "auto"
+    size: approximate, the CPU's fast path), "service" (the retrieval service) or "auto"
     (`resolve_knn_backend`: exact up to EXACT_MAX_ENTRIES entries per stream, FAISS beyond)."""
 
     def __post_init__(self) -> None:

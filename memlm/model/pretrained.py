@@ -5,7 +5,7 @@ presets; memlm.model.checkpoint for our checkpoints; memlm.model.hf_model for an
 LM), so that no loader imports another.
 
 `CausalLM` is the seam the kNN-LM paths need (sliding-window scoring, datastore builds, kNN-LM
-evaluation, KV-cache generation; memlm.jobs.windows, memlm.jobs.generate): memlm's Decoder and
+evaluation, KV-cache generation; memlm.jobs.windows, memlm.engine): memlm's Decoder and
 memlm.model.hf_model.HFCausalLM both answer it. Memories that enter attention need the Decoder
 itself (`require_decoder`).
 

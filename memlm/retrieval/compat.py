@@ -2,7 +2,7 @@
 
 A datastore's keys only mean something for the model, tokenizer and key activation they were made with,
 and only for queries computed over the same text layout (the token prepended to each document, the
-window length and stride). One rule everywhere (issue 8), for datastores and checkpoints alike:
+window length and stride). One rule everywhere, for datastores and checkpoints alike:
 - what a caller cannot choose (fingerprints, key dimension, key layer, boundary token) must match, or
   the artifact is refused in one line;
 - a setting the caller left unset (window context/stride, memory sizes) is taken from the artifact, and

@@ -2,7 +2,7 @@
 
 When the text being trained on (or evaluated) is itself in the datastore, a query's nearest key is
 often the entry made from the very same position, whose value is the answer, so a SPALM gate (Yogatama
-et al. 2021) trained on it learns to copy the retrieved token instead of when retrieval helps (issue 11).
+et al. 2021) trained on it learns to copy the retrieved token instead of when retrieval helps.
 An entry leaks when it comes from the query's
 document and its position is within `window` of the query's position. Positions follow
 memlm.retrieval.searcher.Provenance: the boundary token is position 0, and a query's position is that of

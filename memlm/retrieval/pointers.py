@@ -20,7 +20,7 @@ One step of the walk (`follow`) for S streams at once, vectorised over streams a
 3. rows with fewer than `min_pointers` candidates are searched instead (`needs_search`). Unlike
    retomaton.py, which concatenates the pointers to the fresh search results, a searched row keeps the k
    nearest only: pointers that are not among them are farther than the k-th neighbour, which kNN-LM
-   would drop, and so a minimum above k is plain kNN-LM exactly (issue 15).
+   would drop, and so a minimum above k is plain kNN-LM exactly.
 4. optionally over clustered states (Alon et al. 2022, section 3.2; retomaton.py
    `extend_pointers_using_clusters`): the entries are clustered by key (k-means, memlm.retrieval.clustered_states), and a
    row that is not searched takes the members of its pointers' clusters as candidates (the pointers are

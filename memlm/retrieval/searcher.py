@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 MAX_K = 4096
 """Most neighbours one search may ask for: results are (Q, k) arrays allocated before searching, so a
-larger k (e.g. 10**9: 16 TB for 1,000 queries) is refused up front (issue 9, finding 6)."""
+larger k (e.g. 10**9: 16 TB for 1,000 queries) is refused up front."""
 
 SEARCH_BACKENDS = ("faiss", "torch")
 """How a datastore searches (datastore.Datastore.open's backend): its FAISS index (cloned to the GPUs when faiss-gpu

@@ -75,7 +75,7 @@ class RetrievalServiceServicer:
     def Successors(self, request, context):
         """The successor of each given datastore entry (the entry of the same document at the next position;
         none at a document's end) and the value stored with it, so that RetoMaton's pointer walk (Alon et al.
-        2022, issue 15) goes through the service without the keys. Errors: INVALID_ARGUMENT for a bad tensor,
+        2022) goes through the service without the keys. Errors: INVALID_ARGUMENT for a bad tensor,
         no ids or an id outside [0, n); OUT_OF_RANGE when the ids or the response would not fit one message
         (max_message_bytes: 12 bytes an id answered); FAILED_PRECONDITION when the datastore keeps no
         document and position per entry (built before format 4); UNIMPLEMENTED from a server without a

@@ -1,4 +1,4 @@
-"""The documents table (issue 14, part 1): one record a document, in docs.i32 order, with a stable id, the
+"""The documents table: one record a document, in docs.i32 order, with a stable id, the
 text's fingerprint (the function eval's overlap check uses), its token count and the corpus row's
 metadata; `memlm datastore info` summarises it and `memlm datastore docs --where` lists it."""
 

@@ -53,11 +53,11 @@ def test_pq_indexes_skip_polysemous_training(factory):
 
 
 def test_a_large_index_search_uses_blas_and_leaves_the_process_threshold_as_it_was(tmp_path, built, monkeypatch):
-    """Issue 15: FAISS's default threshold left calls of tens of queries on its query-by-query scan (each
+    """FAISS's default threshold leaves calls of tens of queries on its query-by-query scan (each
     query reading every key); a search of an index of BLAS_MIN_KEYS keys or more lowers it to
     BLAS_MIN_QUERIES queries for that call only (datastore.index.blas_calls): reading an index, and searching
     a small one, leave FAISS's process-wide threshold as it was, and overlapping calls of two threads restore
-    it once both are done (review of issue 15: reading a large index used to set it for the whole process)."""
+    it once both are done (reading a large index must not set it for the whole process)."""
     import contextlib
     import threading
 

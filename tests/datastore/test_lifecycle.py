@@ -1,4 +1,4 @@
-"""Datastore lifecycle (issue 14, parts 2-3): A then add B answers every search exactly as A + B built at
+"""Datastore lifecycle (add, remove, compact): A then add B answers every search exactly as A + B built at
 once with the same trained index; removing B from A + B answers exactly as A alone, and no search returns
 an entry of a removed document (over the whole key set, through every path); compaction leaves A's bytes;
 a SIGKILL during add, remove or compact leaves a datastore that opens and equals the old or the new one."""
@@ -295,7 +295,7 @@ def test_sigkill_leaves_old_or_new_then_resumes(stores, tmp_path, op, before, af
             break
     else:
         finish(start(op, directory, "0"))
-    assert kills >= 1 and any(mid)  # at least one kill landed inside the change (its scratch was there)
+    assert kills >= 1 and any(mid)  # at least one kill fell inside the change (its scratch was there)
     assert _answers_as(Datastore.open(directory), new, xq)
 
 

@@ -1,4 +1,4 @@
-"""Issue 9, finding 6, for datastores: a damaged manifest or file is one line and a non-zero exit, `datastore
+"""Faults in datastores: a damaged manifest or file is one line and a non-zero exit, `datastore
 info --verify` checks what `Datastore.open` checks, and a search the float32 distances cannot answer (k
 beyond MAX_K, |x| >= 1e20) is refused, locally and by the retrieval server (INVALID_ARGUMENT naming the
 field), while searchable queries get the exact neighbours.
@@ -88,8 +88,8 @@ def test_a_damaged_manifest_is_refused_in_one_line(capsys, store_copy, change, m
         assert err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
-def test_removing_a_files_entry_no_longer_hides_a_damaged_file(store_copy):
-    """Before, deleting the keys' entry from `files` turned its size and checksum check off."""
+def test_removing_a_files_entry_does_not_hide_a_damaged_file(store_copy):
+    """Deleting the keys' entry from `files` does not turn its size and checksum check off."""
     keys = store_copy / KEYS_NAME
     keys.write_bytes(keys.read_bytes()[:-4096])
     edit_manifest(store_copy, without_file(KEYS_NAME))
@@ -198,7 +198,7 @@ def test_retrieval_server_refuses_huge_queries_naming_the_field(built):
         loop.close()
 
 
-def test_a_first_wave_manifest_is_refused_as_an_older_format(store_copy):
+def test_a_version_1_manifest_is_refused_as_an_older_format(store_copy):
     """A version-1 manifest (before sink_tokens was recorded) is an older format to rebuild, not damage."""
     path = store_copy / MANIFEST_NAME
     raw = json.loads(path.read_text())

@@ -1,4 +1,4 @@
-"""On-disk IVF indexes (issue 16, part 2): inverted lists in a memory-mapped file, searched exactly as the
+"""On-disk IVF indexes: inverted lists in a memory-mapped file, searched exactly as the
 in-memory index built from the same trained quantizer.
 
 Shape legend: N keys, d key dimension, Q queries, k neighbours.

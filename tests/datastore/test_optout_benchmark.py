@@ -1,6 +1,6 @@
-"""benchmarks/optout.py (issue 14, the SILO opt-out experiment) on a tiny model: its partition, and the
+"""benchmarks/optout.py (the SILO opt-out experiment) on a tiny model: its partition, and the
 three states -- with his documents, after remove (which must equal a datastore of the background alone,
-bit for bit), after add (the first perplexity again) -- and its table; the lead runs it on SmolLM2."""
+bit for bit), after add (the first perplexity again) -- and its table; the benchmark itself runs it on SmolLM2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Provenance (issue 11): every datastore entry names its document and the position of its next token,
+"""Provenance: every datastore entry names its document and the position of its next token,
 checked against the corpus tokenized again; Datastore.provenance over search results; format-2
 datastores still search but refuse provenance; the leakage guard over a real search."""
 

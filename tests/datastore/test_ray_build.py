@@ -1,4 +1,4 @@
-"""The Ray build (issue 16, part 1) against the local build: same files byte for byte, on a local Ray cluster
+"""The Ray build against the local build: same files byte for byte, on a local Ray cluster
 of 2 CPUs that the test starts; a worker killed mid-shard is redone; a rerun redoes nothing finished.
 
 Shape legend: N keys, d key dimension, Q queries, k neighbours.

@@ -1,6 +1,6 @@
 """A build killed with SIGKILL at random moments and run again equals an uninterrupted build:
-byte-identical keys, values and provenance (docs, positions; issue 11), and the same search results
-(issue 3, "Resumable and idempotent")."""
+byte-identical keys, values and provenance (docs, positions), and the same search results:
+the build is resumable and idempotent."""
 
 from __future__ import annotations
 

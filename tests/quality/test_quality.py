@@ -1,4 +1,4 @@
-"""Quality regressions on the real model and real text (issue 8, item 9).
+"""Quality regressions on the real model and real text.
 
 SmolLM2-135M-Instruct (Q4_1, dequantised) over State of the Union speeches, the two claims the README
 makes about quality, each with a stated margin:
