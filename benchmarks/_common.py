@@ -15,15 +15,19 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+try:
+    import harness
+except ImportError:  # imported as benchmarks._common
+    from benchmarks import harness
+
+ROOT = harness.ROOT
+"""The repository root (benchmarks/harness.py, which puts it on sys.path)."""
 
 REAL_MODEL = "smollm2-135m"
 SYNTHETIC_MODEL = "tiny"
 RANDOM_PRESETS = ("tiny", "small")
 """memlm.model.weights presets with random weights."""
-SYNTHETIC_NOTE = "SYNTHETIC RUN (--synthetic): random weights and/or random tokens; speed only, not SmolLM2's figures"
+SYNTHETIC_NOTE = harness.SYNTHETIC_NOTE
 
 
 def add_synthetic_flag(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +100,8 @@ def load_tokens(bench: BenchModel, data: str, split: str | None, max_tokens: int
 
 
 def synthetic_banner(synthetic: bool) -> None:
-    """Print the synthetic-run note first, so no reader takes the figures for SmolLM2's."""
+    """Print the synthetic-run note first, so no reader takes the figures for SmolLM2's (a benchmark with a
+    harness.Result calls its set_synthetic, which prints this and records it in the JSON)."""
     if synthetic:
         print(f"# {SYNTHETIC_NOTE}")
 

@@ -1,4 +1,4 @@
-"""Availability of the LM server under hostile clients and faults (issue 9): p99 latency of small Score calls.
+"""Availability of the LM server under hostile clients and faults: p99 latency of small Score calls.
 
 8 well-behaved clients (each its own connection, the server's token, one small Score after another) are
 measured undisturbed and while

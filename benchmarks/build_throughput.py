@@ -1,4 +1,4 @@
-"""Datastore build tokens/s over pure forward tokens/s on the same text (goal >= 0.9; issue 3).
+"""Datastore build tokens/s over pure forward tokens/s on the same text (goal >= 0.9).
 
 Pure forward = the same windows through `score_documents(with_logprobs=False)` with the keys dropped;
 the build adds float16 conversion, shard files (fsynced), the merge, index training/adding and checksums.
@@ -6,6 +6,9 @@ Prints the ratio; no assertions. Uses SmolLM2 + SOTU (`memlm fetch smollm2-135m`
 a random model or random tokens only with --synthetic (said in the output).
 
     python benchmarks/build_throughput.py [--model M] [--max-tokens 4000] [--index Flat] [--synthetic]
+        [--results DIR]
+
+Writes docs/results/data/build_throughput.json (benchmarks/harness.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import _common
+import harness
 import torch
 
 from datastore import BuildSettings, BuildSource, build_from_tokens
@@ -32,8 +36,10 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--index", default=None, help="FAISS factory (default: chosen from N and d)")
+    harness.add_options(p, "build_throughput")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
+    result = harness.Result.from_args(args)
 
     bench = _common.load_model(args.model, args.synthetic)
     pre, name, bos = bench.pre, bench.name, bench.boundary
@@ -56,12 +62,18 @@ def main() -> None:
                           BuildSettings(window=window, index_factory=args.index), progress=False)
         build_s = time.perf_counter() - t0
 
-    _common.synthetic_banner(synthetic)
+    result.set_synthetic(synthetic)
     print(f"model {name}, {n} tokens, context {args.context}, stride {args.stride}, batch {args.batch_size}, "
           f"threads {torch.get_num_threads()}")
     print(f"pure forward : {n / forward_s:8.1f} tokens/s ({forward_s:.1f} s)")
     print(f"build        : {n / build_s:8.1f} tokens/s ({build_s:.1f} s, all stages)")
     print(f"ratio build/forward = {forward_s / build_s:.3f}   (goal >= 0.9)")
+    result.settings = {"model": name, "data": f"{args.data} [{args.split}]", "tokens": n, "context": args.context,
+                       "stride": args.stride, "batch_size": args.batch_size, "index": args.index or "default",
+                       "dtype": "float32", "threads": torch.get_num_threads()}
+    result.figures = {"forward_tokens_per_s": n / forward_s, "build_tokens_per_s": n / build_s,
+                      "forward_s": forward_s, "build_s": build_s, "build_over_forward": forward_s / build_s}
+    result.write()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The decoder's greedy decode speed on each CPU float32 GEMM it can run (memlm.model.cpu_gemm.CPU_GEMM_NAMES:
 F.linear's and oneDNN's through torch.utils.mkldnn), at batch 1 and batch 8, side by side in one run: the engine
 (memlm.engine) decodes --new-tokens greedy tokens for each of `batch` prompts of 2003+ SOTU text, the GEMMs
-alternating over --repeats rounds after a warm-up, the best round of each kept; the tokens of each GEMM are
-compared with the default's (the same results, or where they part).
+alternating over --repeats rounds after a warm-up, the best round of each kept (the spread of the rounds is in
+the JSON); the tokens of each GEMM must equal the default's in every round (the command exits 1 otherwise).
 
-    python benchmarks/decoder_gemm.py [--new-tokens 24] [--prompt-tokens 32] [--repeats 2] [--out DIR]
+    python benchmarks/decoder_gemm.py [--new-tokens 24] [--prompt-tokens 32] [--repeats 2] [--results DIR]
 
 Writes docs/results/data/decoder_gemm.json (benchmarks/harness.py).
 """
@@ -12,10 +12,7 @@ Writes docs/results/data/decoder_gemm.json (benchmarks/harness.py).
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 import time
-from pathlib import Path
 
 import _common
 import harness
@@ -23,7 +20,7 @@ import torch
 
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.cpu_gemm import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 
 BATCHES = (1, 8)
@@ -36,16 +33,15 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, default=harness.RESULTS, help="folder of the JSON result")
+    harness.add_options(p, "decoder_gemm")
     _common.add_synthetic_flag(p)
     args = p.parse_args()
-    command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
-    result = harness.Result("decoder_gemm")
+    result = harness.Result.from_args(args)
     bench = _common.load_model(None, args.synthetic)
     model, tokenizer = bench.pre.model, bench.pre.tokenizer
     docs, random_tokens = _common.load_tokens(bench, "sotu", "year>=2003", 8 * max(BATCHES) * args.prompt_tokens,
                                               args.synthetic)
-    _common.synthetic_banner(bench.synthetic or random_tokens)
+    result.set_synthetic(bench.synthetic or random_tokens)
     weights = WEIGHTS.get(bench.name, f"{bench.name} (random weights)")
     text = [t for d in docs for t in d]  # the split's tokens, one after another
     stride = len(text) // max(BATCHES)
@@ -64,18 +60,24 @@ def main() -> None:
             seconds = time.perf_counter() - t0
         return [[e.token_id for e in events if isinstance(e, TokenEvent)] for events in streams], seconds
 
-    best: dict[tuple[str, int], float] = {}
+    seconds: dict[tuple[str, int], list[float]] = {}
     tokens: dict[tuple[str, int], list[list[int]]] = {}
     for gemm in CPU_GEMM_NAMES:  # warm-up: oneDNN's weight copies, the allocator
         decode(gemm, 1)
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         for batch in BATCHES:
             for gemm in CPU_GEMM_NAMES:
-                out, seconds = decode(gemm, batch)
+                out, s = decode(gemm, batch)
                 tokens[gemm, batch] = out
-                best[gemm, batch] = min(best.get((gemm, batch), float("inf")), seconds)
+                seconds.setdefault((gemm, batch), []).append(s)
+                if gemm != DEFAULT_CPU_GEMM:
+                    base = tokens[DEFAULT_CPU_GEMM, batch]
+                    parted = [i for i, (a, b) in enumerate(zip(out, base)) if a != b]
+                    result.check(f"{gemm} tokens equal {DEFAULT_CPU_GEMM}'s, batch {batch}, round {r + 1}", not parted,
+                                 f"prompts {parted} part" if parted else "")
+    best = {key: min(v) for key, v in seconds.items()}
 
-    print(f"command: {command}")
+    print(f"command: {harness.command()}")
     print(f"weights: {weights}; float32, CPU, torch threads {torch.get_num_threads()}; {args.new_tokens} greedy "
           f"tokens a prompt after {args.prompt_tokens} prompt tokens; best of {args.repeats} rounds")
     print(f"{'GEMM':<8} {'batch':>5} {'tokens/s':>9} {'vs ' + DEFAULT_CPU_GEMM:>8}  tokens as {DEFAULT_CPU_GEMM}'s")
@@ -85,15 +87,18 @@ def main() -> None:
             rate = batch * args.new_tokens / best[gemm, batch]
             same = tokens[gemm, batch] == tokens[DEFAULT_CPU_GEMM, batch]
             print(f"{gemm:<8} {batch:>5} {rate:>9.1f} {base / best[gemm, batch]:>7.2f}x  {same}")
+            spread = harness.stats(seconds[gemm, batch])["spread"]
             result.rows.append({"gemm": gemm, "batch": batch, "tokens_per_s": round(rate, 2),
                                 "speedup_vs_default": round(base / best[gemm, batch], 3),
-                                "tokens_equal_default": same})
+                                "tokens_equal_default": same, "rounds_spread": round(spread, 3)})
             result.figures[f"{gemm}_batch{batch}_tokens_per_s"] = round(rate, 2)
+    rates = {g: 8 * args.new_tokens / best[g, 8] for g in CPU_GEMM_NAMES}
+    result.headline("batch8", f"{rates['mkl']:.1f} vs {rates['onednn']:.1f} tokens/s")
     result.settings = {"weights": weights, "model": bench.name, "dtype": "float32", "device": "cpu",
                        "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
                        "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "default_gemm": DEFAULT_CPU_GEMM,
                        "synthetic": bench.synthetic or random_tokens}
-    print(f"result: {result.write(args.out)}")
+    result.write()
 
 
 if __name__ == "__main__":

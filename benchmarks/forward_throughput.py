@@ -5,7 +5,10 @@ tokens/s is printed (goal: ours >= 1.0x). SmolLM2 by default; the random 'small'
 family, SmolLM2's tokenizer) only with --synthetic, and the output then says so.
 
     python benchmarks/forward_throughput.py [--model smollm2-135m] [--batch 4] [--seq 256] [--dtype float32]
-        [--synthetic]
+        [--synthetic] [--results DIR]
+
+Writes docs/results/data/forward_throughput.json (benchmarks/harness.py): the medians, the spread of the runs and
+the largest logit difference.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import statistics
 import time
 
 import _common
+import harness
 import torch
 
 
@@ -47,7 +51,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     _common.add_synthetic_flag(parser)
+    harness.add_options(parser, "forward_throughput")
     args = parser.parse_args()
+    result = harness.Result.from_args(args)
 
     dtype = getattr(torch, args.dtype)
     bench = _common.load_model(args.model, args.synthetic, synthetic_model="small", device=args.device, dtype=dtype)
@@ -75,13 +81,22 @@ def main() -> None:
                 times[label].append(time.perf_counter() - t0)
     tokens = args.batch * args.seq
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    _common.synthetic_banner(bench.synthetic)
+    result.set_synthetic(bench.synthetic)
     print(f"model {name}, device {args.device}, dtype {args.dtype}, batch {args.batch} x {args.seq} tokens, "
           f"median of {args.repeats} alternating runs (first warm-up pass not counted)")
     print(f"max |logit diff| = {diff:.2e}")
     for k, v in tps.items():
         print(f"{k:>14}: {v:10.1f} tokens/s")
-    print(f"{'ratio':>14}: {tps['memlm'] / tps['transformers']:.3f}x  (memlm / transformers; goal >= 1.0)")
+    ratio = tps["memlm"] / tps["transformers"]
+    print(f"{'ratio':>14}: {ratio:.3f}x  (memlm / transformers; goal >= 1.0)")
+    result.settings = {"model": name, "device": args.device, "dtype": args.dtype, "batch": args.batch,
+                       "seq": args.seq, "repeats": args.repeats, "threads": torch.get_num_threads(),
+                       "statistic": "median of alternating runs"}
+    result.figures = {"memlm_tokens_per_s": tps["memlm"], "transformers_tokens_per_s": tps["transformers"],
+                      "memlm_over_transformers": ratio, "max_logit_diff": diff,
+                      **{f"{k}_runs_s": harness.stats(v) for k, v in times.items()}}
+    result.headline("vs_transformers", f"{ratio:.2f}x")
+    result.write()
 
 
 if __name__ == "__main__":

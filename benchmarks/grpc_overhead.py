@@ -1,12 +1,14 @@
-"""What does gRPC cost on top of an in-process search? (issue 4: goal remote <= 1.15x local time)
+"""What does gRPC cost on top of an in-process search? (goal: remote <= 1.15x local time)
 
 One Flat index of random vectors (default 50k x 576, k = 1024) is searched in-process and through a
 retrieval server running in a child process (the same index, rebuilt from the same seed), at 256
 and 1024 queries per call, alternating local and remote calls so that both see the same machine
-load. Prints the median times and their ratio, and checks that both give identical neighbours.
-No assertions: this prints measurements.
+load. Prints the median times and their ratio; both must give identical neighbours in every repeat (the
+command exits 1 otherwise). Random keys by design: the figure measures the wire, not a model.
 
-    python benchmarks/grpc_overhead.py [--n 50000] [--d 576] [--k 1024] [--repeats 3]
+    python benchmarks/grpc_overhead.py [--n 50000] [--d 576] [--k 1024] [--repeats 3] [--results DIR]
+
+Writes docs/results/data/grpc_overhead.json (benchmarks/harness.py).
 
 Shape legend: N datastore entries, d key dimension, Q queries, k neighbours.
 """
@@ -23,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import harness  # noqa: E402  (puts the repository on sys.path)
+
+REPO = harness.ROOT
 
 from memlm.retrieval.searcher import Neighbors, SearcherInfo, SearchOptions
 
@@ -81,9 +84,12 @@ def main() -> None:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-micro-batching", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--search-threads", type=int, default=1, help=argparse.SUPPRESS)
+    harness.add_options(p, "grpc_overhead")
     args = p.parse_args()
     if args.serve:
         return serve(args)
+    result = harness.Result.from_args(args)
+    result.children = True  # the retrieval server
 
     from services.retrieval.client import RetrievalClient
 
@@ -97,21 +103,28 @@ def main() -> None:
         for q in args.batches:
             xq = rng.standard_normal((q, args.d), dtype=np.float32)  # (Q, d)
             client.search(xq[:8], args.k)  # warm up the channel
-            t_local, t_remote = [], []
-            for _ in range(args.repeats):
+            t_local, t_remote, same_rounds = [], [], []
+            for r in range(args.repeats):
                 t0 = time.perf_counter()
                 a = local.search(xq, args.k)
                 t_local.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 b = client.search(xq, args.k)
                 t_remote.append(time.perf_counter() - t0)
-            same = all(np.array_equal(x, y) for x, y in zip(a, b))
+                same_rounds.append(all(np.array_equal(x, y) for x, y in zip(a, b)))
+                result.check(f"remote neighbours identical to local, Q {q}, repeat {r + 1}", same_rounds[-1])
+            same = all(same_rounds)
             lm, rm = statistics.median(t_local), statistics.median(t_remote)
             print(f"{q:>6} {lm:>9.3f} {rm:>9.3f} {rm / lm:>6.3f}x  {same}", flush=True)
+            result.rows.append({"queries": q, "local_s": harness.stats(t_local), "remote_s": harness.stats(t_remote),
+                                "remote_over_local": rm / lm, "identical": same})
         client.close()
+        result.settings = {"keys": "random vectors (no model: the wire's cost)", "index": "Flat", "n": args.n,
+                           "d": args.d, "k": args.k, "repeats": args.repeats, "statistic": "median, alternating"}
     finally:
         proc.terminate()
         proc.wait(60)
+    result.write()  # after the server's exit: its peak memory is the children's
 
 
 if __name__ == "__main__":

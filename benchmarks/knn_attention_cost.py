@@ -1,12 +1,12 @@
-"""What the Memorizing Transformer's kNN attention costs (issue 10), ratios measured side by side in one run.
+"""What the Memorizing Transformer's kNN attention costs, ratios measured side by side in one run.
 
-A RANDOM model (speed only: its weights, and so its retrievals, mean nothing), shaped like the issue's
+A RANDOM model (speed only: its weights, and so its retrievals, mean nothing), shaped like the published
 measurement of lucidrains' memorizing-transformers-pytorch: dim 512, 8 layers, 8 heads of 64, vocab
 20000, segment 512, batch 1, CPU, an XL memory of the previous segment in every layer, the kNN layer at
 memlm.model.memory_config.memorizing_layer (layer 6 of 8), top-k 32:
 1. a training step (forward, backward, AdamW step; everything trains) with the kNN layer over a full
-   64K-entry exact memory vs the same model and XL memory without it (goal <= 1.1x; lucidrains measured
-   1.15x with one memorizing layer on this machine, with an approximate HNSW search), and over a 64K
+   64K-entry exact memory vs the same model and XL memory without it (goal <= 1.1x; lucidrains'
+   implementation costs about 1.15x with one memorizing layer, with an approximate HNSW search), and over a 64K
    inverted-file memory (`--knn-backend ivf`, memlm.memory.knn_store_faiss.ivf_factory) with its recall@32
    against exact on the same contents, and over a full 64-entry memory (what the layer costs besides its scan);
 2. the scan alone: one segment's queries over the full 64K memory by each backend (FAISS's float32 flat
@@ -28,6 +28,9 @@ load of a shared machine hits them alike; a ratio is the median of the adjacent 
 
     python benchmarks/knn_attention_cost.py [--steps 3] [--eval-segments 4] [--repeats 3] [--threads N]
         [--real-keys TOKENS]   # also the inverted file's recall on SmolLM2's real layer-22 keys (needs the model)
+        [--results DIR]
+
+Writes docs/results/data/knn_attention_cost.json (benchmarks/harness.py), marked synthetic (a random model).
 
 Shape legend: B rows (1), T segment, S streams (B * nkv), d head size, M memory entries per stream.
 """
@@ -44,6 +47,7 @@ import threading
 import time
 
 import _common  # noqa: F401  (puts the repository on sys.path)
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -241,7 +245,7 @@ def exact_copy(store, dtype: torch.dtype):
     return copy
 
 
-def bench_train(model, knn, rounds: int) -> None:
+def bench_train(model, knn, rounds: int, result: harness.Result) -> None:
     """Training steps (xl, kNN 64K exact, kNN 64K ivf), the 64K scans alone, the FLOP budget, overlap."""
     model.train()
     state, store = filled_state(model, memory_config(65536), knn, True)
@@ -252,6 +256,9 @@ def bench_train(model, knn, rounds: int) -> None:
                             "small": (small_state, knn)}, rounds)
     small.close()
     step = statistics.median(tr["xl"])
+    result.figures.update({"train_step_xl_ms": step * 1e3, "train_64k_exact_over_xl": paired_ratio(tr, "64K", "xl"),
+                           "train_64k_ivf_over_xl": paired_ratio(tr, "ivf", "xl"),
+                           "train_small_memory_over_xl": paired_ratio(tr, "small", "xl"), "ivf_recall_at_32": recall})
     print(f"train step  xl only {step * 1e3:8.1f} ms | kNN 64K exact {statistics.median(tr['64K']) * 1e3:8.1f} ms "
           f"ratio {paired_ratio(tr, '64K', 'xl'):.3f}x (goal <= 1.1x; lucidrains 1.15x with HNSW) | kNN 64K ivf "
           f"{statistics.median(tr['ivf']) * 1e3:8.1f} ms ratio {paired_ratio(tr, 'ivf', 'xl'):.3f}x")
@@ -272,6 +279,9 @@ def bench_train(model, knn, rounds: int) -> None:
     print(f"scan        one segment's queries over a full 64K memory: {store.streams} streams x {segment_queries(store).shape[1]} "
           f"queries x {store.capacity} keys x d {store.dim} = {flops / 1e9:.1f} GFLOP before top-k")
     for name, t in sc.items():
+        result.rows.append({"scan": name, "ms": statistics.median(t) * 1e3, "spread": harness.stats(t)["spread"],
+                            **({"gflop_per_s": flops / statistics.median(t) / 1e9} if not name.startswith("ivf")
+                               else {}), **({"recall_at_32": recalls[name]} if name in recalls else {})})
         rate = "" if name.startswith("ivf") else f" {flops / statistics.median(t) / 1e9:6.1f} GFLOP/s"
         extra = f" recall@32 {recalls[name]:.3f}" if name in recalls else ""
         print(f"            {name:36s} {statistics.median(t) * 1e3:8.1f} ms{rate}{extra}")
@@ -288,8 +298,10 @@ def bench_train(model, knn, rounds: int) -> None:
     for probe in scans.values():
         if probe is not store:
             probe.close()
+    overlap = time_overlap(model, store, rounds)
+    result.figures.update({"step_gflop": work / 1e9, "scan_gflop": flops / 1e9, "overlap_wall_over_serial": overlap})
     print(f"overlap     a 64K exact search on a thread beside a forward: wall / serial sum "
-          f"{time_overlap(model, store, rounds):.3f} (1.0: no idle core to hide it on)")
+          f"{overlap:.3f} (1.0: no idle core to hide it on)")
     store.close()
     ivf.close()
 
@@ -317,7 +329,7 @@ def ivf_copy(store, nprobe: int):
     return copy
 
 
-def bench_eval(model, knn, segments: int) -> None:
+def bench_eval(model, knn, segments: int, result: harness.Result) -> None:
     """Evaluation tokens/s with full 4K and 64K memories (and 64K ivf) vs without the kNN layer."""
     model.eval()
     lanes, stores = {"xl": xl_state(model, False)}, []
@@ -328,11 +340,14 @@ def bench_eval(model, knn, segments: int) -> None:
     for store in stores:
         store.close()
     tps = {name: SEGMENT / statistics.median(t) for name, t in ev.items()}
+    result.figures["eval_xl_tokens_per_s"] = tps["xl"]
+    for name in ("4K", "64K", "64K ivf"):
+        result.figures[f"eval_knn_{name.replace(' ', '_')}_over_xl"] = 1 / paired_ratio(ev, name, "xl")
     print(f"eval tok/s  xl only {tps['xl']:8.0f} | " + " | ".join(
         f"kNN {name} {tps[name]:8.0f} ({1 / paired_ratio(ev, name, 'xl'):.3f}x)" for name in ("4K", "64K", "64K ivf")))
 
 
-def bench_service(model, knn, segments: int) -> None:
+def bench_service(model, knn, segments: int, result: harness.Result) -> None:
     """The retrieval-service backend vs in-process exact at 4K, evaluation tokens/s."""
     factory, stop_server = service_factory()
     if factory is None:
@@ -342,6 +357,7 @@ def bench_service(model, knn, segments: int) -> None:
     sv = time_eval(model, {"service": remote, "local": local}, segments)
     remote_store.close()
     local_store.close()
+    result.figures["service_4k_over_in_process"] = 1 / paired_ratio(sv, "service", "local")
     print(f"service     kNN 4K in-process {SEGMENT / statistics.median(sv['local']):8.0f} tok/s | retrieval "
           f"service {SEGMENT / statistics.median(sv['service']):8.0f} tok/s | ratio "
           f"{1 / paired_ratio(sv, 'service', 'local'):.3f}x")
@@ -377,7 +393,7 @@ class LastQueries:
         """Kept open: the caller reads the contents after the run."""
 
 
-def bench_real_keys(n_tokens: int) -> None:
+def bench_real_keys(n_tokens: int, result: harness.Result) -> None:
     """Recall@32 of the inverted file on REAL keys: SmolLM2-135M-Instruct Q4_1 at its memorizing layer (22)
     over the first n_tokens of McKinley's speeches (the README's evaluation document), the memory closed
     (gate 0: the XL model), queries of the last segment; beside random unit vectors of the same shape."""
@@ -416,6 +432,8 @@ def bench_real_keys(n_tokens: int) -> None:
             got.append(recall_at_k(ivf, exact.inner, queries=exact.last))
             ivf.close()
         cells.append(f"nprobe {nprobe} ({nprobe / nlist:.1%} of the lists): real {got[0]:.3f}, random {got[1]:.3f}")
+        result.rows.append({"real_keys_ivf": f"IVF{nlist}", "nprobe": nprobe, "recall_real": got[0],
+                            "recall_random": got[1]})
     print(f"real keys   SmolLM2-135M-Instruct Q4_1 layer 22, {M} entries per kv head x {store.streams}, "
           f"{store.last.shape[1]} queries each; IVF{nlist} recall@32: " + " | ".join(cells))
 
@@ -428,7 +446,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch and FAISS threads (default: torch's)")
     p.add_argument("--real-keys", type=int, default=0, metavar="TOKENS",
                    help="also: inverted-file recall on SmolLM2's real layer-22 keys over TOKENS tokens (0: off)")
+    harness.add_options(p, "knn_attention_cost")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
     if args.threads:
         import faiss  # the exact CPU scan runs in FAISS's OpenMP pool (memlm.memory.knn_store)
 
@@ -436,17 +456,23 @@ def main() -> None:
         faiss.omp_set_num_threads(args.threads)
     print(f"# python benchmarks/knn_attention_cost.py --steps {args.steps} --eval-segments {args.eval_segments} "
           f"--repeats {args.repeats}" + (f" --threads {args.threads}" if args.threads else ""))
-    print("# RANDOM MODEL (speed only): dim 512, 8 layers, 8 heads x 64, vocab 20000, segment 512, batch 1, "
-          f"kNN layer {memorizing_layer(memory_config(1), MODEL.n_layer)}, top-k 32, XL memory 512, CPU, "
-          f"{torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
+    result.set_synthetic(True, "RANDOM MODEL (speed only): dim 512, 8 layers, 8 heads x 64, vocab 20000, segment "
+                         f"512, batch 1, kNN layer {memorizing_layer(memory_config(1), MODEL.n_layer)}, top-k 32, "
+                         "XL memory 512, CPU")
+    print(f"# {torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f}")
     model = random_model(MODEL, 0, "cpu", torch.float32)
     knn = fresh_knn_attention(model)
-    bench_train(model, knn, args.steps * args.repeats)
-    bench_eval(model, knn, args.eval_segments * args.repeats)
-    bench_service(model, knn, args.eval_segments * args.repeats)
+    bench_train(model, knn, args.steps * args.repeats, result)
+    bench_eval(model, knn, args.eval_segments * args.repeats, result)
+    bench_service(model, knn, args.eval_segments * args.repeats, result)
     if args.real_keys:
-        bench_real_keys(args.real_keys)
+        bench_real_keys(args.real_keys, result)
     print(f"# load after {os.getloadavg()[0]:.2f}")
+    result.settings = {"model": MODEL.name + " (random weights)", "dtype": "float32", "segment": SEGMENT,
+                       "top_k": 32, "steps": args.steps, "eval_segments": args.eval_segments,
+                       "repeats": args.repeats, "threads": torch.get_num_threads(), "real_keys": args.real_keys,
+                       "statistic": "median of the adjacent pairs' ratios"}
+    result.write()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""kNN-LM evaluation vs base evaluation: two complete runs, wall clock and peak memory (issue 8, item 10).
+"""kNN-LM evaluation vs base evaluation: two complete runs, wall clock and peak memory.
 
 Goals: kNN-LM tokens/s >= 0.9x base tokens/s, kNN-LM peak memory <= 1.1x base. Each side runs in its own
 child process on the same evaluation tokens, with the same windows (context 1024, stride 512):
@@ -17,12 +17,16 @@ The datastore: SOTU 1990-2000 (81,169 keys) under SmolLM2 at context 1024, strid
 built once (3-5 CPU minutes) and cached under ~/.cache/memlm/bench/ (never committed); reruns reuse it.
 lambda and T are fixed (--lambda, --temperature): this benchmark measures cost, not tuning.
 
-    python benchmarks/knnlm_overhead.py [--eval-tokens 3000] [--repeats 1] [--k 1024] [--synthetic]
+    python benchmarks/knnlm_overhead.py [--eval-tokens 3000] [--repeats 1] [--k 1024] [--synthetic] [--results DIR]
+
+Writes docs/results/data/knnlm_overhead.json (benchmarks/harness.py); a datastore built by this run is timed
+into its build seconds (a cached one costs nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 import _common
+import harness
 
 DS_SPLIT = "1990<=year<=2000"
 
@@ -58,7 +63,8 @@ def _datastore_dir(bench: _common.BenchModel, args: argparse.Namespace, n: int, 
                                     f"{bench.pre.fingerprint[:12]}-v{FORMAT_VERSION}")
 
 
-def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> tuple[Path, bool]:
+def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, result: harness.Result | None = None
+                     ) -> tuple[Path, bool]:
     """(the cached benchmark datastore, whether its tokens are random), built first when missing
     (resumable, like any build)."""
     from datastore import BuildSettings, BuildSource, build_from_tokens
@@ -76,7 +82,8 @@ def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace) -> tup
                           f"{args.data} [{DS_SPLIT}]", fingerprint, bench.boundary)
         t0 = time.perf_counter()
         settings = BuildSettings(window=WindowConfig(args.context, args.stride, args.batch_size), index_factory=factory)
-        build_from_tokens(bench.pre.model, docs, out, prov, settings, progress=False)
+        with result.build("benchmark datastore") if result is not None else contextlib.nullcontext():
+            build_from_tokens(bench.pre.model, docs, out, prov, settings, progress=False)
         print(f"# built {n} keys ({factory}) in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
     return out, random_tokens
 
@@ -161,15 +168,18 @@ def main() -> None:
     p.add_argument("--side", choices=["base", "knn"], help=argparse.SUPPRESS)
     p.add_argument("--datastore", default=None, help=argparse.SUPPRESS)
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "knnlm_overhead")
     args = p.parse_args()
     if args.side:
         return run_side(args)
 
+    result = harness.Result.from_args(args)
+    result.children = True  # each side runs in its own child process
     bench = _common.load_model(args.model, args.synthetic)
-    store, random_tokens = ensure_datastore(bench, args)
+    store, random_tokens = ensure_datastore(bench, args, result)
     synthetic = bench.synthetic or random_tokens
     del bench  # the parent's model is not measured; free it before the children run
-    _common.synthetic_banner(synthetic)
+    result.set_synthetic(synthetic)
     runs: dict[str, list[dict]] = {"base": [], "knn": []}
     for _ in range(args.repeats):
         for side in ("base", "knn"):
@@ -201,6 +211,20 @@ def main() -> None:
     print(f"perplexity: base {base[-1]['perplexity']:.3f} -> kNN-LM {k0['perplexity']:.3f} "
           f"({100 * (k0['perplexity'] / base[-1]['perplexity'] - 1):+.2f}%; lambda and T fixed, not tuned)")
     _common.synthetic_banner(synthetic)
+    result.settings = {"model": args.model or _common.REAL_MODEL, "data": args.data, "eval_split": args.eval_split,
+                       "eval_tokens": tokens, "datastore_entries": k0["n"], "index": k0["index"],
+                       "nprobe": k0["nprobe"], "context": args.context, "stride": args.stride, "k": args.k,
+                       "lambda": args.lmbda, "temperature": args.temperature, "repeats": args.repeats,
+                       "statistic": "median of alternating child processes"}
+    result.figures = {"speed_knn_over_base": speed, "peak_memory_knn_over_base": mem,
+                      "process_peak_memory_knn_over_base": proc_peak["knn"] / proc_peak["base"],
+                      "base_tokens_per_s": tokens / med["base"], "knn_tokens_per_s": tokens / med["knn"],
+                      "base_eval_peak_mib": peak["base"], "knn_eval_peak_mib": peak["knn"],
+                      "base_perplexity": base[-1]["perplexity"], "knn_perplexity": k0["perplexity"],
+                      **{f"{side}_wall_s": harness.stats([r["wall_s"] for r in rs]) for side, rs in runs.items()},
+                      "knn_forward_s": k0["forward_s"], "knn_search_s": k0["search_s"], "knn_mix_s": k0["mix_s"]}
+    result.headline("overhead", f"{speed:.3f}x speed, {mem:.3f}x memory")
+    result.write()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A learned drafter for the draft tree, replayed (issue 15 part 3; an experiment, not an engine feature): would a small
+"""A learned drafter for the draft tree, replayed (an experiment, not an engine feature): would a small
 network trained on the datastore draft the tree's one-token branches better than its bigram table?
 
 The drafter is EAGLE's idea (Li et al. 2024) cut down to an MLP. From the kNN key of the position that chose the row's
@@ -9,15 +9,19 @@ chains). Both train on the datastore's own (key, value, successor's value[, its 
 tenth document held out to stop on, a few epochs (seconds to a minute on 2 cores); the held-apart prompts and the
 tuning split are never read by the training.
 
-Then, over recorded greedy kNN-LM continuations of --split (benchmarks/speculative_replay.py's `record`: default the
-tuning split 2001-2002, not the benchmark's speeches), it prints how often each predictor's top-1 / top-3 is the next
-token, and replays the engine's tree (draft_trees.tree_candidates, and candidate_tree, as row_tree) with the bigram's
-branches (the defaults) against the drafter's singles or chains in their place: tokens a pass and draft positions a
-pass, and with --pass-costs the modelled decode ratio (the drafter's own forward, about 19 MB of float32 weights a
-pass for SmolLM2 and the SOTU datastore, left out: it favours the drafter).
+Then, over recorded greedy kNN-LM continuations (benchmarks/speculative_replay.py's `record`), it prints how often
+each predictor's top-1 / top-3 is the next token on the held-out continuations of --split, and replays the engine's
+tree (draft_trees.tree_candidates, and candidate_tree, as row_tree) with the bigram's branches (the defaults) against
+the drafter's singles or chains in their place: tokens a pass and draft positions a pass, and with --pass-costs the
+modelled decode ratio (the drafter's own forward, about 19 MB of float32 weights a pass for SmolLM2 and the SOTU
+datastore, left out: it favours the drafter). The policies are a sweep: they run over the continuations of
+--tune-split (default 2001-2002, checked to share no speech with --split, default year >= 2003), the best is chosen
+there (speculative_replay.sweep_then_held_out's rule) and replayed once, beside the defaults, over --split's. The
+drafters' training is timed into the JSON's build seconds (docs/results/data/learned_drafter_replay.json,
+benchmarks/harness.py).
 
-    OMP_NUM_THREADS=2 python benchmarks/learned_drafter_replay.py [--split "2001<=year<=2002"] [--prompts 16]
-        [--search-backend torch] [--epochs 3] [--pass-costs]
+    OMP_NUM_THREADS=2 python benchmarks/learned_drafter_replay.py [--split "year>=2003"] [--prompts 16]
+        [--search-backend torch] [--epochs 3] [--pass-costs] [--tune-split "2001<=year<=2002"] [--results DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
+import harness
 import numpy as np
 import speculative_knnlm as bench_setting
 import speculative_replay as replay_tools
@@ -105,22 +110,26 @@ def train(store, source: DraftSource, embedding: torch.Tensor, vocab: np.ndarray
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bench_setting.add_setting_options(p)
-    p.set_defaults(split="2001<=year<=2002")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--pass-costs", action="store_true", help="time passes here and print modelled decode ratios")
+    harness.add_options(p, "learned_drafter_replay")
     args = p.parse_args()
     args.in_datastore = False
+    result = harness.Result.from_args(args)
     bench, store = bench_setting.open_setting(args)
-    runs, source = replay_tools.record(args, bench, store)
-    by_prompt = {tuple(run.text[: run.start]): run.keys for run in runs}
+    harness.refuse_overlap("sotu", args.tune_split, args.split)
+    tune_runs, source = replay_tools.record(args, bench, store, args.tune_split)
+    runs, _ = replay_tools.record(args, bench, store)
+    by_prompt = {tuple(run.text[: run.start]): run.keys for run in [*tune_runs, *runs]}
     embedding = bench.pre.model.embed_tokens.weight.detach().float()  # (V, C), tied with the head
     vocab = np.unique(source.values)
     print(f"# SmolLM2-135M-Instruct Q4_1, datastore {args.datastore} ({vocab.size} distinct values); "
-          f"{len(runs)} recorded continuations of {args.split}", flush=True)
-    one, two = (train(store, source, embedding, vocab, c, args.epochs) for c in (1, 2))
+          f"{len(tune_runs)} recorded continuations of {args.tune_split}, {len(runs)} of {args.split}", flush=True)
+    with result.build("drafters (trained on the datastore)"):
+        one, two = (train(store, source, embedding, vocab, c, args.epochs) for c in (1, 2))
 
     @torch.no_grad()
     def top(drafter: Drafter, key: torch.Tensor, tokens: Sequence[int], n: int) -> tuple[int, ...]:
@@ -140,7 +149,9 @@ def main() -> None:
             hits["bigram top-1"] += bool(bigram) and bigram[0] == text[at]
             hits["bigram top-3"] += text[at] in bigram
             total += 1
-    print(f"next token right, of {total}: " + ", ".join(f"{k} {v / total:.1%}" for k, v in hits.items()), flush=True)
+    print(f"next token right, of {total} (held out): " + ", ".join(f"{k} {v / total:.1%}" for k, v in hits.items()),
+          flush=True)
+    result.figures = {f"{k.replace(' ', '_')}_right": v / total for k, v in hits.items()} | {"tokens": total}
 
     defaults = SpeculativeConfig()
 
@@ -157,15 +168,20 @@ def main() -> None:
         return drafts
 
     costs = replay_tools.pass_costs_here(bench, store, defaults.draft_tokens + 1) if args.pass_costs else None
-    for name, (nodes, singles, chains) in {
+    policies = {name: policy(nodes, singles, chains) for name, (nodes, singles, chains) in {
         "5 nodes, bigram branches (the defaults)": (5, 0, 0), "5 nodes, drafter singles 3": (5, 3, 0),
         "5 nodes, drafter chains 2": (5, 0, 2), "7 nodes, bigram branches": (7, 0, 0),
         "7 nodes, drafter singles 4": (7, 4, 0), "7 nodes, drafter chains 3": (7, 0, 3),
-    }.items():
-        per_pass, fed, ratio = replay_tools.replay(runs, source, policy(nodes, singles, chains), defaults.draft_tokens,
-                                                   costs)
-        modelled = f", modelled decode ratio {ratio:.3f} (the drafter's cost left out)" if ratio is not None else ""
-        print(f"{name}: tokens a pass {per_pass:.3f}, draft positions a pass {fed:.1f}{modelled}", flush=True)
+    }.items()}
+    if costs is not None:
+        print("# modelled decode ratios leave the drafter's own cost out", flush=True)
+    replay_tools.sweep_then_held_out(args, result, tune_runs, runs, source, policies,
+                                     "5 nodes, bigram branches (the defaults)", defaults.draft_tokens, costs)
+    result.settings = {"model": bench.name, "dtype": args.dtype, "datastore": args.datastore,
+                       "distinct_values": int(vocab.size), "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+                       "new_tokens": args.new_tokens, "epochs": args.epochs, "pass_costs": bool(args.pass_costs),
+                       "drafter_cost": "left out of the modelled ratios"}
+    result.write()
 
 
 if __name__ == "__main__":

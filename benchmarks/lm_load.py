@@ -1,4 +1,4 @@
-"""Load on one LM server's Generate (issue 12): 32 concurrent streams through the decoding engine.
+"""Load on one LM server's Generate: 32 concurrent streams through the decoding engine.
 
 A real `memlm serve lm` child process (SmolLM2 by default; the random `tiny` preset only with --synthetic,
 and then the output says SYNTHETIC) with --max-batch equal to the streams, so every stream is a row of the
@@ -11,7 +11,9 @@ whole run, printed at the start (after the warm-up call), quarter points and end
 first to the last quarter's median ("flat" = within 5%). One run; no assertions.
 
     python benchmarks/lm_load.py [--synthetic] [--model NAME] [--streams 32] [--calls 96] [--new-tokens 16]
-        [--prompt-tokens 24] [--max-step-tokens 1024] [--rss-every-s 0.25]
+        [--prompt-tokens 24] [--max-step-tokens 1024] [--rss-every-s 0.25] [--results DIR]
+
+Writes docs/results/data/lm_load.json (benchmarks/harness.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc
 
+import harness  # noqa: E402  (benchmarks/ is this script's folder)
 from benchmarks._common import (
     REAL_MODEL,
     SYNTHETIC_MODEL,
@@ -128,9 +131,8 @@ def percentile_ms(values: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def report(args, model: str, results: Results, wall_s: float, rss: list[float]) -> None:
-    if args.synthetic:
-        print(SYNTHETIC_NOTE)
+def report(args, model: str, results: Results, wall_s: float, rss: list[float], result: harness.Result) -> None:
+    result.set_synthetic(model in ("tiny", "small"), SYNTHETIC_NOTE)
     print(f"model {model}; {args.streams} concurrent Generate streams, {args.calls} calls of {args.new_tokens} "
           f"greedy tokens after {args.prompt_tokens}-token prompts; serve lm --max-batch {args.streams} "
           f"--max-step-tokens {args.max_step_tokens}")
@@ -147,6 +149,15 @@ def report(args, model: str, results: Results, wall_s: float, rss: list[float]) 
         print(f"server RSS MiB (start, 1/4, 1/2, 3/4, end): {', '.join(f'{p:.0f}' for p in points)}; max {max(rss):.0f}; "
               f"median last quarter vs first {growth:+.1%} ({'flat' if abs(growth) <= FLAT else 'NOT flat'}; "
               f"{len(rss)} samples)")
+        result.figures.update({"server_rss_mib_first_quarter": first, "server_rss_mib_last_quarter": last,
+                               "server_rss_growth": growth, "server_rss_max_mib": max(rss)})
+    result.figures.update({"errors": len(results.errors), "calls": results.calls, "tokens": results.tokens,
+                           "wall_s": wall_s, "tokens_per_s": results.tokens / wall_s,
+                           "ttft_p50_ms": percentile_ms(results.ttft, 50), "ttft_p99_ms": percentile_ms(results.ttft, 99),
+                           "itl_p50_ms": percentile_ms(results.itl, 50), "itl_p99_ms": percentile_ms(results.itl, 99)})
+    result.settings = {"model": model, "streams": args.streams, "calls": args.calls, "new_tokens": args.new_tokens,
+                       "prompt_tokens": args.prompt_tokens, "max_step_tokens": args.max_step_tokens,
+                       "server": f"memlm serve lm --max-batch {args.streams} --max-step-tokens {args.max_step_tokens}"}
 
 
 def main() -> None:
@@ -159,7 +170,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=24)
     parser.add_argument("--max-step-tokens", type=int, default=1024)
     parser.add_argument("--rss-every-s", type=float, default=0.25)
+    harness.add_options(parser, "lm_load")
     args = parser.parse_args()
+    result = harness.Result.from_args(args)
+    result.children = True  # the LM server
     model = args.model or (SYNTHETIC_MODEL if args.synthetic else REAL_MODEL)
     if model in ("tiny", "small") and not args.synthetic:
         raise SystemExit(f"{model} has random weights: pass --synthetic (the output then says SYNTHETIC)")
@@ -192,13 +206,15 @@ def main() -> None:
             wall = time.perf_counter() - t0
             until.set()
             sampler.join()
-            report(args, model, results, wall, rss)
+            report(args, model, results, wall, rss, result)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait(10)
+    result.write()  # after the server's exit: its peak memory is the children's
 
 
 if __name__ == "__main__":

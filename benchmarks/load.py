@@ -1,7 +1,7 @@
 """Load on one retrieval server: 16 concurrent clients, with and without micro-batching.
 
-issue 4 goals: 0 errors, micro-batching >= 1.5x the throughput of the best server that searches every
-call on its own (issue 8: the best unbatched configuration, not one thread). The unbatched server is
+Goals: 0 errors, micro-batching >= 1.5x the throughput of the best server that searches every
+call on its own (the best unbatched configuration, not one thread). The unbatched server is
 tried with --search-threads worker threads each (BatchingOptions.search_threads: that many calls
 searched at once; FAISS CPU search is thread-safe) and the best of them is the baseline. Each
 configuration gets a fresh server in a child process (the same Flat index of random vectors, rebuilt
@@ -11,7 +11,9 @@ errors, and the server's resident memory (VmRSS) before and after the load, then
 ratio against the best unbatched row. All rows come from one run. No assertions.
 
     python benchmarks/load.py [--clients 16] [--calls 20] [--queries 1] [--k 32] [--n 50000] [--d 576]
-        [--search-threads 1 2 4]
+        [--search-threads 1 2 4] [--results DIR]
+
+Writes docs/results/data/load.json (benchmarks/harness.py).
 
 Shape legend: N datastore entries, d key dimension, Q queries per call, k neighbours.
 """
@@ -30,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import harness  # noqa: E402
 from grpc_overhead import start_server  # noqa: E402  (same child-process server)
 
 
@@ -96,7 +99,10 @@ def main() -> None:
     p.add_argument("--d", type=int, default=576)
     p.add_argument("--search-threads", type=int, nargs="+", default=[1, 2, 4],
                    help="worker threads of the unbatched servers tried")
+    harness.add_options(p, "load")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
+    result.children = True  # the servers
 
     print(
         f"{args.clients} clients x {args.calls} calls x {args.queries} queries, k={args.k}, "
@@ -118,6 +124,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
         results[mode] = r
+        result.rows.append({"mode": mode, "wall_s": r["wall"], "calls_per_s": r["calls_s"],
+                            "queries_per_s": r["queries_s"], "p50_ms": r["p50"], "p99_ms": r["p99"],
+                            "errors": r["errors"], "calls": r["calls"], "server_rss_before_mib": before,
+                            "server_rss_after_mib": after})
         print(
             f"{mode:<22} {r['wall']:>7.2f} {r['calls_s']:>8.1f} {r['queries_s']:>9.1f} {r['p50']:>7.1f} {r['p99']:>8.1f} "
             f"{r['errors']:>3}/{r['calls']:<3} {before:>7.0f} MiB {after:>6.0f} MiB",
@@ -131,6 +141,14 @@ def main() -> None:
     best = max(unbatched, key=lambda mode: unbatched[mode]["calls_s"])
     ratio = results["micro-batching"]["calls_s"] / unbatched[best]["calls_s"]
     print(f"micro-batching throughput / best unbatched ({best}): {ratio:.2f}x")
+    errors = results["micro-batching"]["errors"]
+    result.settings = {"keys": "random vectors (no model: the server's batching)", "index": "Flat", "n": args.n,
+                       "d": args.d, "k": args.k, "clients": args.clients, "calls_per_client": args.calls,
+                       "queries_per_call": args.queries, "search_threads_tried": args.search_threads}
+    result.figures = {"micro_batching_over_best_unbatched": ratio, "best_unbatched": best,
+                      "micro_batching_errors": errors}
+    result.headline("micro_batching", f"{ratio:.2f}x throughput, {errors} errors")
+    result.write()
 
 
 if __name__ == "__main__":

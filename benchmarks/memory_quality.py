@@ -1,4 +1,4 @@
-"""The memory quality table of issue 5, on State of the Union speeches (long documents).
+"""The memory quality table, on State of the Union speeches (long documents).
 
 (a) frozen SmolLM2-135M, segment 128: XL memory 1024 with 4 sink tokens, the same without sinks, no
     memory, and a 1152-token sliding window with stride 128 (the same reach as segment + memory);
@@ -10,10 +10,11 @@
 (c) the same from-scratch model trained with and without XL memory.
 Training uses speeches before --split-year, evaluation speeches from --split-year on, in corpus order.
 Budgets are flags so that the whole script fits in a few CPU minutes; the printed table is what the
-README reports, with the command line that produced it.
+JSON records (docs/results/data/memory_quality.json, benchmarks/harness.py), with the command that produced it.
 
     python benchmarks/memory_quality.py [--sections a b c] [--eval-docs 2] [--doc-tokens 2048]
         [--model tiny] [--train-tokens 150000] [--mem 64] [--segment 64] [--seed 0] [--frozen-compressive]
+        [--results DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import sys
 import time
 
+import harness
 import torch
 
 from memlm.jobs.segment_eval import evaluate_segments
@@ -53,7 +55,13 @@ HEADER = ("| variant                                      | perplexity | slots |
           "|----------------------------------------------|-----------:|------:|------:|-------:|--------:|")
 
 
-def section_a(args) -> None:
+def record(result: harness.Result, section: str, name: str, r: dict, **extra) -> None:
+    result.rows.append({"section": section, "variant": name, "perplexity": r["perplexity"],
+                        "memory_slots": r["memory_slots"], "attention_span": r["attention_span"],
+                        "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"], **extra})
+
+
+def section_a(args, result: harness.Result) -> None:
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
@@ -63,12 +71,16 @@ def section_a(args) -> None:
     print(f"\n(a) frozen SmolLM2-135M-Instruct (Q4_1), segment 128, {len(docs)} speeches from {args.split_year} "
           f"x first {args.doc_tokens} tokens\n{HEADER}")
     seg = 128
+    ppl = {}
     for name, kw in [
         ("no memory", dict(memory="none")),
         ("XL memory 1024 + 4 sink tokens", dict(memory="xl", mem_len=1024, sink_tokens=4)),
         ("XL memory 1024, no sink tokens", dict(memory="xl", mem_len=1024, sink_tokens=0)),
     ]:
-        print(row(name, evaluate_segments(model, docs, seg, boundary_token=bos, **kw)), flush=True)
+        r = evaluate_segments(model, docs, seg, boundary_token=bos, **kw)
+        ppl[name] = r["perplexity"]
+        record(result, "a", name, r)
+        print(row(name, r), flush=True)
     t0 = time.perf_counter()
     scored = list(score_documents(model, docs, WindowConfig(context=1152, stride=128, batch_size=1), bos))
     secs = time.perf_counter() - t0
@@ -76,6 +88,9 @@ def section_a(args) -> None:
     ppl = math.exp(-float(torch.cat([s.lm_logprob for s in scored]).double().sum()) / n)
     win = {"perplexity": ppl, "memory_slots": 1024, "attention_span": 1152, "tokens": n, "tokens_per_s": n / secs}
     print(row("sliding window 1152, stride 128", win), flush=True)
+    record(result, "a", "sliding window 1152, stride 128", win)
+    result.headline("xl_sinks", f"{ppl['XL memory 1024 + 4 sink tokens']:.2f} vs {ppl['no memory']:.2f} vs "
+                                f"{win['perplexity']:.2f}")
     if args.frozen_compressive:
         for name, kw in [
             ("XL memory 512 + 4 sinks", dict(memory="xl", mem_len=512)),
@@ -83,10 +98,12 @@ def section_a(args) -> None:
             ("compressive 512 + 512 (c=4, max) + 4 sinks",
              dict(memory="compressive", mem_len=512, cmem_len=512, compress_fn="max")),
         ]:
-            print(row(name, evaluate_segments(model, docs, seg, boundary_token=bos, **kw)), flush=True)
+            r = evaluate_segments(model, docs, seg, boundary_token=bos, **kw)
+            record(result, "a", name, r)
+            print(row(name, r), flush=True)
 
 
-def sections_bc(args, sections: set[str]) -> None:
+def sections_bc(args, sections: set[str], result: harness.Result) -> None:
     from memlm.model.weights import load_pretrained
 
     tok = load_pretrained(args.model).tokenizer
@@ -113,9 +130,11 @@ def sections_bc(args, sections: set[str]) -> None:
         cfg = TrainConfig(model=args.model, memory=dataclasses.replace(mem, segment=args.segment), batch_size=args.batch, steps=steps,
                           lr=args.lr, min_lr=args.lr / 10, warmup_steps=max(steps // 20, 1), log_every=0, seed=args.seed)
         t0 = time.perf_counter()
-        result = train(cfg, train_docs, eval_docs, log=lambda line: None)
-        r = result.evals[-1]
-        print(row(f"({sec}) {name}", r) + f"  train {time.perf_counter() - t0:.0f} s", flush=True)
+        trained = train(cfg, train_docs, eval_docs, log=lambda line: None)
+        r = trained.evals[-1]
+        seconds = time.perf_counter() - t0
+        record(result, sec, name, r, train_s=seconds, train_tokens=steps * args.batch * args.segment)
+        print(row(f"({sec}) {name}", r) + f"  train {seconds:.0f} s", flush=True)
 
 
 def main() -> None:
@@ -133,14 +152,24 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0, help="seed of the from-scratch init in (b), (c)")
     p.add_argument("--threads", type=int, default=0)
+    harness.add_options(p, "memory_quality")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     print("# " + " ".join(["python", *sys.argv]))
     if "a" in args.sections:
-        section_a(args)
+        section_a(args, result)
     if {"b", "c"} & set(args.sections):
-        sections_bc(args, set(args.sections))
+        sections_bc(args, set(args.sections), result)
+    result.settings = {"sections": " ".join(args.sections), "split_year": args.split_year,
+                       "eval_docs": args.eval_docs, "doc_tokens": args.doc_tokens,
+                       "frozen_model": "SmolLM2-135M-Instruct Q4_1 (section a)",
+                       **({"from_scratch_model": args.model, "train_tokens": args.train_tokens, "segment": args.segment,
+                           "batch": args.batch, "mem": args.mem, "lr": args.lr, "seed": args.seed}
+                          if {"b", "c"} & set(args.sections) else {}),
+                       "dtype": "float32", "threads": torch.get_num_threads()}
+    result.write()
 
 
 if __name__ == "__main__":

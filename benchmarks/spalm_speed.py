@@ -1,5 +1,4 @@
-"""SPALM evaluation speed over base + XL evaluation speed, measured side by side in one run (issue 11,
-"Benchmark: SPALM evaluation tokens/s over base + XL evaluation tokens/s").
+"""SPALM evaluation speed over base + XL evaluation speed, measured side by side in one run.
 
 Both sides are the library's evaluations of `memlm eval` on the same tokens with the same segments, XL
 memory and sinks: base + XL is memlm.jobs.segment_eval.evaluate_memory (--memory xl), SPALM is
@@ -15,6 +14,8 @@ does).
 
 --synthetic without SmolLM2 or the datastore: the random tiny model over an in-memory exact datastore of
 random tokens (prints SYNTHETIC; speed only). Shape legend: Q searched positions, d key width, k neighbours.
+Writes docs/results/data/spalm_speed.json (benchmarks/harness.py; --results DIR moves it); the datastore's token
+counts (what the head reads) are built before the timings, their seconds beside them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import harness
 import numpy as np
 import torch
 
@@ -89,7 +91,9 @@ def main() -> None:
     p.add_argument("--mem-len", type=int, default=None, help=f"default {MemoryConfig().mem_len}")
     p.add_argument("--threads", type=int, default=0, help="torch and FAISS threads (0: their defaults)")
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "spalm_speed")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
     if args.threads:
         import faiss
 
@@ -106,16 +110,17 @@ def main() -> None:
     xl = MemoryConfig("xl", segment=segment, mem_len=mem_len, sink_tokens=base.sink_tokens)
     spalm = MemoryConfig("spalm", segment=segment, mem_len=mem_len, sink_tokens=base.sink_tokens)
     head = SpalmHead(model.config.n_embd).to(model.device)
-    counts = datastore_token_counts(store, model.config.vocab_size)
+    with result.build("the datastore's token counts"):
+        counts = datastore_token_counts(store, model.config.vocab_size)
     timed = TimedSearcher(store)
-    _common.synthetic_banner(synthetic)
+    result.set_synthetic(synthetic)
     print(f"# model {bench.name}; {'random tokens' if random_tokens else 'sotu ' + repr(args.split)}, "
           f"{sum(map(len, docs))} tokens; datastore {described}; segment {segment}, mem_len {mem_len}, "
           f"{base.sink_tokens} sinks, k {args.k}; torch threads {torch.get_num_threads()}")
     evaluate_memory(model, [docs[0][:segment]], xl, boundary_token=bench.boundary)  # warm-up
     print("repeat | XL tok/s | SPALM tok/s | ratio | SPALM search s | XL ppl | SPALM ppl (fresh head)")
     print("-------|----------|-------------|-------|----------------|--------|-----------------------")
-    xl_rates, spalm_rates = [], []
+    xl_rates, spalm_rates, search_s = [], [], []
     for r in range(args.repeats):
         a = evaluate_memory(model, docs, xl, boundary_token=bench.boundary)
         timed.seconds = 0.0
@@ -123,6 +128,11 @@ def main() -> None:
         assert a["tokens"] == b["tokens"]  # the same scored tokens on both sides
         xl_rates.append(a["tokens_per_s"])
         spalm_rates.append(b["tokens_per_s"])
+        search_s.append(timed.seconds)
+        result.rows.append({"repeat": r + 1, "xl_tokens_per_s": a["tokens_per_s"], "spalm_tokens_per_s":
+                            b["tokens_per_s"], "ratio": b["tokens_per_s"] / a["tokens_per_s"],
+                            "spalm_search_s": timed.seconds, "xl_perplexity": a["perplexity"],
+                            "spalm_perplexity_fresh_head": b["perplexity"]})
         print(f"{r + 1:6d} | {a['tokens_per_s']:8.1f} | {b['tokens_per_s']:11.1f} | "
               f"{b['tokens_per_s'] / a['tokens_per_s']:5.3f} | {timed.seconds:14.2f} | {a['perplexity']:6.2f} | "
               f"{b['perplexity']:6.2f}", flush=True)
@@ -130,6 +140,14 @@ def main() -> None:
     print(f"# SPALM / base+XL evaluation tokens/s = {ratio:.3f} (medians of {args.repeats} interleaved repeats: "
           f"{statistics.median(spalm_rates):.1f} vs {statistics.median(xl_rates):.1f} tok/s)")
     _common.synthetic_banner(synthetic)
+    result.settings = {"model": bench.name, "dtype": "float32", "datastore": described,
+                       "split": "random tokens" if random_tokens else f"sotu {args.split}",
+                       "tokens": sum(map(len, docs)), "segment": segment, "mem_len": mem_len,
+                       "sink_tokens": base.sink_tokens, "k": args.k, "repeats": args.repeats,
+                       "threads": torch.get_num_threads(), "statistic": "ratio of the medians, interleaved repeats"}
+    result.figures = {"spalm_over_xl": ratio, "xl_tokens_per_s": harness.stats(xl_rates),
+                      "spalm_tokens_per_s": harness.stats(spalm_rates), "spalm_search_s": harness.stats(search_s)}
+    result.write()
 
 
 if __name__ == "__main__":

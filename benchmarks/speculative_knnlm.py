@@ -1,4 +1,4 @@
-"""Speculative kNN-LM decoding (issue 15 part 3): greedy tokens/s with drafts vs without, the same engine,
+"""Speculative kNN-LM decoding: greedy tokens/s with drafts vs without, the same engine,
 weights and datastore, measured side by side in this one run; drafts from the datastore (REST, He et al.
 2023), from the row's own text (prompt lookup decoding) or both (memlm.engine.drafts, --draft-from).
 
@@ -14,16 +14,25 @@ line per draft source of --draft-from against the same plain side:
 3. the same with the datastore's pointers from the suffix index when they ran out (REST's exact match, no
    search).
 Each line prints tokens/s of both sides, the ratio, mean accepted tokens (tokens per verifying forward pass),
-searches per token, and whether every continuation is token-identical (it must be). Within a figure the
-sides alternate (plain, then each source) over --repeats rounds (the median per side), after one untimed
-warm-up request per side; the machine's load is printed (`uptime`), figures are noisy on a shared CPU.
+searches per token, and whether every continuation is token-identical: in float32 it must be, in every round
+(the command exits 1 otherwise). Within a figure the sides alternate (plain, then each source) over --repeats
+rounds (the median per side), after one untimed warm-up request per side; the machine's load is printed, figures
+are noisy on a shared CPU.
 --dtype bfloat16: both sides in bfloat16 (a verifying pass then costs little more than a plain step on
-avx512_bf16); on this CPU its kernels are not batch-invariant (a verifying pass's rows round otherwise than
-one-row decode steps), so the identical column is expected to fall short there: see the README.
+avx512_bf16); on such a CPU its kernels are not batch-invariant (a verifying pass's rows round otherwise than
+one-row decode steps), so the identical column is expected to fall short there (counted, not a check).
+
+Draft settings swept (more than one value of --draft-tokens, --short-match-tokens, --frequent-branches,
+--min-agreeing or --tree-nodes for a draft source) are chosen on prompts of --tune-split (default the
+2001-2002 speeches, checked to share no speech with --split): per figure and draft source the setting with the
+highest tokens/s ratio there, which is then measured once on the prompts of --split. The JSON
+(docs/results/data/speculative_knnlm.json, benchmarks/harness.py) records the sweep, the choice and the
+held-out figures.
 
     python benchmarks/speculative_knnlm.py [--datastore ~/.cache/memlm/demo/ds-sotu-1990-2000] [--prompts 8]
         [--prompt-tokens 64] [--new-tokens 64] [--draft-from datastore,history,both] [--draft-tokens 16[,12]]
         [--min-agreeing 2] [--tree-nodes 3,0] [--figures 1,2] [--batch 1] [--repeats 2] [--dtype float32] [--quick]
+        [--tune-split "2001<=year<=2002"] [--results DIR]
 """
 
 from __future__ import annotations
@@ -34,18 +43,18 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import _common
+import harness
 import torch
 
 from memlm.engine.drafts import DRAFT_FROM, SpeculativeConfig, draft_source
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.device import DTYPES
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, SEARCH_BACKENDS
@@ -60,6 +69,8 @@ def add_setting_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", default=DEFAULT_DATASTORE, help="a datastore built by scripts/demo.sh")
     p.add_argument("--tuned", default=None, help="knnlm.json of its tuned lambda, T, k (default: beside it)")
     p.add_argument("--split", default="year>=2003", help="the evaluation split the prompts are cut from")
+    p.add_argument("--tune-split", default="2001<=year<=2002", help="the split a sweep's prompts are cut from "
+                   "(it chooses the setting; it must share no speech with --split)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the model's float type on both sides (bfloat16: batched matmuls almost free on avx512_bf16)")
     p.add_argument("--search-backend", default=DEFAULT_SEARCH_BACKEND, choices=SEARCH_BACKENDS,
@@ -100,6 +111,7 @@ def parse_args() -> argparse.Namespace:
                    help="allow prompts from the datastore's own speeches (with --split 1990<=year<=2000): an upper "
                         "bound where the drafts are the speech itself, NOT the held-apart figure (printed so)")
     p.add_argument("--quick", action="store_true", help="a short run: 3 prompts of 32 new tokens")
+    harness.add_options(p, "speculative_knnlm")
     args = p.parse_args()
     if args.quick:
         args.prompts, args.new_tokens = 3, 32
@@ -113,16 +125,18 @@ def knn_settings(args: argparse.Namespace) -> KNNLMConfig:
     return KNNLMConfig(k=int(tuned["k"]), lmbda=float(tuned["lambda"]), temperature=float(tuned["temperature"]))
 
 
-def held_apart_prompts(bench: _common.BenchModel, store, args: argparse.Namespace) -> list[tuple[int, ...]]:
-    """--prompts prompts of --prompt-tokens tokens, each from a different speech of the evaluation split (more
-    prompts than speeches: the speeches again, in order), at a seeded offset; refused if any of those speeches is
-    in the datastore."""
+def held_apart_prompts(bench: _common.BenchModel, store, args: argparse.Namespace, split: str | None = None
+                       ) -> list[tuple[int, ...]]:
+    """--prompts prompts of --prompt-tokens tokens, each from a different speech of `split` (default the evaluation
+    split, --split; more prompts than speeches: the speeches again, in order), at a seeded offset; refused if any
+    of those speeches is in the datastore."""
     from memlm.data.documents import document_fingerprint, load_documents
 
-    speeches = list(load_documents("sotu", args.split))
+    split = split or args.split
+    speeches = list(load_documents("sotu", split))
     held = {r.fingerprint for r in store.documents()}
     if not args.in_datastore and any(document_fingerprint(d) in held for d in speeches):
-        raise SystemExit(f"a speech of --split {args.split!r} is in the datastore: prompts must be held apart")
+        raise SystemExit(f"a speech of {split!r} is in the datastore: prompts must be held apart")
     rng = random.Random(0)
     out = []
     chosen = rng.sample(speeches, min(args.prompts, len(speeches)))
@@ -172,10 +186,16 @@ def timed_phases(engine: Engine, requests: list[GenerationRequest]) -> Timing:
     return Timing(time.perf_counter() - start, time.process_time() - cpu, decode, results)
 
 
+def token_lists(results: list[list]) -> list[list[int]]:
+    return [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in results]
+
+
 def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dict[str, SpeculativeConfig],
-           repeats: int) -> None:
+           repeats: int, result: harness.Result | None = None, identical: bool = True) -> dict[str, dict]:
     """Plain vs speculative with each draft source over the same requests, alternating (plain, then each
-    source, per round) after one untimed warm-up request per side; prints one line per source."""
+    source, per round) after one untimed warm-up request per side; prints one line per source and returns its
+    figures by source. With `result` and `identical`, every round's continuations of each source must equal
+    plain's of the same round (result.check)."""
     sides = {"plain": plain, **{src: [dataclasses.replace(r, speculative=c) for r in plain] for src, c in specs.items()}}
     runs: dict[str, list[Timing]] = {side: [] for side in sides}
     for reqs in sides.values():  # warm-up, untimed: else plain, timed first, pays the one-off costs (the index's
@@ -191,7 +211,14 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dic
     def rate(side: str, field: str, count: int) -> float:
         return count / statistics.median(getattr(t, field) for t in runs[side])
 
+    measured: dict[str, dict] = {}
     for src in specs:
+        for i, (p_run, s_run) in enumerate(zip(runs["plain"], runs[src])):
+            a, b = token_lists(p_run.results), token_lists(s_run.results)
+            parted = [j for j, (x, y) in enumerate(zip(a, b)) if x != y]
+            if result is not None and identical:
+                result.check(f"{name}, drafts from {src}: tokens identical to plain, round {i + 1}", not parted,
+                             f"prompts {parted} part" if parted else "")
         same = sum(a == b for a, b in zip(tokens["plain"], tokens[src]))
         ends = [ev[-1] for ev in results[src]]
         passes, verified = sum(e.verify_steps for e in ends), sum(e.verified_tokens for e in ends)
@@ -209,9 +236,20 @@ def figure(name: str, engine: Engine, plain: list[GenerationRequest], specs: dic
               f"{decode}; mean accepted tokens {verified / passes:.2f}; searches per "
               f"token plain {sum(ev[-1].searches for ev in results['plain']) / n:.2f}, speculative "
               f"{sum(e.searches for e in ends) / n:.2f}; token-identical {same}/{len(plain)} ({n} tokens)", flush=True)
+        measured[src] = {
+            "figure": name, "setting": src, "plain_tokens_per_s": plain_rate, "speculative_tokens_per_s": spec_rate,
+            "ratio": spec_rate / plain_rate, "rounds_ratio_min": min(rounds), "rounds_ratio_max": max(rounds),
+            "cpu_ratio": rate(src, "cpu", n) / rate("plain", "cpu", n),
+            **({"decode_ratio": rate(src, "decode", after_first) / rate("plain", "decode", after_first)}
+               if runs[src][0].decode is not None else {}),
+            "mean_accepted": verified / passes,
+            "searches_per_token_plain": sum(ev[-1].searches for ev in results["plain"]) / n,
+            "searches_per_token_speculative": sum(e.searches for e in ends) / n,
+            "token_identical": f"{same}/{len(plain)}", "tokens": n}
     print(f"# {name}: wall / CPU / decode seconds per round " + "; ".join(
         f"{s} " + " ".join(f"{t.wall:.1f}/{t.cpu:.1f}/{t.decode or 0:.1f}" for t in r) for s, r in runs.items()),
         flush=True)
+    return measured
 
 
 def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
@@ -220,7 +258,7 @@ def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
     from datastore import Datastore
     from memlm.retrieval.compat import check_searcher
 
-    print("# load:", subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
+    print(f"# load: {harness.load()} (1 min) on {os.cpu_count()} CPUs",
           f"| torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
     bench = _common.load_model(None, False, dtype=DTYPES[args.dtype])
     model, tok = bench.pre.model, bench.pre.tokenizer
@@ -232,6 +270,7 @@ def open_setting(args: argparse.Namespace) -> tuple[_common.BenchModel, object]:
 
 def main() -> None:
     args = parse_args()
+    result = harness.Result.from_args(args)
     bench, store = open_setting(args)
     model, tok = bench.pre.model, bench.pre.tokenizer
     knn = knn_settings(args)
@@ -264,13 +303,46 @@ def main() -> None:
                     draft_source(store.provenance, store.values))
     figures = {int(f) for f in args.figures.split(",")}
     suffix = {src: dataclasses.replace(c, base_pointers="suffix") for src, c in specs.items() if c.uses_datastore}
-    for number, name, setting, configs in ((1, "1. kNN-LM", knn, specs),
-                                           (2, "2. base LM drafting (pointers by search)", None, specs),
-                                           (3, "3. base LM drafting (pointers by suffix)", None, suffix)):
-        if number in figures and configs:
-            plain = [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=setting)
-                     for p in prompts]
-            figure(name, engine, plain, configs, args.repeats)
+    plan = [(number, name, setting, configs) for number, name, setting, configs in (
+        (1, "1. kNN-LM", knn, specs), (2, "2. base LM drafting (pointers by search)", None, specs),
+        (3, "3. base LM drafting (pointers by suffix)", None, suffix)) if number in figures and configs]
+    identical = args.dtype == "float32"  # bfloat16's kernels are not batch-invariant: counted, not checked
+
+    def requests(prompt_ids, setting) -> list[GenerationRequest]:
+        return [GenerationRequest(p, args.new_tokens, GREEDY, boundary_token=bench.boundary, knn=setting)
+                for p in prompt_ids]
+
+    swept = any(sum(c.draft_from == src for c in specs.values()) > 1 for src in sources)
+    chosen_plan = plan
+    if swept:  # choose on the tuning split's prompts, measure the choice once on --split's
+        harness.refuse_overlap("sotu", args.tune_split, args.split)
+        tune_prompts = held_apart_prompts(bench, store, args, args.tune_split)
+        print(f"# sweep: {len(specs)} settings on {len(tune_prompts)} prompts of {args.tune_split}; the best "
+              f"ratio per figure and draft source is then measured on {args.split}", flush=True)
+        sweep, chosen, chosen_plan = [], {}, []
+        for number, name, setting, configs in plan:
+            measured = figure(f"{name} [tuning split]", engine, requests(tune_prompts, setting), configs,
+                              args.repeats, result, identical)
+            sweep += list(measured.values())
+            best = {src: max((label for label in configs if configs[label].draft_from == src),
+                             key=lambda label: measured[label]["ratio"]) for src in sources
+                    if any(c.draft_from == src for c in configs.values())}
+            chosen[name] = best
+            chosen_plan.append((number, name, setting, {label: configs[label] for label in best.values()}))
+        result.tuned(data="sotu", split=args.tune_split, evaluation=f"sotu {args.split}",
+                     rule="per figure and draft source, the setting with the highest speculative / plain tokens/s "
+                          "ratio on the tuning prompts", chosen=chosen, sweep=sweep)
+    for number, name, setting, configs in chosen_plan:
+        result.rows += list(figure(name, engine, requests(prompts, setting), configs, args.repeats, result,
+                                   identical).values())
+    info = store.info()
+    result.settings = {"model": bench.name, "dtype": args.dtype, "datastore": args.datastore, "entries": info.n,
+                       "index": info.index, "search_backend": args.search_backend, "k": knn.k, "lambda": knn.lmbda,
+                       "temperature": knn.temperature, "split": args.split, "prompts": len(prompts),
+                       "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "batch": args.batch,
+                       "repeats": args.repeats, "in_datastore": bool(args.in_datastore),
+                       "tokens_identical_checked": identical}
+    result.write()
 
 
 if __name__ == "__main__":

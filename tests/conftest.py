@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One compute thread per process: tests start servers as subprocesses beside the test process, and on
-# a 2-core machine two OpenMP pools spinning against each other made tiny forwards 10-20x slower.
+# a machine with few cores two OpenMP pools spinning against each other make tiny forwards 10-20x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402  (after the environment above)

@@ -26,7 +26,7 @@ def test_the_library_loads_neither_datastore_nor_services() -> None:
 
 
 def package_of(module: str) -> str:
-    """The subpackage a module belongs to: memlm.jobs.generate -> memlm.jobs, services.lm.engine -> services.lm."""
+    """The subpackage a module belongs to: memlm.jobs.decoding -> memlm.jobs, services.lm.engine -> services.lm."""
     return ".".join(module.split(".")[:2])
 
 
@@ -45,8 +45,8 @@ def private_imports(path: Path, module: str) -> list[str]:
 
 
 def test_private_imports_are_found(tmp_path) -> None:
-    (tmp_path / "m.py").write_text("from memlm.jobs.generate import _flush, public\nfrom memlm.engine.rows import _ok\n")
-    assert private_imports(tmp_path / "m.py", "memlm.engine.engine") == ["memlm.engine.engine <- memlm.jobs.generate._flush"]
+    (tmp_path / "m.py").write_text("from memlm.jobs.decoding import _flush, public\nfrom memlm.engine.rows import _ok\n")
+    assert private_imports(tmp_path / "m.py", "memlm.engine.engine") == ["memlm.engine.engine <- memlm.jobs.decoding._flush"]
 
 
 def test_no_package_imports_another_packages_private_names() -> None:
@@ -57,4 +57,23 @@ def test_no_package_imports_another_packages_private_names() -> None:
             if "v1" in parts:  # generated protobuf code
                 continue
             found += private_imports(path, ".".join(parts))
+    assert found == []
+
+
+def engine_private_uses(path: Path) -> list[str]:
+    """`engine._name` in `path`: a feature module reaching past the engine's public surface (memlm.engine.engine:
+    plan, rows, holds, advance, release and its attributes)."""
+    return [f"{path.name}:{node.lineno} engine.{node.attr}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "engine"
+            and node.attr.startswith("_")]
+
+
+def test_engine_private_uses_are_found(tmp_path) -> None:
+    (tmp_path / "f.py").write_text("def f(engine):\n    engine._release(1)\n    engine.release(2)\n")
+    assert engine_private_uses(tmp_path / "f.py") == ["f.py:2 engine._release"]
+
+
+def test_engine_features_use_the_engines_public_surface_only() -> None:
+    found = [use for path in sorted((ROOT / "memlm" / "engine").glob("*.py")) if path.name != "engine.py"
+             for use in engine_private_uses(path)]
     assert found == []

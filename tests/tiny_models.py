@@ -34,7 +34,7 @@ def phrase_documents(n_docs: int, length: int, seed: int = 0) -> list[list[int]]
 
 class RowWiseSearcher:
     """A Searcher whose answer for a query does not depend on the other queries of the call (an exact search
-    one row at a time), so that plain and walked (or gated) kNN-LM meet the same floats (issue 15)."""
+    one row at a time), so that plain and walked (or gated) kNN-LM meet the same floats."""
 
     def __init__(self, exact) -> None:
         self.exact, self.dim, self.calls, self.rows, self.sizes = exact, exact.dim, 0, 0, []
@@ -83,7 +83,7 @@ def own_text_datastore(model, documents: list[list[int]]):
 
 def repeated_phrase_documents(vocab_size: int) -> list[list[int]]:
     """Four documents (7, 3, 9 and 5 phrases long) cycling through three random 9-token phrases of ids in
-    [2, vocab_size), so that RetoMaton pointers survive for several steps (issue 15 tests)."""
+    [2, vocab_size), so that RetoMaton pointers survive for several steps."""
     import numpy as np
 
     rng = np.random.default_rng(1)
@@ -96,7 +96,7 @@ ENGINE_LOGPROB_RTOL, ENGINE_LOGPROB_ATOL = 1e-5, 1e-6
 be from another path's (the library's one-sequence functions, or the same call alone): float32 rounding of
 another summation order only, a few ulps (float32 eps 1.2e-7) with margin. Measured over the four services
 tests that use it (test_lm_server, _windows, test_security, test_lm_engine_score): at most 3.3e-6 (relative
-1.3e-6), 0.13 of the bound; the old 1024-token windows that test_lm_server_windows tells apart: 5.7."""
+1.3e-6), 0.13 of the bound; the 1024-token windows that test_lm_server_windows tells apart: 5.7."""
 
 
 def logprobs_close(got, want) -> bool:

@@ -49,7 +49,7 @@ CLIENT_KNN_MEMORY = ("knn_mem_size", "knn_top_k")
 CLIENT_KNN = ("k", "lmbda", "temperature", "nprobe")
 """The kNN options a request carries (KnnRequest; exact re-rank is the server's setting)."""
 CLIENT_FEWER = ("pointers", "min_pointers", "adaptive_threshold", "adaptive_fraction")
-"""The fewer-searches options a Score request carries (issue 15; the gate is the server's --adaptive-gate)."""
+"""The fewer-searches options a Score request carries (the gate is the server's --adaptive-gate)."""
 
 # ---------------------------------------------------------------------------------------------------
 # fetch
@@ -116,14 +116,14 @@ def cmd_serve_retrieval(args: argparse.Namespace) -> None:
     if args.datastore is None and memories is None:
         raise MemlmError("serve retrieval needs --datastore DIR, --memories (session memories), or both")
     store = watch = successors = None
-    if args.datastore is not None:  # served generation by generation (issue 14: add/remove/compact while serving)
+    if args.datastore is not None:  # served generation by generation (add/remove/compact while serving)
         from datastore.live import LiveDatastore, OpenOptions
         from services.retrieval.successors import successors_by_generation
 
         store = LiveDatastore(Path(args.datastore), OpenOptions(mmap=args.mmap, backend=args.search_backend,
                                                                 device=None if args.device == "auto" else args.device))
         watch = GenerationWatch(store.refresh, store.served)
-        successors = successors_by_generation(store.served)  # the Successors rpc (issue 15: remote pointers)
+        successors = successors_by_generation(store.served)  # the Successors rpc (remote pointers)
     asyncio.run(serve_retrieval(
         store, args.host, args.port,
         options=server_options(args),
@@ -374,7 +374,7 @@ def add_serve_parser(sub: Any) -> None:
     lm.add_argument("--knn-service", default=None, metavar="HOST:PORT",
                     help="retrieval server with memory sessions (serve retrieval --memories) for --knn-backend service")
     add_link_security(lm, KNN_SERVICE, "memory service", KNN_SERVICE_ENV)
-    add_options(lm, "adaptive retrieval of Score requests (issue 15)", FEWER_SEARCHES_OPTIONS, ("adaptive_gate",))
+    add_options(lm, "adaptive retrieval of Score requests", FEWER_SEARCHES_OPTIONS, ("adaptive_gate",))
     add_server_security(lm)
     lm.set_defaults(func=cmd_serve_lm)
     add_openai_parser(ssub)
@@ -407,11 +407,11 @@ def add_client_parser(sub: Any) -> None:
         c.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
         c.add_argument("--knn", action="store_true", help="use kNN-LM (the server needs a datastore)")
         c.add_argument("--attribution", type=int, default=None, metavar="N",
-                       help="print each token's top N datastore documents by kNN mass (needs --knn; issue 14)")
+                       help="print each token's top N datastore documents by kNN mass (needs --knn)")
         add_options(c, "kNN-LM (unset: the server's defaults)", KNN_OPTIONS, CLIENT_KNN)
         add_options(c, "memory (unset: the server's defaults)", MEMORY_OPTIONS, ("kind", *SERVE_MEMORY, *CLIENT_KNN_MEMORY),
                     choices={"kind": ("none", "xl", "memorizing", "spalm")})
-        add_options(c, "fewer kNN-LM searches (issue 15; the server's gate)", FEWER_SEARCHES_OPTIONS, CLIENT_FEWER)
+        add_options(c, "fewer kNN-LM searches (the server's gate)", FEWER_SEARCHES_OPTIONS, CLIENT_FEWER)
         if name == "score":
             c.add_argument("text", nargs="+", help="texts to score")
             c.add_argument("--prefix", action="append", help="text each text continues (its loglikelihood given it)")
@@ -428,13 +428,13 @@ def add_client_parser(sub: Any) -> None:
             c.add_argument("--top-p", type=float, default=None)
             c.add_argument("--seed", type=int, default=None)
             c.add_argument("--stop", action="append", help="stop sequence (repeat)")
-            add_speculative_options(c)  # issue 15 part 4: memlm generate's names and help, one place
+            add_speculative_options(c)  # memlm generate's names and help, defined in one place
             c.set_defaults(func=cmd_client_generate)
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """argparse whose usage errors are one line, as MemlmError's (issue 9): `memlm: error: --port: ...`
-    (argparse printed its usage block first); subparsers inherit the class."""
+    """argparse whose usage errors are one line, as MemlmError's: `memlm: error: --port: ...`
+    (without argparse's usage block first); subparsers inherit the class."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"memlm: error: {message.removeprefix('argument ')}\n")

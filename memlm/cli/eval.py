@@ -1,6 +1,6 @@
 """`memlm eval`: which evaluation the flags ask for, the settings it takes from artifacts, and its result.
 
-Five modes, chosen from the flags, each refusing in one line a flag that does not apply to it (issue 8):
+Five modes, chosen from the flags, each refusing in one line a flag that does not apply to it:
 - sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
   options, lambda/T tuned on --tune-data that must share no document with the evaluation data), with
   fewer searches by RetoMaton pointers and/or a retrieval gate (memlm.cli.fewer_searches);
@@ -85,10 +85,10 @@ def add_eval_parser(sub: Any) -> None:
                      help="tune even on documents that are evaluated too (recorded in the result)")
     knn.add_argument("--attribution", default=None, metavar="OUT.jsonl",
                      help="write every evaluated token's top datastore documents by kNN mass, one JSON line a "
-                          "token, as the evaluation goes (issue 14)")
+                          "token, as the evaluation goes")
     knn.add_argument("--attribution-top-n", type=positive_int, default=None, metavar="N",
                      help=f"documents per token in --attribution (default {DEFAULT_ATTRIBUTION_TOP_N})")
-    add_options(p, "fewer kNN-LM searches (with --datastore; issue 15)", FEWER_SEARCHES_OPTIONS)
+    add_options(p, "fewer kNN-LM searches (with --datastore)", FEWER_SEARCHES_OPTIONS)
     add_options(p, "memory (segment-recurrent evaluation)", MEMORY_OPTIONS)
     add_spalm_eval_options(p)
     add_knn_service_options(p)
@@ -367,7 +367,7 @@ def run_cache_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, m
 
 
 def tuning_tokens(args: argparse.Namespace, tokenizer: Any, evaluation: Any) -> tuple[list[list[int]] | None, dict]:
-    """The tuning documents, refused when any of them is also evaluated (issue 8: tuning never sees
+    """The tuning documents, refused when any of them is also evaluated (tuning never sees
     evaluation tokens) unless --allow-tune-overlap, which the result records."""
     if args.tune_data is None:
         return None, {}

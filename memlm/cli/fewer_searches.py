@@ -1,6 +1,6 @@
-"""Command-line glue of fewer kNN-LM searches (issue 15): from `memlm eval`'s --pointers/--min-pointers and
+"""Command-line glue of fewer kNN-LM searches: from `memlm eval`'s --pointers/--min-pointers and
 --adaptive-gate/--adaptive-threshold/--adaptive-fraction (memlm.cli.options.FEWER_SEARCHES_OPTIONS) to the
-library's memlm.jobs.knnlm_pass.Retrieval, with the datastore's successors, values and keys (RetoMaton)
+library's memlm.jobs.knnlm_eval.Retrieval, with the datastore's successors, values and keys (RetoMaton)
 and a fitted gate (adaptive retrieval) checked against the model and the evaluation documents.
 
 The one overlap rule (`shared_documents`) lives here, below memlm.cli.eval, which uses it for tuning
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.cli.options import FEWER_SEARCHES_OPTIONS, given, refuse_given
 from memlm.retrieval.adaptive import AdaptiveConfig, load_gate, threshold_for_fraction
 from memlm.retrieval.clustered_states import EXACT_MEMBERS, cluster_states

@@ -1,4 +1,4 @@
-"""`memlm generate`: continue one or more prompts through the decoding engine (memlm.engine, issue 12).
+"""`memlm generate`: continue one or more prompts through the decoding engine (memlm.engine).
 
     memlm generate --model M [--datastore DIR | --retrieval ADDR] [--lambda L --knn-temperature T --k K]
         [--memory none|xl|compressive|memorizing --segment S --mem-len M --sink-tokens N --cmem-len C --compress-rate R
@@ -12,11 +12,11 @@ prompt yields the same tokens alone or among others). Prints each continuation a
 writes every token with its log-probabilities (final and base LM). kNN-LM needs a datastore (local,
 searched in process) or a retrieval service; both are checked against the model (fingerprints, key
 layer, boundary token) before generating. The option groups are memlm.cli.options' (kNN, memory); the
-sampling group is defined here once. --speculative (issue 15 part 3, memlm.engine.speculative) drafts
+sampling group is defined here once. --speculative (memlm.engine.speculative) drafts
 continuations from the --datastore's successors and verifies them in one forward pass: the same greedy
 tokens, the same sampled distribution; with --lambda 0 the target is the base LM and the datastore only
 drafts. Each result carries `searches` (kNN queries), `verify_steps`, `verified_tokens` (exact counts,
-GenerationEnd's) and `mean_accepted_tokens`. --memory memorizing (Wu et al. 2022, issue 10) takes a `memlm train
+GenerationEnd's) and `mean_accepted_tokens`. --memory memorizing (Wu et al. 2022) takes a `memlm train
 --memory memorizing` checkpoint's kNN attention (any other model: a fresh, untrained gate, said on stderr and
 recorded) and keeps every prompt's kNN memory in process or, with --knn-backend service, in the memory
 sessions of --knn-service (memlm.engine.memorizing_rows); --json records the layer, sizes, backend and gates.
@@ -42,7 +42,7 @@ from memlm.cli.eval import (
     memory_service,
 )
 from memlm.files import check_writable_file
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.cli.link_options import add_link_security, link_tls, secret
 from memlm.model.memory_config import MemoryConfig
 from memlm.cli.options import (
@@ -98,7 +98,7 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
 
 
 def add_speculative_options(p: argparse.ArgumentParser) -> None:
-    """--speculative [--draft-tokens N] [--draft-from SOURCE] (the names of issue 15 part 4; defaults:
+    """--speculative [--draft-tokens N] [--draft-from SOURCE] (the names the LM client shares; defaults:
     SpeculativeConfig's)."""
     from memlm.engine.drafts import DRAFT_FROM, SpeculativeConfig
 
@@ -159,7 +159,7 @@ def add_generate_parser(sub: Any) -> None:
     add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": GENERATE_KINDS})
     add_knn_service_options(p)
     add_speculative_options(p)
-    add_options(p, "fewer kNN-LM searches (issue 15)", FEWER_SEARCHES_OPTIONS)
+    add_options(p, "fewer kNN-LM searches", FEWER_SEARCHES_OPTIONS)
     p.set_defaults(func=cmd_generate)
 
 
@@ -241,9 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.requests import EngineConfig, GenerationRequest
     from memlm.jobs.evaluate import write_json
     from memlm.jobs.memorizing import memorizing_record
-    from memlm.model.decoder import Decoder
     from memlm.model.device import resolve_device, resolve_dtype
-    from memlm.model.pretrained import require_decoder
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
@@ -272,20 +270,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 for p in args.prompts]
     start = time.perf_counter()
     try:
-        if isinstance(pretrained.model, Decoder):
-            uses_datastore = speculative is not None and speculative.uses_datastore  # history drafts read none
-            drafts = draft_source(searcher.provenance, searcher.values) if uses_datastore else None
-            engine = Engine(pretrained.model, tokenizer, config, engine_searcher or searcher, drafts, knn_attention=knn_attention,
-                            knn_service=service)
-            results = run_all(engine, requests)
-        else:
-            # A transformers model has no engine cache (its KV cache is transformers' own): its prompts run
-            # one after another through the one-sequence generator, as the LM server runs them.
-            if memory is not None:
-                require_decoder(pretrained.model, f"--memory {memory.kind}")  # refused: memories need memlm's decoder
-            if speculative is not None or fewer is not None:  # the engine verifies drafts, walks pointers
-                require_decoder(pretrained.model, "--speculative" if fewer is None else "--pointers / --adaptive-*")
-            results = [one_sequence(pretrained.model, tokenizer, r, searcher) for r in requests]
+        # A transformers model has no row cache: the engine runs each of its rows with the row's own forward.
+        uses_datastore = speculative is not None and speculative.uses_datastore  # history drafts read none
+        drafts = draft_source(searcher.provenance, searcher.values) if uses_datastore else None
+        engine = Engine(pretrained.model, tokenizer, config, engine_searcher or searcher, drafts,
+                        knn_attention=knn_attention, knn_service=service)
+        results = run_all(engine, requests)
     finally:
         if args.retrieval:
             searcher.close()  # the RetrievalClient's channel
@@ -304,16 +294,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
           f"({len(requests)} prompts, batch {config.max_batch})")
     if args.json:
         write_json(report, args.json)
-
-
-def one_sequence(model: Any, tokenizer: Any, request: Any, searcher: Any) -> list[Any]:
-    """The events of one request (memlm.engine.requests.GenerationRequest) by memlm.jobs.generate.generate."""
-    from memlm.jobs.generate import generate
-
-    r = request
-    return list(generate(model, tokenizer, r.prompt_ids, max_new_tokens=r.max_new_tokens, sampling=r.sampling,
-                         stop_sequences=r.stop_sequences, boundary_token=r.boundary_token, eos_id=r.eos_id,
-                         searcher=searcher if r.knn is not None else None, knn=r.knn))
 
 
 def generation_report(args: argparse.Namespace, results: list[list[Any]], seconds: float,

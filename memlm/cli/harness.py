@@ -1,4 +1,4 @@
-"""memlm as an lm-evaluation-harness model (issue 13, part 2): `--model memlm`.
+"""memlm as an lm-evaluation-harness model: `--model memlm`.
 
     python -m memlm.cli.harness --model memlm \\
         --model_args pretrained=smollm2-135m,datastore=DIR,lmbda=0.25,knn_temperature=1,k=1024 \\
@@ -8,7 +8,7 @@
 `import memlm.cli.harness` registers it for lm_eval.simple_evaluate too.)
 
 The three requests run through the library's scoring and generation, with the conventions of `memlm eval`
-(memlm.jobs.scoring, memlm.jobs.generate): every sequence starts with the document-boundary token
+(memlm.jobs.scoring, memlm.engine.generate): every sequence starts with the document-boundary token
 (memlm.model.tokenizer.document_boundary, also the harness's prefix_token_id, so an empty context is that
 token alone), long ones are scored in sliding windows (context/stride: the datastore's, else the model's
 defaults, memlm.jobs.windows.WindowConfig.for_model), kNN-LM mixes p_kNN with weight lmbda.
@@ -29,7 +29,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from memlm.errors import MemlmError
-from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent, generate
+from memlm.engine.generate import generate
+from memlm.jobs.decoding import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.windows import WindowConfig
 from memlm.model.memory_config import MemoryConfig

@@ -15,7 +15,7 @@ from memlm.errors import MemlmError
 def secret(args: argparse.Namespace, prefix: str, env: str) -> str | None:
     """The bearer token of `--{prefix}token`, `--{prefix}token-file` or $env (in that order; None = no token).
 
-    A file or the environment keeps the secret out of `ps` (issue 9, finding 4). An empty value is an
+    A file or the environment keeps the secret out of `ps`. An empty value is an
     error, never "no authentication": leave all three unset for that.
     """
     from services.common.security import check_token

@@ -1,5 +1,5 @@
-"""Command-line option groups, each defined once: kNN-LM, memory, windows (issue 8, item 6), and the
-memorizing layer's options inside the memory group plus `--knn-train` for `memlm train` (issue 10).
+"""Command-line option groups, each defined once: kNN-LM, memory, windows, and the
+memorizing layer's options inside the memory group plus `--knn-train` for `memlm train`.
 
 Each option has one flag, one type and one help text, and is attached by name to the subcommands it
 applies to (`memlm eval`, `serve lm`, `train`, `client score/generate`, `datastore build`). Parsers keep
@@ -40,7 +40,7 @@ def float_or_auto(text: str) -> float | str:
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1: for counts where 0 would have meant "the default" (issue 9, finding 6)."""
+    """An integer >= 1: for counts where 0 could be mistaken for "the default"."""
     try:
         value = int(text)
     except ValueError:
@@ -177,7 +177,7 @@ FEWER_SEARCHES_OPTIONS = {o.dest: o for o in (
     Option("--adaptive-fraction", "adaptive_fraction", fraction, "with --adaptive-gate: skip about this fraction "
            "of the searches (the threshold at that quantile of the gate's scores on held-out tuning tokens)"),
 )}
-"""Fewer searches (issue 15): named the same in memlm eval and, later, generate and the LM service."""
+"""Fewer searches: named the same in memlm eval, generate and the LM service."""
 WINDOW_OPTIONS = {o.dest: o for o in (
     Option("--context", "context", positive_int, "sliding-window length in tokens (at most the model's)", _W.context),
     Option("--stride", "stride", positive_int, "tokens between window starts", "context/2"),
@@ -198,7 +198,7 @@ def given(args: argparse.Namespace, table: dict[str, Option]) -> dict[str, Any]:
 
 
 def refuse_given(args: argparse.Namespace, names: Iterable[str], why: str) -> None:
-    """A flag that does not apply is an error, never silently ignored (issue 8, item 4): the first of the
+    """A flag that does not apply is an error, never silently ignored: the first of the
     options `names` (dests) set on this command is refused with `why`."""
     for name in names:
         if getattr(args, name, None) is not None:
@@ -228,7 +228,7 @@ def memory_config(args: argparse.Namespace, base: MemoryConfig) -> MemoryConfig:
 
 
 def refuse_unless_memorizing(args: argparse.Namespace, kind: str) -> None:
-    """The memorizing layer's options (and --knn-train) given with another memory kind: one line (issue 10)."""
+    """The memorizing layer's options (and --knn-train) given with another memory kind: one line."""
     if kind != "memorizing":
         refuse_given(args, (*MEMORIZING_ONLY, *KNN_TRAIN_OPTIONS), f"applies to --memory memorizing only, not {kind}")
 

@@ -1,11 +1,11 @@
-"""`memlm plan`: memory per shard, shards, and replicas for a datastore of T tokens (issue 16, part 4).
+"""`memlm plan`: memory per shard, shards, and replicas for a datastore of T tokens.
 
     memlm plan --tokens 1e9 --dim 576 --index IVF65536,PQ64 [--qps 1000] [--nprobe 512]
 
 Sizes come from the index itself (faiss's code size and list count for the factory string: one entry per
 token, its code plus an int64 id in the inverted lists; the coarse quantizer's nlist x d float32 centroids)
 and from the datastore's files (float16 keys, int32 values, int32 document and position per entry). Search
-time comes from figures measured on this machine by benchmarks/shard_capacity.py (its JSON, --figures): one
+time comes from figures measured by benchmarks/shard_capacity.py (its JSON, --figures; best run on the serving hardware): one
 thread's fixed cost per query, cost per coarse centroid, per probed list (its look-up table) and per PQ code
 scanned; a query scans nprobe lists of N_shard / nlist codes on every shard, and a replica searches on --cores threads. Every shard
 answers every query (the router fans out), so each shard needs the target rate; replicas are at least 2,

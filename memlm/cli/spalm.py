@@ -1,4 +1,4 @@
-"""The command-line side of SPALM (issue 11): `memlm eval --memory spalm --datastore DIR` and the settings
+"""The command-line side of SPALM: `memlm eval --memory spalm --datastore DIR` and the settings
 `memlm train --memory spalm` takes.
 
 Settings follow the one rule of memlm.retrieval.compat: a SPALM checkpoint's memory (segment, memory

@@ -1,7 +1,7 @@
 """`memlm train`: its flags and the TrainConfig they make (the training loop is memlm.jobs.train).
 
 Option groups are memlm.cli.options' (memory, and the memorizing layer's --knn-* options); a memorizing
-option given with another --memory kind is refused in one line there (issue 10).
+option given with another --memory kind is refused in one line there.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         datastore=args.datastore, spalm_k=args.k, freeze_embeddings=bool(args.freeze_embeddings), head_lr=args.head_lr,
         spalm_train_top=args.spalm_train_top,
     )
-    if config.memory.kind == "spalm":  # issue 11: SPALM's run takes the opened datastore
+    if config.memory.kind == "spalm":  # SPALM's run takes the opened datastore
         from memlm.jobs.spalm_train import train_spalm
 
         result = train_spalm(config, open_spalm_train_datastore(config), resume_from=args.resume)

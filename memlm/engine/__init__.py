@@ -1,2 +1,2 @@
-"""The decoding engine (issue 12): continuous batching over a preallocated KV cache, per-request sampling,
+"""The decoding engine: continuous batching over a preallocated KV cache, per-request sampling,
 kNN-LM searched once per step for every active row, and the XL memory per row."""

@@ -1,4 +1,4 @@
-"""Compressed memory in the engine's cache rows (the Compressive Transformer, Rae et al. 2019; issue 12).
+"""Compressed memory in the engine's cache rows (the Compressive Transformer, Rae et al. 2019).
 
 A compressive row is an XL row (memlm.engine.kv_cache) whose memory evicts its oldest states in groups
 of c (CacheLayout.rate) and keeps, instead of dropping them, their compression: one key and one value per

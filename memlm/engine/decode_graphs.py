@@ -1,4 +1,4 @@
-"""The decode step with fixed shapes, replayed as CUDA graphs on a GPU (issue 12 part 4).
+"""The decode step with fixed shapes, replayed as CUDA graphs on a GPU.
 
 A decode step of a small model on a GPU is mostly kernel launches: SmolLM2-135M's 30 layers launch several
 hundred small kernels per token, each a few microseconds, where the arithmetic of one token takes less. A

@@ -1,5 +1,5 @@
-"""Draft trees: several candidate drafts of a greedy speculative row verified in one forward pass (issue 15 part
-3, "several drafts, tree or best-first"; REST, He et al. 2023, verifies its trie's candidates the same way, and
+"""Draft trees: several candidate drafts of a greedy speculative row verified in one forward pass (REST,
+He et al. 2023, verifies its trie's candidates the same way, and
 SpecInfer, Miao et al. 2024, a token tree with a tree attention mask).
 
 What a tree is. The candidates (memlm.engine.drafts: the row's main draft `RowDrafts.main`, then its other history
@@ -12,11 +12,10 @@ whose token is the target's argmax at the current node, as long as there is one 
 accepted path's cache entries move to slots p_t + 1 .. p_t + j (memlm.engine.kv_cache.RowCache.move_slots; none
 move when the path is the main draft's prefix), so the row goes on as after a chain.
 
-Why: a verifying pass of up to 4 positions costs what one of 1 does on this CPU (2 Dec, on oneDNN's packed GEMM,
-memlm.model.decoder.PACKED_ROWS; SmolLM2 float32, one thread: 64 / 67 ms at 1 / 4 positions, then about 2.4 ms a
-position; on 4 Dec's panels kernel, memlm.model.panel_gemm, the weights' GEMMs cost the same from 1 to 4
-positions, 22-23 ms, and 29 at 8, and the pass's other work grows: the README's figures), and a row's short
-datastore draft leaves those free: its other candidates fill them. Only greedy rows: speculative sampling's rule
+Why: on a CPU a verifying pass of up to 4 positions costs about what one of 1 does (oneDNN's packed GEMM,
+memlm.model.decoder.PACKED_ROWS, and the panels kernel, memlm.model.panel_gemm, cost the same for the weights'
+products from 1 to 4 positions; the pass's other work grows slowly), and a row's short datastore draft leaves
+those positions free: its other candidates fill them. Only greedy rows: speculative sampling's rule
 here is for one draft (memlm.engine.speculative.accept); a sampled row verifies its main draft alone.
 
 Shape legend: n nodes, m candidates, L a candidate's length.

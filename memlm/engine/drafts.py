@@ -1,4 +1,4 @@
-"""Draft continuations for speculative decoding (issue 15 part 3): from the datastore (REST, He et al. 2023,
+"""Draft continuations for speculative decoding: from the datastore (REST, He et al. 2023,
 "REST: Retrieval-Based Speculative Decoding"), from the row's own text (prompt lookup decoding), or both
 (SpeculativeConfig.draft_from, `--draft-from`).
 
@@ -58,16 +58,11 @@ class SpeculativeConfig:
     draft_tokens: int = 16
     """Most draft tokens verified per row per step, a draft tree's depth (the forward pass feeds 1 + this many
     tokens, or 1 + tree_nodes for a greedy row's tree; a greedy kNN-LM row searches those up to the first its base
-    LM rejects, speculative._lm_path). 16: a history
-    draft of a 3-token match was right for 10.6 tokens a pass (greedy kNN-LM, 8 held-apart speeches); drafts
-    from both gave 2.24 tokens a pass at 16, 2.15 at 8, 1.99 at 4 (benchmarks/speculative_knnlm.py, 64 new
-    tokens); a datastore draft stops where fewer than min_agreeing chains agree, about 2.5 tokens, whatever the
-    cap. On packed weights (memlm.model.decoder.PACKED_ROWS) a pass of 17 positions costs 1.4x one of 1 (its
-    model call 32 vs 22 ms, 2 threads), so the long drafts of the row's own loops pay; on one thread's panel GEMM
-    (memlm.model.panel_gemm, 4 Dec) the weights' products cost 53 ms at 17 rows against 22-23 at 1 to 4 and 29 at 8.
-    On 4 Dec's kernel (README): drafts of 16 against 15 (16 positions, not 17), held-apart speeches, 1.73x / 1.82x
-    end to end with 3-node trees, 1.82x / 1.79x with 7-node trees; 16 against 7 (one group of 8 rows) on the tuning
-    split, 1.71x / 1.76x and 1.73x / 1.69x: within this machine's noise, 16 stays."""
+    LM rejects, speculative._lm_path). 16 because a
+    history draft of a 3-token match is right for about 10 tokens a pass, while a datastore draft stops by itself
+    where fewer than min_agreeing chains agree (about 2.5 tokens) whatever the cap, and on packed weights
+    (memlm.model.decoder.PACKED_ROWS) a pass of 17 positions costs about 1.4x one of 1, so the long drafts of a
+    row's own loops pay; caps of 15 or 7 measure the same within the noise (benchmarks/speculative_knnlm.py)."""
     draft_k: int = 64
     """Neighbours searched to draft from when the row's target is the base LM (a kNN-LM row drafts from
     the neighbours of its own search, its k)."""
@@ -79,10 +74,9 @@ class SpeculativeConfig:
     """Where drafts come from: "datastore" the neighbours' successors (REST); "history" the row's own text
     (prompt lookup decoding: what followed the latest earlier occurrence of its last tokens,
     `history_draft`); "both" the history's draft when the row's text has a match, else the datastore's.
-    "both" by measurement (OMP_NUM_THREADS=2 python benchmarks/speculative_knnlm.py --prompts 8 --new-tokens 64
-    --repeats 2 --search-backend torch, held-apart speeches, 2 Dec): greedy kNN-LM 1.83x plain (history 1.72x,
-    datastore 1.17x); the base LM 1.65x (history 1.71x, datastore 1.00x); and where the continuation is in the
-    datastore (REST's setting) only the datastore drafts it."""
+    "both" because it decodes a greedy kNN-LM row faster than either source alone and a base-LM row about as fast as
+    the history alone, and where the continuation is in the datastore (REST's setting) only the datastore drafts it
+    (benchmarks/speculative_knnlm.py --draft-from compares them)."""
     history_max_match: int = 3
     """Longest suffix of the row's text looked up in its own past (longer matches are tried first)."""
     history_min_match: int = 2
@@ -94,13 +88,11 @@ class SpeculativeConfig:
     short_match_tokens: int = 4
     """Most tokens a history draft takes from a match shorter than history_max_match (`own_text_draft`; a match
     that long drafts up to draft_tokens). Why: a pass's positions past 8 cost about 7% of a plain step each on
-    a CPU whose panel GEMM is bound by its arithmetic there (memlm.model.panel_gemm: 17 rows 2.2x one row's
-    pass on an AMD EPYC, 6 Dec), and a 2-token match's long draft is mostly wrong early (of the 9-15-position
-    chains it drafted, 13 of 18 kept only the model's own token). Chosen on the tuning split's speeches, never the
-    benchmark's, by replaying recorded greedy kNN-LM runs under this machine's timed pass costs (taskset -c 0 env
-    OMP_NUM_THREADS=1 python benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts 16
-    --search-backend torch --pass-costs --tree-nodes 3,5,7 --short-match-tokens 16,4; AMD EPYC, 6 Dec): modelled
-    decode ratio 2.07 -> 2.15 with 3-node trees, 2.11 -> 2.20 with 5; on held-apart speeches, measured: README."""
+    a CPU whose panel GEMM is bound by its arithmetic there (memlm.model.panel_gemm), and a 2-token match's long
+    draft is mostly wrong early (most of its long chains keep only the model's own token). Chosen on the tuning
+    split's speeches, never the benchmark's, by replaying recorded greedy kNN-LM runs under timed pass costs
+    (benchmarks/speculative_replay.py --pass-costs --short-match-tokens 16,4), then measured on held-apart
+    speeches (benchmarks/speculative_knnlm.py)."""
     fallback_tokens: int = 4
     """When a row has no history match of history_min_match tokens and no datastore draft (draft_from "history"
     or "both"), a draft of at most this many tokens from a shorter history match, down to one token; 0: none.
@@ -112,45 +104,29 @@ class SpeculativeConfig:
     min_agreeing: int = 3
     """A draft token needs at least this many of the chains agreeing on it; the draft ends before the
     first that has fewer. A token few chains spell is rarely the model's, and a row with no datastore draft takes
-    a one-token history match's instead (`RowDrafts.main`), which is right far more often. Why 3, not 2 (6 Dec,
-    fifth session, Intel Xeon with AMX): replayed on the tuning split's speeches, never the benchmark's
-    (OMP_NUM_THREADS=2 python benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts 16
-    --search-backend torch --pass-costs --tree-nodes 5,6 --min-agreeing 2,3,4), trees of 5 nodes: tokens a pass
-    2.754 / 2.792 / 2.747 at 5.5 / 5.3 / 5.1 draft positions, modelled decode ratio 2.459 / 2.505 / 2.476 for 2 / 3
-    / 4 (6 nodes: 2.485 / 2.518 / 2.496); measured on held-apart speeches, side by side in one run
-    (OMP_NUM_THREADS=2 python benchmarks/speculative_knnlm.py --figures 1 --min-agreeing 2,3 --repeats 5
-    --search-backend torch): 1.95x -> 2.04x plain end to end (2.03x -> 2.13x decode), 2.47 -> 2.53 tokens a pass,
-    8/8 token-identical each. Before, 2 (1 Dec, draft_tokens 4, when every drafted position cost a search): 2 kept
-    1.31 tokens a pass of 1's 1.32 at 2.2 searches a token instead of 3.4."""
+    a one-token history match's instead (`RowDrafts.main`), which is right far more often. 3 rather than 2 or 4:
+    chosen on the tuning split's speeches, never the benchmark's (benchmarks/speculative_replay.py --pass-costs
+    --min-agreeing 2,3,4: the most tokens a pass and the best modelled decode ratio), then measured on held-apart
+    speeches side by side (benchmarks/speculative_knnlm.py --min-agreeing 2,3), token-identical either way."""
 
     tree_nodes: int = 5
     """A greedy row verifies a tree of its candidates (memlm.engine.draft_trees): its main draft, then its other
     candidates' prefixes up to this many nodes in all (a main draft this long or longer is verified alone); 0: the
-    main draft alone (a sampled row always). Why 5 (6 Dec, with short_match_tokens 4, whose main drafts of 4 leave a
-    node free): replayed on the tuning split under the AMD EPYC's timed pass costs (short_match_tokens' command),
-    3 / 5 / 7 nodes model 2.15 / 2.20 / 2.21; measured on held-apart speeches (taskset -c 0 env OMP_NUM_THREADS=1 python
-    benchmarks/speculative_knnlm.py --figures 1 --draft-from both --tree-nodes 3,5 --short-match-tokens 16,4
-    --search-backend torch): 3 nodes / short matches 16 1.75x end to end (1.84x decode), 5 / 4 1.85x (1.96x), 8/8
-    token-identical each. Before, 3: a pass of up to 4 positions costs what one of 1 does on this
-    CPU (memlm.model.decoder.PACKED_ROWS; memlm.model.panel_gemm: up to 4, 4 Dec). Chosen on the tuning split's
-    speeches, never the benchmark's (python benchmarks/speculative_replay.py --split "2001<=year<=2002" --prompts
-    16, greedy kNN-LM, drafts from both): 2.51 -> 2.56 tokens a pass at 4.9 -> 5.3 draft positions a pass; then
-    measured on held-apart speeches (OMP_NUM_THREADS=1 python benchmarks/speculative_knnlm.py --figures 1
-    --draft-from both --tree-nodes 3,0 --repeats 3 --search-backend torch): 2.28 -> 2.32 tokens a pass, 1.89x ->
-    1.92x plain, 8/8 token-identical (1.93x -> 1.98x with knnlm.knn_mixture, 3 Dec). 7 nodes (one group of 8 rows)
-    on 4 Dec's kernel, held-apart: 1.82x against 1.73x, and 2.47 tokens a pass; on the tuning split 1.73x against
-    1.71x (README, 4 Dec): within the noise, 3 stayed."""
+    main draft alone (a sampled row always). 5 because a verifying pass's first few positions cost little more than one
+    (memlm.model.decoder.PACKED_ROWS, memlm.model.panel_gemm) and, with short_match_tokens 4, a main draft of 4 leaves
+    a node free; 7 models no better. Chosen on the tuning split's speeches, never the benchmark's, under timed pass
+    costs (benchmarks/speculative_replay.py --pass-costs --tree-nodes 3,5,7), then measured on held-apart speeches
+    (benchmarks/speculative_knnlm.py --tree-nodes 3,5), token-identical either way."""
     tree_branches: int = 3
     """The datastore's branches a tree takes, each under another first token (draft_trees.datastore_branches)."""
     frequent_branches: int = 3
     """A greedy row's tree with nodes to spare after its other candidates takes up to this many one-token branches:
     the tokens that most often follow the row's last token in the datastore's text (DraftSource.frequent, bigram
     counts; only where drafts read the datastore); 0: none. Why: a row with no history match and no two agreeing
-    chains drafted nothing (12% of the passes on held-apart speeches, each 1 token), and a tree's spare nodes cost
-    little. Chosen on the tuning split (benchmarks/speculative_replay.py's rule, the pass costs timed on the AMD EPYC
-    of 6 Dec; README): trees of 5 / 7 nodes model 2.20 / 2.21 without them and 2.26 / 2.27 with 3 on one thread,
-    2.26 / 2.31 and 2.32 / 2.38 on two; 5 branches no better; counts of the last two tokens (the suffix index)
-    instead 2.24 / 2.25 and 2.31 / 2.35."""
+    chains would otherwise draft nothing (about one pass in eight on held-apart speeches), and a tree's spare nodes
+    cost little. Chosen on the tuning split by benchmarks/speculative_replay.py's rule under timed pass costs: 3
+    branches model better than none, 5 no better than 3, and counts of the last two tokens (the suffix index)
+    instead of the last one slightly worse."""
 
     @property
     def uses_datastore(self) -> bool:
@@ -309,8 +285,8 @@ def best_draft(starts: np.ndarray, source: DraftSource, length: int, min_agreein
     """The best-first path, at most `length` tokens, through the prefix tree of the chains that begin at `starts`
     (chain_starts; module docstring): at each depth the token most of the still-agreeing chains have (ties: the one
     of the nearest chain), until fewer than `min_agreeing` chains have it. Only the agreeing chains are walked: a
-    row has about 140 chains on held-apart speeches, and a draft stops after a few tokens; with every chain spelled
-    16 deep first, a draft tree took 342 us to build against 231 us walking (recorded held-apart states, 6 Dec)."""
+    row has about 140 chains on held-apart speeches, and a draft stops after a few tokens; spelling every chain
+    16 deep first would build a draft tree in 342 us against 231 us walking (on recorded held-apart states)."""
     draft: list[int] = []
     entries = starts  # (m',) the agreeing chains' entries at this depth, nearest first
     for _ in range(length):

@@ -1,4 +1,4 @@
-"""The decoding engine: continuous batching over a preallocated KV cache (issue 12).
+"""The decoding engine: continuous batching over a preallocated KV cache.
 
 Requests wait in a bounded queue and are admitted into the running batch between steps, each into a
 free cache row. One `step`:
@@ -19,13 +19,17 @@ Score requests (ScoreRequest) ride the same steps: fed like a prompt (score_toke
 another, or XL segments), with logits at every position, and answered with memlm.jobs.scoring's SequenceScore
 (memlm.engine.score_rows: its per-token functions, kNN-LM and top-n included; several clients' scores share
 forward passes). The step's kNN-LM search is ONE for its decode rows and its score rows' scored tokens together.
-Generation semantics are memlm.jobs.generate's, per row: the boundary token before the prompt, text
-deltas that hold back split UTF-8 characters, stop strings and token ids, eos, max new tokens; without a
+The engine is the one decode loop (memlm.engine.generate runs one request through it). Per row: the boundary
+token before the prompt, text deltas that hold back split UTF-8 characters, stop strings and token ids, eos,
+max new tokens (memlm.jobs.decoding's shared pieces); without a
 memory a row that fills its cache slides (its last half encoded again); with the XL memory (and sinks) a
 row attends to its sinks and last mem_len states, so it generates past the model's context; compressive
 rows also keep their evicted states pooled (memlm.engine.compression); SPALM rows take the head's logits
 (memlm.engine.spalm_rows); memorizing rows each carry a kNN memory of their past keys and values that the layer
 knn_layer attends to (memlm.engine.memorizing_rows; closed, a service session dropped, when the row leaves).
+A model without a row cache (transformers' models, memlm.model.hf_model) runs here too: each of its rows keeps
+its own KV cache and runs its own forward in the step, one row after another (not batched), with the same
+sliding window; everything after the forward (sampling, kNN-LM, stops, events, cancellation) is shared.
 
 Work runs where `step` is called: in the caller's thread (a handle's `events()` steps the engine while
 no engine thread runs; memlm generate) or in the engine's own thread (`start`, for a server, whose
@@ -42,7 +46,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
@@ -69,13 +74,12 @@ from memlm.engine.requests import (
     RequestHandle,
     ScoreRequest,
 )
-from memlm.engine.rows import Row
+from memlm.engine.rows import Row, StepPlan
 from memlm.engine.sampling import choose_tokens, search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 
-# The one-sequence path's helpers, called (not copied) so both paths emit the same text and stops.
-from memlm.jobs.generate import (
+from memlm.jobs.decoding import (
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -86,7 +90,8 @@ from memlm.jobs.generate import (
 )
 from memlm.memory.memorizing import KnnAttention
 from memlm.memory.spalm import SpalmHead
-from memlm.model.decoder import Decoder
+from memlm.model.decoder import Decoder, KVCache
+from memlm.model.pretrained import CausalLM, require_decoder
 from memlm.model.tokenizer import Tokenizer
 from memlm.memory.knn_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Searcher
@@ -113,14 +118,21 @@ def cache_layout(config: EngineConfig, max_seq_len: int) -> CacheLayout:
 class Engine:
     """The running batch of one model. submit() from any thread; step() from one thread at a time."""
 
-    def __init__(self, model: Decoder, tokenizer: Tokenizer, config: EngineConfig | None = None,
+    def __init__(self, model: Decoder | CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  searcher: Searcher | None = None, drafts: speculative.DraftSource | None = None,
                  spalm_head: SpalmHead | None = None, knn_attention: KnnAttention | None = None,
                  knn_service: KeyValueMemoryFactory | None = None) -> None:
         """config None: EngineConfig's defaults. searcher: the kNN-LM (or SPALM) datastore; drafts: its successors;
         spalm_head: the head of memory kind "spalm" (memlm.engine.spalm_rows); knn_attention: the layer of memory
-        kind "memorizing", knn_service: its rows' memories for knn_backend "service" (memlm.engine.memorizing_rows)."""
+        kind "memorizing", knn_service: its rows' memories for knn_backend "service" (memlm.engine.memorizing_rows).
+        A model other than memlm's Decoder (memlm.model.hf_model.HFCausalLM) has no row cache: its rows keep their own
+        model state and each runs its own forward in the step (`_own_forwards`; not batched), plain KV cache only."""
         config = config or EngineConfig()
+        if not isinstance(model, Decoder):
+            if config.memory is not None and config.memory.kind != "none":
+                require_decoder(model, f"--memory {config.memory.kind}")
+            if config.cuda_graphs:
+                require_decoder(model, "--cuda-graphs")
         spalm_rows.check_engine(config, spalm_head, searcher)
         xl = config.xl
         if config.row_capacity is not None and config.row_capacity > model.config.max_seq_len:
@@ -135,7 +147,11 @@ class Engine:
         self.drafts = drafts
         self.spalm_head = spalm_head
         self.memorizing = memorizing_rows.for_engine(model, config, knn_attention, knn_service)
-        self.cache = RowCache(model.config, cache_layout(config, model.config.max_seq_len), model.device, model.dtype)
+        self.layout = cache_layout(config, model.config.max_seq_len)
+        """The rows' positions (with a row cache: its layout)."""
+        self.cache = (RowCache(model.config, self.layout, model.device, model.dtype) if isinstance(model, Decoder)
+                      else None)
+        """The rows' KV cache; None for a model without one (its rows hold their own state, Row.model_state)."""
         self.graphs = DecodeGraphs(model, self.cache) if config.cuda_graphs else None
         self.decodable = min(model.config.vocab_size, tokenizer.vocab_size)
         self._waiting: deque[tuple[RequestHandle, float | None]] = deque()
@@ -159,6 +175,8 @@ class Engine:
                              f"outside [0, {V})")
         spalm_rows.check_request(self, request)
         memorizing_rows.check_request(self, request)
+        if self.cache is None:
+            self._check_own_state(request)
         if isinstance(request, ScoreRequest):
             score_rows.check_request(self, request)
         else:
@@ -179,6 +197,14 @@ class Engine:
             self._waiting.append((handle, deadline))
             self._wake.notify()
         return handle
+
+    def _check_own_state(self, request: GenerationRequest | ScoreRequest) -> None:
+        """What rows with their own model state refuse: score rows and speculative / fewer-search rows read the
+        row cache."""
+        if isinstance(request, ScoreRequest):
+            require_decoder(self.model, "scoring on the decoding engine")
+        elif request.speculative is not None or request.fewer is not None:
+            require_decoder(self.model, "--speculative" if request.fewer is None else "--pointers / --adaptive-*")
 
     def _in_flight(self) -> int:
         return (sum(h.request.tokens_in_flight for h, _ in self._waiting)
@@ -230,7 +256,7 @@ class Engine:
             except Exception as e:  # the requests of this batch cannot continue; the engine can
                 for row in list(self._rows.values()):
                     row.handle.put(e)
-                    self._release(row)
+                    self.release(row)
                 raise
         if ran:
             elapsed = time.perf_counter() - start
@@ -263,30 +289,41 @@ class Engine:
             while free and self._waiting:
                 handle, deadline = self._waiting.popleft()
                 slot = free.pop(0)
-                self.cache.clear_row(slot)
+                if self.cache is not None:
+                    self.cache.clear_row(slot)
                 if isinstance(handle.request, ScoreRequest):
                     self._rows[slot] = ScoreRow.start(handle, slot, deadline)
                 else:
-                    self._rows[slot] = Row.start(handle, slot, deadline, self.cache.layout, self.model.device)
+                    self._rows[slot] = Row.start(handle, slot, deadline, self.layout, self.model.device)
                     admitted.append(self._rows[slot])
         memorizing_rows.admit(self, admitted)  # their kNN memories (a service session: outside the lock)
+
+    def plan(self) -> StepPlan:
+        """What the next forward passes feed (rows in slot order): prompt chunks oldest first within
+        prefill_chunk, decode rows, speculative rows to verify, score rows' chunks."""
+        chunks = self._prefill_plan()
+        touched = {id(row) for row, _ in chunks}
+        decoding = [(r, 1) for _, r in sorted(self._rows.items())
+                    if id(r) not in touched and isinstance(r, Row) and r.to_feed == 1]
+        decoding, verifying = speculative.split(decoding)
+        return StepPlan([(r, n) for r, n in chunks if isinstance(r, Row)], decoding, verifying,
+                        [(r, n) for r, n in chunks if isinstance(r, ScoreRow)])
 
     def _forward_and_choose(self) -> None:
         """One forward pass for the step's prompt chunks and decode rows (packed when both run; score rows
         in a pass of their own, with logits at every position), then every ready row's next token."""
-        plan = self._prefill_plan()
-        scoring = [(r, n) for r, n in plan if isinstance(r, ScoreRow)]
+        plan = self.plan()
+        if self.cache is None:
+            ready, logits, keys = self._own_forwards(plan)
+            if ready:
+                self._choose(ready, logits, keys, [])
+            return
         pending = []  # score passes waiting for the step's one search (_choose); no row leaves before it
-        for group in score_rows.passes(scoring, self.config.prefill_chunk):  # passes of their own, every position
+        for group in score_rows.passes(plan.score, self.config.prefill_chunk):  # passes of their own, every position
             starts = [row.fed for row, _ in group]
             logits, keys, _ = passes.run(self, group, every_position=True)  # (B, T, V), (B, T, C)
             pending.append(score_rows.scored(group, starts, logits, keys))
-        # A pass reads its rows as one slice of the cache only when they are in slot order (the plan is oldest first).
-        prefilling = sorted(((r, n) for r, n in plan if not isinstance(r, ScoreRow)), key=lambda p: p[0].slot)
-        touched = {id(row) for row, _ in plan}
-        decoding = [(r, 1) for s, r in sorted(self._rows.items())
-                    if id(r) not in touched and isinstance(r, Row) and r.to_feed == 1]
-        decoding, verifying = speculative.split(decoding)
+        prefilling, decoding, verifying = plan.prefill, plan.decode, plan.verify
         ready: list[Row] = []
         logits = keys = None
         if prefilling and decoding:
@@ -301,6 +338,27 @@ class Engine:
         if ready or pending:
             self._choose(ready, logits, keys, pending)
         speculative.verify(self, verifying)  # a pass of their own, after _choose's releases
+
+    def _own_forwards(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None, torch.Tensor | None]:
+        """The step of a model without a row cache: each row with tokens to feed (a prompt chunk within the
+        prefill budget, or its last token) runs its own forward over its own state, one row after another.
+        Returns the rows whose prompt is in, with their last position's logits (B, V) and kNN keys (B, C)."""
+        ready, logits, keys = [], [], []
+        for row, n in sorted(plan.prefill + plan.decode, key=lambda p: p[0].slot):
+            ids, _ = row.feed(n)
+            idx = torch.tensor([ids], dtype=torch.long, device=self.model.device)  # (1, T)
+            state = row.model_state if row.model_state is not None else KVCache.empty(self.model.config,
+                                                                                      self.layout.ring)
+            out = self.model(idx, state=state, logits_from=n - 1)  # logits (1, 1, V), knn_key (1, T, C)
+            row.model_state = out.state
+            row.fed += n
+            if row.to_feed == 0:
+                ready.append(row)
+                logits.append(out.logits[0, -1])  # (V,)
+                keys.append(out.knn_key[0, -1])  # (C,)
+        if not ready:
+            return [], None, None
+        return ready, torch.stack(logits), torch.stack(keys)  # (B, V), (B, C)
 
     def _choose(self, ready: list[Row], logits: torch.Tensor | None, keys: torch.Tensor | None,
                 pending: list[score_rows.ScoredPass]) -> None:
@@ -330,7 +388,7 @@ class Engine:
             for row, c in zip(ready, ask):
                 if c is not None:
                     row.handle.put(failed)
-                    self._release(row)
+                    self.release(row)
             keep = [i for i, c in enumerate(ask) if c is None]
             ready, logits, keys = [ready[i] for i in keep], logits[keep], keys[keep]
             knn, neighbors = [knn[i] for i in keep], [neighbors[i] for i in keep]
@@ -339,13 +397,13 @@ class Engine:
             choices = choose_tokens(logits, [r.handle.request.sampling for r in ready],
                                     [r.generator for r in ready], self.decodable, knn, neighbors)
             for row, c, token, lp, base in zip(ready, knn, *choices):
-                self._advance(row, token, lp, base)
+                self.advance(row, token, lp, base)
             speculative.draft_first(self, ready, neighbors, keys)  # speculative rows: pointers after this token
         score_rows.take_scores(self, pending, score_found, failed)
 
     def _prefill_plan(self) -> list[tuple[Row, int]]:
         """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""
-        budget, segment = self.config.prefill_chunk, self.cache.layout.segment
+        budget, segment = self.config.prefill_chunk, self.layout.segment
         plan = []
         # A score row that slid to a later window goes behind the rows on their first (a long text's windows
         # never starve a newer call of the budget).
@@ -362,8 +420,8 @@ class Engine:
         return sorted(plan, key=lambda p: p[0].slot)
 
     # -- one token ------------------------------------------------------------------------------
-    def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None:
-        """memlm.jobs.generate's loop body for one row: eos, the event, stops, length, sliding."""
+    def advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None:
+        """One chosen token of a row: eos, the event, stops, length, sliding (memlm.jobs.decoding's rules)."""
         request = row.handle.request
         if request.eos_id is not None and token == request.eos_id:
             self._finish(row, FINISH_EOS)
@@ -376,21 +434,23 @@ class Engine:
             self._finish(row, FINISH_STOP, matched)
         elif len(row.generated) == request.max_new_tokens:
             self._finish(row, FINISH_LENGTH)
-        elif not self.cache.layout.wraps and row.cached + 1 > self.cache.layout.ring:
-            self.cache.clear_row(row.slot)
-            row.slide(max(1, self.cache.layout.ring // 2))
+        elif not self.layout.wraps and row.cached + 1 > self.layout.ring:
+            if self.cache is not None:
+                self.cache.clear_row(row.slot)
+            row.model_state = None
+            row.slide(max(1, self.layout.ring // 2))
 
     def _finish(self, row: Row | ScoreRow, reason: str, stop_sequence: str = "") -> None:
         if isinstance(row, ScoreRow):  # a partial score is no answer
             row.handle.put(score_rows.ScoreEnded(reason))
-            self._release(row)
+            self.release(row)
             return
         tail = flush_text(self.tokenizer, row.generated, row.emitted)
         row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
                                      row.searches, row.verify_steps, row.verified_tokens, row.searches_saved))
-        self._release(row)
+        self.release(row)
 
-    def _release(self, row: Row | ScoreRow) -> None:
+    def release(self, row: Row | ScoreRow) -> None:
         """The row leaves; the last row moves into its slot (rows stay packed at the front: contiguous rows
         are a view of the cache in the next steps, kv_cache.StepView). Between forward passes only."""
         memorizing_rows.close_row(self, row)  # its kNN memory (a service session: dropped, outside the lock)
@@ -400,9 +460,19 @@ class Engine:
             last = max(self._rows, default=-1)
             if last > row.slot:
                 moved = self._rows.pop(last)
-                self.cache.move_row(last, row.slot)
+                if self.cache is not None:
+                    self.cache.move_row(last, row.slot)
                 moved.slot = row.slot
                 self._rows[row.slot] = moved
+
+    @property
+    def rows(self) -> Mapping[int, Row | ScoreRow]:
+        """The running rows by cache row (a read-only view; between steps only)."""
+        return MappingProxyType(self._rows)
+
+    def holds(self, row: Row | ScoreRow) -> bool:
+        """Whether `row` is still running (it has not ended or left)."""
+        return self._rows.get(row.slot) is row
 
     @property
     def slots_in_use(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""Fewer kNN-LM searches in generation rows (issue 15 parts 1, 2 and 4): RetoMaton pointers along the tokens
+"""Fewer kNN-LM searches in generation rows: RetoMaton pointers along the tokens
 a row generates and/or adaptive retrieval's gate, inside the step's one batched search (memlm.engine.engine.Engine._choose).
 
 A row whose GenerationRequest.fewer is set, at each chosen token:

@@ -1,4 +1,4 @@
-"""A preallocated KV cache with per-row lengths, for the decoding engine (issue 12).
+"""A preallocated KV cache with per-row lengths, for the decoding engine.
 
 Every row of the running batch owns one row of the cache: per layer, keys and values (R, nkv, L, hs)
 (allocated for all rows at once and grown by doubling up to L as rows get longer, never per token), and
@@ -222,7 +222,7 @@ class StepView:
         layout, device = cache.layout, cache.device
         B, T = pos.shape
         # Decode steps attend in float32 (faster in bf16 here: _scores); a verification pass must do the same
-        # products as the decode steps it stands for, or greedy tokens part ways in bf16 (issue 15).
+        # products as the decode steps it stands for, or greedy tokens part ways in bf16.
         self.float32_attention = T == 1 or verify
         # Slots in use: a position p never sits beyond slot p + cmem, so no row of this step uses more than this
         # (read from the host's positions: no device synchronisation).
@@ -357,7 +357,7 @@ def decode_attention(bias: torch.Tensor, qg: torch.Tensor, keys: torch.Tensor, v
 
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q: (B, nkv, g*T, hs), keys: (B, nkv, width, hs), a strided view of the cache -> q . k, (B, nkv, g*T, width)
-    float32. The same products either way; measured on this CPU (2 cores, avx512_bf16) at 32 rows: CPU bf16
+    float32. The same products either way; measured on a CPU with avx512_bf16 at 32 rows: CPU bf16
     bmm copies the transposed key view to a contiguous one (2.5x slower than keys @ q^T), float32 does not.
     A decode step (T = 1) in bf16 casts to float32 first: per layer 29 us vs 55 us at 1 row, 80 vs 89 at 8,
     257 vs 200 at 32 (CPU time, one thread, q k^T + softmax + weights v), where the bf16 kernels' set-up

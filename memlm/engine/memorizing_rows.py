@@ -1,7 +1,7 @@
-"""Memorizing Transformer rows in the engine (Wu et al. 2022; issues 10 and 12): XL rows whose layer knn_layer
+"""Memorizing Transformer rows in the engine (Wu et al. 2022): XL rows whose layer knn_layer
 also attends to the row's own kNN memory of its past keys and values.
 
-The rules are memlm.memory.memorizing.MemorizingMemory's, as memlm.jobs.generate runs them for one sequence:
+The rules are memlm.memory.memorizing.MemorizingMemory's, per row:
 - every row owns a KeyValueMemory of n_kv_head streams, opened when it is admitted by the one way a memorizing
   state opens its store (memlm.jobs.memorizing.open_knn_store, batch 1: backend exact / faiss / ivf, or a
   retrieval-service session through the engine's knn_service factory) and closed when the row leaves, however
@@ -11,7 +11,7 @@ The rules are memlm.memory.memorizing.MemorizingMemory's, as memlm.jobs.generate
   the row's real tokens of the pass (a row's slice of a padded or packed pass);
 - the memory holds strictly the past of the token's segment: the one-sequence path appends a segment's keys
   and values after the segment's forward pass (a prompt segment of `segment` tokens, then every generated
-  token alone). A prompt chunk stays inside one segment (memlm.engine.engine._prefill_plan), but a segment
+  token alone). A prompt chunk stays inside one segment (memlm.engine.engine.Engine.plan), but a segment
   may take several chunks, so the row's keys wait in `pending` until the row's next position starts a new
   window (memlm.engine.rows.window_starts), then are appended: after the same tokens as one sequence.
 A row whose memory fails (a service error) is ended with that error at the next step boundary (its gate is
@@ -20,10 +20,10 @@ shut for the rest of the pass it failed in); the other rows go on.
 Retrieval over the rows of a step: each row searches its own store (per-row memories share no index, and the
 MemoryService searches one session a call). With the service backend the rows' searches are sent at once from a
 thread pool, so that their round trips to the memory server overlap; in process they run one after another
-(FAISS's exact scan is per stream anyway). On this project's loopback and 2 shared cores (load 8-9) at once vs
-one after another measured 0.72-1.06x (`python benchmarks/memorizing_generate.py --model small --synthetic
---streams 8 --knn-service ...`, figure 4): no gain where the server shares the cores and the round trip is
-short; what it is for, a memory server on another machine, could not be measured here.
+(FAISS's exact scan is per stream anyway). Over loopback, with the memory server on the
+same busy cores, at once vs one after another measures 0.72-1.06x (`python benchmarks/memorizing_generate.py
+--model small --synthetic --streams 8 --knn-service ...`, figure 4): no gain where the server shares the cores
+and the round trip is short; the pool is for a memory server on another machine, whose round trips are long.
 
 Shape legend: B rows in a pass, T tokens per row, nh query heads, nkv key/value heads, hs head size, N packed
 tokens, t pending tokens.
@@ -59,7 +59,7 @@ class Engine(Protocol):
     memorizing: MemorizingRows | None
     """The kNN memories of an engine of memory kind "memorizing"; None otherwise."""
 
-    def _release(self, row: Row) -> None: ...
+    def release(self, row: Row) -> None: ...
 
 
 @dataclass
@@ -190,13 +190,13 @@ def admit(engine: Engine, admitted: list[Row]) -> None:
     for mem in list(engine.memorizing.rows.values()):
         if mem.error is not None:
             mem.row.handle.put(mem.error)
-            engine._release(mem.row)
+            engine.release(mem.row)
     for row in admitted:
         try:
             engine.memorizing.open(row)
         except Exception as e:  # noqa: BLE001 - delivered to the request it ends, with its message
             row.handle.put(e)
-            engine._release(row)
+            engine.release(row)
 
 
 def end_failed(engine: Engine, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor,
@@ -210,7 +210,7 @@ def end_failed(engine: Engine, ready: list[Row], logits: torch.Tensor, keys: tor
         mem = engine.memorizing.rows.get(row.handle.request_id)
         if mem is not None and mem.error is not None:
             row.handle.put(mem.error)
-            engine._release(row)
+            engine.release(row)
         else:
             keep.append(i)
     return [ready[i] for i in keep], logits[keep], keys[keep]  # (b, V), (b, C)

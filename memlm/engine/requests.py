@@ -1,10 +1,10 @@
 """What the decoding engine takes and gives: its settings, requests, the handle a caller holds, "full".
 
 A caller (memlm generate, later the Generate and Score rpcs) submits a `GenerationRequest` and gets a
-`RequestHandle`: it iterates the request's events (memlm.jobs.generate's TokenEvent, then one
-GenerationEnd; the same types as one-sequence generation) and may cancel it. Admission is bounded
+`RequestHandle`: it iterates the request's events (memlm.jobs.decoding's TokenEvent, then one
+GenerationEnd; memlm.engine.generate yields the same for one request) and may cancel it. Admission is bounded
 (queue length, tokens in flight); beyond, `submit` raises `EngineFull` with a retry hint, which a
-server turns into RESOURCE_EXHAUSTED (issue 12). A request that fails (its search, say) gets the error
+server turns into RESOURCE_EXHAUSTED. A request that fails (its search, say) gets the error
 from its events(); the other requests of the batch go on.
 """
 
@@ -19,8 +19,8 @@ from functools import cached_property
 from memlm.engine.compression import POOLS
 from memlm.engine.drafts import SpeculativeConfig
 from memlm.errors import MemlmError
-from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.decoding import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.scoring import SequenceScore, plan_scored_windows
 from memlm.jobs.windows import Window, check_window
 from memlm.model.memory_config import MemoryConfig
@@ -46,7 +46,7 @@ class EngineConfig:
     """Rows of the running batch (requests decoded together); the KV cache has this many rows."""
     row_capacity: int | None = None
     """Without a memory: positions one row's cache holds (None: the model's max_seq_len). A row that
-    reaches it slides as memlm.jobs.generate does: the last half of it is encoded again into the row."""
+    reaches it slides: the last half of it is encoded again into the row."""
     prefill_chunk: int = 256
     """Most prompt tokens prefilled per step over all rows: a long prompt is prefilled over several
     steps while the running batch keeps decoding (chunked prefill)."""
@@ -126,7 +126,7 @@ class GenerationRequest:
     """Speculative decoding with drafts from the engine's datastore (memlm.engine.speculative: the same
     tokens greedy, the same distribution sampled); None: one token per step."""
     fewer: Retrieval | None = None
-    """Fewer kNN-LM searches (issue 15, memlm.engine.fewer_rows): RetoMaton pointers along the generated tokens
+    """Fewer kNN-LM searches (memlm.engine.fewer_rows): RetoMaton pointers along the generated tokens
     and/or the adaptive gate, as `memlm eval --pointers / --adaptive-*` take them; None: a search every token."""
 
     def __post_init__(self) -> None:

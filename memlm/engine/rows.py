@@ -2,7 +2,7 @@
 
 Positions: tokens[base] sits at position 0 of the row's cache (base > 0 after a sliding window without
 a memory); tokens[:fed] are in the cache; the rest is fed by later steps (prompt chunks, then the last
-generated token). Text deltas follow memlm.jobs.generate: the generated ids are decoded as a whole and
+generated token). Text deltas are memlm.jobs.decoding.text_delta's: the generated ids are decoded as a whole and
 only the new complete suffix is emitted (a trailing U+FFFD waits for the bytes that complete it).
 
 Shape legend: T tokens of a row in one forward pass.
@@ -10,29 +10,27 @@ Shape legend: T tokens of a row in one forward pass.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import RequestHandle
-from memlm.jobs.generate import REPLACEMENT, TokenEvent, as_stop
+from memlm.jobs.decoding import TokenEvent, as_stop, fresh_seed, text_delta
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.searcher import Neighbors
 
-
-def fresh_seed() -> int:
-    """A random seed for a request that gave none (memlm.jobs.generate draws its own the same way)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
+if TYPE_CHECKING:  # score_rows imports this module
+    from memlm.engine.score_rows import ScoreRow
 
 
 def window_starts(pos: torch.Tensor, first_generated: int | torch.Tensor, segment: int | None) -> torch.Tensor:
     """pos: (..., T) int64 positions of rows' tokens -> (..., T) the start of each one's attention segment;
     first_generated: the position of the first generated token (an int, or (..., 1) per row).
 
-    XL memory (memlm.jobs.generate's semantics): the prompt is read in segments of `segment` tokens from
+    XL memory: the prompt is read in segments of `segment` tokens from
     position 0, each generated token is a segment of its own. Without a memory: zeros (unused)."""
     if segment is None:
         return torch.zeros_like(pos)
@@ -84,6 +82,9 @@ class Row:
     verified_tokens: int = 0
     """Speculative rows: completion tokens those steps yielded (accepted draft tokens + the model's own; eos
     not counted, GenerationEnd.verified_tokens)."""
+    model_state: Any = None
+    """An engine without a row cache (memlm.model.hf_model.HFCausalLM): the row's own model state (its KV cache),
+    None before its first pass and after a slide."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None, layout: CacheLayout,
@@ -136,8 +137,22 @@ class Row:
         """Take the chosen token; its event with the new complete text."""
         self.generated.append(token)
         self.tokens.append(token)
-        text = tokenizer.decode(self.generated)
-        self.stable = text.rstrip(REPLACEMENT)
-        delta = self.stable[len(self.emitted):] if self.stable.startswith(self.emitted) else ""
+        self.stable, delta = text_delta(tokenizer, self.generated, self.emitted)
         self.emitted += delta
         return TokenEvent(token, tokenizer.decode([token]), delta, logprob, base_logprob)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step feeds, built by the engine (Engine.plan) and handed to its features; rows in slot order."""
+
+    prefill: list[tuple[Row, int]]
+    """Generation rows with prompt left, (row, tokens fed now), within EngineConfig.prefill_chunk."""
+    decode: list[tuple[Row, int]]
+    """Rows that feed their last token, (row, 1), in the same pass as the prefill chunks."""
+    verify: list[Row]
+    """Speculative rows that feed their last token: they verify a draft in a pass of their own
+    (memlm.engine.speculative)."""
+    score: list[tuple[ScoreRow, int]]
+    """Score rows' chunks, (row, tokens), in passes of their own with logits at every position
+    (memlm.engine.score_rows)."""

@@ -1,6 +1,6 @@
 """The next token of every ready row at once: log-softmax, kNN-LM mixture per row, sampling.
 
-The rules are memlm.jobs.generate's (`_next_token`): kNN-LM mixes the full distribution
+The rules (with memlm.jobs.decoding's filtering): kNN-LM mixes the full distribution
 log p = logaddexp(log(1 - lambda) + log p_LM, log(lambda) + log p_kNN) (Khandelwal et al. 2020);
 temperature 0 is greedy; otherwise top-k then top-p (`filter_logits`) then one draw from the request's
 own torch.Generator, so a seeded request draws the same tokens whatever else is in the batch; ids beyond
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memlm.jobs.generate import SamplingConfig, filter_logits
+from memlm.jobs.decoding import SamplingConfig, filter_logits
 from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
@@ -42,8 +42,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of x (R, V), (R,) int64 on x's device: the first maximal index, as torch.argmax's (NaN
     counts as the largest, as there). A CPU float32 x is read by numpy one row at a time (each row is contiguous in
     memory, also in a view x[:, :decodable]), since torch's CPU argmax over a vocabulary is slow: SmolLM2's 49,152
-    logits, one row, 68 us against 4 us; six rows 205 us against 18 (6 Dec, Intel Xeon; a plain greedy kNN-LM step
-    takes two, a speculative verifying pass several). Elsewhere torch's own."""
+    logits, one row, about 17x slower than numpy's (a plain greedy kNN-LM step takes two argmaxes, a speculative
+    verifying pass several). Elsewhere torch's own."""
     if x.dim() != 2:
         raise ValueError(f"argmax_rows takes rows (R, V), got shape {tuple(x.shape)}")
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1:
@@ -74,7 +74,7 @@ def choose_tokens(
     x = logits.float()  # (B, V)
     # Greedy rows without kNN-LM need no distribution: the argmax of the logits, and the chosen token's
     # log-prob from one logsumexp (no (B, V) log-softmax written and read back: at 32 rows in bfloat16 that
-    # was a tenth of a decode step). The other rows take memlm.jobs.generate's log_softmax path exactly.
+    # was a tenth of a decode step). The other rows take the full log_softmax.
     tokens = argmax_rows(x[:, :decodable])  # (B,)
     base = x.gather(1, tokens[:, None])[:, 0] - x.logsumexp(dim=-1)  # (B,)
     final = base.clone()  # (B,)

@@ -5,11 +5,11 @@ forward passes with each other and with generation).
 A row reads its request's windows one after another (ScoreRequest.windows: score_tokens' sliding windows, or
 one pass over the whole text in an XL engine), each from position 0 of its cache row, cleared in between.
 After each pass the scored tokens' log-probabilities, greedy flags, kNN-LM mixture and top-n alternatives are
-memlm.jobs.scoring's own per-token function (`final_scores`, called, not copied, with memlm.retrieval.knnlm's
-math inside), and the finished text is assembled by its `assemble_scores`: the same SequenceScore as the library up
-to float32 rounding of the forward pass (the KV cache attends over preallocated slots, in other batch shapes).
+memlm.jobs.scoring's own per-chunk function (`score_part`, over memlm.jobs.token_scores.score_chunk, the
+scoring that evaluation shares), and the finished text is assembled by its `assemble_scores`: the same
+SequenceScore as the library up to float32 rounding of the forward pass (the KV cache attends over preallocated slots, in other batch shapes).
 Every scored token of the step's kNN-LM score rows is searched in the step's ONE search, with the decode rows'
-keys (memlm.engine.engine.Engine._choose; memlm.engine.sampling.search_rows: of the largest k asked, each
+keys (memlm.engine.engine.the engine's choice of tokens; memlm.engine.sampling.search_rows: of the largest k asked, each
 query keeping its row's nearest k): a pass's scores wait (`ScoredPass`) until that search, so a lane with
 Score and Generate calls scans the datastore once a step, not once for each. A failed search ends only the
 rows that searched. `passes` keeps each
@@ -29,12 +29,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import RequestHandle, ScoreRequest
 from memlm.errors import MemlmError
-from memlm.jobs.scoring import SequenceScore, assemble_scores, final_scores
+from memlm.jobs.scoring import ScoredPart, SequenceScore, assemble_scores, score_part
 from memlm.jobs.windows import Window
 from memlm.model.decoder import Decoder
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -48,7 +47,7 @@ class Engine(Protocol):
     cache: RowCache
     searcher: Searcher | None
 
-    def _release(self, row: ScoreRow) -> None: ...
+    def release(self, row: ScoreRow) -> None: ...
 
 
 class ScoreEnded(MemlmError):
@@ -90,8 +89,8 @@ class ScoreRow:
     """Tokens of the current window in the cache."""
     base: int = 0
     """Always 0 (a window starts at position 0); window_starts' and the view's bookkeeping as for Row."""
-    parts: list[tuple] = field(default_factory=list)
-    """memlm.jobs.scoring.final_scores' tuple per pass chunk, in order (memlm.jobs.scoring.assemble_scores's input)."""
+    parts: list[ScoredPart] = field(default_factory=list)
+    """The scores of each pass chunk, in order (memlm.jobs.scoring.assemble_scores's input)."""
     compressed: int = 0
     """Compressive rows: groups compressed so far (memlm.engine.compression)."""
 
@@ -151,17 +150,16 @@ def passes(plan: list[tuple[ScoreRow, int]], budget: int) -> Iterator[list[tuple
 
 
 def _scored_blocks(plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor, keys: torch.Tensor,
-                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per row of the pass: (log-probs (n, V) float32, targets (n,), base-LM greedy flags (n,), keys (n, C)) of
-    the tokens it scores in this chunk (the context's own are not scored). Rows are left-padded: a row's n fed
-    tokens are its last n positions."""
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per row of the pass: (logits (n, V), a copy; targets (n,); keys (n, C)) of the tokens it scores in this
+    chunk (the context's own are not scored). Rows are left-padded: a row's n fed tokens are its last n positions."""
     T = logits.shape[1]
     blocks = []
     for i, ((row, n), lo) in enumerate(zip(plan, starts)):
         skip = max(0, row.first_scored - 1 - lo)
         targets = torch.tensor(row.tokens[lo + 1 + skip : lo + 1 + n], device=logits.device)  # (n,) next tokens
-        lm_lp = F.log_softmax(logits[i, T - n + skip :].float(), dim=-1)  # (n, V)
-        blocks.append((lm_lp, targets, lm_lp.argmax(dim=-1) == targets, keys[i, T - n + skip :]))  # (n, C) keys
+        row_logits = logits[i, T - n + skip :].clone()  # (n, V): the (B, T, V) block is not kept
+        blocks.append((row_logits, targets, keys[i, T - n + skip :]))  # (n, C) keys
     return blocks
 
 
@@ -171,14 +169,14 @@ class ScoredPass:
 
     plan: list[tuple[ScoreRow, int]]
     """(row, tokens fed) in the pass's order."""
-    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-    """Per row: log-probs (n, V) float32, targets (n,), base-LM greedy flags (n,), keys (n, C) (_scored_blocks)."""
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """Per row: logits (n, V), targets (n,), keys (n, C) (_scored_blocks)."""
 
 
 def scored(plan: list[tuple[ScoreRow, int]], starts: list[int], logits: torch.Tensor, keys: torch.Tensor) -> ScoredPass:
     """After a pass that fed score rows' chunks (`plan`, each row's `fed` before it in `starts`) with logits
     (B, T, V) and kNN keys (B, T, C) at every position: what its rows score, kept until the step's search
-    (the (B, T, V) logits are not: n x V log-probs of the scored tokens only)."""
+    (the (B, T, V) logits are not: n x V logits of the scored tokens only)."""
     return ScoredPass(plan, _scored_blocks(plan, starts, logits, keys))
 
 
@@ -195,12 +193,12 @@ def queries(pending: list[ScoredPass]) -> tuple[torch.Tensor | None, list[KNNLMC
     row's settings, Q entries."""
     searching = list(_searching(pending))
     knn = [row.handle.request.knn for row, block in searching for _ in range(len(block[1]))]
-    return (torch.cat([block[3] for _, block in searching]) if searching else None), knn  # (Q, C)
+    return (torch.cat([block[2] for _, block in searching]) if searching else None), knn  # (Q, C)
 
 
 def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors | None],
                 failed: Exception | None) -> None:
-    """Keep each row's scores (memlm.jobs.scoring.final_scores: base log-prob, the kNN-LM mixture, greedy flags
+    """Keep each row's scores (memlm.jobs.scoring.score_part: base log-prob, the kNN-LM mixture, greedy flags
     and top-n under the final distribution) with `found`, the step search's (1, k_i) neighbours of `queries`
     in its order; a row whose window is done reads its next one from a cleared cache row, and a row whose last
     window is done delivers its SequenceScore. `failed`, the search's error (found is then empty), ends the
@@ -208,19 +206,19 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
     V = engine.model.config.vocab_size
     at = 0
     for p in pending:
-        for (row, _), (lm_lp, targets, greedy, _) in zip(p.plan, p.blocks):
+        for (row, _), (row_logits, targets, _) in zip(p.plan, p.blocks):
             request = row.handle.request
             nb = None
             if request.knn is not None and len(targets) and failed is not None:  # in the search: ends
                 row.handle.put(failed)
-                engine._release(row)
+                engine.release(row)
                 continue
             if request.knn is not None and len(targets):
                 mine = found[at : at + len(targets)]  # n x (1, k_i)
                 nb = Neighbors(*(np.concatenate([q[f] for q in mine]) for f in range(3)))  # (n, k_i)
                 at += len(targets)
             if len(targets):
-                row.parts.append(final_scores(lm_lp, targets, greedy, nb, request.knn, min(request.top_n, V)))
+                row.parts.append(score_part(row_logits, targets, nb, request.knn, min(request.top_n, V)))
             if row.to_feed > 0:
                 continue
             if row.at + 1 < len(row.windows):  # the next window, from position 0 of a cleared row
@@ -228,7 +226,7 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
                 row.at, row.fed = row.at + 1, 0
                 continue
             row.handle.put(sequence_score(row, V))
-            engine._release(row)
+            engine.release(row)
 
 
 def sequence_score(row: ScoreRow, vocab: int) -> SequenceScore:

@@ -1,4 +1,4 @@
-"""SPALM rows in the engine (Yogatama et al. 2021; issue 12 part 1): an XL row whose next-token logits come
+"""SPALM rows in the engine (Yogatama et al. 2021): an XL row whose next-token logits come
 from SPALM's head instead of the decoder's.
 
 The rules are memlm.memory.spalm.spalm_forward's at the one searched position of a step (the last prompt
@@ -40,7 +40,7 @@ class Engine(Protocol):
     """The SPALM head of an engine of memory kind "spalm"; None otherwise."""
     searcher: Searcher | None
 
-    def _release(self, row: Row) -> None: ...
+    def release(self, row: Row) -> None: ...
 
 
 def spalm_logits(model: Decoder, head: SpalmHead, searcher: Searcher, h: torch.Tensor, keys: torch.Tensor,
@@ -104,5 +104,5 @@ def head_logits(engine: Engine, ready: list[Row], logits: torch.Tensor, keys: to
     except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
         for row in ready:
             row.handle.put(e)
-            engine._release(row)
+            engine.release(row)
         return [], logits[:0], keys[:0]

@@ -1,4 +1,4 @@
-"""Speculative decoding inside continuous batching (issue 15 part 3; drafts from memlm.engine.drafts: the
+"""Speculative decoding inside continuous batching (drafts from memlm.engine.drafts: the
 datastore's successors (REST, He et al. 2023), the row's own text (prompt lookup), or both).
 
 A speculative row whose last token x_t is not yet fed feeds [x_t, d_1 .. d_n] (its draft, n <= draft_tokens)
@@ -23,7 +23,7 @@ chosen, temperature, top-k, top-p):
 The row's cache keeps x_t, d_1 .. d_j: the rejected positions' slots are marked empty (the cache has
 per-row lengths; they are overwritten as the row goes on), and an accepted branch off a tree's main draft is moved
 into the slots after x_t first (_roll_back). Eos, stops, max_new_tokens and sliding hold as
-in plain decoding: the tokens go through Engine._advance one at a time and the row stops at the first
+in plain decoding: the tokens go through Engine.advance one at a time and the row stops at the first
 that ends it (a stop inside an accepted draft cuts it there); a draft is cut so that the pass never
 runs past the row's capacity (no slide inside a pass) nor past max_new_tokens. A datastore draft follows the
 row's pointers (memlm.engine.drafts): the neighbours of the position that chose the last token whose
@@ -54,7 +54,7 @@ from memlm.engine.rows import Row
 from memlm.engine.sampling import argmax_rows, search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, filter_logits
+from memlm.jobs.decoding import SamplingConfig, filter_logits
 from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher
 
@@ -66,11 +66,12 @@ class Engine(passes.Engine, Protocol):
     searcher: Searcher | None
     drafts: DraftSource | None
     decodable: int
-    _rows: dict[int, Row | ScoreRow]
 
-    def _advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None: ...
+    def advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None: ...
 
-    def _release(self, row: Row | ScoreRow) -> None: ...
+    def release(self, row: Row | ScoreRow) -> None: ...
+
+    def holds(self, row: Row | ScoreRow) -> bool: ...
 
 
 class Refusal(NamedTuple):
@@ -120,7 +121,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     """One speculative step of `rows` (each with exactly its last token to feed; none: nothing to do)."""
     if not rows:
         return
-    rows = sorted(rows, key=lambda r: r.slot)  # the slots of now (Engine._choose may have released rows)
+    rows = sorted(rows, key=lambda r: r.slot)  # the slots of now (the engine's choice of tokens may have released rows)
     source = engine.drafts
     starts = [row.fed for row in rows]
     trees, lm_lp, rkeys = _feed(engine, rows)
@@ -182,7 +183,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     for b, row in enumerate(rows):
         if accepted[b] is None:  # a kNN-LM row whose search failed
             row.handle.put(failed)
-            engine._release(row)
+            engine.release(row)
             continue
         a = accepted[b]
         _emit(engine, row, starts[b], a.tokens, a.final_lp, lm_lp[b][a.positions], pointers[b])
@@ -357,7 +358,7 @@ def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingCon
 
 def _emit(engine: Engine, row: Row, start: int, tokens: list[int], final_lp: torch.Tensor, lm_lp: torch.Tensor,
           pointers: np.ndarray) -> None:
-    """Hand the pass's tokens to Engine._advance one at a time (it may end the row at any of them); the
+    """Hand the pass's tokens to Engine.advance one at a time (it may end the row at any of them); the
     row keeps `pointers` for its next draft. start: the row's `fed` before the pass (x_t's index); when
     token i is handed on, the cache holds x_t and the i draft tokens before it, as in plain decoding (so
     a slide happens after the same token)."""
@@ -369,20 +370,20 @@ def _emit(engine: Engine, row: Row, start: int, tokens: list[int], final_lp: tor
         row.fed = start + 1 + i
         # Counted before _advance makes the row's GenerationEnd; eos is no completion token (not counted there).
         row.verified_tokens += token != row.handle.request.eos_id
-        engine._advance(row, token, lp, base)
-        if engine._rows.get(row.slot) is not row:  # it ended
+        engine.advance(row, token, lp, base)
+        if not engine.holds(row):  # it ended
             return
-    # After a slide the row is prefilled again and its next token comes from Engine._choose (draft_first).
+    # After a slide the row is prefilled again and its next token comes from the engine's choice of tokens (draft_first).
     row.pointers = pointers if row.to_feed == 1 else pointers[:0]
 
 
 def draft_first(engine: Engine, ready: list[Row], neighbors: list[Neighbors | None], keys: torch.Tensor) -> None:
-    """Pointers after the token Engine._choose just chose for its speculative `ready` rows (their first
+    """Pointers after the token the engine's choice of tokens just chose for its speculative `ready` rows (their first
     generated token, or the first after a slide): from that choice's kNN-LM neighbours (per row, None
     without kNN-LM), or, for base-LM rows, from one search of their keys (B, C) of draft_k neighbours
     (base_pointers "search") or the suffix index ("suffix"). Rows that ended are skipped."""
     alive = [b for b, row in enumerate(ready) if row.handle.request.speculative is not None
-             and engine._rows.get(row.slot) is row and row.to_feed == 1]
+             and engine.holds(row) and row.to_feed == 1]
     neighbors = list(neighbors)
     for b in alive:
         if neighbors[b] is None and _by_suffix(ready[b], engine.drafts):

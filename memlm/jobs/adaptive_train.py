@@ -2,7 +2,7 @@
 split, in one pass of the LM and the searcher over it.
 
 The pass gives, per tuning token, the gate's inputs (distribution features and key), log p_LM(target) and
-its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_tune.tune), and the
+its neighbours; lambda and T are tuned on the same pass when asked (memlm.jobs.knnlm_eval.tune), and the
 gate is fitted to how much kNN-LM at that lambda and T gains on each token (memlm.retrieval.adaptive.fit_gate). A separate command from `memlm train` because nothing of
 the LM trains and it needs a datastore; evaluation refuses a gate fitted on any evaluated document
 (GateSettings.fitted_documents, checked by the command line where the gate is opened).
@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from memlm.errors import MemlmError
-from memlm.jobs.knnlm_tune import TuningData, tune
+from memlm.jobs.knnlm_eval import TuningData, tune
+from memlm.jobs.token_scores import knn_final
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 from memlm.retrieval.adaptive import (
@@ -32,7 +33,7 @@ from memlm.retrieval.adaptive import (
     fit_gate,
     score_quantiles,
 )
-from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
+from memlm.retrieval.knnlm import KNNLMConfig, knn_logprob_from_matches
 from memlm.retrieval.searcher import Searcher
 
 
@@ -90,7 +91,7 @@ def train_gate(model: Decoder, token_docs: Sequence[list[int]], fingerprints: Se
         lmbda, temperature = tuned.lmbda, tuned.temperature
     lm = data.tuning.lm_logprob  # (n,)
     knn_lp = knn_logprob_from_matches(data.tuning.distances, data.tuning.matches, temperature)  # (n,)
-    gain = interpolate(lm, knn_lp, lmbda) - lm  # (n,) nats retrieval adds (> 0: it helps)
+    gain = knn_final(lm, knn_lp, lmbda) - lm  # (n,) nats retrieval adds (> 0: it helps)
     helps = gain > 0
     fit, held = held_out_split(helps.shape[0], config.seed)
     gate = fit_gate(data.distribution[fit], data.keys[fit], lm[fit], knn_lp[fit], float(lmbda), config)

@@ -1,5 +1,5 @@
 """The continuous cache (Grave et al. 2017, "Improving neural language models with a continuous cache"):
-a kNN-LM over the document's own past, the baseline the Memorizing Transformer is compared with (issue 10).
+a kNN-LM over the document's own past, the baseline the Memorizing Transformer is compared with.
 
     p(w | h_t) = (1 - lambda) p_LM(w | h_t) + lambda p_cache(w | h_t),
     p_cache(w | h_t) proportional to sum over earlier positions i < t of the same document with x_{i+1} = w
@@ -32,16 +32,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.knnlm_eval import TuningData, tune
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.segment_eval import SegmentStream
+from memlm.jobs.token_scores import knn_final, score_chunk
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
-from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
+from memlm.retrieval.knnlm import KNNLMConfig, knn_logprob_from_matches
 from memlm.memory.knn_store import ExactMemory
 
 DEFAULT_CACHE_SIZE = 2048
@@ -114,12 +114,10 @@ def _pass(model: Decoder, docs: Sequence[Sequence[int]], memory: MemoryConfig, s
             out = model(batch.inputs.to(device), state)
             state = out.state
             mask, targets = batch.mask.to(device), batch.targets.to(device)  # (B, T) each
-            logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V), as evaluate_memory
-            tok_logp = logp.gather(-1, targets[..., None])[..., 0]  # (B, T)
             keys = out.knn_key.float()  # (B, T, C)
             dist, values = cache.candidates(keys, targets, mask, k)  # (B, T, K) each
             cache.append(keys, targets, mask)
-            base = tok_logp[mask]  # (n,)
+            base = score_chunk(out.logits[mask], targets[mask]).base  # (n,), as evaluate_memory
             matches = values[mask] == targets[mask][:, None]  # (n, K)
             base_sum -= base.double().sum()
             n_tokens += int(mask.sum())
@@ -129,7 +127,7 @@ def _pass(model: Decoder, docs: Sequence[Sequence[int]], memory: MemoryConfig, s
                 match_parts.append(matches.cpu())
             else:
                 knn_lp = knn_logprob_from_matches(dist[mask], matches, knn.temperature)  # (n,)
-                cache_sum -= interpolate(base, knn_lp, knn.lmbda).double().sum()
+                cache_sum -= knn_final(base, knn_lp, knn.lmbda).double().sum()
     cache.store.close()
     data = TuningData(torch.cat(lm_parts), torch.cat(dist_parts), torch.cat(match_parts)) if collect else None
     return {"base_nll_sum": float(base_sum), "cache_nll_sum": float(cache_sum), "tokens": n_tokens,

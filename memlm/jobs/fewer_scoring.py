@@ -1,7 +1,7 @@
-"""Fewer kNN-LM searches in per-token scoring (issue 15; the Score rpc through memlm.jobs.scoring.score_tokens):
+"""Fewer kNN-LM searches in per-token scoring (the Score rpc through memlm.jobs.scoring.score_tokens):
 the neighbours of one forward batch's tokens from adaptive retrieval's gate (memlm.retrieval.adaptive: search
 only the tokens it lets) and/or RetoMaton's walk (memlm.jobs.pointer_walk: pointers, a search where too few
-survive), with the same rules as `memlm eval --adaptive-* / --pointers` (memlm.jobs.knnlm_pass).
+survive), with the same rules as `memlm eval --adaptive-* / --pointers` (memlm.jobs.knnlm_eval).
 
 Each sequence's tokens in the batch are walked as streams of PointerConfig.stream_tokens (a fixed length, so
 that a sequence's streams do not depend on what else is in the batch); a stream starts afresh at each forward
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.pointer_walk import walk
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys

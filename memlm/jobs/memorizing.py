@@ -1,4 +1,4 @@
-"""The jobs' side of the Memorizing Transformer (Wu et al. 2022, issue 10): one way to open a memory state
+"""The jobs' side of the Memorizing Transformer (Wu et al. 2022): one way to open a memory state
 for any MemoryConfig, which parameters a memorizing run trains, and what its results record.
 
 Training, evaluation, scoring, generation and the benchmark all open their memory here
@@ -66,7 +66,7 @@ def open_memory(
     from memlm.memory.state import new_memory
     from memlm.model.pretrained import require_decoder
 
-    if memory.kind != "none":  # a transformers model (issue 13) serves kNN-LM and plain generation only
+    if memory.kind != "none":  # a transformers model serves kNN-LM and plain generation only
         require_decoder(model, f"--memory {memory.kind}")
     check_knn_attention(memory, knn_attention)
     device = model.device

@@ -11,10 +11,8 @@ token (memlm.model.tokenizer.document_boundary), so its first token is predicted
 scored in sliding windows (context length L, stride s), each token exactly once; windows run through the
 same batch forward as `score_documents` (memlm.jobs.windows.forward_windows), so a sequence without
 context gets bit-identical base log-probabilities, and its perplexity equals `evaluate_perplexity` on
-the same tokens. The kNN-LM target
-log-probability is the sparse one `evaluate_knnlm` uses (`knn_target_logprob` + `interpolate`), so
-kNN-LM perplexities agree too; the full distribution (`knn_mixture`) is built only for the
-greedy flags and the top-n alternatives under the final distribution, a bounded block of rows at a time.
+the same tokens. Each window's scores are memlm.jobs.token_scores.score_chunk's, the computation evaluation
+and the engine's score rows share, so kNN-LM perplexities agree too.
 
 `score_tokens_segments` is the segment-recurrent counterpart (memory modes of the Score rpc): each
 sequence is cut into consecutive segments that run once, attending to a Transformer-XL (or compressive)
@@ -37,12 +35,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.fewer_scoring import search_fewer
 from memlm.jobs.memorizing import close_memory, open_memory
 from memlm.jobs.segment_eval import SegmentBatch, SegmentStream
+from memlm.jobs.token_scores import ChunkScores, score_chunk
 from memlm.jobs.windows import (
     ShouldStop,
     Window,
@@ -62,21 +60,13 @@ from memlm.retrieval.attribution import (
     require_sourced,
     slice_sourced,
 )
-from memlm.retrieval.knnlm import (
-    KNNLMConfig,
-    interpolate,
-    knn_mixture,
-    knn_target_logprob,
-)
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
 if TYPE_CHECKING:
-    from memlm.jobs.knnlm_pass import Retrieval
+    from memlm.jobs.knnlm_eval import Retrieval
     from memlm.memory.memorizing import KnnAttention
     from memlm.memory.knn_store import KeyValueMemoryFactory
-
-DENSE_BLOCK_FLOATS = 1 << 22
-"""Largest (rows, V) float32 block of full distributions held at once for kNN greedy/top-n (16 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +91,7 @@ class SequenceScore:
     """(n,) per scored token its top documents (memlm.retrieval.attribution) when attribution was asked
     for with kNN-LM; empty otherwise."""
     searched: np.ndarray | None = None
-    """(n,) bool: a kNN search was made for the token (issue 15: fewer with a gate or pointers; all True
+    """(n,) bool: a kNN search was made for the token (fewer with a gate or pointers; all True
     with plain kNN-LM); None without kNN-LM."""
 
     @property
@@ -184,19 +174,19 @@ def score_tokens(
     top_n: alternatives per scored token (0 = none).
     batch_size: windows per forward pass (equal to `memlm eval --batch-size` for bit-identical floats).
     should_stop: polled before every forward batch; when it says True, WorkStopped is raised (a server
-        whose client gave up frees its model thread within one batch, issue 9). None = run to the end.
+        whose client gave up frees its model thread within one batch). None = run to the end.
     attribution: top documents per scored token (SequenceScore.attribution; 0 = none); needs kNN-LM and a
         memlm.retrieval.attribution.SourcedSearcher (the searches then ask for provenance; scores are equal).
-    retrieval: fewer searches (issue 15, memlm.jobs.fewer_scoring): a gate and/or RetoMaton pointers; needs
+    retrieval: fewer searches (memlm.jobs.fewer_scoring): a gate and/or RetoMaton pointers; needs
         kNN-LM, not with attribution; None: a search for every token. SequenceScore.searched says which.
     """
-    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n, attribution)
+    top_n = check_score_args(model, token_seqs, contexts, searcher, knn, top_n, attribution)
     check_window(context, stride, model.config.max_seq_len)
     if retrieval is not None and (knn is None or attribution):
         raise MemlmError("fewer searches need kNN-LM and no attribution (attribution needs every token's search)")
 
     # Per sequence, per scored token: base, final, greedy, top ids, top logprobs (filled window by window).
-    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
+    parts: list[list[ScoredPart]] = [[] for _ in token_seqs]
     prefix_lens: list[int] = []
     jobs: list[_Job] = []
     for i, tokens in enumerate(token_seqs):
@@ -250,7 +240,7 @@ def score_tokens_segments(
     continuation's targets are scored, so a context conditions the continuation through the memory
     (and the segment it shares with it).
     """
-    top_n = _check_common(model, token_seqs, contexts, searcher, knn, top_n, attribution)
+    top_n = check_score_args(model, token_seqs, contexts, searcher, knn, top_n, attribution)
     segment = memory.segment
     if segment > model.config.max_seq_len:
         raise MemlmError(f"segment must be in [1, {model.config.max_seq_len}] (the model's context), got {segment}")
@@ -259,17 +249,12 @@ def score_tokens_segments(
     if memory.kind == "compressive" and memory.compress_fn == "conv" and compressor is None:
         raise MemlmError("compress_fn conv needs a trained compressor")
 
-    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in token_seqs]
-    ctxs = [list(c or ()) for c in contexts] if contexts is not None else [[] for _ in token_seqs]
-    prefix_lens = [1 + len(c) for c in ctxs]
-    # Sequences with nothing to score are not run at all; the stream deals the others in order.
-    runs = [i for i, tokens in enumerate(token_seqs) if len(tokens) > 0]
-    if runs:
-        docs = [[*ctxs[i], *token_seqs[i]] for i in runs]  # the stream prepends the boundary token
-        rows = min(batch_size, len(docs))
-        stream = SegmentStream(docs, rows, segment, boundary_token)
+    parts: list[list[ScoredPart]] = [[] for _ in token_seqs]
+    prefix_lens, runs, stream = plan_segments(token_seqs, contexts, batch_size, segment, boundary_token)
+    if stream is not None:
         device = model.device
-        state = open_memory(model, memory, rows, compressor=compressor, knn_attention=knn_attention, service=service)
+        state = open_memory(model, memory, stream.batch_size, compressor=compressor, knn_attention=knn_attention,
+                            service=service)
         try:
             with torch.inference_mode():
                 while (batch := stream.next_batch()) is not None:
@@ -281,24 +266,43 @@ def score_tokens_segments(
                         state = state.reset_rows(batch.reset.to(device))
                     out = model(batch.inputs.to(device), state)
                     state = out.state
-                    slices = _scored_slices(batch, where, runs, prefix_lens)
+                    slices = scored_slices(batch, where, runs, prefix_lens)
                     if not slices:
                         continue
-                    # Over the whole (B, T, V) block, as evaluate_segments does, for bit-identical floats.
-                    logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
                     neighbors = _search_each(searcher, knn, [out.knn_key[r, a:b] for r, _, a, b in slices],
                                              attribution)
-                    for (r, seq, a, b), nb in zip(slices, neighbors):
-                        targets = batch.targets[r, a:b].to(device)  # (n,)
-                        lm_lp = logp[r, a:b]  # (n, V)
-                        greedy = lm_lp.argmax(dim=-1) == targets  # (n,)
-                        parts[seq].append(final_scores(lm_lp, targets, greedy, nb, knn, top_n, attribution))
+                    for (r, seq, a, b), nb in zip(slices, neighbors):  # logits (n, V), targets (n,) of a row
+                        parts[seq].append(score_part(out.logits[r, a:b], batch.targets[r, a:b], nb, knn, top_n,
+                                                     attribution))
         finally:
             close_memory(state)
     return assemble_scores(token_seqs, parts, prefix_lens, top_n)
 
 
-def _scored_slices(
+class SegmentPlan(NamedTuple):
+    """How a segment-recurrent Score call runs its sequences (score_tokens_segments, SPALM's score_spalm)."""
+
+    prefix_lens: list[int]
+    """Per sequence, the boundary token plus its context."""
+    runs: list[int]
+    """Original index of each document the stream deals: the sequences with tokens to score, in order."""
+    stream: SegmentStream | None
+    """The segments of boundary + context + continuation, min(batch_size, len(runs)) rows; None: nothing to score."""
+
+
+def plan_segments(token_seqs: Sequence[Sequence[int]], contexts: Sequence[Sequence[int] | None] | None,
+                  batch_size: int, segment: int, boundary_token: int) -> SegmentPlan:
+    """The SegmentPlan of `token_seqs` with `contexts` (None or empty: no context) in segments of `segment` tokens."""
+    ctxs = [list(c or ()) for c in contexts] if contexts is not None else [[] for _ in token_seqs]
+    prefix_lens = [1 + len(c) for c in ctxs]
+    runs = [i for i, tokens in enumerate(token_seqs) if len(tokens) > 0]  # nothing to score: never run
+    if not runs:
+        return SegmentPlan(prefix_lens, runs, None)
+    docs = [[*ctxs[i], *token_seqs[i]] for i in runs]  # the stream prepends the boundary token
+    return SegmentPlan(prefix_lens, runs, SegmentStream(docs, min(batch_size, len(docs)), segment, boundary_token))
+
+
+def scored_slices(
     batch: SegmentBatch, where: dict[str, list[int]], runs: list[int], prefix_lens: list[int]
 ) -> list[tuple[int, int, int, int]]:
     """(row, original sequence index, first column, end column) of each row's continuation targets.
@@ -319,7 +323,7 @@ def _scored_slices(
     return slices
 
 
-def _check_common(
+def check_score_args(
     model: Decoder, token_seqs: Sequence[Sequence[int]], contexts: Sequence[Sequence[int] | None] | None,
     searcher: Searcher | None, knn: KNNLMConfig | None, top_n: int, attribution: int = 0,
 ) -> int:
@@ -340,18 +344,53 @@ def _check_common(
     return min(top_n, model.config.vocab_size)
 
 
+class ScoredPart(NamedTuple):
+    """One chunk of a sequence's scored tokens (a window, a segment row, an engine pass), on the CPU: what
+    assemble_scores concatenates."""
+
+    scores: ChunkScores
+    """memlm.jobs.token_scores.score_chunk's scores of the chunk's n tokens."""
+    attribution: tuple[TokenAttribution, ...] = ()
+    """(n,) per token its top documents when attribution was asked for; empty otherwise."""
+    searched: torch.Tensor | None = None
+    """(n,) bool: a kNN search was made for the token; None without kNN-LM."""
+
+
+def score_part(
+    logits: torch.Tensor, targets: torch.Tensor, neighbors: Neighbors | SourcedNeighbors | None,
+    knn: KNNLMConfig | None, top_n: int, attribution: int = 0, keep_base: torch.Tensor | None = None,
+    searched: torch.Tensor | None = None,
+) -> ScoredPart:
+    """One chunk's ScoredPart: score_chunk of its logits (n, V) and targets (n,), with its tokens' attribution.
+
+    neighbors: (n, k) neighbours of the chunk's keys (sourced with attribution), or None without kNN-LM.
+    keep_base: (n,) bool, tokens a gate kept on the base distribution. searched: (n,) bool, which tokens were
+    searched (None with neighbours: every one).
+    """
+    sourced = None
+    if attribution and neighbors is not None:
+        sourced, neighbors = neighbors, neighbors.neighbors  # (n, k) neighbours with their documents
+    scores = score_chunk(logits, targets, neighbors=neighbors, knn=knn, keep_base=keep_base, top_n=top_n).cpu()
+    if neighbors is not None and searched is None:  # plain kNN-LM: a search per token
+        searched = torch.ones(scores.base.shape[0], dtype=torch.bool)  # (n,)
+    attributed: tuple[TokenAttribution, ...] = ()
+    if sourced is not None:
+        attributed = tuple(attribute(sourced, targets.cpu().numpy(), scores.final.numpy(), knn.temperature,
+                                     knn.lmbda, attribution))
+    return ScoredPart(scores, attributed, searched)
+
+
 def assemble_scores(
-    token_seqs: Sequence[Sequence[int]], parts: list[list[tuple]], prefix_lens: list[int], top_n: int
+    token_seqs: Sequence[Sequence[int]], parts: list[list[ScoredPart]], prefix_lens: list[int], top_n: int
 ) -> list[SequenceScore]:
-    """Concatenate each sequence's per-window scores (5 tensors and the attribution list), in order, into
-    one SequenceScore."""
+    """Concatenate each sequence's ScoredParts, in order, into one SequenceScore."""
     results = []
     for i, tokens in enumerate(token_seqs):
-        attribution = tuple(a for part in parts[i] for a in part[5])
-        flags = [part[6] for part in parts[i] if len(part) > 6 and part[6] is not None]
+        attribution = tuple(a for part in parts[i] for a in part.attribution)
+        flags = [part.searched for part in parts[i] if part.searched is not None]
         searched = torch.cat(flags).bool().numpy() if flags and len(flags) == len(parts[i]) else None
         if parts[i]:
-            cols = [torch.cat(c) for c in list(zip(*parts[i]))[:5]]
+            cols = [torch.cat(c) for c in list(zip(*(part.scores for part in parts[i])))[:5]]
         else:
             cols = [torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.bool),
                     torch.empty(0, top_n, dtype=torch.long), torch.empty(0, top_n)]
@@ -379,28 +418,21 @@ def _score_batch(
     top_n: int,
     attribution: int = 0,
     retrieval: Retrieval | None = None,
-) -> list[tuple]:
+) -> list[ScoredPart]:
     """One forward pass over up to batch_size windows (memlm.jobs.windows.forward_windows, what
-    `memlm eval` runs); returns per window (base (n,), final (n,), greedy (n,), top ids (n, N),
-    top logprobs (n, N)) on the CPU, and its tokens' attribution (a list, empty without)."""
+    `memlm eval` runs); returns each window's ScoredPart."""
     outputs = forward_windows(model, batch)
     if retrieval is not None:  # the gate's features per window, then the batch's fewer searches
         features = None
         if retrieval.adaptive is not None:
-            features = [distribution_features(o.log_probs()[0]).cpu() for o in outputs]  # (n, 5) each
+            features = [score_chunk(o.logits, o.targets, lm_features=distribution_features).features.cpu()
+                        for o in outputs]  # (n, 5) each
         fewer = search_fewer(searcher, knn, [o.keys for o in outputs], [o.targets for o in outputs], features,
                              [job.window.doc for job in batch], retrieval)
-        results = []
-        for o, f in zip(outputs, fewer):
-            lm_lp, greedy = o.log_probs()  # (n, V), (n,)
-            results.append(final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, f.neighbors, knn, top_n,
-                                         keep_base=f.keep_base, searched=f.searched))
-        return results
-    results = []
-    for o, nb in zip(outputs, _search_each(searcher, knn, [o.keys for o in outputs], attribution)):
-        lm_lp, greedy = o.log_probs()  # (n, V), (n,)
-        results.append(final_scores(lm_lp, o.targets.to(lm_lp.device), greedy, nb, knn, top_n, attribution))
-    return results
+        return [score_part(o.logits, o.targets, f.neighbors, knn, top_n, keep_base=f.keep_base, searched=f.searched)
+                for o, f in zip(outputs, fewer)]
+    neighbors = _search_each(searcher, knn, [o.keys for o in outputs], attribution)
+    return [score_part(o.logits, o.targets, nb, knn, top_n, attribution) for o, nb in zip(outputs, neighbors)]
 
 
 def _search_each(
@@ -422,73 +454,3 @@ def _search_each(
         blocks.append(slice_sourced(found, rows) if attribution else Neighbors(*(a[rows] for a in found)))  # (n, k)
         offset += block.shape[0]
     return blocks
-
-
-def final_scores(
-    lm_lp: torch.Tensor, targets: torch.Tensor, greedy: torch.Tensor, nb: Neighbors | SourcedNeighbors | None,
-    knn: KNNLMConfig | None, top_n: int, attribution: int = 0, keep_base: torch.Tensor | None = None,
-    searched: torch.Tensor | None = None,
-) -> tuple:
-    """Per scored token: (base (n,), final (n,), greedy (n,), top ids (n, N), top logprobs (n, N)) on the CPU,
-    and the list of its TokenAttribution (empty without attribution).
-
-    lm_lp: (n, V) base log-probabilities; targets: (n,); greedy: (n,) base-LM greedy flags (used
-    without kNN-LM); nb: (n, k) neighbours of these tokens' keys (sourced with attribution), or None
-    without kNN-LM. keep_base: (n,) bool, tokens whose final distribution is the base one (a gate skipped
-    their search); searched: (n,) bool, returned as the 7th item (None with nb: every token searched; None
-    without kNN-LM).
-    """
-    n = lm_lp.shape[0]
-    if nb is not None and searched is None:  # plain kNN-LM: a search per token (SequenceScore.searched)
-        searched = torch.ones(n, dtype=torch.bool)  # (n,)
-    base_greedy = greedy
-    base = lm_lp.gather(1, targets[:, None])[:, 0]  # (n,)
-    attributed: list[TokenAttribution] = []
-    if attribution and nb is not None:
-        sourced, nb = nb, nb.neighbors  # (n, k) neighbours with their documents
-    if nb is None:
-        final = base
-        top = lm_lp.topk(top_n, dim=-1) if top_n else None
-        top_ids = top.indices if top is not None else torch.empty(n, 0, dtype=torch.long)
-        top_lp = top.values if top is not None else torch.empty(n, 0)
-    else:
-        knn_lp = knn_target_logprob(nb, targets.cpu(), knn.temperature)  # (n,)
-        final = interpolate(base, knn_lp.to(lm_lp.device), knn.lmbda)  # (n,)
-        greedy, top_ids, top_lp = _dense_greedy_top(lm_lp, nb, targets, knn, top_n)
-        if attribution:
-            attributed = attribute(sourced, targets.cpu().numpy(), final.cpu().numpy(), knn.temperature, knn.lmbda,
-                                   attribution)
-    if keep_base is not None and bool(keep_base.any()):  # skipped by the gate: lambda 0, as in evaluation
-        keep = keep_base.to(lm_lp.device)  # (n,)
-        final = torch.where(keep, base, final)
-        greedy = torch.where(keep, base_greedy, greedy)
-        if top_n:
-            top = lm_lp.topk(top_n, dim=-1)  # (n, N)
-            top_ids = torch.where(keep[:, None], top.indices, top_ids)
-            top_lp = torch.where(keep[:, None], top.values, top_lp)
-    return base.cpu(), final.cpu(), greedy.cpu(), top_ids.cpu(), top_lp.cpu(), attributed, searched
-
-
-def _dense_greedy_top(
-    lm_lp: torch.Tensor, nb: Neighbors, targets: torch.Tensor, knn: KNNLMConfig, top_n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy flags and top-n under the full kNN-LM mixture, a bounded block of rows at a time.
-
-    lm_lp: (n, V) base log-probabilities; nb: (n, k) neighbours; targets: (n,).
-    """
-    n, V = lm_lp.shape
-    rows = max(1, DENSE_BLOCK_FLOATS // V)
-    greedy, top_ids, top_lp = [], [], []
-    for lo in range(0, n, rows):
-        block = Neighbors(*(a[lo : lo + rows] for a in nb))
-        mixed = knn_mixture(lm_lp[lo : lo + rows], block, knn.temperature, knn.lmbda)  # (r, V)
-        greedy.append(mixed.argmax(dim=-1) == targets[lo : lo + rows])  # (r,)
-        if top_n:
-            top = mixed.topk(top_n, dim=-1)  # (r, N)
-            top_ids.append(top.indices)
-            top_lp.append(top.values)
-    if not top_n or n == 0:
-        device = lm_lp.device
-        return (torch.cat(greedy) if greedy else torch.empty(0, dtype=torch.bool, device=device),
-                torch.empty(n, top_n, dtype=torch.long, device=device), torch.empty(n, top_n, device=device))
-    return torch.cat(greedy), torch.cat(top_ids), torch.cat(top_lp)

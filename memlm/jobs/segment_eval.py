@@ -14,7 +14,7 @@ document and its memory row is reset (`reset_rows`), so no state crosses a docum
 segment of a document is right-padded; padding is never scored, real tokens never attend to it (it
 comes later, under the causal mask), and it leaves the memory with the reset that follows.
 
-Shape legend: B rows, T segment length, V vocab.
+Shape legend: B rows, T segment length, V vocab, Q scored tokens of a batch.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.token_scores import score_chunk
 from memlm.memory.compressive import Compressor
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.decoder import Decoder
@@ -226,9 +226,8 @@ def evaluate_memory(
                 out = model(batch.inputs.to(device), state)
                 state = out.state
                 mask = batch.mask.to(device)  # (B, T)
-                logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-                tok_logp = logp.gather(-1, batch.targets.to(device)[..., None])[..., 0]  # (B, T)
-                nll_sum -= tok_logp[mask].double().sum()
+                scores = score_chunk(out.logits[mask], batch.targets.to(device)[mask])  # (Q,): the real targets
+                nll_sum -= scores.base.double().sum()
                 n_tokens += int(mask.sum())
     finally:
         close_memory(state)

@@ -1,4 +1,4 @@
-"""SPALM evaluation (Yogatama et al. 2021; issue 11): segment-recurrent perplexity with the XL memory as
+"""SPALM evaluation (Yogatama et al. 2021): segment-recurrent perplexity with the XL memory as
 short-term memory and a kNN datastore as long-term memory, read through the SPALM head (memlm.memory.spalm).
 
 The segments, documents, boundary token and XL memory (with its sinks) are exactly those of `memlm eval
@@ -22,18 +22,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from memlm.errors import MemlmError
 from memlm.jobs.knnlm_eval import TuningData, tune
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.segment_eval import SegmentStream, attention_cost
+from memlm.jobs.token_scores import knn_final, score_chunk
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
 from memlm.model.config import ModelConfig
 from memlm.model.decoder import Decoder
 from memlm.model.device import synchronize
-from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_logprob_from_matches
+from memlm.retrieval.knnlm import KNNLMConfig, knn_logprob_from_matches
 from memlm.retrieval.searcher import Searcher, SearchOptions
 
 BUCKETS: tuple[str, ...] = ("frequent", "rare", "unseen")
@@ -105,8 +105,7 @@ def _spalm_pass(model: Decoder, head: SpalmHead, token_docs: Sequence[Sequence[i
             out = spalm_forward(model, head, batch.inputs.to(device), state, searcher, k, mask, options,
                                 search_k=search_k)
             state = out.state
-            logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-            lp = logp.gather(-1, targets[..., None])[..., 0][mask]  # (Q,) row-major, as the search rows
+            lp = score_chunk(out.logits[mask], targets[mask]).base  # (Q,) row-major, as the search rows
             nll -= lp.double().sum()
             if mix is not None or collect:
                 nb = out.neighbors
@@ -115,7 +114,7 @@ def _spalm_pass(model: Decoder, head: SpalmHead, token_docs: Sequence[Sequence[i
                 hits += int(matches.any(dim=1).sum())
                 if mix is not None:
                     knn_lp = knn_logprob_from_matches(distances, matches, mix[1])  # (Q,) log p_kNN(target)
-                    mixed -= interpolate(lp, knn_lp, mix[0]).double().sum()
+                    mixed -= knn_final(lp, knn_lp, mix[0]).double().sum()
                 if collect:
                     lm_parts.append(lp.float().cpu())
                     dist_parts.append(distances)
@@ -246,7 +245,7 @@ def check_spalm_train(memory: MemoryConfig, init: str, datastore: str | None, k:
 
 def datastore_token_counts(store: Any, vocab_size: int) -> np.ndarray:
     """(V,) occurrences of each next token among the live entries of a datastore.Datastore (its corpus'
-    counts, for the gate report): entries of removed documents (store.live, issue 14) are not counted,
+    counts, for the gate report): entries of removed documents (store.live) are not counted,
     as no search returns them."""
     values = np.asarray(store.values, dtype=np.int64)  # (N,)
     if store.live is not None:
@@ -261,7 +260,7 @@ def spalm_trainable(config: ModelConfig, train_top: int | None) -> tuple[str, ..
     lies after the key layer may train: of the top N blocks and the final norm, the key layer's own block
     trains its feed-forward only (its attention and norms make the key: ModelConfig.key_description), and
     N reaching below the key layer is refused (one line). With tied embeddings, training W moves the input
-    embedding too, hence every key: --freeze-embeddings keeps the keys exact (issue 11, "the keys stay fixed").
+    embedding too, hence every key: --freeze-embeddings keeps the keys exact (the datastore's keys stay fixed).
     """
     if train_top is None:
         return ()

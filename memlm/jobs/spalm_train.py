@@ -1,4 +1,4 @@
-"""`memlm train --memory spalm --datastore DIR`: fine-tune SPALM (Yogatama et al. 2021; issue 11).
+"""`memlm train --memory spalm --datastore DIR`: fine-tune SPALM (Yogatama et al. 2021).
 
 The segments, XL memory, schedule, clipping, checkpoints and resume are memlm.jobs.train's (`SpalmRun` is
 its `_Run` with another step). What trains: the head (w_g, b, at --head-lr) and the output embedding W (the input

@@ -9,10 +9,10 @@ Modes:
   memlm.model.weights.load_pretrained accepts: "smollm2-135m", a .gguf, a HF directory, a checkpoint);
 - compressor only: the model is frozen and only the Conv1d compressor (memlm.memory.compressive) trains, by
   the attention-reconstruction loss (Rae et al. 2019), which always trains it with a compressive memory;
-- memorizing (Wu et al. 2022, issue 10): KnnAttention (per-head gate and scale) trains beside the model;
+- memorizing (Wu et al. 2022): KnnAttention (per-head gate and scale) trains beside the model;
   fine-tuning trains the gate alone (--knn-train gate, the decoder bit-identical) or also the blocks from
   the memorizing layer up (top); knn_attention.pt beside the checkpoint (memlm.jobs.memorizing);
-- SPALM (Yogatama et al. 2021, issue 11; memlm.jobs.spalm_train): the XL memory plus the SPALM head over a
+- SPALM (Yogatama et al. 2021; memlm.jobs.spalm_train): the XL memory plus the SPALM head over a
   datastore that the caller opens and passes in; the head, W and optionally the top blocks train.
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr, gradient-norm clipping,
@@ -325,7 +325,7 @@ class _Run:
         select_trainable(self.model, config.memory, config.trains)  # --knn-train gate|top freeze the rest
         if config.compressor_only:
             self.model.requires_grad_(False)
-        # The one document-boundary rule (issue 8): train, eval, the datastore builder and the server agree.
+        # The one document-boundary rule: train, eval, the datastore builder and the server agree.
         self.boundary = document_boundary(self.tokenizer)
         self.opt = _optimizer(self.model, self.compressor, self.knn_attention, config)
         self.head_ids = {id(p) for p in knn_parameters(self.knn_attention)}  # the gate's, on head_lr (a subclass sets its own)

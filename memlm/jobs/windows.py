@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from memlm.errors import MemlmError
+from memlm.jobs.token_scores import LMFeatures, score_chunk
 from memlm.model.decoder import Decoder
 from memlm.retrieval.exact import EXACT_INDEX, TorchExactSearcher
 from memlm.retrieval.searcher import SearcherInfo
@@ -30,7 +30,7 @@ from memlm.retrieval.searcher import SearcherInfo
 
 ShouldStop = Callable[[], bool]
 """Polled by long jobs (scoring, generation) between forward passes: True = the caller gave up (its client
-cancelled, its deadline passed, the server is stopping); the job then raises WorkStopped (issue 9)."""
+cancelled, its deadline passed, the server is stopping); the job then raises WorkStopped."""
 
 
 class WorkStopped(Exception):
@@ -85,7 +85,7 @@ def plan_windows(n_inputs: int, context: int, stride: int, doc: int = 0) -> list
 
 
 class WindowCost(NamedTuple):
-    """What a plan of windows costs, known before any of it runs (the Score rpc's budget, issue 9)."""
+    """What a plan of windows costs, known before any of it runs (the Score rpc's budget)."""
 
     windows: int
     """Forward rows (windows)."""
@@ -124,11 +124,6 @@ class ScoredTokens(NamedTuple):
     greedy: torch.Tensor  # (n,) bool, target == argmax of the LM distribution (empty likewise)
     keys: torch.Tensor  # (n, C) kNN-LM keys in the model's dtype, on the model's device
     features: torch.Tensor | None = None  # (n, F) float32 CPU, lm_features of the log-probs; None unless asked
-
-
-LMFeatures = Callable[[torch.Tensor], torch.Tensor]
-"""(n, V) float32 log-probabilities -> (n, F) float32 per-token statistics (adaptive retrieval's gate,
-memlm.retrieval.adaptive.distribution_features), computed while the batch's log-probabilities exist."""
 
 
 @dataclass(frozen=True)
@@ -200,16 +195,6 @@ class WindowOutput(NamedTuple):
     logits: torch.Tensor | None  # (n, V) in the model's dtype, a view of the batch's logits; None without the head
     keys: torch.Tensor  # (n, C) kNN-LM keys in the model's dtype, on the model's device
 
-    def log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n, V) float32 log-softmax of the logits and (n,) bool greedy flags (target == argmax), on the device.
-
-        Computed one window at a time, so that full-vocabulary floats exist for one window at once
-        beyond the batch's logits.
-        """
-        row_logits = self.logits.float()  # (n, V)
-        targets = self.targets.to(row_logits.device)  # (n,)
-        return F.log_softmax(row_logits, dim=-1), row_logits.argmax(dim=-1) == targets
-
 
 @torch.inference_mode()
 def forward_windows(
@@ -245,11 +230,9 @@ def _score_batch(
 ) -> Iterator[ScoredTokens]:
     for o in forward_windows(model, batch, with_logprobs):
         features = None
-        if with_logprobs:
-            logprobs, greedy = o.log_probs()  # (n, V), (n,)
-            lm_logprob = logprobs.gather(1, o.targets.to(logprobs.device)[:, None])[:, 0].cpu()  # (n,)
-            greedy = greedy.cpu()
-            features = lm_features(logprobs).float().cpu() if lm_features is not None else None  # (n, F)
+        if with_logprobs:  # one window's (n, V) log-probabilities at a time
+            scores = score_chunk(o.logits, o.targets, lm_features=lm_features).cpu()
+            lm_logprob, greedy, features = scores.base, scores.greedy, scores.features  # (n,), (n,), (n, F)
         else:
             lm_logprob = torch.empty(0)
             greedy = torch.empty(0, dtype=torch.bool)

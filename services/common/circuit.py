@@ -1,6 +1,6 @@
 """A small circuit breaker with exponential back-off, for calls to a dependency that may die or hang.
 
-Issue 9, finding 2: a dead or hung retrieval service must fail kNN calls fast instead of making every
+A dead or hung retrieval service must fail kNN calls fast instead of making every
 caller wait out its own deadline. After `failure_threshold` consecutive failures the breaker OPENS: calls
 are refused at once (the caller gets UNAVAILABLE without touching the network) for `backoff_s`. Then it is
 HALF-OPEN: one trial call goes through; success CLOSES the breaker, failure opens it again for twice the

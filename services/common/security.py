@@ -8,8 +8,8 @@
   open on purpose, so that load balancers and orchestrators can probe readiness without the
   secret; reflection is NOT open (it describes the API, which is the token holder's business).
   The token travels as plain metadata, so over a network use it together with TLS. A token is never
-  empty (`check_token`): an empty string must not quietly mean "no authentication" (issue 9).
-- Budgets (issue 9, finding 3): calls are counted in three separate budgets, so that callers without
+  empty (`check_token`): an empty string must not quietly mean "no authentication".
+- Budgets: calls are counted in three separate budgets, so that callers without
   the token can never take a slot from those with it: token holders' calls (`max_calls`), health
   Watch streams (`max_open_calls`: the only open calls that can last), and the momentary open calls,
   health Checks and calls refused for a missing or wrong token (`max_open_calls` again, their own

@@ -45,7 +45,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 """64 MiB: a (1024, 1024) Search response (16 MiB) fits with room; grpc's own default is 4 MiB."""
 
 DEFAULT_HOST = "127.0.0.1"
-"""Bind the loopback interface unless the user names another host (issue 4: secure by default)."""
+"""Bind the loopback interface unless the user names another host (secure by default)."""
 
 TASKS_END_S = 2.0
 """At exit, how long run_until_signal waits for grpc's tasks of cancelled calls to end (they take milliseconds)."""
@@ -322,7 +322,7 @@ async def start_server(
     cannot be bound. Prints options.exposure_warning (one line on stderr) for an exposed bind.
     """
     # No grpc-wide maximum_concurrent_rpcs: it counts health checks and callers without the token against
-    # the token holders' slots (issue 9, finding 3); the interceptor's budgets keep them apart.
+    # the token holders' slots; the interceptor's budgets keep them apart.
     admission = AdmissionInterceptor(options.token, options.max_concurrent_rpcs, options.max_open_rpcs)
     server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=[admission])
     names = []
@@ -396,7 +396,7 @@ async def run_until_signal(
     then shut down gracefully: health NOT_SERVING, new calls refused, in-flight calls drained for
     up to grace_s seconds, then cancelled (`serve ... --grace`). `on_stopped` runs after the server has
     stopped (release resources); then grpc's leftover tasks get up to TASKS_END_S to end, so the caller's
-    asyncio.run closes a quiet loop and the process exits 0 without a traceback (issue 9)."""
+    asyncio.run closes a quiet loop and the process exits 0 without a traceback."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed = []
@@ -416,7 +416,7 @@ async def run_until_signal(
         if on_stopped is not None:
             on_stopped()
     # grpc's own tasks of the calls the drain cancelled end a moment after the server stops; a loop closed
-    # under them prints a CancelledError traceback for each (issue 9). Give them a bounded moment.
+    # under them prints a CancelledError traceback for each. Give them a bounded moment.
     others = asyncio.all_tasks() - {asyncio.current_task()}
     if others:
         await asyncio.wait(others, timeout=TASKS_END_S)

@@ -1,6 +1,6 @@
 """numpy arrays <-> `memlm.v1.Tensor` (dtype + shape + raw row-major little-endian bytes).
 
-Tensors travel as raw bytes, never pickles (STYLE.md 13). Everything that enters from the wire is
+Tensors travel as raw bytes, never pickles (unpickling runs the sender's code). Everything that enters from the wire is
 checked here: a known dtype, one the caller allows, non-negative shape entries, the expected number
 of dimensions, and a byte length equal to product(shape) * itemsize. Errors are `TensorError`s whose
 message starts with the name of the offending field, so servers can turn them into INVALID_ARGUMENT

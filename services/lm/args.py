@@ -1,5 +1,5 @@
 """The LanguageModelService's typed call arguments (services.lm.requests parses requests into them), and the
-fewer-searches part of KnnOptions (issue 15): adaptive retrieval's threshold or fraction over the gate the
+fewer-searches part of KnnOptions: adaptive retrieval's threshold or fraction over the gate the
 server loaded (`memlm serve lm --adaptive-gate DIR`, memlm.retrieval.adaptive) and RetoMaton pointers over
 the datastore's successors (memlm.retrieval.pointers; through the retrieval service's Successors rpc when the
 datastore is remote, for Score only: generate_retrieval_of), as `memlm eval --adaptive-* / --pointers --min-pointers` takes them; and Generate's
@@ -18,8 +18,8 @@ import grpc
 from memlm.engine.drafts import DraftSource, SpeculativeConfig, draft_source_of
 from memlm.engine.speculative import refusal
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.decoding import SamplingConfig
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.model.memory_config import MemoryConfig
 from memlm.retrieval.adaptive import (
     AdaptiveConfig,
@@ -73,11 +73,11 @@ def refuse_fewer(o: lm_pb2.KnnOptions, why: str) -> None:
 
 
 def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None, attribution: int,
-                   sources: FewerSources, max_step_tokens: int, on_engine: bool) -> SpeculativeConfig | None:
+                   sources: FewerSources, max_step_tokens: int, in_row_cache: bool) -> SpeculativeConfig | None:
     """The SpeculativeConfig a GenerateRequest asks for (None without speculative), each refusal naming its
     field; draft_tokens 0 and draft_from DRAFT_FROM_UNSPECIFIED = SpeculativeConfig's defaults (the one place
-    they live). on_engine: the call runs on the decoding engine (services.lm.engine.on_engine), which alone
-    verifies drafts."""
+    they live). in_row_cache: the call's rows are in the engine's row cache (services.lm.engine.in_row_cache),
+    which alone verifies drafts."""
     if not request.speculative:
         if request.draft_tokens:
             raise InvalidRequest("draft_tokens", "needs speculative")
@@ -94,7 +94,7 @@ def speculative_of(request: lm_pb2.GenerateRequest, memory: MemoryConfig | None,
                   fewer_asked(request.knn))
     if why is not None:  # the engine's rules (memlm.engine.speculative.refusal), named by the field
         raise InvalidRequest("speculative", why.message, FAILED_PRECONDITION if why.precondition else UNIMPLEMENTED)
-    if not on_engine:
+    if not in_row_cache:
         raise InvalidRequest("speculative", "drafts are verified on the decoding engine only (memlm's decoder)",
                              UNIMPLEMENTED)
     if attribution:
@@ -144,8 +144,8 @@ def generate_retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory:
     """retrieval_of for a Generate request, which refuses pointers through a retrieval service
     (FAILED_PRECONDITION naming knn.pointers). On the engine a lane's searches go through the lane's searcher
     and a row's Successors lookups through its own walk, so nothing holds them to one datastore generation
-    (issue 14: compaction renumbers rows, and the walk would follow other documents' rows silently), and the
-    lookup inside a step is bounded by no caller's deadline (issue 9). Score holds both (call_walk)."""
+    (compaction renumbers rows, and the walk would follow other documents' rows silently), and the
+    lookup inside a step is bounded by no caller's deadline. Score holds both (call_walk)."""
     retrieval = retrieval_of(o, knn, memory, attribution, sources)
     if o.pointers and sources.remote:
         raise InvalidRequest("knn.pointers", "Generate follows pointers over a datastore in process only (this server's "
@@ -197,13 +197,13 @@ class ScoreArgs:
     attribution: int = 0
     """Top documents per scored token (KnnOptions.attribution_top_n), 0: none."""
     retrieval: Retrieval | None = None
-    """Fewer searches (KnnOptions adaptive_* / pointers, issue 15): the gate and/or RetoMaton pointers;
+    """Fewer searches (KnnOptions adaptive_* / pointers): the gate and/or RetoMaton pointers;
     None: a search for every token."""
 
 
 @dataclass(frozen=True)
 class GenerateArgs:
-    """A validated GenerateRequest, as memlm.jobs.generate.generate takes it."""
+    """A validated GenerateRequest, as the decoding engine takes it (services.lm.engine.engine_request)."""
 
     prompt: list[int]
     """Prompt token ids."""
@@ -224,7 +224,7 @@ class GenerateArgs:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding from the datastore (GenerateRequest.speculative / draft_tokens); None: off."""
     retrieval: Retrieval | None = None
-    """Fewer searches (KnnOptions adaptive_* / pointers, issue 15; on the engine, memlm.engine.fewer_rows;
+    """Fewer searches (KnnOptions adaptive_* / pointers; on the engine, memlm.engine.fewer_rows;
     pointers over a datastore in process only: generate_retrieval_of); None: a search for every token."""
 
 
@@ -281,7 +281,7 @@ def server_sources(searcher, *, remote: bool, gate_dir: str | None, model_finger
 
 
 def call_walk(searcher, retrieval: Retrieval | None):
-    """The searcher and Retrieval of one Score call (searcher: its services.lm.results.CallSearcher): a
+    """The searcher and Retrieval of one Score call (searcher: its services.lm.results.call_searcher): a
     remote pointer walk searches through the call's searcher and looks successors up, both held to one
     datastore generation (services.retrieval.walk.OneGeneration); anything else as given."""
     from dataclasses import replace

@@ -104,7 +104,7 @@ class ScoreResult:
     searches: int = 0
     """kNN searches made for the scored tokens (0 without kNN-LM; fewer with KnnRequest's fewer searches)."""
     searches_saved: int = 0
-    """Scored tokens without a search (issue 15)."""
+    """Scored tokens without a search."""
 
     @property
     def base_perplexity(self) -> float:

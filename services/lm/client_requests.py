@@ -1,5 +1,5 @@
 """The options of a LanguageModelService request as a client builds them (services.lm.client): memory,
-kNN-LM (fewer searches included, issue 15) and SPALM's search, each turned into its proto message."""
+kNN-LM (fewer searches included) and SPALM's search, each turned into its proto message."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class KnnRequest:
     attribution_top_n: int = 0
     """Documents per token to attribute its probability to (ScoredToken / TextDelta attribution), 0: none."""
     adaptive_threshold: float | None = None
-    """Adaptive retrieval (issue 15): search only where the server's gate scores at least this (Score, Generate)."""
+    """Adaptive retrieval: search only where the server's gate scores at least this (Score, Generate)."""
     adaptive_fraction: float | None = None
     """Adaptive retrieval by the fraction of searches to save, in [0, 1) (instead of adaptive_threshold)."""
     pointers: bool = False

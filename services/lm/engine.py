@@ -1,9 +1,10 @@
-"""The LM server's Generate and Score on the decoding engine (issue 12 part 3): one running batch per setting.
+"""The LM server's Generate and Score on the decoding engine: one running batch per setting.
 
 Every Generate call with MEMORY_MODE_NONE, XL, COMPRESSIVE, MEMORIZING (with or without kNN-LM) or SPALM is a request
 in a running `memlm.engine.Engine` batch: requests join between steps, leave when they end, are cancelled or pass
 their deadline, and every step decodes all of them in one forward pass (with kNN-LM or SPALM: one batched
-search for every ready row, each with its own settings, memlm.engine.sampling / spalm_rows). The engine takes
+search for every ready row, each with its own settings, memlm.engine.sampling / spalm_rows; a transformers
+model's rows run their own forwards in the step, memlm.engine.engine). The engine takes
 one MemoryConfig for all its rows, so calls are grouped into `Lane`s by memory and by whether they search
 (LaneKey); a Score of the engine's modes puts each input in the lane of its settings as score rows
 (services.lm.score_engine), beside the Generate rows; at most MAX_LANES lanes live at once (an idle one is
@@ -11,8 +12,8 @@ closed to make room; none: RESOURCE_EXHAUSTED).
 
 Model turns (services.lm.scheduler): each lane's thread takes the model's turn like any call, as a tenant of
 its own ("engine:<lane>"), for one engine step at a time, passed on at every step boundary when Score calls
-wait. A remote search gives the turn away while it waits (TurnFreeSearcher, issue 9.2) and ends when every
-caller in the batch gave up or the batch's latest deadline passed (services.retrieval.client.for_caller); a
+wait. A remote search gives the turn away while it waits and ends when every caller in the batch
+gave up or the batch's latest deadline passed (the lane's services.retrieval.call_searcher.CallSearcher); a
 failing search ends the searching rows of that step with its status, never other rows nor other lanes' calls.
 
 Admission is bounded (LMLimits.max_batch rows per batch, max_queue waiting per batch, max_tokens_in_flight
@@ -26,7 +27,6 @@ each token as it is made.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -52,12 +52,12 @@ from memlm.engine.requests import (
     SpalmSettings,
 )
 from memlm.errors import MemlmError
-from memlm.jobs.generate import (
+from memlm.jobs.decoding import (
     GenerationEnd,
     SamplingConfig,
     TokenEvent,
 )
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WorkStopped
 from memlm.model.memory_config import MemoryConfig
@@ -66,15 +66,13 @@ from memlm.memory.spalm import SpalmHead
 from memlm.model.decoder import Decoder
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.attribution import (
-    GenerationSearcher,
     SourcedNeighbors,
     TokenAttribution,
     attribute,
-    require_sourced,
 )
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.memory.knn_store import KeyValueMemoryFactory
-from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
+from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm.client import MEMORY_MODES  # the one kind <-> wire mode map
 from services.lm.generate_stream import (
@@ -83,7 +81,8 @@ from services.lm.generate_stream import (
     token_response,
 )
 from services.lm.scheduler import ModelTurns, StepGate
-from services.retrieval.client import RetrievalClient, for_caller
+from services.retrieval.call_searcher import CallSearcher
+from services.retrieval.client import CallOptions, Wants
 from services.common.server import ServiceError
 
 T = TypeVar("T")
@@ -104,14 +103,14 @@ class LaneKey:
     """MEMORY_MODE_XL's, COMPRESSIVE's, MEMORIZING's or SPALM's sizes, None for MEMORY_MODE_NONE (a plain KV cache)."""
     searches: bool
     """kNN-LM (and SPALM) rows batch apart from base rows: a step waits for its search, so a slow or hung
-    retrieval service then holds only calls that asked for it (issue 9.2), never base-LM generations.
+    retrieval service then holds only calls that asked for it, never base-LM generations.
     (Speculative base-LM rows search only the in-process datastore to draft: speculative is refused
     through a retrieval service.)"""
     attribution: int = 0
-    """Top documents per generated token (issue 14), 0: none. An attributing lane decodes one row at a time
+    """Top documents per generated token, 0: none. An attributing lane decodes one row at a time
     (max_batch 1): each search is its one row's next token (the engine keeps which row is which to itself)."""
     speculative: bool = False
-    """Speculative rows (issue 15) batch in lanes whose engine holds the datastore's draft source."""
+    """Speculative rows batch in lanes whose engine holds the datastore's draft source."""
 
 
 @dataclass(frozen=True)
@@ -164,40 +163,6 @@ class Stream:
         return self._buffer.popleft()
 
 
-class BatchSearcher:
-    """The engine's searcher in a server: one batched search per step for every row of a lane. A remote
-    one gives the model's turn away while it waits and ends when every caller of the batch gave up, the
-    batch's latest deadline passed or the server closes."""
-
-    def __init__(self, inner: Searcher, lane: Lane) -> None:
-        self._inner = inner
-        self._lane = lane
-
-    @property
-    def dim(self) -> int:
-        return self._inner.dim
-
-    def info(self) -> SearcherInfo:
-        return self._inner.info()
-
-    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
-        """One step's search (xq (Q, d) -> (Q, k)); the lane keeps its generation (and, attributing, the
-        neighbours' documents) for the tokens this step makes."""
-        lane = self._lane
-        bounded = for_caller(self._inner, lane.latest_deadline(), lane.abandoned)
-        # A remote search waits without the model's turn (issue 9.2), an in-process one is part of the step.
-        with lane.gate.outside() if isinstance(self._inner, RetrievalClient) else contextlib.nullcontext():
-            if lane.key.attribution:
-                found = require_sourced(bounded).search_sourced(xq, k, options)
-                nb, generation = found.neighbors, found.generation
-            elif isinstance(bounded, GenerationSearcher):
-                found, (nb, generation) = None, bounded.search_generation(xq, k, options)
-            else:  # a searcher without generations (an in-memory exact one): 0, as SearchResponse.generation says
-                found, nb, generation = None, bounded.search(xq, k, options), 0
-        lane.searched = (int(generation), found)
-        return nb
-
-
 class Lane:
     """One engine batch (one LaneKey), stepped by a thread of its own with the model's turn; a lane of memory
     kind "spalm" gives its engine the server's SPALM head (spalm_head), one of kind "memorizing" the server's
@@ -212,17 +177,18 @@ class Lane:
         """This batch's place on the model's turns."""
         self._streams: dict[int, Stream] = {}  # request id -> stream, until its end is delivered
         self._lock = threading.Condition()
-        self.searched: tuple[int, SourcedNeighbors | None] | None = None
-        """The last step's search: its generation and, attributing, its sourced neighbours (BatchSearcher)."""
+        # One batched search a step for every row; its answer (generation and, attributing, the neighbours'
+        # documents) is taken for the tokens that step made (_deliver).
+        self._searcher = CallSearcher(searcher, self._search_options) if searcher is not None else None
         limits = dataclasses.replace(limits, max_batch=1) if key.attribution else limits
         config = EngineConfig(max_batch=limits.max_batch, prefill_chunk=limits.prefill_chunk,
                               max_queue=limits.max_queue, max_tokens_in_flight=limits.max_tokens_in_flight,
                               memory=key.memory)
-        if limits.cuda_graphs and config.xl is None:  # the fixed-shape step serves the plain KV cache only
+        if limits.cuda_graphs and config.xl is None and isinstance(model, Decoder):  # the plain row cache only
             config = dataclasses.replace(config, cuda_graphs=True)
         kind = key.memory.kind if key.memory is not None else "none"
         memories = memories if kind == "memorizing" else None
-        self.engine = Engine(model, tokenizer, config, BatchSearcher(searcher, self) if searcher is not None else None,
+        self.engine = Engine(model, tokenizer, config, self._searcher,
                              drafts, spalm_head=spalm_head if kind == "spalm" else None,
                              knn_attention=memories.knn_attention if memories is not None else None,
                              knn_service=memories.service if memories is not None else None)
@@ -267,6 +233,12 @@ class Lane:
         """Every kNN-LM caller of the batch gave up (or the server closes): its search may stop."""
         return self._closed.is_set() or all(s.handle.cancelled for s in self._searching())
 
+    def _search_options(self) -> CallOptions:
+        """A step's remote search (read as it starts): ends by the batch's latest deadline or once every caller
+        gave up, waits without the model's turn, and gives back the documents when the lane attributes."""
+        return CallOptions(self.latest_deadline(), self.abandoned, self.gate.outside,
+                           Wants.SOURCES if self.key.attribution else Wants.GENERATION)
+
     def close(self) -> None:
         """Stop the thread after its step in progress (the server stopped; its calls were cancelled); the rows still
         in the batch release their kNN memories (memorizing: a service session is dropped, not left to expire)."""
@@ -298,7 +270,7 @@ class Lane:
             self._deliver()
 
     def _deliver(self) -> None:
-        searched, self.searched = self.searched, None  # the step's search chose the tokens of this step
+        searched = self._searcher.take_last() if self._searcher is not None else None  # it chose this step's tokens
         for stream in self.streams():
             try:
                 events = stream.handle.ready()
@@ -310,16 +282,16 @@ class Lane:
             if searched is not None and isinstance(request, ScoreRequest) and _searches(request):
                 # A score row's search is not told apart from the step's others: a live kNN-LM Score counts
                 # every step's generation (one too many at most, when the datastore switches meanwhile).
-                stream.generations.add(searched[0])
+                stream.generations.add(searched.generation)
             if not events:
                 continue
             tokens = [e for e in events if isinstance(e, TokenEvent)]
             stream.produced += len(tokens)
             if tokens and (stream.handle.request.knn or stream.handle.request.spalm) is not None:
                 if searched is not None:
-                    stream.generations.add(searched[0])
+                    stream.generations.add(searched.generation)
                 if self.key.attribution:  # one row: the step's one search, its one token
-                    stream.attributions.extend(self._attribute(stream, tokens, searched[1] if searched else None))
+                    stream.attributions.extend(self._attribute(stream, tokens, searched.sourced if searched else None))
             if isinstance(events[-1], (GenerationEnd, SequenceScore)):
                 self._forget(stream)
             stream.deliver(events)
@@ -425,8 +397,10 @@ def engine_modes(model: object) -> tuple[int, ...]:
     return ENGINE_MEMORY_MODES if isinstance(model, Decoder) else ()
 
 
-def on_engine(model: object, memory: MemoryConfig | None) -> bool:
-    """Whether a Generate of this memory runs on the engine (engine_modes)."""
+def in_row_cache(model: object, memory: MemoryConfig | None) -> bool:
+    """Whether the engine holds a call of this memory in its row cache (engine_modes): memlm's decoder, a memory it
+    holds. Every Generate runs on the engine; Score rows, speculative drafts, pointer walks and attribution need
+    the row cache (a transformers model's rows run their own forwards, memlm.engine.engine)."""
     return isinstance(model, Decoder) and (memory is None or memory.kind in ENGINE_MEMORY_KINDS)
 
 
@@ -457,8 +431,8 @@ async def _next_event(stream: Stream, context: grpc.aio.ServicerContext, deadlin
 async def submit_in_thread(submit: Callable[[], T], abandon: Callable[[T], None]) -> T:
     """submit() in a worker thread (a lane's first submit builds its engine), shielded: when the call is cancelled
     while the thread runs, the thread goes on and what it submitted is given to abandon() as soon as it returns
-    (it would never reach the call's handler, and its rows would run for nobody: issue 12, a cancelled call's
-    rows are free at once). An exception of submit() is raised here, as by a plain await."""
+    (it would never reach the call's handler, and its rows would run for nobody: a cancelled
+    call's rows are freed at once). An exception of submit() is raised here, as by a plain await."""
     task = asyncio.ensure_future(asyncio.to_thread(submit))
     try:
         return await asyncio.shield(task)

@@ -1,6 +1,5 @@
-"""The Generate stream of one call, whichever path makes its events (a decoding-engine row, services.lm.engine,
-or the one-sequence generator of services.lm.servicer): a response per token, then the finish with its counts
-(searches, speculative decoding's mean_accepted_tokens: issue 15 part 4), or a status.
+"""The Generate stream of one call, whose events a decoding-engine row makes (services.lm.engine): a response per
+token, then the finish with its counts (searches, speculative decoding's mean_accepted_tokens), or a status.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from memlm.engine.requests import Event
-from memlm.jobs.generate import (
+from memlm.jobs.decoding import (
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -64,8 +63,7 @@ async def generate_responses(
     token: Callable[[TokenEvent], lm_pb2.GenerateResponse], generations: Callable[[], Iterable[int]],
     expired: Callable[[], bool], release: Callable[[], None], record: Callable[[GenerationRecord], None],
 ) -> AsyncIterator[lm_pb2.GenerateResponse]:
-    """The Generate stream of one call, whichever path makes its events (an engine row or the one-sequence
-    generator): a response per token (token(event)), then the finish (end_responses with generations()).
+    """The Generate stream of one call (its events from next_event): a response per token (token(event)), then the finish (end_responses with generations()).
     An end that is not a finish (the engine's deadline or a cancel) and a deadline passed between tokens
     end with DEADLINE_EXCEEDED; an exception is recorded as "cancelled" when expired() else "error".
     release() frees what the call holds and record(GenerationRecord) counts it, however it ends."""

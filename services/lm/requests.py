@@ -7,7 +7,7 @@ on a server without a datastore, UNIMPLEMENTED for a memory mode the server does
 it lacks). Nothing here runs the model; the servicer (services.lm.servicer) runs what the parser returns, and
 services.lm.results.encode_score turns the library's scores into the response.
 
-Every request's cost is bounded here, before any work (issue 9): the characters of its texts before
+Every request's cost is bounded here, before any work: the characters of its texts before
 tokenizing (`max_text_chars`), a Score's forward work (`max_forward_tokens`: the sum over its windows of
 their length, priced in closed form by memlm.jobs.windows.window_cost) and its response (`max_score_entries`,
 and an upper bound of its bytes against the server's message limit). A Generate's work is bounded by its
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from memlm.engine.requests import EngineConfig
-from memlm.jobs.generate import SamplingConfig
+from memlm.jobs.decoding import SamplingConfig
 from memlm.jobs.windows import WindowConfig, window_cost
 from memlm.model.memory_config import EXACT_MAX_ENTRIES, MemoryConfig
 from memlm.model.tokenizer import Tokenizer
@@ -164,7 +164,7 @@ class RequestParser:
                  knn_defaults: KNNLMConfig, knn_refusal: str | None, piece_bytes: list[int], max_response_bytes: int,
                  datastore_windows: tuple[int, int] | None = None, memorizing: bool = False,
                  spalm_missing: tuple[str, ...], attribution_refusal: str | None = None,
-                 on_engine: Callable[[MemoryConfig | None], bool] = lambda memory: True,
+                 in_row_cache: Callable[[MemoryConfig | None], bool] = lambda memory: True,
                  fewer: FewerSources = NO_FEWER) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
@@ -176,7 +176,8 @@ class RequestParser:
         self._knn_defaults = knn_defaults
         self._knn_refusal = knn_refusal
         self._attribution_refusal = attribution_refusal  # services.lm.results.attribution_refusal
-        self._on_engine = on_engine  # services.lm.engine.on_engine for the server's model: Generate attributes there
+        # services.lm.engine.in_row_cache for the server's model: Generate attributes, drafts and walks pointers there
+        self._in_row_cache = in_row_cache
         self._spalm_missing = spalm_missing
         self._windows = datastore_windows
         self._fewer = fewer  # the gate and successors fewer-search Score requests use (services.lm.args)
@@ -220,7 +221,7 @@ class RequestParser:
 
     def text_budget(self, texts: list[str], field: str) -> None:
         """Refuse a request whose texts together exceed max_text_chars, before any of them is tokenized
-        (30 MB of text held the model thread for 44 s, issue 9)."""
+        (30 MB of text would hold the model thread for 44 s)."""
         chars = sum(len(t) for t in texts)
         if chars > self._limits.max_text_chars:
             raise InvalidRequest(field, f"{chars} characters of text in one request, at most max_text_chars "
@@ -451,12 +452,12 @@ class RequestParser:
         memory = self.memory(request)
         spalm, knn = self.spalm(request, memory), self.knn(request)
         attribution = self.attribution(request, knn)
-        if attribution and not self._on_engine(memory):  # the engine's lanes attribute (services.lm.engine)
+        if attribution and not self._in_row_cache(memory):  # the engine's lanes attribute (services.lm.engine)
             raise InvalidRequest("knn.attribution_top_n", "Generate attribution runs on the decoding engine only (its "
                                  "memory modes: GetInfo.engine_memory_modes)", grpc.StatusCode.UNIMPLEMENTED)
         speculative = speculative_of(request, memory, attribution, self._fewer, self._limits.max_step_tokens,
-                                     self._on_engine(memory))
-        if not self._on_engine(memory):  # memlm.engine.fewer_rows: the engine's rows walk pointers and ask the gate
+                                     self._in_row_cache(memory))
+        if not self._in_row_cache(memory):  # memlm.engine.fewer_rows: the engine's rows walk pointers and ask the gate
             refuse_fewer(request.knn, "Generate with fewer searches runs on the decoding engine only (memlm's decoder)")
         retrieval = generate_retrieval_of(request.knn, knn, memory, attribution, self._fewer)
         return GenerateArgs(prompt=prompt, max_new_tokens=request.max_new_tokens, sampling=self.sampling(request.sampling),

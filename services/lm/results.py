@@ -1,7 +1,7 @@
-"""What the LM server's results say beyond the scores (issue 14): which datastore generation served a call,
+"""What the LM server's results say beyond the scores: which datastore generation served a call,
 and which documents each token's probability came from (attribution), on the wire.
 
-`CallSearcher` is the searcher of one Score or Generate call (services.lm.scheduler.call_searcher's bounds:
+`call_searcher` is the searcher of one Score or Generate call (services.retrieval.call_searcher.CallSearcher:
 a remote search ends by the caller's deadline or cancel and waits without the model's turn): it notes the
 generation that answered every search (ScoreResponse / GenerateFinish.datastore_generations) and answers
 the sourced searches of attribution (memlm.retrieval.attribution). `encode_score` turns a library
@@ -12,7 +12,6 @@ Shape legend: Q queries, d key dimension, k neighbours, n scored tokens, N alter
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import NamedTuple
 
@@ -22,60 +21,20 @@ import numpy as np
 from memlm.errors import MemlmError
 from memlm.jobs.scoring import SequenceScore
 from memlm.jobs.windows import WorkStopped
-from memlm.retrieval.attribution import (
-    GenerationSearcher,
-    SourcedNeighbors,
-    TokenAttribution,
-    require_sourced,
-)
-from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
+from memlm.retrieval.attribution import TokenAttribution, require_sourced
+from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
 from services.lm.scheduler import StepGate
-from services.retrieval.client import RetrievalClient, for_caller
+from services.retrieval.call_searcher import CallSearcher
+from services.retrieval.client import CallOptions, RetrievalClient, Wants
 from services.common.server import ServiceError
 
 
-class CallSearcher:
-    """One call's searcher: bounded like services.lm.scheduler.call_searcher's, noting every search's generation."""
-
-    def __init__(self, searcher: Searcher, gate: StepGate, stop) -> None:
-        """stop: the call's CallStop (or a shared batch's BatchStop): its deadline bounds a remote search, and
-        it is polled while one waits."""
-        self._bounded = for_caller(searcher, stop.deadline, stop)
-        # A remote search waits on the network without the model's turn (issue 9.2); an in-process one is
-        # part of the step.
-        self._outside = gate.outside if isinstance(searcher, RetrievalClient) else contextlib.nullcontext
-        self.generations: set[int] = set()
-        """The datastore generations that answered this call's searches."""
-
-    @property
-    def dim(self) -> int:
-        return self._bounded.info().dim
-
-    def info(self) -> SearcherInfo:
-        return self._bounded.info()
-
-    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
-        """Searcher.search (xq (Q, d) -> (Q, k)), noting the generation that answered."""
-        return self.search_generation(xq, k, options)[0]
-
-    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
-                          ) -> tuple[Neighbors, int]:
-        """GenerationSearcher.search_generation (a remote pointer walk's, services.retrieval.walk), noted."""
-        with self._outside():
-            if isinstance(self._bounded, GenerationSearcher):
-                nb, generation = self._bounded.search_generation(xq, k, options)
-            else:  # a searcher without generations (an in-memory exact one): 0, as SearchResponse.generation says
-                nb, generation = self._bounded.search(xq, k, options), 0
-        self.generations.add(int(generation))
-        return nb, int(generation)
-
-    def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
-        """SourcedSearcher.search_sourced (attribution), noting the generation that answered."""
-        with self._outside():
-            found = require_sourced(self._bounded).search_sourced(xq, k, options)
-        self.generations.add(int(found.generation))
-        return found
+def call_searcher(searcher: Searcher, gate: StepGate, stop) -> CallSearcher:
+    """One call's searcher: a remote search ends by the deadline of `stop` (the call's CallStop, or a shared
+    batch's BatchStop), is cancelled once stop() and waits without the model's turn; every search notes the
+    generation that answered."""
+    return CallSearcher(searcher, CallOptions(stop.deadline, stop, gate.outside, Wants.GENERATION))
 
 
 def attribution_refusal(searcher: Searcher | None) -> str | None:
@@ -104,7 +63,7 @@ def encode_score(s: SequenceScore, pieces: list[str], gates: np.ndarray | None =
                  ) -> lm_pb2.SequenceScore:
     """A library SequenceScore as the wire's; pieces: each token id's text (decoded once at load);
     gates: (n,) MEMORY_MODE_SPALM's gate of each scored token, or None. With attribution, each token's.
-    knn: kNN-LM was on (searches and searches_saved are counted then, issue 15)."""
+    knn: kNN-LM was on (searches and searches_saved are counted then)."""
     tokens = []
     for j, t in enumerate(s.tokens.tolist()):
         alternatives = [

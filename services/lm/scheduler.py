@@ -1,7 +1,7 @@
 """The LM server's model turns: one forward step on the model at a time, steps of concurrent calls interleaved.
 
-Issue 9, finding 1: with one model thread running each call to its end, a small Score waited behind all
-the forward batches of a maximal one, and a cancelled call still finished the batch in progress. Here every
+With one model thread running each call to its end, a small Score would wait behind all the forward
+batches of a maximal one, and a cancelled call would still finish the batch in progress. Here every
 call's library work runs on a worker thread of its own, but only the thread holding the model's TURN runs
 a forward step. The turn passes at step boundaries, which the library already marks: it polls its
 `should_stop` before every forward batch, segment and decode step (memlm.jobs.windows.ShouldStop). A call's
@@ -14,9 +14,10 @@ one-step Score thus waits for at most one step of whoever holds the model plus i
 all of a long call. The step itself is bounded by the request parser (LMLimits.max_step_tokens), so
 "within one step" is a bound in tokens.
 
-Waiting that does not use the model gives the turn away meanwhile: a remote kNN search (issue 9.2) runs
-with the turn released (`StepGate.outside`, `TurnFreeSearcher`), and other calls' steps run while it
-waits. A call that gives up while queued for the turn leaves the queue within POLL_S and never runs again.
+Waiting that does not use the model gives the turn away meanwhile: a remote kNN search runs
+with the turn released (`StepGate.outside`, a services.retrieval.call_searcher.CallSearcher's turn_away), and
+other calls' steps run while it waits. A call that gives up while queued for the turn leaves the queue within
+POLL_S and never runs again.
 
 The step order changes nothing in the results: each call's steps run in its own order on its own state,
 and torch runs one step at a time (the turn), so a call's floats are those it gets alone.
@@ -30,15 +31,12 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
-import numpy as np
 
 from memlm.jobs.windows import ShouldStop, WorkStopped
-from memlm.retrieval.searcher import Neighbors, Searcher, SearcherInfo, SearchOptions
-from services.retrieval.client import RetrievalClient, for_caller
 
 T = TypeVar("T")
 
@@ -232,37 +230,6 @@ class StepGate:
                 raise WorkStopped("stopped: the caller gave up during a remote search")
 
 
-class TurnFreeSearcher:
-    """A Searcher whose searches run without the model's turn: a remote search waits on the network, and
-    other calls' steps run meanwhile (issue 9.2). The inner searcher bounds the wait (its deadline is the
-    caller's, services.retrieval.client.for_caller)."""
-
-    def __init__(self, inner: Searcher, gate: StepGate) -> None:
-        self._inner = inner
-        self._gate = gate
-
-    @property
-    def dim(self) -> int:
-        return self._inner.dim
-
-    def info(self) -> SearcherInfo:
-        return self._inner.info()
-
-    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
-        with self._gate.outside():
-            return self._inner.search(xq, k, options)
-
-
-def call_searcher(searcher: Searcher | None, gate: StepGate, stop: CallStop) -> Searcher | None:
-    """The searcher of one call: a remote one ends by the caller's deadline or cancel (for_caller) and
-    waits without the model's turn (issue 9.2); an in-process one searches on the cores the steps use,
-    so its search is part of the step."""
-    caller = for_caller(searcher, stop.deadline, stop)
-    if isinstance(searcher, RetrievalClient):
-        return TurnFreeSearcher(caller, gate)
-    return caller
-
-
 class ModelScheduler:
     """Worker threads for calls' library work, one step on the model at a time (ModelTurns).
 
@@ -302,20 +269,3 @@ class ModelScheduler:
     def close(self) -> None:
         """Join the workers (their calls' stops are set: each ends within one step); drop queued jobs."""
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-class SerialIterator(Iterator[T]):
-    """An iterator whose next() and close() never overlap: a Generate's events are closed (its state freed)
-    from another worker than the one that may still be running its last step."""
-
-    def __init__(self, inner: Generator[T, None, None]) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()
-
-    def __next__(self) -> T:
-        with self._lock:
-            return next(self._inner)
-
-    def close(self) -> None:
-        with self._lock:
-            self._inner.close()

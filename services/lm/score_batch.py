@@ -1,4 +1,4 @@
-"""Score calls that the engine does not run share forward passes (issue 12): one library run for concurrent calls.
+"""Score calls that the engine does not run share forward passes: one library run for concurrent calls.
 
 Used for services.lm.score_engine.score_path's BATCHED calls only (attribution, whose searches carry
 provenance; a model the engine does not hold); Score with the engine's modes runs as engine rows.
@@ -57,7 +57,7 @@ class ScoreKey:
     batch_size: int
     """Windows (segment rows) per forward step: LMLimits.step_rows of the key's window or segment."""
     attribution: int
-    """Top documents per scored token (issue 14), 0: none."""
+    """Top documents per scored token, 0: none."""
 
     @classmethod
     def of(cls, args: ScoreArgs) -> ScoreKey:

@@ -1,4 +1,4 @@
-"""The Score rpc on the decoding engine (issue 12: "Score calls from different clients share forward passes").
+"""The Score rpc on the decoding engine: Score calls from different clients share forward passes.
 
 `score_path` is the one rule for where a Score runs:
 - ENGINE: MEMORY_MODE_NONE (the server's sliding windows), XL and COMPRESSIVE, with or without kNN-LM, with
@@ -40,7 +40,7 @@ from services.lm.engine import (
     Lane,
     LaneKey,
     Stream,
-    on_engine,
+    in_row_cache,
     retry_after_ms,
     submit_in_thread,
 )
@@ -60,7 +60,7 @@ def score_path(args: ScoreArgs, model: object) -> str:
         return ALONE
     if args.memory is not None and args.memory.kind not in ENGINE_SCORE_KINDS:
         return ALONE  # MEMORIZING
-    if args.attribution or not on_engine(model, args.memory):  # on_engine: memlm's decoder, a memory it holds
+    if args.attribution or not in_row_cache(model, args.memory):  # in_row_cache: memlm's decoder, a memory it holds
         return BATCHED
     return ENGINE
 

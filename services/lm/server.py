@@ -152,7 +152,7 @@ def open_model_and_searcher(
 
     if datastore is not None and retrieval is not None:
         raise MemlmError("pass --datastore or --retrieval, not both")
-    # The retrieval link first: an unreachable one fails in one line before the model loads (issue 9).
+    # The retrieval link first: an unreachable one fails in one line before the model loads.
     link = connect_retrieval(retrieval, tls=retrieval_tls, token=retrieval_token) if retrieval is not None else None
     pretrained = load_pretrained(model, device, dtype, key_module=key_module)  # key_module: memlm.model.hf_model
     if datastore is not None:
@@ -196,7 +196,7 @@ async def serve_lm(
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
         # A `memlm train --memory spalm` checkpoint's head serves MEMORY_MODE_SPALM (with the searcher).
         spalm = lm_spalm.saved_spalm(model, pretrained.model.device)
-        fewer = server_sources(searcher, remote=retrieval is not None, gate_dir=adaptive_gate,  # issue 15
+        fewer = server_sources(searcher, remote=retrieval is not None, gate_dir=adaptive_gate,  # fewer searches
                                model_fingerprint=pretrained.fingerprint, key_layer=pretrained.model.config.key_description)
         await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer)
     except BaseException:

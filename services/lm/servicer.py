@@ -1,6 +1,6 @@
 """LanguageModelService over gRPC: Score, Generate (streamed), Tokenize and GetInfo for one model.
 
-The servicer is thin (STYLE.md 14): it validates a request into library arguments (services.lm.requests), runs
+The servicer is thin (no model logic): it validates a request into library arguments (services.lm.requests), runs
 the library and encodes the result. Model work runs ONE forward step at a time (services.lm.scheduler): each
 client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
 its fair share, never for all of a long call. Score takes one of three paths, said by
@@ -8,21 +8,20 @@ services.lm.score_engine.score_path: ENGINE (MEMORY_MODE_NONE sliding windows, X
 without kNN-LM and top_n: each input a score row of the decoding engine's running batch of its settings,
 sharing steps with other Score calls and with Generate rows), BATCHED (attribution, a model the engine does
 not hold: one library call for the concurrent calls of a key, services.lm.score_batch) or ALONE (SPALM,
-MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Generate with memlm's
-decoder (every memory mode, kNN-LM or not) is a request in a running batch of the decoding engine
-(services.lm.engine), which takes the model's turn like one more client; a cancelled call's row is
-free before the next step; admission of Generate and engine Score calls is bounded (max_batch, max_queue,
-max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing metadata retry-after-ms).
-Generate with a transformers model (issue 13: its KV cache is transformers' own, no engine rows) runs as a
-one-sequence iterator advanced one step per turn.
+MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's own turns). Every Generate (every
+memory mode, kNN-LM or not, memlm's decoder or a transformers model, whose rows run their own forwards) is a
+request in a running batch of the decoding engine (services.lm.engine), which takes the model's turn like one
+more client; a cancelled call's row is free before the next step; admission of Generate and engine Score calls
+is bounded (max_batch, max_queue, max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing
+metadata retry-after-ms).
 
-Bounded work (issue 9): every request's cost, and every step's, is checked before any work, and every call
+Bounded work: every request's cost, and every step's, is checked before any work, and every call
 hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
 the deadline passes or the server stops, the work raises WorkStopped within one step. A remote kNN search
 gives the model's turn away while it waits and ends by the caller's deadline.
 
 kNN-LM searches the server's Searcher: a datastore in process (`--datastore`) or a RetrievalClient
-(`--retrieval`), with identical results (issue 4). Health is NOT_SERVING until model and searcher are loaded.
+(`--retrieval`), with identical results. Health is NOT_SERVING until model and searcher are loaded.
 
 Memory modes: NONE (sliding windows: score_tokens' scores, on engine rows that read one window after another;
 the engine's sliding KV cache for Generate), XL (Transformer-XL memory with sinks: score_tokens_segments' scores
@@ -42,9 +41,8 @@ import grpc
 
 from memlm.engine.requests import SpalmSettings
 from memlm.errors import MemlmError
-from memlm.jobs.generate import generate
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
-from memlm.jobs.spalm_scoring import score_spalm, spalm_step
+from memlm.jobs.spalm_scoring import score_spalm
 from memlm.model.memory_config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
 from memlm.model.pretrained import Pretrained
@@ -65,20 +63,18 @@ from services.lm.engine import (
     Memorizing,
     engine_modes,
     engine_request,
-    generate_responses,
-    on_engine,
+    in_row_cache,
     stream_generation,
-    token_response,
 )
 from services.lm.requests import LMLimits, RequestParser, ScoreArgs
 from services.lm.results import (
     LIBRARY_ERRORS,
-    CallSearcher,
     ScoreOutcome,
     abort_library_error,
+    call_searcher,
     encode_score,
 )
-from services.lm.scheduler import CallStop, ModelScheduler, SerialIterator, StepGate
+from services.lm.scheduler import CallStop, ModelScheduler, StepGate
 from services.lm.score_batch import BatchStop, ScoreBatcher
 from services.lm.score_engine import BATCHED, ENGINE, score_on_engine, score_path
 from services.retrieval.client import (
@@ -157,7 +153,7 @@ class LanguageModelServicer:
                                      knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
                                      spalm_missing=lm_spalm.spalm_missing(spalm, searcher is not None),
                                      attribution_refusal=lm_results.attribution_refusal(searcher),
-                                     on_engine=lambda memory: on_engine(model, memory),
+                                     in_row_cache=lambda memory: in_row_cache(model, memory),
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
@@ -196,7 +192,7 @@ class LanguageModelServicer:
 
     async def _refuse_knn_while_down(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, context) -> None:
         """A kNN-LM or SPALM call while the retrieval link is down fails at once, not after queueing for the model
-        and running its first step (issue 9.2: fast failure); the breaker still guards every search."""
+        and running its first step (fast failure); the breaker still guards every search."""
         searches = request.knn.enabled or request.memory_mode == lm_pb2.MEMORY_MODE_SPALM
         if searches and isinstance(self._searcher, RetrievalClient) and self._searcher.link_up is False:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"retrieval service {self._searcher.address}: retrieval "
@@ -216,7 +212,7 @@ class LanguageModelServicer:
 
     def _score_work(self, args: ScoreArgs, gate: StepGate, stop: CallStop | BatchStop) -> ScoreOutcome:
         """The library's Score of `args`, polling `gate` -> scores, SPALM gates (or None), generations searched."""
-        searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
+        searcher = call_searcher(self._searcher, gate, stop) if args.knn or args.spalm else None
         generations = searcher.generations if searcher is not None else set()
         walker, retrieval = call_walk(searcher, args.retrieval)  # a remote pointer walk: one generation
         if args.spalm is not None:
@@ -264,47 +260,16 @@ class LanguageModelServicer:
     async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
         await self._refuse_knn_while_down(request, context)
-        stop = CallStop(context, self._closing)
-        gate = self.scheduler.gate(stop, context.peer())
-
+        deadline = CallStop(context, self._closing).deadline
         args = await self.scheduler.run_free(self._parser.generate, request)  # tokenizing: without the turn
-        if on_engine(self._model, args.memory):  # a row of a running engine batch (services.lm.engine)
-            stop.set()  # the gate and stop above are the one-sequence path's
-            spalm = SpalmSettings(args.spalm.k, args.spalm.options) if args.spalm is not None else None
-            request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
-                                     self._boundary, self._tokenizer.eos_id, stop.deadline, spalm, args.speculative,
-                                     args.retrieval)
-            lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution,
-                           args.speculative is not None)
-            async for response in stream_generation(self.engines, lane, request, stop.deadline, context, self._record):
-                yield response
-            return
-
-        searcher = CallSearcher(self._searcher, gate, stop) if args.knn or args.spalm else None
-
-        def start():
-            return SerialIterator(generate(
-                self._model, self._tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                sampling=args.sampling, stop_sequences=args.stop_sequences, boundary_token=self._boundary,
-                eos_id=self._tokenizer.eos_id, searcher=searcher if args.knn else None,
-                knn=args.knn, memory=args.memory, should_stop=gate, knn_attention=self._knn_attention_for(args.memory),
-                service=self._knn_service,
-                segment_step=spalm_step(self._spalm.head, searcher, args.spalm.k, args.spalm.options)
-                if args.spalm else None,
-            ))
-
-        # Validates; the prompt runs at the first next().
-        events = await self._call_library(context, stop, self.scheduler.run(gate, start))
-        def release() -> None:
-            # A step still running (a long prompt's encoding) stops after itself; then the generation's
-            # KV cache / memory is freed now (an abandoned one too), once that step is done (SerialIterator).
-            stop.set()
-            self.scheduler.submit(events.close)
-
-        async for response in generate_responses(
-                context, lambda: self._call_library(context, stop, self.scheduler.run(gate, next, events)),
-                token_response, lambda: searcher.generations if searcher is not None else (), stop.expired,
-                release, self._record):
+        # A row of a running engine batch (services.lm.engine), for every model and memory mode.
+        spalm = SpalmSettings(args.spalm.k, args.spalm.options) if args.spalm is not None else None
+        request = engine_request(args.prompt, args.max_new_tokens, args.sampling, args.stop_sequences, args.knn,
+                                 self._boundary, self._tokenizer.eos_id, deadline, spalm, args.speculative,
+                                 args.retrieval)
+        lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution,
+                       args.speculative is not None)
+        async for response in stream_generation(self.engines, lane, request, deadline, context, self._record):
             yield response
 
     def _record(self, record: GenerationRecord) -> None:

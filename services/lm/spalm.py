@@ -1,4 +1,4 @@
-"""MEMORY_MODE_SPALM on the LM server (Yogatama et al. 2021; issue 11, part 4): what a server needs to serve
+"""MEMORY_MODE_SPALM on the LM server (Yogatama et al. 2021): what a server needs to serve
 it, how its datastore is checked, and how a request's search is read.
 
 A server serves SPALM when it holds both halves of the model: the trained head (spalm_head.pt beside a

@@ -1,5 +1,5 @@
 """The OpenAI completions request, parsed and checked (services.openai_front.server): what a body may hold, the
-front's limits, and the OpenAI-shaped errors (issue 13, part 3). Field meanings are OpenAI's; memlm's extra
+front's limits, and the OpenAI-shaped errors. Field meanings are OpenAI's; memlm's extra
 fields (top_k, knn, memory) are documented in services.openai_front.server."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP front for the LM service (issue 13, part 3): `memlm serve openai --lm ADDRESS`.
+"""An OpenAI-compatible HTTP front for the LM service: `memlm serve openai --lm ADDRESS`.
 
 Where users already are: every OpenAI client, lm-evaluation-harness' `local-completions` model, and tools
 written against vLLM/TGI/llama.cpp servers speak the completions API. This front translates it to the gRPC

@@ -1,7 +1,7 @@
 """Micro-batching of the retrieval server (services.retrieval.server): the Search calls that arrive while the
 index is busy (or within `max_wait_s` of each other) are concatenated into ONE `searcher.search` call on ONE
 worker thread per index, because FAISS answers a batch of queries much faster than the same queries one by
-one, and GPU indexes are not thread-safe (issue 4). Requests are grouped by (k, SearchOptions) since those
+one, and GPU indexes are not thread-safe. Requests are grouped by (k, SearchOptions) since those
 are per-call arguments of the searcher; results are split back by row.
 
 Shape legend: Q queries in one request, B queries in one batch (sum of Q), d key dimension, k neighbours.

@@ -1,14 +1,15 @@
 """A synchronous RetrievalService client that answers the Searcher seam (memlm/retrieval/searcher.py).
 
 Library code (kNN-LM scoring, evaluation) calls `search(xq, k, options)` and `info()` without knowing
-whether the datastore is in-process, behind one retrieval server, or behind a shard router (STYLE.md 12).
+whether the datastore is in-process, behind one retrieval server, or behind a shard router: one Searcher seam.
 It uses a blocking grpc channel, so it works from plain synchronous code and from threads.
 
 Faults: the client keeps a circuit breaker (services/common/circuit.py) and, for a long-lived
 link (`watch_link`: the LM server's), follows its channel's connectivity (`link_up`), so a dead or hung
-retrieval service fails searches at once with UNAVAILABLE instead of making every caller wait out a deadline; `until(deadline)` gives one caller a
-Searcher whose calls end by that caller's deadline; `wait_until_ready` is the start-up check that fails in
-one line instead of waiting silently.
+retrieval service fails searches at once with UNAVAILABLE instead of making every caller wait out a deadline;
+`search_call` runs one caller's search within its `CallOptions` (deadline, cancel, the model's turn given away
+while it waits; services.retrieval.call_searcher wraps it for a server call); `wait_until_ready` is the
+start-up check that fails in one line instead of waiting silently.
 
 Shape legend: Q queries, d key dimension, k neighbours.
 """
@@ -16,10 +17,13 @@ Shape legend: Q queries, d key dimension, k neighbours.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -54,6 +58,45 @@ STOP_POLL_S = 0.05
 
 BREAKER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Failures that say the service is down or hung; any other answer shows it alive (a bad request is not its fault)."""
+
+
+class Wants(enum.Enum):
+    """What one search gives back besides its neighbours."""
+
+    NEIGHBORS = "neighbors"
+    """The neighbours only (Searcher.search)."""
+    GENERATION = "generation"
+    """And the datastore generation that answered (GenerationSearcher.search_generation)."""
+    SOURCES = "sources"
+    """And each neighbour's document, all from one generation (SourcedSearcher.search_sourced: attribution)."""
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """How one caller's remote searches run: ended by its deadline, cancelled once it gives up, waiting without
+    what it holds (the model's turn), and what each gives back."""
+
+    deadline: float | None = None
+    """time.monotonic() seconds by which every search call ends (DEADLINE_EXCEEDED); None = the client's timeout only."""
+    should_stop: ShouldStop | None = None
+    """Polled every STOP_POLL_S while a search waits: True cancels it (WorkStopped); None = never."""
+    turn_away: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    """Entered around the whole remote search (services.lm.scheduler.StepGate.outside: other calls' steps run
+    while it waits); None = the search keeps what the caller holds."""
+    wants: Wants = Wants.NEIGHBORS
+    """What a search gives back (Found)."""
+
+
+class Found(NamedTuple):
+    """One search's answer (RetrievalClient.search_call, services.retrieval.call_searcher.CallSearcher)."""
+
+    neighbors: Neighbors
+    """(Q, k) distances, ids, values."""
+    generation: int
+    """The datastore generation that answered (of a batch split into calls answered by different generations, the
+    newest); 0 from a searcher without generations, as SearchResponse.generation says."""
+    sourced: SourcedNeighbors | None = None
+    """Wants.SOURCES: the neighbours with their documents; None otherwise."""
 
 
 class LinkWatcher:
@@ -177,11 +220,6 @@ class RetrievalClient(ServiceClient):
         finally:
             ready.cancel()
 
-    def until(self, deadline: float | None, should_stop: ShouldStop | None = None) -> Searcher:
-        """This client for one caller: every search call ends by `deadline` (time.monotonic() seconds;
-        None = the client's own timeout only), and is cancelled (WorkStopped) as soon as should_stop()."""
-        return _DeadlineSearcher(self, deadline, should_stop)
-
     def close(self) -> None:
         if self._link is not None:
             self._link.close()
@@ -198,7 +236,7 @@ class RetrievalClient(ServiceClient):
 
     def generation(self) -> int:
         """The generation the server answers from now (GetInfo, asked again: a live server switches when
-        `memlm datastore add`, `remove` or `compact` commits; issue 14), for results that record which
+        `memlm datastore add`, `remove` or `compact` commits), for results that record which
         generation served them. Refreshes what server_info() and info() return too."""
         self._server_info = self._call(self._stub.GetInfo, retrieval_pb2.RetrievalServiceGetInfoRequest())
         return int(self._server_info.generation)
@@ -224,46 +262,39 @@ class RetrievalClient(ServiceClient):
         return max(1, min(info.max_queries or by_request, by_request, by_response))
 
     def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
-        """xq: (Q, d) float32 or float16 queries -> Neighbors with (Q, k) arrays.
-
-        options: sent with every call (nprobe only when set: unset is the datastore's default). Batches
-        bigger than one message are split into several calls, made one after another.
-        """
-        return self.search_until(xq, k, options, None, None)
+        """Searcher.search: xq (Q, d) float32 or float16 queries -> Neighbors with (Q, k) arrays (search_call)."""
+        return self.search_call(xq, k, options).neighbors
 
     def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
                           ) -> tuple[Neighbors, int]:
-        """search, and the generation that answered (memlm.retrieval.attribution.GenerationSearcher)."""
-        return self.search_generation_until(xq, k, options, None, None)
-
-    def search_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
-                     should_stop: ShouldStop | None) -> Neighbors:
-        """search, with every call ending by `deadline` (time.monotonic() seconds; None = no caller deadline)
-        and cancelled, raising WorkStopped, once should_stop() (polled every STOP_POLL_S; None = never)."""
-        return self._search(xq, k, options, deadline, should_stop, False)[0]
-
-    def search_generation_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
-                                should_stop: ShouldStop | None) -> tuple[Neighbors, int]:
-        """search_until, and the generation that answered (SearchResponse.generation; of a batch split into calls
-        answered by different generations, the newest)."""
-        return self._search(xq, k, options, deadline, should_stop, False)
+        """GenerationSearcher.search_generation: search, and the generation that answered (search_call)."""
+        found = self.search_call(xq, k, options, CallOptions(wants=Wants.GENERATION))
+        return found.neighbors, found.generation
 
     def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
-        """search, plus each neighbour's document and the generation that answered (SearchRequest.with_documents;
-        memlm.retrieval.attribution.SourcedSearcher). A batch split into several calls is refused when they were
-        answered by different generations (ServiceError ABORTED: retry)."""
-        return self.search_sourced_until(xq, k, options, None, None)
+        """SourcedSearcher.search_sourced: search, plus each neighbour's document and the generation that
+        answered (search_call with Wants.SOURCES)."""
+        return self.search_call(xq, k, options, CallOptions(wants=Wants.SOURCES)).sourced
 
-    def search_sourced_until(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
-                             should_stop: ShouldStop | None) -> SourcedNeighbors:
-        """search_sourced within a caller's deadline and should_stop, as search_until."""
-        return self._search(xq, k, options, deadline, should_stop, True)[0]
+    def search_call(self, xq: np.ndarray, k: int, options: SearchOptions | None = None,
+                    call: CallOptions = CallOptions()) -> Found:
+        """xq: (Q, d) float32 or float16 queries -> Found with (Q, k) arrays, run as `call` says: every call ends by
+        its deadline, is cancelled (WorkStopped) once its should_stop() (polled every STOP_POLL_S), and the whole
+        search runs inside its turn_away.
+
+        options: sent with every call (nprobe only when set: unset is the datastore's default). Batches bigger than
+        one message are split into several calls, made one after another; with Wants.SOURCES, calls answered by
+        different generations are refused (ServiceError ABORTED: retry), as one result's documents come from one
+        documents table.
+        """
+        with call.turn_away() if call.turn_away is not None else contextlib.nullcontext():
+            return self._search(xq, k, options, call)
 
     def successors_generation(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The Successors rpc: ids (M,) int64 datastore rows -> (next_ids (M,) int64, -1 at a document's end;
         next_values (M,) int32; the generation that answered, SuccessorsResponse.generation), in calls that fit
         a message; calls answered by different generations: ServiceError ABORTED, as a split sourced search.
-        Rows are a generation's (compaction renumbers them, issue 14): a pointer walk compares the generation
+        Rows are a generation's (compaction renumbers them): a pointer walk compares the generation
         with its searches' (services.retrieval.walk.OneGeneration, the walk's SuccessorLookup)."""
         ids = np.asarray(ids, dtype=np.int64)  # (M,)
         if ids.shape[0] == 0:
@@ -285,10 +316,9 @@ class RetrievalClient(ServiceClient):
                                "successors lookup split into several calls; retry")
         return np.concatenate(nxt), np.concatenate(values), generations.pop()  # (M,), (M,)
 
-    def _search(self, xq: np.ndarray, k: int, options: SearchOptions | None, deadline: float | None,
-                should_stop: ShouldStop | None, with_documents: bool) -> tuple[Neighbors | SourcedNeighbors, int]:
-        """The result (sourced with documents) and the generation that answered all its calls."""
+    def _search(self, xq: np.ndarray, k: int, options: SearchOptions | None, call: CallOptions) -> Found:
         options = options or SearchOptions()
+        with_documents = call.wants is Wants.SOURCES
         xq = np.asarray(xq)
         if xq.dtype != np.float16:
             xq = xq.astype(np.float32, copy=False)  # float16 travels as is: half the bytes
@@ -296,7 +326,7 @@ class RetrievalClient(ServiceClient):
             raise ValueError(f"xq must be (Q, d), got shape {xq.shape}")
         if len(xq) == 0:  # what a local FAISS index answers; the server refuses empty batches
             empty = Neighbors(np.empty((0, k), np.float32), np.empty((0, k), np.int64), np.empty((0, k), np.int32))
-            return (SourcedNeighbors(empty, np.empty((0, k), np.int32), (), 0) if with_documents else empty), 0
+            return Found(empty, 0, SourcedNeighbors(empty, np.empty((0, k), np.int32), (), 0) if with_documents else None)
         step = self.rows_per_call(k, xq.dtype.itemsize, with_documents)
         parts, generations = [], set()
         for start in range(0, len(xq), step):
@@ -305,7 +335,7 @@ class RetrievalClient(ServiceClient):
                 queries=to_tensor(chunk), k=k, nprobe=options.nprobe, exact_rerank=options.exact_rerank,
                 with_documents=with_documents,
             )
-            response = self._guarded_search(request, deadline, should_stop)
+            response = self._guarded_search(request, call.deadline, call.should_stop)
             generations.add(int(response.generation))
             nb = self._decode(response, len(chunk), k)
             if with_documents:
@@ -318,11 +348,11 @@ class RetrievalClient(ServiceClient):
             raise ServiceError(self.address, grpc.StatusCode.ABORTED, "the datastore changed generation during a "
                                "search with documents split into several calls; retry")
         generation = max(generations)
-        if len(parts) == 1:
-            return parts[0], generation
         if not with_documents:
-            return Neighbors(*(np.concatenate(arrays) for arrays in zip(*parts))), generation  # (Q, k) each
-        return _join_sourced(parts), generation
+            nb = parts[0] if len(parts) == 1 else Neighbors(*(np.concatenate(a) for a in zip(*parts)))  # (Q, k) each
+            return Found(nb, generation)
+        sourced = parts[0] if len(parts) == 1 else _join_sourced(parts)
+        return Found(sourced.neighbors, generation, sourced)
 
     def _guarded_search(self, request: retrieval_pb2.SearchRequest, deadline: float | None,
                         should_stop: ShouldStop | None) -> retrieval_pb2.SearchResponse:
@@ -396,44 +426,6 @@ def _wait(call: grpc.Future, should_stop: ShouldStop | None):
         except grpc.FutureTimeoutError:
             if should_stop():
                 raise WorkStopped("stopped: the caller gave up during a retrieval search") from None
-
-
-@dataclass(frozen=True)
-class _DeadlineSearcher:
-    """The Searcher seam over a RetrievalClient for one caller (RetrievalClient.until)."""
-
-    client: RetrievalClient
-    deadline: float | None
-    """time.monotonic() seconds by which every search call ends; None = the client's timeout only."""
-    should_stop: ShouldStop | None
-    """Polled while a search waits: True cancels it (WorkStopped); None = never."""
-
-    @property
-    def dim(self) -> int:
-        return self.client.dim
-
-    def search(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> Neighbors:
-        return self.client.search_until(xq, k, options, self.deadline, self.should_stop)
-
-    def search_sourced(self, xq: np.ndarray, k: int, options: SearchOptions | None = None) -> SourcedNeighbors:
-        return self.client.search_sourced_until(xq, k, options, self.deadline, self.should_stop)
-
-    def search_generation(self, xq: np.ndarray, k: int, options: SearchOptions | None = None
-                          ) -> tuple[Neighbors, int]:
-        return self.client.search_generation_until(xq, k, options, self.deadline, self.should_stop)
-
-    def info(self) -> SearcherInfo:
-        return self.client.info()
-
-
-def for_caller(searcher: Searcher | None, deadline: float | None, should_stop: ShouldStop | None) -> Searcher | None:
-    """The searcher one server call should use: a RetrievalClient whose searches end by the caller's deadline
-    (time.monotonic() seconds, None = none) and are cancelled once should_stop() says the caller gave up, so
-    a slow or hung retrieval service holds the model thread no longer than the caller waits; any other
-    searcher as it is (in-process work stops between steps)."""
-    if isinstance(searcher, RetrievalClient):
-        return searcher.until(deadline, should_stop)
-    return searcher
 
 
 def connect_retrieval(address: str, *, tls: ClientTls | None, token: str | None,

@@ -1,4 +1,4 @@
-"""Neighbours' documents on the wire (issue 14, part 5: attribution): SearchRequest.with_documents asks a
+"""Neighbours' documents on the wire (attribution): SearchRequest.with_documents asks a
 retrieval server (or a router) to say each neighbour's document, SearchResponse.documents ([Q, k] int32
 indices) into SearchResponse.sources (doc_id + metadata JSON, each document once), all from the generation
 that answered: provenance travels with the neighbours, so it cannot come from another generation than

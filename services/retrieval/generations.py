@@ -1,4 +1,4 @@
-"""A retrieval server follows its datastore's generations (issue 14, part 4): GenerationWatch says how, and
+"""A retrieval server follows its datastore's generations: GenerationWatch says how, and
 follow_generations polls for a newer committed generation (datastore.live.LiveDatastore.refresh) while
 searches go on."""
 
@@ -13,7 +13,7 @@ from memlm.retrieval.searcher import Searcher
 
 @dataclass(frozen=True)
 class GenerationWatch:
-    """Follow the committed generations of the datastore served (datastore.live.LiveDatastore, issue 14):
+    """Follow the committed generations of the datastore served (datastore.live.LiveDatastore):
     every poll_s seconds `refresh` runs on a helper thread; it opens a newer generation while searches go
     on and then switches the searcher to it. Each searched batch and GetInfo take one `served()` snapshot,
     so every SearchResponse says the generation that answered it (a router checks it against its id

@@ -1,5 +1,5 @@
 """RemoteMemory: the KeyValueMemory seam (memlm.memory.knn_store) over a retrieval server's
-MemoryService, the "service" backend of the Memorizing layer's memory (issue 10, item 2).
+MemoryService, the "service" backend of the Memorizing layer's memory.
 
 `remote_memory_factory(address, ...)` returns the callable `open_key_value_memory(backend="service",
 service=...)` takes: `(streams, dim, value_dim, capacity) -> RemoteMemory`, one session each, all over

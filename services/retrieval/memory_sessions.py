@@ -1,4 +1,4 @@
-"""Session memories on the retrieval service (MemoryService; issue 10, item 2): the server side.
+"""Session memories on the retrieval service (MemoryService): the server side.
 
 A session is one `memlm.memory.knn_store.ExactMemory` that a remote client (services/
 memory_client.RemoteMemory, the "service" backend of the KeyValueMemory seam) creates, appends to,

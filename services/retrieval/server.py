@@ -4,7 +4,7 @@ alone, MemoryService: session memories for the Memorizing layer (services/retrie
 Concurrent Search calls are micro-batched (services.retrieval.batching): the requests that arrive while the index is busy (or
 within `max_wait_s` of each other) are concatenated into ONE `searcher.search` call on ONE worker
 thread per index, because FAISS answers a batch of queries much faster than the same queries one by
-one, and GPU indexes are not thread-safe (issue 4). Requests are grouped by (k, SearchOptions) since
+one, and GPU indexes are not thread-safe. Requests are grouped by (k, SearchOptions) since
 those are per-call arguments of the searcher; results are split back by row. With with_documents a
 batch's neighbours and documents come from one generation (services.retrieval.documents, attribution).
 

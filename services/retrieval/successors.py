@@ -1,4 +1,4 @@
-"""The retrieval service's Successors rpc (issue 15): datastore ids -> their successors and the values stored
+"""The retrieval service's Successors rpc: datastore ids -> their successors and the values stored
 with them (memlm.retrieval.pointers.SuccessorTable), so that RetoMaton's pointer walk through the service
 needs no keys. The table is derived from the served generation's provenance once per generation.
 

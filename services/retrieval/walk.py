@@ -2,7 +2,7 @@
 
 The walk (memlm.jobs.pointer_walk) follows datastore rows: the ids of a search's neighbours, then their
 successors, then theirs. Rows are numbers of one generation of a live datastore: `memlm datastore add`,
-`remove` and `compact` (issue 14) commit a new one, and compaction renumbers rows, so ids found in one
+`remove` and `compact` commit a new one, and compaction renumbers rows, so ids found in one
 generation and looked up in another name other documents' entries (the walk would follow them silently).
 `OneGeneration` is both the walk's Searcher and its SuccessorLookup (memlm.retrieval.pointers): it notes
 the generation of the first answer and refuses any other with ServiceError ABORTED (retry the call), as
@@ -71,4 +71,4 @@ class OneGeneration:
         elif generation != self.generation:
             raise ServiceError(self._client.address, grpc.StatusCode.ABORTED,
                                f"the datastore changed generation ({self.generation} -> {generation}) during a pointer "
-                               "walk: its ids are rows of the first (issue 14); retry")
+                               "walk: its ids are rows of the first; retry")

@@ -1,6 +1,6 @@
 """The replicas of one router shard: health-watched, each behind a circuit breaker, called with failover.
 
-Issue 16, part 3. A shard is served by one or more replica retrieval servers holding the same rows
+A shard is served by one or more replica retrieval servers holding the same rows
 (`--shard A,B`). The router keeps a `grpc.health.v1` Watch stream open to each replica (the servers serve
 health; services/common/server.py) and routes to the replicas that report SERVING, rotating the first
 choice so replicas share the load. A call that fails because its replica is down or hung (UNAVAILABLE,

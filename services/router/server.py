@@ -9,18 +9,18 @@ GetInfo) of the shards listed BEFORE it. So the --shard order must be the order 
 datastore builder wrote the shards; then a global id is the row number in the concatenated corpus.
 Missing neighbours (id -1) stay -1.
 
-Generations (issue 14): a shard's N changes when `memlm datastore add` or `compact` commits a generation
+Generations: a shard's N changes when `memlm datastore add` or `compact` commits a generation
 it then serves. Every shard SearchResponse carries the generation that answered; when one differs from
 the generation the router's offsets were computed from, the router asks all shards for GetInfo again,
 recomputes the offsets, and uses the answers if their generations match the new layout (else it searches
 once more). So merged ids are always rows of the concatenation of the generations that answered.
 
-Faults (issue 9, finding 2): a shard call never outlives the caller's deadline nor ShardLinks.call_timeout_s
+Faults: a shard call never outlives the caller's deadline nor ShardLinks.call_timeout_s
 (a caller without a deadline must not wait forever on a hung shard), and each replica has a circuit breaker
 (services/common/circuit.py): after repeated failures the router skips it at once, until a trial call after the
 back-off succeeds.
 
-Replicas (issue 16, part 3): a shard may be served by several replicas (`--shard A,B`), chosen by health
+Replicas: a shard may be served by several replicas (`--shard A,B`), chosen by health
 and failed over or hedged within the caller's deadline (services/router/replicas.py). When every replica of a
 shard is gone the call fails with that replica's code (UNAVAILABLE for a dead one) naming the shard, or,
 when the request sets allow_partial, is answered from the other shards with partial set and the missing
@@ -197,7 +197,7 @@ class RouterServicer:
         answered = [i for i, r in enumerate(responses) if r is not None]
         try:
             results = [_decode(responses[i], q, parsed.k) for i in answered]
-            # With documents (attribution, issue 14): each shard's, from the generation its neighbours came from.
+            # With documents (attribution): each shard's, from the generation its neighbours came from.
             sourced = [decode_sourced(responses[i], r, 0) for i, r in zip(answered, results)] \
                 if parsed.with_documents else None
         except TensorError as e:
@@ -389,7 +389,7 @@ class _LateServicer:
         return await self.target.GetInfo(request, context)
 
     async def Successors(self, request, context):
-        # Issue 15: ids are the shards' rows behind the router's offsets; not routed (yet), as the proto says.
+        # Ids are the shards' rows behind the router's offsets, so Successors is not routed, as the proto says.
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a shard router does not answer Successors; ask a "
                             "retrieval server (memlm serve retrieval) of one datastore")
 

@@ -83,7 +83,9 @@ def test_main_runs_synthetic_on_a_local_corpus(tmp_path, capsys):
     path = tmp_path / "speeches.jsonl"
     path.write_text("".join(json.dumps({"text": d.text, **d.meta}) + "\n" for d in corpus()))
     optout.main(["--model", "tiny", "--synthetic", "--data", str(path), "--background", "1857<=year<=1870",
-                 "--context", "32", "--stride", "16", "--k", "8", "--json", str(tmp_path / "r.json")])
+                 "--context", "32", "--stride", "16", "--k", "8", "--results", str(tmp_path / "results")])
     out = capsys.readouterr().out
     assert "SYNTHETIC" in out and "| re-added |" in out
-    assert json.loads((tmp_path / "r.json").read_text())["opted_out_documents"] == 4
+    record = json.loads((tmp_path / "results" / "optout.json").read_text())  # benchmarks/harness.py's result
+    assert record["synthetic"] and record["settings"]["opted_out_documents"] == 4
+    assert [row["state"] for row in record["rows"]] == list(optout.STATES)

@@ -55,7 +55,7 @@ def test_eval_writes_a_json_result(capsys, tmp_path):
 
 
 def test_datastore_build_info_and_knnlm_eval_end_to_end(capsys, tmp_path):
-    """The CLI wiring of issue 3: build, info, and eval --datastore with tuned lambda/T."""
+    """The datastore CLI wiring: build, info, and eval --datastore with tuned lambda/T."""
     corpus = tmp_path / "corpus.jsonl"
     rows = [{"text": f"Speech number {i}: the state of the union is strong and growing.", "year": 1990 + i}
             for i in range(12)]
@@ -83,7 +83,7 @@ def test_datastore_build_info_and_knnlm_eval_end_to_end(capsys, tmp_path):
     assert result["knnlm_perplexity"] < result["base_perplexity"]
 
 
-# -- issue 8: no flag silently ignored, settings taken from artifacts, tuning apart from evaluation -------
+# -- no flag silently ignored, settings taken from artifacts, tuning apart from evaluation -------
 
 
 def speeches(tmp_path, n=12):
@@ -95,7 +95,7 @@ def speeches(tmp_path, n=12):
 
 
 def test_memory_none_with_a_segment_scores_each_segment_alone(capsys, tmp_path):
-    """Issue 8 item 4: --memory none --segment S ran the default sliding window instead."""
+    """--memory none --segment S scores each segment alone, not the default sliding window."""
     from memlm.jobs.evaluate import evaluate_perplexity
     from memlm.jobs.segment_eval import evaluate_memory
     from memlm.jobs.windows import WindowConfig
@@ -157,7 +157,7 @@ def built_store(capsys, tmp_path):
 
 
 def test_tuning_that_shares_a_document_with_the_evaluation_is_refused(capsys, tmp_path, built_store):
-    """Issue 8 item 2: tune "year>=2003" and evaluate "year>=2001" share the speeches of 2003 onwards."""
+    """Tune "year>=2003" and evaluate "year>=2001" share the speeches of 2003 onwards."""
     corpus, store = built_store
     common = ["eval", "--model", "tiny", "--data", str(corpus), "--split", "year>=1998", "--datastore", str(store),
               "--k", "8", "--lambda", "auto", "--knn-temperature", "auto", "--tune-data", str(corpus),
@@ -201,7 +201,8 @@ def test_datastore_info_and_results_name_the_weights(capsys, tmp_path, built_sto
 
 
 def test_option_groups_have_one_name_and_type_everywhere():
-    """Issue 8 item 6: --temperature vs --knn-temperature, sink default 0 (train) vs 4 (eval, serve)."""
+    """Each option has one name, dest and type on every command that takes it (--knn-temperature, --sink-tokens,
+    --context), and train's sink default is the one of eval and serve."""
     from memlm.cli import build_parser
     from memlm.model.memory_config import MemoryConfig
     from memlm.cli.options import KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, memory_config
@@ -246,7 +247,7 @@ def test_serve_and_client_refuse_flags_that_do_not_apply(capsys, argv, message):
 
 
 def test_eval_of_a_checkpoint_takes_its_memory_settings_or_refuses_others(capsys, tmp_path):
-    """Issue 8 item 1: a checkpoint records how its model reads text; eval reproduces it or says no."""
+    """A checkpoint records how its model reads text; eval reproduces it or says no."""
     from memlm.jobs.train import TrainConfig, train
     from memlm.model.memory_config import MemoryConfig
 

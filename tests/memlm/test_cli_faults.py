@@ -1,4 +1,4 @@
-"""Issue 9, finding 6, on the command line: every bad input is one clear line and a non-zero exit (or a
+"""Faults on the command line: every bad input is one clear line and a non-zero exit (or a
 correct answer), found before any work is done; never a traceback, never "0 means the default".
 
 Argument errors are argparse's (exit 2, the reason on the last line); user errors found later are
@@ -73,7 +73,7 @@ def test_random_bytes_in_a_jsonl_name_the_file_and_line(capsys, tmp_path):
     (["--batch-size", "two"], "--batch-size: expected a whole number, got 'two'"),
 ])
 def test_eval_counts_are_refused_not_defaulted(capsys, text, argv, reason):
-    """Before, 0 silently meant the default and --k 10**9 tried to allocate Q * 10**9 results."""
+    """0 is refused, never read as the default, and --k 10**9 never tries to allocate Q * 10**9 results."""
     assert refused_by_argparse(capsys, "eval", "--model", "tiny", "--data", str(text), *argv).endswith(reason)
 
 
@@ -101,7 +101,7 @@ def test_build_datastore_refuses_zero_counts_before_loading(tmp_path, name, valu
 
 @pytest.mark.parametrize("port", ["65536", "70000", "-1"])
 def test_ports_out_of_range_are_refused(capsys, port):
-    """Before, 70000 was bound as 70000 - 65536 = 4464."""
+    """70000 is refused, not bound as 70000 - 65536 = 4464."""
     reason = refused_by_argparse(capsys, "serve", "lm", "--model", "tiny", f"--port={port}")
     assert reason.endswith(f"--port: ports are 0 (any free port) to 65535, got {port}")
 
@@ -148,7 +148,7 @@ def test_a_closed_pipe_exits_quietly(tmp_path, text):
     ("someone/some-dataset", "needs the network, but HF_HUB_OFFLINE is set"),  # conftest: tests are offline
 ])
 def test_a_mistyped_corpus_name_is_one_line_at_once(capsys, spec, message):
-    """Before, each went to the hub and retried five times over 23 s."""
+    """Refused at once, without going to the hub and retrying five times over 23 s."""
     start = time.monotonic()
     code, _, err = run(capsys, "eval", "--model", "tiny", "--data", spec)
     assert_one_line(code, err, message)

@@ -1,4 +1,4 @@
-"""Issue 10 on the command line: the memorizing options (refused in one line with another memory kind),
+"""Memorizing on the command line: the memorizing options (refused in one line with another memory kind),
 `memlm eval --continuous-cache`, and `memlm eval --memory memorizing` records what it ran."""
 
 from __future__ import annotations

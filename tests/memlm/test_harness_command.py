@@ -1,4 +1,4 @@
-"""memlm as an lm-evaluation-harness model (issue 13, part 2), offline: a loglikelihood_rolling perplexity task
+"""memlm as an lm-evaluation-harness model, offline: a loglikelihood_rolling perplexity task
 and a multiple-choice task over local jsonl files (YAML tasks in tmp_path); `--model memlm` with no datastore
 equals lm-eval's own `hf` model on the same weights, and kNN-LM lowers the word perplexity."""
 

@@ -1,4 +1,4 @@
-"""memlm plan (issue 16, part 4): sizes from the index's own code size and list count, shards that fit,
+"""memlm plan: sizes from the index's own code size and list count, shards that fit,
 replicas that carry the target rate, from a figures file."""
 
 from __future__ import annotations

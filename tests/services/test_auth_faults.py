@@ -1,4 +1,4 @@
-"""Issue 9, findings 3 and 4: callers without the token cannot lock token holders out, readiness answers
+"""Authentication under load and misuse: callers without the token cannot lock token holders out, readiness answers
 under full load, and authentication cannot be switched off by accident (empty tokens, tokens in `ps`,
 exposed plaintext binds, mTLS on every client).
 

@@ -1,5 +1,5 @@
 """Memorizing rows whose kNN memories are sessions of a real retrieval server (`--memories`, port 0): the engine
-equals its in-process exact backend and memlm.jobs.generate (tokens, log-probs); each row's session is dropped when
+equals its in-process exact backend and the reference decoder (tokens, log-probs); each row's session is dropped when
 the row leaves (finished, cancelled: nothing is left on the server); a session the server refuses ends only its
 row; the LM server's MEMORIZING Generate runs on the engine and a cancelled call's session is dropped.
 
@@ -19,7 +19,8 @@ import torch
 
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import new_knn_attention
 from memlm.model.tokenizer import document_boundary
@@ -93,9 +94,9 @@ def test_service_rows_equal_in_process_rows_and_the_library(tiny, knn_attention,
     remote = run_all(engine(tiny, knn_attention, SERVICE, memories), reqs)
     local = run_all(engine(tiny, knn_attention, MEMORY), reqs)
     for req, r, loc in zip(reqs, remote, local):
-        want = pairs(generate(tiny.model, tiny.tokenizer, list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
-                              sampling=req.sampling, boundary_token=req.boundary_token, memory=MEMORY,
-                              knn_attention=knn_attention))
+        want = pairs(reference_generate(tiny.model, tiny.tokenizer, list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                                        sampling=req.sampling, boundary_token=req.boundary_token, memory=MEMORY,
+                                        knn_attention=knn_attention))
         assert_same(pairs(r), want)
         assert_same(pairs(loc), want)
     assert sessions(memories) == 0  # every row's session was dropped when it finished
@@ -146,9 +147,9 @@ def test_lm_server_generate_runs_on_the_engine_and_a_cancelled_call_drops_its_se
         served = [t.token_id for r in stub.Generate(call, timeout=60) if r.HasField("delta") for t in r.delta.tokens]
         lanes = started.servicer.engines.lanes()
         assert [lane.key.memory.kind for lane in lanes] == ["memorizing"]  # the engine served it
-        want = generate(tiny.model, tiny.tokenizer, prompt, max_new_tokens=30, sampling=SAMPLED,
-                        boundary_token=document_boundary(tiny.tokenizer), eos_id=tiny.tokenizer.eos_id,
-                        memory=MEMORY, knn_attention=knn_attention)
+        want = reference_generate(tiny.model, tiny.tokenizer, prompt, max_new_tokens=30, sampling=SAMPLED,
+                                  boundary_token=document_boundary(tiny.tokenizer), eos_id=tiny.tokenizer.eos_id,
+                                  memory=MEMORY, knn_attention=knn_attention)
         assert served == [e.token_id for e in want if isinstance(e, TokenEvent)]
         long = lm_pb2.GenerateRequest()
         long.CopyFrom(call)

@@ -2,7 +2,7 @@
 
 Real servers on port 0 over the tiny model. Oracles: the same call alone on the same server (the engine's
 rows are independent: a request yields the tokens it yields alone, greedy and seeded) and
-memlm.jobs.generate in process (kNN-LM through a real retrieval server).
+the reference decoder in process (kNN-LM through a real retrieval server).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 import grpc
 import pytest
 
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig
@@ -196,8 +197,8 @@ def test_knn_generations_through_the_retrieval_service_search_once_per_step(tiny
         tok = tiny.tokenizer
         config = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)  # = knn above
         for p, got in zip(prompts, together):
-            events = generate(tiny.model, tok, p, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
-                              boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=config)
+            events = reference_generate(tiny.model, tok, p, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
+                                        boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=config)
             assert [t for t, _ in tokens(got)] == [e.token_id for e in events if isinstance(e, TokenEvent)]
     finally:
         link.close()
@@ -244,12 +245,12 @@ def test_a_hung_retrieval_service_stalls_only_the_calls_that_search(tiny, index,
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.8, top_p=0.9, seed=4)])
 @pytest.mark.parametrize("memory", [None, MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)])
 def test_knn_generate_local_and_remote_equal_the_library(tiny, servers, index, sampling, memory):
-    # Today's Generate (memlm.jobs.generate) token for token, greedy and seeded, plain and XL, with the
+    # The reference decoder (tests/reference_decoding.py) token for token, greedy and seeded, plain and XL, with the
     # datastore in process ("local") and through a retrieval server ("remote").
     tok = tiny.tokenizer
     prompt = tok.encode("The quick brown fox")
-    events = generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling, boundary_token=document_boundary(tok),
-                      eos_id=tok.eos_id, searcher=index, knn=servers["knn"], memory=memory)
+    events = reference_generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling, boundary_token=document_boundary(tok),
+                                eos_id=tok.eos_id, searcher=index, knn=servers["knn"], memory=memory)
     want = [e.token_id for e in events if isinstance(e, TokenEvent)]
     extra = {} if memory is None else {"memory_mode": lm_pb2.MEMORY_MODE_XL, "memory": lm_pb2.MemoryOptions(
         segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens)}

@@ -1,4 +1,4 @@
-"""Generate with fewer kNN-LM searches (issue 15): KnnOptions pointers/min_pointers and adaptive_threshold through
+"""Generate with fewer kNN-LM searches: KnnOptions pointers/min_pointers and adaptive_threshold through
 a real LM server on port 0 equal `memlm generate`'s engine path (memlm.engine.fewer_rows with the same Retrieval)
 token for token with the same searches and searches_saved, with the datastore in process; pointers through a
 real retrieval server (its Successors rpc) are refused with FAILED_PRECONDITION naming knn.pointers (nothing
@@ -13,8 +13,8 @@ from tiny_models import fox_datastore, standardised_gate
 
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained

@@ -1,6 +1,6 @@
 """LanguageModelService with real servers on port 0 and the tiny model.
 
-Oracles: memlm.jobs.scoring / memlm.jobs.generate in process, evaluate_perplexity, and kNN-LM over the same
+Oracles: memlm.jobs.scoring / tests/reference_decoding.py in process, evaluate_perplexity, and kNN-LM over the same
 index in process versus through a real retrieval server (RetrievalClient). Malformed requests get the
 right status codes and the server stays healthy.
 
@@ -19,7 +19,8 @@ from tiny_models import logprobs_close
 
 from memlm.errors import MemlmError
 from memlm.jobs.evaluate import evaluate_perplexity
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.scoring import score_tokens, score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.jobs.windows import WindowConfig
@@ -108,8 +109,8 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
     tok = tiny.tokenizer
     prompt = tok.encode("The quick")
     for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=7)):
-        events = list(generate(tiny.model, tok, prompt, max_new_tokens=10, sampling=sampling,
-                               boundary_token=document_boundary(tok), eos_id=tok.eos_id))
+        events = list(reference_generate(tiny.model, tok, prompt, max_new_tokens=10, sampling=sampling,
+                                         boundary_token=document_boundary(tok), eos_id=tok.eos_id))
         want = [e.token_id for e in events if isinstance(e, TokenEvent)]
         with client(servers["plain"]) as c:
             got = list(c.generate("The quick", max_new_tokens=10, temperature=sampling.temperature,
@@ -122,8 +123,8 @@ def test_generate_greedy_and_seeded_equal_library(tiny, servers, index):
         text = "".join(d.text for d in got if isinstance(d, TextDelta))
         assert text == tok.decode(want)
     # kNN-LM generation over the remote index equals the in-process one.
-    events = list(generate(tiny.model, tok, prompt, max_new_tokens=6, sampling=SamplingConfig(temperature=0.0),
-                           boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=servers["knn"]))
+    events = list(reference_generate(tiny.model, tok, prompt, max_new_tokens=6, sampling=SamplingConfig(temperature=0.0),
+                                     boundary_token=document_boundary(tok), eos_id=tok.eos_id, searcher=index, knn=servers["knn"]))
     with client(servers["remote"]) as c:
         got = list(c.generate(prompt, max_new_tokens=6, temperature=0.0, knn=KnnRequest()))
     # Generate runs on the engine (services.lm.engine): its KV cache attends over preallocated slots, so
@@ -203,7 +204,7 @@ class ExpiringContext:
 
 
 def test_generate_whose_deadline_passes_ends_deadline_exceeded_not_ok(servers):
-    # Before: the handler returned normally, so a client whose own timer had not fired yet saw the stream
+    # A handler that returned normally would let a client whose own timer had not fired yet see the stream
     # end with status OK and no finish message, as if the generation were complete.
     servicer = servers["servicer"]
     before = len(servicer.records)
@@ -330,8 +331,8 @@ def test_generate_xl_equals_library(tiny, servers):
     tok = tiny.tokenizer
     prompt = tok.encode("The quick brown fox jumps")
     for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=3)):
-        events = list(generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling,
-                               boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=XL_CONFIG))
+        events = list(reference_generate(tiny.model, tok, prompt, max_new_tokens=12, sampling=sampling,
+                                         boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=XL_CONFIG))
         want = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
         with client(servers["plain"]) as c:
             got = list(c.generate(prompt, max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k,

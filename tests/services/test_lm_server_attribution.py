@@ -1,4 +1,4 @@
-"""Attribution and datastore generations through the LM service (issue 14, parts 4-5), real servers on
+"""Attribution and datastore generations through the LM service, real servers on
 port 0, the tiny model and a real Flat datastore built from a small corpus with metadata.
 
 Oracles: memlm.jobs.scoring.score_tokens(attribution=N) in process; the interpolation identity
@@ -113,7 +113,7 @@ def test_score_attribution_equals_the_library_local_and_remote(corpus, tiny, tmp
         with LanguageModelClient(local, timeout=60) as c:
             with pytest.raises(ServiceError, match="attribution_top_n"):
                 c.score([text], knn=KnnRequest(attribution_top_n=65))
-            # compressive Generate runs on the decoding engine now (issue 12), which attributes
+            # compressive Generate runs on the decoding engine, which attributes
             deltas = c.generate(text, max_new_tokens=2, temperature=0.0, knn=KnnRequest(attribution_top_n=1),
                                 memory_mode="compressive")  # greedy: a sampled eos would end it early
             assert [len(d.attributions) for d in deltas if isinstance(d, TextDelta)] == [1, 1]

@@ -1,8 +1,8 @@
-"""MEMORY_MODE_COMPRESSIVE served (issue 12): Score and Generate with a Compressive Transformer memory
+"""MEMORY_MODE_COMPRESSIVE served: Score and Generate with a Compressive Transformer memory
 (Rae et al. 2019; mean pooling, no trained compressor), against the library in process.
 
 Oracles: memlm.jobs.scoring.score_tokens_segments and memlm.jobs.segment_eval.evaluate_segments (what
-`memlm eval --memory compressive` runs) for Score, memlm.jobs.generate for Generate; and an invariant: the
+`memlm eval --memory compressive` runs) for Score, the reference decoder for Generate; and an invariant: the
 compressed memory changes the scores once states leave the memory (XL of the same memory length differs).
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_segments
 from memlm.model.memory_config import MemoryConfig
@@ -48,13 +49,13 @@ def test_generate_compressive_equals_the_library(tiny, servers):
     tok = tiny.tokenizer
     prompt = tok.encode("The quick brown fox jumps over the lazy dog")  # past memory + one segment
     for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9, top_k=50, seed=5)):
-        events = list(generate(tiny.model, tok, prompt, max_new_tokens=20, sampling=sampling,
-                               boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=CONFIG))
+        events = list(reference_generate(tiny.model, tok, prompt, max_new_tokens=20, sampling=sampling,
+                                         boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=CONFIG))
         want = [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)]
         with LanguageModelClient(servers["plain"], timeout=60) as c:
             got = list(c.generate(prompt, max_new_tokens=20, temperature=sampling.temperature, top_k=sampling.top_k,
                                   seed=sampling.seed, memory_mode="compressive", memory=SIZES))
         pairs = [(d.token_ids[0], d.logprobs[0]) for d in got if isinstance(d, TextDelta) and d.token_ids]
-        assert [t for t, _ in pairs] == [t for t, _ in want]  # served by the engine's compressive rows (issue 12)
+        assert [t for t, _ in pairs] == [t for t, _ in want]  # served by the engine's compressive rows
         assert max(abs(a - b) for (_, a), (_, b) in zip(pairs, want)) < 1e-4  # float32 rounding of the cache path
         assert got[-1].completion_tokens == len(want)

@@ -1,9 +1,9 @@
-"""The LM server under hostile or careless clients (issue 9, findings 1 and 5): bounded work, cancellation.
+"""The LM server under hostile or careless clients: bounded work, cancellation.
 
 Real servers on port 0 over the tiny model; the SIGTERM test runs the server in its own process. The
 "maximal" request is 4,000 tokens at window 1024, stride 1: about 3,000 windows, some 20 s of forward
-work on 2 CPU cores (about 30 ms per batch of 4 windows), so every bound below (a few seconds) is far
-from both what the old code did (run all of it) and what one batch costs.
+work on two CPU cores (about 30 ms per batch of 4 windows), so every bound below (a few seconds) is far
+from both running all of it and what one batch costs.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_window_cost_is_the_plans_cost():
 
 @pytest.mark.parametrize("give_up", ["cancel", "deadline"])
 def test_abandoned_maximal_score_frees_the_model_at_once(lm, give_up):
-    # Before: the abandoned Score kept the model thread for its whole ~20 s; the next small Score waited.
+    # An abandoned Score must not keep the model thread for its whole ~20 s, with the next small Score waiting.
     _, stub = lm
     timed(stub.Score, SMALL)  # warm
     if give_up == "cancel":
@@ -101,7 +101,7 @@ def test_abandoned_maximal_score_frees_the_model_at_once(lm, give_up):
 
 def test_abandoned_long_prompt_generation_frees_the_model_at_once(lm):
     # An XL generation with 1-token segments encodes its prompt in 4,000 forward steps inside one model
-    # job; before, a deadline could not stop it.
+    # job; a deadline must stop it.
     _, stub = lm
     request = lm_pb2.GenerateRequest(prompt_token_ids=lm_pb2.TokenIds(ids=long_ids()), max_new_tokens=4,
                                      memory_mode=lm_pb2.MEMORY_MODE_XL,
@@ -117,7 +117,7 @@ def test_abandoned_long_prompt_generation_frees_the_model_at_once(lm):
     (maximal_request(LONG, stride=512, top_n=20), "max_message_bytes"),  # 4,000 x 21 entries > 1 MiB
 ])
 def test_over_budget_score_is_refused_before_any_work(tiny, module_loop, request_, limit):
-    # Before: the first ran for ~20 s and answered; the second computed everything, then failed on the size.
+    # Refused up front: the first would run for ~20 s, the second compute everything, then fail on the size.
     started = module_loop.run(start_lm_server(
         "127.0.0.1:0", tiny, limits=LMLimits(max_score_tokens=LONG + 1, max_forward_tokens=1_000_000),
         options=ServerOptions(max_message_bytes=2**20)))
@@ -149,7 +149,7 @@ def test_score_entries_over_the_limit_are_refused(tiny, module_loop):
 
 
 def test_tokenize_over_its_text_limit_is_refused(lm):
-    # Before: Tokenize had no length limit (30 MB of text held the model thread for 44 s).
+    # Tokenize has a length limit too (30 MB of text would hold the model thread for 44 s).
     _, stub = lm
     texts = ["the quick brown fox " * 3_000] * 2  # 120k characters > max_text_chars (100k)
     t0 = time.monotonic()
@@ -174,9 +174,9 @@ SERVE = textwrap.dedent("""
 
 
 def test_sigterm_during_a_long_score_exits_promptly_and_cleanly():
-    # Before: the process lived until the Score was done (minutes on a real model) and logged a
-    # CancelledError traceback. Now: the drain's grace (1 s here) ends the call, the work stops within one
-    # batch, and the process exits 0 with no traceback.
+    # The process must not live until the Score is done (minutes on a real model) nor log a CancelledError
+    # traceback: the drain's grace (1 s here) ends the call, the work stops within one batch, and the
+    # process exits 0 with no traceback.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen([sys.executable, "-c", SERVE], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -1,4 +1,4 @@
-"""Score with fewer kNN-LM searches (issue 15 part 4): KnnOptions pointers/min_pointers and adaptive_threshold/
+"""Score with fewer kNN-LM searches: KnnOptions pointers/min_pointers and adaptive_threshold/
 adaptive_fraction through a real LM server on port 0 equal the library (memlm.jobs.scoring.score_tokens with the
 same Retrieval) bit for bit, with the datastore in process and behind a real retrieval server (pointers through
 its Successors rpc); results carry searches and searches_saved; what is not served is refused naming the field."""
@@ -9,7 +9,7 @@ import grpc
 import pytest
 from tiny_models import fox_datastore, standardised_gate
 
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.scoring import score_tokens
 from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary

@@ -1,5 +1,5 @@
-"""MEMORY_MODE_MEMORIZING on the LM server (issue 10): Score and Generate equal the library's memorizing
-scoring and generation (memlm.jobs.scoring.score_tokens_segments, memlm.jobs.generate.generate with a
+"""MEMORY_MODE_MEMORIZING on the LM server: Score and Generate equal the library's memorizing
+scoring and generation (memlm.jobs.scoring.score_tokens_segments, reference_decoding.reference_generate with a
 memorizing MemoryConfig and the same KnnAttention), bit for bit; the request's knn sizes are bounded;
 a server without a KnnAttention answers UNIMPLEMENTED.
 
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import new_knn_attention
@@ -98,9 +99,9 @@ def test_generate_equals_the_library(tiny, knn_attention, stub):
                                      sampling=lm_pb2.SamplingOptions(temperature=0.0),
                                      memory_mode=lm_pb2.MEMORY_MODE_MEMORIZING, memory=OPTIONS)
     served = [t.token_id for r in stub.Generate(request, timeout=60) if r.HasField("delta") for t in r.delta.tokens]
-    events = generate(tiny.model, tiny.tokenizer, prompt, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
-                      boundary_token=document_boundary(tiny.tokenizer), eos_id=tiny.tokenizer.eos_id, memory=MEMORY,
-                      knn_attention=knn_attention)
+    events = reference_generate(tiny.model, tiny.tokenizer, prompt, max_new_tokens=12, sampling=SamplingConfig(temperature=0.0),
+                                boundary_token=document_boundary(tiny.tokenizer), eos_id=tiny.tokenizer.eos_id, memory=MEMORY,
+                                knn_attention=knn_attention)
     assert served == [e.token_id for e in events if isinstance(e, TokenEvent)] and served
 
 
@@ -249,7 +250,7 @@ def start_service_lm(tiny, knn_attention, module_loop, memories: str) -> tuple[s
 
 def test_score_and_generate_through_the_memory_service_equal_in_process(tiny, knn_attention, module_loop, stub,
                                                                         memory_service):
-    # Issue 10, item 2: the memory of a MEMORIZING request held by a retrieval server's sessions gives the
+    # The memory of a MEMORIZING request held by a retrieval server's sessions gives the
     # in-process server's log-probs and tokens bit for bit (the session runs the same exact scan).
     address, client = start_service_lm(tiny, knn_attention, module_loop, memory_service)
     seqs = [ids(120, salt=7), ids(40, salt=8)]

@@ -139,7 +139,7 @@ def test_each_client_gets_equal_model_time_whatever_its_step_size():
 
 
 def test_a_small_score_does_not_wait_for_a_long_one(tiny, lm):
-    # Before: one model thread ran the long Score to its end; the small one waited all of it.
+    # With one model thread running the long Score to its end, the small one would wait all of it.
     stub, _ = lm
     small = score_request([ids(40)], WINDOW, WINDOW // 2)
     stub.Score(small, timeout=30)  # warm
@@ -262,7 +262,7 @@ class GatedIndex:
 
 
 def test_a_remote_search_does_not_hold_the_model(tiny, index, module_loop, servers):
-    # Before (issue 9.2): the search waited on the model thread; every other call waited behind it.
+    # A remote search must not wait on the model thread, or every other call would wait behind it.
     gated = GatedIndex(index)
     retrieval = f"127.0.0.1:{module_loop.start(create_retrieval_server, '127.0.0.1:0', gated)}"
     link = RetrievalClient(retrieval)
@@ -297,7 +297,7 @@ def test_a_remote_search_does_not_hold_the_model(tiny, index, module_loop, serve
 
 
 def test_knn_calls_fail_at_once_while_the_retrieval_link_is_down(tiny, index, module_loop, lm):
-    # Before: a kNN Score queued for the model and ran its first forward step before its search failed.
+    # A kNN Score must not queue for the model and run its first forward step before its search fails.
     server, port = module_loop.run(create_retrieval_server("127.0.0.1:0", index))
     link = connect_retrieval(f"127.0.0.1:{port}", tls=None, token=None)  # watched, as serve lm's link
     try:

@@ -1,4 +1,4 @@
-"""MEMORY_MODE_SPALM on the LM server (issue 11, part 4): Score equals memlm.jobs.spalm_scoring.score_spalm
+"""MEMORY_MODE_SPALM on the LM server: Score equals memlm.jobs.spalm_scoring.score_spalm
 (whose per-token log-probs are evaluate_spalm's, tests/memlm/jobs/test_spalm_service.py) bit for bit, in
 process and through a real retrieval server; Generate's greedy tokens equal a by-hand loop of spalm_forward;
 a server without a head or a searcher answers UNIMPLEMENTED naming what it lacks; the datastore is checked

@@ -1,4 +1,4 @@
-"""Speculative decoding through the Generate rpc (issue 15 part 4), real servers on port 0: greedy Generate with
+"""Speculative decoding through the Generate rpc, real servers on port 0: greedy Generate with
 `speculative` is token-identical to greedy Generate without it (kNN-LM and the base LM drafting from the
 datastore) over several prompts, with mean_accepted_tokens > 1 and searches in the finish; what cannot run is
 refused naming its field.
@@ -18,7 +18,7 @@ from datastore import BuildSettings, BuildSource, Datastore, build_from_tokens
 from memlm.engine.drafts import SpeculativeConfig
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.windows import WindowConfig
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained

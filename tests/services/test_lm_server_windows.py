@@ -1,5 +1,5 @@
 """The LM server scores with the windows its datastore's keys were made with when a Score request leaves
-them unset (issue 8: one rule for an artifact's settings; before, the server's own literal 1024/512 applied)."""
+them unset (one rule for an artifact's settings, never a server literal of its own)."""
 
 from __future__ import annotations
 
@@ -35,4 +35,4 @@ def test_unset_windows_are_the_datastores(loop_thread):
     # Score runs on the engine (services.lm.score_engine): float32 rounding of its cache layout only.
     assert logprobs_close(got, in_process(48, 24))
     assert logprobs_close(no_knn, in_process(48, 24, knn=None))  # the datastore's windows
-    assert not logprobs_close(got, in_process(1024, 512))  # tells them from the old default
+    assert not logprobs_close(got, in_process(1024, 512))  # tells them from a fixed 1024/512 default

@@ -1,4 +1,4 @@
-"""MemoryService session memories (issue 10, item 2): a real retrieval server on port 0 against the
+"""MemoryService session memories: a real retrieval server on port 0 against the
 in-process ExactMemory oracle (exact equality), FIFO at capacity, the server's limits, expiry,
 NOT_FOUND, field-naming errors, authentication, and messages split to fit.
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front (issue 13, part 3): the official `openai` client, unmodified, against `memlm serve
+"""The OpenAI-compatible front: the official `openai` client, unmodified, against `memlm serve
 openai` over real LM servers on port 0 (the tiny model; tests/services/conftest.py `servers`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A transformers model behind the LM service and the OpenAI front (issue 13): Score and Generate in memory mode
+"""A transformers model behind the LM service and the OpenAI front: Score and Generate in memory mode
 NONE with a tiny random GPT-2 saved with save_pretrained (memlm.model.hf_model), memory modes refused."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
-from memlm.jobs.generate import SamplingConfig, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
 from services.lm.client import KnnRequest, LanguageModelClient
@@ -61,8 +62,8 @@ def test_score_through_the_front_is_the_models_own_log_probs(gpt2, front):
 
 def test_generate_through_the_front_is_the_librarys(gpt2, front):
     r = front["oai"].completions.create(model="gpt2-tiny", prompt=PROMPT, max_tokens=10, temperature=0)
-    events = list(generate(gpt2.model, gpt2.tokenizer, gpt2.tokenizer.encode(PROMPT), max_new_tokens=10,
-                           sampling=SamplingConfig(temperature=0), boundary_token=document_boundary(gpt2.tokenizer)))
+    events = list(reference_generate(gpt2.model, gpt2.tokenizer, gpt2.tokenizer.encode(PROMPT), max_new_tokens=10,
+                                     sampling=SamplingConfig(temperature=0), boundary_token=document_boundary(gpt2.tokenizer)))
     assert r.choices[0].text == "".join(e.text_delta for e in events)
     streamed = front["oai"].completions.create(model="gpt2-tiny", prompt=PROMPT, max_tokens=10, temperature=0,
                                                stream=True)

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness' `local-completions` model scores and generates through the OpenAI front (issue 13):
+"""lm-evaluation-harness' `local-completions` model scores and generates through the OpenAI front:
 its loglikelihood requests (echo, max_tokens 1, logprobs 1, token-id prompts) give the LM service's Score of
 the same tokens, and generate_until its Generate."""
 

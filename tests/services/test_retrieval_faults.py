@@ -1,11 +1,11 @@
-"""Issue 9, finding 2: a dead or hung retrieval service fails kNN calls fast and delays nothing else.
+"""A dead or hung retrieval service fails kNN calls fast and delays nothing else.
 
 A real retrieval server runs as a child process (over the tiny model's keys) that the tests kill, stop
 (SIGSTOP, a hung service) and restart on the same port; the LM server runs in-process on port 0 and
-reaches it through the link `memlm serve lm --retrieval` used before this fix (wait_for_ready on), so
-on the old code a kNN Score after the kill waited out its deadline and held the model thread meanwhile.
+reaches it through a link with wait_for_ready on, the setting with which a kNN Score after the kill
+would wait out its deadline and hold the model thread meanwhile.
 The shard router gets the same treatment over that process as its one shard (a hung shard, a caller
-without a deadline). Every wait is bounded; timings are asserted with wide margins against the old 60 s.
+without a deadline). Every wait is bounded; timings are asserted with wide margins against a 60 s wait.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_killed_retrieval_fails_knn_fast_delays_no_plain_score_and_health_follow
         plain_call.join(30)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
         assert f"retrieval service {retrieval.address}" in e.value.details and "link down" in e.value.details
-        assert knn_s < 10, knn_s  # the old code: 60 s (the client's deadline here: 30 s)
+        assert knn_s < 10, knn_s  # not the 60 s of a wait for ready (the client's deadline here: 30 s)
         plain, plain_s = plain_out["r"]
         assert plain_s < 10, plain_s
         assert plain[0].total_logprob == pytest.approx(before[0].base_total_logprob, abs=1e-4)
@@ -220,7 +220,7 @@ def test_serve_lm_link_fails_knn_fast_right_after_the_kill(tiny, retrieval, loop
                 c.score([TEXT], knn=KnnRequest())
             knn_s = time.monotonic() - start
             assert e.value.code == grpc.StatusCode.UNAVAILABLE and retrieval.address in e.value.details
-            assert knn_s < 10, knn_s  # the old link: the caller's whole deadline (30 s here)
+            assert knn_s < 10, knn_s  # not the caller's whole deadline (30 s here)
             _, plain_s = timed(lambda: c.score([TEXT]))
             assert plain_s < 10, plain_s
             retrieval.start()

@@ -1,4 +1,4 @@
-"""Live generations (issue 14, part 4): a retrieval server searched in a loop while `add`, `remove` and
+"""Live generations: a retrieval server searched in a loop while `add`, `remove` and
 `compact` commit generations 1, 2 and 3 of its datastore answers every call (0 errors), each answer is
 the one of the generation it was served from (A, or A + B), and GetInfo then reports the new generation."""
 

@@ -1,4 +1,4 @@
-"""The retrieval service's Successors rpc (issue 15 part 2): ids -> successors and their values, as the
+"""The retrieval service's Successors rpc: ids -> successors and their values, as the
 in-process table answers; RetoMaton's pointer evaluation through a real retrieval server on port 0 equals
 the in-process one (both without keys: pointers carry their predecessor's distance); bad ids and a server
 without successors get a status naming why; a walk through a live datastore that commits a new generation is
@@ -109,7 +109,7 @@ def test_bad_ids_and_a_server_without_successors_are_refused(loop_thread, store)
 
 
 def test_a_walk_across_a_new_generation_is_aborted(loop_thread, store_dir, store, model, docs, tmp_path):
-    """Ids of generation 0 looked up after `memlm datastore add` committed generation 1 (issue 14): the
+    """Ids of generation 0 looked up after `memlm datastore add` committed generation 1: the
     lookup is answered from generation 1 (SuccessorsResponse.generation), and the walk that searched in 0
     is ABORTED instead of following rows of another generation; a fresh walk then runs in 1."""
     directory = shutil.copytree(store_dir, tmp_path / "live")

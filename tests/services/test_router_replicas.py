@@ -1,4 +1,4 @@
-"""Router over replicated shards (issue 16, part 3): failover, hedging, a whole shard gone, partial answers.
+"""Router over replicated shards: failover, hedging, a whole shard gone, partial answers.
 
 Every test runs real retrieval servers and a real router on port 0; a replica is killed by stopping its
 server (no grace) and restarted on the same port. The oracle is one Flat index over the union.

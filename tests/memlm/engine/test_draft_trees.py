@@ -24,7 +24,7 @@ from memlm.engine.engine import run_all
 from memlm.engine.kv_cache import CacheLayout, RowCache
 from memlm.engine.requests import GenerationRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig
+from memlm.jobs.decoding import SamplingConfig
 
 
 def test_prefix_tree_merges_in_order_within_the_budget() -> None:

@@ -17,7 +17,8 @@ from tiny_models import sharp_tiny_model
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, EngineFull, GenerationRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import ModelConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
@@ -58,8 +59,8 @@ def alone(model, req: GenerationRequest) -> list[int]:
 
 
 def one_sequence(model, req: GenerationRequest, memory: MemoryConfig | None = None) -> list:
-    return list(generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                         stop_sequences=req.stop_sequences, boundary_token=BOUNDARY, eos_id=req.eos_id, memory=memory))
+    return list(reference_generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                                   stop_sequences=req.stop_sequences, boundary_token=BOUNDARY, eos_id=req.eos_id, memory=memory))
 
 
 def full_recomputation_greedy(model, prefix: list[int], n: int) -> list[int]:
@@ -86,7 +87,7 @@ def test_greedy_equals_full_recomputation_and_one_sequence_generation(model) -> 
 
 def test_xl_memory_equals_one_sequence_xl_generation_past_the_context() -> None:
     """Prompt and continuation run far past a 32-token context: the engine's XL rows (sinks, memory, segments
-    cut by the prefill budget) make memlm.jobs.generate's XL tokens; the plain cache's differ."""
+    cut by the prefill budget) make the reference decoder's XL tokens; the plain cache's differ."""
     model = short_context_model(32, seed=1)
     reqs = [request("memory of a long document " * 3, 60), request("x", 60), request("another one", 60, SAMPLED)]
     config = EngineConfig(max_batch=2, prefill_chunk=5, memory=XL)

@@ -1,5 +1,5 @@
 """memlm.engine with compressive rows (Rae et al. 2019): the engine's compressed groups against
-memlm.jobs.generate's one-sequence CompressiveMemory generation, a compressive row inside a batch = alone,
+the reference decoder's one-sequence CompressiveMemory generation, a compressive row inside a batch = alone,
 the layout's memory window against push_fifo's eviction by groups.
 
 Shape legend: T tokens.
@@ -17,7 +17,8 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.kv_cache import CacheLayout
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.xl import push_fifo
 from memlm.model.config import ModelConfig
@@ -43,8 +44,8 @@ def request(text: str, n: int, sampling: SamplingConfig = GREEDY) -> GenerationR
 
 
 def one_sequence(model, req: GenerationRequest, memory: MemoryConfig) -> list:
-    return list(generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                         boundary_token=BOUNDARY, memory=memory))
+    return list(reference_generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                                   boundary_token=BOUNDARY, memory=memory))
 
 
 def tokens(events) -> list[int]:

@@ -1,4 +1,4 @@
-"""Fewer kNN-LM searches in engine generation (issue 15; memlm.engine.fewer_rows). Oracle: plain kNN-LM
+"""Fewer kNN-LM searches in engine generation (memlm.engine.fewer_rows). Oracle: plain kNN-LM
 generation on the engine. A gate threshold of 0 and a RetoMaton minimum above k generate the same tokens with
 the same searches; with pointers on, searches are saved and every pointer is the same-document successor of
 a candidate whose value is the token chosen; a pointer/gated row among joining and leaving rows equals it
@@ -29,8 +29,8 @@ from memlm.engine.drafts import SpeculativeConfig
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.pointer_walk import walk
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.adaptive import (

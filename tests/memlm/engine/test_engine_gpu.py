@@ -1,5 +1,5 @@
 """The engine on a CUDA device: the same tokens as on the CPU (float32), and bfloat16 runs; skipped without
-a GPU (issue 12: the loop is written to stay on the device; CPU is what CI tests)."""
+a GPU (the loop is written to stay on the device; CPU is what CI tests)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tiny_models import sharp_tiny_model
 
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 

@@ -16,7 +16,7 @@ from tiny_models import sharp_tiny_model
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution

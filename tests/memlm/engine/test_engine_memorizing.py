@@ -1,4 +1,4 @@
-"""Memorizing rows in the engine (memlm.engine.memorizing_rows) against memlm.jobs.generate with knn_attention (the
+"""Memorizing rows in the engine (memlm.engine.memorizing_rows) against the reference decoder with knn_attention (the
 library's one-sequence memorizing generation): tokens identical, log-probs within float32 rounding, for prompts
 longer than a segment and generations longer than the XL memory (so the kNN memory is read, and evicts FIFO);
 with kNN-LM too; a memorizing row in a batch of joiners and leavers = alone (greedy and seeded sampling); every
@@ -21,7 +21,8 @@ from tiny_models import phrase_documents, sharp_tiny_model
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.windows import WindowConfig
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import new_knn_attention
@@ -53,9 +54,9 @@ def request(prompt: list[int], n: int, sampling: SamplingConfig = GREEDY, knn: K
 
 
 def library(model, module, req: GenerationRequest, memory: MemoryConfig = MEMORY, searcher=None) -> list:
-    return list(generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                         boundary_token=BOUNDARY, memory=memory, searcher=searcher if req.knn else None, knn=req.knn,
-                         knn_attention=module if memory.kind == "memorizing" else None))
+    return list(reference_generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                                   boundary_token=BOUNDARY, memory=memory, searcher=searcher if req.knn else None, knn=req.knn,
+                                   knn_attention=module if memory.kind == "memorizing" else None))
 
 
 def pairs(events) -> list[tuple[int, float]]:

@@ -24,8 +24,8 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest
 from memlm.engine.score_rows import ScoreEnded, ScoreRow, join_scores, split
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.scoring import SequenceScore, score_tokens, score_tokens_segments
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import ModelConfig
@@ -175,8 +175,8 @@ class CountingSearcher:
 
 
 def test_a_step_with_score_and_decode_rows_searches_the_datastore_once(model) -> None:
-    # Issue 12: one kNN-LM search per step for every row of the lane, the score rows' scored tokens included
-    # (they used to search on their own, a second scan of the datastore in every step that had both).
+    # One kNN-LM search per step for every row of the lane, the score rows' scored tokens included (a
+    # search of their own would be a second scan of the datastore in every step that has both).
     searcher = CountingSearcher(datastore(model))
     greedy = SamplingConfig(temperature=0)
     gen_request = GenerationRequest(tuple(TOK.encode("generating")), 6, greedy, boundary_token=B, knn=KNN)
@@ -261,7 +261,7 @@ def test_a_failed_step_search_ends_the_score_rows_in_it_not_a_generate_row_that_
                                           knn=KNN, fewer=Retrieval(PointerConfig(min_pointers=1), source)))
     for _ in range(40):  # until a step where the row follows pointers
         engine.step()
-        (row,) = engine._rows.values()
+        (row,) = engine.rows.values()
         if row.searches_saved > 0:
             break
     assert row.searches_saved > 0
@@ -345,8 +345,8 @@ def test_a_decode_row_moved_into_a_finished_score_rows_slot_still_decodes_that_s
 
 def test_prompt_rows_never_read_another_rows_cache_after_a_score_leaves() -> None:
     """A score row that finishes in a step is released before that step's prompt pass, and the last row moves
-    into its slot: the prompt rows were then out of slot order ([0, 3, 2]), read as one slice of the cache, so a
-    prompt attended to a live generation's keys (review of this session: B's first token was D's). Every row
+    into its slot: the prompt rows are then out of slot order ([0, 3, 2]), and read as one slice of the cache a
+    prompt would attend to a live generation's keys (B's first token would be D's). Every row
     must yield exactly what it yields alone."""
     model = sharp_tiny_model()
     greedy = SamplingConfig(temperature=0.0)

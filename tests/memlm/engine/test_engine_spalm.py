@@ -1,5 +1,5 @@
 """SPALM rows in the engine (memlm.engine.spalm_rows): the head's logits at every ready row against
-memlm.jobs.generate with spalm_step (the library's one-sequence SPALM generation), token for token with
+the reference decoder with spalm_step (one sequence, stepped by hand), token for token with
 log-probs, past the context; a SPALM row in a batch = alone; the head matters; refusals.
 
 Shape legend: T tokens.
@@ -22,7 +22,8 @@ from memlm.engine.requests import (
     SpalmSettings,
 )
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.spalm_scoring import spalm_step
 from memlm.jobs.windows import WindowConfig
 from memlm.model.memory_config import MemoryConfig
@@ -63,8 +64,8 @@ def request(prompt: list[int], n: int, sampling: SamplingConfig = GREEDY, k: int
 
 
 def library(model, head, searcher, req: GenerationRequest) -> list:
-    return list(generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                         boundary_token=BOUNDARY, memory=SPALM, segment_step=spalm_step(head, searcher, req.spalm.k)))
+    return list(reference_generate(model, TOK, list(req.prompt_ids), max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                                   boundary_token=BOUNDARY, memory=SPALM, segment_step=spalm_step(head, searcher, req.spalm.k)))
 
 
 def pairs(events) -> list[tuple[int, float]]:

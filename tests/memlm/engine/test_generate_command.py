@@ -10,7 +10,7 @@ import pytest
 from memlm.cli import main
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weights import load_pretrained
 
@@ -81,7 +81,7 @@ def test_knn_lm_over_a_built_datastore_and_xl_memory(capsys, tmp_path) -> None:
 
 
 def test_compressive_memory_equals_the_library(capsys, tmp_path) -> None:
-    from memlm.jobs.generate import generate
+    from reference_decoding import reference_generate
     from memlm.model.memory_config import MemoryConfig
 
     out_json, prompt = tmp_path / "c.json", "a long prompt past a few segments of memory"
@@ -91,9 +91,9 @@ def test_compressive_memory_equals_the_library(capsys, tmp_path) -> None:
     assert code == 0, err
     tiny = load_pretrained("tiny")
     memory = MemoryConfig("compressive", mem_len=6, cmem_len=3, compress_rate=2, sink_tokens=2, segment=4)
-    events = generate(tiny.model, tiny.tokenizer, tiny.tokenizer.encode(prompt), max_new_tokens=40,
-                      sampling=SamplingConfig(temperature=0.0), boundary_token=document_boundary(tiny.tokenizer),
-                      eos_id=tiny.tokenizer.eos_id, memory=memory)
+    events = reference_generate(tiny.model, tiny.tokenizer, tiny.tokenizer.encode(prompt), max_new_tokens=40,
+                                sampling=SamplingConfig(temperature=0.0), boundary_token=document_boundary(tiny.tokenizer),
+                                eos_id=tiny.tokenizer.eos_id, memory=memory)
     (result,) = json.loads(out_json.read_text())["results"]
     assert result["tokens"] == [e.token_id for e in events if isinstance(e, TokenEvent)]
 

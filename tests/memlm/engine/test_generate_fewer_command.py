@@ -1,5 +1,5 @@
-"""`memlm generate --pointers --min-pointers N / --adaptive-gate DIR --adaptive-threshold X | --adaptive-fraction F`
-(issue 15): a minimum above --k and threshold 0 generate plain kNN-LM's tokens with its searches; with savings,
+"""`memlm generate --pointers --min-pointers N / --adaptive-gate DIR --adaptive-threshold X | --adaptive-fraction F`:
+a minimum above --k and threshold 0 generate plain kNN-LM's tokens with its searches; with savings,
 --json carries searches and searches_saved (their sum: the tokens chosen), recorded with the settings;
 refusals are one line. (Through a retrieval server: tests/services/test_lm_generate_fewer.py.)"""
 

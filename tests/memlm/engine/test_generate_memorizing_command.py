@@ -1,7 +1,7 @@
-"""`memlm generate --memory memorizing` (issues 10 and 12) runs on the engine: over a `memlm train --memory
+"""`memlm generate --memory memorizing` runs on the engine: over a `memlm train --memory
 memorizing` checkpoint it takes the checkpoint's layer, sizes and trained kNN attention (a different --knn-layer is
 refused in one line); any other model gets a fresh gate, said on stderr and recorded in --json. Oracle:
-memlm.jobs.generate with the same MemoryConfig and KnnAttention."""
+the reference decoder with the same MemoryConfig and KnnAttention."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import json
 import torch
 
 from memlm.cli import main
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.memorizing import (
     load_knn_attention,
@@ -35,9 +36,9 @@ def run(capsys, *argv):
 
 def library_tokens(pre, memory: MemoryConfig, knn_attention, n: int) -> list[int]:
     tok = pre.tokenizer
-    events = generate(pre.model, tok, tok.encode(PROMPT), max_new_tokens=n, sampling=SamplingConfig(temperature=0.0),
-                      boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=memory,
-                      knn_attention=knn_attention)
+    events = reference_generate(pre.model, tok, tok.encode(PROMPT), max_new_tokens=n, sampling=SamplingConfig(temperature=0.0),
+                                boundary_token=document_boundary(tok), eos_id=tok.eos_id, memory=memory,
+                                knn_attention=knn_attention)
     return [e.token_id for e in events if isinstance(e, TokenEvent)]
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding from the datastore (issue 15 part 3): greedy speculative generation is token-
+"""Speculative decoding from the datastore: greedy speculative generation is token-
 identical to plain greedy generation (kNN-LM, and the base LM drafting from the datastore), inside a
 continuous batch with plain rows joining and leaving, with stops and max_new_tokens inside drafts.
 
@@ -31,7 +31,7 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
 from memlm.engine.rows import Row
 from memlm.errors import MemlmError
-from memlm.jobs.generate import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.jobs.decoding import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig

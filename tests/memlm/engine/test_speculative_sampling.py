@@ -1,4 +1,4 @@
-"""Sampled speculative generation keeps exactly the plain sampler's distribution (issue 15 part 3).
+"""Sampled speculative generation keeps exactly the plain sampler's distribution.
 
 A chi-square test over a fixed set of seeds (so it is deterministic): the first three tokens of a
 kNN-LM continuation with top-k 3 (27 outcomes at most), sampled speculatively with drafts from the
@@ -26,7 +26,7 @@ from memlm.engine import speculative
 from memlm.engine.drafts import SpeculativeConfig
 from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest
-from memlm.jobs.generate import SamplingConfig, TokenEvent, filter_logits
+from memlm.jobs.decoding import SamplingConfig, TokenEvent, filter_logits
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.knnlm import KNNLMConfig, interpolate, knn_log_distribution
 from memlm.retrieval.searcher import search_keys

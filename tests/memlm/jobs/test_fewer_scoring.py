@@ -1,5 +1,5 @@
-"""Fewer searches in per-token scoring (memlm.jobs.fewer_scoring through score_tokens, what the Score rpc runs;
-issue 15): a RetoMaton minimum above k and a gate threshold of 0 are plain kNN-LM scoring exactly; with
+"""Fewer searches in per-token scoring (memlm.jobs.fewer_scoring through score_tokens, what the Score rpc
+runs): a RetoMaton minimum above k and a gate threshold of 0 are plain kNN-LM scoring exactly; with
 savings, a searched token scores as plain kNN-LM does, a token the gate skips scores as the base LM, and
 searches + saved = tokens."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import RowWiseSearcher, repeated_phrase_documents
 
-from memlm.jobs.knnlm_pass import Retrieval
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.scoring import score_tokens
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.config import ModelConfig

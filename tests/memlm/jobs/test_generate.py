@@ -1,4 +1,5 @@
-"""memlm.jobs.generate: KV-cached decoding against full forward passes, seeded sampling, stops, UTF-8 deltas.
+"""memlm.engine.generate (one request through the decoding engine) against full forward passes without a KV
+cache, seeded sampling, stops, UTF-8 deltas.
 
 Shape legend: B batch, T tokens, V vocab, C key width.
 """
@@ -11,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlm.jobs.generate import (
+from memlm.engine.generate import generate
+from memlm.jobs.decoding import (
     GenerationEnd,
     SamplingConfig,
     TokenEvent,
     filter_logits,
-    generate,
 )
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.config import PRESETS
@@ -175,7 +176,11 @@ def test_knn_lambda_zero_generates_the_base_tokens(tiny):
     searcher = TorchExactSearcher(keys, torch.randint(0, 200, (50,)).numpy())
     base, _ = run(tiny, max_new_tokens=8, sampling=GREEDY)
     mixed, _ = run(tiny, max_new_tokens=8, sampling=GREEDY, searcher=searcher, knn=KNNLMConfig(k=4, lmbda=0.0))
-    assert [(t.token_id, t.logprob) for t in mixed] == [(t.token_id, t.logprob) for t in base]
+    assert [t.token_id for t in mixed] == [t.token_id for t in base]
+    # The same log-probs up to float rounding: a greedy base-LM row takes logit - logsumexp, a kNN-LM row the
+    # log-softmax the mixture needs (memlm.engine.sampling.choose_tokens).
+    torch.testing.assert_close(torch.tensor([t.logprob for t in mixed]), torch.tensor([t.logprob for t in base]),
+                               rtol=0, atol=1e-5)
     # lambda 1: only neighbour values can be drawn.
     only_knn, _ = run(tiny, max_new_tokens=8, sampling=SamplingConfig(seed=3), searcher=searcher,
                       knn=KNNLMConfig(k=4, lmbda=1.0, temperature=1.0))
@@ -200,3 +205,21 @@ def test_bad_arguments(tiny):
     too_long = MemoryConfig("xl", segment=tiny.model.config.max_seq_len + 1)
     with pytest.raises(MemlmError, match=r"^segment must be in \[1, 1024\] with a memory, got 1025$"):
         generate(tiny.model, tok, [1], max_new_tokens=1, memory=too_long)
+
+
+def test_should_stop_is_polled_before_every_step(tiny):
+    from memlm.jobs.windows import WorkStopped
+
+    tok, polls = tiny.tokenizer, []
+
+    def should_stop() -> bool:
+        polls.append(True)
+        return len(polls) > 3  # three steps run: the prompt (and the first token), then two tokens
+
+    events = generate(tiny.model, tok, tok.encode("The quick"), max_new_tokens=20, sampling=GREEDY,
+                      boundary_token=document_boundary(tok), should_stop=should_stop)
+    got = []
+    with pytest.raises(WorkStopped):
+        for event in events:
+            got.append(event)
+    assert len(got) == 3 and all(isinstance(e, TokenEvent) for e in got)

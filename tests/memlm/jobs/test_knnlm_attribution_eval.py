@@ -1,4 +1,4 @@
-"""`memlm eval --datastore ... --attribution OUT.jsonl` (issue 14, part 5): one JSON line per evaluated token,
+"""`memlm eval --datastore ... --attribution OUT.jsonl`: one JSON line per evaluated token,
 written as the evaluation goes. Oracles: the interpolation identity for p_kNN, the listed masses summing to
 it when every document is listed, and a stored document's tokens attributed to that document."""
 

@@ -1,4 +1,4 @@
-"""`memlm eval --datastore` with fewer searches (issue 15): --pointers --min-pointers N, `memlm train-gate` and
+"""`memlm eval --datastore` with fewer searches: --pointers --min-pointers N, `memlm train-gate` and
 --adaptive-gate with --adaptive-threshold / --adaptive-fraction, end to end through the command line on a
 built datastore; a gate fitted on an evaluated document is refused (the same overlap rule as tuning), and
 every flag that does not apply is refused in one line."""

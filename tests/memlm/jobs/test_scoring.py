@@ -171,7 +171,7 @@ def test_knn_perplexity_equals_evaluate_knnlm(tiny, docs, searcher):
 
 def test_searches_count_knn_searches_only(tiny, docs, searcher):
     """SequenceScore.searched is None without kNN-LM (no search: searches 0) and marks every token with
-    plain kNN-LM (searches = tokens), windows and segments alike (review of issue 15)."""
+    plain kNN-LM (searches = tokens), windows and segments alike."""
     knn = KNNLMConfig(k=8, lmbda=0.5, temperature=5.0)
     memory = MemoryConfig("xl", mem_len=12, sink_tokens=2, segment=8)
     for score in (lambda **kw: score_tokens(tiny.model, docs, context=32, stride=16, boundary_token=BOUNDARY, **kw),
@@ -320,7 +320,8 @@ def test_generate_xl_runs_past_context_and_scores_as_segments(tiny):
     same memory gives back the generated tokens' base log-probabilities."""
     from dataclasses import replace
 
-    from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+    from memlm.engine.generate import generate
+    from memlm.jobs.decoding import SamplingConfig, TokenEvent
     from memlm.model.decoder import Decoder
 
     short = Decoder(replace(tiny.model.config, max_seq_len=32))
@@ -341,7 +342,8 @@ def test_generate_xl_runs_past_context_and_scores_as_segments(tiny):
 
 def test_generate_xl_without_eviction_equals_kv_cache(tiny):
     """While nothing leaves the memory, the XL memory holds exactly what a KV cache holds."""
-    from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+    from memlm.engine.generate import generate
+    from memlm.jobs.decoding import SamplingConfig, TokenEvent
 
     tok, boundary = tiny.tokenizer, BOUNDARY
     prompt = tok.encode("Peter Piper picked a peck")

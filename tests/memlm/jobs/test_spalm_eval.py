@@ -1,4 +1,4 @@
-"""SPALM evaluation (memlm.jobs.spalm, issue 11): gate 1 is `--memory xl` exactly, the gate report adds up,
+"""SPALM evaluation (memlm.jobs.spalm): gate 1 is `--memory xl` exactly, the gate report adds up,
 frequency buckets match a hand count, and `memlm eval --memory spalm --datastore DIR` runs end to end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPALM + kNN-LM in evaluation (memlm.jobs.spalm.evaluate_spalm with knn, issue 11): lambda 0 is SPALM
+"""SPALM + kNN-LM in evaluation (memlm.jobs.spalm.evaluate_spalm with knn): lambda 0 is SPALM
 exactly, the gate forced to 1 with lambda is the XL model interpolated with kNN-LM by hand over the same
 neighbours, lambda and T are tuned on the tuning documents by kNN-LM's tuner, and the command line."""
 

@@ -1,4 +1,4 @@
-"""SPALM for the service (memlm.jobs.spalm_scoring, issue 11 part 4): per-token SPALM scores equal a by-hand
+"""SPALM for the service (memlm.jobs.spalm_scoring): per-token SPALM scores equal a by-hand
 loop of spalm_forward over evaluate_spalm's segments (and sum to its nll), gate 1 is XL scoring exactly,
 generation equals a by-hand greedy loop, and SPALM through a real retrieval server (RetrievalClient as the
 Searcher) equals SPALM in process over the same Flat datastore, bit for bit.
@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from tiny_models import phrase_documents, sharp_tiny_model
 
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, TokenEvent, generate
+from memlm.engine.generate import generate
+from memlm.engine.requests import SpalmSettings
+from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.jobs.memorizing import open_memory
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.jobs.segment_eval import SegmentStream
 from memlm.jobs.spalm import datastore_token_counts, evaluate_spalm
-from memlm.jobs.spalm_scoring import score_spalm, spalm_step
+from memlm.jobs.spalm_scoring import score_spalm
 from memlm.jobs.windows import WindowConfig
 from memlm.model.memory_config import MemoryConfig
 from memlm.memory.spalm import SpalmHead, spalm_forward
@@ -123,7 +125,7 @@ def test_generation_equals_a_greedy_loop_of_spalm_forward(setup):
     tokenizer = load_pretrained("tiny").tokenizer  # bytes: ids from 259 up are never drawn
     prompt = phrase_documents(1, 40, seed=5)[0]
     events = generate(model, tokenizer, prompt, max_new_tokens=10, sampling=SamplingConfig(temperature=0.0),
-                      boundary_token=BOUNDARY, memory=MEMORY, segment_step=spalm_step(head, searcher, K))
+                      boundary_token=BOUNDARY, memory=MEMORY, searcher=searcher, spalm_head=head, spalm=SpalmSettings(K))
     served = [e.token_id for e in events if isinstance(e, TokenEvent)]
     # By hand: every prompt segment through spalm_forward (the memory is the decoder's either way), the
     # last position's logits, then one token at a time, each with one search.
@@ -140,7 +142,7 @@ def test_generation_equals_a_greedy_loop_of_spalm_forward(setup):
             out = spalm_forward(model, head, torch.tensor([[token]]), state, searcher, K, torch.ones(1, 1, dtype=torch.bool))
             state = out.state
     assert served == expected and len(served) == 10
-    with pytest.raises(MemlmError, match="segment_step"):
+    with pytest.raises(MemlmError, match="spalm_head"):
         generate(model, tokenizer, prompt, max_new_tokens=2, memory=MEMORY)
 
 

@@ -1,4 +1,4 @@
-"""datastore_token_counts counts live entries only (issue 14): after `memlm datastore remove` the gate
+"""datastore_token_counts counts live entries only: after `memlm datastore remove` the gate
 report's token counts are those of the documents a search can still return."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPALM training (memlm.jobs.spalm_train, issue 11): a step changes the head and W only (the head only with
+"""SPALM training (memlm.jobs.spalm_train): a step changes the head and W only (the head only with
 --freeze-embeddings), the checkpoint evaluates with its head, and the leakage guard drops exactly the
 neighbours of a query's own document near its position when the training text is the datastore's corpus."""
 
@@ -294,5 +294,5 @@ def test_a_datastore_without_the_documents_table_falls_back_to_the_corpus_finger
     store = OlderFormat(Datastore.open(built[2]))
     run, lines = spalm_run(built, "year<2000", store)
     assert run.guarded and run.doc_ids == [[i] for i in range(10)] and "by corpus fingerprint" in lines[-1]
-    run, lines = spalm_run(built, "[0:10]", store)  # today's rule: another split expression turns it off
+    run, lines = spalm_run(built, "[0:10]", store)  # without a documents table, another split expression turns it off
     assert not run.guarded and "leakage guard off: by corpus fingerprint" in lines[-1]

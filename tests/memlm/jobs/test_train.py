@@ -131,7 +131,8 @@ def test_checkpoint_records_how_the_model_reads_text(tmp_path):
 
 
 def test_train_starts_documents_with_the_one_boundary_token(tmp_path, smollm2_gguf, monkeypatch):
-    """Issue 8: train took BOS (<|im_start|> for SmolLM2); eval, the builder and the server take <|endoftext|>."""
+    """Train starts documents with the boundary token eval, the builder and the server take (<|endoftext|> for
+    SmolLM2), not BOS (<|im_start|>)."""
     import memlm.jobs.train as train_module
 
     seen = []
@@ -156,5 +157,5 @@ def test_sink_tokens_default_is_memory_configs():
 
 def test_old_checkpoints_with_a_top_level_segment_still_read():
     d = small_config().to_dict()
-    d["segment"] = d["memory"].pop("segment")  # the first wave's layout
+    d["segment"] = d["memory"].pop("segment")  # the older layout, with segment at the top level
     assert TrainConfig.from_dict(d) == small_config()

@@ -1,4 +1,4 @@
-"""memlm train/eval/score --memory memorizing on the tiny preset (issue 10): what trains, exact resume, a
+"""memlm train/eval/score --memory memorizing on the tiny preset: what trains, exact resume, a
 checkpoint round-trips into eval, the gate at 0 is the XL model exactly, scoring equals the eval path."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from tiny_models import phrase_documents as documents
 
 from memlm.cli import main
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, generate
+from memlm.engine.generate import generate
+from memlm.jobs.decoding import SamplingConfig
 from memlm.jobs.memorizing import fresh_knn_attention
 from memlm.jobs.scoring import score_tokens_segments
 from memlm.jobs.segment_eval import evaluate_memory

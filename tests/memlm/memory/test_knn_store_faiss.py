@@ -116,7 +116,7 @@ def test_default_factory_is_flat_in_the_exact_range_and_ivf_beyond():
 
 
 def test_ivf_backend_is_an_inverted_file_at_any_size():
-    # `--knn-backend ivf`: approximate at 64K already, where "auto" and "faiss" scan exactly (issue 10's cost).
+    # `--knn-backend ivf`: approximate at 64K already, where "auto" and "faiss" scan exactly (too slow at 64K).
     from memlm.memory.knn_store_faiss import FLAT_FACTORY, default_factory, ivf_factory
 
     m = open_key_value_memory("ivf", 2, 8, 8, 65536, "cpu")

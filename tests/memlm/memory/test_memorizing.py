@@ -1,4 +1,4 @@
-"""The Memorizing Transformer layer and memory state (issue 10), tiny random models, against oracles.
+"""The Memorizing Transformer layer and memory state, tiny random models, against oracles.
 
 Oracles: the XL model (an empty kNN memory or a gate at 0 must give it exactly), the model with the
 layer's output projection zeroed (a gate at 1 over a memory branch that returns zeros), a brute-force

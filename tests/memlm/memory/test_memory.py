@@ -429,7 +429,7 @@ def test_compressor_space_must_match_the_memory():
 
 @pytest.mark.parametrize("kind", ["xl", "compressive"])
 def test_sink_distance_stays_within_the_cache_deep_into_a_document(kind):
-    # Issue 10: sinks kept at their true positions sat ~13K tokens from the query deep into a SOTU
+    # Sinks kept at their true positions would sit ~13K tokens from the query deep into a SOTU
     # president's speeches, beyond anything SmolLM2 was trained on (loss 3.4 -> 7 nats). Every slot the
     # segment attends to must lie within sinks + memory (+ compressed span) of the segment start.
     if kind == "xl":

@@ -1,4 +1,4 @@
-"""SPALM head (memlm.memory.spalm, issue 11): gate 1 is the XL model exactly, rows without neighbours are the
+"""SPALM head (memlm.memory.spalm): gate 1 is the XL model exactly, rows without neighbours are the
 base model, the head matches a per-position oracle, and gradients reach w_g, b and W but not the keys."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_dtype_auto_follows_device_and_names_resolve() -> None:
 
 
 def test_train_resolves_its_device_here(no_gpu) -> None:
-    # Before issue 8, train had its own _device(): "cuda:0" without a GPU passed it and failed later in torch.
+    # Train resolves its device with the shared rule: "cuda:0" without a GPU is refused at once, not later in torch.
     from memlm.jobs.train import TrainConfig, train
 
     with pytest.raises(MemlmError, match="--device cuda:0 was asked for but no CUDA GPU is visible"):

@@ -1,4 +1,4 @@
-"""Any Hugging Face causal LM as the kNN-LM base (issue 13, part 1): tiny random GPT-2, GPT-NeoX, Llama and
+"""Any Hugging Face causal LM as the kNN-LM base: tiny random GPT-2, GPT-NeoX, Llama and
 Qwen2 models saved with save_pretrained, the key-module rule, memories refused, the CLI end to end.
 
 Shape legend: T tokens, C key width, V vocab.
@@ -17,7 +17,9 @@ pytest.importorskip("transformers")
 from datastore import Datastore
 from memlm.cli import main
 from memlm.errors import MemlmError
-from memlm.jobs.generate import SamplingConfig, generate
+from memlm.engine.generate import generate
+from reference_decoding import reference_generate
+from memlm.jobs.decoding import SamplingConfig
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
 from memlm.model.hf_model import (
@@ -252,9 +254,9 @@ def test_score_documents_keys_cover_every_target(hf_dirs):
     assert all(s.keys.shape == (len(s.targets), 32) for s in scored)
 
 
-def test_memlm_generate_runs_a_transformers_model_one_prompt_after_another(capsys, tmp_path, hf_dirs):
-    """`memlm generate --model hf:DIR` (no engine cache for transformers) = memlm.jobs.generate per prompt,
-    greedy (its --memory refusal: test_memories_need_memlms_decoder)."""
+def test_memlm_generate_runs_a_transformers_model_on_the_engine(capsys, tmp_path, hf_dirs):
+    """`memlm generate --model hf:DIR` (engine rows with their own transformers cache) = the reference decoder per
+    prompt, greedy (its --memory refusal: test_memories_need_memlms_decoder)."""
     model, out = source("gpt2", hf_dirs["gpt2"]), tmp_path / "gen.json"
     code, _, err = run(capsys, "generate", "--model", model, "--max-new-tokens", 6, "--sampling-temperature", 0, "--json", out, "the state", "union")
     assert code == 0, err
@@ -262,6 +264,6 @@ def test_memlm_generate_runs_a_transformers_model_one_prompt_after_another(capsy
     p = load_pretrained(model)
     boundary = document_boundary(p.tokenizer)
     for prompt, result in zip(("the state", "union"), report["results"]):
-        events = list(generate(p.model, p.tokenizer, p.tokenizer.encode(prompt), max_new_tokens=6,
-                               sampling=SamplingConfig(temperature=0), boundary_token=boundary, eos_id=p.tokenizer.eos_id))
+        events = list(reference_generate(p.model, p.tokenizer, p.tokenizer.encode(prompt), max_new_tokens=6,
+                                         sampling=SamplingConfig(temperature=0), boundary_token=boundary, eos_id=p.tokenizer.eos_id))
         assert result["tokens"] == [e.token_id for e in events[:-1]] and len(result["tokens"]) > 0

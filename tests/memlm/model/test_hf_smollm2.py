@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF) through transformers (gguf_file=) and through memlm's decoder: the same
-kNN keys and the same kNN-LM perplexity within tolerance (issue 13).
+kNN keys and the same kNN-LM perplexity within tolerance.
 
 Shape legend: T tokens, C key width.
 """

@@ -1,4 +1,4 @@
-"""Adaptive retrieval (memlm.retrieval.adaptive, memlm.jobs.adaptive_train; issue 15 part 1): the features
+"""Adaptive retrieval (memlm.retrieval.adaptive, memlm.jobs.adaptive_train): the features
 against a dense oracle; threshold 0 (always search) is plain kNN-LM exactly and a threshold above every
 score is the base LM exactly; a target fraction of searches saved is met on held-out documents; a saved
 gate reopens with the same scores; the searches it keeps are those that help."""

@@ -1,4 +1,4 @@
-"""Attribution (issue 14, part 5): per scored token, the documents its p_kNN mass came from.
+"""Attribution: per scored token, the documents its p_kNN mass came from.
 
 Oracles: the interpolation identity (p = lambda p_kNN + (1 - lambda) p_LM, so p_kNN follows from the
 scores' final and base log-probabilities) for "shares sum to the kNN mass"; a document scored as it was

@@ -1,4 +1,4 @@
-"""exclude_nearby (issue 11): masks exactly the neighbours from the query's document within the window,
+"""exclude_nearby: masks exactly the neighbours from the query's document within the window,
 against an oracle loop over every (query, neighbour)."""
 
 from __future__ import annotations

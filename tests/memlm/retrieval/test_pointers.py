@@ -1,4 +1,4 @@
-"""RetoMaton pointers (memlm.retrieval.pointers, memlm.jobs.pointer_walk, issue 15 part 2): successors from a
+"""RetoMaton pointers (memlm.retrieval.pointers, memlm.jobs.pointer_walk): successors from a
 built datastore's provenance (contiguous per document, checked, with a correct fallback for any row
 order), never across a document boundary; the walk against a per-token oracle written from the rule
 (searches counted right, the same p_kNN for every token); a minimum above k is plain kNN-LM exactly."""
