@@ -48,8 +48,10 @@ proto-check: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Every benchmark writes its JSON result (benchmarks/harness.py); the results page and README's table follow.
 bench: fetch
-	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	for b in benchmarks/[!_]*.py; do [ "$$b" = benchmarks/harness.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
+	$(PY) scripts/gen_results.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,7 +14,9 @@ pooled. Goal: each scenario's p99 <= 2x the undisturbed p99, 0 errors for the we
 The LM server (`memlm serve lm --retrieval ... --token-file ...`) and the retrieval server (`memlm serve
 retrieval`) are child processes; the datastore is a small Flat one over SOTU speeches (1990-2000) made
 with the same model at the step's window, cached under ~/.cache/memlm/bench/ (never committed). SmolLM2
-by default; a random model only with --synthetic, and then the output says so. No assertions.
+by default; a random model only with --synthetic, and then the output says so. No assertions. Writes
+docs/results/data/availability.json (benchmarks/harness.py; a datastore built by this run is timed into its build
+seconds).
 
 What bounds the ratio: a forward step is not preemptible, so a small call that arrives during a maximal
 step waits for it (the model's turns give each client an equal share of model time, services.lm.scheduler).
@@ -22,7 +24,7 @@ The server therefore runs with --max-step-tokens 256 (about 0.5 s of SmolLM2 on 
 `--max-step-tokens 1024` measures serve lm's default step (about 4x longer).
 
     python benchmarks/availability.py [--synthetic] [--model NAME] [--phase-s 12] [--rounds 3] [--clients 8]
-        [--max-step-tokens 256] [--ds-tokens 4096]
+        [--max-step-tokens 256] [--ds-tokens 4096] [--results DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import _common
+import harness
 import numpy as np
 
 REPO = _common.ROOT
@@ -77,7 +80,8 @@ def stop_child(child: Child) -> None:
             child.proc.wait(10)
 
 
-def ensure_datastore(model: str, fingerprint: str, window: int, tokens: int, log: Path) -> Path:
+def ensure_datastore(model: str, fingerprint: str, window: int, tokens: int, log: Path,
+                     result: harness.Result | None = None) -> Path:
     """A Flat datastore over SOTU 1990-2000 at window `window` (stride half), built once by `memlm datastore
     build` and cached; its name carries the model, the size, the window and the manifest format."""
     from datastore.manifest import FORMAT_VERSION
@@ -95,6 +99,8 @@ def ensure_datastore(model: str, fingerprint: str, window: int, tokens: int, log
         if done.returncode != 0:
             raise SystemExit(f"datastore build failed:\n{done.stderr[-2000:]}")
         print(f"# built the datastore ({tokens} tokens, Flat) in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
+        if result is not None:
+            result.builds["kNN-LM datastore"] = time.perf_counter() - t0
     return out
 
 
@@ -251,7 +257,7 @@ SCENARIOS = {
 }
 
 
-def report(results: dict[str, list[dict]], args) -> None:
+def report(results: dict[str, list[dict]], args, result: harness.Result) -> None:
     base = [x for r in results["undisturbed"] for x in r["good"].latencies]
     base_p99 = percentile_ms(base, 99)
     rounds = ", ".join(f"{percentile_ms(r['good'].latencies, 99):.0f}" for r in results["undisturbed"])
@@ -263,6 +269,8 @@ def report(results: dict[str, list[dict]], args) -> None:
         errors = [e for r in results[key] for _, e in r["good"].failed]
         ratio = percentile_ms(lat, 99) / base_p99
         met &= not errors and (key == "undisturbed" or ratio <= 2.0)
+        result.rows.append({"scenario": title, "calls": len(lat), "p50_ms": percentile_ms(lat, 50),
+                            "p99_ms": percentile_ms(lat, 99), "p99_over_undisturbed": ratio, "errors": len(errors)})
         print(f"{title:<34} {len(lat):>6} {percentile_ms(lat, 50):>8.0f} {percentile_ms(lat, 99):>8.0f} "
               f"{ratio:>17.2f}x {len(errors):>7}" + (f"  ({', '.join(sorted(set(errors)))})" if errors else ""))
     print(f"(a) maximal requests sent and cancelled: {sum(len(r['sent']) for r in results['a'])}")
@@ -280,6 +288,8 @@ def report(results: dict[str, list[dict]], args) -> None:
               f"{percentile_ms([x for x, _ in down], 99):.0f} ms, max {max((x for x, _ in down), default=0) * 1000:.0f} "
               f"ms; {', '.join(sorted({e for _, e in down})) or '-'}); {len(after)} ok after the restart ({first})")
     print(f"goal (every scenario p99 <= 2x undisturbed, 0 errors): {'met' if met else 'NOT met'}")
+    result.figures.update({"undisturbed_p99_ms": base_p99, "goal_met": met,
+                           "maximal_requests_sent": sum(len(r["sent"]) for r in results["a"])})
 
 
 def main() -> None:
@@ -293,8 +303,10 @@ def main() -> None:
     p.add_argument("--unauth-streams", type=int, default=64)
     p.add_argument("--ds-tokens", type=int, default=4096, help="tokens of the kNN-LM datastore")
     _common.add_synthetic_flag(p)
+    harness.add_options(p, "availability")
     args = p.parse_args()
-    _common.synthetic_banner(args.synthetic)
+    result = harness.Result.from_args(args)
+    result.children = True  # the LM and retrieval servers
     print(f"# command: python benchmarks/availability.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
     bench = _common.load_model(args.model, args.synthetic)
     vocab, fingerprint = min(bench.pre.model.config.vocab_size, bench.pre.tokenizer.vocab_size), bench.pre.fingerprint
@@ -302,21 +314,26 @@ def main() -> None:
     del bench  # the servers load their own copies
     if synthetic and not args.synthetic:
         raise SystemExit("a random model needs --synthetic")
+    result.set_synthetic(synthetic)
     with tempfile.TemporaryDirectory(prefix="memlm-availability-") as tmp:
-        env = start_servers(args, name, vocab, fingerprint, Path(tmp))
+        env = start_servers(args, name, vocab, fingerprint, Path(tmp), result)
         try:
-            run_all(env, args)
+            run_all(env, args, result)
         finally:
             stop_child(env.lm)
             stop_child(env.retrieval)
+    result.settings = {"model": name, "clients": args.clients, "phase_s": args.phase_s, "rounds": args.rounds,
+                       "max_step_tokens": args.max_step_tokens, "unauth_streams": args.unauth_streams,
+                       "ds_tokens": args.ds_tokens, "small_score": SMALL_TEXT}
+    result.write()
 
 
-def start_servers(args, model: str, vocab: int, fingerprint: str, tmp: Path) -> Env:
+def start_servers(args, model: str, vocab: int, fingerprint: str, tmp: Path, result: harness.Result) -> Env:
     """The datastore (cached), the retrieval server, the LM server with a token; the phases' requests."""
     from memlm.v1 import language_model_pb2 as lm_pb2
     from services.lm.requests import LMLimits
 
-    datastore = ensure_datastore(model, fingerprint, args.max_step_tokens, args.ds_tokens, tmp / "build.log")
+    datastore = ensure_datastore(model, fingerprint, args.max_step_tokens, args.ds_tokens, tmp / "build.log", result)
     retrieval = start_child(["serve", "retrieval", "--datastore", str(datastore), "--port", "0"], tmp / "retrieval.log")
     token = os.urandom(16).hex()
     (tmp / "token").write_text(token)
@@ -353,7 +370,7 @@ def recovery_s(env: Env, restarted: float, limit_s: float = 60.0) -> float:
     return float("inf")
 
 
-def run_all(env: Env, args) -> None:
+def run_all(env: Env, args, result: harness.Result) -> None:
     warm = threading.Event()
     threading.Timer(3.0, warm.set).start()
     call_loop(env.lm.address, env.token, env.requests["knn"], Calls(), warm)  # warm: model, datastore link
@@ -366,7 +383,7 @@ def run_all(env: Env, args) -> None:
             r = results[key][-1]["good"]
             print(f"# round {i + 1} {title}: {len(r.latencies)} calls, p99 {percentile_ms(r.latencies, 99):.0f} ms, "
                   f"{len(r.failed)} errors; load {os.getloadavg()[0]:.1f}", flush=True)
-    report(results, args)
+    report(results, args, result)
 
 
 if __name__ == "__main__":

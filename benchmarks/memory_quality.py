@@ -71,14 +71,14 @@ def section_a(args, result: harness.Result) -> None:
     print(f"\n(a) frozen SmolLM2-135M-Instruct (Q4_1), segment 128, {len(docs)} speeches from {args.split_year} "
           f"x first {args.doc_tokens} tokens\n{HEADER}")
     seg = 128
-    ppl = {}
+    perplexities = {}
     for name, kw in [
         ("no memory", dict(memory="none")),
         ("XL memory 1024 + 4 sink tokens", dict(memory="xl", mem_len=1024, sink_tokens=4)),
         ("XL memory 1024, no sink tokens", dict(memory="xl", mem_len=1024, sink_tokens=0)),
     ]:
         r = evaluate_segments(model, docs, seg, boundary_token=bos, **kw)
-        ppl[name] = r["perplexity"]
+        perplexities[name] = r["perplexity"]
         record(result, "a", name, r)
         print(row(name, r), flush=True)
     t0 = time.perf_counter()
@@ -89,8 +89,8 @@ def section_a(args, result: harness.Result) -> None:
     win = {"perplexity": ppl, "memory_slots": 1024, "attention_span": 1152, "tokens": n, "tokens_per_s": n / secs}
     print(row("sliding window 1152, stride 128", win), flush=True)
     record(result, "a", "sliding window 1152, stride 128", win)
-    result.headline("xl_sinks", f"{ppl['XL memory 1024 + 4 sink tokens']:.2f} vs {ppl['no memory']:.2f} vs "
-                                f"{win['perplexity']:.2f}")
+    xl, none = perplexities["XL memory 1024 + 4 sink tokens"], perplexities["no memory"]
+    result.headline("xl_sinks", f"{xl:.2f} vs {none:.2f} vs {win['perplexity']:.2f}")
     if args.frozen_compressive:
         for name, kw in [
             ("XL memory 512 + 4 sinks", dict(memory="xl", mem_len=512)),

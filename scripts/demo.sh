@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MEMLM=.venv/bin/memlm
-OUT=${MEMLM_DEMO_OUT:-out/demo}
+OUT=${MEMLM_DEMO_OUT:-$HOME/.cache/memlm/demo}
 DS="$OUT/ds-sotu-1990-2000"
 WINDOW=(--context 512 --stride 512)
 mkdir -p "$OUT"

@@ -5,7 +5,7 @@ waits until both are healthy, scores the evaluation speeches through Score (base
 of every token, with the lambda and T tuned in-process on a separate split), streams a short
 generation with and without kNN-LM, prints the table and shuts both servers down with SIGTERM.
 
-    python scripts/demo_services.py --datastore DIR --tuned out/demo/knnlm.json
+    python scripts/demo_services.py --datastore DIR --tuned ~/.cache/memlm/demo/knnlm.json
 """
 
 from __future__ import annotations

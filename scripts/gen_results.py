@@ -44,6 +44,10 @@ HEADLINES = (
     Headline("knnlm_quality", "knnlm", "[kNN-LM perplexity](docs/results.md#knn-lm), base -> kNN-LM (datastore "
              "1990-2000, Flat; lambda and T tuned on 2001-2002; eval 2003+, 6,000 tokens)",
              "python benchmarks/knnlm_quality.py"),
+    Headline("knnlm_quality_1980_2000", "knnlm", "[kNN-LM, larger datastore](docs/results.md#knn-lm) (1980-2000, "
+             "IVF2048,SQ8; eval 2001+, 6,000 tokens; tuned on 2004+)",
+             'python benchmarks/knnlm_quality.py --datastore DS_1980_2000 --eval-split "year>=2001" --tune-split '
+             '"year>=2004" --result-name knnlm_quality_1980_2000'),
     Headline("memory_quality", "xl_sinks", "[XL memory 1024 + 4 sinks](docs/results.md#memories) vs no memory vs "
              "sliding window 1152 (frozen SmolLM2, segment 128)", "python benchmarks/memory_quality.py --sections a"),
     Headline("search_savings", "adaptive", "[adaptive retrieval](docs/results.md#fewer-searches): searches saved "

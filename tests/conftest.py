@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One compute thread per process: tests start servers as subprocesses beside the test process, and on
 # a machine with few cores two OpenMP pools spinning against each other make tiny forwards 10-20x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A benchmark's main() run by a test writes its JSON result (benchmarks/harness.py) here, never into the
+# checked-in docs/results/data.
+os.environ.setdefault("MEMLM_RESULTS_DIR", tempfile.mkdtemp(prefix="memlm-test-results-"))
 
 import torch  # noqa: E402  (after the environment above)
 
