@@ -4,8 +4,10 @@ Goals: kNN-LM tokens/s >= 0.9x base tokens/s, kNN-LM peak memory <= 1.1x base. E
 child process on the same evaluation tokens, with the same windows (context 1024, stride 512):
 - base: memlm.jobs.evaluate.evaluate_perplexity;
 - kNN-LM: memlm.jobs.knnlm_eval.evaluate_knnlm with the same windows plus, per group of scored tokens,
-  the query keys (device -> float32 numpy), the search (k = 1024 on the IVF-PQ datastore, its default
-  nprobe) and the mixing; recall is not measured (it is a check, not part of kNN-LM).
+  the query keys (device -> float32 numpy), the search (k = 1024, the index's default nprobe) and the
+  mixing; recall is not measured (it is a check, not part of kNN-LM).
+Two datastores over the same keys: the index `datastore build` picks by default for their number
+(datastore.index.default_factory: Flat at this size) and IVF{4 sqrt N},PQ64 beside it; --index measures one.
 The timed region is the evaluation call, all of it, measured by the wall clock around it; loading the
 model and opening the datastore (one-time, like a server start) are printed apart. Peak memory is the
 child's resident high-water mark: VmHWM of /proc/self/status, reset (clear_refs 5) just before the
@@ -13,8 +15,8 @@ evaluation call, so the peak of model loading does not hide the evaluation's; th
 ru_maxrss is printed too. The sides alternate (base, kNN, base, kNN, ...) under the same machine load;
 ratios use the medians.
 
-The datastore: SOTU 1990-2000 (81,169 keys) under SmolLM2 at context 1024, stride 512, IVF{4 sqrt N},PQ64;
-built once (3-5 CPU minutes) and cached under ~/.cache/memlm/bench/ (never committed); reruns reuse it.
+The datastores: SOTU 1990-2000 (81,169 keys) under SmolLM2 at context 1024, stride 512; each built once
+(3-5 CPU minutes) and cached under ~/.cache/memlm/bench/ (never committed); reruns reuse it.
 lambda and T are fixed (--lambda, --temperature): this benchmark measures cost, not tuning.
 
     python benchmarks/knnlm_overhead.py [--eval-tokens 3000] [--repeats 1] [--k 1024] [--synthetic] [--results DIR]
@@ -63,18 +65,26 @@ def _datastore_dir(bench: _common.BenchModel, args: argparse.Namespace, n: int, 
                                     f"{bench.pre.fingerprint[:12]}-v{FORMAT_VERSION}")
 
 
-def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, result: harness.Result | None = None
-                     ) -> tuple[Path, bool]:
-    """(the cached benchmark datastore, whether its tokens are random), built first when missing
-    (resumable, like any build)."""
+def factories(n: int, d: int, index: str | None) -> list[str]:
+    """The indexes measured: --index alone, or the default for n keys and IVF-PQ beside it."""
+    from datastore.index import default_factory, default_nlist, default_pq_m
+
+    if index:
+        return [index]
+    ivfpq = f"IVF{default_nlist(n)},PQ{default_pq_m(d)}"
+    return list(dict.fromkeys([default_factory(n, d)[0], ivfpq]))
+
+
+def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, factory: str,
+                     result: harness.Result | None = None) -> tuple[Path, bool]:
+    """(the cached benchmark datastore with index `factory`, whether its tokens are random), built first
+    when missing (resumable, like any build)."""
     from datastore import BuildSettings, BuildSource, build_from_tokens
-    from datastore.index import default_nlist, default_pq_m
     from memlm.data.documents import corpus_fingerprint
     from memlm.jobs.windows import WindowConfig
 
     docs, random_tokens = _common.load_tokens(bench, args.data, DS_SPLIT, args.ds_tokens, args.synthetic, seed=1)
     n = sum(map(len, docs))
-    factory = args.index or f"IVF{default_nlist(n)},PQ{default_pq_m(bench.pre.model.config.n_embd)}"
     out = _datastore_dir(bench, args, n, factory, random_tokens)
     if not (out / "manifest.json").exists():
         fingerprint = "random-tokens" if random_tokens else corpus_fingerprint(args.data, DS_SPLIT)
@@ -82,7 +92,7 @@ def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, result
                           f"{args.data} [{DS_SPLIT}]", fingerprint, bench.boundary)
         t0 = time.perf_counter()
         settings = BuildSettings(window=WindowConfig(args.context, args.stride, args.batch_size), index_factory=factory)
-        with result.build("benchmark datastore") if result is not None else contextlib.nullcontext():
+        with result.build(f"datastore {factory}") if result is not None else contextlib.nullcontext():
             build_from_tokens(bench.pre.model, docs, out, prov, settings, progress=False)
         print(f"# built {n} keys ({factory}) in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
     return out, random_tokens
@@ -134,8 +144,8 @@ def run_side(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def child(args: argparse.Namespace, side: str, datastore: Path) -> dict:
-    cmd = [sys.executable, __file__, "--side", side, "--datastore", str(datastore)]
+def child(args: argparse.Namespace, side: str, datastore: Path | None) -> dict:
+    cmd = [sys.executable, __file__, "--side", side] + (["--datastore", str(datastore)] if datastore else [])
     for flag in ("model", "data", "eval_split", "eval_tokens", "context", "stride", "batch_size", "k", "lmbda",
                  "temperature"):
         value = getattr(args, flag)
@@ -176,54 +186,58 @@ def main() -> None:
     result = harness.Result.from_args(args)
     result.children = True  # each side runs in its own child process
     bench = _common.load_model(args.model, args.synthetic)
-    store, random_tokens = ensure_datastore(bench, args, result)
+    n = sum(map(len, _common.load_tokens(bench, args.data, DS_SPLIT, args.ds_tokens, args.synthetic, seed=1)[0]))
+    stores: dict[str, Path] = {}
+    random_tokens = False
+    for factory in factories(n, bench.pre.model.config.n_embd, args.index):
+        stores[factory], random_tokens = ensure_datastore(bench, args, factory, result)
     synthetic = bench.synthetic or random_tokens
     del bench  # the parent's model is not measured; free it before the children run
     result.set_synthetic(synthetic)
-    runs: dict[str, list[dict]] = {"base": [], "knn": []}
-    for _ in range(args.repeats):
-        for side in ("base", "knn"):
-            runs[side].append(child(args, side, store))
-    base, knn = runs["base"], runs["knn"]
-    k0 = knn[-1]
-    tokens = base[0]["tokens"]
-    assert all(r["tokens"] == tokens for r in base + knn)
+    runs: dict[str, list[dict]] = {"base": [], **{f"kNN-LM {f}": [] for f in stores}}
+    for _ in range(args.repeats):  # the sides alternate under the same machine load
+        runs["base"].append(child(args, "base", None))
+        for factory, store in stores.items():
+            runs[f"kNN-LM {factory}"].append(child(args, "knn", store))
+    tokens = runs["base"][0]["tokens"]
+    assert all(r["tokens"] == tokens for rs in runs.values() for r in rs)
     med = {side: statistics.median(r["wall_s"] for r in rs) for side, rs in runs.items()}
     peak = {side: statistics.median(r["eval_peak_mib"] for r in rs) for side, rs in runs.items()}
     proc_peak = {side: statistics.median(r["process_peak_mib"] for r in rs) for side, rs in runs.items()}
     print(f"# python {' '.join(sys.argv)}")
-    print(f"datastore {k0['n']} keys, {k0['index']} (nprobe {k0['nprobe']}), context {args.context}, stride "
-          f"{args.stride}, k {args.k}, lambda {args.lmbda}, T {args.temperature}; eval {tokens} tokens of "
-          f"{args.data} [{args.eval_split}]; {args.repeats} alternating pair(s), each side its own process")
-    print(f"{'side':<7} {'wall s':>8} {'tok/s':>8} {'ppl':>8} {'eval peak MiB':>13} {'process peak MiB':>16} "
-          f"{'load s':>7} {'open s':>7}")
+    print(f"datastore {n} keys, context {args.context}, stride {args.stride}, k {args.k}, lambda {args.lmbda}, "
+          f"T {args.temperature}; eval {tokens} tokens of {args.data} [{args.eval_split}]; {args.repeats} "
+          f"alternating round(s), each side its own process")
+    print(f"{'side':<26} {'nprobe':>6} {'wall s':>8} {'tok/s':>8} {'ppl':>8} {'speed':>6} {'eval peak MiB':>13} "
+          f"{'memory':>6} {'search s':>8}")
+    base_ppl = runs["base"][-1]["perplexity"]
     for side, rs in runs.items():
         r = rs[-1]
-        print(f"{side:<7} {med[side]:8.1f} {tokens / med[side]:8.1f} {r['perplexity']:8.3f} {peak[side]:13.0f} "
-              f"{proc_peak[side]:16.0f} {r['load_s']:7.1f} {r['open_s']:7.1f}")
-    speed = med["base"] / med["knn"]
-    mem = peak["knn"] / peak["base"]
-    print(f"kNN-LM wall-clock breakdown (last run): forward {k0['forward_s']:.1f} s, search {k0['search_s']:.1f} s, "
-          f"mixing {k0['mix_s']:.1f} s, rest {k0['wall_s'] - k0['forward_s'] - k0['search_s'] - k0['mix_s']:.1f} s")
-    print(f"speed ratio kNN-LM / base tokens/s = {speed:.3f} (goal >= 0.9: {'met' if speed >= 0.9 else 'NOT met'})")
-    print(f"peak memory ratio kNN-LM / base (evaluation) = {mem:.3f} (goal <= 1.1: {'met' if mem <= 1.1 else 'NOT met'}); "
-          f"whole process {proc_peak['knn'] / proc_peak['base']:.3f}")
-    print(f"perplexity: base {base[-1]['perplexity']:.3f} -> kNN-LM {k0['perplexity']:.3f} "
-          f"({100 * (k0['perplexity'] / base[-1]['perplexity'] - 1):+.2f}%; lambda and T fixed, not tuned)")
+        speed, mem = med["base"] / med[side], peak[side] / peak["base"]
+        row = {"side": side, "index": r.get("index", "-"), "nprobe": r.get("nprobe", "-"), "wall_s": med[side],
+               "tokens_per_s": tokens / med[side], "perplexity": r["perplexity"], "speed_vs_base": speed,
+               "eval_peak_mib": peak[side], "memory_vs_base": mem,
+               "process_peak_memory_vs_base": proc_peak[side] / proc_peak["base"],
+               "forward_s": r.get("forward_s"), "search_s": r.get("search_s"), "mix_s": r.get("mix_s"),
+               "wall_s_stats": harness.stats([x["wall_s"] for x in rs])}
+        result.rows.append(row)
+        print(f"{side:<26} {row['nprobe']!s:>6} {med[side]:8.1f} {tokens / med[side]:8.1f} {r['perplexity']:8.3f} "
+              f"{speed:6.3f} {peak[side]:13.0f} {mem:6.3f} {r.get('search_s', 0.0):8.1f}")
+    print("goals: speed >= 0.9, memory <= 1.1 (kNN-LM over base); lambda and T fixed, not tuned")
     _common.synthetic_banner(synthetic)
     result.settings = {"model": args.model or _common.REAL_MODEL, "data": args.data, "eval_split": args.eval_split,
-                       "eval_tokens": tokens, "datastore_entries": k0["n"], "index": k0["index"],
-                       "nprobe": k0["nprobe"], "context": args.context, "stride": args.stride, "k": args.k,
-                       "lambda": args.lmbda, "temperature": args.temperature, "repeats": args.repeats,
+                       "eval_tokens": tokens, "datastore_entries": n, "indexes": list(stores),
+                       "context": args.context, "stride": args.stride, "k": args.k, "lambda": args.lmbda,
+                       "temperature": args.temperature, "repeats": args.repeats,
                        "statistic": "median of alternating child processes"}
-    result.figures = {"speed_knn_over_base": speed, "peak_memory_knn_over_base": mem,
-                      "process_peak_memory_knn_over_base": proc_peak["knn"] / proc_peak["base"],
-                      "base_tokens_per_s": tokens / med["base"], "knn_tokens_per_s": tokens / med["knn"],
-                      "base_eval_peak_mib": peak["base"], "knn_eval_peak_mib": peak["knn"],
-                      "base_perplexity": base[-1]["perplexity"], "knn_perplexity": k0["perplexity"],
-                      **{f"{side}_wall_s": harness.stats([r["wall_s"] for r in rs]) for side, rs in runs.items()},
-                      "knn_forward_s": k0["forward_s"], "knn_search_s": k0["search_s"], "knn_mix_s": k0["mix_s"]}
-    result.headline("overhead", f"{speed:.3f}x speed, {mem:.3f}x memory")
+    default = result.rows[1]
+    result.figures = {"base_perplexity": base_ppl, **{
+        f"{row['index']}_{key}": row[key] for row in result.rows[1:]
+        for key in ("speed_vs_base", "memory_vs_base", "perplexity")}}
+    result.headline("overhead", f"{default['speed_vs_base']:.3f}x speed, {default['memory_vs_base']:.3f}x memory "
+                                f"({default['index']})" + "".join(
+                                    f"; {row['index']}: {row['speed_vs_base']:.3f}x, {row['memory_vs_base']:.3f}x"
+                                    for row in result.rows[2:]))
     result.write()
 
 
