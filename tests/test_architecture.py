@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,4 +77,25 @@ def test_engine_private_uses_are_found(tmp_path) -> None:
 def test_engine_features_use_the_engines_public_surface_only() -> None:
     found = [use for path in sorted((ROOT / "memlm" / "engine").glob("*.py")) if path.name != "engine.py"
              for use in engine_private_uses(path)]
+    assert found == []
+
+
+# C held in a Python string, or a compiler started by the product: what is compiled is compiled at install.
+COMPILED_CODE = re.compile(r"#include\s*[<\"]|\bcpp_extension\.load(_inline)?\b|\bctypes\.CDLL\b|"
+                           r"\[\s*[\"'](gcc|cc|clang|g\+\+)[\"']")
+
+
+def compiled_code(path: Path) -> list[str]:
+    """Lines of `path` that hold C source or start a compiler."""
+    return [f"{path.name}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if COMPILED_CODE.search(line)]
+
+
+def test_compiled_code_is_found(tmp_path) -> None:
+    (tmp_path / "f.py").write_text('SRC = """\n#include <stdint.h>\n"""\nsubprocess.run(["cc", "-O2"])\nx = 1\n')
+    assert compiled_code(tmp_path / "f.py") == ["f.py:2", "f.py:4"]
+
+
+def test_no_python_file_holds_c_or_starts_a_compiler() -> None:
+    found = [hit for package in ("memlm", "datastore", "services") for path in sorted((ROOT / package).rglob("*.py"))
+             for hit in compiled_code(path)]
     assert found == []
