@@ -14,7 +14,8 @@ free cache row. One `step`:
    it, each with its own k, lambda and temperature; rows with fewer searches follow RetoMaton pointers or ask
    the adaptive gate first and search only where they must, memlm.engine.fewer_rows) and emits TokenEvents;
    speculative rows then verify their drafts in a pass and a search of their own (memlm.engine.speculative);
-   finished rows emit their GenerationEnd and leave. A failed search ends only the rows that searched; the others go on.
+   finished rows emit their GenerationEnd and leave. A row whose own work fails (its search, its draw, its kNN memory)
+   ends with its error alone; the others go on.
 Score requests (ScoreRequest) ride the same steps: fed like a prompt (score_tokens' sliding windows one after
 another, or XL segments), with logits at every position, and answered with memlm.jobs.scoring's SequenceScore
 (memlm.engine.score_rows: its per-token functions, kNN-LM and top-n included; several clients' scores share
@@ -75,7 +76,7 @@ from memlm.engine.requests import (
     ScoreRequest,
 )
 from memlm.engine.rows import Row, StepPlan
-from memlm.engine.sampling import choose_tokens, search_rows
+from memlm.engine.sampling import choose_tokens, search_each
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 
@@ -237,8 +238,8 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one step (see the module docstring); returns whether work remains. An error in the forward
-        pass ends every running request with it (each handle raises it) and is raised here; a failed search
-        ends only the rows that searched (_choose)."""
+        pass ends every running request with it (each handle raises it) and is raised here; a row's own
+        failure (its search, its draw, its memory) ends that row only (_choose)."""
         with self._stepping:  # one step at a time, whichever threads call
             return self._step()
 
@@ -364,42 +365,45 @@ class Engine:
                 pending: list[score_rows.ScoredPass]) -> None:
         """The step's ONE kNN-LM search, for the ready rows that search (logits (B, V), keys (B, C); None when
         no row is ready) and every scored token of the score passes (`pending`); then every ready row's token
-        (emitted) and the score rows' scores. A failed search ends the rows that searched with its error and
-        the others go on (a retrieval fault never stalls the rest of the batch). Speculative rows verify after
+        (emitted) and the score rows' scores. A row whose own work fails (its search, sampling:
+        memlm.engine.sampling.search_each, Choices.errors; its text or stops) ends with that error and the others go
+        on (one row's fault never ends the rest of the batch). Speculative rows verify after
         this, with a search of their own (memlm.engine.speculative)."""
         if ready:
             ready, logits, keys = memorizing_rows.end_failed(self, ready, logits, keys)  # a kNN memory failed: ends
             ready, logits, keys = spalm_rows.head_logits(self, ready, logits, keys)  # SPALM: the head's logits
         knn = [r.handle.request.knn for r in ready]
         ask, neighbors = fewer_rows.plan_searches(ready, logits, keys, knn) if ready else ([], [])  # pointers, gate
-        score_keys, score_knn = score_rows.queries(pending)  # (Q, C), Q settings
+        score_keys, score_knn, score_owners = score_rows.queries(pending)  # (Q, C), Q settings, Q request ids
         score_found: list = []
-        failed = None
+        errors: dict[int, Exception] = {}
         if any(c is not None for c in ask) or score_knn:
             step_keys = torch.cat([k for k in (keys, score_keys) if k is not None])  # (B + Q, C)
-            try:
-                found = search_rows(self.searcher, step_keys, [*ask, *score_knn])
-            except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
-                failed = e
-            else:
-                neighbors = [f if c is not None else nb for c, f, nb in zip(ask, found, neighbors)]
-                score_found = found[len(ask):]
-        if failed is not None and ready:  # only the rows in the search end (not those pointed or gate-skipped)
-            for row, c in zip(ready, ask):
-                if c is not None:
-                    row.handle.put(failed)
-                    self.release(row)
-            keep = [i for i, c in enumerate(ask) if c is None]
+            found, errors = search_each(self.searcher, step_keys, [*ask, *score_knn],
+                                        [r.handle.request_id for r in ready] + score_owners)
+            neighbors = [f if c is not None else nb for c, f, nb in zip(ask, found, neighbors)]
+            score_found = found[len(ask):]
+        if errors and ready:  # only the rows whose search failed end (not those pointed or gate-skipped)
+            keep = [i for i, r in enumerate(ready) if r.handle.request_id not in errors]
+            for row in ready:
+                if row.handle.request_id in errors:
+                    self.fail(row, errors[row.handle.request_id])
             ready, logits, keys = [ready[i] for i in keep], logits[keep], keys[keep]
             knn, neighbors = [knn[i] for i in keep], [neighbors[i] for i in keep]
         if ready:
             fewer_rows.keep_candidates(ready, knn, neighbors)
             choices = choose_tokens(logits, [r.handle.request.sampling for r in ready],
                                     [r.generator for r in ready], self.decodable, knn, neighbors)
-            for row, c, token, lp, base in zip(ready, knn, *choices):
-                self.advance(row, token, lp, base)
+            for row, token, lp, base, error in zip(ready, *choices):
+                if error is not None:
+                    self.fail(row, error)
+                    continue
+                try:
+                    self.advance(row, token, lp, base)
+                except Exception as e:  # noqa: BLE001 - the row's own text or stops: it ends, the others go on
+                    self.fail(row, e)
             speculative.draft_first(self, ready, neighbors, keys)  # speculative rows: pointers after this token
-        score_rows.take_scores(self, pending, score_found, failed)
+        score_rows.take_scores(self, pending, score_found, errors)
 
     def _prefill_plan(self) -> list[tuple[Row, int]]:
         """(row, tokens to feed now) for rows with a prompt left, oldest first, within prefill_chunk."""
@@ -448,6 +452,14 @@ class Engine:
         tail = flush_text(self.tokenizer, row.generated, row.emitted)
         row.handle.put(GenerationEnd(reason, tail, row.prompt_tokens, len(row.generated), stop_sequence,
                                      row.searches, row.verify_steps, row.verified_tokens, row.searches_saved))
+        self.release(row)
+
+    def fail(self, row: Row | ScoreRow, error: Exception) -> None:
+        """The row ends with `error` (its handle raises it) and leaves; the other rows go on. A no-op for a row that
+        already left."""
+        if not self.holds(row):
+            return
+        row.handle.put(error)
         self.release(row)
 
     def release(self, row: Row | ScoreRow) -> None:

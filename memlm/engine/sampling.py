@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memlm.jobs.decoding import SamplingConfig, filter_logits
+from memlm.jobs.decoding import SamplingConfig, filter_logits, scale_logits
 from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
@@ -36,6 +36,9 @@ class Choices(NamedTuple):
     """Final log-probability of each chosen token (the kNN-LM mixture when on), nats."""
     base_logprobs: list[float]
     """Its log-probability under the base LM alone, nats."""
+    errors: list[Exception | None]
+    """What failed in a row's own choice (its draw); None for the rows that have a token. A failed row's token
+    and log-probs are placeholders: the engine ends that row with its error, the others go on."""
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -64,13 +67,50 @@ def search_rows(searcher: Searcher, keys: torch.Tensor, knn: Sequence[KNNLMConfi
     return out
 
 
+class RowSearch(NamedTuple):
+    """search_each's answer: per query its neighbours, and the error of each row whose search failed."""
+
+    found: list[Neighbors | None]
+    """Per query (1, its k); None for a query without kNN-LM or of a row in `errors`."""
+    errors: dict[int, Exception]
+    """Row (an owner of queries) -> what its search raised; the rows not in it have their neighbours."""
+
+
+def search_each(searcher: Searcher, keys: torch.Tensor, knn: Sequence[KNNLMConfig | None],
+                owners: Sequence[int]) -> RowSearch:
+    """search_rows for the queries of several rows (owners: per query, the row it belongs to) with one row's fault
+    ending that row only: when the batched search raises, each row's queries are searched alone once, and only
+    the rows whose own search raises fail (an outage fails them all; a circuit breaker in the searcher keeps
+    the retries short)."""
+    try:
+        return RowSearch(search_rows(searcher, keys, knn), {})
+    except Exception as e:  # noqa: BLE001 - retried row by row below
+        first = e
+    rows: dict[int, list[int]] = {}
+    for q, (c, o) in enumerate(zip(knn, owners)):
+        if c is not None:
+            rows.setdefault(o, []).append(q)
+    found: list[Neighbors | None] = [None] * len(knn)
+    if len(rows) == 1:
+        return RowSearch(found, dict.fromkeys(rows, first))
+    errors: dict[int, Exception] = {}
+    for o, mine in rows.items():
+        try:
+            got = search_rows(searcher, keys[mine], [knn[q] for q in mine])
+        except Exception as e:  # noqa: BLE001 - this row ends with it; the others go on
+            errors[o] = e
+            continue
+        for q, nb in zip(mine, got):
+            found[q] = nb
+    return RowSearch(found, errors)
+
+
 def choose_tokens(
     logits: torch.Tensor, sampling: Sequence[SamplingConfig], generators: Sequence[torch.Generator],
     decodable: int, knn: Sequence[KNNLMConfig | None], neighbors: Sequence[Neighbors | None],
 ) -> Choices:
     """logits: (B, V) of the rows' last positions; per row its sampling, generator, kNN settings and
-    neighbours (search_rows; None for a row without kNN-LM)."""
-    V = logits.shape[-1]
+    neighbours (search_rows; None for a row without kNN-LM). A row whose own choice raises is in Choices.errors."""
     x = logits.float()  # (B, V)
     # Greedy rows without kNN-LM need no distribution: the argmax of the logits, and the chosen token's
     # log-prob from one logsumexp (no (B, V) log-softmax written and read back: at 32 rows in bfloat16 that
@@ -80,20 +120,31 @@ def choose_tokens(
     final = base.clone()  # (B,)
     full = [i for i, (s, c) in enumerate(zip(sampling, knn)) if s.temperature != 0 or c is not None]
     lm_lp = F.log_softmax(x[full], dim=-1) if full else None  # (S, V)
+    errors: list[Exception | None] = [None] * len(sampling)
     for j, i in enumerate(full):
-        final_lp = lm_lp[j]  # (V,)
-        if neighbors[i] is not None:
-            final_lp = knn_mixture(lm_lp[j : j + 1], neighbors[i], knn[i].temperature, knn[i].lmbda)[0]  # (V,)
-        choice = final_lp
-        if decodable < V:
-            choice = final_lp.clone()
-            choice[decodable:] = float("-inf")
-        if sampling[i].temperature == 0:
-            token = argmax_rows(choice[None])[0]
-        else:
-            scaled = filter_logits(choice / sampling[i].temperature, sampling[i].top_k, sampling[i].top_p)  # (V,)
-            token = torch.multinomial(scaled.softmax(-1), 1, generator=generators[i])[0]
-        tokens[i], final[i], base[i] = token, final_lp[token], lm_lp[j, token]
+        try:
+            token, final[i], base[i] = _choose_row(lm_lp[j], sampling[i], generators[i], decodable, knn[i], neighbors[i])
+            tokens[i] = token
+        except Exception as e:  # noqa: BLE001 - this row ends with it (Choices.errors); the others go on
+            errors[i] = e
     both = torch.stack([final, base]).double()  # (2, B)
     host = torch.cat([tokens.double()[None], both]).cpu()  # (3, B): the one transfer (ids < 2^53 are exact)
-    return Choices([int(t) for t in host[0]], host[1].tolist(), host[2].tolist())
+    return Choices([int(t) for t in host[0]], host[1].tolist(), host[2].tolist(), errors)
+
+
+def _choose_row(lm_lp: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, decodable: int,
+                knn: KNNLMConfig | None, neighbors: Neighbors | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row's token from its base log-probs lm_lp (V,): (token, its final log-prob, its base log-prob), 0-d."""
+    final_lp = lm_lp  # (V,)
+    if neighbors is not None:
+        final_lp = knn_mixture(lm_lp[None], neighbors, knn.temperature, knn.lmbda)[0]  # (V,)
+    choice = final_lp
+    if decodable < final_lp.shape[-1]:
+        choice = final_lp.clone()
+        choice[decodable:] = float("-inf")
+    if sampling.temperature == 0:
+        token = argmax_rows(choice[None])[0]
+    else:
+        scaled = filter_logits(scale_logits(choice, sampling.temperature), sampling.top_k, sampling.top_p)  # (V,)
+        token = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[0]
+    return token, final_lp[token], lm_lp[token]

@@ -11,8 +11,8 @@ SequenceScore as the library up to float32 rounding of the forward pass (the KV 
 Every scored token of the step's kNN-LM score rows is searched in the step's ONE search, with the decode rows'
 keys (memlm.engine.engine.the engine's choice of tokens; memlm.engine.sampling.search_rows: of the largest k asked, each
 query keeping its row's nearest k): a pass's scores wait (`ScoredPass`) until that search, so a lane with
-Score and Generate calls scans the datastore once a step, not once for each. A failed search ends only the
-rows that searched. `passes` keeps each
+Score and Generate calls scans the datastore once a step, not once for each. A row whose search or scoring
+fails ends alone. `passes` keeps each
 score pass's padded (B, T, V) logits within one prefill budget; `split` / `join_scores` let several rows read
 one long text's windows side by side.
 
@@ -23,7 +23,7 @@ C key width, k neighbours.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -48,6 +48,8 @@ class Engine(Protocol):
     searcher: Searcher | None
 
     def release(self, row: ScoreRow) -> None: ...
+
+    def fail(self, row: ScoreRow, error: Exception) -> None: ...
 
 
 class ScoreEnded(MemlmError):
@@ -188,37 +190,42 @@ def _searching(pending: list[ScoredPass]) -> Iterator[tuple[ScoreRow, tuple]]:
                 yield row, block
 
 
-def queries(pending: list[ScoredPass]) -> tuple[torch.Tensor | None, list[KNNLMConfig]]:
-    """The step's score queries: every scored token's key of the kNN-LM rows, (Q, C) (None: none), and its
-    row's settings, Q entries."""
+def queries(pending: list[ScoredPass]) -> tuple[torch.Tensor | None, list[KNNLMConfig], list[int]]:
+    """The step's score queries: every scored token's key of the kNN-LM rows, (Q, C) (None: none), its row's
+    settings and its row's request id, Q entries each."""
     searching = list(_searching(pending))
     knn = [row.handle.request.knn for row, block in searching for _ in range(len(block[1]))]
-    return (torch.cat([block[2] for _, block in searching]) if searching else None), knn  # (Q, C)
+    owners = [row.handle.request_id for row, block in searching for _ in range(len(block[1]))]
+    return (torch.cat([block[2] for _, block in searching]) if searching else None), knn, owners  # (Q, C)
 
 
 def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors | None],
-                failed: Exception | None) -> None:
+                errors: Mapping[int, Exception]) -> None:
     """Keep each row's scores (memlm.jobs.scoring.score_part: base log-prob, the kNN-LM mixture, greedy flags
     and top-n under the final distribution) with `found`, the step search's (1, k_i) neighbours of `queries`
     in its order; a row whose window is done reads its next one from a cleared cache row, and a row whose last
-    window is done delivers its SequenceScore. `failed`, the search's error (found is then empty), ends the
-    kNN-LM rows that had tokens in the search with it; the others go on."""
+    window is done delivers its SequenceScore. A row in `errors` (request id -> what its search raised), or whose
+    own scoring raises, ends with that error; the others go on."""
     V = engine.model.config.vocab_size
     at = 0
     for p in pending:
         for (row, _), (row_logits, targets, _) in zip(p.plan, p.blocks):
             request = row.handle.request
             nb = None
-            if request.knn is not None and len(targets) and failed is not None:  # in the search: ends
-                row.handle.put(failed)
-                engine.release(row)
+            searched = request.knn is not None and len(targets)
+            mine = found[at : at + len(targets)] if searched else []  # n x (1, k_i)
+            at += len(mine)
+            if row.handle.request_id in errors:
+                engine.fail(row, errors[row.handle.request_id])
                 continue
-            if request.knn is not None and len(targets):
-                mine = found[at : at + len(targets)]  # n x (1, k_i)
-                nb = Neighbors(*(np.concatenate([q[f] for q in mine]) for f in range(3)))  # (n, k_i)
-                at += len(targets)
-            if len(targets):
-                row.parts.append(score_part(row_logits, targets, nb, request.knn, min(request.top_n, V)))
+            try:
+                if searched:
+                    nb = Neighbors(*(np.concatenate([q[f] for q in mine]) for f in range(3)))  # (n, k_i)
+                if len(targets):
+                    row.parts.append(score_part(row_logits, targets, nb, request.knn, min(request.top_n, V)))
+            except Exception as e:  # noqa: BLE001 - this row ends with it; the others go on
+                engine.fail(row, e)
+                continue
             if row.to_feed > 0:
                 continue
             if row.at + 1 < len(row.windows):  # the next window, from position 0 of a cleared row

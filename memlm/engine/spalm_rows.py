@@ -42,12 +42,13 @@ class Engine(Protocol):
 
     def release(self, row: Row) -> None: ...
 
+    def fail(self, row: Row, error: Exception) -> None: ...
 
-def spalm_logits(model: Decoder, head: SpalmHead, searcher: Searcher, h: torch.Tensor, keys: torch.Tensor,
-                 settings: Sequence[SpalmSettings]) -> torch.Tensor:
-    """h: (B, C) final hidden states, keys: (B, C) kNN keys of the ready rows, each with its SPALM settings
-    -> SPALM logits (B, V)."""
-    B = h.shape[0]
+
+def neighbour_tokens(searcher: Searcher, keys: torch.Tensor, settings: Sequence[SpalmSettings]) -> np.ndarray:
+    """keys: (B, C) -> (B, k) int64 the next tokens of each row's nearest k_i entries, -1 where there is none
+    (k the largest k_i). One search per distinct search options."""
+    B = keys.shape[0]
     k = max(s.k for s in settings)
     tokens = np.full((B, k), -1, dtype=np.int64)  # (B, k): -1 = no neighbour
     for options in {s.options for s in settings}:
@@ -56,6 +57,11 @@ def spalm_logits(model: Decoder, head: SpalmHead, searcher: Searcher, h: torch.T
         for q, i in enumerate(rows):
             ki = settings[i].k
             tokens[i, :ki] = np.where(nb.ids[q, :ki] >= 0, nb.values[q, :ki], -1)  # the row's nearest ki
+    return tokens
+
+
+def head_of(model: Decoder, head: SpalmHead, h: torch.Tensor, tokens: np.ndarray) -> torch.Tensor:
+    """h: (B, C) final hidden states, tokens: (B, k) neighbour tokens (-1: none) -> SPALM logits (B, V)."""
     found = torch.from_numpy(tokens).to(h.device)[:, None]  # (B, 1, k)
     z, _ = head(h[:, None], found, found >= 0, model.lm_head.weight)  # (B, 1, C)
     return model.lm_head(z)[:, 0]  # (B, V)
@@ -95,14 +101,27 @@ def forward(engine: Engine, idx: torch.Tensor, state: DecoderState, logits_from:
 def head_logits(engine: Engine, ready: list[Row], logits: torch.Tensor, keys: torch.Tensor,
                 ) -> tuple[list[Row], torch.Tensor, torch.Tensor]:
     """The ready rows' next-token logits: SPALM's (from the hidden states `logits` carries in a SPALM engine),
-    else `logits` as they are. A failed search ends the rows with its error (each handle raises it)."""
+    else `logits` as they are. When the rows' search fails, each row is searched alone once and only the rows
+    whose own search fails end with its error (each handle raises it); the others go on."""
     if engine.spalm_head is None or not ready:
         return ready, logits, keys
+    settings = [r.handle.request.spalm for r in ready]
     try:
-        return ready, spalm_logits(engine.model, engine.spalm_head, engine.searcher, logits, keys,
-                                   [r.handle.request.spalm for r in ready]), keys  # (B, V)
-    except Exception as e:  # noqa: BLE001 - delivered to the requests it ends, with its message
-        for row in ready:
-            row.handle.put(e)
-            engine.release(row)
-        return [], logits[:0], keys[:0]
+        tokens = neighbour_tokens(engine.searcher, keys, settings)  # (B, k)
+    except Exception as e:  # noqa: BLE001 - retried row by row: one row's fault ends that row only
+        tokens = np.full((len(ready), max(s.k for s in settings)), -1, dtype=np.int64)  # (B, k)
+        keep = []
+        for i, row in enumerate(ready):
+            try:
+                if len(ready) == 1:
+                    raise e
+                mine = neighbour_tokens(engine.searcher, keys[i : i + 1], settings[i : i + 1])  # (1, k_i)
+            except Exception as own:  # noqa: BLE001 - delivered to the request it ends, with its message
+                engine.fail(row, own)
+                continue
+            tokens[i, : mine.shape[1]] = mine[0]
+            keep.append(i)
+        ready, logits, keys, tokens = [ready[i] for i in keep], logits[keep], keys[keep], tokens[keep]
+        if not ready:
+            return [], logits, keys
+    return ready, head_of(engine.model, engine.spalm_head, logits, tokens), keys  # (B, V)

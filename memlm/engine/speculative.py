@@ -51,10 +51,10 @@ from memlm.engine.passes import TreeShape
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import GenerationRequest
 from memlm.engine.rows import Row
-from memlm.engine.sampling import argmax_rows, search_rows
+from memlm.engine.sampling import argmax_rows, search_each, search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
-from memlm.jobs.decoding import SamplingConfig, filter_logits
+from memlm.jobs.decoding import SamplingConfig, filter_logits, scale_logits
 from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher
 
@@ -70,6 +70,8 @@ class Engine(passes.Engine, Protocol):
     def advance(self, row: Row, token: int, logprob: float, base_logprob: float) -> None: ...
 
     def release(self, row: Row | ScoreRow) -> None: ...
+
+    def fail(self, row: Row | ScoreRow, error: Exception) -> None: ...
 
     def holds(self, row: Row | ScoreRow) -> bool: ...
 
@@ -133,10 +135,15 @@ def verify(engine: Engine, rows: list[Row]) -> None:
                for b in range(len(rows))]  # pass position -> the base LM's argmax
     accepted: list[Accepted | None] = [None] * len(rows)
     walked: list[np.ndarray | None] = [None] * len(rows)  # base rows' pointers walked along their tokens
+    errors: dict[int, Exception] = {}  # row b -> what its own search or draw raised: it ends, the others go on
     for b, row in enumerate(rows):  # base-LM targets: acceptance needs no search
         if knn[b] is None:
-            accepted[b] = (_walked(trees[b], kids[b], lm_best[b], lm_lp[b]) if greedy[b] else
-                           _sampled(lm_lp[b], trees[b], row, engine.decodable))
+            try:
+                accepted[b] = (_walked(trees[b], kids[b], lm_best[b], lm_lp[b]) if greedy[b] else
+                               _sampled(lm_lp[b], trees[b], row, engine.decodable))
+            except Exception as e:  # noqa: BLE001 - this row ends with it
+                errors[b] = e
+                continue
             uses_datastore = row.handle.request.speculative.uses_datastore  # history drafts keep no pointers
             walked[b] = advance(row.pointers, accepted[b].tokens, source) if uses_datastore else row.pointers[:0]
     # kNN-LM rows: the pass positions to search next. A greedy row searches its base LM's path through the tree
@@ -148,16 +155,17 @@ def verify(engine: Engine, rows: list[Row]) -> None:
     mixed: list[dict[int, torch.Tensor]] = [{} for _ in rows]  # per kNN-LM row: pass position -> final log-probs
     choice: list[dict[int, int]] = [{} for _ in rows]  # per greedy kNN-LM row: pass position -> the mixture's argmax
     drafted: list[Neighbors | None] = [None] * len(rows)  # base rows: the neighbours searched to draft from
-    failed, drafting = None, True
+    drafting = True
     while spans or drafting:  # one search a round (one in the common case)
         got, failed = _search(engine, rows, rkeys, spans, accepted, walked, drafting)
+        errors.update((b, e) for b, e in failed.items() if knn[b] is not None)  # a failed draft search: no draft
         if drafting:  # base rows' searches to draft from: the first round only
             drafted = [got[b] if knn[b] is None else None for b in range(len(rows))]
             drafting = False
-        if failed is not None:
-            break
         further = {}
         for b, positions in spans.items():
+            if b in errors:
+                continue
             c = knn[b]
             mix = knn_mixture(lm_lp[b][positions], got[b], c.temperature, c.lmbda)  # (q, V)
             for i, p in enumerate(positions):
@@ -170,23 +178,28 @@ def verify(engine: Engine, rows: list[Row]) -> None:
                     further[b] = _lm_path(kids[b], lm_best[b], end)
         spans = further
     for b, row in enumerate(rows):
-        if knn[b] is not None and failed is None:
+        if knn[b] is not None and b not in errors:
             at = sorted(mixed[b])  # the searched pass positions
             final = torch.stack([mixed[b][p] for p in at])  # (s, V)
-            accepted[b] = (_walked(trees[b], kids[b], choice[b], final, at) if greedy[b] else
-                           _sampled(final, trees[b], row, engine.decodable))  # sampled: a chain, all searched
+            try:
+                accepted[b] = (_walked(trees[b], kids[b], choice[b], final, at) if greedy[b] else
+                               _sampled(final, trees[b], row, engine.decodable))  # sampled: a chain, all searched
+            except Exception as e:  # noqa: BLE001 - this row ends with it
+                errors[b] = e
     last = [(found[b].get(a.end) if knn[b] is not None else drafted[b]) if a is not None else None
             for b, a in enumerate(accepted)]
     pointers = [_next_pointers(row, a.tokens, nb, w, source) if a is not None else None
                 for row, a, nb, w in zip(rows, accepted, last, walked)]
     _roll_back(engine, rows, starts, trees, accepted)  # before any row leaves (a release moves rows)
     for b, row in enumerate(rows):
-        if accepted[b] is None:  # a kNN-LM row whose search failed
-            row.handle.put(failed)
-            engine.release(row)
+        if accepted[b] is None:  # a row whose search or draw failed
+            engine.fail(row, errors[b])
             continue
         a = accepted[b]
-        _emit(engine, row, starts[b], a.tokens, a.final_lp, lm_lp[b][a.positions], pointers[b])
+        try:
+            _emit(engine, row, starts[b], a.tokens, a.final_lp, lm_lp[b][a.positions], pointers[b])
+        except Exception as e:  # noqa: BLE001 - the row's own text or stops: it ends, the others go on
+            engine.fail(row, e)
 
 
 def _feed(engine: Engine, rows: list[Row]) -> tuple[list[DraftTree], list[torch.Tensor], list[torch.Tensor]]:
@@ -274,16 +287,18 @@ def _sampled(final_lp: torch.Tensor, tree: DraftTree, row: Row, decodable: int) 
 
 def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: dict[int, list[int]],
             accepted: list[Accepted | None], walked: list[np.ndarray | None], drafting: bool,
-            ) -> tuple[list[Neighbors | None], Exception | None]:
+            ) -> tuple[list[Neighbors | None], dict[int, Exception]]:
     """One search call: the pass positions of the kNN-LM rows in spans, and (drafting) the last accepted
     position of base rows whose pointers ran out (to draft from). Per row its Neighbors (q, k) or
-    (1, draft_k) or None (not searched); on failure (None per row, the error)."""
+    (1, draft_k) or None (not searched, or failed), and the error of each row b whose search failed
+    (memlm.engine.sampling.search_each: one row's fault fails that row only)."""
     queries, configs, owner = [], [], []
     for b, row in enumerate(rows):
         if b in spans:
             queries.append(keys[b][spans[b]])  # (q, C)
             configs += [row.handle.request.knn] * len(spans[b])
-        elif drafting and row.handle.request.knn is None and walked[b].size == 0 and _by_search(row, engine.drafts):
+        elif (drafting and row.handle.request.knn is None and accepted[b] is not None and walked[b].size == 0
+              and _by_search(row, engine.drafts)):
             queries.append(keys[b][accepted[b].end : accepted[b].end + 1])  # (1, C)
             configs.append(KNNLMConfig(k=row.handle.request.speculative.draft_k))
         else:
@@ -292,15 +307,12 @@ def _search(engine: Engine, rows: list[Row], keys: list[torch.Tensor], spans: di
         row.searches += queries[-1].shape[0]
     out: list[Neighbors | None] = [None] * len(rows)
     if not queries:
-        return out, None
-    try:
-        found = search_rows(engine.searcher, torch.cat(queries), configs)  # per query (1, k)
-    except Exception as e:  # noqa: BLE001 - delivered to the kNN-LM rows it ends, with its message
-        return out, e
-    for b in set(owner):
+        return out, {}
+    found, errors = search_each(engine.searcher, torch.cat(queries), configs, owner)  # per query (1, k)
+    for b in set(owner) - set(errors):
         mine = [nb for nb, o in zip(found, owner) if o == b]
         out[b] = Neighbors(*(np.concatenate(parts) for parts in zip(*mine)))  # (q_b, k)
-    return out, None
+    return out, errors
 
 
 def _next_pointers(row: Row, tokens: list[int], neighbors: Neighbors | None, walked: np.ndarray | None,
@@ -345,7 +357,7 @@ def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingCon
         j = next((i for i in range(n) if best[i] != draft[i]), n)
         return [*draft[:j], best[j]], j
     for i in range(n + 1):
-        p = filter_logits(choice[i] / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)  # (V,)
+        p = filter_logits(scale_logits(choice[i], sampling.temperature), sampling.top_k, sampling.top_p).softmax(-1)  # (V,)
         if i == n:
             return [*draft, int(torch.multinomial(p, 1, generator=generator)[0])], n
         u = torch.rand((), generator=generator, device=generator.device)

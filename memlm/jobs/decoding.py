@@ -2,7 +2,8 @@
 
 Like transformers' LogitsProcessor and StoppingCriteria, these are small public functions, so the decoding
 engine (memlm.engine) and any test oracle apply the same rules:
-- `SamplingConfig`: temperature 0 is greedy (argmax); otherwise top-k, then top-p (nucleus) filtering
+- `SamplingConfig`: temperature 0 is greedy (argmax); otherwise the logits are scaled by the temperature
+  (`scale_logits`: max-shifted, so any temperature > 0 is safe), then top-k, then top-p (nucleus) filtering
   (`filter_logits`), then a draw from a torch.Generator seeded with `seed`, so a seed reproduces the tokens.
 - Events: one `TokenEvent` per generated token, then one `GenerationEnd` with a FINISH_* reason.
 - Stops: strings (matched on the generated text, included in it) or token-id sequences (`as_stop`,
@@ -125,6 +126,15 @@ def as_stop(s: str | Sequence[int]) -> Stop:
     if not ids:
         raise MemlmError("stop sequences must be non-empty")
     return ids
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(..., V) logits (or log-probs) divided by a temperature > 0, shifted so that each row's largest is 0 and
+    divided in float64, back in the input's dtype: the most likely token keeps 0 and the others a finite
+    value or -inf at any temperature, so the softmax is never NaN (an unshifted float32 division by a
+    temperature like 1e-38 makes every logit -inf)."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # (..., V), max 0
+    return (shifted.double() / temperature).to(logits.dtype)  # (..., V)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
