@@ -80,6 +80,7 @@ from services.lm.generate_stream import (
     generate_responses,
     token_response,
 )
+from services.lm.results import abort_row_error
 from services.lm.scheduler import ModelTurns, StepGate
 from services.retrieval.call_searcher import CallSearcher
 from services.retrieval.client import CallOptions, Wants
@@ -426,6 +427,8 @@ async def _next_event(stream: Stream, context: grpc.aio.ServicerContext, deadlin
         await context.abort(grpc.StatusCode.CANCELLED, "the work was stopped")
     except MemlmError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except Exception as e:  # noqa: BLE001 - this call's row failed in its own work; the others went on
+        await abort_row_error(context, e)
 
 
 async def submit_in_thread(submit: Callable[[], T], abandon: Callable[[T], None]) -> T:

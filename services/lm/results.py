@@ -101,11 +101,20 @@ LIBRARY_ERRORS = (WorkStopped, ServiceError, MemlmError)
 async def abort_library_error(context, error: BaseException, expired: bool) -> None:
     """The one mapping of a call's failed work to its status: WorkStopped (the caller gave up, its deadline passed
     or the server closes) -> DEADLINE_EXCEEDED when `expired`, else CANCELLED; a remote retrieval service's
-    failure -> its own code; MemlmError -> INVALID_ARGUMENT (the message names the field). Aborts (raises)."""
+    failure -> its own code; MemlmError -> INVALID_ARGUMENT (the message names the field); anything else ->
+    INTERNAL (abort_row_error). Aborts (raises)."""
     if isinstance(error, WorkStopped):
         if expired:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed; the work was stopped")
         await context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled; the work was stopped")
     if isinstance(error, ServiceError):  # the remote retrieval service failed: pass its code on
         await context.abort(error.code, f"retrieval service {error.address}: {error.details}")
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    if isinstance(error, MemlmError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    await abort_row_error(context, error)
+
+
+async def abort_row_error(context, error: BaseException) -> None:
+    """A call's engine row failed in its own work (a draw, a search, a memory) with an error that is not the
+    library's: INTERNAL with its message; the other calls' rows went on. Aborts (raises)."""
+    await context.abort(grpc.StatusCode.INTERNAL, f"this call's row failed: {type(error).__name__}: {error}")

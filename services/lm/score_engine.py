@@ -44,7 +44,7 @@ from services.lm.engine import (
     retry_after_ms,
     submit_in_thread,
 )
-from services.lm.results import LIBRARY_ERRORS, ScoreOutcome, abort_library_error
+from services.lm.results import LIBRARY_ERRORS, ScoreOutcome, abort_library_error, abort_row_error
 
 ENGINE, BATCHED, ALONE = "engine", "batched", "alone"
 """Where a Score runs (score_path; module docstring)."""
@@ -117,6 +117,8 @@ async def _result(stream: Stream, context: grpc.aio.ServicerContext, deadline: f
         await context.abort(code, f"{e}; the work was stopped")
     except LIBRARY_ERRORS as e:  # WorkStopped: the batch's search stopped (every caller gave up, or the server closes)
         await abort_library_error(context, e, deadline is not None and time.monotonic() >= deadline)
+    except Exception as e:  # noqa: BLE001 - this input's row failed in its own work; the others went on
+        await abort_row_error(context, e)
 
 
 async def score_on_engine(pool: EnginePool, model: Decoder, args: ScoreArgs, boundary: int, deadline: float | None,
