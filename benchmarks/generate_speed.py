@@ -413,6 +413,8 @@ def main() -> None:
         out["2_engine_over_transformers"] = fig2["transformers"] / fig2["engine"]
         out["2_engine_tokens_per_s"] = args.decode_tokens / fig2["engine"]
         out["2_tokens_as_transformers"] = f"{fig2['same_tokens']}/{args.decode_tokens}"
+        result.headline("batch1", f"{out['2_engine_tokens_per_s']:.1f} tokens/s, "
+                                  f"{out['2_engine_over_transformers']:.2f}x transformers")
     if 3 in figures:
         fig3 = {s: aggregate(bench, hf, ps, s, args, device) for s in streams}
         report_aggregate(args, fig3)
@@ -422,6 +424,11 @@ def main() -> None:
                                 **({"over_one_after_another": secs["sequential"] / secs["engine"]}
                                    if "sequential" in secs else {}),
                                 "over_transformers_static": secs["transformers"] / secs["engine"]})
+        for row in result.rows:
+            if row.get("over_one_after_another") is not None and row["streams"] == 8:
+                result.headline("streams8", f"{row['engine_tokens_per_s']:.1f} tokens/s, "
+                                            f"{row['over_one_after_another']:.2f}x one after another, "
+                                            f"{row['over_transformers_static']:.2f}x transformers' static batch")
     if 4 in figures:
         fig4, what = knn_vs_base(bench, ps, args, device, result)
         report_knn(args, fig4, what)

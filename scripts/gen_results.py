@@ -65,6 +65,12 @@ HEADLINES = (
              "(docs/results.md#speed-and-overhead), span 1024", "python benchmarks/xl_eval_speed.py --tokens 64"),
     Headline("load", "micro_batching", "[retrieval micro-batching](docs/results.md#speed-and-overhead), 16 "
              "clients vs the best unbatched server", "python benchmarks/load.py"),
+    Headline("generate_speed", "batch1", "[engine decode, batch 1](docs/results.md#speed-and-overhead), greedy, "
+             "vs transformers' generate with its KV cache", "python benchmarks/generate_speed.py --figures 2,3"),
+    Headline("generate_speed", "streams8", "[engine decode, 8 streams](docs/results.md#speed-and-overhead), "
+             "aggregate tokens/s", "python benchmarks/generate_speed.py --figures 2,3"),
+    Headline("speculative_knnlm", "speculative", "[speculative kNN-LM decoding](docs/results.md#fewer-searches) "
+             "on held-out prompts, draft settings chosen on the tuning split", "python benchmarks/speculative_knnlm.py"),
     Headline("decoder_gemm", "batch8", "[decoder GEMM](docs/results.md#speed-and-overhead): batch-8 greedy "
              "decode tokens/s, MKL vs oneDNN", "python benchmarks/decoder_gemm.py"),
 )
