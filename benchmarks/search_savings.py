@@ -18,12 +18,12 @@ k. A setting's wall time is the forward's plus its own pass (search + pointer wa
 of it timed by one clock); the auxiliary structures it walks or reads (the gate, the successors, k-means
 clusters, sketches) are built once before the passes, and their seconds are reported beside it (build_seconds,
 wall_with_build_seconds). Writes docs/results/data/search_savings.json (benchmarks/harness.py; the whole
-command's wall time and peak memory in it) and the curves as a PNG (--out).
+command's wall time and peak memory in it) and the curves as a PNG beside it (or --out).
 
     python benchmarks/search_savings.py [--datastore DS] [--eval-tokens 6000] [--tune-tokens 10000] \
         [--gate-split SPLIT --gate-tokens 30000] [--clusters 500 2000] [--sketch-dims 0 64 --clustered-widths 0 4096] \
         [--exact-members 1024] [--max-clusters 0] [--both-clusters 2000] [--repeats 2] [--budget 0.01] \
-        [--out docs/figures/search_savings_sotu_1990_2000] [--results DIR] [--result-name NAME]
+        [--out PATH] [--results DIR] [--result-name NAME]
 
 The figures the project states, with the commands that made them: docs/results.md ("Fewer searches").
 """
@@ -154,7 +154,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.01, help="the perplexity budget of the choice: a family's "
                    "setting saving the most searches within (1 + budget) x plain kNN-LM's perplexity on the tuning "
                    "split is measured on the evaluation split")
-    p.add_argument("--out", default="out/search_savings", help="writes OUT.png (the JSON: --results)")
+    p.add_argument("--out", default=None, help="writes OUT.png (default: beside the JSON result, same name)")
     p.add_argument("--replot", default=None, metavar="JSON", help="only draw OUT.png again from a run's JSON")
     harness.add_options(p, "search_savings")
     return p.parse_args()
@@ -249,7 +249,7 @@ def main() -> None:
     args = parse()
     if args.replot is not None:
         summary = json.loads(Path(args.replot).read_text())
-        plot(summary, Path(args.out).with_suffix(".png"))
+        plot(summary, Path(args.out or Path(args.replot).with_suffix("")).with_suffix(".png"))
         return
     import faiss
 
@@ -366,7 +366,7 @@ def main() -> None:
                       "forward_seconds": forward, "tune_forward_seconds": tune_forward,
                       "lambda_t_tuning_seconds": tuning_seconds}
     path = result.write()
-    out = Path(args.out)
+    out = Path(args.out) if args.out else path.with_suffix("")
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(json.loads(path.read_text()), out.with_suffix(".png"))
     print(f"# wrote {out.with_suffix('.png')}")
