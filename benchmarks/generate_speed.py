@@ -452,7 +452,16 @@ def main() -> None:
                        "decode_tokens": args.decode_tokens, "streams": args.streams,
                        "stream_tokens": args.stream_tokens, "knn_batch": args.knn_batch, "repeats": args.repeats,
                        "statistic": "median of alternating runs a side, after one warm-up", "figures": args.figures}
-    result.write()
+    path = result.write()
+    aggregate_rows = [r for r in result.rows if r["figure"] == "3. aggregate"]
+    if aggregate_rows:
+        per_side = {"engine (one batch)": [(r["streams"], r["engine_tokens_per_s"]) for r in aggregate_rows]}
+        per_side["one after another"] = [(r["streams"], r["engine_tokens_per_s"] / r["over_one_after_another"])
+                                         for r in aggregate_rows if r.get("over_one_after_another")]
+        per_side["transformers static batch"] = [(r["streams"], r["engine_tokens_per_s"] / r["over_transformers_static"])
+                                                 for r in aggregate_rows]
+        harness.plot_lines(path, {k: v for k, v in per_side.items() if v}, xlabel="concurrent streams",
+                           ylabel="aggregate tokens/s", title="greedy decode throughput vs streams", logx=True)
 
 
 if __name__ == "__main__":

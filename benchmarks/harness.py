@@ -332,3 +332,30 @@ class Result:
               + (f", children {peak['children']:.0f} MiB" if "children" in peak else "") + ")"
               + (" SYNTHETIC" if self.synthetic else ""), flush=True)
         return path
+
+
+def plot_lines(path: Path, series: dict[str, list[tuple[float, float]]], *, xlabel: str, ylabel: str, title: str,
+               logx: bool = False) -> Path:
+    """Draw each series' (x, y) points as one line into `path`.png (beside a result's JSON, for the results
+    page) and return the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"# wrote {out}", flush=True)
+    return out
+

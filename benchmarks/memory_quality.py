@@ -1,7 +1,8 @@
 """The memory quality table, on State of the Union speeches (long documents).
 
-(a) frozen SmolLM2-135M, segment 128: XL memory 1024 with 4 sink tokens, the same without sinks, no
-    memory, and a 1152-token sliding window with stride 128 (the same reach as segment + memory);
+(a) frozen SmolLM2-135M, segment 128: XL memory of 128 to 1024 states with 4 sink tokens, 1024 without
+    sinks, no memory, and a 1152-token sliding window with stride 128 (the same reach as segment + memory),
+    with perplexity against memory size drawn beside the JSON;
     with --frozen-compressive also XL 512 and compressive 512 + 512 (rate 4, mean / max pooling): the
     frozen-model figures for (b).
 (b) at equal attention cost (memory slots), compressive (mem M/2 + cmem M/2, rate 4, learned conv and
@@ -74,6 +75,7 @@ def section_a(args, result: harness.Result) -> None:
     perplexities = {}
     for name, kw in [
         ("no memory", dict(memory="none")),
+        *[(f"XL memory {m} + 4 sink tokens", dict(memory="xl", mem_len=m, sink_tokens=4)) for m in (128, 256, 512)],
         ("XL memory 1024 + 4 sink tokens", dict(memory="xl", mem_len=1024, sink_tokens=4)),
         ("XL memory 1024, no sink tokens", dict(memory="xl", mem_len=1024, sink_tokens=0)),
     ]:
@@ -169,7 +171,12 @@ def main() -> None:
                            "batch": args.batch, "mem": args.mem, "lr": args.lr, "seed": args.seed}
                           if {"b", "c"} & set(args.sections) else {}),
                        "dtype": "float32", "threads": torch.get_num_threads()}
-    result.write()
+    path = result.write()
+    xl = [(r["memory_slots"], r["perplexity"]) for r in result.rows
+          if r["section"] == "a" and (r["variant"] == "no memory" or r["variant"].endswith("+ 4 sink tokens"))]
+    if xl:
+        harness.plot_lines(path, {"XL memory + 4 sinks (0: each segment alone)": xl}, xlabel="memory slots per layer",
+                           ylabel="perplexity", title="frozen SmolLM2, segment 128: perplexity vs memory size")
 
 
 if __name__ == "__main__":
