@@ -71,6 +71,9 @@ HEADLINES = (
              "aggregate tokens/s", "python benchmarks/generate_speed.py --figures 2,3"),
     Headline("speculative_knnlm", "speculative", "[speculative kNN-LM decoding](docs/results.md#fewer-searches) "
              "on held-out prompts, draft settings chosen on the tuning split", "python benchmarks/speculative_knnlm.py"),
+    Headline("availability", "availability", "[availability](docs/results.md#speed-and-overhead): well-behaved "
+             "clients' p99 beside cancelled, maximal and unauthenticated calls and a retrieval restart, vs undisturbed "
+             "in the same run", "python benchmarks/availability.py"),
     Headline("decoder_gemm", "batch8", "[decoder GEMM](docs/results.md#speed-and-overhead): batch-8 greedy "
              "decode tokens/s, MKL vs oneDNN", "python benchmarks/decoder_gemm.py"),
 )

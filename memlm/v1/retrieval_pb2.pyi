@@ -212,23 +212,25 @@ class GetMemoryInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetMemoryInfoResponse(_message.Message):
-    __slots__ = ("max_sessions", "max_session_entries", "max_total_entries", "default_idle_timeout_s", "max_idle_timeout_s", "max_k", "max_message_bytes", "sessions", "reserved_entries")
+    __slots__ = ("max_sessions", "default_idle_timeout_s", "max_idle_timeout_s", "max_k", "max_message_bytes", "sessions", "reserved_entries", "max_session_bytes", "max_total_bytes", "reserved_bytes")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    MAX_SESSION_ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOTAL_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
-    max_session_entries: int
-    max_total_entries: int
     default_idle_timeout_s: float
     max_idle_timeout_s: float
     max_k: int
     max_message_bytes: int
     sessions: int
     reserved_entries: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_session_entries: _Optional[int] = ..., max_total_entries: _Optional[int] = ..., default_idle_timeout_s: _Optional[float] = ..., max_idle_timeout_s: _Optional[float] = ..., max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., reserved_entries: _Optional[int] = ...) -> None: ...
+    max_session_bytes: int
+    max_total_bytes: int
+    reserved_bytes: int
+    def __init__(self, max_sessions: _Optional[int] = ..., default_idle_timeout_s: _Optional[float] = ..., max_idle_timeout_s: _Optional[float] = ..., max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., reserved_entries: _Optional[int] = ..., max_session_bytes: _Optional[int] = ..., max_total_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...

@@ -259,8 +259,9 @@ class MemoryServiceServicer:
 
     def CreateMemory(self, request, context):
         """Opens a session memory of `streams` empty streams, reserving streams * capacity entries. Errors:
-        RESOURCE_EXHAUSTED when the server holds max_sessions sessions, or streams * capacity exceeds
-        max_session_entries, or the entries reserved by all sessions would exceed max_total_entries.
+        RESOURCE_EXHAUSTED when the server holds max_sessions sessions, or the session's bytes (streams *
+        capacity * (dim + value_dim) * the storage dtype's size) exceed max_session_bytes, or the bytes
+        reserved by all sessions would exceed max_total_bytes; checked before anything is allocated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

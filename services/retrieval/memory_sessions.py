@@ -7,10 +7,11 @@ document on another machine. The results are those of an in-process ExactMemory 
 after the same calls, bit for bit: the server runs that class, and keys and values travel in its
 storage dtype (bfloat16 on CPU), which widens exactly.
 
-Bounded (MemoryOptions, the `serve retrieval --memories` flags): at most max_sessions sessions; a
-session reserves streams * capacity entries when it is created, at most max_session_entries, and all
-sessions together at most max_total_entries; a session past either limit is refused at once with
-RESOURCE_EXHAUSTED naming the limit and its flag. A session dies when it is dropped, after
+Bounded in bytes (MemoryOptions, the `serve retrieval --memories` flags): at most max_sessions sessions; a
+session reserves streams * capacity * (dim + value_dim) * the storage dtype's size bytes when it is created
+(`session_bytes`), at most max_session_bytes, and all sessions together at most max_total_bytes; a session
+past either limit is refused before anything is allocated, with RESOURCE_EXHAUSTED naming the limit and its
+flag. A session dies when it is dropped, after
 idle_timeout_s without a call, or lifetime_s after its creation (its deadline); a dead session's id
 is NOT_FOUND. Expiry is checked on every call and by a reaper task, so memory comes back on time even
 when a client vanishes without DropMemory.
@@ -37,18 +38,18 @@ import grpc
 import numpy as np
 import torch
 
-from memlm.memory.knn_store import ExactMemory
+from memlm.memory.knn_store import ExactMemory, storage_dtype
 from memlm.retrieval.searcher import MAX_K
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.common.server import InvalidRequest
+from services.common.sizes import byte_size, format_bytes
 from services.common.tensors import from_tensor, to_tensor
 
 MEMORY_SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["MemoryService"]
 FLOAT_DTYPES = (tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_FLOAT16, tensor_pb2.DTYPE_BFLOAT16)
 """Wire dtypes accepted for keys, values and queries."""
 MAX_DIM = 1024
-"""Largest key or value dimension a session may have, in elements (an attention head has 64-256): with
-it, the entry limits bound the bytes a session can hold (an entry is 2 * (d + dv) bytes)."""
+"""Largest key or value dimension a session may have, in elements (an attention head has 64-256)."""
 REAP_INTERVAL_S = 1.0
 """Longest sleep of the reaper between two looks at the expiry times, in seconds."""
 MESSAGE_OVERHEAD_BYTES = 4096
@@ -65,11 +66,11 @@ class MemoryOptions:
 
     max_sessions: int = 64
     """Sessions open at once (--max-memory-sessions); RESOURCE_EXHAUSTED past it."""
-    max_session_entries: int = 1 << 21
-    """Entries one session may reserve, streams * capacity (--max-memory-entries): 2M, e.g. 8 rows x 3 kv
-    heads x 64K, 512 MiB at d = dv = 64 in bfloat16."""
-    max_total_entries: int = 1 << 23
-    """Entries all sessions together may reserve (--max-memory-total-entries): 8M, 2 GiB at d = dv = 64."""
+    max_session_bytes: int = 1 << 30
+    """Bytes one session may reserve, `session_bytes` (--max-memory-session-bytes): 1 GiB, e.g. 8 rows x 3 kv heads
+    x 85K entries at d = dv = 64 in float32."""
+    max_total_bytes: int = 4 << 30
+    """Bytes all sessions together may reserve (--max-memory-total-bytes): 4 GiB."""
     idle_timeout_s: float = 300.0
     """Seconds without a call after which a session that asked for no timeout is dropped (--memory-idle-timeout)."""
     max_idle_timeout_s: float = 3600.0
@@ -78,7 +79,7 @@ class MemoryOptions:
     """Worker threads running the sessions' torch work (calls of one session still run one at a time)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_session_entries", "max_total_entries", "threads"):
+        for name in ("max_sessions", "max_session_bytes", "max_total_bytes", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.idle_timeout_s <= self.max_idle_timeout_s:
@@ -92,10 +93,11 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memories", action="store_true",
                    help="also host session memories (MemoryService) for the Memorizing layer's 'service' backend")
     p.add_argument("--max-memory-sessions", type=int, default=d.max_sessions, help="session memories open at once")
-    p.add_argument("--max-memory-entries", type=int, default=d.max_session_entries,
-                   help="entries one session may reserve (streams x capacity)")
-    p.add_argument("--max-memory-total-entries", type=int, default=d.max_total_entries,
-                   help="entries all sessions together may reserve")
+    p.add_argument("--max-memory-session-bytes", type=byte_size, default=d.max_session_bytes, metavar="SIZE",
+                   help="bytes one session may reserve: streams x capacity x (dim + value_dim) x the storage dtype's "
+                        "size (e.g. 512M, 4G)")
+    p.add_argument("--max-memory-total-bytes", type=byte_size, default=d.max_total_bytes, metavar="SIZE",
+                   help="bytes all sessions together may reserve (e.g. 4G)")
     p.add_argument("--memory-idle-timeout", type=float, default=d.idle_timeout_s,
                    help="seconds without a call after which a session is dropped (when it asks for none)")
     p.add_argument("--memory-max-idle-timeout", type=float, default=d.max_idle_timeout_s,
@@ -106,8 +108,8 @@ def memory_options_from_args(args: argparse.Namespace) -> MemoryOptions | None:
     """MemoryOptions from add_memory_options' flags; None without --memories (ValueError for a bad value)."""
     if not args.memories:
         return None
-    return MemoryOptions(max_sessions=args.max_memory_sessions, max_session_entries=args.max_memory_entries,
-                         max_total_entries=args.max_memory_total_entries, idle_timeout_s=args.memory_idle_timeout,
+    return MemoryOptions(max_sessions=args.max_memory_sessions, max_session_bytes=args.max_memory_session_bytes,
+                         max_total_bytes=args.max_memory_total_bytes, idle_timeout_s=args.memory_idle_timeout,
                          max_idle_timeout_s=args.memory_max_idle_timeout)
 
 
@@ -130,6 +132,11 @@ def tensor_to_torch(tensor: tensor_pb2.Tensor, name: str, dtypes, ndim: int) -> 
     array = np.array(from_tensor(tensor, name, dtypes=dtypes, ndim=ndim))  # a writable copy
     out = torch.from_numpy(array)
     return out.to(torch.bfloat16) if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16 else out
+
+
+def session_bytes(streams: int, capacity: int, dim: int, value_dim: int, itemsize: int) -> int:
+    """Bytes a session's keys and values take: streams * capacity entries of dim + value_dim elements."""
+    return streams * capacity * (dim + value_dim) * itemsize
 
 
 def search_response_bytes(streams: int, q: int, k: int, dim: int, value_dim: int, itemsize: int) -> int:
@@ -158,7 +165,14 @@ class Session:
 
     @property
     def reserved(self) -> int:
+        """Entries it holds room for (streams * capacity)."""
         return self.memory.streams * self.memory.capacity
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of its keys and values (session_bytes of its shape)."""
+        b = self.memory.buffer
+        return session_bytes(b.streams, b.capacity, b.dim, b.value_dim, b.dtype.itemsize)
 
     def expired(self, now: float) -> bool:
         """Past its deadline or idle timeout, and no call of it running (a running call's memory is never
@@ -184,6 +198,10 @@ class MemorySessions:
     @property
     def reserved_entries(self) -> int:
         return sum(s.reserved for s in self._sessions.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved_bytes for s in self._sessions.values())
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -215,25 +233,28 @@ class MemorySessions:
         if lifetime is not None and not (math.isfinite(lifetime) and lifetime > 0):
             raise InvalidRequest("lifetime_s", f"{lifetime:g} s, must be > 0 (leave it unset for no deadline)")
         self.reap()
-        self._check_room(streams * capacity)
+        self._check_room(session_bytes(streams, capacity, dim, value_dim, storage_dtype(self.device).itemsize))
         now = self._clock()
         memory = ExactMemory(streams, dim, value_dim, capacity, self.device)
         session = Session(secrets.token_hex(16), memory, idle, None if lifetime is None else now + lifetime, now)
         self._sessions[session.memory_id] = session
         return session
 
-    def _check_room(self, entries: int) -> None:
+    def _check_room(self, size: int) -> None:
+        """Refuse a new session of `size` bytes past the session count or a byte limit (before it is allocated)."""
         o, exhausted = self.options, grpc.StatusCode.RESOURCE_EXHAUSTED
         if len(self._sessions) >= o.max_sessions:
             raise InvalidRequest("max_sessions", f"{len(self._sessions)} memory sessions open, the most this server "
                                  "holds (--max-memory-sessions); drop one or retry later", exhausted)
-        if entries > o.max_session_entries:
-            raise InvalidRequest("max_session_entries", f"streams x capacity = {entries} entries, at most "
-                                 f"{o.max_session_entries} per session (--max-memory-entries)", exhausted)
-        reserved = self.reserved_entries
-        if reserved + entries > o.max_total_entries:
-            raise InvalidRequest("max_total_entries", f"{entries} more entries do not fit: {reserved} of "
-                                 f"{o.max_total_entries} reserved (--max-memory-total-entries)", exhausted)
+        if size > o.max_session_bytes:
+            raise InvalidRequest("max_session_bytes", f"streams x capacity x (dim + value_dim) x dtype size = {size} "
+                                 f"bytes ({format_bytes(size)}), at most {o.max_session_bytes} "
+                                 f"({format_bytes(o.max_session_bytes)}) per session (--max-memory-session-bytes)",
+                                 exhausted)
+        reserved = self.reserved_bytes
+        if reserved + size > o.max_total_bytes:
+            raise InvalidRequest("max_total_bytes", f"{size} more bytes do not fit: {reserved} of {o.max_total_bytes} "
+                                 f"({format_bytes(o.max_total_bytes)}) reserved (--max-memory-total-bytes)", exhausted)
 
     def get(self, memory_id: str) -> Session:
         """The live session `memory_id`, or InvalidRequest NOT_FOUND (unknown, dropped or expired)."""
@@ -396,10 +417,10 @@ class MemoryServicer:
         s, o = self._sessions, self._sessions.options
         s.reap()
         return retrieval_pb2.GetMemoryInfoResponse(
-            max_sessions=o.max_sessions, max_session_entries=o.max_session_entries,
-            max_total_entries=o.max_total_entries, default_idle_timeout_s=o.idle_timeout_s,
-            max_idle_timeout_s=o.max_idle_timeout_s, max_k=MAX_K, max_message_bytes=self._max_message_bytes,
-            sessions=len(s), reserved_entries=s.reserved_entries)
+            max_sessions=o.max_sessions, max_session_bytes=o.max_session_bytes, max_total_bytes=o.max_total_bytes,
+            default_idle_timeout_s=o.idle_timeout_s, max_idle_timeout_s=o.max_idle_timeout_s, max_k=MAX_K,
+            max_message_bytes=self._max_message_bytes, sessions=len(s), reserved_entries=s.reserved_entries,
+            reserved_bytes=s.reserved_bytes)
 
 
 def torch_dtype_of(wire: int) -> torch.dtype:

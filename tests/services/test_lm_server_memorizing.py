@@ -278,7 +278,7 @@ def test_the_memory_service_is_where_the_memory_lives(tiny, knn_attention, modul
     from services.retrieval.server import create_retrieval_server
 
     port = module_loop.start(create_retrieval_server, "127.0.0.1:0", None,
-                             memories=MemoryOptions(max_session_entries=47))  # < 1 stream x 48 entries
+                             memories=MemoryOptions(max_session_bytes=47))  # < 1 stream x 48 entries of any size
     address, client = start_service_lm(tiny, knn_attention, module_loop, f"127.0.0.1:{port}")
     try:
         with grpc.insecure_channel(address) as channel:

@@ -127,14 +127,17 @@ def test_open_key_value_memory_service_backend(client):
 # ---------------------------------------------------------------------------------------------------- limits and expiry
 
 
-def test_session_and_entry_limits_are_resource_exhausted(loop_thread):
-    opts = MemoryOptions(max_sessions=2, max_session_entries=300, max_total_entries=500)
+def test_session_and_byte_limits_are_resource_exhausted_before_any_allocation(loop_thread):
+    entry = (D + DV) * 4  # bytes of one float32 entry (the CPU storage dtype)
+    opts = MemoryOptions(max_sessions=2, max_session_bytes=300 * entry, max_total_bytes=500 * entry)
     with MemoryClient(start(loop_thread, opts), timeout=20) as client:
-        with pytest.raises(ServiceError, match="--max-memory-entries") as e:
+        with pytest.raises(ServiceError, match="--max-memory-session-bytes") as e:
             client(S, D, DV, 101)  # 303 entries > 300
-        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        first = client(S, D, DV, 100)  # 300 reserved
-        with pytest.raises(ServiceError, match="--max-memory-total-entries") as e:
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"{303 * entry} bytes" in e.value.details
+        with pytest.raises(ServiceError, match="--max-memory-session-bytes"):
+            client(S, D, DV, 1 << 40)  # far past any memory: refused by arithmetic, nothing allocated
+        first = client(S, D, DV, 100)  # 300 entries reserved
+        with pytest.raises(ServiceError, match="--max-memory-total-bytes") as e:
             client(S, D, DV, 67)  # 300 + 201 > 500
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         second = client(S, D, DV, 66)
@@ -143,6 +146,8 @@ def test_session_and_entry_limits_are_resource_exhausted(loop_thread):
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         info = client.info(refresh=True)
         assert (info.sessions, info.reserved_entries, info.max_sessions) == (2, 498, 2)
+        assert (info.reserved_bytes, info.max_session_bytes, info.max_total_bytes) == (498 * entry, 300 * entry,
+                                                                                         500 * entry)
         first.close()  # dropping frees the slot and the entries
         client(1, D, DV, 1).close()
         second.close()
