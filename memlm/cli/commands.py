@@ -201,7 +201,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
                         max_text_chars=args.max_text_chars, max_step_tokens=args.max_step_tokens,
                         knn_layer=memory.knn_layer, knn_mem_size=memory.knn_mem_size, knn_top_k=memory.knn_top_k,
                         knn_backend=memory.knn_backend, max_batch=args.max_batch, max_queue=args.max_queue,
-                        max_tokens_in_flight=args.max_tokens_in_flight, cuda_graphs=args.cuda_graphs),
+                        max_kv_bytes=args.max_kv_bytes, cuda_graphs=args.cuda_graphs),
         retrieval_tls=link_tls(args, "retrieval-"),
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
         knn_service=knn_service, adaptive_gate=args.adaptive_gate,
@@ -361,9 +361,14 @@ def add_serve_parser(sub: Any) -> None:
                        ("max_text_chars", "most characters of text in one request"),
                        ("max_step_tokens", "most input tokens of one forward step (calls take turns step by step)"),
                        ("max_batch", "Generate calls decoded together in one engine step"),
-                       ("max_queue", "Generate calls waiting for a row (more: RESOURCE_EXHAUSTED, retry-after-ms)"),
-                       ("max_tokens_in_flight", "prompt + max_new_tokens over all Generate calls (more: refused)")):
+                       ("max_queue", "Generate calls waiting for a row (more: RESOURCE_EXHAUSTED, retry-after-ms)")):
         lm.add_argument(flag(name), type=positive_int, default=getattr(LMLimits, name), help=what)
+    from services.common.sizes import byte_size, format_bytes
+
+    lm.add_argument("--max-kv-bytes", type=byte_size, default=LMLimits.max_kv_bytes, metavar="SIZE",
+                    help="KV cache bytes of the tokens in flight (prompt + max_new_tokens over all Generate calls; "
+                         "more: refused), converted with the model's layers, kv heads, head size and dtype (e.g. 512M, "
+                         f"4G; default {format_bytes(LMLimits.max_kv_bytes)})")
     lm.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
     add_options(lm, "kNN-LM datastore", SEARCH_BACKEND_OPTIONS)
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)

@@ -50,6 +50,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
 from memlm.engine import (
@@ -171,7 +172,8 @@ class Engine:
     def submit(self, request: GenerationRequest | ScoreRequest) -> RequestHandle:
         """Queue `request`; EngineFull (with a retry hint) when the queue or the tokens in flight are full."""
         V = self.model.config.vocab_size
-        if any(not 0 <= i < V for i in request.prefix):
+        prefix = np.fromiter(request.prefix, dtype=np.int64, count=len(request.prefix))  # (T,)
+        if prefix.size and (prefix.min() < 0 or prefix.max() >= V):
             raise MemlmError(f"{'prompt' if isinstance(request, GenerationRequest) else 'text'} has token ids "
                              f"outside [0, {V})")
         spalm_rows.check_request(self, request)

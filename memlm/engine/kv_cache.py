@@ -49,6 +49,12 @@ INITIAL_SLOTS = 64
 """Slots per row allocated at first (RowCache.reserve grows them)."""
 
 
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take in the cache: 2 x n_layer x nkv x hs elements of `dtype`
+    (SmolLM2-135M in float32: 46,080 bytes, so 2^20 tokens are 45 GiB)."""
+    return 2 * config.n_layer * config.n_kv_head * config.head_dim * dtype.itemsize
+
+
 def rotary_at(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """pos: (B, T) int64 positions -> cos, sin (B, 1, T, hs) float32, the angles reduced exactly.
 

@@ -14,10 +14,11 @@ Model turns (services.lm.scheduler): each lane's thread takes the model's turn l
 its own ("engine:<lane>"), for one engine step at a time, passed on at every step boundary when Score calls
 wait. A remote search gives the turn away while it waits and ends when every caller in the batch
 gave up or the batch's latest deadline passed (the lane's services.retrieval.call_searcher.CallSearcher); a
-failing search ends the searching rows of that step with its status, never other rows nor other lanes' calls.
+failing search ends the rows whose own search failed with its status, never other rows nor other lanes' calls.
 
 Admission is bounded (LMLimits.max_batch rows per batch, max_queue waiting per batch, max_tokens_in_flight
-prompt + max_new_tokens over every Generate call of the server, all in GetInfo): beyond, RESOURCE_EXHAUSTED
+prompt + max_new_tokens over every Generate call of the server, the tokens whose KV fits in max_kv_bytes; all in
+GetInfo): beyond, RESOURCE_EXHAUSTED
 ending "retry after N ms", trailing metadata `retry-after-ms: N` (RETRY_AFTER_KEY): when a row is likely
 free (the soonest-finishing request's steps left x the batch's mean step time). After every step the lane
 puts each handle's ready events on the call's asyncio queue (loop.call_soon_threadsafe): a stream carries

@@ -12,7 +12,9 @@ tokenizing (`max_text_chars`), a Score's forward work (`max_forward_tokens`: the
 their length, priced in closed form by memlm.jobs.windows.window_cost) and its response (`max_score_entries`,
 and an upper bound of its bytes against the server's message limit). A Generate's work is bounded by its
 prompt (`max_score_tokens`) and `max_new_tokens`, and admission to the engine's batches by `max_batch`,
-`max_queue` and `max_tokens_in_flight` (services.lm.engine).
+`max_queue` and the tokens in flight that `max_kv_bytes` holds (services.lm.engine). Token-id arrays are
+length-checked before any element is read and range-checked at once; stop sequences are bounded in number and
+characters (`max_stop_sequences`, `max_stop_chars`), knn.nprobe by `max_nprobe`.
 
 Every forward STEP is bounded too (`max_step_tokens`): the model's turn passes between steps
 (services.lm.scheduler), so one step is the longest a call waits for the call ahead of it and the longest a
@@ -28,10 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
+import numpy as np
+import torch
 
+from memlm.engine.kv_cache import kv_bytes_per_token
 from memlm.engine.requests import EngineConfig
 from memlm.jobs.decoding import SamplingConfig
 from memlm.jobs.windows import WindowConfig, window_cost
+from memlm.model.config import ModelConfig
 from memlm.model.memory_config import EXACT_MAX_ENTRIES, MemoryConfig
 from memlm.model.tokenizer import Tokenizer
 from memlm.retrieval.attribution import MAX_ATTRIBUTION
@@ -49,6 +55,7 @@ from services.lm.args import (
 )
 from services.lm.spalm import SpalmSearch, check_search, parse_spalm_search
 from services.common.server import InvalidRequest
+from services.retrieval.server import MAX_NPROBE
 
 SUPPORTED_MEMORY_MODES = (lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL, lm_pb2.MEMORY_MODE_COMPRESSIVE)
 """What every server serves (COMPRESSIVE with mean pooling: no trained compressor); MEMORY_MODE_MEMORIZING besides with a memorizing checkpoint's KnnAttention,
@@ -80,6 +87,11 @@ class LMLimits:
     """Largest knn.k: kNN-LM's neighbours, or MEMORY_MODE_SPALM's per token."""
     max_stop_sequences: int = 16
     """Most stop sequences in one GenerateRequest."""
+    max_stop_chars: int = 4096
+    """Most characters of all stop sequences of one GenerateRequest together (each is searched for in the
+    generated text after every token)."""
+    max_nprobe: int = MAX_NPROBE
+    """Largest knn.nprobe (services.retrieval.server.MAX_NPROBE)."""
     score_batch_size: int = 4
     """Windows (NONE) or sequences side by side (XL) per forward pass while scoring (as `memlm eval --batch-size`)."""
     segment_tokens: int = MemoryConfig.segment
@@ -130,12 +142,18 @@ class LMLimits:
     max_queue: int = EngineConfig.max_queue
     """Requests waiting for a row of a batch; one more is refused with RESOURCE_EXHAUSTED and a retry hint (a Score
     over it waits for its own rows instead, services.lm.score_engine)."""
-    max_tokens_in_flight: int = EngineConfig.max_tokens_in_flight
-    """Prompt + max_new_tokens summed over every running and waiting Generate call, plus the tokens engine Score
-    requests read; beyond, RESOURCE_EXHAUSTED."""
+    max_kv_bytes: int = 4 << 30
+    """KV cache bytes the tokens in flight may take (--max-kv-bytes): the engine's in-flight budget is the tokens
+    whose keys and values fit in it (`tokens_in_flight`; 4 GiB: about 93K SmolLM2-135M tokens in float32)."""
     cuda_graphs: bool = EngineConfig.cuda_graphs
     """Generate batches of the plain KV cache (MEMORY_MODE_NONE) decode in fixed-shape steps, a CUDA graph per row
     bucket on a GPU (EngineConfig.cuda_graphs, memlm.engine.decode_graphs)."""
+
+    def tokens_in_flight(self, config: ModelConfig, dtype: torch.dtype) -> int:
+        """Prompt + max_new_tokens summed over every running and waiting Generate call, plus the tokens engine Score
+        requests read, that max_kv_bytes holds for this model (memlm.engine.kv_cache.kv_bytes_per_token); beyond,
+        RESOURCE_EXHAUSTED."""
+        return max(1, self.max_kv_bytes // kv_bytes_per_token(config, dtype))
 
     def step_rows(self, tokens: int) -> int:
         """Windows (or segment rows) of `tokens` tokens per forward step: score_batch_size, fewer when
@@ -191,10 +209,11 @@ class RequestParser:
             () if spalm_missing else (lm_pb2.MEMORY_MODE_SPALM,))
         """The memory modes served (GetInfo.memory_modes)."""
 
-    def info_response(self, *, model: str, model_fingerprint: str,
-                      knn_layer: int | None) -> lm_pb2.LanguageModelServiceGetInfoResponse:
+    def info_response(self, *, model: str, model_fingerprint: str, knn_layer: int | None,
+                      tokens_in_flight: int) -> lm_pb2.LanguageModelServiceGetInfoResponse:
         """GetInfo's answer (without the datastore): the model, the limits, the memory modes and defaults;
-        knn_layer: the memorizing layer when MEMORIZING is served."""
+        knn_layer: the memorizing layer when MEMORIZING is served; tokens_in_flight: LMLimits.tokens_in_flight
+        for the served model."""
         limits = self._limits
         response = lm_pb2.LanguageModelServiceGetInfoResponse(
             model=model, model_fingerprint=model_fingerprint, tokenizer_fingerprint=self._tokenizer.fingerprint,
@@ -206,18 +225,25 @@ class RequestParser:
             max_score_entries=limits.max_score_entries, max_text_chars=limits.max_text_chars,
             max_step_tokens=limits.max_step_tokens, max_knn_mem_size=limits.max_knn_mem_size,
             max_knn_top_k=limits.max_knn_top_k, max_batch=limits.max_batch, max_queue=limits.max_queue,
-            max_tokens_in_flight=limits.max_tokens_in_flight,
+            max_tokens_in_flight=tokens_in_flight, max_kv_bytes=limits.max_kv_bytes, max_nprobe=limits.max_nprobe,
+            max_stop_sequences=limits.max_stop_sequences, max_stop_chars=limits.max_stop_chars,
         )
         if knn_layer is not None:
             response.knn_layer = knn_layer
         return response
 
     def ids(self, ids, field: str) -> list[int]:
-        out = list(ids)
-        for j, i in enumerate(out):
-            if not 0 <= i < self._vocab:
-                raise InvalidRequest(f"{field}[{j}]", f"token id {i} outside [0, {self._vocab})")
-        return out
+        """A request's token ids: the length checked first (against max_score_tokens, before any element is
+        read), then every id's range at once (numpy); OUT_OF_RANGE / INVALID_ARGUMENT naming the field."""
+        if len(ids) >= self._limits.max_score_tokens:  # with the boundary token, over the longest sequence
+            raise InvalidRequest(field, f"{len(ids)} token ids, at most {self._limits.max_score_tokens - 1}",
+                                 OUT_OF_RANGE)
+        arr = np.array(ids, dtype=np.int64)  # (n,): int32 on the wire, exact in int64
+        bad = np.flatnonzero((arr < 0) | (arr >= self._vocab))
+        if bad.size:
+            j = int(bad[0])
+            raise InvalidRequest(f"{field}[{j}]", f"token id {int(arr[j])} outside [0, {self._vocab})")
+        return arr.tolist()
 
     def text_budget(self, texts: list[str], field: str) -> None:
         """Refuse a request whose texts together exceed max_text_chars, before any of them is tokenized
@@ -296,7 +322,7 @@ class RequestParser:
         """MEMORY_MODE_SPALM's search (services.lm.spalm.parse_spalm_search), None in other modes."""
         if memory is None or memory.kind != "spalm":
             return None
-        return parse_spalm_search(request.knn, self._knn_defaults, self._limits.max_k)
+        return parse_spalm_search(request.knn, self._knn_defaults, self._limits.max_k, self._limits.max_nprobe)
 
     def knn(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest) -> KNNLMConfig | None:
         if not request.HasField("knn") or not request.knn.enabled:
@@ -313,7 +339,7 @@ class RequestParser:
             raise InvalidRequest("knn.lambda_weight", f"{lmbda}, must be in [0, 1]")
         if temperature is None or not (math.isfinite(temperature) and temperature > 0):
             raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
-        check_search(k, nprobe, self._limits.max_k)
+        check_search(k, nprobe, self._limits.max_k, self._limits.max_nprobe)
         return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
 
     def attribution(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KNNLMConfig | None) -> int:
@@ -446,6 +472,10 @@ class RequestParser:
         for j, stop in enumerate(request.stop_sequences):
             if not stop:
                 raise InvalidRequest(f"stop_sequences[{j}]", "empty string")
+        chars = sum(len(stop) for stop in request.stop_sequences)
+        if chars > limits.max_stop_chars:
+            raise InvalidRequest("stop_sequences", f"{chars} characters together, at most {limits.max_stop_chars}",
+                                 OUT_OF_RANGE)
         # No step budget for the prompt: MEMORY_MODE_NONE and XL run on the engine, which prefills a prompt
         # (and a sliding window's re-encoding) in chunks of at most max_step_tokens (services.lm.engine);
         # the other modes encode by segments, which memory() bounds.

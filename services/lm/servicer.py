@@ -12,8 +12,8 @@ MEMORIZING, pointer / adaptive `retrieval` walks: the library with the call's ow
 memory mode, kNN-LM or not, memlm's decoder or a transformers model, whose rows run their own forwards) is a
 request in a running batch of the decoding engine (services.lm.engine), which takes the model's turn like one
 more client; a cancelled call's row is free before the next step; admission of Generate and engine Score calls
-is bounded (max_batch, max_queue, max_tokens_in_flight), beyond: RESOURCE_EXHAUSTED with a retry hint (trailing
-metadata retry-after-ms).
+is bounded (max_batch, max_queue, the tokens in flight that max_kv_bytes holds), beyond: RESOURCE_EXHAUSTED
+with a retry hint (trailing metadata retry-after-ms).
 
 Bounded work: every request's cost, and every step's, is checked before any work, and every call
 hands its library work a `CallStop` (through its StepGate), polled between steps: when the client cancels,
@@ -158,15 +158,16 @@ class LanguageModelServicer:
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
                                      memorizing=knn_attention is not None, fewer=fewer)
+        tokens_in_flight = self._limits.tokens_in_flight(model.config, model.dtype)  # the KV bytes' worth of tokens
         response = self._parser.info_response(model=self._model_name, model_fingerprint=pretrained.fingerprint,
-                                              knn_layer=knn_layer)
+                                              knn_layer=knn_layer, tokens_in_flight=tokens_in_flight)
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
         response.engine_memory_modes.extend(engine_modes(model))
         self._info = response
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,
-            max_tokens_in_flight=self._limits.max_tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
+            max_tokens_in_flight=tokens_in_flight, prefill_chunk=self._limits.max_step_tokens,
             cuda_graphs=self._limits.cuda_graphs), self.scheduler.turns, spalm.head if spalm is not None else None, fewer.drafts,
             Memorizing(knn_attention, knn_service) if knn_attention is not None else None)
         """The running Generate batches (services.lm.engine)."""

@@ -88,7 +88,7 @@ def knn_refusal(keys_model: str, model_fingerprint: str, has_searcher: bool) -> 
     return None
 
 
-def check_search(k: int, nprobe: int | None, max_k: int) -> None:
+def check_search(k: int, nprobe: int | None, max_k: int, max_nprobe: int) -> None:
     """The domain of a request's knn.k and knn.nprobe (kNN-LM and SPALM alike)."""
     if k < 1:
         raise InvalidRequest("knn.k", f"{k}, must be >= 1")
@@ -96,9 +96,11 @@ def check_search(k: int, nprobe: int | None, max_k: int) -> None:
         raise InvalidRequest("knn.k", f"{k}, at most {max_k}", grpc.StatusCode.OUT_OF_RANGE)
     if nprobe is not None and nprobe < 1:
         raise InvalidRequest("knn.nprobe", f"{nprobe}, must be >= 1")
+    if nprobe is not None and nprobe > max_nprobe:
+        raise InvalidRequest("knn.nprobe", f"{nprobe}, at most {max_nprobe}", grpc.StatusCode.OUT_OF_RANGE)
 
 
-def parse_spalm_search(o: lm_pb2.KnnOptions, knn_defaults: KNNLMConfig, max_k: int) -> SpalmSearch:
+def parse_spalm_search(o: lm_pb2.KnnOptions, knn_defaults: KNNLMConfig, max_k: int, max_nprobe: int) -> SpalmSearch:
     """A MEMORY_MODE_SPALM request's search from its KnnOptions (enabled must stay false)."""
     if o.enabled:
         raise InvalidRequest("knn.enabled", "kNN-LM interpolation does not combine with MEMORY_MODE_SPALM (it mixes "
@@ -108,5 +110,5 @@ def parse_spalm_search(o: lm_pb2.KnnOptions, knn_defaults: KNNLMConfig, max_k: i
             raise InvalidRequest(f"knn.{name}", "is kNN-LM's interpolation; MEMORY_MODE_SPALM mixes by its gate")
     k = o.k if o.HasField("k") else SPALM_DEFAULT_K
     nprobe = o.nprobe if o.HasField("nprobe") else knn_defaults.nprobe
-    check_search(k, nprobe, max_k)
+    check_search(k, nprobe, max_k, max_nprobe)
     return SpalmSearch(int(k), SearchOptions(nprobe=nprobe, exact_rerank=knn_defaults.exact_rerank))

@@ -70,6 +70,9 @@ from services.common.tensors import from_tensor, to_tensor
 SERVICE = retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"]
 MESSAGE_CLASSES = message_classes_of(retrieval_pb2, tensor_pb2)
 QUERY_DTYPES = (tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_FLOAT16)
+MAX_NPROBE = 1 << 16
+"""Largest nprobe a search may ask for: as many lists as the largest IVF index in common use (IVF65536); more
+probes than lists search nothing more, and FAISS sizes (Q, nprobe) arrays by it before searching."""
 # Bytes per (query, neighbour) in a SearchResponse: float32 distance + int64 id + int32 value.
 RESPONSE_BYTES_PER_NEIGHBOUR = 4 + 8 + 4
 
@@ -115,6 +118,8 @@ def parse_search_request(
     nprobe = request.nprobe if request.HasField("nprobe") else None
     if nprobe is not None and nprobe < 1:
         raise InvalidRequest("nprobe", f"{nprobe}, must be >= 1")
+    if nprobe is not None and nprobe > MAX_NPROBE:
+        raise InvalidRequest("nprobe", f"{nprobe}, at most {MAX_NPROBE}", grpc.StatusCode.OUT_OF_RANGE)
     exact_rerank = request.exact_rerank if request.HasField("exact_rerank") else False
     bad = first_unsearchable_query(xq)
     if bad is not None:

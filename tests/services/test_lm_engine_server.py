@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from reference_decoding import reference_generate
+from memlm.engine.kv_cache import kv_bytes_per_token
 from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import document_boundary
@@ -142,11 +143,15 @@ def test_a_cancelled_call_frees_its_row_at_once_and_a_full_server_says_when_to_r
 
 
 def test_tokens_in_flight_bound_and_get_info(tiny, module_loop):
-    address, _ = start(module_loop, tiny, max_batch=3, max_queue=5, max_tokens_in_flight=300)
+    # The KV bytes of 300 tokens and a little less than one more: the budget is 300 tokens.
+    per_token = kv_bytes_per_token(tiny.model.config, tiny.model.dtype)
+    kv_bytes = 301 * per_token - 1
+    address, _ = start(module_loop, tiny, max_batch=3, max_queue=5, max_kv_bytes=kv_bytes)
     with grpc.insecure_channel(address) as channel:
         stub = lm_grpc.LanguageModelServiceStub(channel)
         info = stub.GetInfo(lm_pb2.LanguageModelServiceGetInfoRequest(), timeout=10)
         assert (info.max_batch, info.max_queue, info.max_tokens_in_flight) == (3, 5, 300)
+        assert info.max_kv_bytes == kv_bytes
         assert list(info.engine_memory_modes) == [lm_pb2.MEMORY_MODE_NONE, lm_pb2.MEMORY_MODE_XL,
                                                   lm_pb2.MEMORY_MODE_COMPRESSIVE, lm_pb2.MEMORY_MODE_SPALM,
                                                   lm_pb2.MEMORY_MODE_MEMORIZING]

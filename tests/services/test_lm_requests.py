@@ -171,7 +171,7 @@ def malformed_generate(draw, vocab: int):
         return fields, INVALID, f"prompt_token_ids.ids[{j}]"
     if kind == "prompt_long":
         ids = [draw(st.integers(0, vocab - 1))] * draw(st.integers(400, 600))
-        return {"prompt_token_ids": lm_pb2.TokenIds(ids=ids), "max_new_tokens": 1}, RANGE, "prompt"
+        return {"prompt_token_ids": lm_pb2.TokenIds(ids=ids), "max_new_tokens": 1}, RANGE, "prompt_token_ids.ids"
     if kind == "max_new_low":
         return dict(good, max_new_tokens=draw(st.integers(-(2**31), 0))), INVALID, "max_new_tokens"
     if kind == "max_new_high":

@@ -12,7 +12,8 @@ import pytest
 import torch
 from tiny_models import sharp_tiny_model
 
-from memlm.engine.kv_cache import CacheLayout, RowCache, rotary_at
+from memlm.engine.kv_cache import CacheLayout, RowCache, kv_bytes_per_token, rotary_at
+from memlm.model.config import ModelConfig
 from memlm.model.decoder import rotary_inv_freq
 
 
@@ -169,3 +170,14 @@ def test_packed_step_whose_decode_group_grows_the_cache() -> None:
     for got, ref in [(packed[len(b) - 1], ref_b), (packed[len(b)], ref_a), (again[0], ref_again[0]),
                      (again[1], ref_again[1])]:
         assert float((got - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_per_token_is_what_a_full_row_cache_holds_per_slot(dtype) -> None:
+    """The byte budget's conversion against the cache itself: its key and value tensors, fully grown, over
+    their rows x slots."""
+    config = ModelConfig.from_name("tiny", n_layer=3)
+    cache = RowCache(config, CacheLayout(2, 0, 40, None, None), torch.device("cpu"), dtype)
+    cache.reserve(40)
+    held = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v))
+    assert kv_bytes_per_token(config, dtype) == held // (2 * 40)
