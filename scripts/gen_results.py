@@ -74,6 +74,8 @@ HEADLINES = (
     Headline("availability", "availability", "[availability](docs/results.md#speed-and-overhead): well-behaved "
              "clients' p99 beside cancelled, maximal and unauthenticated calls and a retrieval restart, vs undisturbed "
              "in the same run", "python benchmarks/availability.py"),
+    Headline("ray_build", "ray_build", "[datastore build on Ray](docs/results.md#speed-and-overhead) vs a local "
+             "build with the same total threads, whole commands, identical datastores", "python benchmarks/ray_build.py"),
     Headline("decoder_gemm", "batch8", "[decoder GEMM](docs/results.md#speed-and-overhead): batch-8 greedy "
              "decode tokens/s, MKL vs oneDNN", "python benchmarks/decoder_gemm.py"),
 )
