@@ -31,8 +31,16 @@ from memlm.files import atomic_path, cache_dir, download_wheel, extract_member, 
 from memlm.model.checkpoint import load_checkpoint
 from memlm.model.config import PRESETS, ModelConfig, canonical_name
 from memlm.model.decoder import Decoder
+from memlm.model.device import DTYPES
 from memlm.model.hf_model import HF_PREFIX, load_hf_causal_lm
-from memlm.model.pretrained import Pretrained, files_fingerprint, model_from_state_dict
+from memlm.model.pretrained import Pretrained, files_fingerprint, model_from_state_dict, require_decoder
+from memlm.model.weight_formats import (
+    INT_FORMATS,
+    WEIGHT_FORMATS,
+    ModelFormat,
+    convert,
+    dtype_name,
+)
 from memlm.model.tokenizer import Tokenizer
 
 
@@ -349,9 +357,28 @@ def _hf_model_type(directory: Path) -> str | None:
 
 def load_pretrained(
     name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    key_module: str | None = None, weights: str | None = None,
+) -> Pretrained:
+    """Load a model and its tokenizer from a preset name or a path (`load_float`), in the weight format
+    `weights` (memlm.model.weight_formats; resolve_format gives it with `dtype`): None or a float format keeps
+    every weight in `dtype`; int8 / int4 load in float32, quantise memlm's decoder's linear layers and compute
+    in `dtype`."""
+    if weights is None or weights in DTYPES:  # the float formats, and float16 (--dtype float16)
+        if weights is not None and DTYPES[weights] != dtype:
+            raise MemlmError(f"--weights {weights} computes in {weights}, not {dtype_name(dtype)}")
+        return load_float(name_or_path, device, dtype, key_module)
+    if weights not in INT_FORMATS:
+        raise MemlmError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    pretrained = load_float(name_or_path, device, torch.float32, key_module)
+    model = require_decoder(pretrained.model, f"--weights {weights}")
+    return pretrained._replace(model=convert(model, ModelFormat(weights, dtype)))
+
+
+def load_float(
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
     key_module: str | None = None,
 ) -> Pretrained:
-    """Load a model and its tokenizer from a preset name or a path.
+    """Load a model and its tokenizer from a preset name or a path, every weight in `dtype`.
 
     Accepted: "smollm2-135m" (the fetched GGUF), "tiny" / "small" (random weights, seed 0; "tiny" uses
     the byte tokenizer, "small" SmolLM2's), a .gguf file, a Hugging Face Llama directory, or a memlm
