@@ -53,6 +53,7 @@ from datastore.documents import (
 from datastore.encode import ParallelStages, concatenate, planned_shards, window_arrays
 from datastore.generations import LOCK_NAME as GENERATION_LOCK
 from datastore.generations import WORK_DIR as GENERATION_WORK_DIR
+from datastore.generations import exclusive
 from datastore.manifest import (
     DOCS_NAME,
     DOCUMENTS_NAME,
@@ -325,9 +326,10 @@ def _prepare_out_dir(out: Path, overwrite: bool, log: Callable[[str], None]) -> 
             raise MemlmError(
                 f"{out} already holds a finished datastore; pass --overwrite to rebuild it, or another --out"
             )
-        log(f"overwriting the datastore in {out}")
-        (out / MANIFEST_NAME).unlink()  # first: a half-deleted datastore must not look finished
-        _remove_data_files(out)
+        with exclusive(out):  # an add, remove or compact running on this datastore finishes first
+            log(f"overwriting the datastore in {out}")
+            (out / MANIFEST_NAME).unlink()  # first: a half-deleted datastore must not look finished
+            _remove_data_files(out)
     if out.is_dir():
         foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
         if foreign:

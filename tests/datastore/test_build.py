@@ -17,6 +17,7 @@ from datastore import (
     datastore_info,
 )
 from datastore.build import WORK_DIR
+from datastore.generations import exclusive
 from memlm.errors import MemlmError
 from memlm.jobs.windows import score_documents
 
@@ -69,6 +70,20 @@ def test_finished_datastore_is_not_overwritten(tmp_path, tiny_model, docs):
     with pytest.raises(MemlmError, match="--overwrite"):
         build_from_tokens(tiny_model, docs[3:], out, PROVENANCE, settings, **QUIET)
     assert (out / "manifest.json").read_bytes() == before
+    build_from_tokens(tiny_model, docs[3:], out, PROVENANCE, settings, overwrite=True, **QUIET)
+    assert Manifest.read(out).n == sum(map(len, docs[3:]))
+
+
+def test_overwrite_waits_for_no_change_in_progress(tmp_path, tiny_model, docs):
+    settings = BuildSettings(window=WINDOW, index_factory="Flat")
+    out = build_from_tokens(tiny_model, docs[:2], tmp_path / "d", PROVENANCE, settings, **QUIET)
+    with exclusive(out):
+        pass
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}  # the lock file included
+    with exclusive(out):  # an add, remove or compact holds the change lock
+        with pytest.raises(MemlmError, match="another add, remove or compact"):
+            build_from_tokens(tiny_model, docs[3:], out, PROVENANCE, settings, overwrite=True, **QUIET)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing deleted
     build_from_tokens(tiny_model, docs[3:], out, PROVENANCE, settings, overwrite=True, **QUIET)
     assert Manifest.read(out).n == sum(map(len, docs[3:]))
 
