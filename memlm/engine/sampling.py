@@ -123,8 +123,8 @@ def choose_tokens(
     errors: list[Exception | None] = [None] * len(sampling)
     for j, i in enumerate(full):
         try:
-            token, final[i], base[i] = _choose_row(lm_lp[j], sampling[i], generators[i], decodable, knn[i], neighbors[i])
-            tokens[i] = token
+            tokens[i], final[i], base[i] = _choose_row(lm_lp[j], sampling[i], generators[i], decodable, knn[i],
+                                                       neighbors[i])
         except Exception as e:  # noqa: BLE001 - this row ends with it (Choices.errors); the others go on
             errors[i] = e
     both = torch.stack([final, base]).double()  # (2, B)
@@ -133,7 +133,8 @@ def choose_tokens(
 
 
 def _choose_row(lm_lp: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, decodable: int,
-                knn: KNNLMConfig | None, neighbors: Neighbors | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                knn: KNNLMConfig | None, neighbors: Neighbors | None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One row's token from its base log-probs lm_lp (V,): (token, its final log-prob, its base log-prob), 0-d."""
     final_lp = lm_lp  # (V,)
     if neighbors is not None:

@@ -357,7 +357,8 @@ def accept(final_lp: torch.Tensor, draft: tuple[int, ...], sampling: SamplingCon
         j = next((i for i in range(n) if best[i] != draft[i]), n)
         return [*draft[:j], best[j]], j
     for i in range(n + 1):
-        p = filter_logits(scale_logits(choice[i], sampling.temperature), sampling.top_k, sampling.top_p).softmax(-1)  # (V,)
+        scaled = scale_logits(choice[i], sampling.temperature)  # (V,)
+        p = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)  # (V,)
         if i == n:
             return [*draft, int(torch.multinomial(p, 1, generator=generator)[0])], n
         u = torch.rand((), generator=generator, device=generator.device)
