@@ -176,6 +176,7 @@ class RequestParser:
     text as responses carry it; max_response_bytes: the largest message the server may send;
     memorizing: whether MEMORY_MODE_MEMORIZING is served (the server holds a KnnAttention). spalm_missing:
     what the server lacks to serve MEMORY_MODE_SPALM (a SPALM head, a kNN source); empty: served.
+    tokens_in_flight: LMLimits.tokens_in_flight for the served model (a Generate that alone needs more is refused).
     """
 
     def __init__(self, *, tokenizer: Tokenizer, vocab: int, max_len: int, limits: LMLimits,
@@ -183,7 +184,7 @@ class RequestParser:
                  datastore_windows: tuple[int, int] | None = None, memorizing: bool = False,
                  spalm_missing: tuple[str, ...], attribution_refusal: str | None = None,
                  in_row_cache: Callable[[MemoryConfig | None], bool] = lambda memory: True,
-                 fewer: FewerSources = NO_FEWER) -> None:
+                 fewer: FewerSources = NO_FEWER, tokens_in_flight: int) -> None:
         self._tokenizer = tokenizer
         self._piece_bytes = piece_bytes
         self._longest_piece = max(piece_bytes, default=0)
@@ -199,6 +200,7 @@ class RequestParser:
         self._spalm_missing = spalm_missing
         self._windows = datastore_windows
         self._fewer = fewer  # the gate and successors fewer-search Score requests use (services.lm.args)
+        self._tokens_in_flight = tokens_in_flight
         self.default_memory = lm_pb2.MemoryOptions(
             segment_tokens=min(limits.segment_tokens, max_len), memory_tokens=limits.memory_tokens,
             sink_tokens=limits.sink_tokens, knn_mem_size=limits.knn_mem_size, knn_top_k=limits.knn_top_k,
@@ -209,11 +211,10 @@ class RequestParser:
             () if spalm_missing else (lm_pb2.MEMORY_MODE_SPALM,))
         """The memory modes served (GetInfo.memory_modes)."""
 
-    def info_response(self, *, model: str, model_fingerprint: str, knn_layer: int | None,
-                      tokens_in_flight: int) -> lm_pb2.LanguageModelServiceGetInfoResponse:
+    def info_response(self, *, model: str, model_fingerprint: str,
+                      knn_layer: int | None) -> lm_pb2.LanguageModelServiceGetInfoResponse:
         """GetInfo's answer (without the datastore): the model, the limits, the memory modes and defaults;
-        knn_layer: the memorizing layer when MEMORIZING is served; tokens_in_flight: LMLimits.tokens_in_flight
-        for the served model."""
+        knn_layer: the memorizing layer when MEMORIZING is served."""
         limits = self._limits
         response = lm_pb2.LanguageModelServiceGetInfoResponse(
             model=model, model_fingerprint=model_fingerprint, tokenizer_fingerprint=self._tokenizer.fingerprint,
@@ -225,7 +226,7 @@ class RequestParser:
             max_score_entries=limits.max_score_entries, max_text_chars=limits.max_text_chars,
             max_step_tokens=limits.max_step_tokens, max_knn_mem_size=limits.max_knn_mem_size,
             max_knn_top_k=limits.max_knn_top_k, max_batch=limits.max_batch, max_queue=limits.max_queue,
-            max_tokens_in_flight=tokens_in_flight, max_kv_bytes=limits.max_kv_bytes, max_nprobe=limits.max_nprobe,
+            max_tokens_in_flight=self._tokens_in_flight, max_kv_bytes=limits.max_kv_bytes, max_nprobe=limits.max_nprobe,
             max_stop_sequences=limits.max_stop_sequences, max_stop_chars=limits.max_stop_chars,
         )
         if knn_layer is not None:
@@ -466,6 +467,11 @@ class RequestParser:
         if request.max_new_tokens > limits.max_new_tokens:
             raise InvalidRequest("max_new_tokens", f"{request.max_new_tokens}, at most {limits.max_new_tokens}",
                                  OUT_OF_RANGE)
+        needs = 1 + len(prompt) + request.max_new_tokens  # the boundary token, the prompt, the new tokens
+        if needs > self._tokens_in_flight:  # alone over the engine's KV budget: no retry would admit it
+            raise InvalidRequest("max_new_tokens", f"boundary + prompt + max_new_tokens = {needs} tokens, over the "
+                                 f"{self._tokens_in_flight} tokens in flight the server's max_kv_bytes "
+                                 f"{limits.max_kv_bytes} holds", OUT_OF_RANGE)
         if len(request.stop_sequences) > limits.max_stop_sequences:
             raise InvalidRequest("stop_sequences", f"{len(request.stop_sequences)}, at most {limits.max_stop_sequences}",
                                  OUT_OF_RANGE)

@@ -148,6 +148,7 @@ class LanguageModelServicer:
         vocab = min(model.config.vocab_size, tokenizer.vocab_size)
         # Token texts once, so responses never decode token by token.
         self._pieces = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
+        tokens_in_flight = self._limits.tokens_in_flight(model.config, model.dtype)  # the KV bytes' worth of tokens
         self._parser = RequestParser(tokenizer=tokenizer, vocab=vocab, max_len=model.config.max_seq_len,
                                      limits=self._limits, knn_defaults=self._knn_defaults,
                                      knn_refusal=lm_spalm.knn_refusal(keys_model, pretrained.fingerprint, info is not None),
@@ -157,10 +158,10 @@ class LanguageModelServicer:
                                      piece_bytes=[len(p.encode()) for p in self._pieces],
                                      max_response_bytes=self._max_message_bytes,
                                      datastore_windows=(info.context, info.stride) if info is not None else None,
-                                     memorizing=knn_attention is not None, fewer=fewer)
-        tokens_in_flight = self._limits.tokens_in_flight(model.config, model.dtype)  # the KV bytes' worth of tokens
+                                     memorizing=knn_attention is not None, fewer=fewer,
+                                     tokens_in_flight=tokens_in_flight)
         response = self._parser.info_response(model=self._model_name, model_fingerprint=pretrained.fingerprint,
-                                              knn_layer=knn_layer, tokens_in_flight=tokens_in_flight)
+                                              knn_layer=knn_layer)
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
         response.engine_memory_modes.extend(engine_modes(model))

@@ -163,6 +163,10 @@ def test_tokens_in_flight_bound_and_get_info(tiny, module_loop):
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_in_flight" in e.value.details()
         assert int(dict(e.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 1
         assert list(stub.Generate(request(ids(10), 20), timeout=30))[-1].finish.completion_tokens == 20  # fits
+        with pytest.raises(grpc.RpcError) as e:  # alone over the budget: no retry would admit it, refused first
+            list(stub.Generate(request(ids(10), 290), timeout=30))  # 1 + 10 + 290 = 301 tokens
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert e.value.details().startswith("max_new_tokens: boundary + prompt + max_new_tokens = 301 tokens")
         running.cancel()
 
 
