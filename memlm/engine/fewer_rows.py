@@ -17,13 +17,16 @@ A row whose GenerationRequest.fewer is set, at each chosen token:
   distribution's features and its key (as memlm.jobs.fewer_scoring feeds it); where the score is below the
   threshold the search is skipped and the token comes from the base LM (lambda 0 for it), the row's pointers
   starting again from nothing (memlm.jobs.pointer_walk's rule). Threshold 0 searches always: plain kNN-LM.
-Rows searched are counted in Row.searches, the others in Row.searches_saved (GenerationEnd's).
+Rows searched are counted in Row.searches, the others in Row.searches_saved (GenerationEnd's). A pointer
+source whose lookups fail (a retrieval service's Successors) costs its rows their pointers for the step: they
+are searched instead, and no row ends.
 
 Shape legend: B ready rows, C key width, V vocab, k neighbours, w candidates of a row.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,8 +38,10 @@ from memlm.engine.rows import Row
 from memlm.errors import MemlmError
 from memlm.retrieval.adaptive import distribution_features
 from memlm.retrieval.knnlm import KNNLMConfig
-from memlm.retrieval.pointers import extend_by_clusters, follow, followed_distances_used, needs_search
+from memlm.retrieval.pointers import PointerSource, extend_by_clusters, follow, followed_distances_used, needs_search
 from memlm.retrieval.searcher import Neighbors
+
+_log = logging.getLogger(__name__)
 
 
 def check_request(request: GenerationRequest) -> None:
@@ -96,18 +101,29 @@ def _pointed(ready: Sequence[Row], fewer: list, xq: np.ndarray) -> dict[int, Nei
     out: dict[int, Neighbors] = {}
     for source in {id(fewer[i].source): fewer[i].source for i in walking}.values():
         rows = [i for i in walking if fewer[i].source is source]
-        prev = _stack([ready[i].candidates for i in rows])  # (r, w)
-        targets = np.array([ready[i].tokens[-1] for i in rows], dtype=np.int64)  # (r,) the tokens they chose
-        # keep_pointers is refused in generation (check_request): a searched row keeps its k nearest only
-        cands = follow(prev, targets, xq[rows], source, followed_distances_used(source, False))  # (r, w')
-        minimum = np.array([fewer[i].pointers.min_pointers for i in rows])  # (r,)
-        enough = np.flatnonzero(~needs_search(cands, minimum))  # (e,)
-        width = np.array([fewer[i].pointers.extended_width(ready[i].handle.request.knn.k) for i in rows])  # (r,)
-        for w in np.unique(width[enough]).tolist():  # one call per width: a row's members never depend on another's
-            group = enough[width[enough] == w]  # (g,)
-            extended = extend_by_clusters(cands, group, xq[rows], source, w)  # clustered states (none: as is)
-            for j in group.tolist():
-                out[rows[j]] = Neighbors(*(a[j : j + 1, :w] for a in extended))  # (1, w' <= w) best first
+        try:
+            out.update(_follow_source(ready, fewer, xq, source, rows))
+        except Exception as e:  # noqa: BLE001 - a failed lookup (a retrieval fault): these rows search this step
+            _log.warning("pointer lookups failed, %d rows search instead: %s", len(rows), e)
+    return out
+
+
+def _follow_source(ready: Sequence[Row], fewer: list, xq: np.ndarray, source: PointerSource,
+                   rows: list[int]) -> dict[int, Neighbors]:
+    """_pointed for the rows of one pointer source."""
+    out: dict[int, Neighbors] = {}
+    prev = _stack([ready[i].candidates for i in rows])  # (r, w)
+    targets = np.array([ready[i].tokens[-1] for i in rows], dtype=np.int64)  # (r,) the tokens they chose
+    # keep_pointers is refused in generation (check_request): a searched row keeps its k nearest only
+    cands = follow(prev, targets, xq[rows], source, followed_distances_used(source, False))  # (r, w')
+    minimum = np.array([fewer[i].pointers.min_pointers for i in rows])  # (r,)
+    enough = np.flatnonzero(~needs_search(cands, minimum))  # (e,)
+    width = np.array([fewer[i].pointers.extended_width(ready[i].handle.request.knn.k) for i in rows])  # (r,)
+    for w in np.unique(width[enough]).tolist():  # one call per width: a row's members never depend on another's
+        group = enough[width[enough] == w]  # (g,)
+        extended = extend_by_clusters(cands, group, xq[rows], source, w)  # clustered states (none: as is)
+        for j in group.tolist():
+            out[rows[j]] = Neighbors(*(a[j : j + 1, :w] for a in extended))  # (1, w' <= w) best first
     return out
 
 

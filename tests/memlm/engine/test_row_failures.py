@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from tiny_models import RowWiseSearcher, own_text_datastore, phrase_documents, sharp_tiny_model
+from tiny_models import RowWiseSearcher, own_text_datastore, phrase_documents, repeated_phrase_documents, sharp_tiny_model
 
 from memlm.engine import sampling as engine_sampling
 from memlm.engine import speculative as engine_speculative
@@ -25,7 +25,8 @@ from memlm.engine.engine import Engine, run_all
 from memlm.engine.requests import EngineConfig, GenerationRequest, ScoreRequest, SpalmSettings
 from memlm.errors import MemlmError
 from memlm.jobs import decoding
-from memlm.jobs.decoding import SamplingConfig, TokenEvent
+from memlm.jobs.decoding import GenerationEnd, SamplingConfig, TokenEvent
+from memlm.jobs.knnlm_eval import Retrieval
 from memlm.jobs.windows import WindowConfig, exact_searcher_over_documents
 from memlm.memory.memorizing import new_knn_attention
 from memlm.memory.spalm import SpalmHead
@@ -35,6 +36,7 @@ from memlm.model.memory_config import MemoryConfig
 from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.retrieval.exact import TorchExactSearcher
 from memlm.retrieval.knnlm import KNNLMConfig
+from memlm.retrieval.pointers import PointerConfig, PointerSource
 from memlm.retrieval.searcher import SearchOptions
 
 TOK = Tokenizer.byte_level()
@@ -270,3 +272,31 @@ def test_a_memorizing_row_whose_memory_fails_ends_alone(searcher) -> None:
         list(handles[1].events())
     for i in (0, 2, 3):
         assert_same(list(handles[i].events()), alone(make, reqs[i]))
+
+
+class FailingLookup:
+    """Successor lookups that fail (a retrieval service's Successors rpc that is down)."""
+
+    def successors_of(self, ids):
+        raise RuntimeError("the successors lookup failed")
+
+
+def test_pointer_rows_whose_lookups_fail_search_instead() -> None:
+    """RetoMaton rows whose pointers cannot be followed lose them for the step and are searched: they generate
+    plain kNN-LM's tokens, saving no search, and no row ends."""
+    model = sharp_tiny_model()
+    docs = [[BOUNDARY, *d] for d in repeated_phrase_documents(256)]
+    exact, _ = own_text_datastore(model, docs)
+    source = PointerSource(FailingLookup(), exact.keys.half().numpy())
+    searcher = RowWiseSearcher(exact)
+    pointed = [GenerationRequest(tuple(d[1:10]), 20, s, boundary_token=BOUNDARY, knn=KNN,
+                                 fewer=Retrieval(PointerConfig(min_pointers=1), source))
+               for d, s in zip(docs, [GREEDY, SAMPLED, GREEDY])]
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, prefill_chunk=64), searcher=searcher)
+    got = run_all(engine, [*pointed, gen("the cat", 20)])
+    for req, events in zip(pointed, got):
+        plain = run_all(Engine(model, TOK, EngineConfig(max_batch=1), searcher=searcher),
+                        [dataclasses.replace(req, fewer=None)])[0]
+        assert [t for t, _ in pairs(events)] == [t for t, _ in pairs(plain)]
+        end = events[-1]
+        assert isinstance(end, GenerationEnd) and end.searches_saved == 0 and end.searches == end.completion_tokens
