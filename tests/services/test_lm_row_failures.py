@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+import numpy as np
 import pytest
 
 from memlm.v1 import language_model_pb2 as lm_pb2
@@ -54,15 +55,22 @@ def tokens(responses) -> list[int]:
     return [t.token_id for r in responses if r.HasField("delta") for t in r.delta.tokens]
 
 
+def answer(stub, request):
+    """A Generate's responses (a list) or a Score's response."""
+    if isinstance(request, lm_pb2.ScoreRequest):
+        return stub.Score(request, timeout=120)
+    return list(stub.Generate(request, timeout=120))
+
+
 def outcomes(stub, requests) -> list:
-    """Each call's responses, or its grpc.RpcError, with all calls in flight at once."""
+    """Each call's answer, or its grpc.RpcError, with all calls in flight at once."""
     out: list = [None] * len(requests)
     go = threading.Barrier(len(requests))
 
     def one(i: int) -> None:
         go.wait(10)
         try:
-            out[i] = list(stub.Generate(requests[i], timeout=120))
+            out[i] = answer(stub, requests[i])
         except grpc.RpcError as e:
             out[i] = e
 
@@ -105,3 +113,34 @@ def test_a_temperature_below_float32_range_is_served_beside_greedy_calls(stub):
     assert tokens(got[3]) == tokens(got[0])  # the most likely token each time: the greedy call's tokens
     for call, answer in zip(greedy, got):
         assert tokens(answer) == tokens(stub.Generate(call, timeout=60))
+
+
+def assert_same_scores(a, b) -> None:
+    """Token ids equal, log-probs within float32 rounding (the rows shared other batch shapes)."""
+    assert [t.token_id for r in a.results for t in r.tokens] == [t.token_id for r in b.results for t in r.tokens]
+    np.testing.assert_allclose([t.logprob for r in a.results for t in r.tokens],
+                               [t.logprob for r in b.results for t in r.tokens], rtol=1e-5, atol=1e-5)
+
+
+def test_a_score_whose_search_fails_ends_alone_with_its_status(stub):
+    knn = lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5, temperature=5.0)
+    faulty = lm_pb2.KnnOptions(enabled=True, k=8, lambda_weight=0.5, temperature=5.0, nprobe=FAULTY)
+
+    def score(salt: int, options=None) -> lm_pb2.ScoreRequest:
+        return lm_pb2.ScoreRequest(inputs=[lm_pb2.ScoreInput(token_ids=lm_pb2.TokenIds(ids=ids(60, salt)))],
+                                   knn=options)
+
+    calls = [score(0, knn), score(1, faulty), score(2), score(3, knn), request(ids(6, 4), 20, knn=knn)]
+    got = outcomes(stub, calls)
+    failed = got[1]
+    assert isinstance(failed, grpc.RpcError) and failed.code() == grpc.StatusCode.INTERNAL
+    assert "shard for these queries failed" in failed.details()
+    for call, answered in zip(calls, got):
+        if call is calls[1]:
+            continue
+        alone = answer(stub, call)
+        if isinstance(call, lm_pb2.ScoreRequest):
+            assert_same_scores(answered, alone)
+            assert len(answered.results[0].tokens) == 60
+        else:
+            assert tokens(answered) == tokens(alone) and len(tokens(answered)) == 20
