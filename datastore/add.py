@@ -51,6 +51,7 @@ from memlm.errors import MemlmError
 from memlm.files import atomic_open
 from memlm.jobs.windows import WindowConfig
 from memlm.model.decoder import Decoder
+from memlm.model.weight_formats import format_of
 
 COPY_BLOCK = 1 << 24
 """Bytes per read when copying a committed file into the next generation's."""
@@ -58,13 +59,14 @@ COPY_BLOCK = 1 << 24
 
 def check_same_encoder(m: Manifest, model: Decoder, source: BuildSource, directory: Path) -> None:
     """New entries must live in the datastore's key space and text layout: the same model weights,
-    tokenizer, key layer, boundary token and dtype; refused in one line naming the first difference."""
+    tokenizer, key layer, boundary token, dtype and weight format; refused in one line naming the first difference."""
     dtype = str(model.dtype).removeprefix("torch.")
     for what, have, want in (("model fingerprint", source.model_fingerprint, m.model_fingerprint),
                              ("tokenizer fingerprint", source.tokenizer_fingerprint, m.tokenizer_fingerprint),
                              ("key layer", model.config.key_description, m.key_layer),
                              ("boundary token", source.boundary_token, m.boundary_token),
-                             ("model dtype", dtype, m.build.get("model_dtype", dtype))):
+                             ("model dtype", dtype, m.build.get("model_dtype", dtype)),
+                             ("weight format", format_of(model), m.weights)):
         if have != want:
             raise MemlmError(f"cannot add to {directory}: its entries were made with {what} {want!s:.16}, this "
                              f"model has {have!s:.16}; add with the datastore's model ({m.model_name}) or build a "

@@ -83,6 +83,7 @@ from memlm.errors import MemlmError
 from memlm.files import PARTIAL_SUFFIX, atomic_path, atomic_write, sha256_file
 from memlm.jobs.windows import WindowConfig, score_documents
 from memlm.model.decoder import Decoder
+from memlm.model.weight_formats import format_of
 
 WORK_DIR = ".build"
 """Scratch directory of a build in progress, removed when the manifest is written."""
@@ -195,7 +196,7 @@ def build_from_tokens(
         corpus_fingerprint=source.corpus_fingerprint, index_factory=factory, metric="l2",
         nprobe=int(nprobe), context=settings.window.context, stride=settings.window.stride,
         boundary_token=source.boundary_token, sink_tokens=0, files=files, build=build,
-        documents=int(offsets.shape[0] - 1),
+        documents=int(offsets.shape[0] - 1), weights=format_of(model),
     )
     atomic_write(out / MANIFEST_NAME, manifest.to_json(), durable=True)
     shutil.rmtree(work)
@@ -366,6 +367,7 @@ def _identity(model: Decoder, source: BuildSource, settings: BuildSettings) -> d
         "key_layer": model.config.key_description,
         "dim": model.config.n_embd,
         "model_dtype": str(model.dtype),
+        "weights": format_of(model),
         "device": model.device.type,
     }
 

@@ -54,6 +54,7 @@ def build_datastore(
     key_module: str | None = None,
     on_disk: bool = False,
     ray: RayOptions | None = None,
+    weights: str | None = None,
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
@@ -69,6 +70,8 @@ def build_datastore(
     key_module: the kNN key's module of a model run through transformers (memlm.model.hf_model; None: its rule).
     on_disk: keep the IVF lists in a memory-mapped file (BuildSettings.on_disk).
     ray: encode (and add on-disk blocks) on a Ray cluster (datastore.ray_build); the files are the same.
+    weights: the model's weight format (memlm.model.weight_formats.resolve_format with `dtype`), recorded in
+        the manifest.
     """
     from memlm.data.documents import corpus_fingerprint, load_documents
 
@@ -77,13 +80,15 @@ def build_datastore(
                         ("--context", context), ("--stride", stride)):
         if value is not None and value < 1:
             raise MemlmError(f"{name} must be at least 1, got {value}")
-    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device
     from memlm.model.tokenizer import document_boundary
+    from memlm.model.weight_formats import resolve_format
     from memlm.model.weights import load_pretrained
 
     torch_device = resolve_device(device)
-    pretrained = load_pretrained(model, device=torch_device, dtype=resolve_dtype(dtype, torch_device),
-                                 key_module=key_module)
+    fmt = resolve_format(weights, dtype, torch_device)
+    pretrained = load_pretrained(model, device=torch_device, dtype=fmt.dtype, key_module=key_module,
+                                 weights=fmt.weights)
     tokenizer = pretrained.tokenizer
     defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context, stride)
     context, stride = defaults.context, defaults.stride
@@ -108,7 +113,8 @@ def build_datastore(
     def documents():  # read and tokenized only when the tokenize stage runs (it applies max_tokens)
         return source_documents(load_documents(data, split), tokenizer)
 
-    parallel = None if ray is None else _ray_stages(ray, model, device, dtype, key_module, settings, int(boundary))
+    parallel = None if ray is None else _ray_stages(ray, model, device, dtype, key_module, settings, int(boundary),
+                                                    weights)
     if num_shards == 1:
         return build_from_tokens(pretrained.model, documents, Path(out), source, settings,
                                  overwrite=overwrite, progress=progress, parallel=parallel)
@@ -117,11 +123,12 @@ def build_datastore(
 
 
 def _ray_stages(ray: RayOptions, model: str, device: str, dtype: str, key_module: str | None,
-                settings: BuildSettings, boundary: int) -> ParallelStages:
+                settings: BuildSettings, boundary: int, weights: str | None = None) -> ParallelStages:
     """The Ray workers of build_datastore: they load the model by its names (never shipped weights)."""
     from datastore.ray_build import RayStages, load_model_by_name
 
-    return RayStages(functools.partial(load_model_by_name, model, device, dtype, key_module), settings, boundary, ray)
+    loader = functools.partial(load_model_by_name, model, device, dtype, key_module, weights)
+    return RayStages(loader, settings, boundary, ray)
 
 
 def _cut(docs: Iterable[SourceDocument], max_tokens: int | None) -> list[SourceDocument]:
@@ -226,18 +233,20 @@ def add_to_datastore(directory: Path, data: str, split: str | None = None, model
     windows, and commit them as the next generation (datastore.add). Returns the documents added."""
     from datastore.add import add_documents
     from memlm.data.documents import corpus_fingerprint, load_documents
-    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device
     from memlm.model.hf_model import key_module_of
     from memlm.model.tokenizer import document_boundary
+    from memlm.model.weight_formats import resolve_format
     from memlm.model.weights import load_pretrained
 
     m = Manifest.read(Path(directory))
     name = model or m.model_name
     torch_device = resolve_device(device)
-    # The key the datastore was built with (a --key-module of a transformers model is in its key layer).
-    pretrained = load_pretrained(name, device=torch_device,
-                                 dtype=resolve_dtype(dtype or m.build.get("model_dtype", "auto"), torch_device),
-                                 key_module=key_module_of(m.key_layer))
+    # The key the datastore was built with (a --key-module of a transformers model is in its key layer), in the
+    # weight format its keys were computed in.
+    fmt = resolve_format(m.weights, dtype or m.build.get("model_dtype", "auto"), torch_device)
+    pretrained = load_pretrained(name, device=torch_device, dtype=fmt.dtype, key_module=key_module_of(m.key_layer),
+                                 weights=fmt.weights)
     tokenizer = pretrained.tokenizer
     source = BuildSource(
         model_name=name, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,

@@ -331,6 +331,7 @@ def _searcher_info(m: Manifest) -> SearcherInfo:
         model_name=m.model_name, model_fingerprint=m.model_fingerprint,
         tokenizer_fingerprint=m.tokenizer_fingerprint, corpus=m.corpus, corpus_fingerprint=m.corpus_fingerprint,
         context=m.context, stride=m.stride, boundary_token=m.boundary_token, sink_tokens=m.sink_tokens,
+        weights=m.weights,
     )
 
 

@@ -111,6 +111,9 @@ class Manifest:
     """Dtype of keys.f16."""
     value_dtype: str = "int32"
     """Dtype of values.i32."""
+    weights: str = "float32"
+    """Weight format of the model that computed the keys (memlm.model.weight_formats.format_of); a manifest
+    written before formats were recorded reads as its float model_dtype (float32 where it has none)."""
 
     @property
     def has_provenance(self) -> bool:
@@ -148,12 +151,15 @@ class Manifest:
                 "this memlm"
             )
         known = {f.name: f.type for f in dataclasses.fields(cls)}
-        optional = ({"build"} | ({"documents"} if version < PROVENANCE_VERSION else set())
+        optional = ({"build", "weights"} | ({"documents"} if version < PROVENANCE_VERSION else set())
                     | ({"generation"} if version < DOCUMENTS_VERSION else set()))
         missing = sorted(set(known) - set(raw) - optional)
         if missing:
             raise MemlmError(f"{source} lacks {', '.join(missing)}; the datastore is damaged, rebuild it")
         raw = {k: v for k, v in raw.items() if k in known}
+        if "weights" not in raw:  # the float model that computed the keys was then the only kind
+            build = raw.get("build")
+            raw["weights"] = str(build.get("model_dtype", "float32") if isinstance(build, dict) else "float32")
         for name, type_name in known.items():
             if name in raw and name != "files":
                 _check_type(raw[name], _FIELD_TYPES[type_name], name, source)

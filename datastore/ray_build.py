@@ -186,12 +186,15 @@ def build_with_ray(model: Decoder, load_model: ModelLoader, documents: Documents
     return path, stages
 
 
-def load_model_by_name(name: str, device: str, dtype: str, key_module: str | None) -> Decoder:
+def load_model_by_name(name: str, device: str, dtype: str, key_module: str | None,
+                       weights: str | None = None) -> Decoder:
     """The model `memlm datastore build --model NAME` encodes with, loaded in a worker (a ModelLoader when
     bound with functools.partial: the names travel to the actors, never the weights)."""
-    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device
+    from memlm.model.weight_formats import resolve_format
     from memlm.model.weights import load_pretrained
 
     torch_device = resolve_device(device)
-    return load_pretrained(name, device=torch_device, dtype=resolve_dtype(dtype, torch_device),
-                           key_module=key_module).model
+    fmt = resolve_format(weights, dtype, torch_device)
+    return load_pretrained(name, device=torch_device, dtype=fmt.dtype, key_module=key_module,
+                           weights=fmt.weights).model

@@ -24,16 +24,19 @@ from memlm.cli.generate import add_generate_parser, add_speculative_options
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.cpu_gemm import CPU_GEMM_NAMES, DEFAULT_CPU_GEMM, cpu_gemm_as
 from memlm.cli.options import (
+    ACCEPT_WEIGHTS_OPTIONS,
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORY_OPTIONS,
     SEARCH_BACKEND_OPTIONS,
+    WEIGHTS_OPTIONS,
     WINDOW_OPTIONS,
     add_options,
     flag,
     given,
     knn_config,
     memory_config,
+    model_format,
     port_number,
     positive_int,
     refuse_given,
@@ -179,7 +182,7 @@ def serve_knn_service(args: argparse.Namespace, memory: MemoryConfig) -> Any:
 
 
 def cmd_serve_lm(args: argparse.Namespace) -> None:
-    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device
     from services.lm.server import LMLimits, serve_lm
 
     if args.datastore and args.retrieval:
@@ -189,11 +192,12 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
     if not args.datastore:
         refuse_given(args, SEARCH_BACKEND_OPTIONS, "needs --datastore (a retrieval service searches its own way)")
     device = resolve_device(args.device)
+    fmt = model_format(args, device)
     memory = serve_memory_defaults(args)
     knn_service = serve_knn_service(args, memory)
     asyncio.run(serve_lm(
         args.model, datastore=args.datastore, retrieval=args.retrieval, host=args.host, port=args.port,
-        device=device, dtype=resolve_dtype(args.dtype, device), knn_defaults=knn_config(args),
+        device=device, dtype=fmt.dtype, weights=fmt.weights, knn_defaults=knn_config(args),
         options=server_options(args),
         limits=LMLimits(max_new_tokens=args.max_new_tokens, max_score_tokens=args.max_score_tokens,
                         segment_tokens=memory.segment, memory_tokens=memory.mem_len, sink_tokens=memory.sink_tokens,
@@ -206,6 +210,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         retrieval_token=secret(args, "retrieval-", "MEMLM_RETRIEVAL_TOKEN"), key_module=args.key_module,
         knn_service=knn_service, adaptive_gate=args.adaptive_gate,
         search_backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
+        accept_weights_mismatch=bool(args.accept_weights_mismatch),
     ))
 
 
@@ -351,6 +356,7 @@ def add_serve_parser(sub: Any) -> None:
     add_link_security(lm, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
     lm.add_argument("--device", default="auto", help="auto, cpu or cuda")
     lm.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_options(lm, "model", WEIGHTS_OPTIONS)
     add_options(lm, "kNN-LM defaults of requests", KNN_OPTIONS)
     lm.add_argument("--max-new-tokens", type=int, default=4096, help="largest Generate request")
     lm.add_argument("--max-score-tokens", type=int, default=65536, help="largest Score request, in tokens")
@@ -370,7 +376,7 @@ def add_serve_parser(sub: Any) -> None:
                          "more: refused), converted with the model's layers, kv heads, head size and dtype (e.g. 512M, "
                          f"4G; default {format_bytes(LMLimits.max_kv_bytes)})")
     lm.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
-    add_options(lm, "kNN-LM datastore", SEARCH_BACKEND_OPTIONS)
+    add_options(lm, "kNN-LM datastore", {**SEARCH_BACKEND_OPTIONS, **ACCEPT_WEIGHTS_OPTIONS})
     add_options(lm, "memory defaults of requests", MEMORY_OPTIONS, SERVE_MEMORY)
     add_options(lm, "memorizing checkpoint (MEMORY_MODE_MEMORIZING): where its kNN memories live", MEMORY_OPTIONS,
                 ("knn_backend",))

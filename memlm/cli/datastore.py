@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from memlm.model.hf_model import KEY_MODULE_HELP
-from memlm.cli.options import WINDOW_OPTIONS, add_options, positive_int
+from memlm.cli.options import WEIGHTS_OPTIONS, WINDOW_OPTIONS, add_options, positive_int
 
 
 def cmd_datastore_build(args: argparse.Namespace) -> None:
@@ -26,7 +26,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         index=args.index, context=args.context, stride=args.stride, batch_size=args.batch_size,
         device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
         progress=not args.quiet, num_shards=args.shards, key_module=args.key_module, on_disk=args.on_disk,
-        ray=None if args.ray is None else RayOptions(address=args.ray, workers=args.workers),
+        ray=None if args.ray is None else RayOptions(address=args.ray, workers=args.workers), weights=args.weights,
     )
     print(out)
 
@@ -91,6 +91,7 @@ def add_datastore_parser(sub: Any) -> None:
                    help="Ray encoder actors (default: one per GPU, else one per CPU of the cluster)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     add_options(b, "windows the keys are computed with", WINDOW_OPTIONS)
+    add_options(b, "model", WEIGHTS_OPTIONS)
     b.set_defaults(func=cmd_datastore_build)
     i = dsub.add_parser("info", help="print a datastore's manifest")
     i.add_argument("directory")

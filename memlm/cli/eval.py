@@ -32,16 +32,19 @@ from memlm.jobs.continuous_cache import DEFAULT_CACHE_SIZE
 from memlm.model.memory_config import MemoryConfig
 from memlm.model.hf_model import KEY_MODULE_HELP
 from memlm.cli.options import (
+    ACCEPT_WEIGHTS_OPTIONS,
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORIZING_ONLY,
     MEMORY_OPTIONS,
     SEARCH_BACKEND_OPTIONS,
+    WEIGHTS_OPTIONS,
     WINDOW_OPTIONS,
     add_options,
     flag,
     given,
     knn_config,
+    model_format,
     positive_int,
     refuse_given,
     refuse_unless_memorizing,
@@ -73,11 +76,13 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_options(p, "model", WEIGHTS_OPTIONS)
     add_options(p, "sliding windows", WINDOW_OPTIONS)
     add_options(p, "kNN-LM", KNN_OPTIONS)
     knn = p.add_argument_group("kNN-LM datastore and tuning")
     knn.add_argument("--datastore", default=None, help="datastore directory: report base and kNN-LM perplexity")
     SEARCH_BACKEND_OPTIONS["search_backend"].add_to(knn, None)
+    ACCEPT_WEIGHTS_OPTIONS["accept_weights_mismatch"].add_to(knn, None)
     knn.add_argument("--tune-data", default=None, help="corpus for --lambda/--knn-temperature auto")
     knn.add_argument("--tune-split", default=None, help="split of --tune-data (no document may be evaluated too)")
     knn.add_argument("--tune-max-tokens", type=int, default=None, help="cap on tuning tokens")
@@ -198,7 +203,7 @@ def checkpoint_memory(args: argparse.Namespace, mem: dict[str, Any], recorded: M
 def cmd_eval(args: argparse.Namespace) -> None:
     from memlm.jobs.evaluate import evaluate_perplexity, write_json
     from memlm.model.config import describe_weights
-    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
@@ -214,8 +219,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     else:
         check_writable_file(args.attribution, "--attribution")
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module)
+    fmt = model_format(args, device)
+    dtype = fmt.dtype
+    pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module,
+                                 weights=fmt.weights)
     boundary = document_boundary(pretrained.tokenizer)
     settings = checkpoint_settings(args.model, boundary)
     spalm = wants_spalm(args, settings)  # --memory spalm: memlm.cli.spalm
@@ -232,6 +239,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "boundary_token": boundary,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "weight_format": fmt.weights,
     }
     if memory is None or memory.kind != "memorizing" or args.continuous_cache:
         refuse_given(args, KNN_SERVICE_FLAGS, "needs --memory memorizing --knn-backend service")
@@ -389,6 +397,7 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
 
     from datastore import Datastore
     from memlm.jobs.knnlm_eval import EXACT_RECALL_MAX_BYTES, evaluate_knnlm
+    from memlm.model.weight_formats import format_of
     from memlm.retrieval.compat import check_searcher
     from memlm.retrieval.exact import searcher_bytes
 
@@ -404,7 +413,8 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     window = window_config(args, model.config.max_seq_len, recorded=info)
     check_searcher(info, model_fingerprint=pretrained.fingerprint, tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
-                   context=window.context, stride=window.stride)
+                   context=window.context, stride=window.stride, weights=format_of(model),
+                   accept_weights_mismatch=bool(args.accept_weights_mismatch))
     # Recall@k needs exact search over all keys: a copy of them, only when it fits in memory.
     key_bytes = searcher_bytes(info.n, info.dim, torch.device(str(model.device)))
     exact = None

@@ -46,16 +46,19 @@ from memlm.jobs.decoding import SamplingConfig, TokenEvent
 from memlm.cli.link_options import add_link_security, link_tls, secret
 from memlm.model.memory_config import MemoryConfig
 from memlm.cli.options import (
+    ACCEPT_WEIGHTS_OPTIONS,
     FEWER_SEARCHES_OPTIONS,
     KNN_OPTIONS,
     MEMORIZING_ONLY,
     MEMORY_OPTIONS,
     SEARCH_BACKEND_OPTIONS,
+    WEIGHTS_OPTIONS,
     Option,
     add_options,
     given,
     knn_config,
     memory_config,
+    model_format,
     positive_int,
     refuse_given,
 )
@@ -143,6 +146,7 @@ def add_generate_parser(sub: Any) -> None:
                    help=f"tokens generated per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
     p.add_argument("--stop", action="append", default=None, help="stop sequence (repeat for several)")
     p.add_argument("--json", default=None, help="write tokens and log-probabilities as JSON to this path")
+    add_options(p, "model", WEIGHTS_OPTIONS)
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-batch", type=positive_int, default=None,
                         help="rows decoded together (default: one per prompt)")
@@ -155,6 +159,7 @@ def add_generate_parser(sub: Any) -> None:
     knn.add_argument("--datastore", default=None, help="datastore directory (searched in this process)")
     knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
     SEARCH_BACKEND_OPTIONS["search_backend"].add_to(knn, None)
+    ACCEPT_WEIGHTS_OPTIONS["accept_weights_mismatch"].add_to(knn, None)
     add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
     add_options(p, "memory", MEMORY_OPTIONS, GENERATE_MEMORY, choices={"kind": GENERATE_KINDS})
     add_knn_service_options(p)
@@ -191,6 +196,7 @@ def checkpoint_memorizing(args: argparse.Namespace, memory: MemoryConfig, bounda
 def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
     """The datastore or retrieval link of --datastore / --retrieval, checked against the model; None without."""
     from memlm.model.tokenizer import document_boundary
+    from memlm.model.weight_formats import format_of
     from memlm.retrieval.compat import check_searcher
 
     if args.datastore and args.retrieval:
@@ -213,7 +219,8 @@ def open_searcher(args: argparse.Namespace, pretrained: Any) -> Any:
     model, tokenizer = pretrained.model, pretrained.tokenizer
     check_searcher(searcher.info(), model_fingerprint=pretrained.fingerprint,
                    tokenizer_fingerprint=tokenizer.fingerprint, dim=model.config.n_embd,
-                   key_layer=model.config.key_description, boundary_token=document_boundary(tokenizer))
+                   key_layer=model.config.key_description, boundary_token=document_boundary(tokenizer),
+                   weights=format_of(model), accept_weights_mismatch=bool(args.accept_weights_mismatch))
     return searcher
 
 
@@ -241,7 +248,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.requests import EngineConfig, GenerationRequest
     from memlm.jobs.evaluate import write_json
     from memlm.jobs.memorizing import memorizing_record
-    from memlm.model.device import resolve_device, resolve_dtype
+    from memlm.model.device import resolve_device
     from memlm.model.tokenizer import document_boundary
     from memlm.model.weights import load_pretrained
 
@@ -255,7 +262,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         knn = None  # lambda 0 is the base LM exactly (memlm.retrieval.knnlm.interpolate): the datastore only drafts
     service = memory_service(args, memory or MemoryConfig("none"))  # --knn-backend service: its memory sessions
     device = resolve_device(args.device)
-    pretrained = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
+    fmt = model_format(args, device)
+    pretrained = load_pretrained(args.model, device=device, dtype=fmt.dtype, weights=fmt.weights)
     searcher = open_searcher(args, pretrained)
     tokenizer = pretrained.tokenizer
     boundary = document_boundary(tokenizer)

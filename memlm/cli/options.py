@@ -21,6 +21,7 @@ from memlm.errors import MemlmError
 from memlm.jobs.memorizing import DEFAULT_KNN_TRAIN, KNN_TRAIN_MODES
 from memlm.jobs.windows import WindowConfig
 from memlm.model.memory_config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
+from memlm.model.weight_formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS, ModelFormat, resolve_format
 from memlm.retrieval.clustered_states import EXACT_MEMBERS
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig
@@ -184,6 +185,23 @@ WINDOW_OPTIONS = {o.dest: o for o in (
 )}
 
 
+WEIGHTS_OPTIONS = {o.dest: o for o in (
+    Option("--weights", "weights", str, "weight format (memlm.model.weight_formats): float32 or bfloat16 (weights, "
+           "activations and KV cache in it), int8 or int4 (weight-only quantised linear layers, computing in --dtype, "
+           "bfloat16 unless given)", ", ".join(f"{d} on {k}" for k, d in DEFAULT_WEIGHTS.items()), WEIGHT_FORMATS),
+)}
+"""The model's weight format: named the same in memlm eval, generate, datastore build and serve lm."""
+ACCEPT_WEIGHTS_OPTIONS = {o.dest: o for o in (
+    Option("--accept-weights-mismatch", "accept_weights_mismatch", None, "use a datastore whose keys were computed "
+           "in another weight format than --weights (queries and keys then differ by the two formats' rounding)"),
+)}
+
+
+def model_format(args: argparse.Namespace, device: Any) -> ModelFormat:
+    """The weight format and compute dtype of --weights and --dtype on `device` (weight_formats.resolve_format)."""
+    return resolve_format(getattr(args, "weights", None), getattr(args, "dtype", None), device)
+
+
 def add_options(parser: argparse.ArgumentParser, title: str, table: dict[str, Option],
                 names: Iterable[str] | None = None, choices: dict[str, tuple[str, ...]] | None = None) -> None:
     """Attach the options `names` (default: all) of one table to `parser` under the heading `title`."""
@@ -235,7 +253,8 @@ def refuse_unless_memorizing(args: argparse.Namespace, kind: str) -> None:
 
 def flag(dest: str) -> str:
     """The flag of an option by its dest: the group tables' flags, else the argparse spelling."""
-    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, KNN_TRAIN_OPTIONS, FEWER_SEARCHES_OPTIONS):
+    for table in (KNN_OPTIONS, MEMORY_OPTIONS, WINDOW_OPTIONS, KNN_TRAIN_OPTIONS, FEWER_SEARCHES_OPTIONS, WEIGHTS_OPTIONS,
+                  ACCEPT_WEIGHTS_OPTIONS):
         if dest in table:
             return table[dest].flag
     return "--" + dest.replace("_", "-")

@@ -120,12 +120,14 @@ def open_spalm_datastore(directory: str, pretrained: Any, keys_fingerprint: str,
     """The datastore, checked against the model (compat.check_searcher: the keys' model fingerprint, the
     tokenizer, the key layer and width, the boundary token; no windows: SPALM runs segment by segment)."""
     from datastore import Datastore
+    from memlm.model.weight_formats import format_of
     from memlm.retrieval.compat import check_searcher
 
     model = pretrained.model
     store = Datastore.open(Path(directory), backend=search_backend or DEFAULT_SEARCH_BACKEND, device=str(model.device))
     check_searcher(store.info(), model_fingerprint=keys_fingerprint, tokenizer_fingerprint=pretrained.tokenizer.fingerprint,
-                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
+                   weights=format_of(model))
     return store
 
 

@@ -4,7 +4,8 @@ A datastore's keys only mean something for the model, tokenizer and key activati
 and only for queries computed over the same text layout (the token prepended to each document, the
 window length and stride). One rule everywhere, for datastores and checkpoints alike:
 - what a caller cannot choose (fingerprints, key dimension, key layer, boundary token) must match, or
-  the artifact is refused in one line;
+  the artifact is refused in one line; so must the weight format the keys were computed in, unless the
+  caller accepts the mismatch (its perplexity cost: docs/decisions/weight-formats.md);
 - a setting the caller left unset (window context/stride, memory sizes) is taken from the artifact, and
   `say_taken` says so in one line;
 - a setting the caller gave explicitly that differs from the artifact's is refused in one line (`adopt`).
@@ -33,6 +34,8 @@ def check_searcher(
     boundary_token: int,
     context: int | None = None,
     stride: int | None = None,
+    weights: str = "float32",
+    accept_weights_mismatch: bool = False,
 ) -> None:
     """Refuse (MemlmError, one line) a datastore whose keys do not fit the model and layout in use.
 
@@ -41,6 +44,8 @@ def check_searcher(
     boundary_token: memlm.model.tokenizer.document_boundary of the tokenizer in use.
     context, stride: the sliding windows the queries are computed with; None where the caller has no
         windows (the LM server, whose Score requests choose their own) or took the datastore's.
+    weights: the weight format the queries are computed in (memlm.model.weight_formats.format_of); another
+        format than the keys' is refused unless `accept_weights_mismatch` (the keys are then only close).
     """
     name = info.model_name or "its model"
     for what, ours, theirs in (
@@ -60,6 +65,9 @@ def check_searcher(
     if info.boundary_token != boundary_token:
         raise MemlmError(f"the datastore's documents start with token {info.boundary_token}, this tokenizer's "
                          f"document boundary is {boundary_token}; rebuild the datastore with this memlm")
+    if info.weights != weights and not accept_weights_mismatch:
+        raise MemlmError(f"the datastore's keys were computed with --weights {info.weights}, the model runs "
+                         f"--weights {weights}; give --weights {info.weights}, or --accept-weights-mismatch")
     for flag, ours_w, theirs_w in (("--context", context, info.context), ("--stride", stride, info.stride)):
         if ours_w is not None and ours_w != theirs_w:
             raise MemlmError(f"{flag} {ours_w} differs from the datastore's {flag} {theirs_w}; leave {flag} unset "

@@ -121,6 +121,9 @@ class SearcherInfo:
     as for a TorchExactSearcher given only keys; such a searcher fails memlm.retrieval.compat.check_searcher)."""
     sink_tokens: int
     """Attention-sink tokens kept when the keys were made (0: plain sliding windows, what the builder does)."""
+    weights: str = "float32"
+    """Weight format of the model when the keys were made (memlm.model.weight_formats.format_of); datastores
+    that predate the record were float32."""
 
 
 @runtime_checkable

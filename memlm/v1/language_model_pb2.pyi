@@ -318,7 +318,7 @@ class LanguageModelServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LanguageModelServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens", "max_forward_tokens", "max_score_entries", "max_text_chars", "max_step_tokens", "max_knn_mem_size", "max_knn_top_k", "knn_layer", "max_batch", "max_queue", "max_tokens_in_flight", "engine_memory_modes", "max_kv_bytes", "max_nprobe", "max_stop_sequences", "max_stop_chars")
+    __slots__ = ("model", "model_fingerprint", "tokenizer_fingerprint", "vocab_size", "context_length", "datastore", "memory_modes", "default_memory_mode", "max_score_tokens", "max_score_batch", "max_new_tokens", "max_message_bytes", "default_memory", "max_memory_tokens", "max_forward_tokens", "max_score_entries", "max_text_chars", "max_step_tokens", "max_knn_mem_size", "max_knn_top_k", "knn_layer", "max_batch", "max_queue", "max_tokens_in_flight", "engine_memory_modes", "max_kv_bytes", "max_nprobe", "max_stop_sequences", "max_stop_chars", "weights", "compute_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,8 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     MAX_NPROBE_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_CHARS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -377,4 +379,6 @@ class LanguageModelServiceGetInfoResponse(_message.Message):
     max_nprobe: int
     max_stop_sequences: int
     max_stop_chars: int
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_score_entries: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_knn_mem_size: _Optional[int] = ..., max_knn_top_k: _Optional[int] = ..., knn_layer: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_tokens_in_flight: _Optional[int] = ..., engine_memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., max_kv_bytes: _Optional[int] = ..., max_nprobe: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_stop_chars: _Optional[int] = ...) -> None: ...
+    weights: str
+    compute_dtype: str
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., datastore: _Optional[_Union[_retrieval_pb2.DatastoreInfo, _Mapping]] = ..., memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., default_memory_mode: _Optional[_Union[MemoryMode, str]] = ..., max_score_tokens: _Optional[int] = ..., max_score_batch: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_memory: _Optional[_Union[MemoryOptions, _Mapping]] = ..., max_memory_tokens: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_score_entries: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_knn_mem_size: _Optional[int] = ..., max_knn_top_k: _Optional[int] = ..., knn_layer: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_tokens_in_flight: _Optional[int] = ..., engine_memory_modes: _Optional[_Iterable[_Union[MemoryMode, str]]] = ..., max_kv_bytes: _Optional[int] = ..., max_nprobe: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_stop_chars: _Optional[int] = ..., weights: _Optional[str] = ..., compute_dtype: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from memlm.v1 import tensor_pb2 as memlm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"2\n\x11SuccessorsRequest\x12\x1d\n\x03ids\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"n\n\x12SuccessorsResponse\x12\"\n\x08next_ids\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\xcf\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1a\n\rallow_partial\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\x16\n\x0ewith_documents\x18\x06 \x01(\x08\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerankB\x10\n\x0e_allow_partial\"3\n\x0eSourceDocument\x12\x0e\n\x06\x64oc_id\x18\x01 \x01(\t\x12\x11\n\tmeta_json\x18\x02 \x01(\t\"\x83\x02\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x06 \x01(\x08\x12\x16\n\x0emissing_shards\x18\x07 \x03(\t\x12#\n\tdocuments\x18\x08 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12)\n\x07sources\x18\t \x03(\x0b\x32\x18.memlm.v1.SourceDocument\" \n\x1eRetrievalServiceGetInfoRequest\"\xb1\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\"\xa0\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"\xb0\x01\n\x13\x43reateMemoryRequest\x12\x0f\n\x07streams\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\tvalue_dim\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x1b\n\x0eidle_timeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nlifetime_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_idle_timeout_sB\r\n\x0b_lifetime_s\"i\n\x14\x43reateMemoryResponse\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x16\n\x0eidle_timeout_s\x18\x02 \x01(\x01\x12&\n\rstorage_dtype\x18\x03 \x01(\x0e\x32\x0f.memlm.v1.DType\"\x8b\x01\n\x13\x41ppendMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x1e\n\x04keys\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x04 \x01(\x0b\x32\x10.memlm.v1.Tensor\"7\n\x14\x41ppendMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"V\n\x13SearchMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07queries\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x03 \x01(\x05\"y\n\x14SearchMemoryResponse\x12\x1e\n\x04keys\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\"J\n\x12\x43learMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07streams\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\"6\n\x13\x43learMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"&\n\x11\x44ropMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x14\n\x12\x44ropMemoryResponse\"\x16\n\x14GetMemoryInfoRequest\"\xbf\x02\n\x15GetMemoryInfoResponse\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_idle_timeout_s\x18\x04 \x01(\x01\x12\x1a\n\x12max_idle_timeout_s\x18\x05 \x01(\x01\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x10\n\x08sessions\x18\x08 \x01(\x05\x12\x18\n\x10reserved_entries\x18\t \x01(\x03\x12\x19\n\x11max_session_bytes\x18\n \x01(\x03\x12\x17\n\x0fmax_total_bytes\x18\x0b \x01(\x03\x12\x16\n\x0ereserved_bytes\x18\x0c \x01(\x03J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x13max_session_entriesR\x11max_total_entries2\xf8\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponse\x12G\n\nSuccessors\x12\x1b.memlm.v1.SuccessorsRequest\x1a\x1c.memlm.v1.SuccessorsResponse2\xe3\x03\n\rMemoryService\x12M\n\x0c\x43reateMemory\x12\x1d.memlm.v1.CreateMemoryRequest\x1a\x1e.memlm.v1.CreateMemoryResponse\x12M\n\x0c\x41ppendMemory\x12\x1d.memlm.v1.AppendMemoryRequest\x1a\x1e.memlm.v1.AppendMemoryResponse\x12M\n\x0cSearchMemory\x12\x1d.memlm.v1.SearchMemoryRequest\x1a\x1e.memlm.v1.SearchMemoryResponse\x12J\n\x0b\x43learMemory\x12\x1c.memlm.v1.ClearMemoryRequest\x1a\x1d.memlm.v1.ClearMemoryResponse\x12G\n\nDropMemory\x12\x1b.memlm.v1.DropMemoryRequest\x1a\x1c.memlm.v1.DropMemoryResponse\x12P\n\rGetMemoryInfo\x12\x1e.memlm.v1.GetMemoryInfoRequest\x1a\x1f.memlm.v1.GetMemoryInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18memlm/v1/retrieval.proto\x12\x08memlm.v1\x1a\x15memlm/v1/tensor.proto\"2\n\x11SuccessorsRequest\x12\x1d\n\x03ids\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"n\n\x12SuccessorsResponse\x12\"\n\x08next_ids\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\xcf\x01\n\rSearchRequest\x12!\n\x07queries\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x13\n\x06nprobe\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65xact_rerank\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1a\n\rallow_partial\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\x16\n\x0ewith_documents\x18\x06 \x01(\x08\x42\t\n\x07_nprobeB\x0f\n\r_exact_rerankB\x10\n\x0e_allow_partial\"3\n\x0eSourceDocument\x12\x0e\n\x06\x64oc_id\x18\x01 \x01(\t\x12\x11\n\tmeta_json\x18\x02 \x01(\t\"\x83\x02\n\x0eSearchResponse\x12#\n\tdistances\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1d\n\x03ids\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x06 \x01(\x08\x12\x16\n\x0emissing_shards\x18\x07 \x03(\t\x12#\n\tdocuments\x18\x08 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12)\n\x07sources\x18\t \x03(\x0b\x32\x18.memlm.v1.SourceDocument\" \n\x1eRetrievalServiceGetInfoRequest\"\xc2\x02\n\rDatastoreInfo\x12\t\n\x01n\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x0e\n\x06nprobe\x18\x07 \x01(\x05\x12\x11\n\tkey_layer\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x0e\n\x06\x63orpus\x18\n \x01(\t\x12\x1a\n\x12\x63orpus_fingerprint\x18\x0b \x01(\t\x12\x0f\n\x07\x63ontext\x18\x0c \x01(\x05\x12\x0e\n\x06stride\x18\r \x01(\x05\x12\x16\n\x0e\x62oundary_token\x18\x0e \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\x05\x12\x0f\n\x07weights\x18\x10 \x01(\t\"\xa0\x01\n\x1fRetrievalServiceGetInfoResponse\x12*\n\tdatastore\x18\x01 \x01(\x0b\x32\x17.memlm.v1.DatastoreInfo\x12\r\n\x05max_k\x18\x02 \x01(\x05\x12\x13\n\x0bmax_queries\x18\x03 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"\xb0\x01\n\x13\x43reateMemoryRequest\x12\x0f\n\x07streams\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x11\n\tvalue_dim\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x03\x12\x1b\n\x0eidle_timeout_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nlifetime_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x11\n\x0f_idle_timeout_sB\r\n\x0b_lifetime_s\"i\n\x14\x43reateMemoryResponse\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x16\n\x0eidle_timeout_s\x18\x02 \x01(\x01\x12&\n\rstorage_dtype\x18\x03 \x01(\x0e\x32\x0f.memlm.v1.DType\"\x8b\x01\n\x13\x41ppendMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12\x1e\n\x04keys\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x04 \x01(\x0b\x32\x10.memlm.v1.Tensor\"7\n\x14\x41ppendMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"V\n\x13SearchMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07queries\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\t\n\x01k\x18\x03 \x01(\x05\"y\n\x14SearchMemoryResponse\x12\x1e\n\x04keys\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12 \n\x06values\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\x12\x1f\n\x05valid\x18\x03 \x01(\x0b\x32\x10.memlm.v1.Tensor\"J\n\x12\x43learMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\x12!\n\x07streams\x18\x02 \x01(\x0b\x32\x10.memlm.v1.Tensor\"6\n\x13\x43learMemoryResponse\x12\x1f\n\x05sizes\x18\x01 \x01(\x0b\x32\x10.memlm.v1.Tensor\"&\n\x11\x44ropMemoryRequest\x12\x11\n\tmemory_id\x18\x01 \x01(\t\"\x14\n\x12\x44ropMemoryResponse\"\x16\n\x14GetMemoryInfoRequest\"\xbf\x02\n\x15GetMemoryInfoResponse\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_idle_timeout_s\x18\x04 \x01(\x01\x12\x1a\n\x12max_idle_timeout_s\x18\x05 \x01(\x01\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x10\n\x08sessions\x18\x08 \x01(\x05\x12\x18\n\x10reserved_entries\x18\t \x01(\x03\x12\x19\n\x11max_session_bytes\x18\n \x01(\x03\x12\x17\n\x0fmax_total_bytes\x18\x0b \x01(\x03\x12\x16\n\x0ereserved_bytes\x18\x0c \x01(\x03J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x13max_session_entriesR\x11max_total_entries2\xf8\x01\n\x10RetrievalService\x12;\n\x06Search\x12\x17.memlm.v1.SearchRequest\x1a\x18.memlm.v1.SearchResponse\x12^\n\x07GetInfo\x12(.memlm.v1.RetrievalServiceGetInfoRequest\x1a).memlm.v1.RetrievalServiceGetInfoResponse\x12G\n\nSuccessors\x12\x1b.memlm.v1.SuccessorsRequest\x1a\x1c.memlm.v1.SuccessorsResponse2\xe3\x03\n\rMemoryService\x12M\n\x0c\x43reateMemory\x12\x1d.memlm.v1.CreateMemoryRequest\x1a\x1e.memlm.v1.CreateMemoryResponse\x12M\n\x0c\x41ppendMemory\x12\x1d.memlm.v1.AppendMemoryRequest\x1a\x1e.memlm.v1.AppendMemoryResponse\x12M\n\x0cSearchMemory\x12\x1d.memlm.v1.SearchMemoryRequest\x1a\x1e.memlm.v1.SearchMemoryResponse\x12J\n\x0b\x43learMemory\x12\x1c.memlm.v1.ClearMemoryRequest\x1a\x1d.memlm.v1.ClearMemoryResponse\x12G\n\nDropMemory\x12\x1b.memlm.v1.DropMemoryRequest\x1a\x1c.memlm.v1.DropMemoryResponse\x12P\n\rGetMemoryInfo\x12\x1e.memlm.v1.GetMemoryInfoRequest\x1a\x1f.memlm.v1.GetMemoryInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_start=750
   _globals['_RETRIEVALSERVICEGETINFOREQUEST']._serialized_end=782
   _globals['_DATASTOREINFO']._serialized_start=785
-  _globals['_DATASTOREINFO']._serialized_end=1090
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=1093
-  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=1253
-  _globals['_CREATEMEMORYREQUEST']._serialized_start=1256
-  _globals['_CREATEMEMORYREQUEST']._serialized_end=1432
-  _globals['_CREATEMEMORYRESPONSE']._serialized_start=1434
-  _globals['_CREATEMEMORYRESPONSE']._serialized_end=1539
-  _globals['_APPENDMEMORYREQUEST']._serialized_start=1542
-  _globals['_APPENDMEMORYREQUEST']._serialized_end=1681
-  _globals['_APPENDMEMORYRESPONSE']._serialized_start=1683
-  _globals['_APPENDMEMORYRESPONSE']._serialized_end=1738
-  _globals['_SEARCHMEMORYREQUEST']._serialized_start=1740
-  _globals['_SEARCHMEMORYREQUEST']._serialized_end=1826
-  _globals['_SEARCHMEMORYRESPONSE']._serialized_start=1828
-  _globals['_SEARCHMEMORYRESPONSE']._serialized_end=1949
-  _globals['_CLEARMEMORYREQUEST']._serialized_start=1951
-  _globals['_CLEARMEMORYREQUEST']._serialized_end=2025
-  _globals['_CLEARMEMORYRESPONSE']._serialized_start=2027
-  _globals['_CLEARMEMORYRESPONSE']._serialized_end=2081
-  _globals['_DROPMEMORYREQUEST']._serialized_start=2083
-  _globals['_DROPMEMORYREQUEST']._serialized_end=2121
-  _globals['_DROPMEMORYRESPONSE']._serialized_start=2123
-  _globals['_DROPMEMORYRESPONSE']._serialized_end=2143
-  _globals['_GETMEMORYINFOREQUEST']._serialized_start=2145
-  _globals['_GETMEMORYINFOREQUEST']._serialized_end=2167
-  _globals['_GETMEMORYINFORESPONSE']._serialized_start=2170
-  _globals['_GETMEMORYINFORESPONSE']._serialized_end=2489
-  _globals['_RETRIEVALSERVICE']._serialized_start=2492
-  _globals['_RETRIEVALSERVICE']._serialized_end=2740
-  _globals['_MEMORYSERVICE']._serialized_start=2743
-  _globals['_MEMORYSERVICE']._serialized_end=3226
+  _globals['_DATASTOREINFO']._serialized_end=1107
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_start=1110
+  _globals['_RETRIEVALSERVICEGETINFORESPONSE']._serialized_end=1270
+  _globals['_CREATEMEMORYREQUEST']._serialized_start=1273
+  _globals['_CREATEMEMORYREQUEST']._serialized_end=1449
+  _globals['_CREATEMEMORYRESPONSE']._serialized_start=1451
+  _globals['_CREATEMEMORYRESPONSE']._serialized_end=1556
+  _globals['_APPENDMEMORYREQUEST']._serialized_start=1559
+  _globals['_APPENDMEMORYREQUEST']._serialized_end=1698
+  _globals['_APPENDMEMORYRESPONSE']._serialized_start=1700
+  _globals['_APPENDMEMORYRESPONSE']._serialized_end=1755
+  _globals['_SEARCHMEMORYREQUEST']._serialized_start=1757
+  _globals['_SEARCHMEMORYREQUEST']._serialized_end=1843
+  _globals['_SEARCHMEMORYRESPONSE']._serialized_start=1845
+  _globals['_SEARCHMEMORYRESPONSE']._serialized_end=1966
+  _globals['_CLEARMEMORYREQUEST']._serialized_start=1968
+  _globals['_CLEARMEMORYREQUEST']._serialized_end=2042
+  _globals['_CLEARMEMORYRESPONSE']._serialized_start=2044
+  _globals['_CLEARMEMORYRESPONSE']._serialized_end=2098
+  _globals['_DROPMEMORYREQUEST']._serialized_start=2100
+  _globals['_DROPMEMORYREQUEST']._serialized_end=2138
+  _globals['_DROPMEMORYRESPONSE']._serialized_start=2140
+  _globals['_DROPMEMORYRESPONSE']._serialized_end=2160
+  _globals['_GETMEMORYINFOREQUEST']._serialized_start=2162
+  _globals['_GETMEMORYINFOREQUEST']._serialized_end=2184
+  _globals['_GETMEMORYINFORESPONSE']._serialized_start=2187
+  _globals['_GETMEMORYINFORESPONSE']._serialized_end=2506
+  _globals['_RETRIEVALSERVICE']._serialized_start=2509
+  _globals['_RETRIEVALSERVICE']._serialized_end=2757
+  _globals['_MEMORYSERVICE']._serialized_start=2760
+  _globals['_MEMORYSERVICE']._serialized_end=3243
 # @@protoc_insertion_point(module_scope)

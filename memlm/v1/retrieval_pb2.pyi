@@ -72,7 +72,7 @@ class RetrievalServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DatastoreInfo(_message.Message):
-    __slots__ = ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint", "nprobe", "key_layer", "model_name", "corpus", "corpus_fingerprint", "context", "stride", "boundary_token", "sink_tokens")
+    __slots__ = ("n", "dim", "index", "metric", "model_fingerprint", "tokenizer_fingerprint", "nprobe", "key_layer", "model_name", "corpus", "corpus_fingerprint", "context", "stride", "boundary_token", "sink_tokens", "weights")
     N_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class DatastoreInfo(_message.Message):
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     n: int
     dim: int
     index: str
@@ -103,7 +104,8 @@ class DatastoreInfo(_message.Message):
     stride: int
     boundary_token: int
     sink_tokens: int
-    def __init__(self, n: _Optional[int] = ..., dim: _Optional[int] = ..., index: _Optional[str] = ..., metric: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., nprobe: _Optional[int] = ..., key_layer: _Optional[str] = ..., model_name: _Optional[str] = ..., corpus: _Optional[str] = ..., corpus_fingerprint: _Optional[str] = ..., context: _Optional[int] = ..., stride: _Optional[int] = ..., boundary_token: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
+    weights: str
+    def __init__(self, n: _Optional[int] = ..., dim: _Optional[int] = ..., index: _Optional[str] = ..., metric: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., nprobe: _Optional[int] = ..., key_layer: _Optional[str] = ..., model_name: _Optional[str] = ..., corpus: _Optional[str] = ..., corpus_fingerprint: _Optional[str] = ..., context: _Optional[int] = ..., stride: _Optional[int] = ..., boundary_token: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class RetrievalServiceGetInfoResponse(_message.Message):
     __slots__ = ("datastore", "max_k", "max_queries", "max_message_bytes", "generation")

@@ -143,18 +143,19 @@ def open_model_and_searcher(
     dtype: torch.dtype = torch.float32,
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
-    search_backend: str = DEFAULT_SEARCH_BACKEND,
+    search_backend: str = DEFAULT_SEARCH_BACKEND, weights: str | None = None,
 ) -> tuple[Pretrained, Searcher | None]:
     """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None).
     search_backend: how a --datastore searches (memlm.retrieval.searcher.SEARCH_BACKENDS; "torch": on the
-    model's device)."""
+    model's device). weights: the weight format (memlm.model.weights.load_pretrained; None: `dtype`'s)."""
     from memlm.model.weights import load_pretrained
 
     if datastore is not None and retrieval is not None:
         raise MemlmError("pass --datastore or --retrieval, not both")
     # The retrieval link first: an unreachable one fails in one line before the model loads.
     link = connect_retrieval(retrieval, tls=retrieval_tls, token=retrieval_token) if retrieval is not None else None
-    pretrained = load_pretrained(model, device, dtype, key_module=key_module)  # key_module: memlm.model.hf_model
+    pretrained = load_pretrained(model, device, dtype, key_module=key_module,  # key_module: memlm.model.hf_model
+                                 weights=weights)
     if datastore is not None:
         from datastore.datastore import Datastore
 
@@ -179,18 +180,20 @@ async def serve_lm(
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
     knn_service: MemoryClient | None = None, adaptive_gate: str | None = None,
-    search_backend: str = DEFAULT_SEARCH_BACKEND,
+    search_backend: str = DEFAULT_SEARCH_BACKEND, weights: str | None = None, accept_weights_mismatch: bool = False,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
     then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls.
-    knn_service: the memory sessions of MEMORIZING with limits.knn_backend "service" (closed at the end)."""
+    knn_service: the memory sessions of MEMORIZING with limits.knn_backend "service" (closed at the end).
+    weights, accept_weights_mismatch: the model's weight format with `dtype`, and whether a datastore of another
+    format is served (LanguageModelServicer.load)."""
     started = await bind_lm_server(join_host_port(host, port), model_name=model, knn_defaults=knn_defaults,
                            options=options, limits=limits)
     try:
         pretrained, searcher = await asyncio.to_thread(
             open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
             retrieval_tls=retrieval_tls, retrieval_token=retrieval_token, key_module=key_module,
-            search_backend=search_backend,
+            search_backend=search_backend, weights=weights,
         )
         # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
@@ -198,7 +201,8 @@ async def serve_lm(
         spalm = lm_spalm.saved_spalm(model, pretrained.model.device)
         fewer = server_sources(searcher, remote=retrieval is not None, gate_dir=adaptive_gate,  # fewer searches
                                model_fingerprint=pretrained.fingerprint, key_layer=pretrained.model.config.key_description)
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer,
+                                accept_weights_mismatch)
     except BaseException:
         await started.running.server.stop(None)
         raise

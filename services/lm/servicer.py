@@ -47,6 +47,7 @@ from memlm.model.memory_config import MemoryConfig, memorizing_layer
 from memlm.memory.memorizing import KnnAttention
 from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
+from memlm.model.weight_formats import dtype_name, format_of
 from memlm.retrieval.compat import check_searcher
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.memory.knn_store import KeyValueMemoryFactory
@@ -109,7 +110,8 @@ class LanguageModelServicer:
 
     def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
              knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None,
-             knn_service: KeyValueMemoryFactory | None = None, fewer: FewerSources = NO_FEWER) -> None:
+             knn_service: KeyValueMemoryFactory | None = None, fewer: FewerSources = NO_FEWER,
+             accept_weights_mismatch: bool = False) -> None:
         """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM), a KnnAttention
         (MEMORY_MODE_MEMORIZING; refused when made for other heads) and a SPALM head (MEMORY_MODE_SPALM).
         knn_service: where MEMORIZING memories live when limits.knn_backend is "service" (required then):
@@ -118,7 +120,8 @@ class LanguageModelServicer:
         Refuses a datastore (searcher.info()) made with another model (with a SPALM head: than its keys'
         model) or tokenizer (its keys would be meaningless for this model, its values other tokens), keys of
         another dimension, or another document-boundary token than the one this server prepends (its keys
-        saw other text). May block: a RetrievalClient asks its server.
+        saw other text), or keys computed in another weight format unless `accept_weights_mismatch`. May block:
+        a RetrievalClient asks its server.
         """
         model, tokenizer = pretrained.model, pretrained.tokenizer
         boundary = document_boundary(tokenizer)
@@ -127,7 +130,8 @@ class LanguageModelServicer:
         if searcher is not None:
             info = searcher.info()
             check_searcher(info, model_fingerprint=keys_model, tokenizer_fingerprint=tokenizer.fingerprint,
-                           dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary)
+                           dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
+                           weights=format_of(model), accept_weights_mismatch=accept_weights_mismatch)
         knn_layer = None
         if knn_attention is not None:
             try:  # made for these heads, at a layer the model has
@@ -165,6 +169,7 @@ class LanguageModelServicer:
         if info is not None:
             response.datastore.CopyFrom(info_to_proto(info))
         response.engine_memory_modes.extend(engine_modes(model))
+        response.weights, response.compute_dtype = format_of(model), dtype_name(model.dtype)
         self._info = response
         self.engines = EnginePool(model, tokenizer, searcher, EngineLimits(
             max_batch=self._limits.max_batch, max_queue=self._limits.max_queue,

@@ -157,6 +157,13 @@ def stream_chunks(client: LanguageModelClient, name: str, completions: list[Comp
                 yield chunk(i, held, None, FINISH.get(e.reason, "stop"))
 
 
+def model_entry(name: str, info: Any) -> dict[str, Any]:
+    """/v1/models' entry of the served model: OpenAI's fields, and the weight format and compute dtype the LM
+    service's GetInfo reports (`info`), so that a caller sees which format answers."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "memlm", "weights": info.weights,
+            "compute_dtype": info.compute_dtype}
+
+
 def service_error(e: ServiceError) -> ApiError:
     status = GRPC_HTTP.get(e.code, 502)
     kind = "invalid_request_error" if status < 500 else "api_error"
@@ -223,8 +230,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._check_token()
         if path == "/v1/models":
-            model = {"id": self.front.model_name, "object": "model", "created": 0, "owned_by": "memlm"}
-            self._json(200, {"object": "list", "data": [model]})
+            entry = model_entry(self.front.model_name, self.front.client.info())
+            self._json(200, {"object": "list", "data": [entry]})
             return
         raise ApiError(404, f"no such endpoint: GET {path}", code="not_found")
 

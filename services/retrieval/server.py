@@ -157,8 +157,9 @@ def info_to_proto(info: SearcherInfo) -> retrieval_pb2.DatastoreInfo:
 
 
 def info_from_proto(message: retrieval_pb2.DatastoreInfo) -> SearcherInfo:
-    """The wire's DatastoreInfo -> SearcherInfo, every field."""
-    return SearcherInfo(**{f.name: getattr(message, f.name) for f in dataclasses.fields(SearcherInfo)})
+    """The wire's DatastoreInfo -> SearcherInfo, every field (weights: float32 from a server that sends none)."""
+    info = SearcherInfo(**{f.name: getattr(message, f.name) for f in dataclasses.fields(SearcherInfo)})
+    return info if info.weights else dataclasses.replace(info, weights="float32")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,12 +34,22 @@ def test_a_matching_datastore_passes():
         (dict(boundary_token=1), "start with token 256"),
         (dict(context=128), "--context 128 differs"),
         (dict(stride=16), "--stride 16 differs"),
+        (dict(weights="int8"), "computed with --weights float32, the model runs --weights int8"),
     ],
 )
 def test_each_difference_is_refused_in_one_line(ours, message):
     with pytest.raises(MemlmError, match=message) as e:
         check_searcher(INFO, **{**OURS, **ours})
     assert "\n" not in str(e.value)
+
+
+def test_another_weight_format_passes_only_when_accepted():
+    """Keys of another format are only close to the queries': refused unless the caller accepts it."""
+    int4 = dataclasses.replace(INFO, weights="int4")
+    check_searcher(int4, **OURS, weights="int4")
+    check_searcher(int4, **OURS, accept_weights_mismatch=True)
+    with pytest.raises(MemlmError, match="--accept-weights-mismatch"):
+        check_searcher(int4, **OURS)
 
 
 def test_adopt_takes_an_unset_setting_and_refuses_a_different_one():
