@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from memlm.jobs.decoding import SamplingConfig, filter_logits, scale_logits
+from memlm.jobs.windows import WorkStopped
 from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
@@ -81,7 +82,7 @@ def search_each(searcher: Searcher, keys: torch.Tensor, knn: Sequence[KNNLMConfi
     """search_rows for the queries of several rows (owners: per query, the row it belongs to) with one row's fault
     ending that row only: when the batched search raises, each row's queries are searched alone once, and only
     the rows whose own search raises fail (an outage fails them all; a circuit breaker in the searcher keeps
-    the retries short)."""
+    the retries short). A search stopped because its callers gave up (WorkStopped) is not retried."""
     try:
         return RowSearch(search_rows(searcher, keys, knn), {})
     except Exception as e:  # noqa: BLE001 - retried row by row below
@@ -91,7 +92,7 @@ def search_each(searcher: Searcher, keys: torch.Tensor, knn: Sequence[KNNLMConfi
         if c is not None:
             rows.setdefault(o, []).append(q)
     found: list[Neighbors | None] = [None] * len(knn)
-    if len(rows) == 1:
+    if len(rows) == 1 or isinstance(first, WorkStopped):
         return RowSearch(found, dict.fromkeys(rows, first))
     errors: dict[int, Exception] = {}
     for o, mine in rows.items():

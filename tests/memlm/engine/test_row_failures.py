@@ -27,7 +27,7 @@ from memlm.errors import MemlmError
 from memlm.jobs import decoding
 from memlm.jobs.decoding import GenerationEnd, SamplingConfig, TokenEvent
 from memlm.jobs.knnlm_eval import Retrieval
-from memlm.jobs.windows import WindowConfig, exact_searcher_over_documents
+from memlm.jobs.windows import WindowConfig, WorkStopped, exact_searcher_over_documents
 from memlm.memory.memorizing import new_knn_attention
 from memlm.memory.spalm import SpalmHead
 from memlm.model.config import ModelConfig
@@ -300,3 +300,30 @@ def test_pointer_rows_whose_lookups_fail_search_instead() -> None:
         assert [t for t, _ in pairs(events)] == [t for t, _ in pairs(plain)]
         end = events[-1]
         assert isinstance(end, GenerationEnd) and end.searches_saved == 0 and end.searches == end.completion_tokens
+
+
+class StoppedSearcher:
+    """A search whose callers all gave up."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def search(self, xq, k, options=None):
+        self.calls += 1
+        raise WorkStopped()
+
+
+def test_search_each_retries_row_by_row_but_not_a_stopped_search(searcher) -> None:
+    keys = torch.randn(5, searcher.dim)  # (Q, C)
+    knn = [KNN, FAULTY_KNN, None, KNN, FAULTY_KNN]
+    owners = [0, 1, 2, 3, 1]  # row 1 asks two queries
+    found, errors = engine_sampling.search_each(searcher, keys, knn, owners)
+    assert set(errors) == {1} and "shard" in str(errors[1])
+    alone = engine_sampling.search_rows(searcher, keys[[0, 3]], [KNN, KNN])
+    for got, want in zip([found[0], found[3]], alone):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert found[1] is None and found[2] is None and found[4] is None
+    stopped = StoppedSearcher()
+    found, errors = engine_sampling.search_each(stopped, keys, knn, owners)
+    assert stopped.calls == 1 and set(errors) == {0, 1, 3}
+    assert all(isinstance(e, WorkStopped) for e in errors.values())
