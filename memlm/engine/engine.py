@@ -237,6 +237,11 @@ class Engine:
         """Requests are running or waiting."""
         return bool(self._rows) or bool(self._waiting)
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet given a row (the queue a server's metrics report)."""
+        return len(self._waiting)
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one step (see the module docstring); returns whether work remains. An error in the forward

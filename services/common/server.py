@@ -2,7 +2,8 @@
 
 A server is built in two steps so that tests and the command line use the same code:
 `start_server(address, services, options)` binds (port 0 picks a free port), registers the
-servicers with health (NOT_SERVING until the caller marks it ready) and reflection, and starts
+servicers with health (NOT_SERVING until the caller marks it ready) and reflection, counts and times
+every call (services.common.metrics; /metrics over HTTP with options.metrics.port), and starts
 serving; `run_until_signal(...)` prints `listening on HOST:PORT` and, on SIGTERM or SIGINT, turns
 health to NOT_SERVING, refuses new calls and lets in-flight ones finish within a grace period.
 
@@ -14,6 +15,7 @@ whose bytes do not even parse with INVALID_ARGUMENT instead of grpc's INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import ipaddress
 import signal
@@ -29,6 +31,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from memlm.errors import MemlmError
+from services.common.metrics import (
+    CallInterceptor,
+    ClientCalls,
+    MetricsEndpoint,
+    MetricsOptions,
+    ServerMetrics,
+    serve_metrics,
+)
 from services.common.security import (
     AdmissionInterceptor,
     ClientTls,
@@ -73,6 +83,8 @@ class ServerOptions:
     token: str | None = None
     """Require `authorization: Bearer <token>` on every call except health checks; None = open. Never ""
     (ValueError): an empty token must not quietly switch authentication off."""
+    metrics: MetricsOptions = MetricsOptions()
+    """The /metrics endpoint (off unless a port is given) and the call log's format (services.common.metrics)."""
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -148,7 +160,9 @@ class ServiceClient:
         self._wait_for_ready = wait_for_ready
         self._metadata = auth_metadata(token)
         self._max_message_bytes = max_message_bytes
-        self._channel = open_channel(address, tls, max_message_bytes)
+        self.calls = ClientCalls()
+        """Observers of every call on the channel (a server counts its link's calls: services.common.metrics)."""
+        self._channel = grpc.intercept_channel(open_channel(address, tls, max_message_bytes), self.calls)
 
     def _call_options(self) -> dict:
         """Keyword arguments of every stub call: deadline, token, wait_for_ready."""
@@ -302,6 +316,10 @@ class RunningServer:
     """Health servicer; `mark_serving` flips the services and the overall status ("")."""
     service_names: tuple[str, ...]
     """Full names of the memlm services registered, e.g. ("memlm.v1.RetrievalService",)."""
+    metrics: ServerMetrics = dataclasses.field(default_factory=ServerMetrics)
+    """The server's registry: call counts and latencies, and the gauges its servicers add."""
+    metrics_endpoint: MetricsEndpoint | None = None
+    """The HTTP /metrics endpoint (ServerOptions.metrics.port); None when not served."""
 
     async def mark_serving(self, serving: bool = True) -> None:
         """Report SERVING (or NOT_SERVING) for every service and for the server as a whole."""
@@ -324,7 +342,10 @@ async def start_server(
     # No grpc-wide maximum_concurrent_rpcs: it counts health checks and callers without the token against
     # the token holders' slots; the interceptor's budgets keep them apart.
     admission = AdmissionInterceptor(options.token, options.max_concurrent_rpcs, options.max_open_rpcs)
-    server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=[admission])
+    metrics = ServerMetrics(options.metrics.log_format)
+    # The metrics interceptor first: it sees the calls admission refuses too.
+    server = grpc.aio.server(options=channel_options(options.max_message_bytes),
+                             interceptors=[CallInterceptor(metrics), admission])
     names = []
     for descriptor, servicer in services:
         add_service(server, descriptor, servicer, message_classes)
@@ -348,8 +369,20 @@ async def start_server(
     warning = options.exposure_warning(split_host_port(address)[0])
     if warning is not None:
         print(f"memlm: {warning}", file=sys.stderr, flush=True)
+    endpoint = None
+    if options.metrics.port is not None:
+        try:
+            endpoint = serve_metrics(metrics, options.metrics.host, options.metrics.port)
+        except OSError as e:
+            await server.stop(None)
+            raise MemlmError(f"cannot serve metrics on {join_host_port(options.metrics.host, options.metrics.port)}: "
+                             f"{e}") from None
+        print(f"metrics on http://{join_host_port(options.metrics.host, endpoint.port)}/metrics", file=sys.stderr,
+              flush=True)
     await server.start()
-    return RunningServer(server, port, health_servicer, tuple(names))
+    if endpoint is not None:
+        close_when_stopped(server, lambda: asyncio.to_thread(endpoint.close))
+    return RunningServer(server, port, health_servicer, tuple(names), metrics, endpoint)
 
 
 _WATCHERS: set[asyncio.Task] = set()

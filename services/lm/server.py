@@ -29,14 +29,17 @@ from services.lm.requests import LMLimits
 from services.lm.servicer import LanguageModelServicer
 from services.retrieval.memory_client import MemoryClient
 from services.retrieval.client import (
+    RetrievalClient,
     connect_retrieval,
     report_knn_health,
 )
+from services.common.metrics import LinkMetrics
 from services.common.security import ClientTls
 from services.common.server import (
     DEFAULT_HOST,
     RunningServer,
     ServerOptions,
+    ServiceClient,
     close_when_stopped,
     join_host_port,
     message_classes_of,
@@ -46,6 +49,33 @@ from services.common.server import (
 
 SERVICE = lm_pb2.DESCRIPTOR.services_by_name["LanguageModelService"]
 MESSAGE_CLASSES = message_classes_of(lm_pb2, retrieval_pb2, tensor_pb2)
+GENERATE, SCORE = (f"/{SERVICE.full_name}/{name}" for name in ("Generate", "Score"))
+
+
+def add_lm_metrics(running: RunningServer, servicer: LanguageModelServicer) -> None:
+    """The LM server's own series beside its calls' (services.common.metrics), for a loaded servicer: tokens
+    generated and scored, counted from the responses, and the engine's queue and rows in use, read at scrape time."""
+    metrics = running.metrics
+    tokens = metrics.counter("memlm_tokens", "Tokens generated (Generate streams) and scored (Score responses)",
+                             ("kind",))
+    generated, scored = tokens.labels("generated"), tokens.labels("scored")
+    metrics.observe_responses(GENERATE, lambda r: generated.inc(len(r.delta.tokens)) if r.HasField("delta") else None)
+    metrics.observe_responses(SCORE, lambda r: scored.inc(sum(len(result.tokens) for result in r.results)))
+    metrics.gauge("memlm_engine_queue_depth", "Generate calls and Score inputs waiting for an engine row",
+                  lambda: sum(lane.engine.waiting for lane in servicer.engines.lanes()))
+    metrics.gauge("memlm_engine_rows_in_use", "Engine rows running a Generate call or a Score input",
+                  lambda: sum(len(lane.engine.rows) for lane in servicer.engines.lanes()))
+
+
+def watch_links(running: RunningServer, links: list[object]) -> None:
+    """Count the calls of the server's retrieval and memory links and report their breakers (before the load,
+    whose GetInfo is their first call); links that are not clients (an in-process datastore) are left out."""
+    link_metrics = LinkMetrics(running.metrics)
+    for link in links:
+        if not isinstance(link, ServiceClient):
+            continue
+        breaker = (lambda link=link: link.breaker_state) if isinstance(link, RetrievalClient) else None
+        link_metrics.watch(link.address, link.calls, breaker)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +137,7 @@ async def start_lm_server(
     Health reports SERVING once this returns. The model's workers are released when the server stops.
     """
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
+    watch_links(started.running, [searcher, knn_service])
     try:
         # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
         await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer)
@@ -115,6 +146,7 @@ async def start_lm_server(
         raise
     await started.running.mark_serving()
     await report_knn_health(started.running.health, searcher)
+    add_lm_metrics(started.running, started.servicer)
     return started
 
 
@@ -195,6 +227,7 @@ async def serve_lm(
             retrieval_tls=retrieval_tls, retrieval_token=retrieval_token, key_module=key_module,
             search_backend=search_backend, weights=weights,
         )
+        watch_links(started.running, [searcher if retrieval is not None else None, knn_service])
         # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
         knn_attention = saved_knn_attention(model, pretrained.model.device) if Path(model).is_dir() else None
         # A `memlm train --memory spalm` checkpoint's head serves MEMORY_MODE_SPALM (with the searcher).
@@ -208,6 +241,7 @@ async def serve_lm(
         raise
     await report_knn_health(started.running.health, searcher)
     links = [c for c in (searcher if retrieval is not None else None, knn_service) if c is not None]
+    add_lm_metrics(started.running, started.servicer)
     # The RetrievalClient's and the memory client's channels.
     await run_until_signal(started.running, host, grace_s=options.grace_s,
                            on_stopped=lambda: [link.close() for link in links])

@@ -205,6 +205,11 @@ class RetrievalClient(ServiceClient):
         self.watch_link()
         self._link.add_listener(listener)
 
+    @property
+    def breaker_state(self) -> str:
+        """The circuit breaker's state now: services.common.circuit.CLOSED, HALF_OPEN or OPEN."""
+        return self._breaker.state
+
     def _on_link_change(self, up: bool) -> None:
         if up:  # the service is back: no need to wait out the breaker's back-off
             self._breaker.reset()

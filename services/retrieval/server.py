@@ -290,6 +290,9 @@ async def start_retrieval_server(
 
     if sessions is not None:
         sessions.start()
+        running.metrics.gauge("memlm_memory_sessions", "Memory sessions open", lambda: len(sessions))
+        running.metrics.gauge("memlm_memory_bytes", "Bytes the open memory sessions reserve (keys and values)",
+                              lambda: sessions.reserved_bytes)
     close_when_stopped(running.server, release)
     await running.mark_serving()
     return RetrievalServer(running, batcher, sessions)
