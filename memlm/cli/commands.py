@@ -97,13 +97,15 @@ def server_tls(args: argparse.Namespace) -> Any:
 
 
 def server_options(args: argparse.Namespace) -> Any:
-    """ServerOptions of every `memlm serve` command: TLS, token and the two call budgets."""
+    """ServerOptions of every `memlm serve` command: TLS, token, the two call budgets, metrics and call log."""
+    from services.common.metrics import MetricsOptions
     from services.common.server import ServerOptions
 
     tls, token = server_tls(args), token_from(args)
+    metrics = MetricsOptions(port=args.metrics_port, host=args.metrics_host, log_format=args.log_format)
     try:
         return ServerOptions(tls=tls, token=token, max_concurrent_rpcs=args.max_concurrent_rpcs,
-                             max_open_rpcs=args.max_open_rpcs, grace_s=args.grace)
+                             max_open_rpcs=args.max_open_rpcs, grace_s=args.grace, metrics=metrics)
     except ValueError as e:  # a budget below 1
         raise MemlmError(f"--{str(e).replace('_', '-')}") from None
 
@@ -307,6 +309,15 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
                    help="health Watch streams at once, and apart from them health Checks and refused calls at once")
     p.add_argument("--grace", type=grace_seconds, default=ServerOptions.grace_s, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: refuse new calls, let in-flight ones finish for this long, then cancel them")
+    from services.common.metrics import LOG_FORMATS, MetricsOptions  # the one home of their defaults
+
+    p.add_argument("--metrics-port", type=port_number, default=MetricsOptions.port, metavar="PORT",
+                   help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: any free port, printed "
+                        "on stderr; default: not served)")
+    p.add_argument("--metrics-host", default=MetricsOptions.host,
+                   help="address the metrics endpoint binds (default loopback only)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=MetricsOptions.log_format,
+                   help="json: one JSON line per call on stderr (request_id, tenant, rpc, status, duration_ms)")
 
 
 def grace_seconds(text: str) -> float:
