@@ -349,7 +349,8 @@ class Engine:
 
     def _own_forwards(self, plan: StepPlan) -> tuple[list[Row], torch.Tensor | None, torch.Tensor | None]:
         """The step of a model without a row cache: each row with tokens to feed (a prompt chunk within the
-        prefill budget, or its last token) runs its own forward over its own state, one row after another.
+        prefill budget, or its last token) runs its own forward over its own state, one row after another (a row
+        whose forward raises ends with the error; the others go on).
         Returns the rows whose prompt is in, with their last position's logits (B, V) and kNN keys (B, C)."""
         ready, logits, keys = [], [], []
         for row, n in sorted(plan.prefill + plan.decode, key=lambda p: p[0].slot):
@@ -357,7 +358,11 @@ class Engine:
             idx = torch.tensor([ids], dtype=torch.long, device=self.model.device)  # (1, T)
             state = row.model_state if row.model_state is not None else KVCache.empty(self.model.config,
                                                                                       self.layout.ring)
-            out = self.model(idx, state=state, logits_from=n - 1)  # logits (1, 1, V), knn_key (1, T, C)
+            try:
+                out = self.model(idx, state=state, logits_from=n - 1)  # logits (1, 1, V), knn_key (1, T, C)
+            except Exception as e:  # noqa: BLE001 - the row's own forward: it ends, the other rows go on
+                self.fail(row, e)
+                continue
             row.model_state = out.state
             row.fed += n
             if row.to_feed == 0:

@@ -327,3 +327,44 @@ def test_search_each_retries_row_by_row_but_not_a_stopped_search(searcher) -> No
     found, errors = engine_sampling.search_each(stopped, keys, knn, owners)
     assert stopped.calls == 1 and set(errors) == {0, 1, 3}
     assert all(isinstance(e, WorkStopped) for e in errors.values())
+
+
+POISON = 250
+"""A prompt token whose forward fails, in the engine without a row cache below."""
+
+
+class OwnStateModel(torch.nn.Module):
+    """The tiny decoder behind a model interface without a row cache (as transformers' models are to the engine:
+    each row runs its own forward); a forward that reads POISON raises."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    def forward(self, idx, state=None, logits_from=0):
+        if bool((idx == POISON).any()):
+            raise RuntimeError("this row's forward failed")
+        return self.inner(idx, state=state, logits_from=logits_from)
+
+
+def test_a_row_whose_own_forward_fails_ends_alone(model) -> None:
+    own = OwnStateModel(model)
+    reqs = [gen("the cat", 12), gen("on the", 12, SAMPLED),
+            GenerationRequest((*TOK.encode("the "), POISON), 12, GREEDY, boundary_token=BOUNDARY), gen("a mat", 14)]
+
+    def make(n):
+        return Engine(own, TOK, EngineConfig(max_batch=n, prefill_chunk=8))
+
+    got = run_with_one_failing(make(len(reqs)), reqs, 2, "forward failed")
+    for req, events in zip(reqs, got):
+        if events is not None:
+            assert_same(events, alone(make, req))
+            assert_same(events, run_all(Engine(model, TOK, EngineConfig(max_batch=1)), [req])[0])  # the decoder's own
