@@ -137,19 +137,28 @@ def knn_mixture(lm_logprob: torch.Tensor, neighbors: Neighbors, temperature: flo
     return mixed.scatter_(1, ids, interpolate(lm_logprob.gather(1, ids).float(), support, lmbda))
 
 
-def interpolate(lm_logprob: torch.Tensor, knn_logprob: torch.Tensor, lmbda: float) -> torch.Tensor:
+def interpolate(lm_logprob: torch.Tensor, knn_logprob: torch.Tensor, lmbda: float | torch.Tensor) -> torch.Tensor:
     """log(lambda * p_kNN + (1 - lambda) * p_LM), elementwise (any matching shapes, e.g. (Q,) or (Q, V)).
 
-    lambda 0 returns lm_logprob itself (bit-identical base); lambda 1 returns knn_logprob.
+    lmbda: one float, or a tensor broadcasting against lm_logprob (a lambda per token, float64 so that a
+    tensor of one value gives the floats of that value as a float, bit for bit). Where lambda is 0 the
+    result is lm_logprob itself (bit-identical base); where it is 1, knn_logprob.
     """
-    if lmbda == 0.0:
-        return lm_logprob
-    if lmbda == 1.0:
-        return knn_logprob
-    lm = lm_logprob.float() + math.log1p(-lmbda)
-    knn = knn_logprob.float().to(lm.device) + math.log(lmbda)
+    if not isinstance(lmbda, torch.Tensor):
+        if lmbda == 0.0:
+            return lm_logprob
+        if lmbda == 1.0:
+            return knn_logprob
+        lm = lm_logprob.float() + math.log1p(-lmbda)
+        knn = knn_logprob.float().to(lm.device) + math.log(lmbda)
+    else:
+        lam = lmbda.to(device=lm_logprob.device, dtype=torch.float64)
+        lm = lm_logprob.float() + torch.log1p(-lam).float()
+        knn = knn_logprob.float().to(lm.device) + torch.log(lam).float()
     # logaddexp(a, -inf) == a; guard the (-inf, -inf) corner explicitly (no NaN, stays -inf).
     both_inf = torch.isneginf(lm) & torch.isneginf(knn)
     mixed = torch.logaddexp(lm, knn)
-    return torch.where(both_inf, torch.full_like(mixed, NEG_INF), mixed)
-
+    mixed = torch.where(both_inf, torch.full_like(mixed, NEG_INF), mixed)
+    if isinstance(lmbda, torch.Tensor):
+        mixed = torch.where(lam == 0, lm_logprob.float(), torch.where(lam == 1, knn_logprob.float().to(mixed.device), mixed))
+    return mixed
