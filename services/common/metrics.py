@@ -9,8 +9,10 @@ its own (not prometheus_client's global one), so several servers in one process 
 what only they know as gauges read at scrape time. `--metrics-port` serves the registry over HTTP
 (prometheus_client.start_http_server), on loopback unless `--metrics-host` names another address.
 
-Clients count their own calls the same way: `ClientCalls` is a grpc client interceptor that tells its
-observers (rpc, code, seconds) of every call on a channel (the LM server's retrieval link).
+Clients count their own calls the same way: `ClientCalls` (blocking channels) and `AsyncClientCalls`
+(grpc.aio) are client interceptors that tell their observers (rpc, code, seconds) of every call on a channel;
+`LinkMetrics` turns them, with the links' breaker states, into series (the LM server's retrieval link, the
+router's shards).
 """
 
 from __future__ import annotations
@@ -258,12 +260,9 @@ def serve_metrics(metrics: ServerMetrics, host: str, port: int) -> MetricsEndpoi
     return MetricsEndpoint(httpd.server_port, httpd, thread)
 
 
-class ClientCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """A blocking channel's interceptor that tells observers of every call: observe(rpc, code, seconds).
-
-    Observers are added at any time (a server adds its own once its metrics exist); they run on the thread
-    that completes the call (grpc's), so they only count.
-    """
+class _CallObservers:
+    """Observers of a channel's calls: observe(rpc, code, seconds), added at any time (a server adds its own
+    once its metrics exist); they only count, on whichever thread ends the call."""
 
     def __init__(self) -> None:
         self._observers: list[Callable[[str, grpc.StatusCode, float], None]] = []
@@ -271,17 +270,18 @@ class ClientCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
     def add_observer(self, observe: Callable[[str, grpc.StatusCode, float], None]) -> None:
         self._observers.append(observe)
 
+    def _tell(self, method: str | bytes, code: grpc.StatusCode | None, seconds: float) -> None:
+        name = rpc_name(method.decode() if isinstance(method, bytes) else method)
+        for observe in list(self._observers):
+            observe(name, code if code is not None else grpc.StatusCode.UNKNOWN, seconds)
+
+
+class ClientCalls(_CallObservers, grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """A blocking channel's interceptor that tells its observers of every call when it ends."""
+
     def _watch(self, method: str, call: Any, start: float) -> Any:
-        if not self._observers:
-            return call
-
-        def done(finished: Any) -> None:
-            seconds = time.perf_counter() - start
-            code = finished.code()
-            for observe in list(self._observers):
-                observe(rpc_name(method), code if code is not None else grpc.StatusCode.UNKNOWN, seconds)
-
-        call.add_done_callback(done)
+        if self._observers:
+            call.add_done_callback(lambda done: self._tell(method, done.code(), time.perf_counter() - start))
         return call
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
@@ -291,6 +291,28 @@ class ClientCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
     def intercept_unary_stream(self, continuation, client_call_details, request):
         start = time.perf_counter()
         return self._watch(client_call_details.method, continuation(client_call_details, request), start)
+
+
+class AsyncClientCalls(_CallObservers, grpc.aio.UnaryUnaryClientInterceptor):
+    """A grpc.aio channel's interceptor (the router's shard links) that tells its observers of every unary call:
+    it awaits the call's outcome (the caller's await then gets the same answer) and reports a cancelled one
+    (a hedge that lost) as CANCELLED."""
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        start = time.perf_counter()
+        call = await continuation(client_call_details, request)
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            await call
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self._tell(client_call_details.method, code, time.perf_counter() - start)
+        return call
 
 
 BREAKER_STATES = (CLOSED, HALF_OPEN, OPEN)
@@ -318,9 +340,10 @@ class LinkMetrics:
         self.calls.labels(target, rpc, code.name).inc()
         self.latency.labels(target, rpc).observe(seconds)
 
-    def watch(self, target: str, calls: ClientCalls | None = None, breaker_state: Callable[[], str] | None = None
-              ) -> None:
-        """Count the calls a client's ClientCalls sees, and report its breaker's state, under `target`."""
+    def watch(self, target: str, calls: _CallObservers | None = None,
+              breaker_state: Callable[[], str] | None = None) -> None:
+        """Count the calls a channel's ClientCalls or AsyncClientCalls sees, and report its breaker's state
+        (breaker_state() -> services.common.circuit's CLOSED, HALF_OPEN or OPEN), under `target`."""
         if calls is not None:
             calls.add_observer(lambda rpc, code, seconds: self.record(target, rpc, code, seconds))
         if breaker_state is not None:

@@ -127,18 +127,23 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def open_channel(
-    address: str, tls: ClientTls | None, max_message_bytes: int, *, asynchronous: bool = False
+    address: str, tls: ClientTls | None, max_message_bytes: int, *, asynchronous: bool = False,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.Channel | grpc.aio.Channel:
     """The one channel setup of every memlm client (LM client, retrieval client, the router's shard links):
     message limits raised on both ends, TLS (with its server-name override) or plaintext.
 
-    asynchronous: a grpc.aio channel (for code on an event loop, the router) instead of a blocking one.
+    asynchronous: a grpc.aio channel (for code on an event loop, the router) instead of a blocking one, with
+    `interceptors` (services.common.metrics.AsyncClientCalls: its calls counted).
     """
     options = channel_options(max_message_bytes) + channel_tls_options(tls)
     if asynchronous:
         if tls is None:
-            return grpc.aio.insecure_channel(address, options=options)
-        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+            return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors))
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options,
+                                       interceptors=list(interceptors))
+    if interceptors:
+        raise ValueError("interceptors are for asynchronous channels (a blocking one is wrapped by its client)")
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, channel_credentials(tls), options=options)

@@ -45,6 +45,7 @@ from memlm.errors import MemlmError
 from memlm.retrieval.searcher import Neighbors
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc, tensor_pb2
 from services.common.circuit import BreakerConfig, CircuitBreaker
+from services.common.metrics import AsyncClientCalls, LinkMetrics
 from services.router.replicas import (
     RETRIED_CODES,
     Replica,
@@ -327,11 +328,13 @@ async def start_router_server(
     except ValueError as e:
         raise MemlmError(str(e)) from None
     metadata = auth_metadata(shards.token)
-    sets = []
+    sets, calls = [], []
     for group in groups:
         replicas = []
         for a in group:
-            channel = open_channel(a, shards.tls, options.max_message_bytes, asynchronous=True)
+            calls.append(AsyncClientCalls())
+            channel = open_channel(a, shards.tls, options.max_message_bytes, asynchronous=True,
+                                   interceptors=[calls[-1]])
             replicas.append(Replica(a, channel, retrieval_pb2_grpc.RetrievalServiceStub(channel),
                                     CircuitBreaker(shards.breaker)))
         sets.append(ReplicaSet(",".join(group), replicas, shards.hedge_after_s, metadata))
@@ -340,6 +343,9 @@ async def start_router_server(
 
     servicer = _LateServicer()
     running = await start_server(address, [(SERVICE, servicer)], MESSAGE_CLASSES, options)
+    links = LinkMetrics(running.metrics)  # each replica's calls and breaker, by its address
+    for replica, replica_calls in zip((r for s in sets for r in s.replicas), calls):
+        links.watch(replica.address, replica_calls, lambda breaker=replica.breaker: breaker.state)
     try:
         loop = asyncio.get_running_loop()
         connect_by = loop.time() + shards.connect_timeout_s

@@ -27,6 +27,7 @@ from services.lm.server import LMLimits, start_lm_server
 from services.retrieval.client import RetrievalClient
 from services.retrieval.memory_sessions import MemoryOptions
 from services.retrieval.server import start_retrieval_server
+from services.router.server import start_router_server
 
 SEARCH = "memlm.v1.RetrievalService/Search"
 GET_INFO = "memlm.v1.RetrievalService/GetInfo"
@@ -217,3 +218,28 @@ def test_every_grpc_server_takes_the_metrics_and_log_flags(server):
     assert server_options(args).metrics == MetricsOptions(port=9464, host="0.0.0.0", log_format="json")
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", *server, "--log-format", "yaml"])
+
+
+def test_router_counts_its_calls_and_each_shards_calls_and_breaker(loop_thread, make_searcher):
+    shards = [started_retrieval(loop_thread, make_searcher(n, 8, seed=n)) for n in (40, 60)]
+    addresses = [f"127.0.0.1:{s.running.port}" for s in shards]
+    router = loop_thread.run(start_router_server("127.0.0.1:0", addresses, options=ServerOptions(metrics=METRICS)))
+    loop_thread.servers.append(router.server)
+    made: Counter = Counter()
+    with RetrievalClient(f"127.0.0.1:{router.port}") as client:
+        for q in (1, 4):
+            client.search(queries(q, 8), 5)
+            made[SEARCH, "OK"] += 1
+        made[GET_INFO, "OK"] += 1
+        with pytest.raises(ServiceError):
+            client.search(queries(2, 8), 0)  # refused by the router itself: no shard sees it
+        made[SEARCH, "INVALID_ARGUMENT"] += 1
+    samples = scrape_calls(router.metrics_endpoint.port, sum(made.values()))
+    assert memlm_calls(samples) == dict(made)
+    link_calls = by_labels(samples, "memlm_retrieval_calls_total", "target", "rpc", "code")
+    breakers = by_labels(samples, "memlm_retrieval_breaker_state", "target", "state")
+    for address, shard in zip(addresses, shards):
+        served = memlm_calls(scrape(shard.running.metrics_endpoint.port))
+        assert {(rpc, code): n for (t, rpc, code), n in link_calls.items() if t == address} == served
+        assert served[(SEARCH, "OK")] == made[SEARCH, "OK"]  # every search fans out to every shard
+        assert breakers[(address, CLOSED)] == 1.0 and sum(v for (t, _), v in breakers.items() if t == address) == 1.0
