@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -120,6 +120,7 @@ class ServerMetrics:
         if log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # the process' memory, CPU time and open files (Linux)
         self.calls = Counter("memlm_rpc_calls", "Calls ended, by rpc, gRPC status code and tenant",
                              ("rpc", "code", "tenant"), registry=self.registry)
         self.latency = Histogram("memlm_rpc_duration_seconds", "Seconds from a call's start to its end "

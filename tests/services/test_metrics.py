@@ -106,6 +106,7 @@ def test_retrieval_server_counts_every_call_by_rpc_and_code(loop_thread, searche
     for rpc in (SEARCH, GET_INFO):
         assert counts[(rpc,)] == sum(n for (r, _), n in made.items() if r == rpc)
     assert by_labels(samples, "memlm_memory_sessions") == {(): 0.0}
+    assert by_labels(samples, "process_resident_memory_bytes")[()] > 0  # the process collector
 
 
 def test_refused_calls_are_counted_with_their_code(loop_thread, searcher):
