@@ -9,9 +9,16 @@ Shape legend: Q queries, d key dimension.
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -32,6 +39,7 @@ from services.router.server import start_router_server
 SEARCH = "memlm.v1.RetrievalService/Search"
 GET_INFO = "memlm.v1.RetrievalService/GetInfo"
 METRICS = MetricsOptions(port=0)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def settled(read, done, timeout_s: float = 10.0):
@@ -244,3 +252,36 @@ def test_router_counts_its_calls_and_each_shards_calls_and_breaker(loop_thread, 
         assert {(rpc, code): n for (t, rpc, code), n in link_calls.items() if t == address} == served
         assert served[(SEARCH, "OK")] == made[SEARCH, "OK"]  # every search fans out to every shard
         assert breakers[(address, CLOSED)] == 1.0 and sum(v for (t, _), v in breakers.items() if t == address) == 1.0
+
+
+def test_serve_retrieval_serves_metrics_and_logs_json_from_the_command_line():
+    """The flags end to end: `memlm serve retrieval --memories --metrics-port 0 --log-format json`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memlm", "serve", "retrieval", "--memories", "--metrics-port", "0", "--log-format",
+         "json"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        err: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [err.put(line.strip()) for line in proc.stderr], daemon=True).start()
+        listening = proc.stdout.readline().strip()
+        assert listening.startswith("listening on 127.0.0.1:"), listening
+        before = []
+        while not (before and before[-1].startswith("metrics on ")):
+            before.append(err.get(timeout=60))
+        metrics_port = int(before[-1].removesuffix("/metrics").rsplit(":", 1)[1])
+        with grpc.insecure_channel(listening.removeprefix("listening on ")) as channel:
+            stub = retrieval_pb2_grpc.MemoryServiceStub(channel)
+            stub.CreateMemory(retrieval_pb2.CreateMemoryRequest(streams=1, capacity=8, dim=4, value_dim=4),
+                              timeout=30, metadata=(("x-request-id", "cli-1"),))
+        create = "memlm.v1.MemoryService/CreateMemory"
+        logged = json.loads(settled(lambda: err.get(timeout=30), lambda line: line.startswith("{")))
+        assert logged["request_id"] == "cli-1" and (logged["rpc"], logged["status"]) == (create, "OK")
+        samples = scrape_calls(metrics_port, 1)
+        assert memlm_calls(samples) == {(create, "OK"): 1}
+        assert by_labels(samples, "memlm_memory_sessions") == {(): 1.0}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
