@@ -384,6 +384,9 @@ async def start_server(
                              f"{e}") from None
         print(f"metrics on http://{join_host_port(options.metrics.host, endpoint.port)}/metrics", file=sys.stderr,
               flush=True)
+        if not is_loopback(options.metrics.host):
+            print(f"memlm: warning: metrics on {options.metrics.host or 'every interface'} without TLS or a token: "
+                  "anyone who can reach it reads the server's traffic figures", file=sys.stderr, flush=True)
     await server.start()
     if endpoint is not None:
         close_when_stopped(server, lambda: asyncio.to_thread(endpoint.close))

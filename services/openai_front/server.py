@@ -22,32 +22,52 @@ the caller's mistakes, 502/503 when the LM service fails or is down):
 - GET /v1/models: the one model the LM service serves (its GetInfo name, or --model-name).
 - GET /health: 200 {"status": "ok"} when the LM service answers GetInfo, else 503.
 
-Bearer token: the front checks `Authorization: Bearer TOKEN` against the LM server's token (the same
-secret, --token/--token-file/$MEMLM_TOKEN) and sends that token on to the LM service itself; /health
-needs none, as the gRPC health service. SIGTERM/SIGINT: stop accepting, let in-flight requests finish
-(`serve_until_signal`).
+Bearer token: the front checks `Authorization: Bearer TOKEN` (--token/--token-file/$MEMLM_TOKEN); /health
+needs none, as the gRPC health service. The link to the LM service has credentials of its own (TLS, a client
+certificate, a token: `ClientTls` and the LM client's token), by default the callers' token sent on.
+
+HTTP is starlette on uvicorn's h11 protocol (`FrontProtocol`), with `HttpOptions`: TLS, a connection limit
+(503 past it), a deadline for a request's headers and one for its body (408), an idle keep-alive timeout,
+and a body limit checked on Content-Length before anything is read and again on the bytes as they arrive
+(413). Malformed HTTP is a 400 and every refusal an OpenAI-shaped JSON error. SIGTERM/SIGINT: stop
+accepting, let in-flight requests finish for HttpOptions.grace_s (`serve_openai`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import signal
+import socket
+import ssl
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import anyio
 import grpc
+import h11
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from memlm.errors import MemlmError
+from services.common.security import ClientTls, ServerTls
+from services.common.server import ServerOptions, ServiceError, join_host_port
 from services.lm.client import Finish, LanguageModelClient, TextDelta
-from services.openai_front.requests import ApiError, Completion, FrontLimits, parse_completion
-from services.common.server import ServiceError, join_host_port
+from services.openai_front.requests import ApiError, Completion, FrontLimits, decode_json, parse_completion
 
 FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
 """Generate's finish reasons as OpenAI's (end of text is "stop" there)."""
@@ -157,13 +177,6 @@ def stream_chunks(client: LanguageModelClient, name: str, completions: list[Comp
                 yield chunk(i, held, None, FINISH.get(e.reason, "stop"))
 
 
-def model_entry(name: str, info: Any) -> dict[str, Any]:
-    """/v1/models' entry of the served model: OpenAI's fields, and the weight format and compute dtype the LM
-    service's GetInfo reports (`info`), so that a caller sees which format answers."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": "memlm", "weights": info.weights,
-            "compute_dtype": info.compute_dtype}
-
-
 def service_error(e: ServiceError) -> ApiError:
     status = GRPC_HTTP.get(e.code, 502)
     kind = "invalid_request_error" if status < 500 else "api_error"
@@ -174,150 +187,331 @@ def service_error(e: ServiceError) -> ApiError:
 
 
 @dataclass(frozen=True)
+class FrontTls:
+    """The front's own TLS, as PEM files (uvicorn's ssl options read files)."""
+
+    cert: Path
+    """Certificate chain the front presents."""
+    key: Path
+    """Private key of `cert`."""
+    client_ca: Path | None = None
+    """When set, callers must present a certificate signed by this CA (mutual TLS)."""
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """How the front holds HTTP connections: TLS, how many at once, and how long each may make it wait."""
+
+    tls: FrontTls | None = None
+    """Serve HTTPS with these files; None = plain HTTP."""
+    max_connections: int = 128
+    """Open connections served at once; a request on one more gets 503 (uvicorn's limit_concurrency)."""
+    header_timeout_s: float = 10.0
+    """Seconds a connection has to send a request's headers, from its opening or its last response."""
+    body_timeout_s: float = 30.0
+    """Seconds a request has to send its whole body after its headers; 408 beyond."""
+    keep_alive_timeout_s: float = 5.0
+    """Seconds an idle keep-alive connection stays open between requests."""
+    grace_s: float = 30.0
+    """On shutdown, seconds in-flight requests get to finish before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
+        if not 0 <= self.grace_s < float("inf"):
+            raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {self.grace_s}")
+
+
+@dataclass(frozen=True)
 class Front:
-    """What every request handler shares: the LM client, the served model's name, the token, the limits."""
+    """What every request shares: the LM client, the served model's name, the token, the limits."""
 
     client: LanguageModelClient
-    """The LM service (thread-safe: every request thread calls it)."""
+    """The LM service (thread-safe: requests call it from the thread pool)."""
     model_name: str
     """The one model id /v1/models lists and requests may name."""
     token: str | None
-    """The LM server's bearer token, required of callers and sent on; None = no authentication."""
+    """The bearer token callers must send; None = no authentication."""
     limits: FrontLimits
     """What one request may ask (services.openai_front.requests)."""
 
 
-class Handler(BaseHTTPRequestHandler):
-    """One HTTP request (ThreadingHTTPServer: a thread each) on its own connection.
+def _error(e: ApiError) -> JSONResponse:
+    # A refusal before the body was read ends the connection: what is left of the body is never parsed.
+    return JSONResponse(e.body(), e.status, headers={"connection": "close"} if e.close else None)
 
-    HTTP/1.0, so every connection closes after its response (a stream: after `data: [DONE]`): no idle
-    keep-alive connection holds a thread, and draining on SIGTERM waits for requests in flight only.
+
+def _check_token(front: Front, request: Request) -> None:
+    if front.token is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {front.token}".encode()):
+        raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                       kind="invalid_request_error", code="invalid_api_key")
+
+
+async def read_body(request: Request, limits: FrontLimits, timeout_s: float) -> bytes:
+    """The request's body, at most limits.max_body_bytes: refused on its Content-Length before a byte is read,
+    and cut off as soon as a body without one (chunked) grows past the limit (413); 408 past `timeout_s`."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")  # h11 has checked it is one decimal number
+    if declared is None and "transfer-encoding" not in request.headers:
+        raise ApiError(411, "a Content-Length header (or a chunked body) is required", close=True)
+    if declared is not None and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes, at most {limit}", close=True)
+    chunks, size = [], 0
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body of more than {limit} bytes, at most {limit}", close=True)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", close=True) from None
+    return b"".join(chunks)
+
+
+async def health(request: Request) -> Response:
+    front: Front = request.app.state.front
+    try:
+        await run_in_threadpool(front.client.info)
+    except ServiceError as e:
+        raise ApiError(503, f"LM service unavailable: {e}", kind="api_error") from None
+    return JSONResponse({"status": "ok"})
+
+
+def model_entry(name: str, info: Any) -> dict[str, Any]:
+    """/v1/models' entry of the served model: OpenAI's fields, and the weight format and compute dtype the LM
+    service's GetInfo reports (`info`), so that a caller sees which format answers."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "memlm", "weights": info.weights,
+            "compute_dtype": info.compute_dtype}
+
+
+async def models(request: Request) -> Response:
+    front: Front = request.app.state.front
+    _check_token(front, request)
+    try:
+        info = await run_in_threadpool(front.client.info)
+    except ServiceError as e:
+        raise ApiError(503, f"LM service unavailable: {e}", kind="api_error") from None
+    return JSONResponse({"object": "list", "data": [model_entry(front.model_name, info)]})
+
+
+def _complete_all(front: Front, completions: list[Completion]) -> dict[str, Any]:
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, c in enumerate(completions):
+        choice, p, n = complete(front.client, c, i)
+        choices.append(choice)
+        prompt_tokens, completion_tokens = prompt_tokens + max(p, 0), completion_tokens + n
+    return completion_body(front.model_name, choices, prompt_tokens, completion_tokens)
+
+
+async def completions(request: Request) -> Response:
+    front: Front = request.app.state.front
+    _check_token(front, request)
+    body = await run_in_threadpool(decode_json, await read_body(request, front.limits, request.app.state.body_timeout_s))
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model != front.model_name:
+        raise ApiError(404, f"model {model[:64]!r} is not served here; this front serves {front.model_name!r}",
+                       "model", code="model_not_found")
+    parsed, stream = parse_completion(body, front.limits)
+    if not stream:
+        return JSONResponse(await run_in_threadpool(_complete_all, front, parsed))
+    chunks = stream_chunks(front.client, front.model_name, parsed)
+    try:
+        first = await run_in_threadpool(next, chunks, None)  # errors before the first event are a plain JSON error
+    except BaseException:
+        chunks.close()
+        raise
+    return StreamingResponse(_sse(chunks, first), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def _sse(chunks: Iterator[dict], first: dict | None) -> AsyncIterator[bytes]:
+    """Server-sent events of a stream's chunks, then `data: [DONE]`. Each chunk is drawn in the thread pool
+    (the LM client is synchronous); closing `chunks` when the caller leaves cancels its Generate."""
+    try:
+        chunk = first
+        while chunk is not None:
+            yield _event(chunk)
+            chunk = await run_in_threadpool(next, chunks, None)
+    except (ServiceError, MemlmError) as e:  # mid-stream: OpenAI's servers send the error object as an event
+        yield _event((service_error(e) if isinstance(e, ServiceError) else ApiError(400, str(e))).body())
+    finally:
+        chunks.close()  # never while a draw runs: a thread-pool call shields its task until it returns
+    yield b"data: [DONE]\n\n"
+
+
+async def _api_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, ApiError)
+    return _error(e)
+
+
+async def _service_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, ServiceError)
+    return _error(service_error(e))
+
+
+async def _memlm_error(request: Request, e: Exception) -> Response:
+    return _error(ApiError(400, str(e)))  # the client library refusing an argument before any call
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, HTTPException)
+    if e.status_code == 404:
+        return _error(ApiError(404, f"no such endpoint: {request.method} {request.url.path} (memlm serves "
+                               "POST /v1/completions, GET /v1/models, GET /health)", code="not_found"))
+    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
+
+
+async def _internal_error(request: Request, e: Exception) -> Response:
+    return _error(ApiError(500, f"internal error: {type(e).__name__}", kind="api_error"))
+
+
+def create_app(front: Front, options: HttpOptions | None = None) -> Starlette:
+    """The front's ASGI application (served by `start_front`); options: its body timeout and connection limit."""
+    options = options or HttpOptions()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Every served connection may have one LM call in the thread pool; anyio's default pool holds 40.
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, options.max_connections)
+        yield
+
+    app = Starlette(
+        routes=[Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/completions", completions, methods=["POST"])],
+        exception_handlers={ApiError: _api_error, ServiceError: _service_error, MemlmError: _memlm_error,
+                            HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.front, app.state.body_timeout_s = front, options.body_timeout_s
+    return app
+
+
+class FrontProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for request headers and JSON for malformed HTTP.
+
+    uvicorn arms its idle timer only after a response, so a connection that sends nothing, or trickles its
+    headers, would hold its place under the connection limit for ever; here it has `header_timeout_s` from
+    its opening, or from its last response, to send a request's headers. Idle connections end at once
+    (`_drop`). Subclassed per server by `start_front`, which sets header_timeout_s.
     """
 
-    protocol_version = "HTTP/1.0"
-    front: Front  # set on the subclass made by make_server
+    header_timeout_s: float = HttpOptions.header_timeout_s
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per request would drown the server's own output; the LM service logs the work
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._await_headers()
 
-    def do_GET(self) -> None:
-        self._answer(self._get)
+    def on_response_complete(self) -> None:
+        self._await_headers()
+        super().on_response_complete()
 
-    def do_POST(self) -> None:
-        self._answer(self._post)
+    def _await_headers(self) -> None:
+        # The request cycle in place now: a request whose headers arrive replaces it, and the timer does nothing.
+        self.loop.call_later(self.header_timeout_s, self._headers_due, self.cycle)
 
-    def _answer(self, route: Any) -> None:
+    def _headers_due(self, cycle: object) -> None:
+        if self.cycle is cycle and not self.transport.is_closing():
+            self._drop()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self._drop()
+
+    def shutdown(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:
+            self._drop()  # idle, or done and closing: nothing is left to send
+        else:
+            super().shutdown()  # the response in flight ends the connection when it is complete
+
+    def _drop(self) -> None:
+        """End an idle connection at once. Aborted, not closed: closing TLS waits for the peer's close_notify
+        (up to asyncio's 30 s ssl_shutdown_timeout), holding a place under the connection limit and the drain."""
+        with contextlib.suppress(h11.LocalProtocolError):
+            self.conn.send(h11.ConnectionClosed())
+        self.transport.abort()
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(ApiError(400, f"malformed HTTP request: {msg}").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+class RunningFront:
+    """A front serving on a thread of its own (from `start_front`): its address, and `stop()`."""
+
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, on_stopped: Callable[[], None] | None) -> None:
+        self.host, self.port = sock.getsockname()[:2]
+        self._server, self._on_stopped = server, on_stopped
+        self._thread = threading.Thread(target=self._run, args=(sock,), name="openai-front", daemon=True)
+        self._thread.start()
+
+    def _run(self, sock: socket.socket) -> None:
         try:
-            route()
-        except ApiError as e:
-            self._json(e.status, e.body())
-        except ServiceError as e:
-            err = service_error(e)
-            self._json(err.status, err.body())
-        except MemlmError as e:  # the client library refusing an argument before any call
-            self._json(400, ApiError(400, str(e)).body())
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the caller went away; a stream's Generate is cancelled when its iterator is closed
-
-    def _get(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/health":
-            try:
-                self.front.client.info()
-            except ServiceError as e:
-                raise ApiError(503, f"LM service unavailable: {e}", kind="api_error") from None
-            self._json(200, {"status": "ok"})
-            return
-        self._check_token()
-        if path == "/v1/models":
-            entry = model_entry(self.front.model_name, self.front.client.info())
-            self._json(200, {"object": "list", "data": [entry]})
-            return
-        raise ApiError(404, f"no such endpoint: GET {path}", code="not_found")
-
-    def _post(self) -> None:
-        path = self.path.split("?", 1)[0]
-        self._check_token()
-        if path != "/v1/completions":
-            raise ApiError(404, f"no such endpoint: POST {path} (memlm serves /v1/completions)", code="not_found")
-        body = self._body()
-        model = body.get("model") if isinstance(body, dict) else None
-        if model is not None and model != self.front.model_name:
-            raise ApiError(404, f"model {model!r} is not served here; this front serves {self.front.model_name!r}",
-                           "model", code="model_not_found")
-        completions, stream = parse_completion(body, self.front.limits)
-        if stream:
-            self._stream(completions)
-            return
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, c in enumerate(completions):
-            choice, p, n = complete(self.front.client, c, i)
-            choices.append(choice)
-            prompt_tokens, completion_tokens = prompt_tokens + max(p, 0), completion_tokens + n
-        self._json(200, completion_body(self.front.model_name, choices, prompt_tokens, completion_tokens))
-
-    def _stream(self, completions: list[Completion]) -> None:
-        chunks = stream_chunks(self.front.client, self.front.model_name, completions)
-        try:
-            first = next(chunks)  # errors before the first event are still a plain JSON error
-        except StopIteration:
-            first = None
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        try:
-            for c in ([first] if first is not None else []):
-                self._event(c)
-            for c in chunks:
-                self._event(c)
-        except ServiceError as e:  # mid-stream: OpenAI's servers send the error object as an event
-            self._event(service_error(e).body())
+            self._server.run(sockets=[sock])  # not the main thread: uvicorn leaves the signals alone
         finally:
-            chunks.close()
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+            sock.close()
+            if self._on_stopped is not None:
+                self._on_stopped()
 
-    def _event(self, obj: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
+    def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (HttpOptions.grace_s), and return once stopped."""
+        self._server.should_exit = True
+        self._thread.join()
 
-    def _check_token(self) -> None:
-        token = self.front.token
-        if token is None:
-            return
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN, the LM server's token)",
-                           kind="invalid_request_error", code="invalid_api_key")
+    def __enter__(self) -> RunningFront:
+        return self
 
-    def _body(self) -> Any:
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            raise ApiError(411, "a Content-Length header is required") from None
-        if length > self.front.limits.max_body_bytes:
-            raise ApiError(413, f"request body of {length} bytes, at most {self.front.limits.max_body_bytes}")
-        try:
-            return json.loads(self.rfile.read(length) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not JSON ({e})") from None
-
-    def _json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
-def make_server(host: str, port: int, front: Front) -> ThreadingHTTPServer:
-    """A bound (not yet serving) HTTP server for `front`; port 0 = any free port (server.server_address)."""
-    handler = type("FrontHandler", (Handler,), {"front": front})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = False  # server_close() waits for in-flight requests (the drain on SIGTERM)
-    return server
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(2048)  # connections queue from now on, before the server's loop is up
+    return sock
+
+
+def start_front(front: Front, host: str = "127.0.0.1", port: int = 0, options: HttpOptions | None = None,
+                on_stopped: Callable[[], None] | None = None) -> RunningFront:
+    """Serve `front` on host:port (port 0: any free port, RunningFront.port) on a thread of its own;
+    `on_stopped` is called on that thread once the server has stopped, however it stopped.
+
+    Bad TLS files and an address in use raise here, before anything serves.
+    """
+    options = options or HttpOptions()
+    tls = options.tls
+    protocol = type("FrontProtocol", (FrontProtocol,), {"header_timeout_s": options.header_timeout_s})
+    config = uvicorn.Config(
+        create_app(front, options), http=protocol, loop="asyncio", lifespan="on", ws="none",
+        interface="asgi3", log_config=None, access_log=False, server_header=False,
+        # uvicorn answers 503 once the open connections, this one included, reach limit_concurrency.
+        limit_concurrency=options.max_connections + 1, timeout_keep_alive=options.keep_alive_timeout_s,
+        timeout_graceful_shutdown=options.grace_s,  # type: ignore[arg-type]
+        ssl_certfile=None if tls is None else str(tls.cert), ssl_keyfile=None if tls is None else str(tls.key),
+        ssl_ca_certs=None if tls is None or tls.client_ca is None else str(tls.client_ca),
+        ssl_cert_reqs=ssl.CERT_NONE if tls is None or tls.client_ca is None else ssl.CERT_REQUIRED,
+    )
+    config.load()  # reads the TLS files now: a bad one is an error of this call
+    server = uvicorn.Server(config)
+    return RunningFront(server, _bind(host, port), on_stopped)
 
 
 def model_name_of(client: LanguageModelClient) -> str:
@@ -325,35 +519,35 @@ def model_name_of(client: LanguageModelClient) -> str:
     return client.info().model
 
 
-def serve_until_signal(server: ThreadingHTTPServer) -> None:
-    """Print `listening on HOST:PORT`, serve until SIGTERM/SIGINT, then stop accepting and let the requests
-    in flight finish (server_close joins their threads)."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    thread = threading.Thread(target=server.serve_forever, name="openai-front", daemon=True)
-    thread.start()
-    host, port = server.server_address[:2]
-    print(f"listening on {join_host_port(host, port)}", flush=True)
-    stop.wait()
-    print("draining: refusing new requests, finishing the ones in flight", file=sys.stderr, flush=True)
-    server.shutdown()
-    server.server_close()
-
-
 def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 model_name: str | None = None, limits: FrontLimits | None = None, timeout: float = 300.0) -> None:
-    """`memlm serve openai`: the front over the LM service at `lm` until SIGTERM/SIGINT.
+                 model_name: str | None = None, limits: FrontLimits | None = None, timeout: float = 300.0,
+                 http: HttpOptions | None = None, lm_tls: ClientTls | None = None,
+                 lm_token: str | None = None) -> None:
+    """`memlm serve openai`: the front over the LM service at `lm` until SIGTERM/SIGINT, then a drain.
 
-    token: the LM server's bearer token, checked on every request but /health and sent on to the LM service.
+    token: the bearer token callers must send (every request but /health); None = open.
     model_name: the id /v1/models lists and requests name; None = the LM service's GetInfo model.
     limits: what one request may ask (services.openai_front.requests.FrontLimits); None = its defaults.
     timeout: seconds one LM call (a whole Generate stream) may take.
+    http: TLS, connection limit and timeouts (HttpOptions); None = its defaults.
+    lm_tls, lm_token: the link to the LM service (None: plaintext; the callers' token sent on).
     """
-    client = LanguageModelClient(lm, token=token, timeout=timeout)
+    http = http or HttpOptions()
+    tls = http.tls
+    exposure = ServerOptions(tls=ServerTls.from_files(tls.cert, tls.key, tls.client_ca) if tls else None,
+                             token=token).exposure_warning(host)
+    client = LanguageModelClient(lm, tls=lm_tls, token=lm_token if lm_token is not None else token, timeout=timeout)
     try:
         name = model_name or model_name_of(client)
-        server = make_server(host, port, Front(client, name, token, limits or FrontLimits()))
-        serve_until_signal(server)
+        stop = threading.Event()  # a signal, or the server ending by itself
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        running = start_front(Front(client, name, token, limits or FrontLimits()), host, port, http, stop.set)
+        if exposure is not None:
+            print(f"memlm: {exposure}", file=sys.stderr, flush=True)
+        print(f"listening on {join_host_port(running.host, running.port)}", flush=True)
+        stop.wait()
+        print("draining: refusing new requests, finishing the ones in flight", file=sys.stderr, flush=True)
+        running.stop()
     finally:
         client.close()

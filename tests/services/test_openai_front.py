@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from services.lm.client import KnnRequest, LanguageModelClient
-from services.openai_front.server import Front, FrontLimits, make_server
+from services.openai_front.server import Front, FrontLimits, start_front
 
 PROMPT = "the quick brown fox"
 TOKEN = "front-secret"
@@ -30,14 +29,12 @@ def fronts(servers):
     for name, lm, token, limits in (("plain", servers["plain"], None, FrontLimits()),
                                     ("knn", servers["local"], TOKEN, FrontLimits(max_body_bytes=4096, max_tokens=64))):
         client = LanguageModelClient(lm, token=token)
-        server = make_server("127.0.0.1", 0, Front(client, "tiny", token, limits))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        made.append((server, client))
-        out[name] = {"port": server.server_address[1], "lm": lm}
+        running = start_front(Front(client, "tiny", token, limits))
+        made.append((running, client))
+        out[name] = {"port": running.port, "lm": lm}
     yield out
-    for server, client in made:
-        server.shutdown()
-        server.server_close()
+    for running, client in made:
+        running.stop()
         client.close()
 
 
@@ -172,16 +169,13 @@ def test_the_bearer_token_and_the_limits(fronts):
 
 def test_health_is_503_while_the_lm_service_is_down():
     client = LanguageModelClient("127.0.0.1:1", timeout=2.0)
-    server = make_server("127.0.0.1", 0, Front(client, "tiny", None, FrontLimits()))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
-        conn.request("GET", "/health")
-        response = conn.getresponse()
-        assert response.status == 503 and json.loads(response.read())["error"]["type"] == "api_error"
+        with start_front(Front(client, "tiny", None, FrontLimits())) as running:
+            conn = http.client.HTTPConnection("127.0.0.1", running.port, timeout=30)
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 503 and json.loads(response.read())["error"]["type"] == "api_error"
     finally:
-        server.shutdown()
-        server.server_close()
         client.close()
 
 

@@ -3,8 +3,6 @@ NONE with a tiny random GPT-2 saved with save_pretrained (memlm.model.hf_model),
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from memlm.model.tokenizer import Tokenizer, document_boundary
 from memlm.model.weights import load_pretrained
 from services.lm.client import KnnRequest, LanguageModelClient
 from services.lm.server import start_lm_server
-from services.openai_front.server import Front, FrontLimits, make_server
+from services.openai_front.server import Front, FrontLimits, start_front
 
 PROMPT = "the state of the union"
 
@@ -41,12 +39,9 @@ def front(gpt2, module_loop):
     module_loop.servers.append(started.running.server)
     lm = f"127.0.0.1:{started.running.port}"
     client = LanguageModelClient(lm)
-    server = make_server("127.0.0.1", 0, Front(client, "gpt2-tiny", None, FrontLimits()))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {"lm": lm, "oai": openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x",
-                                           max_retries=0)}
-    server.shutdown()
-    server.server_close()
+    running = start_front(Front(client, "gpt2-tiny", None, FrontLimits()))
+    yield {"lm": lm, "oai": openai.OpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="x", max_retries=0)}
+    running.stop()
     client.close()
 
 

@@ -4,8 +4,6 @@ the same tokens, and generate_until its Generate."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 pytest.importorskip("lm_eval")
@@ -16,7 +14,7 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from memlm.model.tokenizer import Tokenizer
 from services.lm.client import LanguageModelClient
-from services.openai_front.server import Front, FrontLimits, make_server
+from services.openai_front.server import Front, FrontLimits, start_front
 
 PAIRS = [("the quick brown", " fox jumps"), ("the lazy", " dog sleeps"), ("State of the Union:", " strong")]
 
@@ -28,14 +26,12 @@ def harness(servers, tmp_path_factory):
     tokenizer_dir = tmp_path_factory.mktemp("tok")
     Tokenizer.byte_level().save(tokenizer_dir)
     client = LanguageModelClient(servers["plain"])
-    server = make_server("127.0.0.1", 0, Front(client, "tiny", None, FrontLimits()))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    lm = LocalCompletionsAPI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1/completions", model="tiny",
+    running = start_front(Front(client, "tiny", None, FrontLimits()))
+    lm = LocalCompletionsAPI(base_url=f"http://127.0.0.1:{running.port}/v1/completions", model="tiny",
                              tokenizer_backend="huggingface", tokenizer=str(tokenizer_dir), max_retries=1,
                              batch_size=2, max_length=1024)
     yield lm, client
-    server.shutdown()
-    server.server_close()
+    running.stop()
     client.close()
 
 
