@@ -240,8 +240,8 @@ async def serve_lm(
         await started.running.server.stop(None)
         raise
     await report_knn_health(started.running.health, searcher)
-    links = [c for c in (searcher if retrieval is not None else None, knn_service) if c is not None]
     add_lm_metrics(started.running, started.servicer)
+    links = [c for c in (searcher if retrieval is not None else None, knn_service) if c is not None]
     # The RetrievalClient's and the memory client's channels.
     await run_until_signal(started.running, host, grace_s=options.grace_s,
                            on_stopped=lambda: [link.close() for link in links])
