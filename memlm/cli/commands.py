@@ -43,6 +43,7 @@ from memlm.cli.options import (
     refuse_given,
 )
 from memlm.cli.plan import add_plan_parser
+from memlm.cli.serve_openai import add_openai_parser
 from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, SEARCH_BACKENDS
 from memlm.cli.train import add_train_parser
 
@@ -215,14 +216,6 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         search_backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
         accept_weights_mismatch=bool(args.accept_weights_mismatch),
     ))
-
-
-def cmd_serve_openai(args: argparse.Namespace) -> None:
-    from services.openai_front.server import FrontLimits, serve_openai
-
-    limits = FrontLimits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_tokens=args.max_tokens)
-    serve_openai(args.lm, host=args.host, port=args.port, token=token_from(args), model_name=args.model_name,
-                 limits=limits, timeout=args.timeout)
 
 
 def knn_request(args: argparse.Namespace) -> Any:
@@ -403,23 +396,6 @@ def add_serve_parser(sub: Any) -> None:
     for server in (r, ro, lm):
         add_threads_option(server)
     add_openai_parser(ssub)
-
-
-def add_openai_parser(ssub: Any) -> None:
-    from services.openai_front.server import FrontLimits  # the one home of the front's limits
-
-    o = ssub.add_parser("openai", help="OpenAI-compatible HTTP front (/v1/completions, /v1/models, /health) "
-                        "over `memlm serve lm`")
-    o.add_argument("--lm", required=True, help="HOST:PORT of `memlm serve lm`")
-    o.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    o.add_argument("--port", type=port_number, default=0, help="port (0: any free port; the chosen one is printed)")
-    add_token_options(o, "", "of the LM server: callers must send it, the front sends it on", "MEMLM_TOKEN")
-    o.add_argument("--model-name", default=None, help="model id to serve (default: the LM server's model name)")
-    o.add_argument("--timeout", type=float, default=300.0, help="seconds one LM call (a whole stream) may take")
-    for name, what in (("max_body_bytes", "largest request body"), ("max_prompts", "prompts per request"),
-                       ("max_tokens", "largest max_tokens")):
-        o.add_argument(flag(name), type=positive_int, default=getattr(FrontLimits, name), help=what)
-    o.set_defaults(func=cmd_serve_openai)
 
 
 def add_client_parser(sub: Any) -> None:
