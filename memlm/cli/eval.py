@@ -2,8 +2,10 @@
 
 Five modes, chosen from the flags, each refusing in one line a flag that does not apply to it:
 - sliding windows (the default; --context, --stride), optionally with kNN-LM (--datastore and the kNN
-  options, lambda/T tuned on --tune-data that must share no document with the evaluation data), with
-  fewer searches by RetoMaton pointers and/or a retrieval gate (memlm.cli.fewer_searches);
+  options, lambda/T tuned on --tune-data that must share no document with the evaluation data; both auto:
+  the interpolation, constant or learned, with or without a document cache, chosen on the tuning split and
+  saved, memlm.jobs.interpolation_eval), with fewer searches by RetoMaton pointers and/or a retrieval gate
+  (memlm.cli.fewer_searches; lambda/T then tuned as one constant pair);
 - segments alone (--memory none --segment S, or --segment S alone): each S-token segment scored with no
   memory at all;
 - segment-recurrent memory (--memory xl|compressive|memorizing and its sizes; memorizing from a `memlm train`
@@ -75,6 +77,9 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
+    p.add_argument("--save-interpolation", default=None, metavar="PATH",
+                   help="with --lambda auto --knn-temperature auto: write the chosen interpolation here (default: "
+                        "beside --json, as NAME.interpolation.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_options(p, "model", WEIGHTS_OPTIONS)
     add_options(p, "sliding windows", WINDOW_OPTIONS)
@@ -212,6 +217,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         refuse_given(args, (*KNN_OPTIONS, *KNN_ONLY), "needs --datastore (or --continuous-cache)")
     if args.tune_data is None:
         refuse_given(args, KNN_ONLY[2:], "needs --tune-data")
+    if args.save_interpolation is not None:
+        check_writable_file(args.save_interpolation, "--save-interpolation")
     if args.json:
         check_writable_file(args.json, "--json")  # before minutes of work, not after
     if args.attribution is None:
@@ -247,6 +254,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         refuse_given(args, FEWER_SEARCHES_OPTIONS, "applies to kNN-LM evaluation (--datastore) only")
     if spalm or args.continuous_cache or args.datastore is None or memory is not None:
         refuse_given(args, ("attribution",), "applies to kNN-LM evaluation (--datastore, sliding windows) only")
+        refuse_given(args, ("save_interpolation",), "applies to kNN-LM evaluation (--datastore, sliding windows) only")
     if spalm:
         result = run_spalm_eval(args, pretrained, evaluation, boundary, settings, tuning_tokens)
     elif args.continuous_cache:
@@ -396,7 +404,7 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     import torch
 
     from datastore import Datastore
-    from memlm.jobs.knnlm_eval import EXACT_RECALL_MAX_BYTES, evaluate_knnlm
+    from memlm.jobs.knnlm_eval import EXACT_RECALL_MAX_BYTES, Retrieval, evaluate_knnlm
     from memlm.model.weight_formats import format_of
     from memlm.retrieval.compat import check_searcher
     from memlm.retrieval.exact import searcher_bytes
@@ -415,6 +423,12 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
                    dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
                    context=window.context, stride=window.stride, weights=format_of(model),
                    accept_weights_mismatch=bool(args.accept_weights_mismatch))
+    retrieval = fewer_searches(args, store, adaptive)
+    if knn.lmbda is None and knn.temperature is None and retrieval == Retrieval() and args.attribution is None:
+        return {**run_auto_interpolation(args, pretrained, evaluation, store, window, knn, boundary, tune_docs),
+                **tune_record, **gate_record}
+    refuse_given(args, ("save_interpolation",), "needs --lambda auto --knn-temperature auto (without pointers, a "
+                 "gate or --attribution)")
     # Recall@k needs exact search over all keys: a copy of them, only when it fits in memory.
     key_bytes = searcher_bytes(info.n, info.dim, torch.device(str(model.device)))
     exact = None
@@ -423,7 +437,6 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     else:
         print(f"recall@k not reported: an exact searcher's {key_bytes / 2**30:.1f} GiB exceed the "
               f"{EXACT_RECALL_MAX_BYTES / 2**30:.0f} GiB an exact searcher may copy", file=sys.stderr)
-    retrieval = fewer_searches(args, store, adaptive)
     writer = None if args.attribution is None else AttributionWriter(
         args.attribution, args.attribution_top_n or DEFAULT_ATTRIBUTION_TOP_N)
     try:
@@ -435,6 +448,30 @@ def run_knnlm_eval(args: argparse.Namespace, pretrained: Any, evaluation: Any, b
     if writer is not None:
         result.update(attribution=args.attribution, attribution_tokens=writer.tokens, attribution_top_n=writer.top_n)
     return {**result, **tune_record, **gate_record}
+
+
+def run_auto_interpolation(args: argparse.Namespace, pretrained: Any, evaluation: Any, store: Any, window: Any,
+                           knn: Any, boundary: int, tune_docs: list[list[int]]) -> dict:
+    """--lambda auto --knn-temperature auto over plain retrieval: the interpolation (constant or learned, with
+    or without the document cache) chosen on the tuning split (memlm.jobs.interpolation_eval.evaluate_auto),
+    evaluated once, and saved to --save-interpolation (default beside --json) with what it was fitted under."""
+    from memlm.jobs.interpolation_eval import CacheConfig, evaluate_auto
+    from memlm.retrieval.interpolation import save_method
+
+    cache = CacheConfig()
+    result, method = evaluate_auto(pretrained.model, evaluation.token_docs, store, window, knn, boundary, tune_docs,
+                                   cache=cache, progress=not args.quiet)
+    path = args.save_interpolation or (str(Path(args.json).with_suffix("")) + ".interpolation.json" if args.json else None)
+    if path is not None:
+        info = store.info()
+        fitted = load_tokens(pretrained.tokenizer, args.tune_data, args.tune_split, args.tune_max_tokens).fingerprints
+        settings = {"model_fingerprint": pretrained.fingerprint, "key_layer": pretrained.model.config.key_description,
+                    "datastore_corpus_fingerprint": info.corpus_fingerprint, "k": knn.k, "context": window.context,
+                    "stride": window.stride, "cache_size": cache.size, "cache_k": cache.k,
+                    "tune_data": args.tune_data, "tune_split": args.tune_split, "fitted_documents": list(fitted)}
+        save_method(method, Path(path), settings)
+        result["interpolation_file"] = str(path)
+    return result
 
 
 def print_result(result: dict[str, Any]) -> None:
