@@ -58,7 +58,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -250,7 +250,7 @@ def _check_token(front: Front, request: Request) -> None:
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {front.token}".encode()):
         raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
-                       kind="invalid_request_error", code="invalid_api_key")
+                       kind="invalid_request_error", code="invalid_api_key", close=True)  # its body is never read
 
 
 async def read_body(request: Request, limits: FrontLimits, timeout_s: float) -> bytes:
@@ -272,6 +272,8 @@ async def read_body(request: Request, limits: FrontLimits, timeout_s: float) -> 
                 chunks.append(chunk)
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", close=True) from None
+    except ClientDisconnect:
+        raise ApiError(400, "the caller closed the connection before its body ended", close=True) from None
     return b"".join(chunks)
 
 
@@ -457,12 +459,16 @@ class RunningFront:
     def __init__(self, server: uvicorn.Server, sock: socket.socket, on_stopped: Callable[[], None] | None) -> None:
         self.host, self.port = sock.getsockname()[:2]
         self._server, self._on_stopped = server, on_stopped
+        self.failure: BaseException | None = None
+        """What ended the server when it stopped by itself (SystemExit when uvicorn could not start)."""
         self._thread = threading.Thread(target=self._run, args=(sock,), name="openai-front", daemon=True)
         self._thread.start()
 
     def _run(self, sock: socket.socket) -> None:
         try:
             self._server.run(sockets=[sock])  # not the main thread: uvicorn leaves the signals alone
+        except BaseException as e:  # noqa: BLE001 - uvicorn ends a failed start with sys.exit
+            self.failure = e
         finally:
             sock.close()
             if self._on_stopped is not None:
@@ -481,10 +487,13 @@ class RunningFront:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise MemlmError(f"cannot listen on {join_host_port(host, port)}: {e.strerror or e}") from None
     sock.listen(2048)  # connections queue from now on, before the server's loop is up
     return sock
 
@@ -509,7 +518,10 @@ def start_front(front: Front, host: str = "127.0.0.1", port: int = 0, options: H
         ssl_ca_certs=None if tls is None or tls.client_ca is None else str(tls.client_ca),
         ssl_cert_reqs=ssl.CERT_NONE if tls is None or tls.client_ca is None else ssl.CERT_REQUIRED,
     )
-    config.load()  # reads the TLS files now: a bad one is an error of this call
+    try:
+        config.load()  # reads the TLS files now: a bad one is an error of this call
+    except (OSError, ssl.SSLError) as e:
+        raise MemlmError(f"--tls-cert/--tls-key/--tls-client-ca: {e}") from None
     server = uvicorn.Server(config)
     return RunningFront(server, _bind(host, port), on_stopped)
 
@@ -549,5 +561,7 @@ def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str 
         stop.wait()
         print("draining: refusing new requests, finishing the ones in flight", file=sys.stderr, flush=True)
         running.stop()
+        if running.failure is not None:
+            raise MemlmError(f"the HTTP server stopped: {running.failure!r}")
     finally:
         client.close()
