@@ -48,7 +48,7 @@ def cmd_serve_openai(args: argparse.Namespace) -> None:
         tls = FrontTls(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None)
     http = HttpOptions(tls=tls, max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-                       grace_s=args.grace)
+                       max_header_bytes=args.max_header_bytes, grace_s=args.grace)
     limits = FrontLimits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_tokens=args.max_tokens)
     serve_openai(args.lm, host=args.host, port=args.port, token=secret(args, "", "MEMLM_TOKEN"),
                  model_name=args.model_name, limits=limits, timeout=args.timeout, http=http,
@@ -66,7 +66,7 @@ def add_openai_parser(ssub: Any) -> None:
     o.add_argument("--tls-cert", default=None, help="certificate chain (PEM) to serve HTTPS")
     o.add_argument("--tls-key", default=None, help="private key (PEM) of --tls-cert")
     o.add_argument("--tls-client-ca", default=None, help="CA (PEM) that callers' certificates must chain to (mTLS)")
-    add_token_options(o, "", "callers must send (also sent on to the LM server unless --lm-token-file is given)",
+    add_token_options(o, "", "callers must send (also sent on to the LM server when the link has none of its own)",
                       "MEMLM_TOKEN")
     add_link_security(o, LM_LINK, "LM server", LM_LINK_ENV)
     o.add_argument("--model-name", default=None, help="model id to serve (default: the LM server's model name)")
@@ -77,6 +77,8 @@ def add_openai_parser(ssub: Any) -> None:
         o.add_argument(flag(name), type=positive_int, default=getattr(FrontLimits, name), help=what)
     o.add_argument("--max-connections", type=positive_int, default=HttpOptions.max_connections,
                    help="open connections served at once; a request on one more is answered 503")
+    o.add_argument("--max-header-bytes", type=positive_int, default=HttpOptions.max_header_bytes,
+                   help="largest request line and headers (400 beyond)")
     for name, what in (("header_timeout", "seconds a connection has to send a request's headers, from its opening "
                         "or its last response (then it is closed)"),
                        ("body_timeout", "seconds a request has to send its body after its headers (408 beyond)"),

@@ -212,12 +212,15 @@ class HttpOptions:
     """Seconds a request has to send its whole body after its headers; 408 beyond."""
     keep_alive_timeout_s: float = 5.0
     """Seconds an idle keep-alive connection stays open between requests."""
+    max_header_bytes: int = 16 << 10
+    """Largest request line and headers h11 holds while waiting for their end; 400 beyond."""
     grace_s: float = 30.0
     """On shutdown, seconds in-flight requests get to finish before they are cancelled."""
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("max_connections", "max_header_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
@@ -513,6 +516,7 @@ def start_front(front: Front, host: str = "127.0.0.1", port: int = 0, options: H
         interface="asgi3", log_config=None, access_log=False, server_header=False,
         # uvicorn answers 503 once the open connections, this one included, reach limit_concurrency.
         limit_concurrency=options.max_connections + 1, timeout_keep_alive=options.keep_alive_timeout_s,
+        h11_max_incomplete_event_size=options.max_header_bytes,
         timeout_graceful_shutdown=options.grace_s,  # type: ignore[arg-type]
         ssl_certfile=None if tls is None else str(tls.cert), ssl_keyfile=None if tls is None else str(tls.key),
         ssl_ca_certs=None if tls is None or tls.client_ca is None else str(tls.client_ca),

@@ -85,6 +85,12 @@ def test_a_malformed_content_length_is_a_json_400(strict, length):
     assert status == 400 and openai_error(status, headers, body)["type"] == "invalid_request_error"
 
 
+def test_headers_past_their_limit_are_a_json_400_before_they_end(strict):
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * (HttpOptions.max_header_bytes + 1)
+    status, headers, body = exchange(strict, head)  # the headers never end, yet the answer comes
+    assert status == 400 and openai_error(status, headers, body)
+
+
 def test_a_missing_content_length_is_411_and_a_huge_one_413_before_any_byte_is_read(strict):
     status, headers, body = exchange(strict, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 411 and openai_error(status, headers, body)
@@ -259,3 +265,16 @@ def test_memlm_serve_openai_over_tls_with_its_own_link_to_a_tls_lm_server(tiny, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tls-cert", "front.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
+    (["--lm-tls-cert", "client.pem"], "--lm-tls-cert and --lm-tls-key go together"),
+])
+def test_tls_flags_that_go_together_are_refused_in_one_line(argv, message, capsys, monkeypatch):
+    from memlm.cli import commands as cli
+
+    monkeypatch.delenv("MEMLM_TOKEN", raising=False)
+    assert cli.main(["serve", "openai", "--lm", "127.0.0.1:9", *argv]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"memlm: error: {message}"]
