@@ -160,6 +160,28 @@ def test_a_stream_is_server_sent_events_ending_in_done(strict, lm):
     assert text == "".join(e.text for e in lm.generate(PROMPT, max_new_tokens=6, temperature=0.0) if hasattr(e, "text"))
 
 
+def test_a_caller_leaving_a_stream_closes_its_generate(strict, monkeypatch):
+    import threading
+
+    from services.openai_front import server
+
+    closed_early, chunks = threading.Event(), server.stream_chunks
+
+    def watched(*args):
+        try:
+            yield from chunks(*args)
+        except GeneratorExit:  # closed before its end: the LM client's stream closes too, cancelling the call
+            closed_early.set()
+            raise
+
+    monkeypatch.setattr(server, "stream_chunks", watched)
+    sock = socket.create_connection(("127.0.0.1", strict), timeout=WAIT_S)
+    sock.sendall(post(json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True}).encode()))
+    assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    sock.close()  # long before 4000 tokens
+    assert closed_early.wait(WAIT_S)
+
+
 def test_idle_and_slow_connections_are_closed(strict):
     # A connection that never sends a request, one that trickles its headers, one idle after a response:
     # each is closed by the server, and a body that stops half way is answered 408.
