@@ -229,7 +229,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     fmt = model_format(args, device)
     dtype = fmt.dtype
     pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module,
-                                 weights=fmt.weights)
+                                 weights=fmt.weights, allow_pickle=bool(args.allow_pickle_weights))
     boundary = document_boundary(pretrained.tokenizer)
     settings = checkpoint_settings(args.model, boundary)
     spalm = wants_spalm(args, settings)  # --memory spalm: memlm.cli.spalm
@@ -476,7 +476,8 @@ def run_auto_interpolation(args: argparse.Namespace, pretrained: Any, evaluation
 
 def print_result(result: dict[str, Any]) -> None:
     """A short human summary on stdout; the JSON file has everything."""
-    for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "lambda", "temperature",
+    for key in ("perplexity", "base_perplexity", "knnlm_perplexity", "relative_change", "interpolation_method",
+                "lambda", "temperature",
                 "k", "index", "datastore_size", "tokens", "tokens_per_s", "base_tokens_per_s", "knnlm_tokens_per_s",
                 "knnlm_speed_ratio", "recall_at_k", "recall_at_10", "cache_size", "knn_mem_size", "knn_top_k",
                 "knn_backend", "knn_layer", "gate_trained", "gate_mean", "memory_weight_mean", "neighbour_rate",

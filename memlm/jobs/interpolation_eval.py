@@ -368,7 +368,8 @@ def evaluate_auto(model: Decoder, token_docs: Sequence[list[int]], searcher: Sea
                   progress: bool = True) -> tuple[dict[str, Any], Method]:
     """`--lambda auto --knn-temperature auto`: choose the interpolation on `tune_docs` (choose_method; the
     caller guarantees they share no document with `token_docs`), then evaluate it once on `token_docs`.
-    Returns (result, method): evaluate_interpolation's result, its `interpolation` also holding the choice;
+    Returns (result, method): evaluate_interpolation's result, its `interpolation` also holding the choice
+    (interpolation_method: the chosen method's name);
     lambda and temperature are the constant datastore-only fit on all the tuning tokens (the mixture a
     server given one lambda and T uses), whichever method was chosen; tuned, tune_tokens, tune_base_perplexity."""
     cache = cache or CacheConfig()
@@ -378,7 +379,7 @@ def evaluate_auto(model: Decoder, token_docs: Sequence[list[int]], searcher: Sea
     result = evaluate_interpolation(model, token_docs, searcher, window, knn, boundary_token, choice.method,
                                     cache=cache, search_tokens=search_tokens, progress=progress)
     grid = tune(TuningData(data.lm, data.knn[0], data.knn[1] == data.targets[:, None]))
-    result.update(interpolation=choice.record(), tuned=True, tune_tokens=int(data.lm.shape[0]),
+    result.update(interpolation=choice.record(), interpolation_method=choice.method.method, tuned=True, tune_tokens=int(data.lm.shape[0]),
                   tune_base_perplexity=grid.base_perplexity, exact_rerank=knn.exact_rerank, nprobe=knn.nprobe)
     result["lambda"] = grid.lmbda
     result["temperature"] = grid.temperature
