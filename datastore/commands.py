@@ -55,6 +55,7 @@ def build_datastore(
     on_disk: bool = False,
     ray: RayOptions | None = None,
     weights: str | None = None,
+    allow_pickle_weights: bool = False,
 ) -> Path:
     """Build the datastore of (key, next token) pairs of `data` under `model` in `out`; returns `out`.
 
@@ -72,6 +73,7 @@ def build_datastore(
     ray: encode (and add on-disk blocks) on a Ray cluster (datastore.ray_build); the files are the same.
     weights: the model's weight format (memlm.model.weight_formats.resolve_format with `dtype`), recorded in
         the manifest.
+    allow_pickle_weights: a model run through transformers may load pickled *.bin weights (--allow-pickle-weights).
     """
     from memlm.data.documents import corpus_fingerprint, load_documents
 
@@ -88,7 +90,7 @@ def build_datastore(
     torch_device = resolve_device(device)
     fmt = resolve_format(weights, dtype, torch_device)
     pretrained = load_pretrained(model, device=torch_device, dtype=fmt.dtype, key_module=key_module,
-                                 weights=fmt.weights)
+                                 weights=fmt.weights, allow_pickle=allow_pickle_weights)
     tokenizer = pretrained.tokenizer
     defaults = WindowConfig.for_model(pretrained.model.config.max_seq_len, context, stride)
     context, stride = defaults.context, defaults.stride
@@ -114,7 +116,7 @@ def build_datastore(
         return source_documents(load_documents(data, split), tokenizer)
 
     parallel = None if ray is None else _ray_stages(ray, model, device, dtype, key_module, settings, int(boundary),
-                                                    weights)
+                                                    weights, allow_pickle_weights)
     if num_shards == 1:
         return build_from_tokens(pretrained.model, documents, Path(out), source, settings,
                                  overwrite=overwrite, progress=progress, parallel=parallel)
@@ -123,11 +125,12 @@ def build_datastore(
 
 
 def _ray_stages(ray: RayOptions, model: str, device: str, dtype: str, key_module: str | None,
-                settings: BuildSettings, boundary: int, weights: str | None = None) -> ParallelStages:
+                settings: BuildSettings, boundary: int, weights: str | None = None,
+                allow_pickle_weights: bool = False) -> ParallelStages:
     """The Ray workers of build_datastore: they load the model by its names (never shipped weights)."""
     from datastore.ray_build import RayStages, load_model_by_name
 
-    loader = functools.partial(load_model_by_name, model, device, dtype, key_module, weights)
+    loader = functools.partial(load_model_by_name, model, device, dtype, key_module, weights, allow_pickle_weights)
     return RayStages(loader, settings, boundary, ray)
 
 

@@ -187,9 +187,10 @@ def build_with_ray(model: Decoder, load_model: ModelLoader, documents: Documents
 
 
 def load_model_by_name(name: str, device: str, dtype: str, key_module: str | None,
-                       weights: str | None = None) -> Decoder:
+                       weights: str | None = None, allow_pickle_weights: bool = False) -> Decoder:
     """The model `memlm datastore build --model NAME` encodes with, loaded in a worker (a ModelLoader when
-    bound with functools.partial: the names travel to the actors, never the weights)."""
+    bound with functools.partial: the names travel to the actors, never the weights; pickled weights only
+    where the build allows them, as in the driver)."""
     from memlm.model.device import resolve_device
     from memlm.model.weight_formats import resolve_format
     from memlm.model.weights import load_pretrained
@@ -197,4 +198,4 @@ def load_model_by_name(name: str, device: str, dtype: str, key_module: str | Non
     torch_device = resolve_device(device)
     fmt = resolve_format(weights, dtype, torch_device)
     return load_pretrained(name, device=torch_device, dtype=fmt.dtype, key_module=key_module,
-                           weights=fmt.weights).model
+                           weights=fmt.weights, allow_pickle=allow_pickle_weights).model

@@ -215,6 +215,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         knn_service=knn_service, adaptive_gate=args.adaptive_gate,
         search_backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
         accept_weights_mismatch=bool(args.accept_weights_mismatch),
+        allow_pickle_weights=bool(args.allow_pickle_weights),
     ))
 
 

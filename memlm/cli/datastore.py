@@ -27,6 +27,7 @@ def cmd_datastore_build(args: argparse.Namespace) -> None:
         device=args.device, dtype=args.dtype, overwrite=args.overwrite, nprobe=args.nprobe,
         progress=not args.quiet, num_shards=args.shards, key_module=args.key_module, on_disk=args.on_disk,
         ray=None if args.ray is None else RayOptions(address=args.ray, workers=args.workers), weights=args.weights,
+        allow_pickle_weights=bool(args.allow_pickle_weights),
     )
     print(out)
 

@@ -263,7 +263,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     service = memory_service(args, memory or MemoryConfig("none"))  # --knn-backend service: its memory sessions
     device = resolve_device(args.device)
     fmt = model_format(args, device)
-    pretrained = load_pretrained(args.model, device=device, dtype=fmt.dtype, weights=fmt.weights)
+    pretrained = load_pretrained(args.model, device=device, dtype=fmt.dtype, weights=fmt.weights,
+                                 allow_pickle=bool(args.allow_pickle_weights))
     searcher = open_searcher(args, pretrained)
     tokenizer = pretrained.tokenizer
     boundary = document_boundary(tokenizer)

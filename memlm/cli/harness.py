@@ -47,16 +47,19 @@ DEFAULT_MAX_GEN_TOKS = 256
 @register_model("memlm")
 class MemlmLM(TemplateLM):
     """A memlm model (any `memlm eval --model`: presets, .gguf, HF or memlm checkpoint dirs, hf:SOURCE), with
-    kNN-LM over `datastore` and/or a memory (`memory`: a memlm.model.memory_config kind, `segment` its length)."""
+    kNN-LM over `datastore` and/or a memory (`memory`: a memlm.model.memory_config kind, `segment` its length);
+    `allow_pickle_weights=True` lets a transformers model load pickled *.bin weights (--allow-pickle-weights)."""
 
     def __init__(self, pretrained: str = "smollm2-135m", datastore: str | None = None, lmbda: float = 0.25,
                  knn_temperature: float = 1.0, k: int = 1024, memory: str = "none", segment: int | None = None,
                  context: int | None = None, stride: int | None = None, batch_size: int | str = 4,
-                 device: str = "auto", dtype: str = "auto", key_module: str | None = None) -> None:
+                 device: str = "auto", dtype: str = "auto", key_module: str | None = None,
+                 allow_pickle_weights: bool = False) -> None:
         super().__init__()
         self._device = resolve_device(device)
         self.pre = load_pretrained(str(pretrained), device=self._device, dtype=resolve_dtype(dtype, self._device),
-                                   key_module=key_module)
+                                   key_module=key_module,
+                                   allow_pickle=allow_pickle_weights is True)  # lm-eval parses "True" to True
         self.boundary = document_boundary(self.pre.tokenizer)
         self.batch_size = int(batch_size)
         self.searcher, self.knn = None, None

@@ -20,6 +20,7 @@ from typing import Any
 from memlm.errors import MemlmError
 from memlm.jobs.memorizing import DEFAULT_KNN_TRAIN, KNN_TRAIN_MODES
 from memlm.jobs.windows import WindowConfig
+from memlm.model.hf_model import ALLOW_PICKLE_FLAG
 from memlm.model.memory_config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
 from memlm.model.weight_formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS, ModelFormat, resolve_format
 from memlm.retrieval.clustered_states import EXACT_MEMBERS
@@ -189,8 +190,11 @@ WEIGHTS_OPTIONS = {o.dest: o for o in (
     Option("--weights", "weights", str, "weight format (memlm.model.weight_formats): float32 or bfloat16 (weights, "
            "activations and KV cache in it), int8 or int4 (weight-only quantised linear layers, computing in --dtype, "
            "bfloat16 unless given)", ", ".join(f"{d} on {k}" for k, d in DEFAULT_WEIGHTS.items()), WEIGHT_FORMATS),
+    Option(ALLOW_PICKLE_FLAG, "allow_pickle_weights", None, "let a model run through transformers load pickled *.bin "
+           "weights where its directory has no safetensors (unpickling a file can run its code: trusted files only)"),
 )}
-"""The model's weight format: named the same in memlm eval, generate, datastore build and serve lm."""
+"""The model's weights (format, and whether pickled files may load): named the same in memlm eval, generate,
+datastore build and serve lm."""
 ACCEPT_WEIGHTS_OPTIONS = {o.dest: o for o in (
     Option("--accept-weights-mismatch", "accept_weights_mismatch", None, "use a datastore whose keys were computed "
            "in another weight format than --weights (queries and keys then differ by the two formats' rounding)"),

@@ -55,8 +55,13 @@ KEY_MODULE_HELP = ("dotted path of the module whose input is the kNN key, for a 
 FEED_FORWARD_NAME = re.compile(r"mlp|ffn|feed_?forward|moe", re.IGNORECASE)
 """Names of a block's feed-forward child, across architectures (rule 2 of find_key_module)."""
 
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-"""Weight files of an HF directory, fingerprinted in name order (safetensors first if both exist)."""
+SAFE_WEIGHTS = "*.safetensors"
+"""Weight files an HF directory is loaded from, fingerprinted in name order."""
+PICKLED_WEIGHTS = "*.bin"
+"""Pickled torch weight files (pytorch_model.bin): loading one can run code, so they are read only with
+--allow-pickle-weights, and only where a directory has no safetensors."""
+ALLOW_PICKLE_FLAG = "--allow-pickle-weights"
+"""The command-line flag that lets a transformers model load from pickled weights (memlm.cli.options)."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,7 @@ def _as_cache(state: Any) -> HFKVCache | None:
 
 def load_hf_causal_lm(
     source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, key_module: str | None = None,
-    gguf_tokenizer: Tokenizer | None = None,
+    gguf_tokenizer: Tokenizer | None = None, allow_pickle: bool = False,
 ) -> Pretrained:
     """Load SOURCE with transformers: a local directory (config.json, weights, tokenizer.json), a .gguf file
     (dequantised by transformers' gguf_file= loader, which needs accelerate) or a hub id (online only; the
@@ -224,6 +229,8 @@ def load_hf_causal_lm(
 
     gguf_tokenizer: a .gguf's tokenizer, as memlm reads it (memlm.model.weights.tokenizer_from_gguf, 1 s
         where transformers' takes 10; the same ids); required for a .gguf, refused otherwise.
+    allow_pickle: read pickled *.bin weights from a directory that has no *.safetensors (PICKLED_WEIGHTS);
+        otherwise such a directory is refused, since unpickling can run the file's code.
     The fingerprint is that of the weight files (files_fingerprint), the tokenizer's that of its JSON.
     """
     try:
@@ -241,11 +248,13 @@ def load_hf_causal_lm(
         tokenizer, fingerprint = gguf_tokenizer, sha256_file(path)
     else:
         if not path.is_dir():
-            path = _snapshot(source)
+            path = _snapshot(source, allow_pickle)
         if not (path / "config.json").is_file():
             raise MemlmError(f"{path} has no config.json; not a Hugging Face model directory")
-        files = _weight_files(path)
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        files = _weight_files(path, allow_pickle)
+        safe = files[0].match(SAFE_WEIGHTS)  # transformers reads the files fingerprinted, never the others
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                                  use_safetensors=safe)
         tokenizer, fingerprint = Tokenizer.from_dir(path), files_fingerprint(files)
     hf = hf.to(device).eval()
     return Pretrained(HFCausalLM(hf, hf_config(hf, source, key_module)), tokenizer, fingerprint)
@@ -279,19 +288,32 @@ def _key_width(hf: nn.Module, module: nn.Module) -> int:
     return int(inputs[0].shape[-1])
 
 
-def _weight_files(directory: Path) -> list[Path]:
-    for pattern in WEIGHT_PATTERNS:
-        files = sorted(directory.glob(pattern))
-        if files:
-            return files
-    raise MemlmError(f"{directory} has no weights ({' or '.join(WEIGHT_PATTERNS)})")
+def _weight_files(directory: Path, allow_pickle: bool) -> list[Path]:
+    """The weight files transformers loads: the *.safetensors, else the pickled *.bin if allowed."""
+    safe = sorted(directory.glob(SAFE_WEIGHTS))
+    if safe:
+        return safe
+    pickled = sorted(directory.glob(PICKLED_WEIGHTS))
+    if pickled and allow_pickle:
+        return pickled
+    if pickled:
+        names = ", ".join(f.name for f in pickled)
+        raise MemlmError(f"{directory} has only pickled weights ({names}), which can run code when loaded: "
+                         f"pass {ALLOW_PICKLE_FLAG} if you trust them, or save them as safetensors")
+    if allow_pickle:
+        raise MemlmError(f"{directory} has no weights ({SAFE_WEIGHTS} or {PICKLED_WEIGHTS})")
+    raise MemlmError(f"{directory} has no {SAFE_WEIGHTS} weights (pickled {PICKLED_WEIGHTS} load only with "
+                     f"{ALLOW_PICKLE_FLAG})")
 
 
-def _snapshot(repo_id: str, allow: Sequence[str] = ("*.json", "*.safetensors", "*.model", "*.txt")) -> Path:
-    """A hub model's files in the Hugging Face cache (online; offline only what is cached already)."""
+def _snapshot(repo_id: str, allow_pickle: bool,
+              allow: Sequence[str] = ("*.json", SAFE_WEIGHTS, "*.model", "*.txt")) -> Path:
+    """A hub model's files in the Hugging Face cache (online; offline only what is cached already); pickled
+    weights only when allowed."""
     from huggingface_hub import snapshot_download
 
+    patterns = [*allow, PICKLED_WEIGHTS] if allow_pickle else list(allow)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(allow)))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # huggingface_hub raises many kinds (offline, not found, gated, bad id)
         raise MemlmError(f"cannot load {repo_id!r}: not a local path, and the hub says: {e}") from e

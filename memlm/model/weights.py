@@ -32,7 +32,7 @@ from memlm.model.checkpoint import load_checkpoint
 from memlm.model.config import PRESETS, ModelConfig, canonical_name
 from memlm.model.decoder import Decoder
 from memlm.model.device import DTYPES
-from memlm.model.hf_model import HF_PREFIX, load_hf_causal_lm
+from memlm.model.hf_model import ALLOW_PICKLE_FLAG, HF_PREFIX, load_hf_causal_lm
 from memlm.model.pretrained import Pretrained, files_fingerprint, model_from_state_dict, require_decoder
 from memlm.model.weight_formats import (
     INT_FORMATS,
@@ -332,7 +332,8 @@ def load_hf_dir(directory: Path, device: str | torch.device, dtype: torch.dtype)
     config = config_from_hf(json.loads((directory / "config.json").read_text()), source)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise MemlmError(f"{directory} has no *.safetensors weights (pytorch_model.bin is not read: it is a pickle)")
+        raise MemlmError(f"{directory} has no *.safetensors weights (memlm's decoder reads no pickled *.bin; "
+                         f"hf:{directory} {ALLOW_PICKLE_FLAG} loads them through transformers)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         for key, tensor in load_file(str(f)).items():
@@ -357,26 +358,26 @@ def _hf_model_type(directory: Path) -> str | None:
 
 def load_pretrained(
     name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    key_module: str | None = None, weights: str | None = None,
+    key_module: str | None = None, weights: str | None = None, allow_pickle: bool = False,
 ) -> Pretrained:
     """Load a model and its tokenizer from a preset name or a path (`load_float`), in the weight format
     `weights` (memlm.model.weight_formats; resolve_format gives it with `dtype`): None or a float format keeps
     every weight in `dtype`; int8 / int4 load in float32, quantise memlm's decoder's linear layers and compute
-    in `dtype`."""
+    in `dtype`. allow_pickle: as load_float."""
     if weights is None or weights in DTYPES:  # the float formats, and float16 (--dtype float16)
         if weights is not None and DTYPES[weights] != dtype:
             raise MemlmError(f"--weights {weights} computes in {weights}, not {dtype_name(dtype)}")
-        return load_float(name_or_path, device, dtype, key_module)
+        return load_float(name_or_path, device, dtype, key_module, allow_pickle)
     if weights not in INT_FORMATS:
         raise MemlmError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    pretrained = load_float(name_or_path, device, torch.float32, key_module)
+    pretrained = load_float(name_or_path, device, torch.float32, key_module, allow_pickle)
     model = require_decoder(pretrained.model, f"--weights {weights}")
     return pretrained._replace(model=convert(model, ModelFormat(weights, dtype)))
 
 
 def load_float(
     name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    key_module: str | None = None,
+    key_module: str | None = None, allow_pickle: bool = False,
 ) -> Pretrained:
     """Load a model and its tokenizer from a preset name or a path, every weight in `dtype`.
 
@@ -384,16 +385,17 @@ def load_float(
     the byte tokenizer, "small" SmolLM2's), a .gguf file, a Hugging Face Llama directory, or a memlm
     checkpoint directory (memlm.model.checkpoint) load into memlm's decoder. A Hugging Face directory of
     another model_type, or anything given as hf:SOURCE (directory, .gguf, hub id), loads with
-    transformers (memlm.model.hf_model), whose kNN key module `key_module` overrides.
+    transformers (memlm.model.hf_model), whose kNN key module `key_module` overrides, and which reads pickled
+    *.bin weights only with `allow_pickle` (--allow-pickle-weights; memlm's decoder never reads them).
     """
     text = str(name_or_path)
     if text.startswith(HF_PREFIX):
         source = Path(text.removeprefix(HF_PREFIX)).expanduser()
         gguf = tokenizer_from_gguf(source) if source.is_file() and source.suffix == ".gguf" else None
-        return load_hf_causal_lm(text.removeprefix(HF_PREFIX), device, dtype, key_module, gguf)
+        return load_hf_causal_lm(text.removeprefix(HF_PREFIX), device, dtype, key_module, gguf, allow_pickle)
     path = Path(name_or_path).expanduser()
     if path.is_dir() and _hf_model_type(path) not in (None, DECODER_MODEL_TYPE):
-        return load_hf_causal_lm(str(path), device, dtype, key_module)
+        return load_hf_causal_lm(str(path), device, dtype, key_module, allow_pickle=allow_pickle)
     if key_module is not None:
         raise MemlmError("--key-module applies to models run through transformers (hf:SOURCE); memlm's decoder's "
                          "kNN key is the last block's feed-forward input")

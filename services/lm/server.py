@@ -175,11 +175,12 @@ def open_model_and_searcher(
     dtype: torch.dtype = torch.float32,
     retrieval_tls: ClientTls | None = None,
     retrieval_token: str | None = None, key_module: str | None = None,
-    search_backend: str = DEFAULT_SEARCH_BACKEND, weights: str | None = None,
+    search_backend: str = DEFAULT_SEARCH_BACKEND, weights: str | None = None, allow_pickle_weights: bool = False,
 ) -> tuple[Pretrained, Searcher | None]:
     """Load the model and, with --datastore or --retrieval, its searcher: (pretrained, searcher or None).
     search_backend: how a --datastore searches (memlm.retrieval.searcher.SEARCH_BACKENDS; "torch": on the
-    model's device). weights: the weight format (memlm.model.weights.load_pretrained; None: `dtype`'s)."""
+    model's device). weights: the weight format (memlm.model.weights.load_pretrained; None: `dtype`'s).
+    allow_pickle_weights: a transformers model may load pickled *.bin weights (load_pretrained's allow_pickle)."""
     from memlm.model.weights import load_pretrained
 
     if datastore is not None and retrieval is not None:
@@ -187,7 +188,7 @@ def open_model_and_searcher(
     # The retrieval link first: an unreachable one fails in one line before the model loads.
     link = connect_retrieval(retrieval, tls=retrieval_tls, token=retrieval_token) if retrieval is not None else None
     pretrained = load_pretrained(model, device, dtype, key_module=key_module,  # key_module: memlm.model.hf_model
-                                 weights=weights)
+                                 weights=weights, allow_pickle=allow_pickle_weights)
     if datastore is not None:
         from datastore.datastore import Datastore
 
@@ -213,19 +214,20 @@ async def serve_lm(
     retrieval_token: str | None = None, key_module: str | None = None,
     knn_service: MemoryClient | None = None, adaptive_gate: str | None = None,
     search_backend: str = DEFAULT_SEARCH_BACKEND, weights: str | None = None, accept_weights_mismatch: bool = False,
+    allow_pickle_weights: bool = False,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
     then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls.
     knn_service: the memory sessions of MEMORIZING with limits.knn_backend "service" (closed at the end).
     weights, accept_weights_mismatch: the model's weight format with `dtype`, and whether a datastore of another
-    format is served (LanguageModelServicer.load)."""
+    format is served (LanguageModelServicer.load). allow_pickle_weights: as open_model_and_searcher."""
     started = await bind_lm_server(join_host_port(host, port), model_name=model, knn_defaults=knn_defaults,
                            options=options, limits=limits)
     try:
         pretrained, searcher = await asyncio.to_thread(
             open_model_and_searcher, model, datastore=datastore, retrieval=retrieval, device=device, dtype=dtype,
             retrieval_tls=retrieval_tls, retrieval_token=retrieval_token, key_module=key_module,
-            search_backend=search_backend, weights=weights,
+            search_backend=search_backend, weights=weights, allow_pickle_weights=allow_pickle_weights,
         )
         watch_links(started.running, [searcher if retrieval is not None else None, knn_service])
         # A `memlm train --memory memorizing` checkpoint's KnnAttention serves MEMORY_MODE_MEMORIZING.
