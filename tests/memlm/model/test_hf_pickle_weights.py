@@ -165,6 +165,18 @@ def test_datastore_build_takes_the_flag(capsys, tmp_path, dirs):
     assert manifest["model_fingerprint"] == files_fingerprint([dirs["pickled"] / "pytorch_model.bin"])
 
 
+def test_the_ray_builds_workers_load_as_the_driver(dirs):
+    """The loader each Ray actor runs (datastore.ray_build.load_model_by_name) takes the build's flag."""
+    from datastore.ray_build import load_model_by_name
+
+    with pytest.raises(MemlmError, match=FLAG):
+        load_model_by_name(str(dirs["pickled"]), "cpu", "float32", None)
+    model = load_model_by_name(str(dirs["pickled"]), "cpu", "float32", None, None, True)
+    idx = torch.tensor([[1, 2, 3]])  # (1, T)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, load_pretrained(dirs["safe"]).model(idx).logits, rtol=0, atol=0)
+
+
 def test_serve_lm_loads_with_the_flag(capsys, monkeypatch, dirs):
     """The flag reaches the server's model loader (open_model_and_searcher), which then loads the pickle."""
     import services.lm.server as server
