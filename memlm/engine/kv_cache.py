@@ -50,7 +50,8 @@ INITIAL_SLOTS = 64
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one token's keys and values take in the cache: 2 x n_layer x nkv x hs elements of `dtype`
+    """Bytes one token's keys and values take in the cache (config: a ModelConfig, or a transformers model's
+    HFModelConfig): 2 x n_layer x nkv x hs elements of `dtype`
     (SmolLM2-135M in float32: 46,080 bytes, so 2^20 tokens are 45 GiB)."""
     return 2 * config.n_layer * config.n_kv_head * config.head_dim * dtype.itemsize
 

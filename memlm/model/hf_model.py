@@ -80,6 +80,12 @@ class HFModelConfig:
     """max_position_embeddings: longer windows are refused."""
     key_module: str
     """Dotted path of the module whose input is the kNN key (find_key_module, or --key-module)."""
+    n_layer: int
+    """Decoder layers (num_hidden_layers): with n_kv_head and head_dim, what a token's KV cache takes."""
+    n_kv_head: int
+    """Key/value heads (num_key_value_heads, else num_attention_heads)."""
+    head_dim: int
+    """Width of one head (head_dim, else hidden_size / num_attention_heads)."""
 
     @property
     def key_description(self) -> str:
@@ -267,9 +273,13 @@ def hf_config(hf: nn.Module, source: str, key_module: str | None) -> HFModelConf
     if not isinstance(max_len, int):
         raise MemlmError(f"{source}: the config has no max_position_embeddings; memlm needs the model's context")
     path = key_module if key_module is not None else find_key_module(hf, int(text.num_hidden_layers))
+    heads = int(text.num_attention_heads)
     return HFModelConfig(name=source, model_type=str(hf.config.model_type),
                          vocab_size=int(hf.get_output_embeddings().weight.shape[0]),
-                         n_embd=_key_width(hf, _module(hf, path)), max_seq_len=max_len, key_module=path)
+                         n_embd=_key_width(hf, _module(hf, path)), max_seq_len=max_len, key_module=path,
+                         n_layer=int(text.num_hidden_layers),
+                         n_kv_head=int(getattr(text, "num_key_value_heads", None) or heads),
+                         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads))
 
 
 @torch.inference_mode()

@@ -229,6 +229,26 @@ def test_a_cache_state_counts_and_refuses_to_overflow(hf_dirs):
         p.model(torch.tensor([[5, 6]]), state=p.model(torch.tensor([[1, 2, 3]]), state=KVCache(None, 0, 4)).state)
 
 
+@pytest.mark.parametrize("arch", ("gpt2", "gpt_neox", "qwen2"))
+def test_kv_bytes_per_token_is_what_transformers_cache_holds(hf_dirs, arch):
+    # The LM server's KV budget (memlm.engine.kv_cache.kv_bytes_per_token) against the cache transformers fills.
+    from memlm.engine.kv_cache import kv_bytes_per_token
+    from memlm.model.decoder import KVCache
+
+    p = load_pretrained(str(hf_dirs[arch]))
+    tokens = 5
+    state = p.model(torch.tensor([[1, 2, 3, 4, 5]]), state=KVCache(None, 0, 16)).state
+    held = sum(t.numel() * t.element_size() for layer in _layers(state.past) for t in layer)
+    assert kv_bytes_per_token(p.model.config, torch.float32) * tokens == held
+
+
+def _layers(cache):
+    """(keys, values) of each layer of a transformers Cache."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
 def test_memories_need_memlms_decoder(capsys, tmp_path, hf_dirs):
     p = load_pretrained(str(hf_dirs["qwen2"]))
     with pytest.raises(MemlmError, match="--memory xl needs memlm's decoder"):
