@@ -156,8 +156,12 @@ class ServerMetrics:
         rpc = rpc_name(method)
         self.calls.labels(rpc, code.name, tenant).inc()
         self.latency.labels(rpc).observe(seconds)
+        self.log_call(request_id, tenant, rpc, code.name, seconds)
+
+    def log_call(self, request_id: str, tenant: str, rpc: str, status: str, seconds: float) -> None:
+        """The call's JSON line, when --log-format json asks (gRPC servers and the HTTP front alike)."""
         if self._log is not None:
-            self._log(json.dumps({"request_id": request_id, "tenant": tenant, "rpc": rpc, "status": code.name,
+            self._log(json.dumps({"request_id": request_id, "tenant": tenant, "rpc": rpc, "status": status,
                                   "duration_ms": round(seconds * 1000, 3)}))
 
 
@@ -359,3 +363,51 @@ class LinkMetrics:
             now = state()
             out.update({(target, s): float(s == now) for s in BREAKER_STATES})
         return out
+
+
+class HttpMetrics:
+    """The HTTP front's series in a ServerMetrics: requests by route, HTTP status and tenant, and their latency
+    (a streamed response: to its last byte). `HttpCallMetrics` (ASGI middleware) feeds them."""
+
+    def __init__(self, metrics: ServerMetrics, routes: Iterable[str]) -> None:
+        """routes: the paths counted by name; any other path counts as "other" (the label stays bounded)."""
+        self.metrics = metrics
+        self.routes = frozenset(routes)
+        self.requests = metrics.counter("memlm_http_requests", "HTTP requests answered, by route, HTTP status and "
+                                        "tenant", ("route", "status", "tenant"))
+        self.latency = metrics.histogram("memlm_http_request_duration_seconds", "Seconds from a request's start "
+                                         "to its response's last byte, by route", ("route",))
+
+    def record(self, method: str, path: str, status: int, seconds: float, headers: list[tuple[str, str]]) -> None:
+        route = f"{method} {path if path in self.routes else 'other'}"
+        tenant = tenant_of(headers)
+        self.requests.labels(route, str(status), tenant).inc()
+        self.latency.labels(route).observe(seconds)
+        self.metrics.log_call(request_id_of(headers), tenant, route, str(status), seconds)
+
+
+class HttpCallMetrics:
+    """ASGI middleware: every HTTP request counted, timed to its response's end and logged (HttpMetrics).
+
+    A request whose handler raises before it answers counts as 500, the status the server then sends.
+    """
+
+    def __init__(self, app: Callable, http: HttpMetrics) -> None:
+        self._app, self._http = app, http
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), [500]
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, sending)
+        finally:
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())]
+            self._http.record(scope["method"], scope["path"], status[0], time.perf_counter() - start, headers)

@@ -285,3 +285,74 @@ def test_serve_retrieval_serves_metrics_and_logs_json_from_the_command_line():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_http_middleware_counts_requests_by_route_and_status_and_logs_them():
+    """The HTTP front's middleware (HttpCallMetrics) over a small starlette app, driven through ASGI directly."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from services.common.metrics import HttpCallMetrics, HttpMetrics, ServerMetrics
+
+    async def models(request):
+        return JSONResponse({"data": []})
+
+    async def completions(request):
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n".encode()
+        if request.query_params.get("fail"):
+            raise RuntimeError("a handler's bug")
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/completions", completions, methods=["POST"])]
+    lines: list[str] = []
+    metrics = ServerMetrics("json", lines.append)
+    http = HttpMetrics(metrics, (r.path for r in routes))
+    app = Starlette(routes=routes, middleware=[Middleware(HttpCallMetrics, http=http)])
+
+    async def call(method: str, path: str, query: bytes = b"", headers: tuple = ()) -> int:
+        sent, bodies = [], [{"type": "http.request", "body": b"", "more_body": False}]
+
+        async def receive():  # the request's one body message, then a caller who stays connected
+            if bodies:
+                return bodies.pop()
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+                 "headers": [(k.encode(), v.encode()) for k, v in headers], "server": ("127.0.0.1", 80),
+                 "client": ("127.0.0.1", 1)}
+        try:
+            await app(scope, receive, send)
+        except RuntimeError:
+            pass  # starlette re-raises a handler's error after answering 500
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    answered = []
+    for method, path, query in (("GET", "/v1/models", b""), ("GET", "/v1/models", b""), ("POST", "/v1/completions", b""),
+                                ("POST", "/v1/completions", b"fail=1"), ("GET", "/secret/path", b"")):
+        status = asyncio.run(call(method, path, query, (("x-request-id", f"r{len(answered)}"),)))
+        answered.append((f"{method} {path if path.startswith('/v1/') else 'other'}", str(status)))
+    made = Counter(answered)
+    assert made == {("GET /v1/models", "200"): 2, ("POST /v1/completions", "200"): 1,
+                    ("POST /v1/completions", "500"): 1, ("GET other", "404"): 1}
+    from prometheus_client import generate_latest
+
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    assert by_labels(samples, "memlm_http_requests_total", "route", "status") == dict(made)
+    counts = by_labels(samples, "memlm_http_request_duration_seconds_count", "route")
+    assert counts == {(route,): float(sum(n for (r, _), n in made.items() if r == route)) for route, _ in made}
+    logged = [json.loads(line) for line in lines]
+    assert [(x["rpc"], x["status"]) for x in logged] == answered
+    assert [x["request_id"] for x in logged] == [f"r{i}" for i in range(5)]
