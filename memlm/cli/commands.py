@@ -42,6 +42,7 @@ from memlm.cli.options import (
     positive_int,
     refuse_given,
 )
+from memlm.cli.metrics_options import add_metrics_options, metrics_options
 from memlm.cli.plan import add_plan_parser
 from memlm.cli.serve_openai import add_openai_parser
 from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, SEARCH_BACKENDS
@@ -100,11 +101,10 @@ def server_tls(args: argparse.Namespace) -> Any:
 
 def server_options(args: argparse.Namespace) -> Any:
     """ServerOptions of every `memlm serve` command: TLS, token, the two call budgets, metrics and call log."""
-    from services.common.metrics import MetricsOptions
     from services.common.server import ServerOptions
 
     tls, token = server_tls(args), token_from(args)
-    metrics = MetricsOptions(port=args.metrics_port, host=args.metrics_host, log_format=args.log_format)
+    metrics = metrics_options(args)
     try:
         return ServerOptions(tls=tls, token=token, max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_open_rpcs=args.max_open_rpcs, grace_s=args.grace, metrics=metrics)
@@ -304,15 +304,7 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
                    help="health Watch streams at once, and apart from them health Checks and refused calls at once")
     p.add_argument("--grace", type=grace_seconds, default=ServerOptions.grace_s, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: refuse new calls, let in-flight ones finish for this long, then cancel them")
-    from services.common.metrics import LOG_FORMATS, MetricsOptions  # the one home of their defaults
-
-    p.add_argument("--metrics-port", type=port_number, default=MetricsOptions.port, metavar="PORT",
-                   help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: any free port, printed "
-                        "on stderr; default: not served)")
-    p.add_argument("--metrics-host", default=MetricsOptions.host,
-                   help="address the metrics endpoint binds (default loopback only)")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=MetricsOptions.log_format,
-                   help="json: one JSON line per call on stderr (request_id, tenant, rpc, status, duration_ms)")
+    add_metrics_options(p)
 
 
 def grace_seconds(text: str) -> float:

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from memlm.cli.link_options import add_link_security, add_token_options, link_tls, secret
+from memlm.cli.metrics_options import add_metrics_options, metrics_options
 from memlm.cli.options import flag, port_number, positive_int
 from memlm.errors import MemlmError
 
@@ -52,7 +53,8 @@ def cmd_serve_openai(args: argparse.Namespace) -> None:
     limits = FrontLimits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_tokens=args.max_tokens)
     serve_openai(args.lm, host=args.host, port=args.port, token=secret(args, "", "MEMLM_TOKEN"),
                  model_name=args.model_name, limits=limits, timeout=args.timeout, http=http,
-                 lm_tls=link_tls(args, LM_LINK), lm_token=secret(args, LM_LINK, LM_LINK_ENV))
+                 lm_tls=link_tls(args, LM_LINK), lm_token=secret(args, LM_LINK, LM_LINK_ENV),
+                 metrics=metrics_options(args))
 
 
 def add_openai_parser(ssub: Any) -> None:
@@ -87,4 +89,5 @@ def add_openai_parser(ssub: Any) -> None:
                        help=what)
     o.add_argument("--grace", type=grace, default=HttpOptions.grace_s, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: refuse new requests, let in-flight ones finish for this long, then cancel them")
+    add_metrics_options(o)
     o.set_defaults(func=cmd_serve_openai)

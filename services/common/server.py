@@ -374,23 +374,31 @@ async def start_server(
     warning = options.exposure_warning(split_host_port(address)[0])
     if warning is not None:
         print(f"memlm: {warning}", file=sys.stderr, flush=True)
-    endpoint = None
-    if options.metrics.port is not None:
-        try:
-            endpoint = serve_metrics(metrics, options.metrics.host, options.metrics.port)
-        except OSError as e:
-            await server.stop(None)
-            raise MemlmError(f"cannot serve metrics on {join_host_port(options.metrics.host, options.metrics.port)}: "
-                             f"{e}") from None
-        print(f"metrics on http://{join_host_port(options.metrics.host, endpoint.port)}/metrics", file=sys.stderr,
-              flush=True)
-        if not is_loopback(options.metrics.host):
-            print(f"memlm: warning: metrics on {options.metrics.host or 'every interface'} without TLS or a token: "
-                  "anyone who can reach it reads the server's traffic figures", file=sys.stderr, flush=True)
+    try:
+        endpoint = open_metrics_endpoint(metrics, options.metrics)
+    except MemlmError:
+        await server.stop(None)
+        raise
     await server.start()
     if endpoint is not None:
         close_when_stopped(server, lambda: asyncio.to_thread(endpoint.close))
     return RunningServer(server, port, health_servicer, tuple(names), metrics, endpoint)
+
+
+def open_metrics_endpoint(metrics: ServerMetrics, options: MetricsOptions) -> MetricsEndpoint | None:
+    """Serve `metrics` at options.host:options.port (None when no port is given) and say where on stderr, with a
+    warning beyond loopback; MemlmError when the port cannot be bound. Every server's (the HTTP front's too)."""
+    if options.port is None:
+        return None
+    try:
+        endpoint = serve_metrics(metrics, options.host, options.port)
+    except OSError as e:
+        raise MemlmError(f"cannot serve metrics on {join_host_port(options.host, options.port)}: {e}") from None
+    print(f"metrics on http://{join_host_port(options.host, endpoint.port)}/metrics", file=sys.stderr, flush=True)
+    if not is_loopback(options.host):
+        print(f"memlm: warning: metrics on {options.host or 'every interface'} without TLS or a token: "
+              "anyone who can reach it reads the server's traffic figures", file=sys.stderr, flush=True)
+    return endpoint
 
 
 _WATCHERS: set[asyncio.Task] = set()

@@ -58,14 +58,16 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from memlm.errors import MemlmError
+from services.common.metrics import HttpCallMetrics, HttpMetrics, MetricsOptions, ServerMetrics
 from services.common.security import ClientTls, ServerTls
-from services.common.server import ServerOptions, ServiceError, join_host_port
+from services.common.server import ServerOptions, ServiceError, join_host_port, open_metrics_endpoint
 from services.lm.client import Finish, LanguageModelClient, TextDelta
 from services.openai_front.requests import ApiError, Completion, FrontLimits, decode_json, parse_completion
 
@@ -381,8 +383,9 @@ async def _internal_error(request: Request, e: Exception) -> Response:
     return _error(ApiError(500, f"internal error: {type(e).__name__}", kind="api_error"))
 
 
-def create_app(front: Front, options: HttpOptions | None = None) -> Starlette:
-    """The front's ASGI application (served by `start_front`); options: its body timeout and connection limit."""
+def create_app(front: Front, options: HttpOptions | None = None, metrics: ServerMetrics | None = None) -> Starlette:
+    """The front's ASGI application (served by `start_front`); options: its body timeout and connection limit;
+    metrics: the registry its requests are counted, timed and logged in (services.common.metrics); None: not."""
     options = options or HttpOptions()
 
     @contextlib.asynccontextmanager
@@ -392,12 +395,15 @@ def create_app(front: Front, options: HttpOptions | None = None) -> Starlette:
         limiter.total_tokens = max(limiter.total_tokens, options.max_connections)
         yield
 
+    routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/completions", completions, methods=["POST"])]
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
-                Route("/v1/completions", completions, methods=["POST"])],
+        routes=routes,
         exception_handlers={ApiError: _api_error, ServiceError: _service_error, MemlmError: _memlm_error,
                             HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan,
+        middleware=[] if metrics is None else [
+            Middleware(HttpCallMetrics, http=HttpMetrics(metrics, (r.path for r in routes)))],
     )
     app.state.front, app.state.body_timeout_s = front, options.body_timeout_s
     return app
@@ -502,9 +508,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def start_front(front: Front, host: str = "127.0.0.1", port: int = 0, options: HttpOptions | None = None,
-                on_stopped: Callable[[], None] | None = None) -> RunningFront:
+                on_stopped: Callable[[], None] | None = None, metrics: ServerMetrics | None = None) -> RunningFront:
     """Serve `front` on host:port (port 0: any free port, RunningFront.port) on a thread of its own;
-    `on_stopped` is called on that thread once the server has stopped, however it stopped.
+    `on_stopped` is called on that thread once the server has stopped, however it stopped. metrics: where
+    its requests are counted (create_app).
 
     Bad TLS files and an address in use raise here, before anything serves.
     """
@@ -512,7 +519,7 @@ def start_front(front: Front, host: str = "127.0.0.1", port: int = 0, options: H
     tls = options.tls
     protocol = type("FrontProtocol", (FrontProtocol,), {"header_timeout_s": options.header_timeout_s})
     config = uvicorn.Config(
-        create_app(front, options), http=protocol, loop="asyncio", lifespan="on", ws="none",
+        create_app(front, options, metrics), http=protocol, loop="asyncio", lifespan="on", ws="none",
         interface="asgi3", log_config=None, access_log=False, server_header=False,
         # uvicorn answers 503 once the open connections, this one included, reach limit_concurrency.
         limit_concurrency=options.max_connections + 1, timeout_keep_alive=options.keep_alive_timeout_s,
@@ -538,7 +545,7 @@ def model_name_of(client: LanguageModelClient) -> str:
 def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  model_name: str | None = None, limits: FrontLimits | None = None, timeout: float = 300.0,
                  http: HttpOptions | None = None, lm_tls: ClientTls | None = None,
-                 lm_token: str | None = None) -> None:
+                 lm_token: str | None = None, metrics: MetricsOptions = MetricsOptions()) -> None:
     """`memlm serve openai`: the front over the LM service at `lm` until SIGTERM/SIGINT, then a drain.
 
     token: the bearer token callers must send (every request but /health); None = open.
@@ -547,18 +554,23 @@ def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str 
     timeout: seconds one LM call (a whole Generate stream) may take.
     http: TLS, connection limit and timeouts (HttpOptions); None = its defaults.
     lm_tls, lm_token: the link to the LM service (None: plaintext; the callers' token sent on).
+    metrics: the /metrics endpoint (served on its own port when one is given) and the call log's format.
     """
     http = http or HttpOptions()
     tls = http.tls
     exposure = ServerOptions(tls=ServerTls.from_files(tls.cert, tls.key, tls.client_ca) if tls else None,
                              token=token).exposure_warning(host)
     client = LanguageModelClient(lm, tls=lm_tls, token=lm_token if lm_token is not None else token, timeout=timeout)
+    endpoint = None
     try:
         name = model_name or model_name_of(client)
         stop = threading.Event()  # a signal, or the server ending by itself
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        running = start_front(Front(client, name, token, limits or FrontLimits()), host, port, http, stop.set)
+        registry = ServerMetrics(metrics.log_format)
+        endpoint = open_metrics_endpoint(registry, metrics)
+        running = start_front(Front(client, name, token, limits or FrontLimits()), host, port, http, stop.set,
+                              registry)
         if exposure is not None:
             print(f"memlm: {exposure}", file=sys.stderr, flush=True)
         print(f"listening on {join_host_port(running.host, running.port)}", flush=True)
@@ -568,4 +580,6 @@ def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str 
         if running.failure is not None:
             raise MemlmError(f"the HTTP server stopped: {running.failure!r}")
     finally:
+        if endpoint is not None:
+            endpoint.close()
         client.close()

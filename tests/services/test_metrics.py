@@ -215,16 +215,19 @@ def test_lm_server_counts_tokens_engine_rows_and_its_retrieval_link(loop_thread,
 
 
 @pytest.mark.parametrize("server", [["retrieval", "--memories"], ["router", "--shard", "127.0.0.1:1"],
-                                    ["lm", "--model", "tiny"]])
-def test_every_grpc_server_takes_the_metrics_and_log_flags(server):
+                                    ["lm", "--model", "tiny"], ["openai", "--lm", "127.0.0.1:1"]])
+def test_every_server_takes_the_metrics_and_log_flags(server):
     from memlm.cli.commands import build_parser, server_options
+    from memlm.cli.metrics_options import metrics_options
 
     parser = build_parser()
-    default = server_options(parser.parse_args(["serve", *server]))
-    assert default.metrics == MetricsOptions()  # not served, loopback, no line per call
+    default = parser.parse_args(["serve", *server])
+    assert metrics_options(default) == MetricsOptions()  # not served, loopback, no line per call
     args = parser.parse_args(["serve", *server, "--metrics-port", "9464", "--metrics-host", "0.0.0.0",
                               "--log-format", "json"])
-    assert server_options(args).metrics == MetricsOptions(port=9464, host="0.0.0.0", log_format="json")
+    assert metrics_options(args) == MetricsOptions(port=9464, host="0.0.0.0", log_format="json")
+    if server[0] != "openai":  # the gRPC servers carry them in their ServerOptions
+        assert server_options(args).metrics == metrics_options(args)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", *server, "--log-format", "yaml"])
 
@@ -356,3 +359,39 @@ def test_http_middleware_counts_requests_by_route_and_status_and_logs_them():
     logged = [json.loads(line) for line in lines]
     assert [(x["rpc"], x["status"]) for x in logged] == answered
     assert [x["request_id"] for x in logged] == [f"r{i}" for i in range(5)]
+
+
+def test_openai_front_counts_its_requests_by_route_and_status(module_loop, tiny):
+    """The front over a real LM server: each request counted once by route and HTTP status, timed, logged."""
+    import http.client
+
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import ServerMetrics
+    from services.openai_front.server import Front, FrontLimits, start_front
+
+    started = module_loop.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny"))
+    module_loop.servers.append(started.running.server)
+    lines: list[str] = []
+    metrics = ServerMetrics("json", lines.append)
+    answered = []
+    with LanguageModelClient(f"127.0.0.1:{started.running.port}") as lm, \
+            start_front(Front(lm, "tiny", None, FrontLimits()), metrics=metrics) as front:
+        body = json.dumps({"model": "tiny", "prompt": "the quick", "max_tokens": 3, "temperature": 0}).encode()
+        for method, path, data in (("GET", "/v1/models", None), ("POST", "/v1/completions", body),
+                                   ("POST", "/v1/completions", b"{not json"), ("GET", "/nowhere", None)):
+            connection = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+            connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            connection.close()
+            answered.append((f"{method} {path if path.startswith('/v1/') else 'other'}", str(response.status)))
+    assert [status for _, status in answered] == ["200", "200", "400", "404"]
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    assert by_labels(samples, "memlm_http_requests_total", "route", "status") == dict(Counter(answered))
+    counts = by_labels(samples, "memlm_http_request_duration_seconds_count", "route")
+    assert counts == dict(Counter((route,) for route, _ in answered))
+    assert [(x["rpc"], x["status"]) for x in map(json.loads, lines)] == answered
