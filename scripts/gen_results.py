@@ -44,6 +44,9 @@ HEADLINES = (
     Headline("knnlm_quality", "knnlm", "[kNN-LM perplexity](docs/results.md#knn-lm), base -> kNN-LM (datastore "
              "1990-2000, Flat; lambda and T tuned on 2001-2002; eval 2003+, 6,000 tokens)",
              "python benchmarks/knnlm_quality.py"),
+    Headline("knnlm_interpolation", "knnlm_auto", "[kNN-LM, interpolation chosen by `--lambda auto`]"
+             "(docs/results.md#knn-lm) (constant or learned lambda, with or without a document cache, chosen on a "
+             "held-apart part of 2001-2002; the demo's datastore and evaluation)", "python benchmarks/knnlm_interpolation.py"),
     Headline("knnlm_quality_1980_2000", "knnlm", "[kNN-LM, larger datastore](docs/results.md#knn-lm) (1980-2000, "
              "IVF2048,SQ8; eval 2001+, 6,000 tokens; tuned on 2004+)",
              'python benchmarks/knnlm_quality.py --datastore DS_1980_2000 --eval-split "year>=2001" --tune-split '
