@@ -108,7 +108,9 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", action="store_true",
                    help="draft continuations from the datastore (REST) and verify each in one forward pass: the "
-                        "same greedy tokens, the same sampled distribution (needs --datastore)")
+                        "same greedy tokens, the same sampled distribution (needs --datastore), where the weight "
+                        "format's kernels are batch-invariant; bfloat16's on the CPU are not for SmolLM2, whose "
+                        "verified tokens may then part from plain decoding's (docs/decisions/weight-formats.md)")
     g.add_argument("--draft-tokens", type=positive_int, default=None,
                    help=f"most draft tokens verified per step (default {SpeculativeConfig.draft_tokens})")
     g.add_argument("--draft-from", choices=DRAFT_FROM, default=None,
