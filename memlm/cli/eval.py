@@ -226,7 +226,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     else:
         check_writable_file(args.attribution, "--attribution")
     device = resolve_device(args.device)
-    fmt = model_format(args, device)
+    fmt = model_format(args, device, args.datastore)
     dtype = fmt.dtype
     pretrained = load_pretrained(args.model, device=device, dtype=dtype, key_module=args.key_module,
                                  weights=fmt.weights, allow_pickle=bool(args.allow_pickle_weights))

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from memlm.errors import MemlmError
@@ -24,6 +25,7 @@ from memlm.model.hf_model import ALLOW_PICKLE_FLAG
 from memlm.model.memory_config import COMPRESS_FNS, KNN_BACKENDS, MEMORY_KINDS, MemoryConfig
 from memlm.model.weight_formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS, ModelFormat, resolve_format
 from memlm.retrieval.clustered_states import EXACT_MEMBERS
+from memlm.retrieval.compat import say_taken
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.pointers import PointerConfig
 from memlm.retrieval.searcher import DEFAULT_SEARCH_BACKEND, MAX_K, SEARCH_BACKENDS
@@ -201,9 +203,18 @@ ACCEPT_WEIGHTS_OPTIONS = {o.dest: o for o in (
 )}
 
 
-def model_format(args: argparse.Namespace, device: Any) -> ModelFormat:
-    """The weight format and compute dtype of --weights and --dtype on `device` (weight_formats.resolve_format)."""
-    return resolve_format(getattr(args, "weights", None), getattr(args, "dtype", None), device)
+def model_format(args: argparse.Namespace, device: Any, datastore: str | None = None) -> ModelFormat:
+    """The weight format and compute dtype of --weights and --dtype on `device` (weight_formats.resolve_format).
+    With both unset, a local `datastore` directory lends the format its keys were computed in (memlm.retrieval.
+    compat.adopt's rule for a setting an artifact records), said in one line where it is not the default."""
+    weights, dtype = getattr(args, "weights", None), getattr(args, "dtype", None)
+    if datastore is not None and weights is None and dtype in (None, AUTO):
+        from datastore.manifest import Manifest
+
+        weights = Manifest.read(Path(datastore)).weights
+        if weights != resolve_format(None, None, device).weights:
+            say_taken([f"--weights {weights}"], "the datastore")
+    return resolve_format(weights, dtype, device)
 
 
 def add_options(parser: argparse.ArgumentParser, title: str, table: dict[str, Option],

@@ -1,6 +1,7 @@
 """A datastore records the weight format its keys were computed in: `memlm datastore build --weights` writes it
-to the manifest, a manifest without it reads as the float model of its build, and evaluating or adding with
-another format is refused in one line unless --accept-weights-mismatch accepts it (eval, generate)."""
+to the manifest, a manifest without it reads as the float model of its build, eval and generate take it when
+--weights and --dtype are unset, another format given is refused in one line unless --accept-weights-mismatch
+accepts it, and `datastore add` encodes in it."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def test_build_records_the_format_and_eval_refuses_another_unless_accepted(capsy
     assert code == 1 and err.count("\n") == 1, err
     assert "computed with --weights int8, the model runs --weights float32" in err and "--accept-weights-mismatch" in err
     assert run(capsys, *common, "--weights", "int8")[0] == 0
+    code, err = run(capsys, *common)
+    assert code == 0 and "taken from the datastore: --weights int8" in err, err
     assert run(capsys, *common, "--weights", "float32", "--accept-weights-mismatch")[0] == 0
 
 
