@@ -264,7 +264,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         knn = None  # lambda 0 is the base LM exactly (memlm.retrieval.knnlm.interpolate): the datastore only drafts
     service = memory_service(args, memory or MemoryConfig("none"))  # --knn-backend service: its memory sessions
     device = resolve_device(args.device)
-    fmt = model_format(args, device, args.datastore)
+    fmt = model_format(args, device, None if args.retrieval else args.datastore)  # both: refused by open_searcher
     pretrained = load_pretrained(args.model, device=device, dtype=fmt.dtype, weights=fmt.weights,
                                  allow_pickle=bool(args.allow_pickle_weights))
     searcher = open_searcher(args, pretrained)
