@@ -87,6 +87,21 @@ def token_from(args: argparse.Namespace) -> str | None:
     return secret(args, "", "MEMLM_TOKEN")
 
 
+def auth_file_from(args: argparse.Namespace) -> Path | None:
+    """--auth-file, read once here so that a bad file stops the command before anything loads; None without it."""
+    from services.common.tenants import AuthFileError, TenantTable
+
+    if args.auth_file is None:
+        return None
+    if args.token is not None or args.token_file is not None:
+        raise MemlmError("give --auth-file or --token/--token-file, not both")
+    try:
+        TenantTable.read(args.auth_file)
+    except AuthFileError as e:
+        raise MemlmError(str(e)) from None
+    return Path(args.auth_file)
+
+
 def server_tls(args: argparse.Namespace) -> Any:
     from services.common.security import ServerTls
 
@@ -103,10 +118,11 @@ def server_options(args: argparse.Namespace) -> Any:
     """ServerOptions of every `memlm serve` command: TLS, token, the two call budgets, metrics and call log."""
     from services.common.server import ServerOptions
 
-    tls, token = server_tls(args), token_from(args)
+    tls, auth_file = server_tls(args), auth_file_from(args)
+    token = token_from(args) if auth_file is None else None  # $MEMLM_TOKEN gives way to an auth file
     metrics = metrics_options(args)
     try:
-        return ServerOptions(tls=tls, token=token, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        return ServerOptions(tls=tls, token=token, auth_file=auth_file, max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_open_rpcs=args.max_open_rpcs, grace_s=args.grace, metrics=metrics)
     except ValueError as e:  # a budget below 1
         raise MemlmError(f"--{str(e).replace('_', '-')}") from None
@@ -295,6 +311,9 @@ def add_server_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", default=None, help="CA (PEM) that client certificates must chain to (mTLS)")
     add_token_options(p, "", "callers must send", "MEMLM_TOKEN")
+    p.add_argument("--auth-file", default=None, metavar="PATH",
+                   help="TOML file of [[tenant]] tables (name, token_sha256, rpcs, quotas) instead of one token; "
+                        "re-read on SIGHUP")
     from services.common.server import ServerOptions  # the one home of the budgets' defaults
 
     p.add_argument("--max-concurrent-rpcs", type=int, default=ServerOptions.max_concurrent_rpcs,

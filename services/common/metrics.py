@@ -34,9 +34,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.circuit import CLOSED, HALF_OPEN, OPEN
+from services.common.tenants import DEFAULT_TENANT as DEFAULT_TENANT  # the label of a shared token's calls
+from services.common.tenants import current_tenant_name
 
-DEFAULT_TENANT = "default"
-"""The tenant of every call while the servers know one shared token: the `tenant` label's only value."""
 
 REQUEST_ID_KEY = "x-request-id"
 """Call metadata naming the request in the call log; a call without it gets a fresh id."""
@@ -52,10 +52,11 @@ READ_ATTEMPTS = 3
 """Reads of a gauge at scrape time before a changing dict's RuntimeError is let through."""
 
 
-def tenant_of(metadata: Iterable[tuple[str, Any]] | None) -> str:
-    """The tenant a call belongs to, from its metadata: the one place that decides the `tenant` label.
-    One shared bearer token identifies no one in particular, so every call is DEFAULT_TENANT."""
-    return DEFAULT_TENANT
+def tenant_of() -> str:
+    """The `tenant` label of the call in progress, the one place that decides it: the name of the tenant the
+    admission check found for it (services.common.tenants), NO_TENANT for a call refused before that, and
+    DEFAULT_TENANT for a call no check has named (a health check, the HTTP front's requests)."""
+    return current_tenant_name()
 
 
 def request_id_of(metadata: Iterable[tuple[str, Any]] | None) -> str:
@@ -206,7 +207,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         observers = metrics.observers(method)
 
         def end(context, start: float, error: BaseException | None) -> None:
-            metrics.record(method, _ending_code(context, error), time.perf_counter() - start, tenant_of(metadata),
+            metrics.record(method, _ending_code(context, error), time.perf_counter() - start, tenant_of(),
                            request_id_of(metadata))
 
         # grpc.aio takes a streaming behaviour as an async generator or as a coroutine that calls
@@ -380,7 +381,7 @@ class HttpMetrics:
 
     def record(self, method: str, path: str, status: int, seconds: float, headers: list[tuple[str, str]]) -> None:
         route = f"{method} {path if path in self.routes else 'other'}"
-        tenant = tenant_of(headers)
+        tenant = tenant_of()
         self.requests.labels(route, str(status), tenant).inc()
         self.latency.labels(route).observe(seconds)
         self.metrics.log_call(request_id_of(headers), tenant, route, str(status), seconds)

@@ -4,7 +4,9 @@
   client certificate signed by that CA (mutual TLS). Without TLS the servers bind 127.0.0.1 by
   default, so plaintext traffic stays on the machine unless the user asks otherwise.
 - Bearer token: every call must carry the metadata `authorization: Bearer <token>`, else it ends
-  with UNAUTHENTICATED before the servicer runs. Health checks (`grpc.health.v1.Health`) stay
+  with UNAUTHENTICATED before the servicer runs. The token names the call's tenant (services.common.
+  tenants: a shared token is the one tenant "default"); an rpc outside the tenant's list ends with
+  PERMISSION_DENIED, a call past one of its quotas with RESOURCE_EXHAUSTED naming the quota. Health checks (`grpc.health.v1.Health`) stay
   open on purpose, so that load balancers and orchestrators can probe readiness without the
   secret; reflection is NOT open (it describes the API, which is the token holder's business).
   The token travels as plain metadata, so over a network use it together with TLS. A token is never
@@ -20,13 +22,15 @@
 
 from __future__ import annotations
 
-import hmac
 import inspect
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from services.common.tenants import NOBODY, OPEN_TENANT, Tenant, Tenants, enter_tenant
 
 # Methods a caller may reach without the token (see the module docstring for why).
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
@@ -142,14 +146,16 @@ def _token_of(metadata) -> str | None:
     return None
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that ends the call with UNAUTHENTICATED.
+def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
+                      tenant: Tenant) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that ends the call with `code` for `tenant`.
 
-    It never deserializes the request: an unauthenticated caller gets no work done on its bytes.
+    It never deserializes the request: a refused caller gets no work done on its bytes.
     """
 
     async def refuse(_request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        enter_tenant(tenant)
+        await context.abort(code, message)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse)
@@ -158,6 +164,40 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcM
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def _guarded(handler: grpc.RpcMethodHandler, enter: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
+             leave: Callable[[], None]) -> grpc.RpcMethodHandler:
+    """`handler` with `await enter(context)` before its behaviour (it may abort the call) and `leave()` after
+    it, when enter returned."""
+    kinds = {(False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
+             (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
+             (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
+             (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream)}
+    make, behaviour = kinds[handler.request_streaming, handler.response_streaming]
+    # grpc.aio takes a streaming behaviour in two forms, an async generator (ours, reflection) or a
+    # coroutine that calls context.write (health Watch); the wrapper keeps the form it was given.
+    if inspect.isasyncgenfunction(behaviour):
+        async def stream(request, context):
+            await enter(context)
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+            finally:
+                leave()
+
+        wrapped = stream
+    else:
+        async def call(request, context):
+            await enter(context)
+            try:
+                return await behaviour(request, context)
+            finally:
+                leave()
+
+        wrapped = call
+    return make(wrapped, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 class _Budget:
@@ -174,13 +214,7 @@ class _Budget:
 
     def admit(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """`handler` with its behaviour counted against this budget."""
-        kinds = {(False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
-                 (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
-                 (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
-                 (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream)}
-        make, behaviour = kinds[handler.request_streaming, handler.response_streaming]
-        return make(self._counted(behaviour), request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return _guarded(handler, self._enter, self._leave)
 
     async def _enter(self, context: grpc.aio.ServicerContext) -> None:
         if self.in_flight >= self.limit:
@@ -188,40 +222,67 @@ class _Budget:
                                 f"server busy: {self.limit} {self.kind} in progress ({self.option})")
         self.in_flight += 1
 
-    def _counted(self, behaviour: Callable) -> Callable:
-        # grpc.aio takes a streaming behaviour in two forms, an async generator (ours, reflection) or a
-        # coroutine that calls context.write (health Watch); the wrapper keeps the form it was given.
-        if inspect.isasyncgenfunction(behaviour):
-            async def stream(request, context):
-                await self._enter(context)
-                try:
-                    async for response in behaviour(request, context):
-                        yield response
-                finally:
-                    self.in_flight -= 1
+    def _leave(self) -> None:
+        self.in_flight -= 1
 
-            return stream
 
-        async def call(request, context):
-            await self._enter(context)
-            try:
-                return await behaviour(request, context)
-            finally:
-                self.in_flight -= 1
+class TenantCalls:
+    """Each tenant's calls in progress and its request rate, checked against its quotas as a call starts.
 
-        return call
+    Kept by tenant name, so the counts carry over when a reload replaces the table. The rate is a token
+    bucket holding one second of calls (max_requests_per_second), refilled continuously. Lives on the
+    server's event loop, like _Budget.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.in_flight: dict[str, int] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}  # name -> (calls left, clock() of that count)
+
+    def admit(self, handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
+        """`handler` run as `tenant`'s call: the tenant set for the call (services.common.tenants), then its quotas."""
+
+        async def enter(context: grpc.aio.ServicerContext) -> None:
+            enter_tenant(tenant)
+            refusal = self._refusal(tenant)
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            self.in_flight[tenant.name] = self.in_flight.get(tenant.name, 0) + 1
+
+        def leave() -> None:
+            self.in_flight[tenant.name] -= 1
+
+        return _guarded(handler, enter, leave)
+
+    def _refusal(self, tenant: Tenant) -> str | None:
+        """Which quota a new call of `tenant` would break (a message naming it), else None (and it is counted)."""
+        q, name = tenant.quotas, tenant.name
+        if q.max_concurrent_calls is not None and self.in_flight.get(name, 0) >= q.max_concurrent_calls:
+            return f"tenant {name!r}: max_concurrent_calls {q.max_concurrent_calls} reached"
+        if q.max_requests_per_second is not None:
+            rate, now = q.max_requests_per_second, self._clock()
+            left, since = self._buckets.get(name, (rate, now))
+            left = min(max(rate, 1.0), left + (now - since) * rate)
+            if left < 1.0:
+                self._buckets[name] = (left, now)
+                return f"tenant {name!r}: max_requests_per_second {rate:g} reached"
+            self._buckets[name] = (left - 1.0, now)
+        return None
 
 
 class AdmissionInterceptor(grpc.aio.ServerInterceptor):
-    """Every call of a server passes here: the bearer-token check and the three budgets (module docstring).
+    """Every call of a server passes here: its tenant from the bearer token, the tenant's rpcs and quotas, and
+    the three budgets (module docstring).
 
-    token: None = every caller counts as a token holder. max_calls: token holders' calls at once
-    (--max-concurrent-rpcs). max_open_calls: health Watch streams at once, and, separately, health Checks
-    and refused calls at once (--max-open-rpcs).
+    tenants: the server's table (services.common.tenants.Tenants; its table None = every caller is the open
+    tenant). max_calls: admitted calls at once (--max-concurrent-rpcs). max_open_calls: health Watch streams
+    at once, and, separately, health Checks and refused calls at once (--max-open-rpcs).
     """
 
-    def __init__(self, token: str | None, max_calls: int, max_open_calls: int) -> None:
-        self._token = check_token(token).encode() if token is not None else None
+    def __init__(self, tenants: Tenants, max_calls: int, max_open_calls: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tenants = tenants
+        self.tenant_calls = TenantCalls(clock)
         self._calls = _Budget("calls", max_calls, "--max-concurrent-rpcs")
         self._watches = _Budget("health watches", max_open_calls, "--max-open-rpcs")
         self._momentary = _Budget("health checks and refused calls", max_open_calls, "--max-open-rpcs")
@@ -235,19 +296,26 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
             return self._momentary.admit(handler)
         if method.startswith(OPEN_METHOD_PREFIXES):
             return self._watches.admit(handler)
-        refusal = self._refusal(handler_call_details.invocation_metadata)
+        tenant, refusal = self._identify(handler_call_details.invocation_metadata)
         if refusal is not None:
-            return self._momentary.admit(_refusing_handler(handler, refusal))
-        return self._calls.admit(handler)
+            return self._momentary.admit(
+                _refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, refusal, NOBODY))
+        if not tenant.allows(method):
+            return self._momentary.admit(_refusing_handler(
+                handler, grpc.StatusCode.PERMISSION_DENIED, f"tenant {tenant.name!r} may not call {method.lstrip('/')}",
+                tenant))
+        # The tenant's quotas first (they set the call's tenant), then the server's budget.
+        return self.tenant_calls.admit(self._calls.admit(handler), tenant)
 
-    def _refusal(self, metadata) -> str | None:
-        """Why a call with this metadata may not proceed; None = it may."""
-        if self._token is None:
-            return None
+    def _identify(self, metadata) -> tuple[Tenant, str | None]:
+        """The caller's tenant, and why its call may not proceed (None = it may)."""
+        table = self.tenants.table
+        if table is None:
+            return OPEN_TENANT, None
         token = _token_of(metadata)
         if token is None:
-            return "missing bearer token: send metadata 'authorization: Bearer <token>'"
-        # Constant-time comparison, so response timing does not leak how much of the token matched.
-        if not hmac.compare_digest(token.encode(), self._token):
-            return "wrong bearer token"
-        return None
+            return NOBODY, "missing bearer token: send metadata 'authorization: Bearer <token>'"
+        tenant = table.identify(token)  # constant-time over the digests of every tenant
+        if tenant is None:
+            return NOBODY, "wrong bearer token"
+        return tenant, None

@@ -4,8 +4,9 @@ A server is built in two steps so that tests and the command line use the same c
 `start_server(address, services, options)` binds (port 0 picks a free port), registers the
 servicers with health (NOT_SERVING until the caller marks it ready) and reflection, counts and times
 every call (services.common.metrics; /metrics over HTTP with options.metrics.port), and starts
-serving; `run_until_signal(...)` prints `listening on HOST:PORT` and, on SIGTERM or SIGINT, turns
-health to NOT_SERVING, refuses new calls and lets in-flight ones finish within a grace period.
+serving; `run_until_signal(...)` prints `listening on HOST:PORT`, re-reads an auth file on SIGHUP and, on
+SIGTERM or SIGINT, turns health to NOT_SERVING, refuses new calls and lets in-flight ones finish within a
+grace period.
 
 Servicers raise `InvalidRequest` (or `tensors.TensorError`) for bad input; `add_service` turns these
 into INVALID_ARGUMENT / OUT_OF_RANGE statuses whose message names the field, and answers a request
@@ -22,6 +23,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
 
 import grpc
@@ -49,6 +51,7 @@ from services.common.security import (
     check_token,
     server_credentials,
 )
+from services.common.tenants import AuthFileError, Tenants
 from services.common.tensors import TensorError
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
@@ -82,13 +85,17 @@ class ServerOptions:
     """Serve TLS with these credentials; None = plaintext."""
     token: str | None = None
     """Require `authorization: Bearer <token>` on every call except health checks; None = open. Never ""
-    (ValueError): an empty token must not quietly switch authentication off."""
+    (ValueError): an empty token must not quietly switch authentication off. One tenant, "default"."""
+    auth_file: Path | None = None
+    """Tenants from this auth file instead of one token (services.common.tenants), re-read on SIGHUP."""
     metrics: MetricsOptions = MetricsOptions()
     """The /metrics endpoint (off unless a port is given) and the call log's format (services.common.metrics)."""
 
     def __post_init__(self) -> None:
         if self.token is not None:
             check_token(self.token)
+            if self.auth_file is not None:
+                raise ValueError("give a token or an auth file, not both")
         for name in ("max_concurrent_rpcs", "max_open_rpcs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -101,8 +108,8 @@ class ServerOptions:
         missing = []
         if self.tls is None:
             missing.append("TLS (--tls-cert/--tls-key)")
-        if self.token is None and (self.tls is None or self.tls.client_ca is None):
-            missing.append("authentication (--token-file, $MEMLM_TOKEN or --tls-client-ca)")
+        if self.token is None and self.auth_file is None and (self.tls is None or self.tls.client_ca is None):
+            missing.append("authentication (--auth-file, --token-file, $MEMLM_TOKEN or --tls-client-ca)")
         if not missing:
             return None
         return f"warning: serving on {host or 'every interface'} without {' or '.join(missing)}: anyone who can reach it can use it"
@@ -325,6 +332,13 @@ class RunningServer:
     """The server's registry: call counts and latencies, and the gauges its servicers add."""
     metrics_endpoint: MetricsEndpoint | None = None
     """The HTTP /metrics endpoint (ServerOptions.metrics.port); None when not served."""
+    tenants: Tenants = dataclasses.field(default_factory=lambda: Tenants(None))
+    """Who may call (ServerOptions.token or .auth_file); `reload_tenants` re-reads the auth file."""
+
+    def reload_tenants(self) -> None:
+        """Re-read the auth file (SIGHUP): calls in progress keep their tenant, new ones meet the new table;
+        a bad file keeps the old table. One line on stderr says which."""
+        print(f"memlm: {self.tenants.reload()}", file=sys.stderr, flush=True)
 
     async def mark_serving(self, serving: bool = True) -> None:
         """Report SERVING (or NOT_SERVING) for every service and for the server as a whole."""
@@ -346,7 +360,11 @@ async def start_server(
     """
     # No grpc-wide maximum_concurrent_rpcs: it counts health checks and callers without the token against
     # the token holders' slots; the interceptor's budgets keep them apart.
-    admission = AdmissionInterceptor(options.token, options.max_concurrent_rpcs, options.max_open_rpcs)
+    try:
+        tenants = Tenants.from_settings(options.token, options.auth_file)
+    except AuthFileError as e:
+        raise MemlmError(str(e)) from None
+    admission = AdmissionInterceptor(tenants, options.max_concurrent_rpcs, options.max_open_rpcs)
     metrics = ServerMetrics(options.metrics.log_format)
     # The metrics interceptor first: it sees the calls admission refuses too.
     server = grpc.aio.server(options=channel_options(options.max_message_bytes),
@@ -382,7 +400,7 @@ async def start_server(
     await server.start()
     if endpoint is not None:
         close_when_stopped(server, lambda: asyncio.to_thread(endpoint.close))
-    return RunningServer(server, port, health_servicer, tuple(names), metrics, endpoint)
+    return RunningServer(server, port, health_servicer, tuple(names), metrics, endpoint, tenants)
 
 
 def open_metrics_endpoint(metrics: ServerMetrics, options: MetricsOptions) -> MetricsEndpoint | None:
@@ -452,6 +470,9 @@ async def run_until_signal(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
         installed.append(sig)
+    if running.tenants.path is not None:
+        loop.add_signal_handler(signal.SIGHUP, running.reload_tenants)
+        installed.append(signal.SIGHUP)
     try:
         await running.mark_serving()
         print(f"listening on {join_host_port(host, running.port)}", flush=True)

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.common.circuit import CLOSED
 from services.common.metrics import DEFAULT_TENANT, MetricsOptions
+from services.common.tenants import NO_TENANT
 from services.common.server import ServerOptions, ServiceError
 from services.lm.client import KnnRequest, LanguageModelClient, TextDelta
 from services.lm.server import LMLimits, start_lm_server
@@ -80,7 +81,7 @@ def memlm_calls(samples: dict[str, list]) -> dict[tuple[str, str], float]:
     """memlm_rpc_calls_total of the memlm services by (rpc, code), health and reflection left out."""
     return {(rpc, code): v for (rpc, code, tenant), v in
             by_labels(samples, "memlm_rpc_calls_total", "rpc", "code", "tenant").items()
-            if rpc.startswith("memlm.") and tenant == DEFAULT_TENANT}
+            if rpc.startswith("memlm.") and tenant in (DEFAULT_TENANT, NO_TENANT)}
 
 
 def queries(q: int, d: int) -> np.ndarray:
@@ -131,6 +132,8 @@ def test_refused_calls_are_counted_with_their_code(loop_thread, searcher):
                 assert e.value.code == code
     samples = scrape_calls(started.running.metrics_endpoint.port, 3)
     assert memlm_calls(samples) == {(GET_INFO, "UNAUTHENTICATED"): 2, (GET_INFO, "OK"): 1}
+    tenants = by_labels(samples, "memlm_rpc_calls_total", "code", "tenant")
+    assert tenants == {("UNAUTHENTICATED", NO_TENANT): 2, ("OK", DEFAULT_TENANT): 1}  # no tenant before the token
 
 
 def test_memory_sessions_and_bytes_follow_the_sessions(loop_thread, searcher):

@@ -1,0 +1,211 @@
+"""Tenants from an auth file against real servers: who may call what, each tenant's quotas, memory sessions
+that belong to their tenant, the metrics label, and a reload on SIGHUP that drops no call.
+
+Shape legend: Q queries, d key dimension, k neighbours, S streams, T entries per stream, dv value dimension.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.metrics import MetricsOptions
+from services.common.server import ServerOptions, ServiceError
+from services.common.tenants import AuthFileError, TenantTable
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server, start_retrieval_server
+
+TOKEN_A, TOKEN_B = "token-of-a", "token-of-b"
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def tenant(name: str, token: str, **keys) -> str:
+    """One [[tenant]] table of an auth file."""
+    lines = ["[[tenant]]", f'name = "{name}"', f'token_sha256 = "{digest(token)}"']
+    for key, value in keys.items():
+        lines.append(f"{key} = {value!r}".replace("'", '"'))
+    return "\n".join(lines) + "\n"
+
+
+def auth_file(tmp_path: Path, *tables: str) -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text("\n".join(tables))
+    return path
+
+
+def queries(q: int, d: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((q, d)).astype(np.float32)  # (Q, d)
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    """The status code and message of a client call that must fail."""
+    with pytest.raises(ServiceError) as e:
+        call()
+    return e.value.code, e.value.details
+
+
+def retrieval(loop_thread, searcher, path: Path, **options) -> str:
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher,
+                             options=ServerOptions(auth_file=path, **options))
+    return f"127.0.0.1:{port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The auth file
+
+
+def test_an_auth_file_is_read_with_roles_quotas_and_sizes(tmp_path):
+    table = TenantTable.read(auth_file(tmp_path, tenant("a", TOKEN_A, rpcs=["search", "Tokenize"],
+                                                        max_memory_bytes="4G", max_requests_per_second=2.5),
+                                       tenant("b", TOKEN_B)))
+    a, b = table.tenants
+    assert a.quotas.max_memory_bytes == 4 << 30 and a.quotas.max_requests_per_second == 2.5
+    assert a.allows("/memlm.v1.RetrievalService/Search") and a.allows("/memlm.v1.LanguageModelService/Tokenize")
+    assert not a.allows("/memlm.v1.MemoryService/CreateMemory")
+    assert b.rpcs is None and all(b.allows(m) for m in ("/memlm.v1.MemoryService/DropMemory", "/x/Y"))
+    assert table.identify(TOKEN_A) is a and table.identify(TOKEN_B) is b and table.identify("other") is None
+
+
+@pytest.mark.parametrize(("tables", "named"), [
+    (tenant("a", TOKEN_A, max_calls=3), "'max_calls'"),
+    ("colour = 1\n" + tenant("a", TOKEN_A), "'colour'"),
+    (tenant("a", TOKEN_A, rpcs=["Scroe"]), "'Scroe'"),
+    (tenant("a", TOKEN_A, max_concurrent_calls=0), "max_concurrent_calls"),
+    (tenant("a", TOKEN_A) + tenant("a", TOKEN_B), "'a' is listed twice"),
+    ('[[tenant]]\nname = "a"\ntoken_sha256 = "s3cret"\n', "token_sha256"),
+])
+def test_a_bad_auth_file_is_refused_by_name(tmp_path, tables, named):
+    with pytest.raises(AuthFileError, match=named):
+        TenantTable.read(auth_file(tmp_path, tables))
+
+
+def test_the_command_line_refuses_a_bad_auth_file_before_serving(tmp_path):
+    from memlm.cli.commands import build_parser, server_options
+    from memlm.errors import MemlmError
+
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, max_calls=3))
+    args = build_parser().parse_args(["serve", "retrieval", "--memories", "--auth-file", str(path)])
+    with pytest.raises(MemlmError, match="unknown key 'max_calls'"):
+        server_options(args)
+    args = build_parser().parse_args(["serve", "retrieval", "--auth-file", str(path), "--token", "s3cret"])
+    with pytest.raises(MemlmError, match="not both"):
+        server_options(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calls
+
+
+def test_two_tenants_each_reach_what_their_rpcs_allow(loop_thread, searcher, tmp_path):
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, rpcs=["search"]), tenant("b", TOKEN_B, rpcs=["GetInfo"]))
+    address = retrieval(loop_thread, searcher, path)
+    xq = queries(3, searcher.dim)
+    with RetrievalClient(address, token=TOKEN_A) as a, RetrievalClient(address, token=TOKEN_B) as b:
+        np.testing.assert_array_equal(a.search(xq, 4).ids, searcher.search(xq, 4).ids)
+        assert b.server_info().datastore.n == len(searcher.keys)
+        code, message = code_of(lambda: b.search(xq, 4))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "tenant 'b'" in message and "Search" in message
+    for token in ("wrong", None, TOKEN_A + "x"):
+        with RetrievalClient(address, token=token) as nobody:
+            assert code_of(nobody.server_info)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_shared_token_is_the_default_tenant_with_every_rpc(loop_thread, searcher):
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(token="s3cret"))
+    xq = queries(2, searcher.dim)
+    with RetrievalClient(f"127.0.0.1:{port}", token="s3cret") as ok:
+        np.testing.assert_array_equal(ok.search(xq, 3).ids, searcher.search(xq, 3).ids)
+    with RetrievalClient(f"127.0.0.1:{port}", token="other") as wrong:
+        assert code_of(wrong.server_info)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_tenant_at_its_concurrent_calls_is_refused_while_the_other_goes_on(loop_thread, gated_searcher, tmp_path):
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, max_concurrent_calls=1), tenant("b", TOKEN_B))
+    address = retrieval(loop_thread, gated_searcher, path)
+    xq = queries(2, gated_searcher.dim)
+    held: dict[str, object] = {}
+
+    def search() -> None:
+        with RetrievalClient(address, token=TOKEN_A, timeout=30) as a:
+            held["ids"] = a.search(xq, 3).ids
+
+    thread = threading.Thread(target=search)
+    thread.start()
+    try:
+        assert gated_searcher.entered.wait(20)
+        with RetrievalClient(address, token=TOKEN_A) as a, RetrievalClient(address, token=TOKEN_B) as b:
+            code, message = code_of(a.server_info)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert message == "tenant 'a': max_concurrent_calls 1 reached"
+            assert b.server_info().datastore.n == len(gated_searcher.keys)
+    finally:
+        gated_searcher.release.set()
+        thread.join(30)
+    np.testing.assert_array_equal(held["ids"], gated_searcher.search(xq, 3).ids)  # the held call was not dropped
+    with RetrievalClient(address, token=TOKEN_A) as a:
+        assert a.server_info().datastore.n == len(gated_searcher.keys)  # its slot came back
+
+
+def test_a_burst_past_the_rate_is_refused_naming_the_quota_while_the_other_tenant_goes_on(
+        loop_thread, searcher, tmp_path):
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, max_requests_per_second=1), tenant("b", TOKEN_B))
+    address = retrieval(loop_thread, searcher, path)
+    burst, xq = 40, queries(1, searcher.dim)  # far above one call a second, however slow the machine
+    with RetrievalClient(address, token=TOKEN_A) as a, RetrievalClient(address, token=TOKEN_B) as b:
+        a.server_info()  # the first call finds a full second of calls
+        outcomes = []
+        for _ in range(burst):
+            try:
+                a.search(xq, 1)
+                outcomes.append("ok")
+            except ServiceError as e:
+                assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                outcomes.append(e.details)
+            b.search(xq, 1)  # never refused: b has no rate of its own
+    refusals = [o for o in outcomes if o != "ok"]
+    assert refusals
+    assert set(refusals) == {"tenant 'a': max_requests_per_second 1 reached"}
+
+
+def test_calls_are_counted_under_their_tenant(loop_thread, searcher, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    path = auth_file(tmp_path, tenant("a", TOKEN_A), tenant("b", TOKEN_B, rpcs=["Search"]))
+    started = loop_thread.run(start_retrieval_server(
+        "127.0.0.1:0", searcher, options=ServerOptions(auth_file=path, metrics=MetricsOptions(port=0))))
+    loop_thread.servers.append(started.running.server)
+    address = f"127.0.0.1:{started.running.port}"
+    with RetrievalClient(address, token=TOKEN_A) as a, RetrievalClient(address, token=TOKEN_B) as b:
+        a.server_info()
+        a.search(queries(1, searcher.dim), 1)
+        code_of(b.server_info)
+    with RetrievalClient(address, token="wrong") as nobody:
+        code_of(nobody.server_info)
+    expected = {("a", "OK"): 2.0, ("b", "PERMISSION_DENIED"): 1.0, ("-", "UNAUTHENTICATED"): 1.0}
+
+    def calls() -> dict[tuple[str, str], float]:
+        url = f"http://127.0.0.1:{started.running.metrics_endpoint.port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "memlm_rpc_calls_total" and s.labels["rpc"].startswith("memlm."):
+                    key = (s.labels["tenant"], s.labels["code"])
+                    out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    # An aborted call's status reaches its caller a moment before the interceptor counts it: bounded retries.
+    for _ in range(500):
+        if calls() == expected:
+            break
+        threading.Event().wait(0.02)
+    assert calls() == expected
