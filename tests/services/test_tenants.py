@@ -6,7 +6,13 @@ Shape legend: Q queries, d key dimension, k neighbours, S streams, T entries per
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
+import queue
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -209,3 +215,82 @@ def test_calls_are_counted_under_their_tenant(loop_thread, searcher, tmp_path):
             break
         threading.Event().wait(0.02)
     assert calls() == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Reload
+
+
+def test_a_reload_swaps_the_tenants_without_dropping_a_call_in_flight(loop_thread, gated_searcher, tmp_path):
+    path = auth_file(tmp_path, tenant("a", TOKEN_A))
+    started = loop_thread.run(start_retrieval_server("127.0.0.1:0", gated_searcher,
+                                                     options=ServerOptions(auth_file=path)))
+    loop_thread.servers.append(started.running.server)
+    address = f"127.0.0.1:{started.running.port}"
+    xq = queries(2, gated_searcher.dim)
+    held: dict[str, object] = {}
+
+    def search() -> None:
+        with RetrievalClient(address, token=TOKEN_A, timeout=30) as a:
+            held["ids"] = a.search(xq, 3).ids
+
+    thread = threading.Thread(target=search)
+    thread.start()
+    try:
+        assert gated_searcher.entered.wait(20)
+        path.write_text(tenant("b", TOKEN_B))
+        loop_thread.run(asyncio.to_thread(started.running.reload_tenants))
+        with RetrievalClient(address, token=TOKEN_A) as a, RetrievalClient(address, token=TOKEN_B) as b:
+            assert code_of(a.server_info)[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert b.server_info().datastore.n == len(gated_searcher.keys)
+    finally:
+        gated_searcher.release.set()
+        thread.join(30)
+    np.testing.assert_array_equal(held["ids"], gated_searcher.search(xq, 3).ids)
+
+
+def memory_info(address: str, token: str) -> grpc.StatusCode:
+    """The status of a GetMemoryInfo call with `token`."""
+    from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+    from services.common.security import auth_metadata
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            retrieval_pb2_grpc.MemoryServiceStub(channel).GetMemoryInfo(
+                retrieval_pb2.GetMemoryInfoRequest(), metadata=auth_metadata(token), timeout=20)
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_sighup_rereads_the_auth_file_and_a_bad_one_keeps_the_tenants(tmp_path):
+    path = auth_file(tmp_path, tenant("a", TOKEN_A))
+    process = subprocess.Popen([sys.executable, "-m", "memlm.cli", "serve", "retrieval", "--memories", "--threads", "1",
+                                "--auth-file", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+    try:
+        listening = process.stdout.readline()
+        assert listening.startswith("listening on "), listening + process.stderr.read()
+        address = listening.split()[-1]
+        assert memory_info(address, TOKEN_A) == grpc.StatusCode.OK
+        assert memory_info(address, TOKEN_B) == grpc.StatusCode.UNAUTHENTICATED
+
+        def reload() -> str:
+            process.send_signal(signal.SIGHUP)
+            while True:
+                line = lines.get(timeout=60)
+                if "auth file" in line:
+                    return line
+
+        path.write_text(tenant("b", TOKEN_B))
+        assert "1 tenants" in reload()
+        assert memory_info(address, TOKEN_A) == grpc.StatusCode.UNAUTHENTICATED
+        assert memory_info(address, TOKEN_B) == grpc.StatusCode.OK
+        path.write_text(tenant("c", TOKEN_A, colour=1))
+        assert "unknown key 'colour'" in reload()
+        assert memory_info(address, TOKEN_B) == grpc.StatusCode.OK  # the tenants read before stay in use
+    finally:
+        process.terminate()
+        process.wait(60)
