@@ -211,6 +211,8 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         refuse_given(args, KNN_OPTIONS, "needs --datastore or --retrieval (the server has no kNN-LM without one)")
     if not args.datastore:
         refuse_given(args, SEARCH_BACKEND_OPTIONS, "needs --datastore (a retrieval service searches its own way)")
+    if args.interpolation is not None:
+        refuse_given(args, ("k",), "is the --interpolation file's (the k its interpolation was fitted with)")
     device = resolve_device(args.device)
     fmt = model_format(args, device)
     memory = serve_memory_defaults(args)
@@ -232,6 +234,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
         search_backend=args.search_backend or DEFAULT_SEARCH_BACKEND,
         accept_weights_mismatch=bool(args.accept_weights_mismatch),
         allow_pickle_weights=bool(args.allow_pickle_weights),
+        interpolation=Path(args.interpolation) if args.interpolation is not None else None,
     ))
 
 
@@ -375,6 +378,10 @@ def add_serve_parser(sub: Any) -> None:
     lm.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     add_options(lm, "model", WEIGHTS_OPTIONS)
     add_options(lm, "kNN-LM defaults of requests", KNN_OPTIONS)
+    lm.add_argument("--interpolation", default=None, metavar="PATH",
+                    help="kNN-LM Score mixes as this file of `memlm eval --lambda auto --knn-temperature auto "
+                         "--save-interpolation` says (its k, learned weights, document cache) where a request sets "
+                         "no lambda or temperature; refused when fitted with another model or datastore")
     lm.add_argument("--max-new-tokens", type=int, default=4096, help="largest Generate request")
     lm.add_argument("--max-score-tokens", type=int, default=65536, help="largest Score request, in tokens")
     from services.lm.requests import LMLimits  # the one home of the limits' defaults

@@ -14,7 +14,9 @@ query keeping its row's nearest k): a pass's scores wait (`ScoredPass`) until th
 Score and Generate calls scans the datastore once a step, not once for each. A row whose search or scoring
 fails ends alone. `passes` keeps each
 score pass's padded (B, T, V) logits within one prefill budget; `split` / `join_scores` let several rows read
-one long text's windows side by side.
+one long text's windows side by side. With a saved interpolation that mixes the document cache
+(KNNLMConfig.interpolation), a row keeps its text's cache (`doc_cache`, from the text's start) and reads the
+whole text itself: such a request is not split.
 
 Shape legend: B rows in a forward pass, T tokens per row, n scored tokens of a row's chunk, V vocab,
 C key width, k neighbours.
@@ -33,6 +35,7 @@ import torch
 from memlm.engine.kv_cache import RowCache
 from memlm.engine.requests import RequestHandle, ScoreRequest
 from memlm.errors import MemlmError
+from memlm.jobs.interpolation_eval import CacheConfig, DocumentCache
 from memlm.jobs.scoring import ScoredPart, SequenceScore, assemble_scores, score_part
 from memlm.jobs.windows import Window
 from memlm.model.decoder import Decoder
@@ -95,11 +98,15 @@ class ScoreRow:
     """The scores of each pass chunk, in order (memlm.jobs.scoring.assemble_scores's input)."""
     compressed: int = 0
     """Compressive rows: groups compressed so far (memlm.engine.compression)."""
+    doc_cache: DocumentCache | None = None
+    """The text's (key, next token) pairs scored so far, when its interpolation mixes the cache."""
 
     @classmethod
     def start(cls, handle: RequestHandle, slot: int, deadline: float | None) -> ScoreRow:
         request = handle.request
-        return cls(handle, slot, deadline, request.prefix, request.windows)
+        served = request.knn.interpolation if request.knn is not None else None
+        cache = DocumentCache(CacheConfig(served.cache_size, served.cache_k)) if served and served.has_cache else None
+        return cls(handle, slot, deadline, request.prefix, request.windows, doc_cache=cache)
 
     @property
     def window(self) -> Window:
@@ -209,7 +216,7 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
     V = engine.model.config.vocab_size
     at = 0
     for p in pending:
-        for (row, _), (row_logits, targets, _) in zip(p.plan, p.blocks):
+        for (row, _), (row_logits, targets, keys) in zip(p.plan, p.blocks):
             request = row.handle.request
             nb = None
             searched = request.knn is not None and len(targets)
@@ -222,7 +229,9 @@ def take_scores(engine: Engine, pending: list[ScoredPass], found: list[Neighbors
                 if searched:
                     nb = Neighbors(*(np.concatenate([q[f] for q in mine]) for f in range(3)))  # (n, k_i)
                 if len(targets):
-                    row.parts.append(score_part(row_logits, targets, nb, request.knn, min(request.top_n, V)))
+                    cached = row.doc_cache.extend(keys, targets) if row.doc_cache is not None else None
+                    row.parts.append(score_part(row_logits, targets, nb, request.knn, min(request.top_n, V),
+                                                cache=cached))
             except Exception as e:  # noqa: BLE001 - this row ends with it; the others go on
                 engine.fail(row, e)
                 continue
@@ -246,8 +255,9 @@ def sequence_score(row: ScoreRow, vocab: int) -> SequenceScore:
 def split(request: ScoreRequest, parts: int) -> list[ScoreRequest]:
     """A text's windows over at most `parts` requests of contiguous windows, so that several rows read one long
     text side by side (as score_tokens runs batch_size windows a pass); join_scores puts their scores together.
-    A request without windows (XL segments) or already a part stays whole."""
-    if request.window is None or request.part is not None:
+    A request without windows (XL segments), already a part, or keeping a document cache stays whole."""
+    served = request.knn.interpolation if request.knn is not None else None
+    if request.window is None or request.part is not None or (served is not None and served.has_cache):
         return [request]
     w = len(request.plan)
     n = max(1, min(parts, w))

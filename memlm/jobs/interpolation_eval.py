@@ -79,12 +79,19 @@ class DocumentCache:
     def step(self, s: ScoredTokens) -> tuple[torch.Tensor, torch.Tensor]:
         """Squared-L2 distances (n, c) float32 (inf where missing) and next tokens (n, c) int64 (-1 there) of
         the window's tokens' nearest earlier positions; then the window's positions join the cache."""
-        q = s.keys.detach().float().cpu()  # (n, d)
         if s.doc != self.doc:  # a new document: nothing of the last one is read
-            self.doc, self.keys, self.values = s.doc, q[:0], self.values[:0]
+            self.doc, self.keys, self.values = s.doc, self.keys[:0], self.values[:0]
+        return self.extend(s.keys, s.targets)
+
+    def extend(self, keys: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """step for the next positions of the same document: keys (n, d), targets (n,) (Score's engine rows,
+        one text per cache)."""
+        q = keys.detach().float().cpu()  # (n, d)
+        if self.keys.shape[1:] != q.shape[1:]:  # the first keys of this cache
+            self.keys = q[:0]
         n, m = q.shape[0], self.keys.shape[0]
         keys = torch.cat([self.keys, q])  # (m + n, d)
-        values = torch.cat([self.values, s.targets.long()])  # (m + n,)
+        values = torch.cat([self.values, targets.long().cpu()])  # (m + n,)
         d = (q.pow(2).sum(1, keepdim=True) + keys.pow(2).sum(1)[None] - 2 * q @ keys.T).clamp(min=0)  # (n, m + n)
         # Token i (position p) reads entries at positions p - size .. p - 1: entry j of the m + n is at
         # position p - (m + i - j), so it is read when 0 < m + i - j <= size.
@@ -299,6 +306,14 @@ def choose_method(data: InterpolationData, config: FitConfig, methods: Sequence[
 # -- the evaluation pass ---------------------------------------------------------------------------
 
 
+def group_logprobs(g: Group, method: Method) -> torch.Tensor:
+    """The mixed log-probabilities (Q,) float32 of a group's targets under `method` (the group carries cache
+    neighbours when the method mixes the cache)."""
+    sources = [g.knn] + ([g.cache] if "cache" in method.sources else [])
+    features = token_features(g.lm_features, sources, base_temperatures(method)) if method.needs_features else None
+    return final_logprob(method.plan(features), g.lm, _matches(sources, g.targets))  # (Q,)
+
+
 def interpolation_pass(windows: Iterator[ScoredTokens], total: int, timers: Timers, searcher: Searcher,
                        knn: KNNLMConfig, method: Method, cache: CacheConfig | None, search_tokens: int,
                        progress: bool) -> dict[str, float]:
@@ -307,13 +322,10 @@ def interpolation_pass(windows: Iterator[ScoredTokens], total: int, timers: Time
     base_nll = mixed_nll = 0.0
     tokens = hits = 0
     use_cache = cache if "cache" in method.sources else None
-    temps = base_temperatures(method)
     with tqdm(total=total, desc=f"eval {method.method}", unit="tok", file=sys.stderr, disable=not progress) as bar:
         for g in retrieved_groups(windows, searcher, knn, use_cache, search_tokens, timers):
             with timers.mix:
-                sources = [g.knn] + ([g.cache] if use_cache is not None else [])
-                features = token_features(g.lm_features, sources, temps) if method.needs_features else None
-                final = final_logprob(method.plan(features), g.lm, _matches(sources, g.targets))  # (Q,)
+                final = group_logprobs(g, method)  # (Q,)
                 hits += int((g.knn[1] == g.targets[:, None]).any(dim=1).sum())
                 lo = 0
                 for s in g.windows:

@@ -359,18 +359,19 @@ class ScoredPart(NamedTuple):
 def score_part(
     logits: torch.Tensor, targets: torch.Tensor, neighbors: Neighbors | SourcedNeighbors | None,
     knn: KNNLMConfig | None, top_n: int, attribution: int = 0, keep_base: torch.Tensor | None = None,
-    searched: torch.Tensor | None = None,
+    searched: torch.Tensor | None = None, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ScoredPart:
     """One chunk's ScoredPart: score_chunk of its logits (n, V) and targets (n,), with its tokens' attribution.
 
     neighbors: (n, k) neighbours of the chunk's keys (sourced with attribution), or None without kNN-LM.
     keep_base: (n,) bool, tokens a gate kept on the base distribution. searched: (n,) bool, which tokens were
-    searched (None with neighbours: every one).
+    searched (None with neighbours: every one). cache: the tokens' document-cache neighbours (score_chunk).
     """
     sourced = None
     if attribution and neighbors is not None:
         sourced, neighbors = neighbors, neighbors.neighbors  # (n, k) neighbours with their documents
-    scores = score_chunk(logits, targets, neighbors=neighbors, knn=knn, keep_base=keep_base, top_n=top_n).cpu()
+    scores = score_chunk(logits, targets, neighbors=neighbors, knn=knn, keep_base=keep_base, top_n=top_n,
+                         cache=cache).cpu()
     if neighbors is not None and searched is None:  # plain kNN-LM: a search per token
         searched = torch.ones(scores.base.shape[0], dtype=torch.bool)  # (n,)
     attributed: tuple[TokenAttribution, ...] = ()

@@ -13,7 +13,9 @@ source without neighbours has NaN there, which the model reads as the fitted mea
 `ConstantInterpolation` holds fixed weights and temperatures (lambda and T of the grid search, for the
 datastore alone: exactly `interpolate` at that lambda); `LearnedInterpolation` is an MLP from the
 standardised features to the weights (softmax) and, optionally, a factor on each base temperature. Both
-are fitted on a tuning split (memlm.jobs.interpolation_eval) and saved as one JSON file (`save_method`).
+are fitted on a tuning split (memlm.jobs.interpolation_eval) and saved as one JSON file (`save_method`);
+`served_knn` opens such a file for Score (checked against the model and the datastore it was fitted with),
+which mixes each chunk of tokens with `ServedInterpolation` as evaluation does.
 
 Shape legend: n tokens, k neighbours of a source, V vocab, F features, S sources, H hidden units.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,8 @@ from torch import nn
 
 from memlm.errors import MemlmError
 from memlm.retrieval.adaptive import distribution_features
-from memlm.retrieval.knnlm import NEG_INF, interpolate, knn_logprob_from_matches
+from memlm.retrieval.knnlm import NEG_INF, KNNLMConfig, interpolate, knn_log_distribution, knn_logprob_from_matches
+from memlm.retrieval.searcher import Neighbors
 
 SOURCES = ("knn", "cache")
 """The distributions mixed with the LM's: the datastore's neighbours, the document's own past."""
@@ -165,6 +168,11 @@ class ConstantInterpolation:
     def method(self) -> str:
         return "constant" + ("+cache" if "cache" in self.sources else "")
 
+    @property
+    def base_temperatures(self) -> tuple[float, ...]:
+        """The temperatures its features are computed at: its own."""
+        return self.temperatures
+
     def plan(self, features: torch.Tensor | None) -> Plan:
         return Plan(self.weights, list(self.temperatures))
 
@@ -265,6 +273,77 @@ def load_method(path: Path) -> tuple[Method, dict[str, Any]]:
     if any(s not in SOURCES for s in sources) or sources[:1] != ("knn",):
         raise MemlmError(f"{path}: unknown sources {list(sources)}")
     return method, raw.get("settings", {})
+
+
+# -- serving ---------------------------------------------------------------------------------------
+
+CHECKED_SETTINGS = ("model_fingerprint", "key_layer", "datastore_corpus_fingerprint")
+"""What a saved method's settings must share with the model and datastore it is served with."""
+
+
+@dataclass(frozen=True, eq=False)
+class ServedInterpolation:
+    """A saved method as Score mixes it, with the document cache it was fitted with (read over the text's own
+    earlier positions, memlm.jobs.interpolation_eval.DocumentCache, from each text's start)."""
+
+    method: Method
+    """The fitted weights (and temperatures)."""
+    cache_size: int
+    """Earlier positions of the text the cache holds."""
+    cache_k: int
+    """Nearest of them each token reads."""
+
+    @property
+    def has_cache(self) -> bool:
+        return "cache" in self.method.sources
+
+    def plan(self, lm: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]]) -> Plan:
+        """The tokens' weights and temperatures: lm (n, 6) lm_features, sources per method source (distances
+        (n, k) float32, inf where missing; values (n, k) int64, -1 there)."""
+        m = self.method
+        features = token_features(lm, sources, m.base_temperatures) if m.needs_features else None  # (n, F)
+        return m.plan(features)
+
+
+def plan_rows(plan: Plan, lo: int, hi: int) -> Plan:
+    """The plan of tokens lo .. hi - 1."""
+    w = plan.weights if isinstance(plan.weights, tuple) else plan.weights[lo:hi]
+    return Plan(w, [t if isinstance(t, float) else t[lo:hi] for t in plan.temperatures])
+
+
+def log_distribution(plan: Plan, lm_logprobs: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> torch.Tensor:
+    """The full mixed log-distribution (r, V) float32 on lm_logprobs' device, for greedy flags and top-n:
+    lm_logprobs (r, V), sources per method source (distances (r, k), values (r, k)), plan of these r tokens."""
+    r, V = lm_logprobs.shape
+    w = torch.as_tensor(plan.weights, dtype=torch.float64)
+    w = w.expand(r, -1) if w.dim() == 1 else w  # (r, S+1)
+    log_w = torch.log(w).float().to(lm_logprobs.device)  # (r, S+1), -inf where a weight is 0
+    out = lm_logprobs.float() + log_w[:, :1]  # (r, V)
+    for s, ((d, v), t) in enumerate(zip(sources, plan.temperatures)):
+        dense = knn_log_distribution(Neighbors(d, v, v), V, t).to(lm_logprobs.device)  # (r, V)
+        out = torch.logaddexp(out, dense + log_w[:, s + 1 : s + 2])
+    return out
+
+
+def served_knn(knn: KNNLMConfig, path: Path, *, model_fingerprint: str, key_layer: str,
+               corpus_fingerprint: str) -> KNNLMConfig:
+    """`knn` with a saved interpolation in force: its k, and a constant datastore-only method's lambda and T
+    (the constant mixture of those, bit for bit), or the method itself (`interpolation`). A file fitted with
+    another model, key layer or datastore is refused in one line naming the setting."""
+    method, settings = load_method(path)
+    have = {"model_fingerprint": model_fingerprint, "key_layer": key_layer,
+            "datastore_corpus_fingerprint": corpus_fingerprint}
+    for name in CHECKED_SETTINGS:
+        if settings.get(name) != have[name]:
+            raise MemlmError(f"{path} was fitted with {name} {settings.get(name)!r}, not this server's {have[name]!r}")
+    try:
+        k, cache_size, cache_k = int(settings["k"]), int(settings["cache_size"]), int(settings["cache_k"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MemlmError(f"{path} does not record its k and cache settings ({e})") from None
+    if isinstance(method, ConstantInterpolation) and method.sources == ("knn",):
+        return replace(knn, k=k, lmbda=method.weights[1], temperature=method.temperatures[0], interpolation=None)
+    return replace(knn, k=k, interpolation=ServedInterpolation(method, cache_size, cache_k))
 
 
 # -- fitting ---------------------------------------------------------------------------------------

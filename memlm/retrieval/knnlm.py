@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from memlm.errors import MemlmError
 from memlm.retrieval.searcher import Neighbors, SearchOptions
+
+if TYPE_CHECKING:
+    from memlm.retrieval.interpolation import ServedInterpolation
 
 NEG_INF = float("-inf")
 
@@ -43,6 +46,9 @@ class KNNLMConfig:
     """Recompute exact distances from the stored float16 keys (SearchOptions.exact_rerank)."""
     nprobe: int | None = None
     """Inverted lists visited per query; None: the datastore's default."""
+    interpolation: ServedInterpolation | None = None
+    """A saved interpolation (memlm.retrieval.interpolation) that mixes in place of lmbda and temperature;
+    None: the constant lambda."""
 
     def __post_init__(self) -> None:
         if self.k < 1:

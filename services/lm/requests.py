@@ -341,7 +341,13 @@ class RequestParser:
         if temperature is None or not (math.isfinite(temperature) and temperature > 0):
             raise InvalidRequest("knn.temperature", f"{temperature}, must be a finite number > 0")
         check_search(k, nprobe, self._limits.max_k, self._limits.max_nprobe)
-        return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe)
+        # The server's saved interpolation mixes unless the request names its own constant lambda or T.
+        served = None if o.HasField("lambda_weight") or o.HasField("temperature") else d.interpolation
+        if served is not None and int(k) != d.k:
+            raise InvalidRequest("knn.k", f"{k}: the server's interpolation was fitted with k {d.k}; set lambda_weight "
+                                 "and temperature for a constant mixture at another k")
+        return replace(d, k=int(k), lmbda=float(lmbda), temperature=float(temperature), nprobe=nprobe,
+                       interpolation=served)
 
     def attribution(self, request: lm_pb2.ScoreRequest | lm_pb2.GenerateRequest, knn: KNNLMConfig | None) -> int:
         """KnnOptions.attribution_top_n checked: 0 (none), or 1 to MAX_ATTRIBUTION documents a token with kNN-LM."""
@@ -487,6 +493,10 @@ class RequestParser:
         # the other modes encode by segments, which memory() bounds.
         memory = self.memory(request)
         spalm, knn = self.spalm(request, memory), self.knn(request)
+        if knn is not None and knn.interpolation is not None:
+            raise InvalidRequest("knn.lambda_weight", f"this server's {knn.interpolation.method.method} interpolation "
+                                 "mixes Score only; set lambda_weight and temperature for Generate",
+                                 grpc.StatusCode.FAILED_PRECONDITION)
         attribution = self.attribution(request, knn)
         if attribution and not self._in_row_cache(memory):  # the engine's lanes attribute (services.lm.engine)
             raise InvalidRequest("knn.attribution_top_n", "Generate attribution runs on the decoding engine only (its "

@@ -123,6 +123,7 @@ async def start_lm_server(
     spalm: lm_spalm.SpalmCheckpoint | None = None,
     knn_service: KeyValueMemoryFactory | None = None,
     fewer: FewerSources = NO_FEWER,
+    interpolation: Path | None = None,
 ) -> LMServer:
     """Start a LanguageModelService for a loaded model on `address` ("HOST:PORT", port 0 = any free port).
 
@@ -134,13 +135,15 @@ async def start_lm_server(
         limits.knn_layer), not without.
     spalm: a SPALM head: MEMORY_MODE_SPALM is served with it and a searcher (checked against its keys' model).
     knn_service: MEMORIZING's memory factory for limits.knn_backend "service" (LanguageModelServicer.load).
+    interpolation: a saved interpolation kNN-LM Score mixes with (LanguageModelServicer.load).
     Health reports SERVING once this returns. The model's workers are released when the server stops.
     """
     started = await bind_lm_server(address, model_name=model_name, knn_defaults=knn_defaults, options=options, limits=limits)
     watch_links(started.running, [searcher, knn_service])
     try:
         # A RetrievalClient asks its server (blocking): off the event loop, which may serve that server.
-        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer)
+        await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer,
+                                interpolation=interpolation)
     except BaseException:
         await started.running.server.stop(None)
         raise
@@ -214,13 +217,14 @@ async def serve_lm(
     retrieval_token: str | None = None, key_module: str | None = None,
     knn_service: MemoryClient | None = None, adaptive_gate: str | None = None,
     search_backend: str = DEFAULT_SEARCH_BACKEND, weights: str | None = None, accept_weights_mismatch: bool = False,
-    allow_pickle_weights: bool = False,
+    allow_pickle_weights: bool = False, interpolation: Path | None = None,
 ) -> None:
     """`memlm serve lm`: bind first (health NOT_SERVING), load the model and the searcher on a thread,
     then print `listening on HOST:PORT` and serve until SIGTERM/SIGINT, draining in-flight calls.
     knn_service: the memory sessions of MEMORIZING with limits.knn_backend "service" (closed at the end).
     weights, accept_weights_mismatch: the model's weight format with `dtype`, and whether a datastore of another
-    format is served (LanguageModelServicer.load). allow_pickle_weights: as open_model_and_searcher."""
+    format is served (LanguageModelServicer.load). allow_pickle_weights: as open_model_and_searcher.
+    interpolation: the saved interpolation kNN-LM Score mixes with (LanguageModelServicer.load)."""
     started = await bind_lm_server(join_host_port(host, port), model_name=model, knn_defaults=knn_defaults,
                            options=options, limits=limits)
     try:
@@ -237,7 +241,7 @@ async def serve_lm(
         fewer = server_sources(searcher, remote=retrieval is not None, gate_dir=adaptive_gate,  # fewer searches
                                model_fingerprint=pretrained.fingerprint, key_layer=pretrained.model.config.key_description)
         await asyncio.to_thread(started.servicer.load, pretrained, searcher, knn_attention, spalm, knn_service, fewer,
-                                accept_weights_mismatch)
+                                accept_weights_mismatch, interpolation)
     except BaseException:
         await started.running.server.stop(None)
         raise

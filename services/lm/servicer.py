@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -49,6 +50,7 @@ from memlm.model.pretrained import Pretrained
 from memlm.model.tokenizer import document_boundary
 from memlm.model.weight_formats import dtype_name, format_of
 from memlm.retrieval.compat import check_searcher
+from memlm.retrieval.interpolation import served_knn
 from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.memory.knn_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Searcher
@@ -111,7 +113,7 @@ class LanguageModelServicer:
     def load(self, pretrained: Pretrained, searcher: Searcher | None = None,
              knn_attention: KnnAttention | None = None, spalm: lm_spalm.SpalmCheckpoint | None = None,
              knn_service: KeyValueMemoryFactory | None = None, fewer: FewerSources = NO_FEWER,
-             accept_weights_mismatch: bool = False) -> None:
+             accept_weights_mismatch: bool = False, interpolation: Path | None = None) -> None:
         """Attach the model (memlm.model.pretrained.Pretrained), optionally a Searcher (kNN-LM), a KnnAttention
         (MEMORY_MODE_MEMORIZING; refused when made for other heads) and a SPALM head (MEMORY_MODE_SPALM).
         knn_service: where MEMORIZING memories live when limits.knn_backend is "service" (required then):
@@ -121,7 +123,9 @@ class LanguageModelServicer:
         model) or tokenizer (its keys would be meaningless for this model, its values other tokens), keys of
         another dimension, or another document-boundary token than the one this server prepends (its keys
         saw other text), or keys computed in another weight format unless `accept_weights_mismatch`. May block:
-        a RetrievalClient asks its server.
+        a RetrievalClient asks its server. interpolation: a file of `memlm eval --lambda auto --save-interpolation`
+        that kNN-LM Score mixes with where a request leaves lambda and T unset (memlm.retrieval.interpolation.
+        served_knn; refused when fitted with another model, key layer or datastore).
         """
         model, tokenizer = pretrained.model, pretrained.tokenizer
         boundary = document_boundary(tokenizer)
@@ -132,6 +136,12 @@ class LanguageModelServicer:
             check_searcher(info, model_fingerprint=keys_model, tokenizer_fingerprint=tokenizer.fingerprint,
                            dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=boundary,
                            weights=format_of(model), accept_weights_mismatch=accept_weights_mismatch)
+        if interpolation is not None:
+            if info is None:
+                raise MemlmError("--interpolation needs --datastore or --retrieval: it mixes the datastore's neighbours")
+            self._knn_defaults = served_knn(self._knn_defaults, interpolation, model_fingerprint=pretrained.fingerprint,
+                                            key_layer=model.config.key_description,
+                                            corpus_fingerprint=info.corpus_fingerprint)
         knn_layer = None
         if knn_attention is not None:
             try:  # made for these heads, at a layer the model has
