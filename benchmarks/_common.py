@@ -99,6 +99,57 @@ def load_tokens(bench: BenchModel, data: str, split: str | None, max_tokens: int
     return [rng.integers(3, vocab, size=min(total, 2000)).tolist() for _ in range(max(1, total // 2000))], True
 
 
+DEMO_DATASTORE = str(Path.home() / ".cache/memlm/demo/ds-sotu-1990-2000")
+"""The datastore `make demo` builds (scripts/demo.sh): the kNN-LM benchmarks' default."""
+
+
+class KnnlmSetting(NamedTuple):
+    """The real model, a datastore checked against it, its windows, and disjoint evaluation and tuning tokens."""
+
+    bench: BenchModel
+    store: Any
+    window: Any
+    docs: list[list[int]]
+    tune_docs: list[list[int]]
+    checked_documents: int
+
+
+def add_knnlm_setting_options(p: argparse.ArgumentParser) -> None:
+    """The options of knnlm_setting: the demo's datastore, evaluation and tuning splits by default."""
+    p.add_argument("--datastore", default=DEMO_DATASTORE, help="a datastore built by scripts/demo.sh")
+    p.add_argument("--data", default="sotu")
+    p.add_argument("--eval-split", default="year>=2003")
+    p.add_argument("--eval-tokens", type=int, default=6000)
+    p.add_argument("--tune-split", default="2001<=year<=2002")
+    p.add_argument("--tune-tokens", type=int, default=4000)
+    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=4)
+
+
+def knnlm_setting(args: argparse.Namespace) -> KnnlmSetting:
+    """Load SmolLM2, refuse tuning text that shares a document with the evaluation text, open --datastore and check
+    it against the model (memlm eval's checks), and load both splits' tokens."""
+    from datastore import Datastore
+    from memlm.jobs.windows import WindowConfig
+    from memlm.retrieval.compat import check_searcher
+
+    bench = load_model(None, False)
+    model, tokenizer = bench.pre.model, bench.pre.tokenizer
+    checked = harness.refuse_overlap(args.data, args.tune_split, args.eval_split, tokenizer=tokenizer,
+                                     tune_tokens=args.tune_tokens, eval_tokens=args.eval_tokens)
+    if not Path(args.datastore).is_dir():
+        raise SystemExit(f"no datastore at {args.datastore}: run `make demo` or pass --datastore")
+    store = Datastore.open(args.datastore)
+    info = store.info()
+    window = WindowConfig(info.context, info.stride, args.batch_size)
+    check_searcher(info, model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,
+                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary,
+                   context=window.context, stride=window.stride)
+    docs, _ = load_tokens(bench, args.data, args.eval_split, args.eval_tokens, False)
+    tune_docs, _ = load_tokens(bench, args.data, args.tune_split, args.tune_tokens, False)
+    return KnnlmSetting(bench, store, window, docs, tune_docs, checked)
+
+
 def synthetic_banner(synthetic: bool) -> None:
     """Print the synthetic-run note first, so no reader takes the figures for SmolLM2's (a benchmark with a
     harness.Result calls its set_synthetic, which prints this and records it in the JSON)."""

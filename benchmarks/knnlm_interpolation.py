@@ -19,32 +19,20 @@ Writes docs/results/data/knnlm_interpolation.json (benchmarks/harness.py).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import _common
 import harness
 import torch
 
-DEFAULT_DATASTORE = str(Path.home() / ".cache/memlm/demo/ds-sotu-1990-2000")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datastore", default=DEFAULT_DATASTORE, help="a datastore built by scripts/demo.sh")
-    p.add_argument("--data", default="sotu")
-    p.add_argument("--eval-split", default="year>=2003")
-    p.add_argument("--eval-tokens", type=int, default=6000)
-    p.add_argument("--tune-split", default="2001<=year<=2002")
-    p.add_argument("--tune-tokens", type=int, default=4000)
-    p.add_argument("--k", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=4)
+    _common.add_knnlm_setting_options(p)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     harness.add_options(p, "knnlm_interpolation")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     result = harness.Result.from_args(args)
 
-    from datastore import Datastore
     from memlm.jobs.interpolation_eval import (
         METHODS,
         CacheConfig,
@@ -53,25 +41,12 @@ def main() -> None:
         evaluate_interpolation,
         fit_method,
     )
-    from memlm.jobs.windows import WindowConfig
-    from memlm.retrieval.compat import check_searcher
     from memlm.retrieval.interpolation import FitConfig, method_record
     from memlm.retrieval.knnlm import KNNLMConfig
 
-    bench = _common.load_model(None, False)
-    model, tokenizer = bench.pre.model, bench.pre.tokenizer
-    checked = harness.refuse_overlap(args.data, args.tune_split, args.eval_split, tokenizer=tokenizer,
-                                     tune_tokens=args.tune_tokens, eval_tokens=args.eval_tokens)
-    if not Path(args.datastore).is_dir():
-        raise SystemExit(f"no datastore at {args.datastore}: run `make demo` or pass --datastore")
-    store = Datastore.open(args.datastore)
-    info = store.info()
-    window = WindowConfig(info.context, info.stride, args.batch_size)
-    check_searcher(info, model_fingerprint=bench.pre.fingerprint, tokenizer_fingerprint=tokenizer.fingerprint,
-                   dim=model.config.n_embd, key_layer=model.config.key_description, boundary_token=bench.boundary,
-                   context=window.context, stride=window.stride)
-    docs, _ = _common.load_tokens(bench, args.data, args.eval_split, args.eval_tokens, False)
-    tune_docs, _ = _common.load_tokens(bench, args.data, args.tune_split, args.tune_tokens, False)
+    setting = _common.knnlm_setting(args)
+    bench, store, window, docs, tune_docs = setting.bench, setting.store, setting.window, setting.docs, setting.tune_docs
+    model, checked, info = bench.pre.model, setting.checked_documents, setting.store.info()
     knn, cache, fit = KNNLMConfig(k=args.k), CacheConfig(), FitConfig()
 
     with result.build("tuning data (one forward and search of the tuning tokens)"):

@@ -46,19 +46,10 @@ def set_wait_policy(argv: Sequence[str]) -> None:
         os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
 
 
-def thread_count(text: str) -> int:
-    """--threads: a positive number of threads."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of threads, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
+    from memlm.cli.options import positive_int  # here: this module loads before torch, options after it
+
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="compute threads of torch and FAISS together (default: the cores this process may use)")
 
 
