@@ -354,6 +354,8 @@ class RequestParser:
         n, field = request.knn.attribution_top_n, "knn.attribution_top_n"
         if n != 0 and knn is None:
             raise InvalidRequest(field, "needs knn.enabled: the documents are those of the kNN-LM neighbours")
+        if n != 0 and knn.interpolation is not None:  # attribution splits one constant lambda's mixture
+            raise InvalidRequest(field, "attributes a constant mixture: set lambda_weight and temperature with it")
         if n != 0 and self._attribution_refusal is not None:
             raise InvalidRequest(field, self._attribution_refusal, grpc.StatusCode.FAILED_PRECONDITION)
         if not 0 <= n <= MAX_ATTRIBUTION:

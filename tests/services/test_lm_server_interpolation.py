@@ -94,7 +94,7 @@ def test_constant_file_is_the_constant_lambda(loop_thread, setting, tiny, index)
     assert got == want  # the same code path, bit for bit
 
 
-def test_a_request_lambda_overrides_and_generate_is_refused(loop_thread, setting, tiny, index):
+def test_a_request_lambda_overrides_and_generate_and_attribution_are_refused(loop_thread, setting, tiny, index):
     _, path = saved(setting, tiny, index, "learned")
     docs = [tiny.tokenizer.encode(EVAL[1])]
     got = served(loop_thread, tiny, index, path, *docs, knn=KnnRequest(lmbda=0.5, temperature=5.0))
@@ -104,7 +104,10 @@ def test_a_request_lambda_overrides_and_generate_is_refused(loop_thread, setting
     with LanguageModelClient(f"127.0.0.1:{started.running.port}", timeout=60) as client:
         with pytest.raises(ServiceError) as e:
             list(client.generate("The quick", max_new_tokens=2, knn=KnnRequest()))
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.details.startswith("knn.lambda_weight")
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.details.startswith("knn.lambda_weight")
+        with pytest.raises(ServiceError) as e:  # attribution splits a constant mixture
+            client.score(docs, knn=KnnRequest(attribution_top_n=1))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith("knn.attribution_top_n")
 
 
 @pytest.mark.parametrize("setting_name", ["model_fingerprint", "key_layer", "datastore_corpus_fingerprint"])
