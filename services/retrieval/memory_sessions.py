@@ -11,7 +11,9 @@ Bounded in bytes (MemoryOptions, the `serve retrieval --memories` flags): at mos
 session reserves streams * capacity * (dim + value_dim) * the storage dtype's size bytes when it is created
 (`session_bytes`), at most max_session_bytes, and all sessions together at most max_total_bytes; a session
 past either limit is refused before anything is allocated, with RESOURCE_EXHAUSTED naming the limit and its
-flag. A session dies when it is dropped, after
+flag. A session belongs to the tenant that created it (services.common.tenants): for any other tenant its id
+is NOT_FOUND, as for an id that never existed, and each tenant's sessions count against its own
+max_memory_sessions and max_memory_bytes. A session dies when it is dropped, after
 idle_timeout_s without a call, or lifetime_s after its creation (its deadline); a dead session's id
 is NOT_FOUND. Expiry is checked on every call and by a reaper task, so memory comes back on time even
 when a client vanishes without DropMemory.
@@ -42,6 +44,7 @@ from memlm.memory.knn_store import ExactMemory, storage_dtype
 from memlm.retrieval.searcher import MAX_K
 from memlm.v1 import retrieval_pb2, tensor_pb2
 from services.common.server import InvalidRequest
+from services.common.tenants import DEFAULT_TENANT, Tenant, current_tenant
 from services.common.sizes import byte_size, format_bytes
 from services.common.tensors import from_tensor, to_tensor
 
@@ -162,6 +165,8 @@ class Session:
     """time.monotonic() seconds of the end of its last call."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held while a call runs: one call of a session at a time, in arrival order."""
+    tenant: str = DEFAULT_TENANT
+    """Name of the tenant that created it, the only one that may use it (services.common.tenants)."""
 
     @property
     def reserved(self) -> int:
@@ -233,12 +238,27 @@ class MemorySessions:
         if lifetime is not None and not (math.isfinite(lifetime) and lifetime > 0):
             raise InvalidRequest("lifetime_s", f"{lifetime:g} s, must be > 0 (leave it unset for no deadline)")
         self.reap()
-        self._check_room(session_bytes(streams, capacity, dim, value_dim, storage_dtype(self.device).itemsize))
+        tenant = current_tenant()
+        size = session_bytes(streams, capacity, dim, value_dim, storage_dtype(self.device).itemsize)
+        self._check_tenant_room(size, tenant)
+        self._check_room(size)
         now = self._clock()
         memory = ExactMemory(streams, dim, value_dim, capacity, self.device)
-        session = Session(secrets.token_hex(16), memory, idle, None if lifetime is None else now + lifetime, now)
+        session = Session(secrets.token_hex(16), memory, idle, None if lifetime is None else now + lifetime, now,
+                          tenant=tenant.name)
         self._sessions[session.memory_id] = session
         return session
+
+    def _check_tenant_room(self, size: int, tenant: Tenant) -> None:
+        """Refuse a new session of `size` bytes past its tenant's max_memory_sessions or max_memory_bytes."""
+        q, exhausted, where = tenant.quotas, grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {tenant.name!r}"
+        own = [s for s in self._sessions.values() if s.tenant == tenant.name]
+        if q.max_memory_sessions is not None and len(own) >= q.max_memory_sessions:
+            raise InvalidRequest(where, f"max_memory_sessions {q.max_memory_sessions} reached", exhausted)
+        reserved = sum(s.reserved_bytes for s in own)
+        if q.max_memory_bytes is not None and reserved + size > q.max_memory_bytes:
+            raise InvalidRequest(where, f"max_memory_bytes {format_bytes(q.max_memory_bytes)} reached: {size} more "
+                                 f"bytes do not fit beside the {reserved} its sessions reserve", exhausted)
 
     def _check_room(self, size: int) -> None:
         """Refuse a new session of `size` bytes past the session count or a byte limit (before it is allocated)."""
@@ -257,10 +277,13 @@ class MemorySessions:
                                  f"({format_bytes(o.max_total_bytes)}) reserved (--max-memory-total-bytes)", exhausted)
 
     def get(self, memory_id: str) -> Session:
-        """The live session `memory_id`, or InvalidRequest NOT_FOUND (unknown, dropped or expired)."""
+        """The live session `memory_id` of the calling tenant, or InvalidRequest NOT_FOUND (unknown, dropped,
+        expired, or another tenant's: answered exactly as an id that never existed, so an id says nothing)."""
         session = self._sessions.get(memory_id)
         if session is not None and session.expired(self._clock()):
             self._drop(memory_id)
+            session = None
+        if session is not None and session.tenant != current_tenant().name:
             session = None
         if session is None:
             raise InvalidRequest("memory_id", f"no memory session {memory_id[:64]!r} (never created, dropped, or "

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import torch
 import numpy as np
 import pytest
 
@@ -294,3 +295,83 @@ def test_sighup_rereads_the_auth_file_and_a_bad_one_keeps_the_tenants(tmp_path):
     finally:
         process.terminate()
         process.wait(60)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory sessions
+
+
+def memory_calls(stub, memory_id: str) -> dict[str, object]:
+    """Every MemoryService call that names a session, as zero-argument callables, for `memory_id`."""
+    from memlm.v1 import retrieval_pb2
+    from services.retrieval.memory_sessions import torch_to_tensor
+
+    S, D, DV = 1, 4, 4
+    keys, values, valid = torch.zeros(S, 2, D), torch.zeros(S, 2, DV), torch.ones(S, 2, dtype=torch.bool)
+    return {
+        "AppendMemory": lambda md: stub.AppendMemory(retrieval_pb2.AppendMemoryRequest(
+            memory_id=memory_id, keys=torch_to_tensor(keys), values=torch_to_tensor(values),
+            valid=torch_to_tensor(valid)), metadata=md, timeout=20),
+        "SearchMemory": lambda md: stub.SearchMemory(retrieval_pb2.SearchMemoryRequest(
+            memory_id=memory_id, queries=torch_to_tensor(torch.zeros(S, 1, D)), k=1), metadata=md, timeout=20),
+        "ClearMemory": lambda md: stub.ClearMemory(retrieval_pb2.ClearMemoryRequest(
+            memory_id=memory_id, streams=torch_to_tensor(torch.ones(S, dtype=torch.bool))), metadata=md, timeout=20),
+        "DropMemory": lambda md: stub.DropMemory(retrieval_pb2.DropMemoryRequest(memory_id=memory_id),
+                                                 metadata=md, timeout=20),
+    }
+
+
+def failure(call, metadata) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call(metadata)
+    return e.value.code(), e.value.details()
+
+
+def test_another_tenants_session_is_not_found_exactly_as_an_id_that_never_existed(loop_thread, tmp_path):
+    from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+    from services.common.security import auth_metadata
+    from services.retrieval.memory_sessions import MemoryOptions
+
+    path = auth_file(tmp_path, tenant("a", TOKEN_A), tenant("b", TOKEN_B))
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", None, memories=MemoryOptions(),
+                             options=ServerOptions(auth_file=path))
+    a, b = auth_metadata(TOKEN_A), auth_metadata(TOKEN_B)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = retrieval_pb2_grpc.MemoryServiceStub(channel)
+        create = retrieval_pb2.CreateMemoryRequest(streams=1, capacity=8, dim=4, value_dim=4)
+        owned = stub.CreateMemory(create, metadata=a, timeout=20).memory_id
+        never = "0" * len(owned)
+        for name, call in memory_calls(stub, owned).items():
+            other = failure(call, b)
+            unknown = failure(memory_calls(stub, never)[name], b)
+            assert other[0] == unknown[0] == grpc.StatusCode.NOT_FOUND, name
+            assert other[1].replace(owned, never) == unknown[1], name  # the same answer, id for id
+        calls = memory_calls(stub, owned)
+        for name in ("AppendMemory", "SearchMemory", "ClearMemory", "DropMemory"):  # still a's, untouched by b
+            calls[name](a)
+
+
+def test_each_tenant_holds_its_own_sessions_and_bytes(loop_thread, tmp_path):
+    from memlm.v1 import retrieval_pb2, retrieval_pb2_grpc
+    from services.common.security import auth_metadata
+    from memlm.memory.knn_store import storage_dtype
+    from services.retrieval.memory_sessions import MemoryOptions, session_bytes
+
+    one = session_bytes(1, 8, 4, 4, storage_dtype(torch.device("cpu")).itemsize)  # bytes of one session below
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, max_memory_sessions=2),
+                     tenant("b", TOKEN_B, max_memory_bytes=str(one * 3)))
+    port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", None, memories=MemoryOptions(),
+                             options=ServerOptions(auth_file=path))
+    a, b = auth_metadata(TOKEN_A), auth_metadata(TOKEN_B)
+    create = retrieval_pb2.CreateMemoryRequest(streams=1, capacity=8, dim=4, value_dim=4)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = retrieval_pb2_grpc.MemoryServiceStub(channel)
+        first = [stub.CreateMemory(create, metadata=a, timeout=20).memory_id for _ in range(2)]
+        code, message = failure(lambda md: stub.CreateMemory(create, metadata=md, timeout=20), a)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and message == "tenant 'a': max_memory_sessions 2 reached"
+        for _ in range(3):
+            stub.CreateMemory(create, metadata=b, timeout=20)  # a's count is a's alone
+        code, message = failure(lambda md: stub.CreateMemory(create, metadata=md, timeout=20), b)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith("tenant 'b': max_memory_bytes")
+        stub.DropMemory(retrieval_pb2.DropMemoryRequest(memory_id=first[0]), metadata=a, timeout=20)
+        stub.CreateMemory(create, metadata=a, timeout=20)  # a dropped session gives its room back
