@@ -271,3 +271,28 @@ def current_tenant_name() -> str:
 
 NOBODY = Tenant(NO_TENANT, b"", frozenset())
 """Stands for the caller of a call refused for a missing or wrong token: it may call nothing."""
+
+
+class TenantHoldings:
+    """How much of one thing each tenant holds at once (the LM server's engine rows), against one of its quotas.
+
+    quota: the Quotas field that bounds it ("max_engine_rows"). Lives on the server's event loop (no lock).
+    """
+
+    def __init__(self, quota: str) -> None:
+        if quota not in QUOTA_KEYS:
+            raise ValueError(f"{quota!r} is not a quota ({', '.join(QUOTA_KEYS)})")
+        self.quota = quota
+        self.held: dict[str, int] = {}
+
+    def take(self, tenant: Tenant, n: int) -> str | None:
+        """Hold n more for `tenant`; a message naming the quota (and nothing held) when they do not fit, else None."""
+        limit, held = getattr(tenant.quotas, self.quota), self.held.get(tenant.name, 0)
+        if limit is not None and held + n > limit:
+            return f"tenant {tenant.name!r}: {self.quota} {limit} reached"
+        self.held[tenant.name] = held + n
+        return None
+
+    def give_back(self, tenant: Tenant, n: int) -> None:
+        """Release n that `take` held for `tenant`."""
+        self.held[tenant.name] -= n

@@ -6,7 +6,7 @@ call's library work runs on a worker thread of its own, but only the thread hold
 a forward step. The turn passes at step boundaries, which the library already marks: it polls its
 `should_stop` before every forward batch, segment and decode step (memlm.jobs.windows.ShouldStop). A call's
 `StepGate` is that should_stop: it answers whether the call gave up and, when other calls wait, may hand
-the turn on. Who gets it: the waiting call whose client (connection) has held the model for the least time
+the turn on. Who gets it: the waiting call whose client (its tenant) has held the model for the least time
 (`ModelTurns`, the rule of Linux's CFS), so a client sending maximal 1024-token steps gets as much model
 time as one sending 15-token Scores, not one step per their step (round-robin by steps gave it 2x a small
 client's p99 on 2 cores, benchmarks/availability.py); within one client the turn rotates step by step. A
@@ -69,8 +69,8 @@ class CallStop:
 
 
 class Tenant:
-    """One client's share of the model (a connection: grpc's context.peer()): the model seconds it has been
-    charged. Its calls take the turn in order of their tenants' charge, so each client gets an equal share of
+    """One client's share of the model (a tenant, services.common.tenants: more connections buy no more share):
+    the model seconds it has been charged. Its calls take the turn in order of their tenants' charge, so each client gets an equal share of
     model TIME whatever the size of its steps (Linux CFS's rule: least charged first)."""
 
     def __init__(self) -> None:
@@ -98,6 +98,11 @@ class ModelTurns:
         self._max_tenants = max_tenants
         self.entries = 0
         """Jobs that asked for the turn so far (for tests and logs)."""
+
+    def clients(self) -> tuple[str, ...]:
+        """Keys of the shares remembered, least recently used first (for tests and logs)."""
+        with self._cond:
+            return tuple(self._tenants)
 
     def tenant(self, key: str) -> Tenant:
         """The client `key`'s share (created on first use)."""
@@ -241,7 +246,7 @@ class ModelScheduler:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memlm-lm")
 
     def gate(self, stop: ShouldStop, client: str) -> StepGate:
-        """A call's gate; client: who it is for the model's fair share (grpc's context.peer())."""
+        """A call's gate; client: who it is for the model's fair share (the call's tenant name)."""
         return StepGate(self.turns, stop, self.turns.tenant(client))
 
     async def run(self, gate: StepGate, fn: Callable[..., T], *args) -> T:

@@ -2,8 +2,8 @@
 
 The servicer is thin (no model logic): it validates a request into library arguments (services.lm.requests), runs
 the library and encodes the result. Model work runs ONE forward step at a time (services.lm.scheduler): each
-client (connection) gets an equal share of model time, so a small Score waits for the step in progress and
-its fair share, never for all of a long call. Score takes one of three paths, said by
+tenant (services.common.tenants, however many connections it opens) gets an equal share of model time, so a
+small Score waits for the step in progress and its fair share, never for all of a long call. Score takes one of three paths, said by
 services.lm.score_engine.score_path: ENGINE (MEMORY_MODE_NONE sliding windows, XL and COMPRESSIVE, with or
 without kNN-LM and top_n: each input a score row of the decoding engine's running batch of its settings,
 sharing steps with other Score calls and with Generate rows), BATCHED (attribution, a model the engine does
@@ -55,6 +55,7 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.memory.knn_store import KeyValueMemoryFactory
 from memlm.retrieval.searcher import Searcher
 from memlm.v1 import language_model_pb2 as lm_pb2
+from services.common.tenants import TenantHoldings, current_tenant
 from services.lm import results as lm_results
 from services.lm import spalm as lm_spalm
 from services.lm.args import NO_FEWER, FewerSources, call_walk
@@ -100,6 +101,8 @@ class LanguageModelServicer:
         self._limits = limits
         self._max_message_bytes = max_message_bytes
         self.scheduler = ModelScheduler(max_calls)
+        self.engine_rows = TenantHoldings("max_engine_rows")
+        """Engine rows each tenant holds (one per Generate call, one per engine Score input)."""
         """The model's turns (tests look at scheduler.turns)."""
         self._loaded = False
         self._closing = threading.Event()
@@ -255,16 +258,21 @@ class LanguageModelServicer:
         await self._require_loaded(context)
         await self._refuse_knn_while_down(request, context)
         stop = CallStop(context, self._closing)
-        gate = self.scheduler.gate(stop, context.peer())
+        tenant = current_tenant()
+        gate = self.scheduler.gate(stop, tenant.name)
         # Tokenizing (up to max_text_chars) and encoding the response are work too, but not the model's:
         # on a worker, off the event loop and without the turn.
         args = await self.scheduler.run_free(self._parser.score, request)
         path = score_path(args, self._model)  # the one routing rule (services.lm.score_engine)
+        rows = len(args.token_seqs) if path == ENGINE else 0
+        refusal = self.engine_rows.take(tenant, rows)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         try:
             if path == ENGINE:  # rows of the engine's running batch of its settings
                 out = await score_on_engine(self.engines, self._model, args, self._boundary, stop.deadline, context)
             else:
-                running = (self.score_batches.score(args, stop, context.peer()) if path == BATCHED
+                running = (self.score_batches.score(args, stop, tenant.name) if path == BATCHED
                            else self.scheduler.run(gate, self._score_work, args, gate, stop))
                 out = await self._call_library(context, stop, running)
             gates = out.gates if out.gates is not None else [None] * len(out.scores)
@@ -273,6 +281,7 @@ class LanguageModelServicer:
                 datastore_generations=sorted(out.generations)))
         finally:  # cancelled, aborted or done: a step still running stops after itself
             stop.set()
+            self.engine_rows.give_back(tenant, rows)
 
     async def Generate(self, request: lm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._require_loaded(context)
@@ -286,8 +295,15 @@ class LanguageModelServicer:
                                  args.retrieval)
         lane = LaneKey(args.memory, args.knn is not None or spalm is not None, args.attribution,
                        args.speculative is not None)
-        async for response in stream_generation(self.engines, lane, request, deadline, context, self._record):
-            yield response
+        tenant = current_tenant()
+        refusal = self.engine_rows.take(tenant, 1)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        try:
+            async for response in stream_generation(self.engines, lane, request, deadline, context, self._record):
+                yield response
+        finally:
+            self.engine_rows.give_back(tenant, 1)
 
     def _record(self, record: GenerationRecord) -> None:
         with self.records_changed:

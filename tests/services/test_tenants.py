@@ -375,3 +375,29 @@ def test_each_tenant_holds_its_own_sessions_and_bytes(loop_thread, tmp_path):
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith("tenant 'b': max_memory_bytes")
         stub.DropMemory(retrieval_pb2.DropMemoryRequest(memory_id=first[0]), metadata=a, timeout=20)
         stub.CreateMemory(create, metadata=a, timeout=20)  # a dropped session gives its room back
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM server: fair share and engine rows by tenant
+
+
+def test_the_lm_server_shares_the_model_by_tenant_and_bounds_its_engine_rows(loop_thread, tiny, tmp_path):
+    from services.lm.client import LanguageModelClient
+    from services.lm.server import start_lm_server
+
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, max_engine_rows=1), tenant("b", TOKEN_B))
+    started = loop_thread.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny",
+                                              options=ServerOptions(auth_file=path)))
+    loop_thread.servers.append(started.running.server)
+    address = f"127.0.0.1:{started.running.port}"
+    texts = ["The quick brown fox.", "Peter Piper picked."]
+    with (LanguageModelClient(address, token=TOKEN_A, timeout=60) as a1,
+          LanguageModelClient(address, token=TOKEN_A, timeout=60) as a2,
+          LanguageModelClient(address, token=TOKEN_B, timeout=60) as b):
+        alone = [r.total_logprob for r in b.score(texts)]  # b has no row quota: both inputs at once
+        apart = [r.total_logprob for r in a1.score(texts[:1]) + a2.score(texts[1:])]
+        np.testing.assert_allclose(apart, alone, rtol=1e-5)  # one row at a time scores as two at once
+        code, message = code_of(lambda: a1.score(texts))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and message == "tenant 'a': max_engine_rows 1 reached"
+    shares = {c for c in started.servicer.scheduler.turns.clients() if not c.startswith("engine:")}
+    assert shares == {"a", "b"}  # two connections of a: one share
