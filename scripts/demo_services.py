@@ -2,8 +2,9 @@
 
 Starts `memlm serve retrieval` over the datastore and `memlm serve lm --retrieval` in front of it,
 waits until both are healthy, scores the evaluation speeches through Score (base and kNN-LM log-probs
-of every token, with the lambda and T tuned in-process on a separate split), streams a short
-generation with and without kNN-LM, prints the table and shuts both servers down with SIGTERM.
+of every token, mixed by the interpolation `memlm eval --lambda auto` chose in-process on a separate split
+and saved, which the LM server loads with `--interpolation`), streams a short generation with and without
+kNN-LM (the constant lambda and T of that tuning), prints the table and shuts both servers down with SIGTERM.
 
     python scripts/demo_services.py --datastore DIR --tuned ~/.cache/memlm/demo/knnlm.json
 """
@@ -101,11 +102,14 @@ def main() -> None:
 
     tuned = json.loads(Path(args.tuned).read_text())
     knn = KnnRequest(lmbda=tuned["lambda"], temperature=tuned["temperature"], k=tuned["k"])
+    saved = tuned.get("interpolation_file")  # the chosen interpolation, which Score mixes with where a call sets no lambda
+    score_knn = KnnRequest() if saved else knn
+    serve_lm = ["lm", "--model", args.model, *(["--interpolation", saved] if saved else [])]
 
     retrieval, retrieval_address = start_server(["retrieval", "--datastore", args.datastore], "retrieval")
     lm = None
     try:
-        lm, lm_address = start_server(["lm", "--model", args.model, "--retrieval", retrieval_address], "lm")
+        lm, lm_address = start_server([*serve_lm, "--retrieval", retrieval_address], "lm")
         wait_healthy(retrieval_address)
         wait_healthy(lm_address)
         with LanguageModelClient(lm_address) as client:
@@ -114,7 +118,7 @@ def main() -> None:
             print(f"[demo] Score: {len(docs)} speech(es) ({args.split}), {n_tokens} tokens, "
                   f"windows {args.context}/{args.stride}, kNN-LM via the retrieval server")
             t0 = time.perf_counter()
-            results = client.score(docs, knn=knn, window_tokens=args.context, stride_tokens=args.stride)
+            results = client.score(docs, knn=score_knn, window_tokens=args.context, stride_tokens=args.stride)
             seconds = time.perf_counter() - t0
             print("[demo] Generate, streamed (temperature 0.8, top-p 0.95, seed 1):")
             generate(client, args.prompt, None, args.generate_tokens)
@@ -131,6 +135,7 @@ def main() -> None:
         ("base perplexity", f"{base_ppl:.3f}"),
         ("kNN-LM perplexity", f"{knn_ppl:.3f}"),
         ("relative change", f"{100 * (knn_ppl / base_ppl - 1):+.2f}%"),
+        ("interpolation (chosen)", str(tuned.get("interpolation_method", "constant"))),
         ("lambda (tuned)", f"{tuned['lambda']:.3f}"),
         ("temperature (tuned)", f"{tuned['temperature']:.3f}"),
         ("k", str(tuned["k"])),

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from memlm.jobs.decoding import SamplingConfig, filter_logits, scale_logits
 from memlm.jobs.windows import WorkStopped
-from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
+from memlm.retrieval.interpolation import next_token_logprobs
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher, search_keys
 
 
@@ -139,7 +140,7 @@ def _choose_row(lm_lp: torch.Tensor, sampling: SamplingConfig, generator: torch.
     """One row's token from its base log-probs lm_lp (V,): (token, its final log-prob, its base log-prob), 0-d."""
     final_lp = lm_lp  # (V,)
     if neighbors is not None:
-        final_lp = knn_mixture(lm_lp[None], neighbors, knn.temperature, knn.lmbda)[0]  # (V,)
+        final_lp = next_token_logprobs(lm_lp[None], neighbors, knn)[0]  # (V,)
     choice = final_lp
     if decodable < final_lp.shape[-1]:
         choice = final_lp.clone()

@@ -55,7 +55,8 @@ from memlm.engine.sampling import argmax_rows, search_each, search_rows
 from memlm.engine.score_rows import ScoreRow
 from memlm.errors import MemlmError
 from memlm.jobs.decoding import SamplingConfig, filter_logits, scale_logits
-from memlm.retrieval.knnlm import KNNLMConfig, knn_mixture
+from memlm.retrieval.interpolation import next_token_logprobs
+from memlm.retrieval.knnlm import KNNLMConfig
 from memlm.retrieval.searcher import Neighbors, Searcher
 
 
@@ -167,7 +168,7 @@ def verify(engine: Engine, rows: list[Row]) -> None:
             if b in errors:
                 continue
             c = knn[b]
-            mix = knn_mixture(lm_lp[b][positions], got[b], c.temperature, c.lmbda)  # (q, V)
+            mix = next_token_logprobs(lm_lp[b][positions], got[b], c)  # (q, V)
             for i, p in enumerate(positions):
                 found[b][p] = Neighbors(*(a[i : i + 1] for a in got[b]))
                 mixed[b][p] = mix[i]

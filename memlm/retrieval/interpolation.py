@@ -28,12 +28,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from memlm.errors import MemlmError
 from memlm.retrieval.adaptive import distribution_features
-from memlm.retrieval.knnlm import NEG_INF, KNNLMConfig, interpolate, knn_log_distribution, knn_logprob_from_matches
+from memlm.retrieval.knnlm import (
+    NEG_INF,
+    KNNLMConfig,
+    interpolate,
+    knn_log_distribution,
+    knn_logprob_from_matches,
+    knn_mixture,
+)
 from memlm.retrieval.searcher import Neighbors
 
 SOURCES = ("knn", "cache")
@@ -324,6 +332,20 @@ def log_distribution(plan: Plan, lm_logprobs: torch.Tensor, sources: list[tuple[
         dense = knn_log_distribution(Neighbors(d, v, v), V, t).to(lm_logprobs.device)  # (r, V)
         out = torch.logaddexp(out, dense + log_w[:, s + 1 : s + 2])
     return out
+
+
+def next_token_logprobs(lm_logprobs: torch.Tensor, neighbors: Neighbors, knn: KNNLMConfig) -> torch.Tensor:
+    """The kNN-LM next-token log-distribution (Q, V) for generation: knn's saved interpolation over the LM and
+    the neighbours (Q, k) when it has one (the document cache is Score's only), else its constant knn_mixture."""
+    served = knn.interpolation
+    if served is None:
+        return knn_mixture(lm_logprobs, neighbors, knn.temperature, knn.lmbda)
+    if served.has_cache:
+        raise MemlmError(f"the {served.method.method} interpolation mixes a document cache, which generation does not keep")
+    sources = [(torch.from_numpy(np.asarray(neighbors.distances, dtype=np.float32)),
+                torch.from_numpy(np.asarray(neighbors.values).astype(np.int64)))]  # (Q, k) each
+    plan = served.plan(lm_features(lm_logprobs.float()).cpu(), sources)
+    return log_distribution(plan, lm_logprobs, sources)
 
 
 def served_knn(knn: KNNLMConfig, path: Path, *, model_fingerprint: str, key_layer: str,

@@ -495,10 +495,10 @@ class RequestParser:
         # the other modes encode by segments, which memory() bounds.
         memory = self.memory(request)
         spalm, knn = self.spalm(request, memory), self.knn(request)
-        if knn is not None and knn.interpolation is not None:
+        if knn is not None and knn.interpolation is not None and knn.interpolation.has_cache:
             raise InvalidRequest("knn.lambda_weight", f"this server's {knn.interpolation.method.method} interpolation "
-                                 "mixes Score only; set lambda_weight and temperature for Generate",
-                                 grpc.StatusCode.FAILED_PRECONDITION)
+                                 "mixes a document cache, which Generate does not keep; set lambda_weight and "
+                                 "temperature", grpc.StatusCode.FAILED_PRECONDITION)
         attribution = self.attribution(request, knn)
         if attribution and not self._in_row_cache(memory):  # the engine's lanes attribute (services.lm.engine)
             raise InvalidRequest("knn.attribution_top_n", "Generate attribution runs on the decoding engine only (its "

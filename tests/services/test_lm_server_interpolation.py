@@ -63,11 +63,16 @@ def in_process(tiny, index, boundary, docs, method) -> list[list[float]]:
     return out
 
 
-def served(loop_thread, tiny, index, path, *inputs, knn=KnnRequest(), defaults=KNN) -> list[list[float]]:
+def server(loop_thread, tiny, index, path, defaults=KNN) -> LanguageModelClient:
+    """A client of a new LM server over `index` with `path`'s interpolation (None: none)."""
     started = loop_thread.run(start_lm_server("127.0.0.1:0", tiny, index, model_name="tiny", knn_defaults=defaults,
                                               interpolation=path))
     loop_thread.servers.append(started.running.server)
-    with LanguageModelClient(f"127.0.0.1:{started.running.port}", timeout=60) as client:
+    return LanguageModelClient(f"127.0.0.1:{started.running.port}", timeout=60)
+
+
+def served(loop_thread, tiny, index, path, *inputs, knn=KnnRequest(), defaults=KNN) -> list[list[float]]:
+    with server(loop_thread, tiny, index, path, defaults) as client:
         return [[t.logprob for t in r.tokens] for r in client.score(list(inputs), knn=knn)]
 
 
@@ -94,20 +99,40 @@ def test_constant_file_is_the_constant_lambda(loop_thread, setting, tiny, index)
     assert got == want  # the same code path, bit for bit
 
 
-def test_a_request_lambda_overrides_and_generate_and_attribution_are_refused(loop_thread, setting, tiny, index):
+def test_a_request_lambda_overrides_and_attribution_is_refused(loop_thread, setting, tiny, index):
     _, path = saved(setting, tiny, index, "learned")
     docs = [tiny.tokenizer.encode(EVAL[1])]
     got = served(loop_thread, tiny, index, path, *docs, knn=KnnRequest(lmbda=0.5, temperature=5.0))
     assert got == served(loop_thread, tiny, index, None, *docs, knn=KnnRequest())  # KNN's own lambda and T
-    started = loop_thread.run(start_lm_server("127.0.0.1:0", tiny, index, knn_defaults=KNN, interpolation=path))
-    loop_thread.servers.append(started.running.server)
-    with LanguageModelClient(f"127.0.0.1:{started.running.port}", timeout=60) as client:
+    with server(loop_thread, tiny, index, path) as client:
+        with pytest.raises(ServiceError) as e:  # attribution splits a constant mixture
+            client.score(docs, knn=KnnRequest(attribution_top_n=1))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith("knn.attribution_top_n")
+
+
+def test_generate_mixes_as_score_does(loop_thread, setting, tiny, index):
+    """Greedy Generate under a learned file: each token is the argmax of the mixture Score gives the same text."""
+    _, path = saved(setting, tiny, index, "learned")
+    prompt = tiny.tokenizer.encode("The quick brown fox")
+    with server(loop_thread, tiny, index, path) as client:
+        deltas = [e for e in client.generate(prompt, max_new_tokens=12, temperature=0.0, knn=KnnRequest())
+                  if hasattr(e, "token_ids")]
+        tokens = [t for d in deltas for t in d.token_ids]
+        logprobs = [p for d in deltas for p in d.logprobs]
+        scored = client.score([tokens], contexts=[prompt], knn=KnnRequest())[0].tokens
+        constant = client.score([tokens], contexts=[prompt], knn=KnnRequest(lmbda=0.5, temperature=5.0))[0].tokens
+    assert len(tokens) == 12 and all(t.is_greedy for t in scored)
+    assert np.allclose(logprobs, [t.logprob for t in scored], rtol=0.0, atol=LEARNED_ATOL)
+    assert np.abs(np.subtract(logprobs, [t.logprob for t in constant])).max() > 100 * LEARNED_ATOL
+
+
+def test_generate_with_a_cache_file_is_refused(loop_thread, setting, tiny, index):
+    _, path = saved(setting, tiny, index, "learned+cache")
+    with server(loop_thread, tiny, index, path) as client:
         with pytest.raises(ServiceError) as e:
             list(client.generate("The quick", max_new_tokens=2, knn=KnnRequest()))
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and e.value.details.startswith("knn.lambda_weight")
-        with pytest.raises(ServiceError) as e:  # attribution splits a constant mixture
-            client.score(docs, knn=KnnRequest(attribution_top_n=1))
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith("knn.attribution_top_n")
+        assert len(list(client.generate("The quick", max_new_tokens=2, knn=KnnRequest(lmbda=0.5, temperature=5.0)))) > 1
 
 
 @pytest.mark.parametrize("setting_name", ["model_fingerprint", "key_layer", "datastore_corpus_fingerprint"])
