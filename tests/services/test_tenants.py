@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 import grpc
@@ -401,3 +402,11 @@ def test_the_lm_server_shares_the_model_by_tenant_and_bounds_its_engine_rows(loo
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and message == "tenant 'a': max_engine_rows 1 reached"
     shares = {c for c in started.servicer.scheduler.turns.clients() if not c.startswith("engine:")}
     assert shares == {"a", "b"}  # two connections of a: one share
+
+
+def test_the_serving_page_example_is_an_auth_file_that_reads():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "concepts" / "serving.md").read_text()
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    table = TenantTable.parse(tomllib.loads(example))
+    assert [t.name for t in table.tenants] == ["search-team", "eval"]
+    assert table.tenants[0].quotas.max_memory_bytes == 2 << 30
