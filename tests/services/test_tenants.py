@@ -126,6 +126,22 @@ def test_two_tenants_each_reach_what_their_rpcs_allow(loop_thread, searcher, tmp
             assert code_of(nobody.server_info)[0] == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_the_router_answers_its_tenants_as_a_retrieval_server_does(loop_thread, searcher, tmp_path):
+    from services.router.server import ShardLinks, create_router_server
+
+    shard = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(token="shard"))
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, rpcs=["search"]), tenant("b", TOKEN_B, rpcs=["score"]))
+    port = loop_thread.start(create_router_server, "127.0.0.1:0", [f"127.0.0.1:{shard}"],
+                             shards=ShardLinks(token="shard"), options=ServerOptions(auth_file=path))
+    xq = queries(3, searcher.dim)
+    with RetrievalClient(f"127.0.0.1:{port}", token=TOKEN_A) as a, RetrievalClient(f"127.0.0.1:{port}",
+                                                                                  token=TOKEN_B) as b:
+        np.testing.assert_array_equal(a.search(xq, 4).ids, searcher.search(xq, 4).ids)
+        assert code_of(b.server_info)[0] == grpc.StatusCode.PERMISSION_DENIED
+    with RetrievalClient(f"127.0.0.1:{port}", token="shard") as shard_token:  # the shards' token is no tenant here
+        assert code_of(shard_token.server_info)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_a_shared_token_is_the_default_tenant_with_every_rpc(loop_thread, searcher):
     port = loop_thread.start(create_retrieval_server, "127.0.0.1:0", searcher, options=ServerOptions(token="s3cret"))
     xq = queries(2, searcher.dim)
