@@ -160,6 +160,9 @@ def add_generate_parser(sub: Any) -> None:
     knn = p.add_argument_group("kNN-LM datastore")
     knn.add_argument("--datastore", default=None, help="datastore directory (searched in this process)")
     knn.add_argument("--retrieval", default=None, help="HOST:PORT of a retrieval service or router")
+    knn.add_argument("--interpolation", default=None, metavar="PATH",
+                     help="mix as this file of `memlm eval --lambda auto --save-interpolation` says (its k and "
+                          "learned weights; not a +cache method); refused when fitted with another model or datastore")
     SEARCH_BACKEND_OPTIONS["search_backend"].add_to(knn, None)
     ACCEPT_WEIGHTS_OPTIONS["accept_weights_mismatch"].add_to(knn, None)
     add_link_security(p, "retrieval-", "retrieval service", "MEMLM_RETRIEVAL_TOKEN")
@@ -244,6 +247,20 @@ def fewer_for(args: argparse.Namespace, searcher: Any, pretrained: Any) -> tuple
     return retrieval, record, searcher if remote is None else remote.successors
 
 
+def interpolation_knn(args: argparse.Namespace, knn: Any, pretrained: Any, searcher: Any) -> Any:
+    """knn with --interpolation's saved method in force (memlm.retrieval.interpolation.served_knn, checked against
+    the model and the datastore); a method that mixes the document cache is refused (Score keeps it, not generation)."""
+    from memlm.retrieval.interpolation import served_knn
+
+    knn = served_knn(knn, Path(args.interpolation), model_fingerprint=pretrained.fingerprint,
+                     key_layer=pretrained.model.config.key_description,
+                     corpus_fingerprint=searcher.info().corpus_fingerprint)
+    if knn.interpolation is not None and knn.interpolation.has_cache:
+        raise MemlmError(f"--interpolation {args.interpolation}: the {knn.interpolation.method.method} method mixes a "
+                         "document cache, which generation does not keep; serve it for Score (`memlm serve lm`)")
+    return knn
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from memlm.engine.drafts import draft_source
     from memlm.engine.engine import Engine, run_all
@@ -259,6 +276,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     memory = memory_from(args)
     sampling = sampling_config(args)
     knn = knn_config(args) if (args.datastore or args.retrieval) else None
+    if args.interpolation is not None:
+        if knn is None:
+            raise MemlmError("--interpolation needs --datastore or --retrieval: it mixes the datastore's neighbours")
+        refuse_given(args, ("k", "lmbda", "temperature"), "is the --interpolation file's")
     speculative = speculative_config(args)
     if speculative is not None and knn is not None and knn.lmbda == 0:
         knn = None  # lambda 0 is the base LM exactly (memlm.retrieval.knnlm.interpolate): the datastore only drafts
@@ -268,6 +289,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     pretrained = load_pretrained(args.model, device=device, dtype=fmt.dtype, weights=fmt.weights,
                                  allow_pickle=bool(args.allow_pickle_weights))
     searcher = open_searcher(args, pretrained)
+    if args.interpolation is not None:
+        knn = interpolation_knn(args, knn, pretrained, searcher)
     tokenizer = pretrained.tokenizer
     boundary = document_boundary(tokenizer)
     fewer, fewer_record, engine_searcher = fewer_for(args, searcher if knn is not None else None, pretrained)
@@ -333,7 +356,7 @@ def generation_report(args: argparse.Namespace, results: list[list[Any]], second
         "mean_accepted_tokens": mean_accepted(out),
         "settings": {"max_new_tokens": args.max_new_tokens, "stop": args.stop or [],
                      **{k: getattr(args, k) for k in (*SAMPLING_OPTIONS, *KNN_OPTIONS, *GENERATE_MEMORY)},
-                     "datastore": args.datastore, "retrieval": args.retrieval,
+                     "datastore": args.datastore, "retrieval": args.retrieval, "interpolation": args.interpolation,
                      "speculative": dataclasses.asdict(speculative) if speculative is not None else None},
     }
 
