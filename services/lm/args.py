@@ -126,6 +126,9 @@ def retrieval_of(o: lm_pb2.KnnOptions, knn: KNNLMConfig | None, memory: MemoryCo
         refuse_fewer(o, "fewer searches are served with MEMORY_MODE_NONE only (sliding windows)")
     if attribution:
         raise InvalidRequest(field, "not with knn.attribution_top_n (attribution needs every token's search)")
+    if knn.interpolation is not None:
+        raise InvalidRequest(field, "not with the server's saved interpolation (fitted on every token's search); "
+                             "set lambda_weight and temperature")
     if o.HasField("min_pointers") and not o.pointers:
         raise InvalidRequest("knn.min_pointers", "needs knn.pointers")
     pointers = source = None

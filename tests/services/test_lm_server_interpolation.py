@@ -99,7 +99,7 @@ def test_constant_file_is_the_constant_lambda(loop_thread, setting, tiny, index)
     assert got == want  # the same code path, bit for bit
 
 
-def test_a_request_lambda_overrides_and_attribution_is_refused(loop_thread, setting, tiny, index):
+def test_a_request_lambda_overrides_and_attribution_and_fewer_searches_are_refused(loop_thread, setting, tiny, index):
     _, path = saved(setting, tiny, index, "learned")
     docs = [tiny.tokenizer.encode(EVAL[1])]
     got = served(loop_thread, tiny, index, path, *docs, knn=KnnRequest(lmbda=0.5, temperature=5.0))
@@ -107,7 +107,10 @@ def test_a_request_lambda_overrides_and_attribution_is_refused(loop_thread, sett
     with server(loop_thread, tiny, index, path) as client:
         with pytest.raises(ServiceError) as e:  # attribution splits a constant mixture
             client.score(docs, knn=KnnRequest(attribution_top_n=1))
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith("knn.attribution_top_n")
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith("knn.attribution_top_n")
+        with pytest.raises(ServiceError) as e:  # the weights were fitted on every token's search
+            client.score(docs, knn=KnnRequest(pointers=True))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.details.startswith("knn.pointers")
 
 
 def test_generate_mixes_as_score_does(loop_thread, setting, tiny, index):
