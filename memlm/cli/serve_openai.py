@@ -51,7 +51,11 @@ def cmd_serve_openai(args: argparse.Namespace) -> None:
                        body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
                        max_header_bytes=args.max_header_bytes, grace_s=args.grace)
     limits = FrontLimits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_tokens=args.max_tokens)
-    serve_openai(args.lm, host=args.host, port=args.port, token=secret(args, "", "MEMLM_TOKEN"),
+    from memlm.cli.commands import auth_file_from  # imported here: commands imports this module
+
+    auth_file = auth_file_from(args)
+    serve_openai(args.lm, host=args.host, port=args.port,
+                 token=secret(args, "", "MEMLM_TOKEN") if auth_file is None else None, auth_file=auth_file,
                  model_name=args.model_name, limits=limits, timeout=args.timeout, http=http,
                  lm_tls=link_tls(args, LM_LINK), lm_token=secret(args, LM_LINK, LM_LINK_ENV),
                  metrics=metrics_options(args))
@@ -70,6 +74,9 @@ def add_openai_parser(ssub: Any) -> None:
     o.add_argument("--tls-client-ca", default=None, help="CA (PEM) that callers' certificates must chain to (mTLS)")
     add_token_options(o, "", "callers must send (also sent on to the LM server when the link has none of its own)",
                       "MEMLM_TOKEN")
+    o.add_argument("--auth-file", default=None, metavar="PATH",
+                   help="TOML file of [[tenant]] tables (name, token_sha256, rpcs) instead of one token; re-read on "
+                        "SIGHUP; the LM server is then reached with --lm-token-file only")
     add_link_security(o, LM_LINK, "LM server", LM_LINK_ENV)
     o.add_argument("--model-name", default=None, help="model id to serve (default: the LM server's model name)")
     o.add_argument("--timeout", type=float, default=300.0, help="seconds one LM call (a whole stream) may take")

@@ -68,6 +68,7 @@ from memlm.errors import MemlmError
 from services.common.metrics import HttpCallMetrics, HttpMetrics, MetricsOptions, ServerMetrics
 from services.common.security import ClientTls, ServerTls
 from services.common.server import ServerOptions, ServiceError, join_host_port, open_metrics_endpoint
+from services.common.tenants import NOBODY, TenantTable, Tenants, enter_tenant
 from services.lm.client import Finish, LanguageModelClient, TextDelta
 from services.openai_front.requests import ApiError, Completion, FrontLimits, decode_json, parse_completion
 
@@ -242,6 +243,8 @@ class Front:
     """The bearer token callers must send; None = no authentication."""
     limits: FrontLimits
     """What one request may ask (services.openai_front.requests)."""
+    tenants: Tenants | None = None
+    """The callers' tenants (an auth file, services.common.tenants) in place of `token`; None = `token` decides."""
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -249,13 +252,35 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers={"connection": "close"} if e.close else None)
 
 
+_LM_RPC = "/memlm.v1.LanguageModelService/"
+ROUTE_RPCS = {"/v1/models": (_LM_RPC + "GetInfo",), "/v1/completions": (_LM_RPC + "Generate", _LM_RPC + "Score")}
+"""The LM rpcs behind each route: a tenant may use a route when its rpcs allow one of them."""
+
+
 def _check_token(front: Front, request: Request) -> None:
+    if front.tenants is not None and front.tenants.table is not None:
+        _check_tenant(front.tenants.table, request)
+        return
     if front.token is None:
         return
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {front.token}".encode()):
         raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                        kind="invalid_request_error", code="invalid_api_key", close=True)  # its body is never read
+
+
+def _check_tenant(table: TenantTable, request: Request) -> None:
+    """The caller's tenant set for the request (its metrics label), else 401; 403 for a route its rpcs exclude."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    tenant = table.identify(given) if scheme.lower() == "bearer" else None  # constant-time over every tenant
+    if tenant is None:
+        enter_tenant(NOBODY)
+        raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                       kind="invalid_request_error", code="invalid_api_key", close=True)
+    enter_tenant(tenant)
+    if not any(tenant.allows(rpc) for rpc in ROUTE_RPCS[request.url.path]):
+        raise ApiError(403, f"tenant {tenant.name!r} may not call {request.url.path}", kind="permission_error",
+                       code="permission_denied", close=True)
 
 
 async def read_body(request: Request, limits: FrontLimits, timeout_s: float) -> bytes:
@@ -545,7 +570,8 @@ def model_name_of(client: LanguageModelClient) -> str:
 def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  model_name: str | None = None, limits: FrontLimits | None = None, timeout: float = 300.0,
                  http: HttpOptions | None = None, lm_tls: ClientTls | None = None,
-                 lm_token: str | None = None, metrics: MetricsOptions = MetricsOptions()) -> None:
+                 lm_token: str | None = None, metrics: MetricsOptions = MetricsOptions(),
+                 auth_file: Path | None = None) -> None:
     """`memlm serve openai`: the front over the LM service at `lm` until SIGTERM/SIGINT, then a drain.
 
     token: the bearer token callers must send (every request but /health); None = open.
@@ -555,11 +581,13 @@ def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str 
     http: TLS, connection limit and timeouts (HttpOptions); None = its defaults.
     lm_tls, lm_token: the link to the LM service (None: plaintext; the callers' token sent on).
     metrics: the /metrics endpoint (served on its own port when one is given) and the call log's format.
+    auth_file: callers' tenants instead of `token` (re-read on SIGHUP); the LM link then sends lm_token only.
     """
     http = http or HttpOptions()
     tls = http.tls
     exposure = ServerOptions(tls=ServerTls.from_files(tls.cert, tls.key, tls.client_ca) if tls else None,
-                             token=token).exposure_warning(host)
+                             token=token, auth_file=auth_file).exposure_warning(host)
+    tenants = Tenants.from_settings(None, auth_file) if auth_file is not None else None
     client = LanguageModelClient(lm, tls=lm_tls, token=lm_token if lm_token is not None else token, timeout=timeout)
     endpoint = None
     try:
@@ -567,9 +595,11 @@ def serve_openai(lm: str, *, host: str = "127.0.0.1", port: int = 0, token: str 
         stop = threading.Event()  # a signal, or the server ending by itself
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        if tenants is not None:  # the table is replaced whole: requests read the old one or the new one
+            signal.signal(signal.SIGHUP, lambda *_: print(f"memlm: {tenants.reload()}", file=sys.stderr, flush=True))
         registry = ServerMetrics(metrics.log_format)
         endpoint = open_metrics_endpoint(registry, metrics)
-        running = start_front(Front(client, name, token, limits or FrontLimits()), host, port, http, stop.set,
+        running = start_front(Front(client, name, token, limits or FrontLimits(), tenants), host, port, http, stop.set,
                               registry)
         if exposure is not None:
             print(f"memlm: {exposure}", file=sys.stderr, flush=True)

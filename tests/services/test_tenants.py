@@ -426,3 +426,36 @@ def test_the_serving_page_example_is_an_auth_file_that_reads():
     table = TenantTable.parse(tomllib.loads(example))
     assert [t.name for t in table.tenants] == ["search-team", "eval"]
     assert table.tenants[0].quotas.max_memory_bytes == 2 << 30
+
+
+def test_the_openai_front_answers_each_tenant_by_its_rpcs(loop_thread, tiny, tmp_path):
+    import http.client
+    import json
+
+    from services.common.metrics import ServerMetrics
+    from services.common.tenants import Tenants
+    from services.lm.client import LanguageModelClient
+    from services.lm.server import start_lm_server
+    from services.openai_front.server import Front, FrontLimits, start_front
+
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, rpcs=["generate"]), tenant("b", TOKEN_B, rpcs=["search"]))
+    started = loop_thread.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny"))
+    loop_thread.servers.append(started.running.server)
+    metrics = ServerMetrics()
+    body = json.dumps({"model": "tiny", "prompt": "the quick", "max_tokens": 3, "temperature": 0}).encode()
+    statuses = {}
+    with LanguageModelClient(f"127.0.0.1:{started.running.port}") as lm, \
+            start_front(Front(lm, "tiny", None, FrontLimits(), Tenants.from_settings(None, path)),
+                        metrics=metrics) as front:
+        for who, token in (("a", TOKEN_A), ("b", TOKEN_B), ("nobody", "wrong")):
+            connection = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+            connection.request("POST", "/v1/completions", body=body, headers={
+                "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+            response = connection.getresponse()
+            statuses[who] = (response.status, json.loads(response.read()).get("error", {}).get("message"))
+            connection.close()
+    assert statuses == {"a": (200, None), "b": (403, "tenant 'b' may not call /v1/completions"),
+                        "nobody": (401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")}
+    for who, status in (("a", "200"), ("b", "403"), ("-", "401")):
+        labels = {"route": "POST /v1/completions", "status": status, "tenant": who}
+        assert metrics.registry.get_sample_value("memlm_http_requests_total", labels) == 1.0, labels
