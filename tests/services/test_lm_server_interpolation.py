@@ -1,6 +1,7 @@
 """An LM server given a saved interpolation (`serve lm --interpolation`) scores as the in-process evaluation
 does (memlm.jobs.interpolation_eval on the same windows): learned weights with and without the document
-cache; a constant file is the server's constant lambda and T exactly; a file fitted elsewhere is refused."""
+cache, over an in-process datastore or a retrieval service; Generate mixes as Score; a constant file is the
+server's constant lambda and T exactly; a file fitted elsewhere is refused at start."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from memlm.retrieval.knnlm import KNNLMConfig
 from services.common.server import ServiceError
 from services.lm.client import KnnRequest, LanguageModelClient
 from services.lm.server import start_lm_server
+from services.retrieval.client import RetrievalClient
+from services.retrieval.server import create_retrieval_server
 
 WINDOW = WindowConfig(48, 24, 4)
 """The index fixture's windows, which Score reads when a request leaves them unset."""
@@ -143,3 +146,15 @@ def test_a_file_fitted_elsewhere_is_refused_at_start(loop_thread, setting, tiny,
     _, path = saved(setting, tiny, index, "constant", **{setting_name: "another"})
     with pytest.raises(MemlmError, match=f"fitted with {setting_name} 'another'"):
         loop_thread.run(start_lm_server("127.0.0.1:0", tiny, index, knn_defaults=KNN, interpolation=path))
+
+
+def test_through_the_retrieval_service_as_in_process(loop_thread, setting, tiny, index, boundary):
+    method, path = saved(setting, tiny, index, "learned+cache")
+    remote = RetrievalClient(f"127.0.0.1:{loop_thread.start(create_retrieval_server, '127.0.0.1:0', index)}")
+    try:
+        docs = [tiny.tokenizer.encode(t) for t in EVAL]
+        got = served(loop_thread, tiny, remote, path, *docs)
+    finally:
+        remote.close()
+    want = in_process(tiny, index, boundary, docs, method)
+    assert all(np.allclose(g, w, rtol=0.0, atol=LEARNED_ATOL) for g, w in zip(got, want))
