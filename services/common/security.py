@@ -244,7 +244,7 @@ class TenantCalls:
 
         async def enter(context: grpc.aio.ServicerContext) -> None:
             enter_tenant(tenant)
-            refusal = self._refusal(tenant)
+            refusal = self.refusal(tenant)
             if refusal is not None:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             self.in_flight[tenant.name] = self.in_flight.get(tenant.name, 0) + 1
@@ -254,15 +254,16 @@ class TenantCalls:
 
         return _guarded(handler, enter, leave)
 
-    def _refusal(self, tenant: Tenant) -> str | None:
-        """Which quota a new call of `tenant` would break (a message naming it), else None (and it is counted)."""
+    def refusal(self, tenant: Tenant) -> str | None:
+        """Which quota a new call of `tenant` would break (a message naming it), else None (its rate counted)."""
         q, name = tenant.quotas, tenant.name
         if q.max_concurrent_calls is not None and self.in_flight.get(name, 0) >= q.max_concurrent_calls:
             return f"tenant {name!r}: max_concurrent_calls {q.max_concurrent_calls} reached"
         if q.max_requests_per_second is not None:
             rate, now = q.max_requests_per_second, self._clock()
-            left, since = self._buckets.get(name, (rate, now))
-            left = min(max(rate, 1.0), left + (now - since) * rate)
+            room = max(rate, 1.0)  # a second of calls, and at least one (a rate below 1 still admits a call)
+            left, since = self._buckets.get(name, (room, now))
+            left = min(room, left + (now - since) * rate)
             if left < 1.0:
                 self._buckets[name] = (left, now)
                 return f"tenant {name!r}: max_requests_per_second {rate:g} reached"

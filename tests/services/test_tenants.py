@@ -459,3 +459,18 @@ def test_the_openai_front_answers_each_tenant_by_its_rpcs(loop_thread, tiny, tmp
     for who, status in (("a", "200"), ("b", "403"), ("-", "401")):
         labels = {"route": "POST /v1/completions", "status": status, "tenant": who}
         assert metrics.registry.get_sample_value("memlm_http_requests_total", labels) == 1.0, labels
+
+
+def test_the_rate_is_a_bucket_of_one_second_of_calls():
+    from services.common.security import TenantCalls
+    from services.common.tenants import Quotas, Tenant
+
+    now = [0.0]
+    calls = TenantCalls(clock=lambda: now[0])
+    slow, fast = (Tenant(name, b"", None, Quotas(max_requests_per_second=r)) for name, r in (("slow", 0.5), ("fast", 3)))
+    assert [calls.refusal(fast) for _ in range(4)] == [None] * 3 + ["tenant 'fast': max_requests_per_second 3 reached"]
+    assert calls.refusal(slow) is None  # below one a second, a call still fits
+    assert calls.refusal(slow) == "tenant 'slow': max_requests_per_second 0.5 reached"
+    now[0] = 2.0  # two seconds later: one call of slow, three of fast (never more than a second's worth)
+    assert calls.refusal(slow) is None and calls.refusal(slow) is not None
+    assert [calls.refusal(fast) for _ in range(4)].count(None) == 3
