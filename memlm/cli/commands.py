@@ -212,7 +212,7 @@ def cmd_serve_lm(args: argparse.Namespace) -> None:
     if not args.datastore:
         refuse_given(args, SEARCH_BACKEND_OPTIONS, "needs --datastore (a retrieval service searches its own way)")
     if args.interpolation is not None:
-        refuse_given(args, ("k",), "is the --interpolation file's (the k its interpolation was fitted with)")
+        refuse_given(args, ("k", "lmbda", "temperature"), "is the --interpolation file's (what it was fitted with)")
     device = resolve_device(args.device)
     fmt = model_format(args, device)
     memory = serve_memory_defaults(args)
