@@ -244,15 +244,22 @@ class TenantCalls:
 
         async def enter(context: grpc.aio.ServicerContext) -> None:
             enter_tenant(tenant)
-            refusal = self.refusal(tenant)
+            refusal = self.start(tenant)
             if refusal is not None:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+
+        return _guarded(handler, enter, lambda: self.end(tenant))
+
+    def start(self, tenant: Tenant) -> str | None:
+        """Count a new call of `tenant`, or say which quota it would break (a message naming it; nothing counted)."""
+        refusal = self.refusal(tenant)
+        if refusal is None:
             self.in_flight[tenant.name] = self.in_flight.get(tenant.name, 0) + 1
+        return refusal
 
-        def leave() -> None:
-            self.in_flight[tenant.name] -= 1
-
-        return _guarded(handler, enter, leave)
+    def end(self, tenant: Tenant) -> None:
+        """A call that `start` counted has ended."""
+        self.in_flight[tenant.name] -= 1
 
     def refusal(self, tenant: Tenant) -> str | None:
         """Which quota a new call of `tenant` would break (a message naming it), else None (its rate counted)."""

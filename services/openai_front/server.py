@@ -66,9 +66,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from memlm.errors import MemlmError
 from services.common.metrics import HttpCallMetrics, HttpMetrics, MetricsOptions, ServerMetrics
-from services.common.security import ClientTls, ServerTls
+from services.common.security import ClientTls, ServerTls, TenantCalls
 from services.common.server import ServerOptions, ServiceError, join_host_port, open_metrics_endpoint
-from services.common.tenants import NOBODY, TenantTable, Tenants, enter_tenant
+from services.common.tenants import NOBODY, Tenant, TenantTable, Tenants, enter_tenant
 from services.lm.client import Finish, LanguageModelClient, TextDelta
 from services.openai_front.requests import ApiError, Completion, FrontLimits, decode_json, parse_completion
 
@@ -258,19 +258,16 @@ ROUTE_RPCS = {"/v1/models": (_LM_RPC + "GetInfo",), "/v1/completions": (_LM_RPC 
 
 
 def _check_token(front: Front, request: Request) -> None:
-    if front.tenants is not None and front.tenants.table is not None:
-        _check_tenant(front.tenants.table, request)
-        return
-    if front.token is None:
-        return
+    if front.tenants is not None or front.token is None:
+        return  # tenants: TenantAdmission admitted the request
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {front.token}".encode()):
         raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                        kind="invalid_request_error", code="invalid_api_key", close=True)  # its body is never read
 
 
-def _check_tenant(table: TenantTable, request: Request) -> None:
-    """The caller's tenant set for the request (its metrics label), else 401; 403 for a route its rpcs exclude."""
+def _check_tenant(table: TenantTable, request: Request) -> Tenant:
+    """The caller's tenant, set for the request (its metrics label), else 401; 403 for a route its rpcs exclude."""
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     tenant = table.identify(given) if scheme.lower() == "bearer" else None  # constant-time over every tenant
     if tenant is None:
@@ -281,6 +278,35 @@ def _check_tenant(table: TenantTable, request: Request) -> None:
     if not any(tenant.allows(rpc) for rpc in ROUTE_RPCS[request.url.path]):
         raise ApiError(403, f"tenant {tenant.name!r} may not call {request.url.path}", kind="permission_error",
                        code="permission_denied", close=True)
+    return tenant
+
+
+class TenantAdmission:
+    """ASGI middleware of a front with tenants: every /v1 request's tenant (401 without one), its route's rpcs
+    (403) and the tenant's max_concurrent_calls and max_requests_per_second (429 naming the quota), a request
+    held until its response's last byte (a stream's too)."""
+
+    def __init__(self, app: Callable, tenants: Tenants) -> None:
+        self._app, self._tenants = app, tenants
+        self._calls = TenantCalls()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        table = self._tenants.table  # one table for the whole request, whatever a reload does meanwhile
+        if scope["type"] != "http" or table is None or scope["path"] not in ROUTE_RPCS:
+            await self._app(scope, receive, send)
+            return
+        try:
+            tenant = _check_tenant(table, Request(scope))
+            refusal = self._calls.start(tenant)
+            if refusal is not None:
+                raise ApiError(429, refusal, kind="rate_limit_exceeded", code="quota_exceeded", close=True)
+        except ApiError as e:
+            await _error(e)(scope, receive, send)
+            return
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._calls.end(tenant)
 
 
 async def read_body(request: Request, limits: FrontLimits, timeout_s: float) -> bytes:
@@ -427,8 +453,9 @@ def create_app(front: Front, options: HttpOptions | None = None, metrics: Server
         exception_handlers={ApiError: _api_error, ServiceError: _service_error, MemlmError: _memlm_error,
                             HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan,
-        middleware=[] if metrics is None else [
-            Middleware(HttpCallMetrics, http=HttpMetrics(metrics, (r.path for r in routes)))],
+        middleware=([] if metrics is None else [
+            Middleware(HttpCallMetrics, http=HttpMetrics(metrics, (r.path for r in routes)))]) + (
+            [] if front.tenants is None else [Middleware(TenantAdmission, tenants=front.tenants)]),
     )
     app.state.front, app.state.body_timeout_s = front, options.body_timeout_s
     return app

@@ -438,12 +438,13 @@ def test_the_openai_front_answers_each_tenant_by_its_rpcs(loop_thread, tiny, tmp
     from services.lm.server import start_lm_server
     from services.openai_front.server import Front, FrontLimits, start_front
 
-    path = auth_file(tmp_path, tenant("a", TOKEN_A, rpcs=["generate"]), tenant("b", TOKEN_B, rpcs=["search"]))
+    path = auth_file(tmp_path, tenant("a", TOKEN_A, rpcs=["generate"]), tenant("b", TOKEN_B, rpcs=["search"]),
+                     tenant("c", "token-of-c", max_requests_per_second=1))
     started = loop_thread.run(start_lm_server("127.0.0.1:0", tiny, model_name="tiny"))
     loop_thread.servers.append(started.running.server)
     metrics = ServerMetrics()
     body = json.dumps({"model": "tiny", "prompt": "the quick", "max_tokens": 3, "temperature": 0}).encode()
-    statuses = {}
+    statuses, burst = {}, []
     with LanguageModelClient(f"127.0.0.1:{started.running.port}") as lm, \
             start_front(Front(lm, "tiny", None, FrontLimits(), Tenants.from_settings(None, path)),
                         metrics=metrics) as front:
@@ -454,8 +455,16 @@ def test_the_openai_front_answers_each_tenant_by_its_rpcs(loop_thread, tiny, tmp
             response = connection.getresponse()
             statuses[who] = (response.status, json.loads(response.read()).get("error", {}).get("message"))
             connection.close()
+        for _ in range(20):  # far above one request a second
+            connection = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+            connection.request("GET", "/v1/models", headers={"Authorization": "Bearer token-of-c"})
+            response = connection.getresponse()
+            burst.append((response.status, json.loads(response.read()).get("error", {}).get("message")))
+            connection.close()
     assert statuses == {"a": (200, None), "b": (403, "tenant 'b' may not call /v1/completions"),
                         "nobody": (401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")}
+    assert burst[0] == (200, None) and (429, "tenant 'c': max_requests_per_second 1 reached") in burst
+    assert set(burst) <= {(200, None), (429, "tenant 'c': max_requests_per_second 1 reached")}
     for who, status in (("a", "200"), ("b", "403"), ("-", "401")):
         labels = {"route": "POST /v1/completions", "status": status, "tenant": who}
         assert metrics.registry.get_sample_value("memlm_http_requests_total", labels) == 1.0, labels
