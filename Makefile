@@ -49,7 +49,8 @@ demo: fetch
 test: fetch
 	$(MAKE) proto-check
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q tests
+	# One worker per core, a test file per worker at a time (its module fixtures load once).
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 	$(MAKE) docs
 
 proto: $(STAMP)
