@@ -3,8 +3,8 @@
 `memlm generate` (SmolLM2-135M-Instruct Q4_1, batch-1 greedy, --new-tokens tokens; the command's own
 generation timer) runs as a child process under four conditions, alternating over --rounds rounds (the
 median per condition): quiet or beside --busy processes that each run float32 matrix products on one
-thread (the compute of a training run), and with OMP_WAIT_POLICY unset (libgomp spins a while before it
-sleeps) or PASSIVE (what `memlm serve` sets; memlm.cli.threads). The figure is each policy's slowdown,
+thread (the compute of a training run), and with each OpenMP wait of POLICIES (libgomp's default spin, passive, shorter
+spins). The figure is each policy's slowdown,
 quiet tokens/s over busy tokens/s; a fair share of 2 cores beside 2 busy processes would be 2x. Every
 condition must produce the same greedy tokens (the command exits 1 otherwise). Run it on a machine that is
 otherwise idle: the load before and after is recorded.
@@ -29,14 +29,15 @@ import harness
 
 PROMPT = "My fellow Americans, tonight"
 BURNER = ("import torch\ntorch.set_num_threads(1)\na = torch.randn(384, 384)\nwhile True:\n    a = torch.tanh(a @ a)\n")
-POLICIES = {"default": None, "passive": "PASSIVE"}
+POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "spin 10k": {"GOMP_SPINCOUNT": "10000"}, "spin 100k": {"GOMP_SPINCOUNT": "100000"}}
+"""OpenMP's wait between parallel regions: libgomp's default (spin about 300k times, then sleep), passive (sleep at
+once), and shorter spins before sleeping."""
 
 
-def generate(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
-    """One `memlm generate` run; its JSON report."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy is not None:
-        env["OMP_WAIT_POLICY"] = policy
+def generate(args: argparse.Namespace, policy: dict[str, str], out: Path) -> dict:
+    """One `memlm generate` run under the wait `policy` (environment variables); its JSON report."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | policy
     cmd = [sys.executable, "-m", "memlm", "generate", "--model", args.model, PROMPT, "--max-new-tokens",
            str(args.new_tokens), "--sampling-temperature", "0", "--json", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=harness.ROOT)
@@ -82,14 +83,15 @@ def main() -> None:
         result.rows.append({"wait_policy": name, "quiet_tokens_per_s": median[("quiet", name)],
                             "busy_tokens_per_s": median[("busy", name)], "slowdown": slowdown})
         print(f"{name:<12} {median[('quiet', name)]:12.1f} {median[('busy', name)]:11.1f} {slowdown:8.2f}x")
-    passive = result.rows[-1]["slowdown"]
+    passive = next(r["slowdown"] for r in result.rows if r["wait_policy"] == "passive")
     print(f"goal: slowdown beside {args.busy} busy processes <= 2.2x with the servers' passive wait: "
           f"{'met' if passive <= 2.2 else 'NOT met'}")
     result.settings = {"model": args.model, "new_tokens": args.new_tokens, "busy_processes": args.busy,
                        "rounds": args.rounds, "cores": len(os.sched_getaffinity(0)), "statistic": "median"}
-    result.figures = {"passive_slowdown": passive, "default_slowdown": result.rows[0]["slowdown"]}
-    result.headline("shared_cores", f"{passive:.2f}x slower beside {args.busy} busy processes with a passive wait "
-                                    f"({result.rows[0]['slowdown']:.2f}x with OpenMP's default)")
+    result.figures = {f"{r['wait_policy']}_{k}": r[k] for r in result.rows for k in ("slowdown", "busy_tokens_per_s")}
+    result.headline("shared_cores", "; ".join(
+        f"{r['wait_policy']} {r['quiet_tokens_per_s']:.1f} -> {r['busy_tokens_per_s']:.1f} tokens/s ({r['slowdown']:.2f}x)"
+        for r in result.rows))
     result.write()
 
 

@@ -80,7 +80,7 @@ HEADLINES = (
     Headline("ray_build", "ray_build", "[datastore build on Ray](docs/results.md#speed-and-overhead) vs a local "
              "build with the same total threads, whole commands, identical datastores", "python benchmarks/ray_build.py"),
     Headline("shared_cores", "shared_cores", "[decode beside two busy processes](docs/results.md#speed-and-overhead), "
-             "batch-1 greedy tokens/s slowdown vs quiet on 2 cores", "python benchmarks/shared_cores.py"),
+             "batch-1 greedy tokens/s quiet -> beside them, per OpenMP wait policy, on 2 cores", "python benchmarks/shared_cores.py"),
     Headline("decoder_gemm", "batch8", "[decoder GEMM](docs/results.md#speed-and-overhead): batch-8 greedy "
              "decode tokens/s, MKL vs oneDNN", "python benchmarks/decoder_gemm.py"),
 )
