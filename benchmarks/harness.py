@@ -45,7 +45,7 @@ RESULTS = ROOT / "docs" / "results" / "data"
 """Where results land by default: one `<name>.json` per benchmark, checked in."""
 RESULTS_ENV = "MEMLM_RESULTS_DIR"
 """The environment variable that moves results elsewhere (smoke runs, tests)."""
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 """Environment variables that change what a figure measures; those set are recorded with the command."""
 SYNTHETIC_NOTE = "SYNTHETIC RUN: random weights and/or random data; speed only, not SmolLM2's figures"
 """What a result made on a random model or random tokens says, in its output and its JSON."""

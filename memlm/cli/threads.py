@@ -1,9 +1,10 @@
-"""How many compute threads a command runs, and how its idle OpenMP threads wait.
+"""How many compute threads a command runs, and how long its idle OpenMP threads spin before they sleep.
 
 torch's intra-op pool and FAISS's OpenMP pool are sized together from the cores this process may use
 (`os.sched_getaffinity`, so a pinned or containerised process counts its own cores, not the machine's).
-Servers wait passively: an OpenMP thread that spins between parallel regions holds a core that another
-process on the same machine (a second server, a training run) needs, and both slow far below a fair share.
+Servers spin only briefly between parallel regions (GOMP_SPINCOUNT): a thread that spins long holds a core that
+another process on the same machine (a second server, a training run) needs; a passive wait (no spin) gives the
+cores back but costs a third of the decode speed of a machine the server has to itself (docs/decisions/openmp-wait.md).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import os
 from collections.abc import Sequence
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
-PASSIVE_COMMANDS = ("serve",)
-"""Commands whose OpenMP threads wait passively unless OMP_WAIT_POLICY says otherwise."""
+SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
+SERVER_SPIN_COUNT = "10000"
+"""Spins of an idle OpenMP thread of a server before it sleeps (libgomp's own default is 300000)."""
+SERVER_COMMANDS = ("serve",)
+"""Commands whose OpenMP threads spin SERVER_SPIN_COUNT times unless the environment set a wait of its own."""
 GLOBAL_OPTIONS_WITH_VALUES = ("--cpu-gemm",)
 """Options before the command word that take a value (skipped when looking for the command)."""
 
@@ -40,10 +44,10 @@ def command_word(argv: Sequence[str]) -> str | None:
 
 
 def set_wait_policy(argv: Sequence[str]) -> None:
-    """Before torch and FAISS load their OpenMP runtimes (which read the policy once, at load): servers wait
-    passively unless the environment already chose."""
-    if command_word(argv) in PASSIVE_COMMANDS:
-        os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+    """Before torch and FAISS load their OpenMP runtimes (which read the wait once, at load): servers spin
+    SERVER_SPIN_COUNT times before sleeping unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is already set."""
+    if command_word(argv) in SERVER_COMMANDS and not {WAIT_POLICY_ENV, SPIN_COUNT_ENV} & set(os.environ):
+        os.environ[SPIN_COUNT_ENV] = SERVER_SPIN_COUNT
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:

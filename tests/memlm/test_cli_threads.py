@@ -1,4 +1,4 @@
-"""Servers size torch's and FAISS's thread pools together and wait passively (memlm.cli.threads)."""
+"""Servers size torch's and FAISS's thread pools together and spin briefly when idle (memlm.cli.threads)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from memlm.cli import build_parser
-from memlm.cli.threads import apply_threads, command_word, set_wait_policy, usable_cores
+from memlm.cli.threads import SERVER_SPIN_COUNT, apply_threads, command_word, set_wait_policy, usable_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,31 +49,33 @@ def test_every_server_takes_threads(server):
         build_parser().parse_args(["serve", server, *required, "--threads", "0"])
 
 
-def test_servers_wait_passively_unless_the_environment_chose(monkeypatch):
+def test_servers_spin_briefly_unless_the_environment_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     set_wait_policy(["eval", "--model", "tiny"])
-    assert "OMP_WAIT_POLICY" not in os.environ
+    assert "GOMP_SPINCOUNT" not in os.environ
     set_wait_policy(["--cpu-gemm", "mkl", "serve", "retrieval"])
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert os.environ["GOMP_SPINCOUNT"] == SERVER_SPIN_COUNT
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the environment's own choice stands
     set_wait_policy(["serve", "lm"])
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in os.environ
 
 
 def test_the_policy_is_set_before_torch_loads():
-    # libgomp reads OMP_WAIT_POLICY once, when torch loads it: importing memlm.cli must set it first.
+    # libgomp reads its wait settings once, when torch loads it: importing memlm.cli must set them first.
     code = """
 import importlib.abc, os, sys
 class AtTorch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "torch":
-            print(os.environ.get("OMP_WAIT_POLICY"))
+            print(os.environ.get("GOMP_SPINCOUNT"))
             sys.meta_path.remove(self)
 sys.meta_path.insert(0, AtTorch())
 sys.argv = ["memlm", "serve", "lm"]
 import memlm.cli
 """
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "PASSIVE"
+    assert done.stdout.strip() == SERVER_SPIN_COUNT
