@@ -75,15 +75,14 @@ def factories(n: int, d: int, index: str | None) -> list[str]:
     return list(dict.fromkeys([default_factory(n, d)[0], ivfpq]))
 
 
-def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, factory: str,
-                     result: harness.Result | None = None) -> tuple[Path, bool]:
-    """(the cached benchmark datastore with index `factory`, whether its tokens are random), built first
-    when missing (resumable, like any build)."""
+def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, factory: str, docs: list[list[int]],
+                     random_tokens: bool, result: harness.Result | None = None) -> Path:
+    """The cached benchmark datastore over `docs` with index `factory`, built first when missing (resumable, like
+    any build)."""
     from datastore import BuildSettings, BuildSource, build_from_tokens
     from memlm.data.documents import corpus_fingerprint
     from memlm.jobs.windows import WindowConfig
 
-    docs, random_tokens = _common.load_tokens(bench, args.data, DS_SPLIT, args.ds_tokens, args.synthetic, seed=1)
     n = sum(map(len, docs))
     out = _datastore_dir(bench, args, n, factory, random_tokens)
     if not (out / "manifest.json").exists():
@@ -95,7 +94,7 @@ def ensure_datastore(bench: _common.BenchModel, args: argparse.Namespace, factor
         with result.build(f"datastore {factory}") if result is not None else contextlib.nullcontext():
             build_from_tokens(bench.pre.model, docs, out, prov, settings, progress=False)
         print(f"# built {n} keys ({factory}) in {time.perf_counter() - t0:.0f} s -> {out}", flush=True)
-    return out, random_tokens
+    return out
 
 
 def run_side(args: argparse.Namespace) -> None:
@@ -186,11 +185,11 @@ def main() -> None:
     result = harness.Result.from_args(args)
     result.children = True  # each side runs in its own child process
     bench = _common.load_model(args.model, args.synthetic)
-    n = sum(map(len, _common.load_tokens(bench, args.data, DS_SPLIT, args.ds_tokens, args.synthetic, seed=1)[0]))
-    stores: dict[str, Path] = {}
-    random_tokens = False
-    for factory in factories(n, bench.pre.model.config.n_embd, args.index):
-        stores[factory], random_tokens = ensure_datastore(bench, args, factory, result)
+    docs, random_tokens = _common.load_tokens(bench, args.data, DS_SPLIT, args.ds_tokens, args.synthetic, seed=1)
+    n = sum(map(len, docs))
+    stores = {factory: ensure_datastore(bench, args, factory, docs, random_tokens, result)
+              for factory in factories(n, bench.pre.model.config.n_embd, args.index)}
+    del docs
     synthetic = bench.synthetic or random_tokens
     del bench  # the parent's model is not measured; free it before the children run
     result.set_synthetic(synthetic)
